@@ -1,0 +1,187 @@
+"""Make tiny, random-initialised Hugging Face checkpoints with an offline-trained BPE tokenizer.
+
+Tests, benchmarks and the demo need real HF-format model directories (``config.json``,
+safetensors, ``tokenizer.json``) but nothing may be downloaded. This module builds them with
+``transformers`` itself, so the loading code under test reads exactly what it would read from
+the hub, and the transformers model class doubles as the numerical reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+_WORDS = (
+    "the a an and or but if then else when while for to of in on at by with from up down over "
+    "under again further once here there all any both each few more most other some such no nor "
+    "not only own same so than too very can will just don should now user assistant system answer "
+    "question what is number sum plus minus times equals zero one two three four five six seven "
+    "eight nine ten hello world model train sample loss reward step learn good bad yes think "
+    "because right wrong letter word sentence story about small large fast slow red blue green"
+).split()
+
+
+def _corpus(n_lines: int, seed: int) -> list[str]:
+    """A deterministic mixed corpus: words, digits, arithmetic and chat-style markup."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        kind = i % 4
+        if kind == 0:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16))) + ".")
+        elif kind == 1:
+            a, b = rng.randint(0, 9999), rng.randint(0, 9999)
+            lines.append(f"{a} + {b} = {a + b}")
+        elif kind == 2:
+            q = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
+            lines.append(f"User: {q}?\n\nAssistant: {q}.")
+        else:
+            lines.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789 ,.:;!?-()\n") for _ in range(40)))
+    return lines
+
+
+def train_bpe_tokenizer(vocab_size: int, seed: int = 0):
+    """Train a byte-level BPE tokenizer on the built-in corpus (no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    return tok
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """Dimensions of a tiny model. The default is a ~4.2M-parameter Qwen3."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+
+
+FAMILIES = ("qwen3", "llama", "qwen2")
+
+
+def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int, pad_id: int):
+    import transformers
+
+    common = dict(
+        vocab_size=max(shape.vocab_size, tokenizer_vocab),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=shape.head_dim, rope_theta=1_000_000.0, **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
+    if family == "llama":
+        return transformers.LlamaConfig(
+            head_dim=shape.head_dim,
+            rope_theta=500_000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            **common,
+        )
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "qwen3",
+    shape: TinyShape = TinyShape(),
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Write a random-initialised HF checkpoint plus tokenizer to ``out_dir`` and return it.
+
+    ``max_shard_size`` (e.g. ``"200KB"``) writes a sharded checkpoint with an index file.
+    """
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_bpe_tokenizer(shape.vocab_size, seed)
+    eos_id = tok.token_to_id("<|endoftext|>")
+    pad_id = tok.token_to_id("<|pad|>")
+    config = _hf_config(family, shape, tok.get_vocab_size(), eos_id, pad_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init with a larger spread than HF's default so logits are not all near zero.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.02)
+    kwargs = {"safe_serialization": True}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **kwargs)
+
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out)
+    (out / "tinsmith_tiny.json").write_text(json.dumps({"family": family, "seed": seed, **shape.__dict__}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Write a tiny random HF checkpoint with a BPE tokenizer.")
+    p.add_argument("out_dir")
+    p.add_argument("--family", default="qwen3", choices=FAMILIES)
+    p.add_argument("--seed", type=int, default=0)
+    for field, default in TinyShape().__dict__.items():
+        if isinstance(default, bool):
+            p.add_argument(f"--{field.replace('_', '-')}", action="store_true", default=default)
+        else:
+            p.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
+    a = p.parse_args(argv)
+    shape = TinyShape(**{k: getattr(a, k) for k in TinyShape().__dict__})
+    print(make_tiny_model(a.out_dir, a.family, shape, a.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Plain data that crosses layers: api -> engine -> worker and back.
+
+Arrays are numpy (no torch here) so the HTTP layer and the store never touch tensors; the
+worker converts to torch at the edge. Every field mirrors a Tinker wire concept; the wire
+codecs in ``tinsmith/api/`` translate to and from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+LossConfigValue = float | str
+
+
+@dataclass(frozen=True)
+class ProvenanceSpan:
+    """A span of a datum's tokens that came from a prompt or a sampled sequence."""
+
+    kind: Literal["prompt", "sampled"]
+    sequence_id: str
+    offset: int
+    length: int
+
+
+@dataclass
+class Datum:
+    """One training example: model input tokens and the loss inputs aligned with them.
+
+    ``loss_inputs`` values are dense arrays whose leading dimension is ``len(tokens)``
+    (``target_tokens`` int64 ``(N,)`` or ``(N, K)``; ``weights``, ``advantages``,
+    ``logprobs`` float32 of the same shape as the targets, ...).
+    """
+
+    tokens: np.ndarray  # int64 (N,)
+    loss_inputs: dict[str, np.ndarray]
+    model_input_spans: list[ProvenanceSpan] = field(default_factory=list)
+    loss_input_spans: list[ProvenanceSpan] = field(default_factory=list)
+
+
+@dataclass
+class ForwardBackwardInput:
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, LossConfigValue] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass
+class ForwardBackwardResult:
+    """One output dict per input datum (``logprobs`` always, float32, targets' shape)."""
+
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What the SDK's LoraConfig carries, plus alpha (not exposed by the SDK; default 32)."""
+
+    rank: int
+    seed: int | None = None
+    alpha: float = 32.0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    # None: stop at EOS; []: never stop early; strings or token ids otherwise.
+    stop: list[str] | list[int] | None = None
+
+
+@dataclass
+class SampleInput:
+    prompt: np.ndarray  # int64 (P,)
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool = False
+
+
+@dataclass
+class SampledSequence:
+    tokens: np.ndarray  # int32 (T,)
+    logprobs: np.ndarray  # float32 (T,)
+    stop_reason: Literal["stop", "length"]
+    topk_token_ids: np.ndarray | None = None  # int32 (T, k)
+    topk_logprobs: np.ndarray | None = None  # float32 (T, k)
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: np.ndarray | None = None  # float32 (P,), NaN where not computed
+    topk_prompt_token_ids: np.ndarray | None = None  # int32 (P, k)
+    topk_prompt_logprobs: np.ndarray | None = None  # float32 (P, k)
+    prompt_cache_hit_tokens: int = 0
