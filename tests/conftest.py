@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny HF checkpoints made on the spot (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
+
+# Small enough for fast reference checks, with GQA (4 query heads over 2 kv heads).
+SMALL = TinyShape(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """family -> directory of a tiny random checkpoint of that family."""
+    root = tmp_path_factory.mktemp("models")
+    return {f: make_tiny_model(root / f, f, SMALL, seed=1) for f in ("qwen3", "llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(model_dirs):
+    return model_dirs["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tied_qwen3_dir(tmp_path_factory):
+    shape = TinyShape(**{**SMALL.__dict__, "tie_word_embeddings": True})
+    return make_tiny_model(tmp_path_factory.mktemp("tied") / "qwen3", "qwen3", shape, seed=2)

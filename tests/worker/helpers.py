@@ -1,0 +1,52 @@
+"""Helpers for runtime tests: random datums and a peft reference model."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tinsmith.types import Datum
+
+
+def sft_datum(rng: np.random.Generator, n: int, vocab: int, signed: bool = False) -> Datum:
+    t = rng.integers(0, vocab, n + 1)
+    w = rng.normal(size=n).astype(np.float32) if signed else (rng.random(n) > 0.3).astype(np.float32)
+    return Datum(tokens=t[:-1], loss_inputs={"target_tokens": t[1:], "weights": w})
+
+
+def peft_reference(model_dir, rt, unit: int):
+    """A transformers+peft model carrying the same LoRA weights as ``rt``'s adapter ``unit``."""
+    import peft
+    import transformers
+
+    tr = rt.unit(unit)
+    spec = tr.spec
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    targets = []
+    if spec.train_attn:
+        targets += ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if spec.train_mlp:
+        targets += ["gate_proj", "up_proj", "down_proj"]
+    if spec.train_unembed:
+        targets += ["lm_head"]
+    cfg = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=0.0)
+    ref = peft.get_peft_model(base, cfg)
+    ours = dict(tr.named_params)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_" not in name:
+                continue
+            key = name.replace("base_model.model.", "").replace(".default", "")
+            p.copy_(ours[key])
+    return ref, ours
+
+
+def peft_grads(ref) -> dict[str, torch.Tensor]:
+    return {n.replace("base_model.model.", "").replace(".default", ""): p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def assert_rel_close(a: torch.Tensor, b: torch.Tensor, tol: float, name: str = "") -> None:
+    """Whole-tensor relative error ||a-b|| / ||b|| below ``tol`` (robust to summation order)."""
+    denom = float(b.norm()) or 1.0
+    rel = float((a - b).norm()) / denom
+    assert rel < tol, f"{name}: relative error {rel:.2e} >= {tol:.0e}"

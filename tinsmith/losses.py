@@ -1,0 +1,169 @@
+"""Every training loss as a pure function of per-token logprobs and the datum's loss inputs.
+
+Conventions shared by all losses (they match the Tinker service):
+
+* Inputs are *flat*: the elements of all datums of one request concatenated, in datum order;
+  ``offsets[i]:offsets[i+1]`` are datum ``i``'s elements. For a ``(N, K)`` target the K
+  columns of each row are consecutive (row-major).
+* The loss is a plain **sum** over elements (no averaging); clients fold any normalisation
+  into ``weights`` or ``advantages``.
+* Metrics are named ``name:reduction``; ``loss:sum`` is always present.
+
+Each loss's formula is in its docstring; ``logp`` is the trained model's logprob of the target
+token, ``q`` the sampler's logprob (input ``logprobs``), ``A`` the advantage, ``w`` a weight,
+``r = exp(logp - q)`` the importance ratio and ``sg`` stop-gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from tinsmith.errors import InvalidInputError
+
+
+@dataclass
+class LossBatch:
+    logprobs: torch.Tensor  # (E,) float32, differentiable
+    inputs: Mapping[str, torch.Tensor]  # each (E,), same layout as logprobs
+    offsets: list[int]  # datum boundaries, len = num_datums + 1
+    config: Mapping[str, float | str]
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar
+    elementwise: torch.Tensor  # (E,)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str
+    fn: Callable[[LossBatch], LossOutput]
+    required_inputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
+    config_defaults: Mapping[str, float] = field(default_factory=dict)
+    allows_2d_targets: bool = False
+
+
+def _metrics(out: torch.Tensor, **extra: torch.Tensor | float) -> dict[str, float]:
+    m = {"loss:sum": float(out.detach().sum())}
+    for k, v in extra.items():
+        m[k.replace("__", ":")] = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+    return m
+
+
+def cross_entropy(b: LossBatch) -> LossOutput:
+    """``loss = sum(-logp * w)``; ``w`` defaults to 1; targets may be ``(N,)`` or ``(N, K)``."""
+    w = b.inputs.get("weights")
+    el = -b.logprobs if w is None else -b.logprobs * w
+    return LossOutput(el.sum(), el, _metrics(el))
+
+
+def _ratio(b: LossBatch) -> torch.Tensor:
+    return torch.exp(b.logprobs - b.inputs["logprobs"])
+
+
+def importance_sampling(b: LossBatch) -> LossOutput:
+    """``loss = -sum(r * A)`` with ``r = exp(logp - q)`` (REINFORCE with an importance weight)."""
+    r = _ratio(b)
+    el = -r * b.inputs["advantages"]
+    return LossOutput(el.sum(), el, _metrics(el, ratio__mean=r.detach().mean() if r.numel() else 0.0))
+
+
+def ppo(b: LossBatch) -> LossOutput:
+    """``loss = -sum(min(r * A, clip(r, lo, hi) * A))``; ``lo``/``hi`` are absolute ratio bounds
+    (``clip_low_threshold`` 0.8, ``clip_high_threshold`` 1.2 by default)."""
+    lo, hi = float(b.config["clip_low_threshold"]), float(b.config["clip_high_threshold"])
+    r, A = _ratio(b), b.inputs["advantages"]
+    el = -torch.minimum(r * A, r.clamp(lo, hi) * A)
+    clipped = ((r < lo) | (r > hi)).float()
+    return LossOutput(el.sum(), el, _metrics(el, clip_fraction__mean=clipped.mean() if r.numel() else 0.0))
+
+
+def cispo(b: LossBatch) -> LossOutput:
+    """``loss = -sum(sg(clip(r, lo, hi)) * A * logp)`` (defaults ``lo`` 0, ``hi`` 4)."""
+    lo, hi = float(b.config["clip_low_threshold"]), float(b.config["clip_high_threshold"])
+    r = _ratio(b)
+    el = -(r.clamp(lo, hi).detach() * b.inputs["advantages"] * b.logprobs)
+    return LossOutput(el.sum(), el, _metrics(el))
+
+
+def dro(b: LossBatch) -> LossOutput:
+    """``loss = -sum(logp * A - beta/2 * (logp - q)^2)`` (quadratic penalty keeps it near the sampler)."""
+    beta = float(b.config["beta"])
+    d = b.logprobs - b.inputs["logprobs"]
+    el = -(b.logprobs * b.inputs["advantages"] - 0.5 * beta * d * d)
+    return LossOutput(el.sum(), el, _metrics(el))
+
+
+LOSSES: dict[str, LossSpec] = {
+    s.name: s
+    for s in (
+        LossSpec("cross_entropy", cross_entropy, ("target_tokens",), ("weights",), allows_2d_targets=True),
+        LossSpec("importance_sampling", importance_sampling, ("target_tokens", "logprobs", "advantages")),
+        LossSpec(
+            "ppo",
+            ppo,
+            ("target_tokens", "logprobs", "advantages"),
+            config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        ),
+        LossSpec(
+            "cispo",
+            cispo,
+            ("target_tokens", "logprobs", "advantages"),
+            config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+        ),
+        LossSpec("dro", dro, ("target_tokens", "logprobs", "advantages"), config_defaults={"beta": 0.1}),
+    )
+}
+
+# Inputs the SDK or the cookbook may attach that no loss reads; accepted and ignored.
+IGNORED_INPUTS = ("mask",)
+
+
+def resolve_loss(name: str, config: Mapping[str, float | str]) -> tuple[LossSpec, dict[str, float | str]]:
+    """The loss spec and its full config (defaults filled in); rejects unknown names and keys."""
+    spec = LOSSES.get(name)
+    if spec is None:
+        raise InvalidInputError(f"loss_fn {name!r} is not supported; supported: {', '.join(sorted(LOSSES))}")
+    unknown = sorted(set(config) - set(spec.config_defaults))
+    if unknown:
+        allowed = ", ".join(sorted(spec.config_defaults)) or "none"
+        raise InvalidInputError(f"loss_fn_config keys {unknown} are not used by {name!r} (allowed: {allowed})")
+    full: dict[str, float | str] = dict(spec.config_defaults)
+    for k, v in config.items():
+        if isinstance(v, str):
+            raise InvalidInputError(f"loss_fn_config[{k!r}] must be a number for {name!r}, got the string {v!r}")
+        full[k] = float(v)
+    return spec, full
+
+
+def validate_inputs(spec: LossSpec, index: int, inputs: Mapping[str, object], shapes: Mapping[str, tuple]) -> None:
+    """Check one datum's loss inputs against the loss: required keys present, no strangers,
+    every input shaped like ``target_tokens``. ``index`` names the datum in messages."""
+    missing = [k for k in spec.required_inputs if k not in inputs]
+    if missing:
+        raise InvalidInputError(f"data[{index}].loss_fn_inputs lacks {missing} required by loss_fn {spec.name!r}")
+    allowed = set(spec.required_inputs) | set(spec.optional_inputs) | set(IGNORED_INPUTS)
+    extra = sorted(set(inputs) - allowed)
+    if extra:
+        raise InvalidInputError(
+            f"data[{index}].loss_fn_inputs has keys {extra} that loss_fn {spec.name!r} does not use "
+            f"(it takes {sorted(set(spec.required_inputs) | set(spec.optional_inputs))})"
+        )
+    tshape = shapes["target_tokens"]
+    if len(tshape) == 2 and not spec.allows_2d_targets:
+        raise InvalidInputError(f"data[{index}].loss_fn_inputs['target_tokens'] must be 1-D for loss_fn {spec.name!r}")
+    if len(tshape) not in (1, 2):
+        raise InvalidInputError(f"data[{index}].loss_fn_inputs['target_tokens'] must be 1-D or 2-D, got shape {tshape}")
+    for k in inputs:
+        if k in IGNORED_INPUTS or k == "target_tokens":
+            continue
+        if tuple(shapes[k]) != tuple(tshape):
+            raise InvalidInputError(
+                f"data[{index}].loss_fn_inputs[{k!r}] has shape {tuple(shapes[k])}, target_tokens has {tuple(tshape)}"
+            )

@@ -1,0 +1,114 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+One dataclass covers the decoder families we serve; each family module says which
+architectural switches it turns on. Both the classic (``rope_theta`` + ``rope_scaling``) and
+the transformers-5 (``rope_parameters``) spellings of the rotary settings are understood.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10_000.0
+    kind: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the base model (embedding counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = h * self.num_heads * self.head_dim
+        kv = 2 * h * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * h
+        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        layer = q + kv + o + bias + 3 * h * i + norms
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in per-token matmuls (everything but embedding lookup and norms).
+
+        This is the N of the usual ``2 * N * tokens`` forward FLOP estimate.
+        """
+        h = self.hidden_size
+        q = h * self.num_heads * self.head_dim
+        kv = 2 * h * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * h
+        return self.num_layers * (q + kv + o + 3 * h * self.intermediate_size) + self.vocab_size * h
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "llama3", "linear"):
+        from tinsmith.errors import InvalidInputError
+
+        raise InvalidInputError(f"rope type {kind!r} in config.json is not supported (default, linear, llama3)")
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def config_from_hf(raw: dict[str, Any], family: str, *, attention_bias: bool, qk_norm: bool) -> ModelConfig:
+    """Build a ModelConfig from a parsed ``config.json`` for a known family."""
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    return ModelConfig(
+        architecture=(raw.get("architectures") or ["?"])[0],
+        family=family,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", attention_bias)),
+        qk_norm=qk_norm,
+        rope=_rope_from_hf(raw),
+        eos_token_ids=eos_ids,
+        hidden_act=str(raw.get("hidden_act", "silu")),
+    )

@@ -1,0 +1,130 @@
+"""Load Hugging Face checkpoints: a local directory, the local HF cache, or the hub when online.
+
+Weights come from safetensors (single file or sharded with ``model.safetensors.index.json``).
+The model is built on the meta device and the tensors are assigned in place, so memory is
+touched once; every tensor is checked for shape and finiteness before the model is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tinsmith.errors import InvalidInputError, NotFoundError
+from tinsmith.models.config import ModelConfig
+from tinsmith.models.layers import CausalLM, Rotary
+from tinsmith.models.registry import family_for
+
+_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                 "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """Turn a local path or an HF id into a local directory holding ``config.json``.
+
+    Order: an existing local directory; the local HF cache; a hub download unless offline
+    (``HF_HUB_OFFLINE=1``). Raises NotFoundError with what was tried.
+    """
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise NotFoundError(f"model directory {str(p)!r} has no config.json")
+        return p
+    if name_or_path.count("/") != 1 or name_or_path.startswith(("/", ".")):
+        raise NotFoundError(f"model {name_or_path!r} is neither a local directory nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name_or_path, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+    except Exception as cache_err:  # not cached: try the hub unless offline
+        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+            raise NotFoundError(
+                f"model {name_or_path!r} is not a local directory and not in the local Hugging Face cache "
+                f"(offline mode, so the hub was not tried): {cache_err}"
+            ) from cache_err
+        try:
+            return Path(snapshot_download(name_or_path, allow_patterns=_HUB_PATTERNS))
+        except Exception as hub_err:
+            raise NotFoundError(f"model {name_or_path!r} could not be fetched from the hub: {hub_err}") from hub_err
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    raw = json.loads((model_dir / "config.json").read_text())
+    if "text_config" in raw and "num_hidden_layers" not in raw:
+        raw = {**raw["text_config"], "architectures": raw.get("architectures")}
+    return family_for(raw).config(raw)
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise NotFoundError(f"no safetensors weights in {str(model_dir)!r}")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for name in fh.keys():
+                out[name] = f
+    return out
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact reference checks), bf16 on accelerators."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    model_dir: Path
+
+
+def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
+    """Build the model for a checkpoint and load its weights (frozen, ready for adapters)."""
+    model_dir = resolve_model_dir(name_or_path)
+    cfg = read_config(model_dir)
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = {k: v for k, v in model.state_dict().items()}
+    files = _weight_files(model_dir)
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in files]
+    if missing:
+        raise InvalidInputError(f"checkpoint {str(model_dir)!r} lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt", device="cpu") as fh:
+            for name in names:
+                t = fh.get_tensor(name)
+                if tuple(t.shape) != tuple(expected[name].shape):
+                    raise InvalidInputError(
+                        f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
+                    )
+                t = t.to(device=device, dtype=dtype)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise InvalidInputError(f"tensor {name!r} in {str(f)!r} contains NaN or infinite values")
+                state[name] = t
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary = Rotary(cfg.head_dim, cfg.rope).to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return LoadedModel(model=model, config=cfg, model_dir=model_dir)

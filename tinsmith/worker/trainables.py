@@ -1,0 +1,126 @@
+"""Trainable units that share one base model: LoRA adapters, or the whole model (full fine-tune).
+
+Each unit owns its parameters, its AdamW state and its accumulated gradients. Stepping one
+unit touches only its own tensors, so tenants cannot disturb each other.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from tinsmith.errors import InvalidInputError
+from tinsmith.models.layers import CausalLM
+from tinsmith.models.lora import LoraLinear
+from tinsmith.types import AdamParams, LoraSpec
+
+
+@dataclass
+class Trainable:
+    """One independently optimised set of parameters.
+
+    ``slot`` is the adapter index carried in batch segments (None: the base weights themselves
+    are trained, i.e. full fine-tuning).
+    """
+
+    slot: int | None
+    spec: LoraSpec | None
+    named_params: list[tuple[str, torch.Tensor]]
+    optimizer: torch.optim.AdamW = field(init=False)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.named_params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
+            foreach=True,
+        )
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for _, p in self.named_params]
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def snapshot_grads(self) -> list[torch.Tensor | None]:
+        return [None if p.grad is None else p.grad.clone() for p in self.params]
+
+    def restore_grads(self, saved: list[torch.Tensor | None]) -> None:
+        for p, g in zip(self.params, saved):
+            p.grad = g
+
+    def step(self, hp: AdamParams) -> dict[str, float]:
+        """One AdamW step over this unit only; clip by its own global grad norm when asked."""
+        params = [p for p in self.params if p.grad is not None]
+        if not params:
+            return {"grad_norm": 0.0, "skipped_no_grad": 1.0}
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        norm_f = float(norm)
+        if not math.isfinite(norm_f):
+            raise InvalidInputError(
+                "accumulated gradients contain NaN or infinity; the optimizer step was not applied "
+                "(check learning rate, weights and advantages)"
+            )
+        if hp.grad_clip_norm > 0 and norm_f > hp.grad_clip_norm:
+            coef = hp.grad_clip_norm / (norm_f + 1e-6)
+            torch._foreach_mul_([p.grad for p in params], coef)
+        for g in self.optimizer.param_groups:
+            g.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
+
+
+def validate_adam(hp: AdamParams) -> None:
+    checks = {
+        "learning_rate": hp.learning_rate >= 0,
+        "beta1": 0 <= hp.beta1 < 1,
+        "beta2": 0 <= hp.beta2 < 1,
+        "eps": hp.eps > 0,
+        "weight_decay": hp.weight_decay >= 0,
+        "grad_clip_norm": hp.grad_clip_norm >= 0,
+    }
+    for name, ok in checks.items():
+        value = getattr(hp, name)
+        if not ok or not math.isfinite(value):
+            raise InvalidInputError(f"adam_params.{name}={value!r} is out of range")
+
+
+def attach_lora(model: CausalLM, slot: int, spec: LoraSpec) -> Trainable:
+    """Create adapter ``slot`` on every targeted layer; seeded init is reproducible."""
+    seed = spec.seed if spec.seed is not None else secrets.randbits(63)
+    gen = torch.Generator().manual_seed(int(seed) & ((1 << 63) - 1))
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
+        w = layer.add_adapter(slot, spec.rank, spec.alpha, gen)
+        named += [(f"{name}.lora_A.weight", w.A), (f"{name}.lora_B.weight", w.B)]
+    return Trainable(slot=slot, spec=spec, named_params=named)
+
+
+def detach_lora(model: CausalLM, slot: int) -> None:
+    for m in model.modules():
+        if isinstance(m, LoraLinear):
+            m.remove_adapter(slot)
+
+
+def full_model_trainable(model: CausalLM) -> Trainable:
+    """Make every base weight trainable (full fine-tuning of this model instance)."""
+    named = []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:  # tied embeddings appear twice
+            continue
+        seen.add(id(p))
+        p.requires_grad_(True)
+        if p.dtype != torch.float32 and p.device.type == "cpu":
+            raise InvalidInputError("full fine-tuning on CPU needs fp32 weights")
+        named.append((name, p))
+    return Trainable(slot=None, spec=None, named_params=named)
