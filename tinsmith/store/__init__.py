@@ -1,0 +1,31 @@
+"""The durable record: sessions, training runs, requests (futures), samplers, checkpoints.
+
+SQLAlchemy 2 tables and Alembic migrations; SQLite (WAL) is the embedded default and
+PostgreSQL (``postgresql+psycopg://...``) the production option. Knows nothing of HTTP or
+torch. Everything goes through ``Store``; it hands out frozen records, never ORM objects.
+"""
+
+from tinsmith.store.ids import model_id_for, new_request_id, new_session_id, sampling_session_id_for
+from tinsmith.store.records import (
+    CheckpointRecord,
+    ModelRecord,
+    Page,
+    RequestRecord,
+    SamplingSessionRecord,
+    SessionRecord,
+)
+from tinsmith.store.store import Store
+
+__all__ = [
+    "CheckpointRecord",
+    "ModelRecord",
+    "Page",
+    "RequestRecord",
+    "SamplingSessionRecord",
+    "SessionRecord",
+    "Store",
+    "model_id_for",
+    "new_request_id",
+    "new_session_id",
+    "sampling_session_id_for",
+]

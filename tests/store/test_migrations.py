@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect, text
+
+from tinsmith.store import Store
+from tinsmith.store.connect import alembic_config
+from tinsmith.store.tables import Base
+
+HEAD = ScriptDirectory.from_config(alembic_config()).get_current_head()
+TABLES = {"sessions", "models", "requests", "sampling_sessions", "checkpoints"}
+
+
+def test_migrate_from_empty_twice_is_idempotent(db_url: str) -> None:
+    store = Store(db_url)
+    try:
+        assert store.schema_revision() is None
+        store.migrate()
+        assert store.schema_revision() == HEAD
+        session = store.create_session("alice")
+        store.migrate()  # second run: no error, no data loss
+        assert store.schema_revision() == HEAD
+        assert store.get_session(session.session_id) == session
+        assert set(inspect(store.engine).get_table_names()) >= TABLES
+    finally:
+        store.close()
+
+
+def test_migrations_match_the_table_definitions(store: Store) -> None:
+    """The hand-written migrations must create exactly what tables.py describes."""
+    with store.engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(ctx, Base.metadata) == []
+
+
+def test_migrate_works_from_another_working_directory(tmp_path: Path) -> None:
+    """The migration scripts are found through the package, not through the CWD."""
+    db = tmp_path / "elsewhere" / "db"
+    code = (
+        "from tinsmith.store import Store; "
+        f"s = Store(Store.default_sqlite_url({str(db)!r})); s.migrate(); "
+        "print(s.schema_revision()); s.close()"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == HEAD
+    assert (db / "tinsmith.sqlite").exists()
+
+
+def test_sqlite_connection_settings(tmp_path: Path) -> None:
+    store = Store(Store.default_sqlite_url(tmp_path))
+    try:
+        with store.engine.connect() as conn:
+            assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+            assert conn.execute(text("PRAGMA synchronous")).scalar() == 1  # NORMAL
+            assert conn.execute(text("PRAGMA busy_timeout")).scalar() >= 5000
+    finally:
+        store.close()
+
+
+def test_unsupported_url_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unsupported database URL"):
+        Store("mysql://u@h/db")
+
+
+def test_unique_keys_allow_many_nulls(store: Store) -> None:
+    """Both backends treat NULLs as distinct in (model_id, seq_id) and
+    (sampling_session_id, seq_id): unordered requests never collide."""
+    ids = set()
+    for _ in range(3):
+        for kwargs in ({}, {"model_id": "m"}, {"sampling_session_id": "s"}, {"seq_id": 7}):
+            rec, created = store.create_request(
+                owner="o", kind="k", payload=b"", payload_type="json", **kwargs
+            )
+            assert created
+            ids.add(rec.request_id)
+    assert len(ids) == 12
+
+
+def test_datetimes_are_aware_utc(store: Store, clock) -> None:
+    session = store.create_session("o")
+    assert session.created_at.tzinfo is not None
+    assert session.created_at.utcoffset().total_seconds() == 0
+    assert store.get_session(session.session_id).created_at == session.created_at
+    with pytest.raises(ValueError, match="naive datetime"):
+        store.list_expired(datetime(2030, 1, 1))
+    with pytest.raises(ValueError, match="naive datetime"):
+        store.put_checkpoint(
+            "r", "weights", "n", owner="o", storage_path="/x", expires_at=datetime(2030, 1, 1)
+        )
+    assert store.get_checkpoint("r", "weights", "n") is None
+
+
+@pytest.mark.postgres
+def test_postgres_non_utc_session_timezone(postgres) -> None:
+    """A server or role with another TimeZone still yields the same UTC instants."""
+    schema = postgres.new_schema()
+    try:
+        store = Store(postgres.url_for(schema, timezone="America/New_York"))
+        store.migrate()
+        with store.engine.connect() as conn:
+            assert conn.execute(text("SHOW timezone")).scalar() == "America/New_York"
+        moment = datetime(2025, 6, 1, 12, 0, 0, 123456, tzinfo=UTC)
+        store.put_checkpoint("run", "weights", "a", owner="o", storage_path="/x", expires_at=moment)
+        got = store.get_checkpoint("run", "weights", "a").expires_at
+        assert got == moment and got.tzinfo == UTC
+        store.close()
+    finally:
+        postgres.drop_schema(schema)

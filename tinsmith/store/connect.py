@@ -1,0 +1,88 @@
+"""Engines and migrations: SQLite (embedded default) and PostgreSQL (``postgresql+psycopg``).
+
+Migrations are configured in code, pointing at the ``migrations`` folder shipped inside this
+package, so ``Store.migrate()`` works from an installed wheel and from any working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import StaticPool
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+# Writers wait this long for the SQLite write lock before failing with "database is locked".
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def default_sqlite_url(data_dir: str | Path) -> str:
+    """The embedded database: ``{data_dir}/tinsmith.sqlite``."""
+    return f"sqlite:///{Path(data_dir).expanduser().resolve() / 'tinsmith.sqlite'}"
+
+
+def _is_sqlite_memory(database: str | None) -> bool:
+    return not database or database == ":memory:" or database.startswith("file::memory:")
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL lets readers (future polls, listings) proceed while one writer commits; NORMAL
+    # sync is durable across process crashes in WAL mode and far cheaper than FULL.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    """Create a thread-safe engine for ``url`` with the settings each backend needs."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+        if _is_sqlite_memory(parsed.database):
+            # One shared connection, or every pooled connection would see its own empty DB.
+            engine = create_engine(
+                parsed, echo=echo, connect_args=connect_args, poolclass=StaticPool
+            )
+        else:
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(parsed, echo=echo, connect_args=connect_args)
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    if backend == "postgresql":
+        return create_engine(parsed, echo=echo, pool_pre_ping=True)
+    raise ValueError(
+        f"unsupported database URL {parsed.render_as_string()!r}: use sqlite or postgresql"
+    )
+
+
+def alembic_config() -> Config:
+    """An Alembic config built in code (no alembic.ini needed)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
+    return config
+
+
+def run_migrations(engine: Engine, revision: str = "head") -> None:
+    """Upgrade the schema to ``revision``; a no-op when it is already there."""
+    config = alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The schema revision stamped in the database (None for an empty database)."""
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()

@@ -1,0 +1,122 @@
+"""Plain immutable copies of rows: what ``Store`` hands out.
+
+Callers never hold a database session or an ORM object, so nothing lazy-loads or goes stale
+behind their back, and a record can be passed between threads freely. Every datetime is
+timezone-aware UTC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a listing, with the total number of matching rows (for ``Cursor``)."""
+
+    items: list[T]
+    total: int
+    offset: int
+    limit: int
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    owner: str
+    created_at: datetime
+    last_heartbeat_at: datetime
+    finished_at: datetime | None
+    finish_reason: str | None
+    finish_detail: str | None
+    tags: list[str]
+    user_metadata: dict[str, Any]
+    sdk_version: str | None
+    project_id: str | None
+    display_name: str | None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finished_at is not None
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    model_id: str
+    session_id: str | None
+    model_seq_id: int | None
+    owner: str
+    base_model: str
+    is_lora: bool
+    lora_rank: int | None
+    lora_config: dict[str, Any] | None
+    optimizer_config: dict[str, Any]
+    user_metadata: dict[str, Any]
+    created_at: datetime
+    last_request_at: datetime
+    status: str
+    corrupted: bool
+    last_seq_id: int
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    owner: str
+    kind: str
+    model_id: str | None
+    sampling_session_id: str | None
+    seq_id: int | None
+    payload: bytes
+    payload_type: str
+    submit_info: dict[str, Any] | None
+    status: str
+    result: bytes | None
+    result_content_type: str | None
+    error: str | None
+    error_category: str | None
+    created_at: datetime
+    started_at: datetime | None
+    completed_at: datetime | None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in ("completed", "failed")
+
+
+@dataclass(frozen=True)
+class SamplingSessionRecord:
+    sampling_session_id: str
+    session_id: str | None
+    owner: str
+    base_model: str
+    model_path: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    run_id: str
+    kind: str
+    name: str
+    owner: str
+    storage_path: str
+    size_bytes: int | None
+    created_at: datetime
+    expires_at: datetime | None
+    public: bool
+    user_metadata: dict[str, Any]
+    status: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        """``{kind}/{name}``, the id used in REST URLs."""
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def tinker_path(self) -> str:
+        return f"tinker://{self.run_id}/{self.kind}/{self.name}"

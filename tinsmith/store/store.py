@@ -1,0 +1,727 @@
+"""``Store``: every query of the durable record, in one place.
+
+Each method runs its own short transaction and returns frozen records (``records.py``), so
+callers never hold a session open. Methods are synchronous; the API may call them directly
+or from a thread pool (the engine and its session factory are thread-safe).
+
+State changes that could race (finishing a session, starting or completing a request,
+advancing ``last_seq_id``, handing out counters) are single conditional UPDATE statements,
+so they are atomic on SQLite and PostgreSQL alike without explicit locking. The boolean they
+return says whether *this* call made the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import fields
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import ColumnElement, Select, delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from tinsmith.errors import ConflictError
+from tinsmith.store import connect
+from tinsmith.store.ids import new_request_id, new_session_id
+from tinsmith.store.records import (
+    CheckpointRecord,
+    ModelRecord,
+    Page,
+    RequestRecord,
+    SamplingSessionRecord,
+    SessionRecord,
+)
+from tinsmith.store.tables import (
+    CHECKPOINT_KINDS,
+    CHECKPOINT_STATUSES,
+    MODEL_STATUSES,
+    Base,
+    CheckpointTable,
+    ModelTable,
+    RequestTable,
+    SamplingSessionTable,
+    SessionTable,
+)
+
+R = TypeVar("R")
+
+ERROR_CATEGORIES = ("user", "server", "unknown")
+_UNFINISHED = ("pending", "running")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _record(cls: type[R], row: Base) -> R:
+    return cls(**{f.name: getattr(row, f.name) for f in fields(cls)})  # type: ignore[arg-type]
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    """Reject naive datetimes up front: the store compares instants, never wall-clock times."""
+    if value is not None and value.utcoffset() is None:
+        raise ValueError(f"naive datetime {value!r}: pass a timezone-aware datetime")
+    return value
+
+
+def _check(value: str, allowed: Sequence[str], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+
+
+class Store:
+    """The durable record of sessions, models, requests (futures), samplers and checkpoints.
+
+    ``url`` is a SQLAlchemy URL: ``sqlite:///path/to/tinsmith.sqlite`` (embedded default, see
+    ``default_sqlite_url``) or ``postgresql+psycopg://user@host:5432/db``. Call ``migrate()``
+    once at start-up before anything else. ``clock`` exists so tests can control timestamps.
+    """
+
+    def __init__(
+        self, url: str, *, echo: bool = False, clock: Callable[[], datetime] = utcnow
+    ) -> None:
+        self.engine = connect.make_engine(url, echo=echo)
+        self._sessions = sessionmaker(bind=self.engine, expire_on_commit=False)
+        self._clock = clock
+
+    def __repr__(self) -> str:
+        return f"Store({self.engine.url.render_as_string(hide_password=True)!r})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def default_sqlite_url(data_dir: str | Path) -> str:
+        """The embedded default database, ``{data_dir}/tinsmith.sqlite``."""
+        return connect.default_sqlite_url(data_dir)
+
+    @property
+    def dialect(self) -> str:
+        """``'sqlite'`` or ``'postgresql'``."""
+        return self.engine.dialect.name
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest revision (``alembic upgrade head``); idempotent."""
+        connect.run_migrations(self.engine)
+
+    def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at; None before the first ``migrate()``."""
+        return connect.current_revision(self.engine)
+
+    def close(self) -> None:
+        """Release every pooled connection (the Store must not be used afterwards)."""
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def _update(self, stmt: Any) -> int:
+        """Run one UPDATE/DELETE in its own transaction; return the number of rows matched."""
+        with self._tx() as s:
+            result = s.execute(stmt.execution_options(synchronize_session=False))
+            return result.rowcount  # type: ignore[attr-defined]
+
+    def _page(
+        self, cls: type[R], query: Select[Any], order: Sequence[Any], limit: int, offset: int
+    ) -> Page[R]:
+        if limit < 0 or offset < 0:
+            raise ValueError("limit and offset must be >= 0")
+        with self._tx() as s:
+            total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = s.scalars(query.order_by(*order).limit(limit).offset(offset)).all()
+            return Page([_record(cls, r) for r in rows], total, offset, limit)
+
+    def _list(self, cls: type[R], query: Select[Any]) -> list[R]:
+        with self._tx() as s:
+            return [_record(cls, r) for r in s.scalars(query).all()]
+
+    def _get(self, cls: type[R], table: type[Base], key: Any) -> R | None:
+        with self._tx() as s:
+            row = s.get(table, key)
+            return None if row is None else _record(cls, row)
+
+    # ------------------------------------------------------------------ sessions
+
+    def create_session(
+        self,
+        owner: str,
+        *,
+        tags: Sequence[str] = (),
+        user_metadata: dict[str, Any] | None = None,
+        sdk_version: str | None = None,
+        project_id: str | None = None,
+        display_name: str | None = None,
+        session_id: str | None = None,
+    ) -> SessionRecord:
+        """Start a session (a fresh uuid4 id unless ``session_id`` is given)."""
+        now = self._clock()
+        row = SessionTable(
+            session_id=session_id or new_session_id(),
+            owner=owner,
+            created_at=now,
+            last_heartbeat_at=now,
+            finished_at=None,
+            finish_reason=None,
+            finish_detail=None,
+            tags=list(tags),
+            user_metadata=dict(user_metadata or {}),
+            sdk_version=sdk_version,
+            project_id=project_id,
+            display_name=display_name,
+        )
+        with self._tx() as s:
+            s.add(row)
+        return _record(SessionRecord, row)
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        return self._get(SessionRecord, SessionTable, session_id)
+
+    def heartbeat(self, session_id: str) -> bool:
+        """Record a heartbeat. False when the session is unknown or finished (answer 410)."""
+        stmt = (
+            update(SessionTable)
+            .where(SessionTable.session_id == session_id, SessionTable.finished_at.is_(None))
+            .values(last_heartbeat_at=self._clock())
+        )
+        return self._update(stmt) > 0
+
+    def finish_session(self, session_id: str, reason: str, detail: str | None = None) -> bool:
+        """Mark the session finished. The first reason wins: later calls return False."""
+        stmt = (
+            update(SessionTable)
+            .where(SessionTable.session_id == session_id, SessionTable.finished_at.is_(None))
+            .values(finished_at=self._clock(), finish_reason=reason, finish_detail=detail)
+        )
+        return self._update(stmt) > 0
+
+    def set_session_project(self, session_id: str, project_id: str | None) -> bool:
+        """``PUT /sessions/{id}/project``. False when the session is unknown."""
+        stmt = (
+            update(SessionTable)
+            .where(SessionTable.session_id == session_id)
+            .values(project_id=project_id)
+        )
+        return self._update(stmt) > 0
+
+    def list_sessions(self, owner: str, limit: int = 20, offset: int = 0) -> Page[SessionRecord]:
+        """The owner's sessions, newest first."""
+        query = select(SessionTable).where(SessionTable.owner == owner)
+        order = (SessionTable.created_at.desc(), SessionTable.session_id)
+        return self._page(SessionRecord, query, order, limit, offset)
+
+    def list_stale_sessions(self, heartbeat_before: datetime) -> list[SessionRecord]:
+        """Unfinished sessions whose last heartbeat is older than ``heartbeat_before``."""
+        query = (
+            select(SessionTable)
+            .where(
+                SessionTable.finished_at.is_(None),
+                SessionTable.last_heartbeat_at < _aware(heartbeat_before),
+            )
+            .order_by(SessionTable.last_heartbeat_at, SessionTable.session_id)
+        )
+        return self._list(SessionRecord, query)
+
+    # ------------------------------------------------------------------ models
+
+    def create_model(
+        self,
+        model_id: str,
+        *,
+        owner: str,
+        base_model: str,
+        session_id: str | None = None,
+        model_seq_id: int | None = None,
+        is_lora: bool = True,
+        lora_rank: int | None = None,
+        lora_config: dict[str, Any] | None = None,
+        optimizer_config: dict[str, Any] | None = None,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> tuple[ModelRecord, bool]:
+        """Record a training run; ``model_id`` is normally ``ids.model_id_for(session, seq)``.
+
+        Idempotent on ``model_id``: a replayed ``create_model`` gets the existing row back
+        with ``created=False`` (and nothing is changed). Creation counts as sequence 0.
+        """
+        now = self._clock()
+        row = ModelTable(
+            model_id=model_id,
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            owner=owner,
+            base_model=base_model,
+            is_lora=is_lora,
+            lora_rank=lora_rank,
+            lora_config=None if lora_config is None else dict(lora_config),
+            optimizer_config=dict(optimizer_config or {"type": "adamw"}),
+            user_metadata=dict(user_metadata or {}),
+            created_at=now,
+            last_request_at=now,
+            status="active",
+            corrupted=False,
+            last_seq_id=0,
+        )
+        try:
+            with self._tx() as s:
+                s.add(row)
+            return _record(ModelRecord, row), True
+        except IntegrityError:
+            existing = self.get_model(model_id)
+            if existing is None:
+                raise
+            return existing, False
+
+    def get_model(self, model_id: str) -> ModelRecord | None:
+        return self._get(ModelRecord, ModelTable, model_id)
+
+    def list_models(
+        self, owner: str, limit: int = 20, offset: int = 0, *, project_id: str | None = None
+    ) -> Page[ModelRecord]:
+        """The owner's training runs, newest first; optionally only those of one project."""
+        query = select(ModelTable).where(ModelTable.owner == owner)
+        if project_id is not None:
+            query = query.join(
+                SessionTable, SessionTable.session_id == ModelTable.session_id
+            ).where(SessionTable.project_id == project_id)
+        order = (ModelTable.created_at.desc(), ModelTable.model_id)
+        return self._page(ModelRecord, query, order, limit, offset)
+
+    def list_session_models(self, session_id: str) -> list[ModelRecord]:
+        """Training runs created in one session, in creation order."""
+        query = (
+            select(ModelTable)
+            .where(ModelTable.session_id == session_id)
+            .order_by(ModelTable.created_at, ModelTable.model_id)
+        )
+        return self._list(ModelRecord, query)
+
+    def list_models_by_status(self, status: str) -> list[ModelRecord]:
+        """All runs in one status, any owner (for the engine, e.g. after a restart)."""
+        _check(status, MODEL_STATUSES, "model status")
+        query = (
+            select(ModelTable)
+            .where(ModelTable.status == status)
+            .order_by(ModelTable.created_at, ModelTable.model_id)
+        )
+        return self._list(ModelRecord, query)
+
+    def update_model_status(
+        self, model_id: str, status: str, *, corrupted: bool | None = None
+    ) -> bool:
+        """Set active / unloaded / lost (and optionally the corrupted flag)."""
+        _check(status, MODEL_STATUSES, "model status")
+        values: dict[str, Any] = {"status": status}
+        if corrupted is not None:
+            values["corrupted"] = corrupted
+        stmt = update(ModelTable).where(ModelTable.model_id == model_id).values(**values)
+        return self._update(stmt) > 0
+
+    def touch_model(self, model_id: str) -> bool:
+        """Set ``last_request_at`` to now (TrainingRun.last_request_time)."""
+        stmt = (
+            update(ModelTable)
+            .where(ModelTable.model_id == model_id)
+            .values(last_request_at=self._clock())
+        )
+        return self._update(stmt) > 0
+
+    def set_last_seq_id(self, model_id: str, seq_id: int) -> bool:
+        """Raise ``last_seq_id`` to ``seq_id``; never lowers it. True if it moved."""
+        stmt = (
+            update(ModelTable)
+            .where(ModelTable.model_id == model_id, ModelTable.last_seq_id < seq_id)
+            .values(last_seq_id=seq_id)
+        )
+        return self._update(stmt) > 0
+
+    # ------------------------------------------------------------------ requests (futures)
+
+    def create_request(
+        self,
+        *,
+        owner: str,
+        kind: str,
+        payload: bytes,
+        payload_type: str,
+        model_id: str | None = None,
+        sampling_session_id: str | None = None,
+        seq_id: int | None = None,
+        submit_info: dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> tuple[RequestRecord, bool]:
+        """Persist a submitted request as ``pending``; returns ``(record, created)``.
+
+        Idempotent on ``(model_id, seq_id)`` and ``(sampling_session_id, seq_id)``: a client
+        retry of the same sequence number gets the existing request back (same request_id,
+        ``created=False``), even when both submissions race. Training requests carry
+        ``model_id`` (model creation is ``seq_id=0``), samples carry ``sampling_session_id``,
+        never both. ``submit_info`` holds extra fields of the submit answer (such as
+        ``sample_sequence_ids``) so a deduplicated retry is answered identically.
+        """
+        if seq_id is not None and model_id is not None and sampling_session_id is not None:
+            raise ValueError("a request is ordered by model_id or sampling_session_id, not both")
+        row = RequestTable(
+            request_id=request_id or new_request_id(),
+            owner=owner,
+            kind=kind,
+            model_id=model_id,
+            sampling_session_id=sampling_session_id,
+            seq_id=seq_id,
+            payload=bytes(payload),
+            payload_type=payload_type,
+            submit_info=None if submit_info is None else dict(submit_info),
+            status="pending",
+            result=None,
+            result_content_type=None,
+            error=None,
+            error_category=None,
+            created_at=self._clock(),
+            started_at=None,
+            completed_at=None,
+        )
+        try:
+            with self._tx() as s:
+                s.add(row)
+            return _record(RequestRecord, row), True
+        except IntegrityError:
+            # The loser of a race (or a plain retry): the winner's row is committed by now.
+            existing = self._find_duplicate(row)
+            if existing is None:
+                raise
+            return existing, False
+
+    def _find_duplicate(self, row: RequestTable) -> RequestRecord | None:
+        conditions: list[ColumnElement[bool]] = [RequestTable.request_id == row.request_id]
+        if row.seq_id is not None and row.model_id is not None:
+            conditions = [RequestTable.model_id == row.model_id, RequestTable.seq_id == row.seq_id]
+        elif row.seq_id is not None and row.sampling_session_id is not None:
+            conditions = [
+                RequestTable.sampling_session_id == row.sampling_session_id,
+                RequestTable.seq_id == row.seq_id,
+            ]
+        with self._tx() as s:
+            found = s.scalars(select(RequestTable).where(*conditions)).first()
+            return None if found is None else _record(RequestRecord, found)
+
+    def get_request(self, request_id: str) -> RequestRecord | None:
+        return self._get(RequestRecord, RequestTable, request_id)
+
+    def mark_running(self, request_id: str) -> bool:
+        """pending -> running. False if it was not pending (already taken or finished)."""
+        stmt = (
+            update(RequestTable)
+            .where(RequestTable.request_id == request_id, RequestTable.status == "pending")
+            .values(status="running", started_at=self._clock())
+        )
+        return self._update(stmt) > 0
+
+    def requeue_request(self, request_id: str) -> bool:
+        """running -> pending, e.g. when recovering work cut off by a restart."""
+        stmt = (
+            update(RequestTable)
+            .where(RequestTable.request_id == request_id, RequestTable.status == "running")
+            .values(status="pending", started_at=None)
+        )
+        return self._update(stmt) > 0
+
+    def complete_request(self, request_id: str, result: bytes, content_type: str) -> bool:
+        """Store the result. The first outcome wins: False if already completed or failed."""
+        stmt = (
+            update(RequestTable)
+            .where(RequestTable.request_id == request_id, RequestTable.status.in_(_UNFINISHED))
+            .values(
+                status="completed",
+                result=bytes(result),
+                result_content_type=content_type,
+                completed_at=self._clock(),
+            )
+        )
+        return self._update(stmt) > 0
+
+    def fail_request(self, request_id: str, error: str, category: str = "server") -> bool:
+        """Store a failure (``category`` user / server / unknown, as the SDK reports it).
+
+        The first outcome wins: False if already completed or failed.
+        """
+        _check(category, ERROR_CATEGORIES, "error category")
+        stmt = (
+            update(RequestTable)
+            .where(RequestTable.request_id == request_id, RequestTable.status.in_(_UNFINISHED))
+            .values(
+                status="failed", error=error, error_category=category, completed_at=self._clock()
+            )
+        )
+        return self._update(stmt) > 0
+
+    def list_unfinished_requests(self) -> list[RequestRecord]:
+        """Pending and running requests, oldest first: what to re-run after a restart."""
+        query = (
+            select(RequestTable)
+            .where(RequestTable.status.in_(_UNFINISHED))
+            .order_by(RequestTable.created_at, RequestTable.seq_id, RequestTable.request_id)
+        )
+        return self._list(RequestRecord, query)
+
+    def list_pending_requests(self, model_id: str) -> list[RequestRecord]:
+        """A model's pending requests in ``seq_id`` order (the order they must run in)."""
+        query = (
+            select(RequestTable)
+            .where(RequestTable.model_id == model_id, RequestTable.status == "pending")
+            .order_by(RequestTable.seq_id, RequestTable.created_at)
+        )
+        return self._list(RequestRecord, query)
+
+    def purge_finished_requests(self, completed_before: datetime) -> int:
+        """Delete results finished before the cutoff (they can be large); returns the count."""
+        stmt = delete(RequestTable).where(
+            RequestTable.status.in_(("completed", "failed")),
+            RequestTable.completed_at < _aware(completed_before),
+        )
+        return self._update(stmt)
+
+    # ------------------------------------------------------------------ sampling sessions
+
+    def create_sampling_session(
+        self,
+        sampling_session_id: str,
+        *,
+        owner: str,
+        base_model: str,
+        session_id: str | None = None,
+        model_path: str | None = None,
+    ) -> tuple[SamplingSessionRecord, bool]:
+        """Record a sampler (id normally ``ids.sampling_session_id_for(session, seq)``).
+
+        Idempotent on the id, since the SDK may replay the creating call.
+        """
+        row = SamplingSessionTable(
+            sampling_session_id=sampling_session_id,
+            session_id=session_id,
+            owner=owner,
+            base_model=base_model,
+            model_path=model_path,
+            created_at=self._clock(),
+            next_client_counter=0,
+            next_sequence_number=0,
+        )
+        try:
+            with self._tx() as s:
+                s.add(row)
+            return _record(SamplingSessionRecord, row), True
+        except IntegrityError:
+            existing = self.get_sampling_session(sampling_session_id)
+            if existing is None:
+                raise
+            return existing, False
+
+    def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
+        return self._get(SamplingSessionRecord, SamplingSessionTable, sampling_session_id)
+
+    def list_session_sampling_sessions(self, session_id: str) -> list[SamplingSessionRecord]:
+        """Samplers created in one session, in creation order."""
+        query = (
+            select(SamplingSessionTable)
+            .where(SamplingSessionTable.session_id == session_id)
+            .order_by(SamplingSessionTable.created_at, SamplingSessionTable.sampling_session_id)
+        )
+        return self._list(SamplingSessionRecord, query)
+
+    def _bump(self, sampling_session_id: str, column: Any, by: int) -> int | None:
+        stmt = (
+            update(SamplingSessionTable)
+            .where(SamplingSessionTable.sampling_session_id == sampling_session_id)
+            .values({column: column + by})
+            .returning(column)
+        )
+        with self._tx() as s:
+            return s.execute(stmt).scalar_one_or_none()
+
+    def join_sampling_session(self, sampling_session_id: str) -> int | None:
+        """Hand out the next ``client_counter`` (1, 2, ...; 0 is the original client).
+
+        None when the sampler is unknown.
+        """
+        return self._bump(sampling_session_id, SamplingSessionTable.next_client_counter, 1)
+
+    def reserve_sequence_numbers(self, sampling_session_id: str, count: int) -> int | None:
+        """Reserve ``count`` consecutive sampled-sequence numbers; returns the first.
+
+        None when the sampler is unknown.
+        """
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        end = self._bump(sampling_session_id, SamplingSessionTable.next_sequence_number, count)
+        return None if end is None else end - count
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def put_checkpoint(
+        self,
+        run_id: str,
+        kind: str,
+        name: str,
+        *,
+        owner: str,
+        storage_path: str,
+        size_bytes: int | None = None,
+        expires_at: datetime | None = None,
+        public: bool = False,
+        user_metadata: dict[str, Any] | None = None,
+        status: str = "ready",
+        overwrite: bool = False,
+    ) -> CheckpointRecord:
+        """Record a checkpoint (``tinker://{run_id}/{kind}/{name}``).
+
+        If the name is taken: with ``overwrite`` the row is replaced as a whole (new time,
+        path, size, metadata...), otherwise ``ConflictError`` is raised and nothing changes.
+        """
+        _check(kind, CHECKPOINT_KINDS, "checkpoint kind")
+        _check(status, CHECKPOINT_STATUSES, "checkpoint status")
+        if not name or "/" in name:
+            raise ValueError(f"invalid checkpoint name {name!r}: must be non-empty, without '/'")
+        values: dict[str, Any] = dict(
+            run_id=run_id,
+            kind=kind,
+            name=name,
+            owner=owner,
+            storage_path=storage_path,
+            size_bytes=size_bytes,
+            created_at=self._clock(),
+            expires_at=_aware(expires_at),
+            public=public,
+            user_metadata=dict(user_metadata or {}),
+            status=status,
+        )
+        if overwrite:
+            insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+            stmt = insert(CheckpointTable).values(**values)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["run_id", "kind", "name"],
+                set_={k: stmt.excluded[k] for k in values if k not in ("run_id", "kind", "name")},
+            )
+            with self._tx() as s:
+                s.execute(stmt)
+        else:
+            try:
+                with self._tx() as s:
+                    s.add(CheckpointTable(**values))
+            except IntegrityError as exc:
+                raise ConflictError(
+                    f"checkpoint tinker://{run_id}/{kind}/{name} already exists"
+                ) from exc
+        return CheckpointRecord(**values)
+
+    def get_checkpoint(self, run_id: str, kind: str, name: str) -> CheckpointRecord | None:
+        return self._get(CheckpointRecord, CheckpointTable, (run_id, kind, name))
+
+    def set_checkpoint_status(
+        self, run_id: str, kind: str, name: str, status: str, *, size_bytes: int | None = None
+    ) -> bool:
+        """Move a checkpoint to ready / failed once its files are written (or not)."""
+        _check(status, CHECKPOINT_STATUSES, "checkpoint status")
+        values: dict[str, Any] = {"status": status}
+        if size_bytes is not None:
+            values["size_bytes"] = size_bytes
+        return (
+            self._update(
+                update(CheckpointTable).where(*_ckpt_key(run_id, kind, name)).values(**values)
+            )
+            > 0
+        )
+
+    def list_checkpoints(
+        self, run_id: str, *, include_unready: bool = False
+    ) -> list[CheckpointRecord]:
+        """One run's checkpoints of every kind, newest first (only ``ready`` by default)."""
+        query = select(CheckpointTable).where(CheckpointTable.run_id == run_id)
+        if not include_unready:
+            query = query.where(CheckpointTable.status == "ready")
+        return self._list(CheckpointRecord, query.order_by(*_CKPT_NEWEST_FIRST))
+
+    def latest_checkpoint(self, run_id: str, kind: str) -> CheckpointRecord | None:
+        """The newest ready checkpoint of one kind (TrainingRun.last_[sampler_]checkpoint)."""
+        query = (
+            select(CheckpointTable)
+            .where(
+                CheckpointTable.run_id == run_id,
+                CheckpointTable.kind == kind,
+                CheckpointTable.status == "ready",
+            )
+            .order_by(*_CKPT_NEWEST_FIRST)
+            .limit(1)
+        )
+        found = self._list(CheckpointRecord, query)
+        return found[0] if found else None
+
+    def list_user_checkpoints(
+        self, owner: str, limit: int = 100, offset: int = 0
+    ) -> Page[CheckpointRecord]:
+        """Every ready checkpoint of the owner, across runs, newest first."""
+        query = select(CheckpointTable).where(
+            CheckpointTable.owner == owner, CheckpointTable.status == "ready"
+        )
+        return self._page(CheckpointRecord, query, _CKPT_NEWEST_FIRST, limit, offset)
+
+    def delete_checkpoint(self, run_id: str, kind: str, name: str) -> bool:
+        """Forget the row (the caller removes the files). False if it did not exist."""
+        return self._update(delete(CheckpointTable).where(*_ckpt_key(run_id, kind, name))) > 0
+
+    def set_public(self, run_id: str, kind: str, name: str, public: bool) -> bool:
+        """Publish / unpublish. False if the checkpoint is missing or already in that state
+        (the API answers 404 or 409 after looking the row up)."""
+        stmt = (
+            update(CheckpointTable)
+            .where(*_ckpt_key(run_id, kind, name), CheckpointTable.public != public)
+            .values(public=public)
+        )
+        return self._update(stmt) > 0
+
+    def set_expires_at(
+        self, run_id: str, kind: str, name: str, expires_at: datetime | None
+    ) -> bool:
+        """Set or clear (None) the expiry time. False if the checkpoint is missing."""
+        stmt = (
+            update(CheckpointTable)
+            .where(*_ckpt_key(run_id, kind, name))
+            .values(expires_at=_aware(expires_at))
+        )
+        return self._update(stmt) > 0
+
+    def set_ttl(self, run_id: str, kind: str, name: str, ttl_seconds: int | None) -> bool:
+        """``PUT .../ttl``: expire ``ttl_seconds`` from now, or never (None)."""
+        expires_at = None if ttl_seconds is None else self._clock() + timedelta(seconds=ttl_seconds)
+        return self.set_expires_at(run_id, kind, name, expires_at)
+
+    def list_expired(self, now: datetime | None = None) -> list[CheckpointRecord]:
+        """Checkpoints whose expiry time has passed (at or before ``now``), oldest expiry first."""
+        now = _aware(now) or self._clock()
+        query = (
+            select(CheckpointTable)
+            .where(CheckpointTable.expires_at.is_not(None), CheckpointTable.expires_at <= now)
+            .order_by(CheckpointTable.expires_at, CheckpointTable.run_id, CheckpointTable.name)
+        )
+        return self._list(CheckpointRecord, query)
+
+
+_CKPT_NEWEST_FIRST = (
+    CheckpointTable.created_at.desc(),
+    CheckpointTable.run_id,
+    CheckpointTable.kind,
+    CheckpointTable.name,
+)
+
+
+def _ckpt_key(run_id: str, kind: str, name: str) -> tuple[ColumnElement[bool], ...]:
+    return (
+        CheckpointTable.run_id == run_id,
+        CheckpointTable.kind == kind,
+        CheckpointTable.name == name,
+    )
