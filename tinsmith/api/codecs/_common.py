@@ -1,0 +1,280 @@
+"""Pieces shared by the wire codecs: array densification and validation, JSON numbers.
+
+Every decoding failure raises :class:`tinsmith.errors.InvalidInputError` with a message that
+starts with the offending field's path (``data[3].loss_fn_inputs['weights']``,
+``sampling_params.top_p``...), so a user can find the mistake in their own request.
+Encoding failures are server bugs and raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NoReturn
+
+import numpy as np
+
+from tinsmith.errors import InvalidInputError
+from tinsmith.types import ProvenanceSpan
+
+# A sparse CSR tensor is densified on arrival; this caps how many elements that may create
+# (a tiny request must not be able to allocate gigabytes).
+MAX_DENSE_ELEMENTS = 1 << 28
+
+# Sentinel the SDK recognises as "no entry" in top-k matrices (token 0, this logprob).
+TOPK_SENTINEL_TOKEN = 0
+TOPK_SENTINEL_LOGPROB = -99999.0
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+_NONFINITE_WORDS = {"nan", "inf", "-inf", "+inf", "infinity", "-infinity", "+infinity"}
+
+
+def fail(message: str) -> NoReturn:
+    raise InvalidInputError(message)
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (``bool`` is an ``int`` subclass in Python but not an integer here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense arrays from the wire
+
+
+def densify(
+    *,
+    where: str,
+    values: np.ndarray,
+    shape: list[int] | None,
+    crow: np.ndarray | None,
+    col: np.ndarray | None,
+    expected_rows: int,
+) -> np.ndarray:
+    """Build the dense array a loss input stands for, and check it against the datum.
+
+    ``values`` is 1-D in its final dtype. ``shape`` empty or ``None`` means 1-D. With
+    ``crow``/``col`` the tensor is 2-D sparse CSR and unlisted entries are 0. The leading
+    dimension must equal ``expected_rows`` (the datum's token count).
+    """
+    if shape is not None and len(shape) == 0:
+        shape = None
+    if shape is not None and any(d < 0 for d in shape):
+        fail(f"{where}.shape {shape} has a negative dimension")
+
+    if crow is None:
+        if col is not None:
+            fail(f"{where} has sparse column indices but no sparse row pointers (crow_indices)")
+        if shape is None:
+            shape = [int(values.size)]
+        n = math.prod(shape)
+        if n != values.size:
+            fail(f"{where} has {values.size} values but its shape {shape} needs {n}")
+        arr = values.reshape(shape)
+    else:
+        if col is None:
+            fail(f"{where} has sparse row pointers (crow_indices) but no column indices")
+        if shape is None:
+            fail(f"{where} is sparse CSR but has no shape")
+        if len(shape) != 2:
+            fail(f"{where} is sparse CSR with shape {shape}; only 2-D CSR tensors are supported")
+        rows, cols = shape
+        if rows != expected_rows:
+            fail(f"{where} has {rows} rows but model_input has {expected_rows} tokens")
+        if rows * cols > MAX_DENSE_ELEMENTS:
+            fail(
+                f"{where} has dense shape {shape} ({rows * cols} elements), above this server's "
+                f"limit of {MAX_DENSE_ELEMENTS}"
+            )
+        nnz = int(values.size)
+        if crow.size != rows + 1:
+            fail(
+                f"{where}: sparse crow_indices has {crow.size} entries but shape {shape} needs "
+                f"{rows + 1}"
+            )
+        counts = np.diff(crow)
+        if int(crow[0]) != 0 or int(crow[-1]) != nnz or (counts < 0).any():
+            fail(
+                f"{where}: sparse crow_indices must start at 0, never decrease and end at the "
+                f"number of values ({nnz})"
+            )
+        if col.size != nnz:
+            fail(f"{where}: sparse col_indices has {col.size} entries but there are {nnz} values")
+        arr = np.zeros((rows, cols), dtype=values.dtype)
+        if nnz:
+            if int(col.min()) < 0 or int(col.max()) >= cols:
+                fail(f"{where}: sparse col_indices out of range for {cols} columns")
+            row_ids = np.repeat(np.arange(rows, dtype=np.int64), counts)
+            flat = row_ids * cols + col
+            if np.unique(flat).size != nnz:
+                fail(f"{where}: sparse col_indices list the same entry twice")
+            arr[row_ids, col] = values
+
+    if arr.shape[0] != expected_rows:
+        fail(f"{where} has {arr.shape[0]} rows but model_input has {expected_rows} tokens")
+    return arr
+
+
+def check_spans(where: str, spans: list[ProvenanceSpan], n_positions: int, what: str) -> None:
+    """Provenance runs tile the field they annotate: their lengths sum to its length."""
+    if not spans:
+        return
+    total = sum(s.length for s in spans)
+    if total != n_positions:
+        fail(f"{where} cover {total} positions but {what} has {n_positions}")
+
+
+def make_span(where: str, kind: str, sequence_id: Any, offset: Any, length: Any) -> ProvenanceSpan:
+    if not isinstance(sequence_id, str) or not sequence_id:
+        fail(f"{where}.sequence_id must be a non-empty string")
+    if not is_int(offset) or offset < 0:
+        fail(f"{where}.offset must be an integer >= 0, got {offset!r}")
+    if not is_int(length) or length < 0:
+        fail(f"{where}.length must be an integer >= 0, got {length!r}")
+    return ProvenanceSpan(
+        kind=kind, sequence_id=sequence_id, offset=offset, length=length  # type: ignore[arg-type]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON numbers in
+
+
+def json_int_array(value: Any, where: str) -> np.ndarray:
+    """A flat JSON list of integers as int64 (integral floats such as ``3.0`` are accepted)."""
+    if not isinstance(value, list):
+        fail(f"{where} must be a list of integers")
+    if not value:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        fail(f"{where} must be a flat list of integers")
+    if arr.ndim != 1:
+        fail(f"{where} must be a flat list of integers")
+    kind = arr.dtype.kind
+    if kind in "iu" and any(x is True or x is False for x in value):
+        fail(f"{where} must contain only integers (within int64), found true/false")
+    if kind == "i":
+        return arr.astype(np.int64, copy=False)
+    if kind == "u":
+        if int(arr.max()) > _INT64_MAX:
+            fail(f"{where} has a value outside the int64 range")
+        return arr.astype(np.int64)
+    if kind == "f":
+        if not np.isfinite(arr).all() or (arr != np.round(arr)).any():
+            fail(f"{where} must contain integers, found a non-integral number")
+        if arr.min() < _INT64_MIN or arr.max() > _INT64_MAX:
+            fail(f"{where} has a value outside the int64 range")
+        return arr.astype(np.int64)
+    # bools, strings, nulls, nested lists, integers beyond 64 bits
+    fail(f"{where} must contain only integers (within int64)")
+
+
+def json_float_array(value: Any, where: str) -> np.ndarray:
+    """A flat JSON list of numbers as float32; ``"NaN"``/``"Infinity"`` strings are accepted."""
+    if not isinstance(value, list):
+        fail(f"{where} must be a list of numbers")
+    if not value:
+        return np.zeros(0, dtype=np.float32)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        fail(f"{where} must be a flat list of numbers")
+    if arr.ndim != 1:
+        fail(f"{where} must be a flat list of numbers")
+    if arr.dtype.kind in "iuf":
+        return arr.astype(np.float32)
+    out = np.empty(len(value), dtype=np.float32)
+    for i, x in enumerate(value):
+        if is_number(x):
+            out[i] = float(x)
+        elif isinstance(x, str) and x.strip().lower() in _NONFINITE_WORDS:
+            out[i] = float(x.strip().lower().replace("infinity", "inf"))
+        else:
+            fail(f"{where}[{i}] is not a number: {x!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON numbers out (strict JSON: the SDK parses with orjson, which rejects NaN/Infinity;
+# pydantic in lax mode accepts these strings for float fields)
+
+
+def _nonfinite_word(x: float) -> str:
+    if math.isnan(x):
+        return "NaN"
+    return "Infinity" if x > 0 else "-Infinity"
+
+
+def json_float(x: float) -> float | str:
+    x = float(x)
+    return x if math.isfinite(x) else _nonfinite_word(x)
+
+
+def json_float_list(arr: np.ndarray, none_for_nan: bool = False) -> list[Any]:
+    """Flat list of Python floats, exact float32 values; NaN/inf become strings (or None)."""
+    a = np.asarray(arr, dtype=np.float64).ravel()
+    out: list[Any] = a.tolist()
+    bad = ~np.isfinite(a)
+    if bad.any():
+        for i in np.flatnonzero(bad):
+            x = out[i]
+            out[i] = None if (none_for_nan and math.isnan(x)) else _nonfinite_word(x)
+    return out
+
+
+def check_metric_keys(metrics: dict[str, float]) -> None:
+    for key in metrics:
+        if not isinstance(key, str) or key.count(":") != 1:
+            raise ValueError(
+                f"metric key {key!r} must have the form 'name:reduction' with exactly one ':' "
+                "(the SDK's chunk merge fails otherwise)"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelInput, JSON form: {"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]}
+
+_UNSUPPORTED_CHUNKS = {
+    "image": "image input is not supported by this server's text models",
+    "image_asset_pointer": "image input is not supported by this server's text models",
+    "dmel": "audio (dmel) input is not supported by this server's text models",
+}
+
+
+def unsupported_chunk(where: str, chunk_type: str) -> NoReturn:
+    reason = _UNSUPPORTED_CHUNKS.get(chunk_type, "this chunk type is not supported")
+    fail(f"{where} is a {chunk_type!r} chunk: {reason}")
+
+
+def check_token_ids(tokens: np.ndarray, where: str) -> None:
+    if tokens.size and int(tokens.min()) < 0:
+        fail(f"{where} has a negative token id ({int(tokens.min())})")
+
+
+def json_model_input_tokens(obj: Any, where: str) -> np.ndarray:
+    """Concatenate the text chunks of a JSON ModelInput into int64 token ids."""
+    if not isinstance(obj, dict):
+        fail(f"{where} must be an object with 'chunks'")
+    chunks = obj.get("chunks")
+    if not isinstance(chunks, list):
+        fail(f"{where}.chunks must be a list")
+    parts: list[np.ndarray] = []
+    for j, chunk in enumerate(chunks):
+        cwhere = f"{where}.chunks[{j}]"
+        if not isinstance(chunk, dict):
+            fail(f"{cwhere} must be an object")
+        ctype = chunk.get("type", "encoded_text" if "tokens" in chunk else None)
+        if ctype != "encoded_text":
+            if isinstance(ctype, str):
+                unsupported_chunk(cwhere, ctype)
+            fail(f"{cwhere} has no chunk 'type'")
+        parts.append(json_int_array(chunk.get("tokens"), f"{cwhere}.tokens"))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    check_token_ids(tokens, where)
+    return tokens

@@ -1,0 +1,347 @@
+"""asample: request decoding (JSON, both SDK generations) and result encoding.
+
+Both ``tinker`` 0.38.0 and 0.22.2 post ``POST /api/v1/asample`` as JSON with
+``sampling_session_id`` + ``seq_id`` (neither sends ``base_model``/``model_path``, which the
+schema still allows). 0.22.2 sends only ``num_samples``, ``prompt``, ``sampling_params``,
+``sampling_session_id``, ``seq_id``, ``prompt_logprobs``, ``topk_prompt_logprobs`` and
+``type``; 0.38.0 adds ``topk_sample_logprobs``, ``target_prompt_logprobs``,
+``prompt_alt_tokens_k``, ``prompt_logprobs_last_n`` and ``record_stability_info``.
+0.38.0 accepts the result only as protobuf; 0.22.2 accepts JSON or protobuf.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from tinker.proto import tinker_public_pb2 as pb
+from tinsmith.types import SampledSequence, SampleInput, SampleResult, SamplingParams
+
+from ._common import (
+    TOPK_SENTINEL_LOGPROB,
+    TOPK_SENTINEL_TOKEN,
+    fail,
+    is_int,
+    is_number,
+    json_float_list,
+    json_model_input_tokens,
+)
+
+__all__ = [
+    "decode_sample_request_json",
+    "encode_sample_response_json",
+    "encode_sample_response_protobuf",
+]
+
+_INT64_MIN = -(1 << 63)
+_UINT64_MAX = (1 << 64) - 1
+_INT32_MAX = (1 << 31) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Request
+
+
+def _opt_str(obj: dict, key: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        fail(f"{key} must be a string")
+    return value or None
+
+
+def _int_field(obj: dict, key: str, default: int | None, where: str) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return default
+    if not is_int(value):
+        fail(f"{where} must be an integer, got {value!r}")
+    return value
+
+
+def _float_field(obj: dict, key: str, default: float, where: str) -> float:
+    value = obj.get(key)
+    if value is None:
+        return default
+    if not is_number(value) or not math.isfinite(value):
+        fail(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool_field(obj: dict, key: str) -> bool:
+    value = obj.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        fail(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _stop(value: Any) -> list[str] | list[int] | None:
+    where = "sampling_params.stop"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        fail(f"{where} must be a string, a list of strings or a list of token ids")
+    if all(isinstance(v, str) for v in value):
+        for k, v in enumerate(value):
+            if not v:
+                fail(f"{where}[{k}] is an empty string")
+        return list(value)
+    if all(is_int(v) for v in value):
+        for k, v in enumerate(value):
+            if v < 0:
+                fail(f"{where}[{k}] is a negative token id ({v})")
+        return list(value)
+    if all(isinstance(v, str) or is_int(v) for v in value):
+        fail(f"{where} mixes strings and token ids; use one kind")
+    fail(f"{where} must contain only strings or only integer token ids")
+
+
+def _sampling_params(obj: Any) -> SamplingParams:
+    if obj is None:
+        obj = {}
+    if not isinstance(obj, dict):
+        fail("sampling_params must be an object")
+    p = "sampling_params"
+    max_tokens = _int_field(obj, "max_tokens", None, f"{p}.max_tokens")
+    if max_tokens is not None and max_tokens <= 0:
+        fail(f"{p}.max_tokens must be > 0, got {max_tokens}")
+    temperature = _float_field(obj, "temperature", 1.0, f"{p}.temperature")
+    if temperature < 0:
+        fail(f"{p}.temperature must be >= 0, got {temperature}")
+    top_p = _float_field(obj, "top_p", 1.0, f"{p}.top_p")
+    if not 0.0 < top_p <= 1.0:
+        fail(f"{p}.top_p must be in (0, 1], got {top_p}")
+    top_k = _int_field(obj, "top_k", -1, f"{p}.top_k")
+    assert top_k is not None
+    if top_k == 0 or top_k < -1:
+        fail(f"{p}.top_k must be -1 (no limit) or >= 1, got {top_k}")
+    seed = _int_field(obj, "seed", None, f"{p}.seed")
+    if seed is not None and not _INT64_MIN <= seed <= _UINT64_MAX:
+        fail(f"{p}.seed must fit in 64 bits, got {seed}")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop=_stop(obj.get("stop")),
+    )
+
+
+def decode_sample_request_json(
+    obj: dict,
+) -> tuple[str | None, int | None, str | None, str | None, SampleInput]:
+    """Decode the JSON body of ``POST /api/v1/asample``.
+
+    Returns ``(sampling_session_id, seq_id, base_model, model_path, input)``. At least one of
+    ``sampling_session_id``, ``base_model``, ``model_path`` is present, and ``seq_id`` is present
+    with ``sampling_session_id`` (the server deduplicates replays on that pair). ``max_tokens``
+    is not checked against the model's context here (the sampler does that).
+    """
+    if not isinstance(obj, dict):
+        fail("asample body must be a JSON object")
+    sampling_session_id = _opt_str(obj, "sampling_session_id")
+    base_model = _opt_str(obj, "base_model")
+    model_path = _opt_str(obj, "model_path")
+    seq_id = _int_field(obj, "seq_id", None, "seq_id")
+    if sampling_session_id is None and base_model is None and model_path is None:
+        fail("one of sampling_session_id, base_model or model_path is required")
+    if sampling_session_id is not None and seq_id is None:
+        fail("seq_id is required with sampling_session_id")
+    if seq_id is not None and seq_id < 0:
+        fail(f"seq_id must be >= 0, got {seq_id}")
+
+    num_samples = _int_field(obj, "num_samples", 1, "num_samples")
+    assert num_samples is not None
+    if num_samples < 1:
+        fail(f"num_samples must be >= 1, got {num_samples}")
+
+    if "prompt" not in obj:
+        fail("prompt is missing")
+    prompt = json_model_input_tokens(obj["prompt"], "prompt")
+    if prompt.size == 0:
+        fail("prompt has no tokens")
+
+    params = _sampling_params(obj.get("sampling_params"))
+
+    prompt_logprobs = _bool_field(obj, "prompt_logprobs")
+    record_stability_info = _bool_field(obj, "record_stability_info")
+    topk_prompt = _int_field(obj, "topk_prompt_logprobs", 0, "topk_prompt_logprobs")
+    topk_sample = _int_field(obj, "topk_sample_logprobs", 0, "topk_sample_logprobs")
+    assert topk_prompt is not None and topk_sample is not None
+    if topk_prompt < 0:
+        fail(f"topk_prompt_logprobs must be >= 0, got {topk_prompt}")
+    if topk_sample < 0:
+        fail(f"topk_sample_logprobs must be >= 0, got {topk_sample}")
+
+    last_n = _int_field(obj, "prompt_logprobs_last_n", None, "prompt_logprobs_last_n")
+    if last_n is not None:
+        if not prompt_logprobs:
+            fail("prompt_logprobs_last_n requires prompt_logprobs: true")
+        if not 1 <= last_n <= prompt.size - 1:
+            fail(
+                f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = "
+                f"{prompt.size - 1}, got {last_n}"
+            )
+
+    # Newer options this server does not implement yet: refuse them clearly rather than answer
+    # without the requested data (the SDK would then fail with a confusing error).
+    if obj.get("target_prompt_logprobs") is not None:
+        fail("target_prompt_logprobs is not supported by this server")
+    alt_k = _int_field(obj, "prompt_alt_tokens_k", 0, "prompt_alt_tokens_k")
+    assert alt_k is not None
+    if alt_k < 0:
+        fail(f"prompt_alt_tokens_k must be >= 0, got {alt_k}")
+    if alt_k > 0:
+        fail("prompt_alt_tokens_k > 0 is not supported by this server")
+
+    return (
+        sampling_session_id,
+        seq_id,
+        base_model,
+        model_path,
+        SampleInput(
+            prompt=prompt,
+            num_samples=num_samples,
+            params=params,
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt,
+            topk_sample_logprobs=topk_sample,
+            prompt_logprobs_last_n=last_n,
+            record_stability_info=record_stability_info,
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Result
+
+
+def _i32(a: Any, what: str) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
+        raise ValueError(f"{what} has token ids outside [0, 2^31)")
+    return arr.astype("<i4")
+
+
+def _topk(
+    token_ids: Any, logprobs: Any, rows: int, what: str
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Validated (rows, k) matrices with absent entries set to the SDK's sentinel.
+
+    An entry is absent when its logprob is NaN or -inf (or already the sentinel). Returns None
+    when there is nothing to send (k == 0 or no rows), which the SDK reads as None.
+    """
+    if token_ids is None or logprobs is None:
+        return None
+    ids = np.asarray(token_ids)
+    lps = np.asarray(logprobs, dtype=np.float32)
+    if ids.ndim != 2 or ids.shape != lps.shape:
+        raise ValueError(f"{what}: token ids {ids.shape} and logprobs {lps.shape} must be (n, k)")
+    if ids.shape[0] != rows:
+        raise ValueError(f"{what} has {ids.shape[0]} rows, expected {rows}")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        return None
+    absent = ~np.isfinite(lps)
+    ids = np.where(absent, TOPK_SENTINEL_TOKEN, ids)
+    lps = np.where(absent, np.float32(TOPK_SENTINEL_LOGPROB), lps)
+    return _i32(ids, what), lps.astype("<f4")
+
+
+def _sequence_parts(seq: SampledSequence, i: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = _i32(seq.tokens, f"sequences[{i}].tokens").ravel()
+    if seq.logprobs is None:
+        raise ValueError(f"sequences[{i}].logprobs is missing")
+    logprobs = np.asarray(seq.logprobs, dtype="<f4").ravel()
+    if logprobs.size != tokens.size:
+        raise ValueError(
+            f"sequences[{i}] has {tokens.size} tokens but {logprobs.size} logprobs"
+        )
+    if seq.stop_reason not in ("stop", "length"):
+        raise ValueError(f"sequences[{i}].stop_reason {seq.stop_reason!r} is not stop/length")
+    return tokens, logprobs
+
+
+def _prompt_rows(result: SampleResult) -> int:
+    if result.prompt_logprobs is not None:
+        return int(np.asarray(result.prompt_logprobs).size)
+    if result.topk_prompt_token_ids is not None:
+        return int(np.asarray(result.topk_prompt_token_ids).shape[0])
+    return 0
+
+
+def encode_sample_response_protobuf(result: SampleResult) -> bytes:
+    """Serialize a sampling result as the protobuf ``SampleResponse`` the SDK decodes.
+
+    Sequences keep their order (the SDK pairs them with the submitted sequence ids). Logprobs
+    are always sent. ``prompt_logprobs`` keeps NaN where nothing was computed (the SDK turns NaN
+    into None); top-k matrices carry the sentinel (0, -99999.0) for absent entries.
+    """
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=int(result.prompt_cache_hit_tokens))
+    for i, seq in enumerate(result.sequences):
+        tokens, logprobs = _sequence_parts(seq, i)
+        s = msg.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=tokens.tobytes(),
+            logprobs=logprobs.tobytes(),
+        )
+        topk = _topk(seq.topk_token_ids, seq.topk_logprobs, tokens.size, f"sequences[{i}].topk")
+        if topk is not None:
+            ids, lps = topk
+            s.topk_sampled_logprobs.token_ids = ids.tobytes()
+            s.topk_sampled_logprobs.logprobs = lps.tobytes()
+            s.topk_sampled_logprobs.k = ids.shape[1]
+            s.topk_sampled_logprobs.length = ids.shape[0]
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype="<f4").ravel().tobytes()
+    topk = _topk(result.topk_prompt_token_ids, result.topk_prompt_logprobs, _prompt_rows(result),
+                 "topk_prompt_logprobs")
+    if topk is not None:
+        ids, lps = topk
+        msg.topk_prompt_logprobs.token_ids = ids.tobytes()
+        msg.topk_prompt_logprobs.logprobs = lps.tobytes()
+        msg.topk_prompt_logprobs.k = ids.shape[1]
+        msg.topk_prompt_logprobs.length = ids.shape[0]
+    return msg.SerializeToString()
+
+
+def encode_sample_response_json(result: SampleResult) -> dict:
+    """The JSON ``SampleResponse`` of SDK <= 0.22.2.
+
+    ``{"type": "sample", "sequences": [{"stop_reason", "tokens", "logprobs"}],
+    "prompt_logprobs"?: [float | None], "topk_prompt_logprobs"?: [None | [[token, logprob]...]]}``
+    Strict JSON: NaN prompt logprobs become null, other non-finite floats the strings
+    ``"Infinity"``/``"-Infinity"``/``"NaN"``.
+    """
+    sequences = []
+    for i, seq in enumerate(result.sequences):
+        tokens, logprobs = _sequence_parts(seq, i)
+        sequences.append({
+            "stop_reason": seq.stop_reason,
+            "tokens": tokens.tolist(),
+            "logprobs": json_float_list(logprobs),
+        })
+    out: dict[str, Any] = {"type": "sample", "sequences": sequences}
+    if result.prompt_logprobs is not None:
+        out["prompt_logprobs"] = json_float_list(
+            np.asarray(result.prompt_logprobs, dtype=np.float32), none_for_nan=True
+        )
+    topk = _topk(result.topk_prompt_token_ids, result.topk_prompt_logprobs, _prompt_rows(result),
+                 "topk_prompt_logprobs")
+    if topk is not None:
+        ids, lps = topk
+        rows: list[Any] = []
+        sentinel_lp = np.float32(TOPK_SENTINEL_LOGPROB)
+        for r in range(ids.shape[0]):
+            sentinel = (ids[r] == TOPK_SENTINEL_TOKEN) & (lps[r] == sentinel_lp)
+            keep = ~sentinel
+            if not keep[0]:
+                rows.append(None)
+                continue
+            n = int(np.flatnonzero(keep).max()) + 1  # trailing sentinels are padding
+            rows.append([[int(t), float(lp)] for t, lp in zip(ids[r, :n], lps[r, :n])])
+        out["topk_prompt_logprobs"] = rows
+    return out
