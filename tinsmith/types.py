@@ -65,6 +65,25 @@ class AdamParams:
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
 
+    def validate(self) -> None:
+        """Raise InvalidInputError naming the first out-of-range field."""
+        import math
+
+        from tinsmith.errors import InvalidInputError
+
+        checks = {
+            "learning_rate": self.learning_rate >= 0,
+            "beta1": 0 <= self.beta1 < 1,
+            "beta2": 0 <= self.beta2 < 1,
+            "eps": self.eps > 0,
+            "weight_decay": self.weight_decay >= 0,
+            "grad_clip_norm": self.grad_clip_norm >= 0,
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if not ok or not math.isfinite(value):
+                raise InvalidInputError(f"adam_params.{name}={value!r} is out of range")
+
 
 @dataclass(frozen=True)
 class LoraSpec:

@@ -21,7 +21,7 @@ from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import Segments
 from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
 from tinsmith.worker.batching import MicroBatch, SequenceRef, build_micro_batch, plan_micro_batches
-from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable, validate_adam
+from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable
 
 FULL_UNIT = 0  # unit id of the whole-model trainable in full fine-tuning mode
 
@@ -266,7 +266,7 @@ class TrainingRuntime:
 
     # ----------------------------------------------------------------------------- optimizer
     def optim_step(self, unit: int, params: AdamParams) -> dict[str, float]:
-        validate_adam(params)
+        params.validate()
         return self.unit(unit).step(params)
 
     def has_pending_grads(self, unit: int) -> bool:

@@ -79,21 +79,6 @@ class Trainable:
         return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
 
 
-def validate_adam(hp: AdamParams) -> None:
-    checks = {
-        "learning_rate": hp.learning_rate >= 0,
-        "beta1": 0 <= hp.beta1 < 1,
-        "beta2": 0 <= hp.beta2 < 1,
-        "eps": hp.eps > 0,
-        "weight_decay": hp.weight_decay >= 0,
-        "grad_clip_norm": hp.grad_clip_norm >= 0,
-    }
-    for name, ok in checks.items():
-        value = getattr(hp, name)
-        if not ok or not math.isfinite(value):
-            raise InvalidInputError(f"adam_params.{name}={value!r} is out of range")
-
-
 def attach_lora(model: CausalLM, slot: int, spec: LoraSpec) -> Trainable:
     """Create adapter ``slot`` on every targeted layer; seeded init is reproducible."""
     seed = spec.seed if spec.seed is not None else secrets.randbits(63)

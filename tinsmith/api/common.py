@@ -1,0 +1,105 @@
+"""What every route shares: the server state, the caller, ownership checks, submissions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from tinsmith.api.auth import Caller
+from tinsmith.engine.scheduler import Job
+from tinsmith.errors import InvalidInputError, NotFoundError, StateLostError, TinsmithError
+from tinsmith.server.state import ServerState
+from tinsmith.store.records import ModelRecord, SessionRecord
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.tinsmith
+
+
+async def caller_of(request: Request) -> Caller:
+    return state_of(request).auth.authenticate(request.headers.get("x-api-key"))
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refusing anything above the configured size with a 413."""
+    limit = state_of(request).config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class BodyTooLarge(TinsmithError):
+    status = 413
+    category = "user"
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidInputError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise InvalidInputError("request body must be a JSON object")
+    return obj
+
+
+async def owned_session(state: ServerState, caller: Caller, session_id: str) -> SessionRecord:
+    s = await run_in_threadpool(state.store.get_session, session_id)
+    if s is None or s.owner != caller.owner:
+        raise NotFoundError(f"session {session_id!r} not found")
+    return s
+
+
+async def owned_model(state: ServerState, caller: Caller, model_id: str, *, require_live: bool = True) -> ModelRecord:
+    m = await run_in_threadpool(state.store.get_model, model_id)
+    if m is None or m.owner != caller.owner:
+        raise NotFoundError(f"model {model_id!r} not found")
+    if require_live and m.status == "lost":
+        raise StateLostError(
+            f"model {model_id!r} lost its unsaved state when the server restarted; "
+            "load it from a checkpoint (create_training_client_from_state) to continue"
+        )
+    if require_live and m.status == "unloaded":
+        raise InvalidInputError(f"model {model_id!r} was unloaded")
+    return m
+
+
+async def submit(
+    state: ServerState,
+    caller: Caller,
+    kind: str,
+    args: Any,
+    *,
+    payload: bytes,
+    payload_type: str,
+    model_id: str | None = None,
+    seq_id: int | None = None,
+    sampling_session_id: str | None = None,
+    wire: str = "json",
+    submit_info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Persist the request (idempotent on its sequence key), then queue it; answer with its future."""
+    rec, created = await run_in_threadpool(
+        lambda: state.store.create_request(
+            owner=caller.owner, kind=kind, payload=payload, payload_type=payload_type, model_id=model_id,
+            seq_id=seq_id, sampling_session_id=sampling_session_id, submit_info=submit_info,
+        )
+    )
+    if created:
+        state.engine.submit(Job(rec.request_id, kind, model_id, seq_id, args, wire, caller.owner))
+    answer: dict[str, Any] = {"request_id": rec.request_id}
+    if model_id is not None:
+        answer["model_id"] = model_id
+    if rec.submit_info:
+        answer.update(rec.submit_info)
+    return answer

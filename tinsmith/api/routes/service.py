@@ -1,0 +1,53 @@
+"""Client configuration, health, capabilities and telemetry."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from tinsmith.api.common import caller_of, state_of
+
+router = APIRouter(prefix="/api/v1")
+
+# Feature flags the SDK reads from client/config. Everything optional stays off.
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+    "proto_compress_fwdbwd": False,
+    "parallel_fwdbwd_chunks": True,
+}
+
+
+@router.post("/client/config")
+async def client_config(request: Request, _=Depends(caller_of)) -> dict:
+    return CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config(_=Depends(caller_of)) -> dict:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request, _=Depends(caller_of)) -> dict:
+    worker = state_of(request).worker
+    models = []
+    for name, base in worker.bases.items():
+        models.append({"model_name": name, "max_context_length": base.config.max_position_embeddings,
+                       "trainable": True, "sampleable": True})
+    for alias, target in worker.aliases.items():
+        base = worker.bases[target]
+        models.append({"model_name": alias, "max_context_length": base.config.max_position_embeddings,
+                       "trainable": True, "sampleable": True})
+    return {"supported_models": models}
+
+
+@router.post("/telemetry")
+async def telemetry(_=Depends(caller_of)) -> dict:
+    return {"status": "accepted"}

@@ -1,0 +1,64 @@
+"""Sessions: create, heartbeat, finish, list."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from tinsmith.api.auth import Caller
+from tinsmith.api.common import caller_of, owned_session, state_of
+from tinsmith.api.schemas import CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/create_session")
+async def create_session(body: CreateSessionRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    s = await run_in_threadpool(
+        lambda: state_of(request).store.create_session(
+            caller.owner, tags=body.tags, user_metadata=body.user_metadata, sdk_version=body.sdk_version,
+            project_id=body.project_id, display_name=body.display_name,
+        )
+    )
+    return {"session_id": s.session_id}
+
+
+@router.post("/session_heartbeat")
+async def heartbeat(body: SessionHeartbeatRequest, request: Request, caller: Caller = Depends(caller_of)):
+    state = state_of(request)
+    await owned_session(state, caller, body.session_id)
+    if not await run_in_threadpool(state.store.heartbeat, body.session_id):
+        # 410 tells the SDK to stop its heartbeat loop for good.
+        return JSONResponse({"detail": f"session {body.session_id!r} is finished"}, status_code=410)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    await owned_session(state, caller, session_id)
+    raw = await request.body()
+    body = FinishSessionRequest.model_validate_json(raw) if raw else FinishSessionRequest()
+    await run_in_threadpool(state.store.finish_session, session_id, body.reason.type, body.detail)
+    return {}
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request, limit: int = 20, offset: int = 0, caller: Caller = Depends(caller_of)) -> dict:
+    page = await run_in_threadpool(state_of(request).store.list_sessions, caller.owner, max(1, min(limit, 1000)), max(0, offset))
+    return {"sessions": [s.session_id for s in page.items]}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    s = await owned_session(state, caller, session_id)
+    models = await run_in_threadpool(state.store.list_session_models, session_id)
+    samplers = await run_in_threadpool(state.store.list_session_sampling_sessions, session_id)
+    return {
+        "training_run_ids": [m.model_id for m in models],
+        "sampler_ids": [x.sampling_session_id for x in samplers],
+        "user_metadata": {k: str(v) for k, v in (s.user_metadata or {}).items()},
+        "display_name": s.display_name,
+    }

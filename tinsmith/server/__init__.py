@@ -1,0 +1,1 @@
+"""Server assembly: configuration, and the objects (store, worker, engine) the API drives."""

@@ -1,0 +1,88 @@
+"""Builds and owns the running server's parts: store, worker, engine and authenticator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tinsmith.api.auth import Authenticator
+from tinsmith.engine.scheduler import Engine
+from tinsmith.server.config import ServerConfig
+from tinsmith.server.operations import WorkerOperations
+from tinsmith.store import Store
+from tinsmith.worker.service import RuntimeOptions, Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    store: Store
+    worker: Worker
+    engine: Engine
+    auth: Authenticator
+
+    @classmethod
+    def build(cls, config: ServerConfig) -> "ServerState":
+        if not config.base_model:
+            raise ValueError("no base model: pass --base-model ID_OR_DIR (or TINSMITH_BASE_MODEL)")
+        store = Store(config.resolved_database_url)
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        worker = Worker(
+            RuntimeOptions(
+                device=device,
+                max_lora_adapters=config.max_lora_adapters,
+                max_lora_rank=config.max_lora_rank,
+                micro_batch_tokens=config.train_micro_batch_tokens,
+                micro_batch_seqs=config.train_micro_batch_size or (1 << 30),
+                gradient_checkpointing=config.gradient_checkpointing,
+                max_full_finetunes=config.max_full_finetunes,
+            )
+        )
+        engine = Engine(WorkerOperations(worker, store), store)
+        return cls(config, store, worker, engine, Authenticator(config.api_keys_file))
+
+    def load_models(self) -> None:
+        """Load every base model (blocking; done once at start-up)."""
+        for name in self.config.base_model:
+            self.worker.add_base_model(name)
+        for alias, target in self.config.aliases().items():
+            if target in self.worker.bases:
+                self.worker.add_alias(alias, target)
+            else:
+                self.worker.add_base_model(alias, target)
+
+    def recover_after_restart(self) -> None:
+        """Nothing in memory survived the last process: say so, durably and clearly.
+
+        Runs that were active have lost their unsaved adapter state; requests that were still
+        pending or running are failed with a message naming the model, so no client waits on
+        a future that can never complete.
+        """
+        lost = self.store.list_models_by_status("active")
+        for m in lost:
+            self.store.update_model_status(m.model_id, "lost")
+        for r in self.store.list_unfinished_requests():
+            target = f" for model {r.model_id!r}" if r.model_id else ""
+            self.store.fail_request(
+                r.request_id,
+                f"the server restarted while this {r.kind} request{target} was in flight; "
+                "its in-memory state was lost. Re-create the model or load it from a checkpoint.",
+                "server",
+            )
+        if lost:
+            log.info("restart: %d training run(s) marked lost", len(lost))
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.store.migrate)
+        await asyncio.to_thread(self.recover_after_restart)
+        await asyncio.to_thread(self.load_models)
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+        self.store.close()

@@ -1,0 +1,168 @@
+"""The worker: every base model this server holds, and every training run placed on one.
+
+It is the only object that touches torch. The engine calls it from a single dedicated thread,
+so its methods need no locking. Training runs are addressed by their public ``model_id``; the
+worker maps each to (base model, trainable unit).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, StateLostError, TinsmithError
+from tinsmith.models.config import ModelConfig
+from tinsmith.models.loading import LoadedModel, load_model
+from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
+from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RuntimeOptions:
+    device: str = "cpu"
+    max_lora_adapters: int = 16
+    max_lora_rank: int = 128
+    micro_batch_tokens: int = 16384
+    micro_batch_seqs: int = 1 << 30
+    gradient_checkpointing: bool = False
+    max_full_finetunes: int = 1
+
+
+@dataclass
+class BaseModel:
+    """One served base model: its public name, weights, and the shared LoRA runtime."""
+
+    name: str
+    source: str
+    loaded: LoadedModel
+    lora: TrainingRuntime
+    full: dict[str, TrainingRuntime] = field(default_factory=dict)  # model_id -> private copy
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.loaded.config
+
+
+@dataclass
+class Placement:
+    base: BaseModel
+    runtime: TrainingRuntime
+    unit: int
+    is_lora: bool
+    lora: LoraSpec | None
+
+
+class Worker:
+    def __init__(self, options: RuntimeOptions):
+        self.options = options
+        self.bases: dict[str, BaseModel] = {}
+        self.aliases: dict[str, str] = {}
+        self.placements: dict[str, Placement] = {}
+
+    # ----------------------------------------------------------------------------- base models
+    def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
+        """Load ``source`` (dir or HF id) and serve it under ``name``."""
+        o = self.options
+        loaded = load_model(source or name, device=o.device)
+        rt = TrainingRuntime(
+            loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
+            micro_batch_tokens=o.micro_batch_tokens, micro_batch_seqs=o.micro_batch_seqs,
+            gradient_checkpointing=o.gradient_checkpointing,
+        )
+        base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
+        self.bases[name] = base
+        log.info("serving %s from %s (%s, %.1fM params)", name, loaded.model_dir, loaded.config.family,
+                 loaded.config.num_params / 1e6)
+        return base
+
+    def add_alias(self, alias: str, name: str) -> None:
+        self.aliases[alias] = name
+
+    def resolve_base(self, name: str) -> BaseModel:
+        """The base model a client's ``base_model`` string refers to (aliases and ``:peft:<ctx>`` suffixes allowed)."""
+        for candidate in (name, name.split(":peft:")[0]):
+            key = self.aliases.get(candidate, candidate)
+            if key in self.bases:
+                return self.bases[key]
+        served = ", ".join(sorted(set(self.bases) | set(self.aliases)))
+        raise InvalidInputError(f"base_model {name!r} is not served here; served models: {served}")
+
+    # ----------------------------------------------------------------------------- training runs
+    def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> Placement:
+        if model_id in self.placements:  # replayed create: keep the existing run
+            return self.placements[model_id]
+        base = self.resolve_base(base_model)
+        if lora is not None:
+            unit = base.lora.create_adapter(lora)
+            placement = Placement(base, base.lora, unit, True, lora)
+        else:
+            if sum(len(b.full) for b in self.bases.values()) >= self.options.max_full_finetunes:
+                raise CapacityError(
+                    f"this server holds at most {self.options.max_full_finetunes} full fine-tuning runs "
+                    "(--max-full-finetunes); use a LoRA config or unload one"
+                )
+            model = copy.deepcopy(base.loaded.model)
+            if model.config.tie_word_embeddings:
+                model.lm_head.weight = model.model.embed_tokens.weight
+            rt = TrainingRuntime(model, full_finetune=True, micro_batch_tokens=self.options.micro_batch_tokens,
+                                 micro_batch_seqs=self.options.micro_batch_seqs,
+                                 gradient_checkpointing=self.options.gradient_checkpointing)
+            base.full[model_id] = rt
+            placement = Placement(base, rt, FULL_UNIT, False, None)
+        self.placements[model_id] = placement
+        return placement
+
+    def placement(self, model_id: str) -> Placement:
+        try:
+            return self.placements[model_id]
+        except KeyError:
+            raise StateLostError(
+                f"model {model_id!r} has no state on this server (it was unloaded, or the server restarted "
+                "before it was saved); create it again or load it from a checkpoint"
+            ) from None
+
+    def has_model(self, model_id: str) -> bool:
+        return model_id in self.placements
+
+    def unload_model(self, model_id: str) -> None:
+        p = self.placements.pop(model_id, None)
+        if p is None:
+            return
+        if p.is_lora:
+            p.runtime.delete_adapter(p.unit)
+        else:
+            p.base.full.pop(model_id, None)
+
+    # ----------------------------------------------------------------------------- work
+    def forward_backward(self, batch: list[tuple[str, ForwardBackwardInput]]) -> list[ForwardBackwardResult | TinsmithError]:
+        """Run many runs' forward/backward requests; requests sharing a runtime go in one call."""
+        results: list[ForwardBackwardResult | TinsmithError | None] = [None] * len(batch)
+        groups: dict[int, tuple[TrainingRuntime, list[int]]] = {}
+        for i, (model_id, inp) in enumerate(batch):
+            try:
+                p = self.placement(model_id)
+            except TinsmithError as e:
+                results[i] = e
+                continue
+            groups.setdefault(id(p.runtime), (p.runtime, []))[1].append(i)
+        for rt, idxs in groups.values():
+            reqs = [TrainRequest(self.placements[batch[i][0]].unit, batch[i][1]) for i in idxs]
+            for i, res in zip(idxs, rt.forward_backward(reqs)):
+                results[i] = res
+        return results  # type: ignore[return-value]
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        p = self.placement(model_id)
+        return p.runtime.optim_step(p.unit, params)
+
+    def model_config(self, base_model: str) -> ModelConfig:
+        return self.resolve_base(base_model).config
+
+    @staticmethod
+    def device_summary() -> str:
+        return f"cuda:{torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
