@@ -19,6 +19,9 @@ from torch.nn import functional as F
 
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
 Segments = list[tuple[int | None, int, int]]
+# Inference-only alternative: (adapter slot, LongTensor of row indices) for rows that are not
+# contiguous (a decode batch whose rows come and go); applied with an in-place index_add.
+RowGroups = list[tuple[int, torch.Tensor]]
 
 
 @dataclass
@@ -53,10 +56,12 @@ class LoraLinear(nn.Module):
     def remove_adapter(self, slot: int) -> None:
         self.adapters.pop(slot, None)
 
-    def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if not segments or not self.adapters:
             return y
+        if len(segments[0]) == 2:
+            return self._forward_groups(x, y, segments)  # type: ignore[arg-type]
         shape = y.shape
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, shape[-1])
@@ -70,6 +75,15 @@ class LoraLinear(nn.Module):
         for w, a, b in active:
             pieces.append(y2[a:b] if w is None else y2[a:b] + self._delta(x2[a:b], w))
         return torch.cat(pieces, dim=0).reshape(shape)
+
+    def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        shape = y.shape
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1])
+        for slot, rows in groups:
+            w = self.adapters.get(slot)
+            if w is not None:
+                y2.index_add_(0, rows, self._delta(x2.index_select(0, rows), w))
+        return y2.reshape(shape)
 
     @staticmethod
     def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:

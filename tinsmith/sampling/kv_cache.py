@@ -1,0 +1,114 @@
+"""KV cache for continuous batching: one row per live sequence, grown in blocks.
+
+Each layer keeps ``K, V`` of shape ``(rows, kv_heads, capacity, head_dim)``. Capacity grows in
+blocks of ``BLOCK`` positions as the longest live sequence grows (never reserved for the
+maximum length up front), and rows are kept dense: when a sequence finishes, the last live row
+moves into its place, so a decode step always runs over rows ``[0, n)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from tinsmith.models.config import ModelConfig
+
+BLOCK = 64
+
+
+def _round_up(n: int, block: int) -> int:
+    return max(block, -(-n // block) * block)
+
+
+class RowKVCache:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 8):
+        self.cfg = cfg
+        self.device, self.dtype = device, dtype
+        self.capacity = BLOCK
+        self.row_capacity = rows
+        shape = (rows, cfg.num_kv_heads, self.capacity, cfg.head_dim)
+        self.K = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.V = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens held per row
+
+    # ----------------------------------------------------------------------------- sizing
+    def ensure(self, rows: int, length: int) -> None:
+        """Make room for ``rows`` rows of ``length`` positions (grows geometrically / by blocks)."""
+        new_rows = self.row_capacity if rows <= self.row_capacity else max(rows, 2 * self.row_capacity)
+        new_cap = self.capacity if length <= self.capacity else _round_up(max(length, self.capacity + BLOCK), BLOCK)
+        if new_rows == self.row_capacity and new_cap == self.capacity:
+            return
+        shape = (new_rows, self.cfg.num_kv_heads, new_cap, self.cfg.head_dim)
+        for store in (self.K, self.V):
+            for i, old in enumerate(store):
+                new = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                new[: self.row_capacity, :, : self.capacity] = old
+                store[i] = new
+        lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
+        lengths[: self.row_capacity] = self.lengths
+        self.lengths = lengths
+        self.row_capacity, self.capacity = new_rows, new_cap
+
+    def shrink(self, live_rows: int, max_len: int) -> None:
+        """Give memory back when the batch has become much smaller than the buffers."""
+        if self.capacity > 4 * _round_up(max_len, BLOCK) or self.row_capacity > 4 * max(live_rows, 8):
+            rows, cap = max(8, 2 * live_rows), _round_up(max(max_len, 1), BLOCK)
+            for store in (self.K, self.V):
+                for i, old in enumerate(store):
+                    store[i] = old[:rows, :, :cap].clone()
+            self.lengths = self.lengths[:rows].clone()
+            self.row_capacity, self.capacity = rows, cap
+
+    # ----------------------------------------------------------------------------- rows
+    def write_prefix(self, row: int, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Copy a prefilled prompt's K/V ``(kv_heads, length, head_dim)`` per layer into ``row``."""
+        for i, (k, v) in enumerate(layer_kv):
+            self.K[i][row, :, :length] = k[:, :length]
+            self.V[i][row, :, :length] = v[:, :length]
+        self.lengths[row] = length
+
+    def move_row(self, src: int, dst: int) -> None:
+        if src == dst:
+            return
+        n = int(self.lengths[src])
+        for store in (self.K, self.V):
+            for t in store:
+                t[dst, :, :n] = t[src, :, :n]
+        self.lengths[dst] = n
+
+    # ----------------------------------------------------------------------------- attention
+    def decode_attention(self, n: int):
+        """Attention backend for one decode step over rows ``[0, n)``.
+
+        Writes each row's new K/V at its current length, then attends over the row's
+        ``length + 1`` positions. Grouped-query heads are folded into the query dimension, so
+        cached K/V are never repeated.
+        """
+        pos = self.lengths[:n]
+        rows = torch.arange(n, device=self.device)
+        span = int(pos.max()) + 1
+        mask = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # (n, span)
+        mask = mask[:, None, None, :]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            K, V = self.K[layer], self.V[layer]
+            K[rows, :, pos] = k[:, :, 0]
+            V[rows, :, pos] = v[:, :, 0]
+            hq, hk = q.shape[1], k.shape[1]
+            rep = hq // hk
+            qg = q.reshape(n, hk, rep, q.shape[-1])  # (n, kv_heads, rep, d): rep queries per kv head
+            out = F.scaled_dot_product_attention(qg, K[:n, :, :span], V[:n, :, :span], attn_mask=mask)
+            return out.reshape(n, hq, 1, q.shape[-1])
+
+        return attend
+
+
+def recording_attention(store: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Causal attention for a prefill that also keeps every layer's K/V (after rotary)."""
+    from tinsmith.models.layers import causal_attention
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store.append((k, v))
+        return causal_attention(layer, q, k, v)
+
+    return attend

@@ -1,0 +1,71 @@
+"""Choosing the next token for every row of a decode batch at once.
+
+Randomness is counter-based: a row's uniform draw at step ``t`` is a hash of
+``(seed, sample index, t)``, so a seeded request samples the same tokens whatever else shares
+its batch, and no per-row generator objects or per-token Python calls are needed. The token is
+picked by inverse-CDF over the temperature-scaled, top-k / top-p truncated distribution.
+Returned logprobs are the model's own (temperature 1, untruncated): what a forward pass on the
+same tokens gives, which is what RL importance ratios need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixed 64-bit hash of int64 tensors (wrapping arithmetic)."""
+    x = x + torch.tensor(-7046029254386353131, dtype=torch.int64, device=x.device)  # 0x9E3779B97F4A7C15
+    x = (x ^ _srl(x, 30)) * torch.tensor(-4658895280553007687, dtype=torch.int64, device=x.device)
+    x = (x ^ _srl(x, 27)) * torch.tensor(-7723592293110705685, dtype=torch.int64, device=x.device)
+    return x ^ _srl(x, 31)
+
+
+def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift on int64."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def uniforms(seeds: torch.Tensor, sample_idx: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """U(0,1) per row from (seed, sample index, step); float64 for resolution over big vocabs."""
+    h = splitmix64(splitmix64(seeds ^ splitmix64(sample_idx)) + step)
+    return (_srl(h, 11).double() + 0.5) / float(1 << 53)
+
+
+def fold_seed(seed: int) -> int:
+    """Any Python int (the SDK allows 64-bit and beyond) folded into int64."""
+    s = seed & _MASK64
+    return s - (1 << 64) if s >= (1 << 63) else s
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row. Returns (tokens, their model logprobs, full model logprobs).
+
+    ``temperature`` 0 means greedy; ``top_k`` <= 0 means no limit; ``top_p`` in (0, 1].
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = temperature <= 0
+    V = logits.shape[-1]
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each entry
+    keep = (rank < k[:, None]) & ((before < top_p[:, None]) | (rank == 0))
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
+    cdf = torch.cumsum(kept, dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    pos = torch.searchsorted(cdf, target).clamp_(max=V - 1).squeeze(-1)
+    sampled = order.gather(-1, pos[:, None]).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs

@@ -1,0 +1,319 @@
+"""Continuous-batching sampler for one base model and all of its adapters.
+
+Requests of many tenants (each naming an adapter slot, or none for the base model) decode
+together. ``step`` admits waiting requests between decode steps (prefilling each prompt once
+for all of its ``num_samples`` copies), runs decode steps until its time budget is spent, and
+returns the requests that finished. Finished sequences leave the batch at once.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tinsmith.errors import InvalidInputError, TinsmithError
+from tinsmith.models.layers import CausalLM
+from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
+from tinsmith.sampling.logits import choose_tokens, fold_seed, uniforms
+from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
+from tinsmith.types import SampledSequence, SampleInput, SampleResult
+
+TOPK_SENTINEL = -99999.0
+
+
+@dataclass
+class SampleTask:
+    key: Any  # opaque to the sampler (the engine's job)
+    slot: int | None  # adapter slot to sample with; None = base model
+    input: SampleInput
+
+
+@dataclass
+class _TaskState:
+    task: SampleTask
+    stops: StopSpec
+    max_tokens: int
+    seed: int
+    sequences: list[SampledSequence | None]
+    prompt_logprobs: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None
+    topk_lps: np.ndarray | None = None
+    remaining: int = 0
+
+
+@dataclass
+class _Row:
+    state: _TaskState
+    sample_idx: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    watcher: StringStopWatcher | None = None
+
+
+class Sampler:
+    def __init__(
+        self,
+        model: CausalLM,
+        decode: Callable[[list[int]], str],
+        *,
+        max_rows: int = 256,
+        prefill_tokens: int = 8192,
+    ):
+        self.model = model
+        self.cfg = model.config
+        self.decode = decode
+        self.max_rows = max_rows
+        self.prefill_tokens = prefill_tokens
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = RowKVCache(self.cfg, self.device, self.dtype)
+        self.inbox: deque[SampleTask] = deque()
+        self.rows: list[_Row] = []
+        self._groups: list[tuple[int, torch.Tensor]] | None = None
+        self.stats = {"decode_steps": 0, "prefills": 0, "sampled_tokens": 0}
+
+    # ----------------------------------------------------------------------------- public
+    def add(self, task: SampleTask) -> None:
+        """Queue a request (thread-safe); it joins the batch at the next step."""
+        self.inbox.append(task)
+
+    def has_work(self) -> bool:
+        return bool(self.inbox or self.rows)
+
+    def step(self, budget_s: float = 0.05) -> list[tuple[Any, SampleResult | TinsmithError]]:
+        """Admit waiting requests, decode until ``budget_s`` is spent; return finished requests."""
+        done: list[tuple[Any, SampleResult | TinsmithError]] = []
+        deadline = time.perf_counter() + budget_s
+        with torch.inference_mode():
+            self._admit(done)
+            while self.rows and time.perf_counter() < deadline:
+                self._decode_step(done)
+                if self.inbox and len(self.rows) < self.max_rows:
+                    self._admit(done)
+            if not self.rows:
+                self.cache.shrink(0, 1)
+        return done
+
+    # ----------------------------------------------------------------------------- admission
+    def _validate(self, task: SampleTask) -> _TaskState:
+        inp = task.input
+        P, V, ctx = len(inp.prompt), self.cfg.vocab_size, self.cfg.max_position_embeddings
+        if P == 0:
+            raise InvalidInputError("prompt must hold at least one token")
+        if int(np.min(inp.prompt)) < 0 or int(np.max(inp.prompt)) >= V:
+            raise InvalidInputError(f"prompt has token ids outside [0, {V}) (vocab size {V})")
+        if inp.num_samples < 1 or inp.num_samples > self.max_rows:
+            raise InvalidInputError(f"num_samples={inp.num_samples} must be in 1..{self.max_rows}")
+        max_tokens = inp.params.max_tokens if inp.params.max_tokens is not None else ctx - P
+        if max_tokens < 1 or P + max_tokens > ctx:
+            raise InvalidInputError(
+                f"sampling_params.max_tokens={inp.params.max_tokens}: prompt ({P} tokens) + max_tokens must fit "
+                f"the model's context of {ctx} tokens (and max_tokens must be >= 1)"
+            )
+        p = inp.params
+        if p.temperature < 0 or not math.isfinite(p.temperature):
+            raise InvalidInputError(f"sampling_params.temperature={p.temperature} must be >= 0")
+        if not (0 < p.top_p <= 1):
+            raise InvalidInputError(f"sampling_params.top_p={p.top_p} must be in (0, 1]")
+        seed = fold_seed(p.seed) if p.seed is not None else fold_seed(secrets.randbits(64))
+        stops = stop_spec(p.stop, self.cfg.eos_token_ids)
+        if stops.token_ids and max(stops.token_ids) >= V:
+            raise InvalidInputError(f"sampling_params.stop has token ids outside [0, {V})")
+        return _TaskState(task, stops, max_tokens, seed, [None] * inp.num_samples, remaining=inp.num_samples)
+
+    def _admit(self, done: list) -> None:
+        batch: list[_TaskState] = []
+        tokens = 0
+        rows = len(self.rows)
+        while self.inbox:
+            task = self.inbox[0]
+            n, P = task.input.num_samples, len(task.input.prompt)
+            if batch and (rows + n > self.max_rows or tokens + P > self.prefill_tokens):
+                break
+            if not batch and rows + n > self.max_rows:
+                break  # wait for rows to free up
+            self.inbox.popleft()
+            try:
+                st = self._validate(task)
+            except TinsmithError as e:
+                done.append((task.key, e))
+                continue
+            batch.append(st)
+            tokens += P
+            rows += n
+        if batch:
+            self._prefill(batch, done)
+
+    def _prefill(self, batch: list[_TaskState], done: list) -> None:
+        """Run every admitted prompt once (right-padded, grouped by adapter), seed its rows."""
+        batch.sort(key=lambda s: -1 if s.task.slot is None else s.task.slot)
+        lens = [len(s.task.input.prompt) for s in batch]
+        b, L = len(batch), max(lens)
+        toks = np.zeros((b, L), dtype=np.int64)
+        for i, s in enumerate(batch):
+            toks[i, : lens[i]] = s.task.input.prompt
+        tokens = torch.from_numpy(toks).to(self.device)
+        positions = torch.arange(L, device=self.device).expand(b, L)
+        segments = _row_segments([s.task.slot for s in batch], L)
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv))
+        last = hidden[torch.arange(b, device=self.device), torch.tensor(lens, device=self.device) - 1]
+        last_logits = self.model.logits(last, _row_segments([s.task.slot for s in batch], 1))
+        self.stats["prefills"] += b
+
+        new_rows = sum(s.task.input.num_samples for s in batch)
+        self.cache.ensure(len(self.rows) + new_rows, L + 1)
+        for i, st in enumerate(batch):
+            inp = st.task.input
+            if inp.prompt_logprobs or inp.topk_prompt_logprobs:
+                self._prompt_logprobs(st, hidden[i, : lens[i]])
+            n = inp.num_samples
+            p = inp.params
+            logits = last_logits[i : i + 1].expand(n, -1)
+            u = uniforms(torch.full((n,), st.seed, dtype=torch.long), torch.arange(n), torch.zeros(n, dtype=torch.long))
+            tok, lp, full = choose_tokens(
+                logits, torch.full((n,), p.temperature), torch.full((n,), p.top_k), torch.full((n,), p.top_p), u.to(self.device)
+            )
+            layer_kv = [(k[i], v[i]) for k, v in kv]
+            toks_l, lps_l = tok.tolist(), lp.tolist()
+            for j in range(n):
+                row = _Row(st, j)
+                if st.stops.strings:
+                    row.watcher = StringStopWatcher(st.stops.strings, self.decode)
+                r = len(self.rows)
+                self.rows.append(row)
+                self.cache.write_prefix(r, layer_kv, lens[i])
+                if self._push(row, toks_l[j], lps_l[j], full[j] if inp.topk_sample_logprobs else None):
+                    self._retire(r, "stop", done)
+                elif st.max_tokens <= 1:
+                    self._retire(r, "length", done)
+        self._groups = None
+
+    def _prompt_logprobs(self, st: _TaskState, h: torch.Tensor) -> None:
+        inp = st.task.input
+        P = h.shape[0]
+        slot = st.task.slot
+        lp = torch.log_softmax(self.model.logits(h, None if slot is None else [(slot, 0, P)]), dim=-1)
+        prompt = torch.as_tensor(inp.prompt, device=self.device)
+        first = 1 if inp.prompt_logprobs_last_n is None else max(1, P - inp.prompt_logprobs_last_n)
+        out = np.full(P, np.nan, dtype=np.float32)
+        if P > 1:
+            vals = lp[:-1].gather(-1, prompt[1:, None])[:, 0].float().cpu().numpy()
+            out[first:] = vals[first - 1 :]
+        st.prompt_logprobs = out if inp.prompt_logprobs else None
+        k = inp.topk_prompt_logprobs
+        if k:
+            ids = np.zeros((P, k), dtype=np.int32)
+            vals_k = np.full((P, k), TOPK_SENTINEL, dtype=np.float32)
+            if P > 1:
+                kk = min(k, lp.shape[-1])
+                top = torch.topk(lp[:-1], kk, dim=-1)
+                ids[first:, :kk] = top.indices[first - 1 :].cpu().numpy()
+                vals_k[first:, :kk] = top.values[first - 1 :].float().cpu().numpy()
+            st.topk_ids, st.topk_lps = ids, vals_k
+
+    # ----------------------------------------------------------------------------- decoding
+    def _decode_step(self, done: list) -> None:
+        n = len(self.rows)
+        lengths = self.cache.lengths[:n]
+        self.cache.ensure(n, int(lengths.max()) + 1)
+        last = torch.tensor([r.tokens[-1] for r in self.rows], device=self.device)[:, None]
+        positions = self.cache.lengths[:n][:, None]
+        groups = self._row_groups()
+        hidden = self.model.hidden_states(last, positions, groups, attend=self.cache.decode_attention(n))
+        logits = self.model.logits(hidden[:, 0], groups)
+        self.cache.lengths[:n] += 1
+        params = [(r.state.task.input.params, r.state.seed, r.sample_idx, len(r.tokens)) for r in self.rows]
+        temp = torch.tensor([p.temperature for p, *_ in params], device=self.device)
+        top_k = torch.tensor([p.top_k for p, *_ in params], device=self.device)
+        top_p = torch.tensor([p.top_p for p, *_ in params], device=self.device)
+        u = uniforms(
+            torch.tensor([s for _, s, _, _ in params], dtype=torch.long),
+            torch.tensor([j for _, _, j, _ in params], dtype=torch.long),
+            torch.tensor([t for *_, t in params], dtype=torch.long),
+        ).to(self.device)
+        tok, lp, full = choose_tokens(logits, temp, top_k, top_p, u)
+        self.stats["decode_steps"] += 1
+        self.stats["sampled_tokens"] += n
+        finished: list[tuple[int, str]] = []
+        for r, (row, t, l) in enumerate(zip(self.rows, tok.tolist(), lp.tolist())):
+            want_topk = row.state.task.input.topk_sample_logprobs
+            if self._push(row, t, l, full[r] if want_topk else None):
+                finished.append((r, "stop"))
+            elif len(row.tokens) >= row.state.max_tokens:
+                finished.append((r, "length"))
+        for r, reason in sorted(finished, reverse=True):
+            self._retire(r, reason, done)
+        if finished:
+            self._groups = None
+
+    def _push(self, row: _Row, token: int, logprob: float, full: torch.Tensor | None) -> bool:
+        """Record a sampled token; True if it ends the sequence by a stop condition."""
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        if full is not None:
+            k = row.state.task.input.topk_sample_logprobs
+            top = torch.topk(full, min(k, full.shape[-1]))
+            row.topk.append((top.indices.tolist(), top.values.tolist()))
+        if token in row.state.stops.token_ids:
+            return True
+        return row.watcher is not None and row.watcher.push(token)
+
+    def _retire(self, r: int, reason: str, done: list) -> None:
+        """Move a finished row out of the batch (the last row takes its place)."""
+        row = self.rows[r]
+        st = row.state
+        seq = SampledSequence(
+            tokens=np.asarray(row.tokens, dtype=np.int32),
+            logprobs=np.asarray(row.logprobs, dtype=np.float32),
+            stop_reason=reason,  # type: ignore[arg-type]
+        )
+        k = st.task.input.topk_sample_logprobs
+        if k:
+            ids = np.zeros((len(row.tokens), k), dtype=np.int32)
+            vals = np.full((len(row.tokens), k), TOPK_SENTINEL, dtype=np.float32)
+            for t, (ii, vv) in enumerate(row.topk):
+                ids[t, : len(ii)] = ii
+                vals[t, : len(vv)] = vv
+            seq.topk_token_ids, seq.topk_logprobs = ids, vals
+        st.sequences[row.sample_idx] = seq
+        st.remaining -= 1
+        if st.remaining == 0:
+            done.append((st.task.key, SampleResult(
+                sequences=list(st.sequences),  # type: ignore[arg-type]
+                prompt_logprobs=st.prompt_logprobs,
+                topk_prompt_token_ids=st.topk_ids,
+                topk_prompt_logprobs=st.topk_lps,
+            )))
+        last = len(self.rows) - 1
+        self.cache.move_row(last, r)
+        self.rows[r] = self.rows[last]
+        self.rows.pop()
+
+    def _row_groups(self) -> list[tuple[int, torch.Tensor]] | None:
+        if self._groups is None:
+            by_slot: dict[int, list[int]] = {}
+            for i, row in enumerate(self.rows):
+                if row.state.task.slot is not None:
+                    by_slot.setdefault(row.state.task.slot, []).append(i)
+            self._groups = [(s, torch.tensor(ix, device=self.device)) for s, ix in by_slot.items()]
+        return self._groups or None
+
+
+def _row_segments(slots: list[int | None], width: int):
+    """Contiguous (slot, start, end) segments for rows sorted by slot, each ``width`` wide."""
+    segs: list[tuple[int | None, int, int]] = []
+    for i, s in enumerate(slots):
+        if segs and segs[-1][0] == s:
+            segs[-1] = (s, segs[-1][1], (i + 1) * width)
+        else:
+            segs.append((s, i * width, (i + 1) * width))
+    return segs
