@@ -1,5 +1,10 @@
 """The engine: orders each training run's requests, batches runs together, completes futures.
 
+Sharing the device between training and sampling: when both have work, the engine alternates
+one training call with one sampling time slice (``sampling_slice_s`` of decode steps, with
+new requests joining between steps). Neither can starve the other; a training call is never
+interrupted, so a very large forward_backward delays sampling by its own duration.
+
 * Every accepted request becomes a :class:`Job` in its model's queue, ordered by ``seq_id``.
   A model runs one job at a time (its next job waits for the previous one), so a run's
   forward_backward / optim_step / save sequence is applied in the order the client sent it.
@@ -72,6 +77,13 @@ class Operations(Protocol):
 
     def run_one(self, job: Job) -> Outcome: ...
 
+    # Continuous work (sampling): jobs join a running batch and finish at their own pace.
+    def sample_submit(self, job: Job) -> None: ...  # thread-safe, called on the event loop
+
+    def sample_has_work(self) -> bool: ...
+
+    def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]: ...
+
 
 class ResultSink(Protocol):
     def complete_request(self, request_id: str, result: bytes, content_type: str) -> bool: ...
@@ -81,11 +93,13 @@ class ResultSink(Protocol):
 
 class Engine:
     def __init__(self, operations: Operations, sink: ResultSink, executor: Executor | None = None,
-                 cheap_kinds: tuple[str, ...] = ("optim_step", "create_model", "unload_model")):
+                 cheap_kinds: tuple[str, ...] = ("optim_step", "create_model", "unload_model"),
+                 sampling_slice_s: float = 0.05):
         self.ops = operations
         self.sink = sink
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinsmith-worker")
         self.cheap_kinds = cheap_kinds
+        self.sampling_slice_s = sampling_slice_s
         self.queues: dict[str, list[Job]] = {}
         self.unordered: list[Job] = []  # jobs without a model (sampling etc.)
         self.busy_models: set[str] = set()
@@ -115,7 +129,9 @@ class Engine:
         """Queue a persisted request. Must be called on the event loop."""
         self.waiters.setdefault(job.request_id, asyncio.get_running_loop().create_future())
         self.owners[job.request_id] = job.owner
-        if job.model_id is None:
+        if job.kind == "sample":
+            self.ops.sample_submit(job)
+        elif job.model_id is None:
             self.unordered.append(job)
         else:
             q = self.queues.setdefault(job.model_id, [])
@@ -145,21 +161,45 @@ class Engine:
 
     # ----------------------------------------------------------------------------- dispatch
     async def _dispatch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        sampling_turn = False
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while True:
-                work = self._take_work()
-                if work is None:
-                    break
-                kind, jobs = work
+            training = self._has_training_work()
+            sampling = self.ops.sample_has_work()
+            if not training and not sampling:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if sampling and (sampling_turn or not training):
+                sampling_turn = False
                 try:
-                    outcomes = await asyncio.get_running_loop().run_in_executor(self.executor, self._execute, kind, jobs)
-                except Exception as exc:  # the executor itself failed: fail the jobs, keep serving
-                    log.exception("worker call failed")
-                    outcomes = [Outcome.failure(exc) for _ in jobs]
-                    await asyncio.get_running_loop().run_in_executor(None, self._persist, jobs, outcomes)
-                self._finish(jobs, outcomes)
+                    pairs = await loop.run_in_executor(self.executor, self._sample_slice)
+                except Exception:
+                    log.exception("sampling step failed")
+                    pairs = []
+                self._finish([j for j, _ in pairs], [o for _, o in pairs])
+                await asyncio.sleep(0)  # let submissions in between slices
+                continue
+            sampling_turn = True
+            work = self._take_work()
+            if work is None:
+                continue
+            kind, jobs = work
+            try:
+                outcomes = await loop.run_in_executor(self.executor, self._execute, kind, jobs)
+            except Exception as exc:  # the executor itself failed: fail the jobs, keep serving
+                log.exception("worker call failed")
+                outcomes = [Outcome.failure(exc) for _ in jobs]
+                await loop.run_in_executor(None, self._persist, jobs, outcomes)
+            self._finish(jobs, outcomes)
+
+    def _has_training_work(self) -> bool:
+        return bool(self.unordered) or any(q and m not in self.busy_models for m, q in self.queues.items())
+
+    def _sample_slice(self) -> list[tuple[Job, Outcome]]:
+        pairs = self.ops.sample_step(self.sampling_slice_s)
+        self._persist([j for j, _ in pairs], [o for _, o in pairs])
+        return pairs
 
     def _take_work(self) -> tuple[str, list[Job]] | None:
         """Pick the next worker call: cheap heads first, then one batch of forward/backward heads."""
@@ -213,10 +253,12 @@ class Engine:
                 log.exception("could not persist the outcome of %s", job.request_id)
 
     def _finish(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
+        if not jobs:
+            return
         self.stats["batches"] += 1
         self.stats["jobs"] += len(jobs)
         for job, out in zip(jobs, outcomes):
-            if job.model_id is not None:
+            if job.model_id is not None and job.kind != "sample":
                 self.busy_models.discard(job.model_id)
                 if not self.queues.get(job.model_id):
                     self.queues.pop(job.model_id, None)

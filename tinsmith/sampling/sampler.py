@@ -88,6 +88,11 @@ class Sampler:
     def has_work(self) -> bool:
         return bool(self.inbox or self.rows)
 
+    def slots_in_use(self) -> set[int]:
+        """Adapter slots that queued or running requests read (must not be unloaded)."""
+        used = {r.state.task.slot for r in self.rows} | {t.slot for t in list(self.inbox)}
+        return {s for s in used if s is not None}
+
     def step(self, budget_s: float = 0.05) -> list[tuple[Any, SampleResult | TinsmithError]]:
         """Admit waiting requests, decode until ``budget_s`` is spent; return finished requests."""
         done: list[tuple[Any, SampleResult | TinsmithError]] = []

@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tinsmith.api import codecs
 from tinsmith.engine.scheduler import Job, Outcome
-from tinsmith.errors import InvalidInputError, TinsmithError
-from tinsmith.types import ForwardBackwardResult
+from tinsmith.errors import ConflictError, InvalidInputError, TinsmithError
+from tinsmith.checkpoints.peft_format import save_peft_adapter
+from tinsmith.sampling.sampler import SampleTask
+from tinsmith.types import ForwardBackwardResult, SampleInput, SampleResult
 from tinsmith.worker.service import Worker
 
 log = logging.getLogger(__name__)
@@ -32,12 +39,63 @@ def encode_fb(result: ForwardBackwardResult, wire: str) -> Outcome:
     return json_outcome(codecs.encode_forward_backward_output_json(result))
 
 
+def encode_sample(result: SampleResult, wire: str) -> Outcome:
+    if wire == "protobuf":
+        return Outcome(result=codecs.encode_sample_response_protobuf(result), content_type=PROTOBUF)
+    return json_outcome(codecs.encode_sample_response_json(result))
+
+
+@dataclass
+class SampleArgs:
+    """What a sample job needs besides the input: which weights, and the ids to report."""
+
+    base_model: str
+    snapshot_key: str | None  # None: the base model itself
+    storage_path: str | None  # where a named snapshot can be reloaded from
+    input: SampleInput
+    sequence_ids: list[str]
+
+
+@dataclass
+class SamplerSaveArgs:
+    """save_weights_for_sampler: an ephemeral snapshot for a new sampler, or a named, stored one."""
+
+    sampling_session_id: str | None = None
+    name: str | None = None
+    tinker_path: str | None = None
+    directory: Path | None = None
+    expires_at: Any = None
+    user_metadata: dict | None = None
+    owner: str = ""
+
+
+class StabilityLog:
+    """Sampler logprobs kept per sequence id (``record_stability_info``), bounded LRU."""
+
+    def __init__(self, capacity: int = 200_000):
+        self.capacity = capacity
+        self._data: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, sequence_id: str, tokens, logprobs) -> None:
+        with self._lock:
+            self._data[sequence_id] = (tokens, logprobs, time.time())
+            while len(self._data) > self.capacity:
+                self._data.popitem(last=False)
+
+    def get(self, sequence_id: str):
+        with self._lock:
+            return self._data.get(sequence_id)
+
+
 class WorkerOperations:
     """The engine's ``Operations``: one method per job kind."""
 
     def __init__(self, worker: Worker, store=None):
         self.worker = worker
         self.store = store
+        self._sample_inbox: deque[Job] = deque()
+        self.stability = StabilityLog()
 
     def run_batch(self, kind: str, jobs: list[Job]) -> list[Outcome]:
         results = self.worker.forward_backward([(j.model_id, j.args) for j in jobs])
@@ -80,3 +138,65 @@ class WorkerOperations:
         if self.store is not None:
             self.store.update_model_status(job.model_id, "unloaded")
         return json_outcome({"model_id": job.model_id})
+
+    # ----------------------------------------------------------------------------- sampler weights
+    def _save_weights_for_sampler(self, job: Job) -> Outcome:
+        a: SamplerSaveArgs = job.args
+        if a.name is None:
+            self.worker.snapshot(job.model_id, a.sampling_session_id)
+            return json_outcome({"sampling_session_id": a.sampling_session_id})
+        if self.store.get_checkpoint(job.model_id, "sampler_weights", a.name) is not None:
+            # A failed future rather than an HTTP 409, which the SDK would retry for minutes.
+            raise ConflictError(f"sampler weights {a.tinker_path!r} already exist; save under another name")
+        spec, tensors, base = self.worker.adapter_weights(job.model_id)
+        size = save_peft_adapter(a.directory, spec, tensors, base.name)
+        self.store.put_checkpoint(job.model_id, "sampler_weights", a.name, owner=a.owner, storage_path=str(a.directory),
+                                  size_bytes=size, expires_at=a.expires_at, user_metadata=a.user_metadata)
+        self.worker.snapshot(job.model_id, a.tinker_path, reloadable=True)
+        return json_outcome({"path": a.tinker_path})
+
+    # ----------------------------------------------------------------------------- sampling
+    def sample_submit(self, job: Job) -> None:
+        self._sample_inbox.append(job)
+
+    def sample_has_work(self) -> bool:
+        return bool(self._sample_inbox) or any(s.has_work() for s in self.worker.samplers.values())
+
+    def _resolve_slot(self, a: SampleArgs) -> tuple[Any, int | None]:
+        base = self.worker.resolve_base(a.base_model)
+        if a.snapshot_key is None:
+            return base, None
+        if a.snapshot_key in self.worker.snapshots:
+            snap = self.worker.use_snapshot(a.snapshot_key)
+        elif a.storage_path is not None:
+            snap = self.worker.load_snapshot(a.snapshot_key, a.base_model, Path(a.storage_path))
+        else:
+            raise InvalidInputError(
+                f"the weights of sampler {a.snapshot_key!r} are no longer held (evicted or lost in a restart); "
+                "save them again with save_weights_and_get_sampling_client"
+            )
+        return snap.base, snap.slot
+
+    def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]:
+        out: list[tuple[Job, Outcome]] = []
+        while self._sample_inbox:
+            job = self._sample_inbox.popleft()
+            try:
+                base, slot = self._resolve_slot(job.args)
+                self.worker.sampler(base).add(SampleTask(job, slot, job.args.input))
+            except Exception as exc:
+                out.append((job, Outcome.failure(exc)))
+        busy = [s for s in self.worker.samplers.values() if s.has_work()]
+        for sampler in busy:
+            for job, res in sampler.step(budget_s / len(busy)):
+                if isinstance(res, Exception):
+                    out.append((job, Outcome.failure(res)))
+                    continue
+                if job.args.input.record_stability_info:
+                    for sid, seq in zip(job.args.sequence_ids, res.sequences):
+                        self.stability.put(sid, seq.tokens, seq.logprobs)
+                try:
+                    out.append((job, encode_sample(res, job.wire)))
+                except Exception as exc:
+                    out.append((job, Outcome.failure(exc)))
+        return out

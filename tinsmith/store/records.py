@@ -95,6 +95,7 @@ class SamplingSessionRecord:
     owner: str
     base_model: str
     model_path: str | None
+    snapshot_of: str | None
     created_at: datetime
 
 

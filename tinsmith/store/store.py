@@ -497,6 +497,7 @@ class Store:
         base_model: str,
         session_id: str | None = None,
         model_path: str | None = None,
+        snapshot_of: str | None = None,
     ) -> tuple[SamplingSessionRecord, bool]:
         """Record a sampler (id normally ``ids.sampling_session_id_for(session, seq)``).
 
@@ -508,6 +509,7 @@ class Store:
             owner=owner,
             base_model=base_model,
             model_path=model_path,
+            snapshot_of=snapshot_of,
             created_at=self._clock(),
             next_client_counter=0,
             next_sequence_number=0,

@@ -180,6 +180,9 @@ class SamplingSessionTable(Base):
     owner: Mapped[str] = mapped_column(String)
     base_model: Mapped[str] = mapped_column(String)
     model_path: Mapped[str | None] = mapped_column(String)
+    # The training run whose weights were frozen in memory for this sampler
+    # (save_weights_and_get_sampling_client); None for base-model and model_path samplers.
+    snapshot_of: Mapped[str | None] = mapped_column(String, nullable=True)
     created_at: Mapped[datetime]
     # Counters handed out atomically: join_sampling_session's client_counter (0 is the
     # original client) and sampled-sequence numbers.

@@ -8,8 +8,11 @@ worker maps each to (base model, trainable unit).
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,7 +20,9 @@ from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, Sta
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.loading import LoadedModel, load_model
 from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
+from tinsmith.sampling.sampler import Sampler
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
+from tinsmith.worker.trainables import detach_lora, install_lora_weights, lora_tensors
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,8 @@ class RuntimeOptions:
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
     max_full_finetunes: int = 1
+    max_sampler_snapshots: int = 64
+    max_sampling_rows: int = 256
 
 
 @dataclass
@@ -49,6 +56,18 @@ class BaseModel:
 
 
 @dataclass
+class Snapshot:
+    """Frozen adapter weights that samplers read: never changed by later training."""
+
+    key: str
+    base: BaseModel
+    slot: int
+    spec: LoraSpec
+    reloadable: bool  # stored on disk, so it can be evicted and loaded again
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class Placement:
     base: BaseModel
     runtime: TrainingRuntime
@@ -63,6 +82,9 @@ class Worker:
         self.bases: dict[str, BaseModel] = {}
         self.aliases: dict[str, str] = {}
         self.placements: dict[str, Placement] = {}
+        self.snapshots: dict[str, Snapshot] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
 
     # ----------------------------------------------------------------------------- base models
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
@@ -163,6 +185,80 @@ class Worker:
     def model_config(self, base_model: str) -> ModelConfig:
         return self.resolve_base(base_model).config
 
+    # ----------------------------------------------------------------------------- sampling
+    def sampler(self, base: BaseModel) -> Sampler:
+        if base.name not in self.samplers:
+            self.samplers[base.name] = Sampler(base.loaded.model, _tokenizer_decoder(base.loaded.model_dir),
+                                               max_rows=self.options.max_sampling_rows)
+        return self.samplers[base.name]
+
+    def adapter_weights(self, model_id: str) -> tuple[LoraSpec, dict[str, torch.Tensor], BaseModel]:
+        p = self.placement(model_id)
+        if not p.is_lora:
+            raise InvalidInputError(f"model {model_id!r} is a full fine-tune; only LoRA runs can be sampled or exported as adapters")
+        return p.lora, lora_tensors(p.runtime.unit(p.unit)), p.base
+
+    def snapshot(self, model_id: str, key: str, reloadable: bool = False) -> Snapshot:
+        """Freeze the run's current adapter under ``key`` (a sampler id or a tinker path)."""
+        spec, tensors, base = self.adapter_weights(model_id)
+        return self._install_snapshot(key, base, spec, tensors, reloadable)
+
+    def load_snapshot(self, key: str, base_model: str, directory: Path) -> Snapshot:
+        from tinsmith.checkpoints.peft_format import load_peft_adapter
+
+        if key in self.snapshots:
+            return self.use_snapshot(key)
+        spec, tensors = load_peft_adapter(directory)
+        return self._install_snapshot(key, self.resolve_base(base_model), spec, tensors, reloadable=True)
+
+    def use_snapshot(self, key: str) -> Snapshot:
+        snap = self.snapshots[key]
+        snap.last_used = time.monotonic()
+        return snap
+
+    def _install_snapshot(self, key: str, base: BaseModel, spec: LoraSpec, tensors, reloadable: bool) -> Snapshot:
+        old = self.snapshots.pop(key, None)
+        slot = next(self._snapshot_slots)
+        install_lora_weights(base.loaded.model, slot, spec, tensors)
+        if old is not None:
+            self._drop_snapshot(old)
+        snap = Snapshot(key, base, slot, spec, reloadable)
+        self.snapshots[key] = snap
+        self._evict_snapshots()
+        return snap
+
+    def _drop_snapshot(self, snap: Snapshot) -> None:
+        detach_lora(snap.base.loaded.model, snap.slot)
+
+    def _evict_snapshots(self) -> None:
+        """Keep at most ``max_sampler_snapshots``: drop the least recently used ones not in use."""
+        excess = len(self.snapshots) - self.options.max_sampler_snapshots
+        if excess <= 0:
+            return
+        busy = {s for sampler in self.samplers.values() for s in sampler.slots_in_use()}
+        for snap in sorted(self.snapshots.values(), key=lambda s: s.last_used):
+            if excess <= 0:
+                break
+            if snap.slot in busy:
+                continue
+            del self.snapshots[snap.key]
+            self._drop_snapshot(snap)
+            excess -= 1
+
     @staticmethod
     def device_summary() -> str:
         return f"cuda:{torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
+
+
+def _tokenizer_decoder(model_dir: Path):
+    """token ids -> text, for stop strings (the fast tokenizer file when present)."""
+    tj = Path(model_dir) / "tokenizer.json"
+    if tj.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tj))
+        return lambda ids: tok.decode(ids, skip_special_tokens=False)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    return lambda ids: hf.decode(ids, skip_special_tokens=False)

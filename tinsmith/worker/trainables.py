@@ -109,3 +109,30 @@ def full_model_trainable(model: CausalLM) -> Trainable:
             raise InvalidInputError("full fine-tuning on CPU needs fp32 weights")
         named.append((name, p))
     return Trainable(slot=None, spec=None, named_params=named)
+
+
+def lora_tensors(tr: Trainable) -> dict[str, torch.Tensor]:
+    """A detached copy of an adapter's weights under their PEFT-style names."""
+    return {name: p.detach().clone() for name, p in tr.named_params}
+
+
+def install_lora_weights(model: CausalLM, slot: int, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Put frozen adapter weights into ``slot`` (sampler snapshots); checks every name and shape first."""
+    from tinsmith.models.lora import LoraWeights
+
+    targets = model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed)
+    planned = []
+    for name, layer in targets:
+        A, B = tensors.get(f"{name}.lora_A.weight"), tensors.get(f"{name}.lora_B.weight")
+        if A is None or B is None:
+            raise InvalidInputError(f"adapter weights lack {name}.lora_A/lora_B")
+        if A.shape != (spec.rank, layer.in_features) or B.shape != (layer.out_features, spec.rank):
+            raise InvalidInputError(
+                f"adapter tensor {name} has shapes {tuple(A.shape)}/{tuple(B.shape)}, the model needs "
+                f"{(spec.rank, layer.in_features)}/{(layer.out_features, spec.rank)}"
+            )
+        planned.append((layer, A, B))
+    device = next(model.parameters()).device
+    for layer, A, B in planned:
+        layer.adapters[slot] = LoraWeights(A.detach().to(device, torch.float32).clone(),
+                                           B.detach().to(device, torch.float32).clone(), spec.alpha / spec.rank)

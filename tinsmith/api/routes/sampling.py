@@ -1,0 +1,165 @@
+"""Sampling: sampler weights snapshots, sampling sessions, ``asample``."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from tinsmith.api import codecs
+from tinsmith.api.auth import Caller
+from tinsmith.api.common import caller_of, owned_model, owned_session, parse_json_object, read_body, state_of, submit
+from tinsmith.api.schemas import Body
+from tinsmith.checkpoints.paths import TinkerPath, check_name, checkpoint_directory, parse_tinker_path
+from tinsmith.errors import InvalidInputError, NotFoundError
+from tinsmith.server.operations import SampleArgs, SamplerSaveArgs
+from tinsmith.store.ids import sampling_session_id_for
+
+router = APIRouter(prefix="/api/v1")
+
+
+class SaveForSamplerRequest(Body):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    seq_id: int | None = None
+    kind: str | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict | None = None
+
+
+class CreateSamplingSessionRequest(Body):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class JoinSamplingSessionRequest(Body):
+    sampling_session_id: str
+
+
+def _result_wire(request: Request) -> str:
+    """SDKs up to 0.22.x read JSON sample results; newer ones require protobuf."""
+    version = request.headers.get("x-stainless-package-version", "")
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if m and tuple(int(x) for x in m.groups()) <= (0, 22, 999):
+        return "json"
+    return "protobuf"
+
+
+async def _sampler_checkpoint(state, caller: Caller, tp: TinkerPath):
+    """The stored sampler weights a tinker path names, if the caller may read them."""
+    if tp.kind != "sampler_weights":
+        raise InvalidInputError(f"model_path {str(tp)!r} must name sampler weights (tinker://RUN/sampler_weights/NAME)")
+    ck = await run_in_threadpool(state.store.get_checkpoint, tp.run_id, tp.kind, tp.name)
+    if ck is None or ck.status != "ready" or (ck.owner != caller.owner and not ck.public):
+        raise NotFoundError(f"sampler weights {str(tp)!r} not found")
+    return ck
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(body: SaveForSamplerRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    m = await owned_model(state, caller, body.model_id)
+    if not m.is_lora:
+        raise InvalidInputError(f"model {body.model_id!r} is a full fine-tune; sampler weights need a LoRA run")
+    payload = body.model_dump_json().encode()
+    if body.path is None:
+        if body.sampling_session_seq_id is None or m.session_id is None:
+            raise InvalidInputError("save_weights_for_sampler needs either path or sampling_session_seq_id")
+        sid = sampling_session_id_for(m.session_id, body.sampling_session_seq_id)
+        await run_in_threadpool(lambda: state.store.create_sampling_session(
+            sid, owner=caller.owner, base_model=m.base_model, session_id=m.session_id, snapshot_of=m.model_id))
+        args = SamplerSaveArgs(sampling_session_id=sid)
+    else:
+        name = check_name(body.path)
+        tp = TinkerPath(body.model_id, "sampler_weights", name)
+        expires = None
+        if body.ttl_seconds is not None:
+            expires = datetime.now(timezone.utc) + timedelta(seconds=body.ttl_seconds)
+        directory = checkpoint_directory(state.config.resolved_checkpoint_dir, tp)
+        args = SamplerSaveArgs(name=name, tinker_path=str(tp), directory=directory, expires_at=expires,
+                               user_metadata=body.user_metadata, owner=caller.owner)
+    return await submit(state, caller, "save_weights_for_sampler", args, payload=payload, payload_type="json",
+                        model_id=body.model_id, seq_id=body.seq_id)
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(body: CreateSamplingSessionRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    await owned_session(state, caller, body.session_id)
+    if (body.base_model is None) == (body.model_path is None):
+        raise InvalidInputError("create_sampling_session needs exactly one of base_model and model_path")
+    base_model = body.base_model
+    if body.model_path is not None:
+        tp = parse_tinker_path(body.model_path)
+        await _sampler_checkpoint(state, caller, tp)
+        run = await run_in_threadpool(state.store.get_model, tp.run_id)
+        if run is None:
+            raise NotFoundError(f"training run {tp.run_id!r} of {body.model_path!r} not found")
+        base_model = run.base_model
+    state.worker.resolve_base(base_model)
+    sid = sampling_session_id_for(body.session_id, body.sampling_session_seq_id)
+    await run_in_threadpool(lambda: state.store.create_sampling_session(
+        sid, owner=caller.owner, base_model=base_model, session_id=body.session_id, model_path=body.model_path))
+    return {"sampling_session_id": sid}
+
+
+@router.post("/join_sampling_session")
+async def join_sampling_session(body: JoinSamplingSessionRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    s = await run_in_threadpool(state.store.get_sampling_session, body.sampling_session_id)
+    if s is None or s.owner != caller.owner:
+        raise NotFoundError(f"sampler {body.sampling_session_id!r} not found")
+    return {"client_counter": await run_in_threadpool(state.store.join_sampling_session, body.sampling_session_id)}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    s = await run_in_threadpool(state.store.get_sampling_session, sampler_id)
+    if s is None or s.owner != caller.owner:
+        raise NotFoundError(f"sampler {sampler_id!r} not found")
+    return {"sampler_id": s.sampling_session_id, "base_model": s.base_model, "model_path": s.model_path}
+
+
+@router.post("/asample")
+async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    body = await read_body(request)
+    obj = parse_json_object(body)
+    sid, seq_id, base_model, model_path, inp = codecs.decode_sample_request_json(obj)
+    snapshot_key = storage_path = None
+    if sid is not None:
+        s = await run_in_threadpool(state.store.get_sampling_session, sid)
+        if s is None or s.owner != caller.owner:
+            raise NotFoundError(f"sampling_session_id {sid!r} not found")
+        base_model, model_path = s.base_model, s.model_path
+        if s.snapshot_of is not None:
+            snapshot_key = s.sampling_session_id
+    elif base_model is None and model_path is None:
+        raise InvalidInputError("asample needs sampling_session_id (or base_model / model_path)")
+    if model_path is not None:
+        tp = parse_tinker_path(model_path)
+        ck = await _sampler_checkpoint(state, caller, tp)
+        snapshot_key, storage_path = str(tp), ck.storage_path
+        if base_model is None:
+            run = await run_in_threadpool(state.store.get_model, tp.run_id)
+            base_model = run.base_model if run else None
+    state.worker.resolve_base(base_model or "")
+    first = await run_in_threadpool(state.store.reserve_sequence_numbers, sid, inp.num_samples) if sid else None
+    prefix = sid or "direct"
+    if first is None:
+        import uuid
+
+        ids = [f"{prefix}:seq:{uuid.uuid4().hex}" for _ in range(inp.num_samples)]
+    else:
+        ids = [f"{prefix}:seq:{first + i}" for i in range(inp.num_samples)]
+    args = SampleArgs(base_model or "", snapshot_key, storage_path, inp, ids)
+    return await submit(state, caller, "sample", args, payload=body, payload_type="json", sampling_session_id=sid,
+                        seq_id=seq_id if sid else None, wire=_result_wire(request),
+                        submit_info={"sample_sequence_ids": ids})
+

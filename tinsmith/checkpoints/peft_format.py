@@ -1,0 +1,110 @@
+"""LoRA adapters on disk in the PEFT layout (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Sampler weights are written this way so users can take them away and load them with ``peft``
+onto the Hugging Face base model. Writes are atomic: files go to a temporary directory that is
+renamed into place, with a SHA-256 of the weights recorded and checked on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tinsmith.errors import InvalidInputError
+from tinsmith.types import LoraSpec
+
+PEFT_PREFIX = "base_model.model."
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+
+
+def _targets(spec: LoraSpec) -> list[str]:
+    return [*(ATTN if spec.train_attn else ()), *(MLP if spec.train_mlp else ()), *(("lm_head",) if spec.train_unembed else ())]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_dir(final: Path) -> Path:
+    """A fresh temporary sibling of ``final``; pass it to :func:`commit_dir` when complete."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Replace ``final`` with ``tmp`` (rename is atomic; an old copy is removed after)."""
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str) -> int:
+    """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written."""
+    tmp = atomic_dir(directory)
+    try:
+        save_file({PEFT_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in tensors.items()},
+                  str(tmp / WEIGHTS), metadata={"format": "pt"})
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": spec.rank,
+            "lora_alpha": spec.alpha,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": _targets(spec),
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
+            "tinsmith": {"seed": spec.seed, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp,
+                         "train_unembed": spec.train_unembed, "sha256": sha256_file(tmp / WEIGHTS)},
+        }
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        size = sum(f.stat().st_size for f in tmp.iterdir())
+        commit_dir(tmp, directory)
+        return size
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_peft_adapter(directory: Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """Read an adapter written by :func:`save_peft_adapter` (or any PEFT LoRA on our targets)."""
+    cfg_path, w_path = directory / CONFIG, directory / WEIGHTS
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise InvalidInputError(f"no LoRA adapter at {str(directory)!r}")
+    cfg = json.loads(cfg_path.read_text())
+    extra = cfg.get("tinsmith", {})
+    if extra.get("sha256") and extra["sha256"] != sha256_file(w_path):
+        raise InvalidInputError(f"adapter weights at {str(directory)!r} fail their checksum (corrupted)")
+    targets = set(cfg.get("target_modules") or [])
+    spec = LoraSpec(
+        rank=int(cfg["r"]), seed=extra.get("seed"), alpha=float(cfg.get("lora_alpha", 32)),
+        train_attn=bool(targets & set(ATTN)), train_mlp=bool(targets & set(MLP)), train_unembed="lm_head" in targets,
+    )
+    tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v for k, v in load_file(str(w_path)).items()}
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise InvalidInputError(f"adapter tensor {name!r} at {str(directory)!r} contains NaN or infinity")
+    return spec, tensors
