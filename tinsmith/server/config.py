@@ -37,6 +37,8 @@ class ServerConfig:
     max_full_finetunes: int = 1
     max_body_bytes: int = 256 * 1024 * 1024
     long_poll_seconds: float = 25.0
+    checkpoint_quota_bytes: int | None = None  # per API key
+    public_url: str | None = None  # base URL clients reach this server at (download links)
     log_level: str = "info"
 
     @property
@@ -77,6 +79,8 @@ _HELP = {
     "max_full_finetunes": "full fine-tuning runs held at once (each is a private model copy)",
     "max_body_bytes": "largest request body accepted",
     "long_poll_seconds": "how long retrieve_future waits before answering try_again",
+    "checkpoint_quota_bytes": "checkpoint storage allowed per API key (default: unlimited)",
+    "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
     "log_level": "debug, info, warning or error",
 }
 
@@ -95,7 +99,7 @@ def _coerce(f, value: Any) -> Any:
             return value.strip().lower() in ("1", "true", "yes", "on")
         return bool(value)
     if f.name in ("port", "max_lora_adapters", "max_lora_rank", "train_micro_batch_tokens",
-                  "max_full_finetunes", "max_body_bytes", "train_micro_batch_size"):
+                  "max_full_finetunes", "max_body_bytes", "train_micro_batch_size", "checkpoint_quota_bytes"):
         return int(value)
     if f.name == "long_poll_seconds":
         return float(value)

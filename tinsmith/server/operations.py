@@ -17,8 +17,9 @@ from typing import Any
 
 from tinsmith.api import codecs
 from tinsmith.engine.scheduler import Job, Outcome
-from tinsmith.errors import ConflictError, InvalidInputError, TinsmithError
+from tinsmith.errors import CapacityError, ConflictError, InvalidInputError, TinsmithError
 from tinsmith.checkpoints.peft_format import save_peft_adapter
+from tinsmith.checkpoints.state_format import load_training_state, save_training_state
 from tinsmith.sampling.sampler import SampleTask
 from tinsmith.types import ForwardBackwardResult, SampleInput, SampleResult
 from tinsmith.worker.service import Worker
@@ -67,6 +68,29 @@ class SamplerSaveArgs:
     expires_at: Any = None
     user_metadata: dict | None = None
     owner: str = ""
+
+
+@dataclass
+class SaveArgs:
+    """save_weights / save_weights_external: where the checkpoint goes and its metadata."""
+
+    kind: str  # "weights" | "external_weights"
+    name: str
+    tinker_path: str
+    directory: Path
+    owner: str
+    expires_at: Any = None
+    user_metadata: dict | None = None
+    overwrite: bool = False
+    quota_bytes: int | None = None
+
+
+@dataclass
+class LoadArgs:
+    directory: Path
+    base_model: str
+    with_optimizer: bool
+    create: bool
 
 
 class StabilityLog:
@@ -137,6 +161,56 @@ class WorkerOperations:
         self.worker.unload_model(job.model_id)
         if self.store is not None:
             self.store.update_model_status(job.model_id, "unloaded")
+        return json_outcome({"model_id": job.model_id})
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def _check_quota(self, a: SaveArgs) -> None:
+        if a.quota_bytes is None:
+            return
+        used = self.store.owner_storage_bytes(a.owner)
+        if used >= a.quota_bytes:
+            raise CapacityError(
+                f"checkpoint storage quota exceeded: {used} of {a.quota_bytes} bytes used; delete checkpoints first"
+            )
+
+    def _save_weights(self, job: Job) -> Outcome:
+        a: SaveArgs = job.args
+        existing = self.store.get_checkpoint(job.model_id, a.kind, a.name)
+        if existing is not None and not a.overwrite:
+            raise ConflictError(f"checkpoint {a.tinker_path!r} already exists (pass overwrite=True to replace it)")
+        self._check_quota(a)
+        try:
+            state = self.worker.export_training_state(job.model_id)
+            size = save_training_state(a.directory, state)
+        except TinsmithError:
+            raise
+        except OSError as e:
+            raise CapacityError(f"could not write checkpoint {a.tinker_path!r}: {e.strerror or e}") from e
+        self.store.put_checkpoint(job.model_id, a.kind, a.name, owner=a.owner, storage_path=str(a.directory),
+                                  size_bytes=size, expires_at=a.expires_at, user_metadata=a.user_metadata,
+                                  overwrite=True)
+        return json_outcome({"path": a.tinker_path})
+
+    def _save_weights_external(self, job: Job) -> Outcome:
+        a: SaveArgs = job.args
+        if self.store.get_checkpoint(job.model_id, a.kind, a.name) is not None:
+            raise ConflictError(f"checkpoint {a.tinker_path!r} already exists; choose another name")
+        self._check_quota(a)
+        spec, tensors, base = self.worker.adapter_weights(job.model_id)
+        try:
+            size = save_peft_adapter(a.directory, spec, tensors, base.name)
+        except OSError as e:
+            raise CapacityError(f"could not write checkpoint {a.tinker_path!r}: {e.strerror or e}") from e
+        self.store.put_checkpoint(job.model_id, a.kind, a.name, owner=a.owner, storage_path=str(a.directory),
+                                  size_bytes=size, expires_at=a.expires_at, user_metadata=a.user_metadata)
+        return json_outcome({"path": a.tinker_path, "size_bytes": size})
+
+    def _load_weights(self, job: Job) -> Outcome:
+        a: LoadArgs = job.args
+        state = load_training_state(a.directory, a.with_optimizer)
+        self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create)
+        if a.create:
+            self.store.update_model_status(job.model_id, "active")
         return json_outcome({"model_id": job.model_id})
 
     # ----------------------------------------------------------------------------- sampler weights

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -25,6 +29,9 @@ class ServerState:
     worker: Worker
     engine: Engine
     auth: Authenticator
+    secret: bytes = b""  # signs download links; kept in the data dir so links survive restarts
+    sweep_interval_s: float = 60.0
+    _tasks: list = field(default_factory=list)
 
     @classmethod
     def build(cls, config: ServerConfig) -> "ServerState":
@@ -44,7 +51,7 @@ class ServerState:
             )
         )
         engine = Engine(WorkerOperations(worker, store), store)
-        return cls(config, store, worker, engine, Authenticator(config.api_keys_file))
+        return cls(config, store, worker, engine, Authenticator(config.api_keys_file), _load_secret(config.data_dir))
 
     def load_models(self) -> None:
         """Load every base model (blocking; done once at start-up)."""
@@ -77,12 +84,44 @@ class ServerState:
         if lost:
             log.info("restart: %d training run(s) marked lost", len(lost))
 
+    def sweep_expired_checkpoints(self) -> int:
+        """Delete checkpoints whose TTL has passed (files first, then the record)."""
+        expired = self.store.list_expired()
+        for ck in expired:
+            shutil.rmtree(ck.storage_path, ignore_errors=True)
+            self.store.delete_checkpoint(ck.run_id, ck.kind, ck.name)
+        if expired:
+            log.info("removed %d expired checkpoint(s)", len(expired))
+        return len(expired)
+
+    async def _sweeper(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.sweep_expired_checkpoints)
+            except Exception:
+                log.exception("checkpoint sweep failed")
+            await asyncio.sleep(self.sweep_interval_s)
+
     async def start(self) -> None:
         await asyncio.to_thread(self.store.migrate)
         await asyncio.to_thread(self.recover_after_restart)
         await asyncio.to_thread(self.load_models)
         await self.engine.start()
+        self._tasks.append(asyncio.create_task(self._sweeper(), name="tinsmith-checkpoint-sweeper"))
 
     async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
         await self.engine.stop()
         self.store.close()
+
+
+def _load_secret(data_dir: str) -> bytes:
+    path = Path(data_dir) / "server-secret"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(secrets.token_bytes(32))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    return path.read_bytes()

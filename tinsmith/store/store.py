@@ -672,6 +672,12 @@ class Store:
         )
         return self._page(CheckpointRecord, query, _CKPT_NEWEST_FIRST, limit, offset)
 
+    def owner_storage_bytes(self, owner: str) -> int:
+        """Total size of an owner's checkpoints (for the per-key quota)."""
+        query = select(func.coalesce(func.sum(CheckpointTable.size_bytes), 0)).where(CheckpointTable.owner == owner)
+        with self._tx() as s:
+            return int(s.scalar(query) or 0)
+
     def delete_checkpoint(self, run_id: str, kind: str, name: str) -> bool:
         """Forget the row (the caller removes the files). False if it did not exist."""
         return self._update(delete(CheckpointTable).where(*_ckpt_key(run_id, kind, name))) > 0

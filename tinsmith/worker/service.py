@@ -185,6 +185,36 @@ class Worker:
     def model_config(self, base_model: str) -> ModelConfig:
         return self.resolve_base(base_model).config
 
+    # ----------------------------------------------------------------------------- checkpoints
+    def export_training_state(self, model_id: str):
+        from tinsmith.checkpoints.state_format import TrainingState
+
+        p = self.placement(model_id)
+        tr = p.runtime.unit(p.unit)
+        weights, opt = tr.export_state()
+        return TrainingState(p.base.name, p.lora, weights, opt, tr.steps)
+
+    def load_training_state(self, model_id: str, base_model: str, state, create: bool) -> None:
+        """Create the run from ``state`` (create=True) or replace an existing run's state."""
+        if create:
+            if model_id in self.placements:
+                self.unload_model(model_id)
+            self.create_model(model_id, base_model, state.lora)
+        p = self.placement(model_id)
+        if (p.lora is None) != (state.lora is None) or (p.lora and state.lora and (
+                p.lora.rank != state.lora.rank or
+                (p.lora.train_attn, p.lora.train_mlp, p.lora.train_unembed)
+                != (state.lora.train_attn, state.lora.train_mlp, state.lora.train_unembed))):
+            raise InvalidInputError(f"the checkpoint's LoRA configuration does not match model {model_id!r}")
+        try:
+            tr = p.runtime.unit(p.unit)
+            tr.import_state(state.weights, state.optimizer)
+            tr.steps = state.steps if state.optimizer is not None else 0
+        except Exception:
+            if create:
+                self.unload_model(model_id)
+            raise
+
     # ----------------------------------------------------------------------------- sampling
     def sampler(self, base: BaseModel) -> Sampler:
         if base.name not in self.samplers:

@@ -56,6 +56,42 @@ class Trainable:
         for p, g in zip(self.params, saved):
             p.grad = g
 
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copies of the weights and of the AdamW moments (``NAME.exp_avg``, ``.exp_avg_sq``, ``.step``)."""
+        weights = {n: p.detach().clone() for n, p in self.named_params}
+        opt: dict[str, torch.Tensor] = {}
+        for n, p in self.named_params:
+            st = self.optimizer.state.get(p)
+            if st:
+                opt[f"{n}.exp_avg"] = st["exp_avg"].detach().clone()
+                opt[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
+                opt[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()
+        return weights, opt
+
+    def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+        """Replace weights (and the optimizer state, or reset it); validates everything first."""
+        for n, p in self.named_params:
+            w = weights.get(n)
+            if w is None or tuple(w.shape) != tuple(p.shape):
+                got = None if w is None else tuple(w.shape)
+                raise InvalidInputError(f"checkpoint tensor {n!r} has shape {got}, this run needs {tuple(p.shape)}")
+            if optimizer is not None and f"{n}.step" in optimizer:
+                for suffix in ("exp_avg", "exp_avg_sq"):
+                    t = optimizer.get(f"{n}.{suffix}")
+                    if t is None or tuple(t.shape) != tuple(p.shape):
+                        raise InvalidInputError(f"checkpoint optimizer state {n}.{suffix} is missing or misshapen")
+        self.optimizer.state.clear()
+        with torch.no_grad():
+            for n, p in self.named_params:
+                p.copy_(weights[n].to(p.device, p.dtype))
+                p.grad = None
+                if optimizer is not None and f"{n}.step" in optimizer:
+                    self.optimizer.state[p] = {
+                        "step": optimizer[f"{n}.step"].reshape(()).float().clone(),
+                        "exp_avg": optimizer[f"{n}.exp_avg"].to(p.device, p.dtype).clone(),
+                        "exp_avg_sq": optimizer[f"{n}.exp_avg_sq"].to(p.device, p.dtype).clone(),
+                    }
+
     def step(self, hp: AdamParams) -> dict[str, float]:
         """One AdamW step over this unit only; clip by its own global grad norm when asked."""
         params = [p for p in self.params if p.grad is not None]

@@ -1,0 +1,295 @@
+"""Checkpoints: save_state / load_state, external exports, and the RestClient resources
+(training runs, checkpoint listings, delete, publish, TTL, weights info, download URLs)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from tinsmith.api.auth import Caller
+from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
+from tinsmith.api.schemas import Body
+from tinsmith.checkpoints.paths import KINDS, TinkerPath, check_name, checkpoint_directory, parse_tinker_path
+from tinsmith.checkpoints.state_format import lora_from_meta, read_meta
+from tinsmith.errors import ConflictError, InvalidInputError, NotFoundError
+from tinsmith.server.operations import LoadArgs, SaveArgs
+from tinsmith.store.ids import model_id_for
+
+router = APIRouter(prefix="/api/v1")
+
+MIN_TTL, MAX_TTL = 3600, 10 * 365 * 24 * 3600
+CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+URL_LIFETIME = timedelta(hours=1)
+
+
+class SaveWeightsRequest(Body):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict | None = None
+
+
+class LoadWeightsRequest(Body):
+    path: str
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict | None = None
+    optimizer: bool = False
+
+
+class TtlRequest(Body):
+    ttl_seconds: int | None = None
+
+
+class WeightsInfoRequest(Body):
+    tinker_path: str
+
+
+def _expiry(ttl: int | None) -> datetime | None:
+    if ttl is None:
+        return None
+    if not (MIN_TTL <= ttl <= MAX_TTL):
+        raise InvalidInputError(f"ttl_seconds={ttl} must be between {MIN_TTL} and {MAX_TTL} (or null for no expiry)")
+    return datetime.now(timezone.utc) + timedelta(seconds=ttl)
+
+
+def _iso(t: datetime | None) -> str | None:
+    return None if t is None else t.astimezone(timezone.utc).isoformat()
+
+
+def checkpoint_json(ck) -> dict:
+    return {
+        "checkpoint_id": f"{ck.kind}/{ck.name}",
+        "checkpoint_type": CHECKPOINT_TYPE[ck.kind],
+        "time": _iso(ck.created_at),
+        "tinker_path": f"tinker://{ck.run_id}/{ck.kind}/{ck.name}",
+        "size_bytes": ck.size_bytes,
+        "public": ck.public,
+        "user_metadata": {k: str(v) for k, v in (ck.user_metadata or {}).items()},
+        "expires_at": _iso(ck.expires_at),
+    }
+
+
+async def _save(request: Request, caller: Caller, body: SaveWeightsRequest, kind: str, job_kind: str) -> dict:
+    state = state_of(request)
+    m = await owned_model(state, caller, body.model_id)
+    if kind == "external_weights" and not m.is_lora:
+        raise InvalidInputError(f"model {body.model_id!r} is a full fine-tune; external export needs a LoRA run")
+    tp = TinkerPath(body.model_id, kind, check_name(body.path))
+    args = SaveArgs(kind, tp.name, str(tp), checkpoint_directory(state.config.resolved_checkpoint_dir, tp),
+                    caller.owner, _expiry(body.ttl_seconds), body.user_metadata, body.overwrite,
+                    state.config.checkpoint_quota_bytes)
+    return await submit(state, caller, job_kind, args, payload=body.model_dump_json().encode(), payload_type="json",
+                        model_id=body.model_id, seq_id=body.seq_id)
+
+
+@router.post("/save_weights")
+async def save_weights(body: SaveWeightsRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    return await _save(request, caller, body, "weights", "save_weights")
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(body: SaveWeightsRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    return await _save(request, caller, body, "external_weights", "save_weights_external")
+
+
+async def readable_checkpoint(state, caller: Caller, tp: TinkerPath):
+    ck = await run_in_threadpool(state.store.get_checkpoint, tp.run_id, tp.kind, tp.name)
+    if ck is None or ck.status != "ready" or (ck.owner != caller.owner and not ck.public):
+        raise NotFoundError(f"checkpoint {str(tp)!r} not found")
+    return ck
+
+
+@router.post("/load_weights")
+async def load_weights(body: LoadWeightsRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    tp = parse_tinker_path(body.path, "path")
+    if tp.kind != "weights":
+        raise InvalidInputError(f"path {body.path!r} must name a training state (tinker://RUN/weights/NAME)")
+    ck = await readable_checkpoint(state, caller, tp)
+    meta = await run_in_threadpool(read_meta, Path(ck.storage_path))
+    base_model = meta["base_model"]
+    if body.base_model and state.worker.resolve_base(body.base_model) is not state.worker.resolve_base(base_model):
+        raise InvalidInputError(f"base_model {body.base_model!r} does not match the checkpoint's base model {base_model!r}")
+    create = body.model_id is None
+    if create:
+        if body.session_id is None or body.model_seq_id is None:
+            raise InvalidInputError("load_weights needs model_id, or session_id and model_seq_id")
+        session = await owned_session(state, caller, body.session_id)
+        if session.is_finished:
+            raise InvalidInputError(f"session {body.session_id!r} is finished")
+        model_id, seq_id = model_id_for(body.session_id, body.model_seq_id), 0
+        lora = lora_from_meta(meta)
+        await run_in_threadpool(lambda: state.store.create_model(
+            model_id, owner=caller.owner, base_model=body.base_model or base_model, session_id=body.session_id,
+            model_seq_id=body.model_seq_id, is_lora=lora is not None, lora_rank=lora.rank if lora else None,
+            lora_config=None if lora is None else dict(lora.__dict__), user_metadata=body.user_metadata))
+    else:
+        await owned_model(state, caller, body.model_id)
+        model_id, seq_id = body.model_id, body.seq_id
+    args = LoadArgs(Path(ck.storage_path), base_model, body.optimizer, create)
+    return await submit(state, caller, "load_weights", args, payload=body.model_dump_json().encode(),
+                        payload_type="json", model_id=model_id, seq_id=seq_id)
+
+
+# --------------------------------------------------------------------------------- REST resources
+async def _run_json(state, m) -> dict:
+    last = await run_in_threadpool(state.store.latest_checkpoint, m.model_id, "weights")
+    last_s = await run_in_threadpool(state.store.latest_checkpoint, m.model_id, "sampler_weights")
+    return {
+        "training_run_id": m.model_id,
+        "base_model": m.base_model,
+        "model_owner": m.owner,
+        "is_lora": m.is_lora,
+        "corrupted": m.corrupted,
+        "lora_rank": m.lora_rank,
+        "last_request_time": _iso(m.last_request_at),
+        "last_checkpoint": None if last is None else checkpoint_json(last),
+        "last_sampler_checkpoint": None if last_s is None else checkpoint_json(last_s),
+        "user_metadata": {k: str(v) for k, v in (m.user_metadata or {}).items()},
+    }
+
+
+@router.get("/training_runs")
+async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    limit, offset = max(1, min(limit, 1000)), max(0, offset)
+    page = await run_in_threadpool(state.store.list_models, caller.owner, limit, offset)
+    return {"training_runs": [await _run_json(state, m) for m in page.items],
+            "cursor": {"offset": offset, "limit": limit, "total_count": page.total}}
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    return await _run_json(state, await owned_model(state, caller, run_id, require_live=False))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_run_checkpoints(run_id: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    await owned_model(state, caller, run_id, require_live=False)
+    items = await run_in_threadpool(state.store.list_checkpoints, run_id)
+    return {"checkpoints": [checkpoint_json(c) for c in items]}
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    limit, offset = max(1, min(limit, 1000)), max(0, offset)
+    page = await run_in_threadpool(state.store.list_user_checkpoints, caller.owner, limit, offset)
+    return {"checkpoints": [checkpoint_json(c) for c in page.items],
+            "cursor": {"offset": offset, "limit": limit, "total_count": page.total}}
+
+
+async def _owned_checkpoint(state, caller: Caller, run_id: str, kind: str, name: str):
+    if kind not in KINDS:
+        raise InvalidInputError(f"checkpoint kind {kind!r} must be one of {', '.join(KINDS)}")
+    ck = await run_in_threadpool(state.store.get_checkpoint, run_id, kind, name)
+    if ck is None or ck.owner != caller.owner:
+        raise NotFoundError(f"checkpoint tinker://{run_id}/{kind}/{name} not found")
+    return ck
+
+
+def remove_checkpoint_files(storage_path: str) -> None:
+    import shutil
+
+    shutil.rmtree(storage_path, ignore_errors=True)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
+async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    ck = await _owned_checkpoint(state, caller, run_id, kind, name)
+    await run_in_threadpool(state.store.delete_checkpoint, run_id, kind, name)
+    await run_in_threadpool(remove_checkpoint_files, ck.storage_path)
+    return {}
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+async def publish(run_id: str, kind: str, name: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    ck = await _owned_checkpoint(state, caller, run_id, kind, name)
+    if ck.public:
+        raise ConflictError(f"checkpoint tinker://{run_id}/{kind}/{name} is already public")
+    await run_in_threadpool(state.store.set_public, run_id, kind, name, True)
+    return {}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+async def unpublish(run_id: str, kind: str, name: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    ck = await _owned_checkpoint(state, caller, run_id, kind, name)
+    if not ck.public:
+        raise ConflictError(f"checkpoint tinker://{run_id}/{kind}/{name} is already private")
+    await run_in_threadpool(state.store.set_public, run_id, kind, name, False)
+    return {}
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+async def set_ttl(run_id: str, kind: str, name: str, body: TtlRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    await _owned_checkpoint(state, caller, run_id, kind, name)
+    await run_in_threadpool(state.store.set_expires_at, run_id, kind, name, _expiry(body.ttl_seconds))
+    return {}
+
+
+@router.post("/weights_info")
+async def weights_info(body: WeightsInfoRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    tp = parse_tinker_path(body.tinker_path, "tinker_path")
+    await readable_checkpoint(state, caller, tp)
+    run = await run_in_threadpool(state.store.get_model, tp.run_id)
+    if run is None:
+        raise NotFoundError(f"training run {tp.run_id!r} not found")
+    lc = run.lora_config or {}
+    return {"base_model": run.base_model, "is_lora": run.is_lora, "lora_rank": run.lora_rank,
+            "train_unembed": lc.get("train_unembed"), "train_mlp": lc.get("train_mlp"),
+            "train_attn": lc.get("train_attn"), "optimizer_config": run.optimizer_config or {"type": "adamw"}}
+
+
+# --------------------------------------------------------------------------------- downloads
+def _sign(secret: bytes, run_id: str, name: str, expires: int) -> str:
+    msg = f"{run_id}\n{name}\n{expires}".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+@router.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
+async def external_weights_urls(run_id: str, name: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    state = state_of(request)
+    ck = await _owned_checkpoint(state, caller, run_id, "external_weights", name)
+    expires = int(time.time() + URL_LIFETIME.total_seconds())
+    sig = _sign(state.secret, run_id, name, expires)
+    base = (state.config.public_url or str(request.base_url)).rstrip("/")
+    files = sorted(p.name for p in Path(ck.storage_path).iterdir() if p.is_file())
+    from urllib.parse import quote
+
+    urls = {f: f"{base}/api/v1/downloads/{quote(run_id, safe='')}/{quote(name)}/{expires}/{sig}/{quote(f)}" for f in files}
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat()}
+
+
+@router.get("/downloads/{run_id}/{name}/{expires}/{sig}/{filename}")
+async def download(run_id: str, name: str, expires: int, sig: str, filename: str, request: Request):
+    """Signed, expiring, unauthenticated file download (what external_weights_urls hands out)."""
+    state = state_of(request)
+    if expires < time.time() or not hmac.compare_digest(sig, _sign(state.secret, run_id, name, expires)):
+        return JSONResponse({"detail": "download link is invalid or expired"}, status_code=403)
+    ck = await run_in_threadpool(state.store.get_checkpoint, run_id, "external_weights", name)
+    if ck is None:
+        raise NotFoundError("checkpoint not found")
+    path = Path(ck.storage_path) / filename
+    if "/" in filename or filename.startswith(".") or not path.is_file():
+        raise NotFoundError(f"file {filename!r} not found")
+    return FileResponse(path)
