@@ -100,6 +100,54 @@ def dro(b: LossBatch) -> LossOutput:
     return LossOutput(el.sum(), el, _metrics(el))
 
 
+def _segment_sum(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """Per-datum sums of a flat tensor."""
+    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=x.device)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
+    return torch.zeros(len(lengths), dtype=x.dtype, device=x.device).index_add(0, seg, x), seg
+
+
+def gspo(b: LossBatch) -> LossOutput:
+    """Group Sequence Policy Optimization: one importance ratio per sequence.
+
+    For datum ``i`` with mask ``m`` (input ``sequence_ratio_mask``: which tokens enter the ratio),
+    ``s_i = exp(sum_t m_t (logp_t - q_t) / sum_t m_t)`` (the geometric-mean token ratio), and
+    ``loss = -sum_i sum_t m_t min(s_i A_t, clip(s_i, lo, hi) A_t) / sum_t m_t``: each sequence
+    contributes its clipped surrogate once (with a constant advantage per sequence this is the
+    GSPO objective). Bounds are absolute ratios, defaults ``1 - 3e-4`` and ``1 + 4e-4``.
+    """
+    lo, hi = float(b.config["clip_low_threshold"]), float(b.config["clip_high_threshold"])
+    m = b.inputs["sequence_ratio_mask"]
+    A = b.inputs["advantages"]
+    count, seg = _segment_sum(m, b.offsets)
+    count = count.clamp(min=1.0)
+    log_s = _segment_sum(m * (b.logprobs - b.inputs["logprobs"]), b.offsets)[0] / count
+    s = torch.exp(log_s)[seg]
+    el = -m * torch.minimum(s * A, s.clamp(lo, hi) * A) / count[seg]
+    clipped = ((torch.exp(log_s) < lo) | (torch.exp(log_s) > hi)).float()
+    return LossOutput(el.sum(), el, _metrics(el, clip_fraction__mean=clipped.mean() if clipped.numel() else 0.0))
+
+
+def stable_reinforce(b: LossBatch) -> LossOutput:
+    """Truncated importance-sampling REINFORCE against the server's own sampling logprobs.
+
+    ``w_t = sg(clip(exp(logp_t - q_t), lo, hi))`` and ``loss = -sum_t w_t A_t logp_t``, with
+    ``lo`` = ``clip_low_threshold`` (default 0) and ``hi`` = ``clip_high_threshold`` (default 2).
+    ``q_t`` is the logprob the server itself recorded when it sampled token ``t``
+    (``record_stability_info``), found through the datum's sampled provenance spans; positions
+    the server has no record of use the client's ``logprobs`` input. Using the server's record
+    keeps the ratio exact even when the client's copy of the logprobs was rounded or stale.
+    """
+    lo, hi = float(b.config["clip_low_threshold"]), float(b.config["clip_high_threshold"])
+    r = _ratio(b)
+    w = r.clamp(lo, hi).detach()
+    el = -(w * b.inputs["advantages"] * b.logprobs)
+    truncated = ((r < lo) | (r > hi)).float()
+    return LossOutput(el.sum(), el, _metrics(
+        el, ratio__mean=r.detach().mean() if r.numel() else 0.0,
+        truncated_fraction__mean=truncated.mean() if r.numel() else 0.0))
+
+
 LOSSES: dict[str, LossSpec] = {
     s.name: s
     for s in (
@@ -118,6 +166,18 @@ LOSSES: dict[str, LossSpec] = {
             config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
         ),
         LossSpec("dro", dro, ("target_tokens", "logprobs", "advantages"), config_defaults={"beta": 0.1}),
+        LossSpec(
+            "gspo",
+            gspo,
+            ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+            config_defaults={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+        ),
+        LossSpec(
+            "stable_reinforce",
+            stable_reinforce,
+            ("target_tokens", "logprobs", "advantages"),
+            config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 2.0},
+        ),
     )
 }
 

@@ -122,6 +122,9 @@ class WorkerOperations:
         self.stability = StabilityLog()
 
     def run_batch(self, kind: str, jobs: list[Job]) -> list[Outcome]:
+        for j in jobs:
+            if j.args.loss_fn == "stable_reinforce":
+                self.fill_recorded_logprobs(j.args)
         results = self.worker.forward_backward([(j.model_id, j.args) for j in jobs])
         outs = []
         for job, res in zip(jobs, results):
@@ -146,6 +149,40 @@ class WorkerOperations:
                 self.store.touch_model(m)
             except Exception:  # bookkeeping only
                 log.debug("touch_model failed for %s", m, exc_info=True)
+
+    def fill_recorded_logprobs(self, inp) -> None:
+        """For stable_reinforce: use the logprobs this server recorded when it sampled each token.
+
+        Each datum's loss-input spans walk its positions in order; a sampled span maps positions
+        ``[pos, pos+length)`` to tokens ``[offset, offset+length)`` of a sampled sequence. Where
+        the record exists and its tokens equal the datum's targets, its logprobs replace the
+        client's ``logprobs`` input; elsewhere the client's values stay.
+        """
+        import numpy as np
+
+        for d in inp.data:
+            targets = d.loss_inputs.get("target_tokens")
+            if targets is None or not d.loss_input_spans:
+                continue
+            q = d.loss_inputs.get("logprobs")
+            q = np.full(len(targets), np.nan, np.float32) if q is None else np.array(q, dtype=np.float32, copy=True)
+            pos = 0
+            for span in d.loss_input_spans:
+                if span.kind == "sampled":
+                    rec = self.stability.get(span.sequence_id)
+                    if rec is not None:
+                        toks, lps, _ = rec
+                        a, b = span.offset, span.offset + span.length
+                        if b <= len(toks) and np.array_equal(np.asarray(targets[pos:pos + span.length]), toks[a:b]):
+                            q[pos:pos + span.length] = lps[a:b]
+                pos += span.length
+            if not np.isnan(q).any():
+                d.loss_inputs["logprobs"] = q
+            elif "logprobs" not in d.loss_inputs:
+                raise InvalidInputError(
+                    "stable_reinforce needs sampler logprobs for every position: send loss_fn_inputs['logprobs'] or "
+                    "sample with record_stability_info so the server has them"
+                )
 
     # ----------------------------------------------------------------------------- kinds
     def _create_model(self, job: Job) -> Outcome:
