@@ -30,6 +30,37 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """Merge a LoRA checkpoint (local directory or tinker:// path) into a full HF model."""
+    from pathlib import Path
+
+    from tinsmith.checkpoints.export import export_merged
+    from tinsmith.errors import TinsmithError
+
+    source = args.checkpoint
+    try:
+        if source.startswith("tinker://"):
+            from tinsmith.checkpoints.paths import parse_tinker_path
+            from tinsmith.server.config import ServerConfig
+            from tinsmith.store import Store
+
+            cfg = ServerConfig(data_dir=args.data_dir, database_url=args.database_url)
+            tp = parse_tinker_path(source, "checkpoint")
+            store = Store(cfg.resolved_database_url)
+            ck = store.get_checkpoint(tp.run_id, tp.kind, tp.name)
+            store.close()
+            if ck is None:
+                print(f"tinsmith export: no checkpoint {source} in {cfg.resolved_database_url}", file=sys.stderr)
+                return 1
+            source = ck.storage_path
+        out = export_merged(Path(source), Path(args.out), args.base_model)
+    except TinsmithError as e:
+        print(f"tinsmith export: {e.message}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from tinsmith.server.config import add_arguments
 
@@ -38,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the server")
     add_arguments(serve)
     serve.set_defaults(func=_serve)
+    export = sub.add_parser("export", help="merge a LoRA checkpoint into its base model (HF format)")
+    export.add_argument("checkpoint", help="checkpoint directory, or tinker://RUN/KIND/NAME of this server")
+    export.add_argument("--out", required=True, help="directory to write the merged model to")
+    export.add_argument("--base-model", help="base model dir or HF id (default: the one the checkpoint names)")
+    export.add_argument("--data-dir", default="./data", help="the server's data dir (for tinker:// paths)")
+    export.add_argument("--database-url", default=None, help="the server's database URL (for tinker:// paths)")
+    export.set_defaults(func=_export)
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint with a BPE tokenizer")
     tiny.add_argument("rest", nargs=argparse.REMAINDER)
     tiny.set_defaults(func=lambda a: __import__("tinsmith.devtools.tiny_model", fromlist=["main"]).main(a.rest) or 0)

@@ -25,6 +25,7 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
+SIDECAR = "tinsmith_adapter.json"  # our extras (seed, switches, checksum); peft ignores the file
 
 
 def _targets(spec: LoraSpec) -> list[str]:
@@ -77,10 +78,11 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
             "fan_in_fan_out": False,
             "init_lora_weights": True,
             "inference_mode": True,
-            "tinsmith": {"seed": spec.seed, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp,
-                         "train_unembed": spec.train_unembed, "sha256": sha256_file(tmp / WEIGHTS)},
         }
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        (tmp / SIDECAR).write_text(json.dumps({
+            "seed": spec.seed, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp,
+            "train_unembed": spec.train_unembed, "sha256": sha256_file(tmp / WEIGHTS)}, indent=2))
         size = sum(f.stat().st_size for f in tmp.iterdir())
         commit_dir(tmp, directory)
         return size
@@ -95,7 +97,7 @@ def load_peft_adapter(directory: Path) -> tuple[LoraSpec, dict[str, torch.Tensor
     if not cfg_path.is_file() or not w_path.is_file():
         raise InvalidInputError(f"no LoRA adapter at {str(directory)!r}")
     cfg = json.loads(cfg_path.read_text())
-    extra = cfg.get("tinsmith", {})
+    extra = json.loads((directory / SIDECAR).read_text()) if (directory / SIDECAR).is_file() else {}
     if extra.get("sha256") and extra["sha256"] != sha256_file(w_path):
         raise InvalidInputError(f"adapter weights at {str(directory)!r} fail their checksum (corrupted)")
     targets = set(cfg.get("target_modules") or [])

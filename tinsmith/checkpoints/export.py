@@ -1,0 +1,66 @@
+"""Merge a LoRA checkpoint into its base model and write a plain Hugging Face model directory.
+
+``W' = W + (alpha / r) * B @ A`` for every adapted projection. When the adapter trains the
+unembedding of a model with tied embeddings, the merged ``lm_head`` is written separately and
+the config is untied, since the input embedding must stay the base one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tinsmith.checkpoints.peft_format import CONFIG, load_peft_adapter
+from tinsmith.checkpoints.state_format import META, load_training_state
+from tinsmith.errors import InvalidInputError
+from tinsmith.models.loading import load_model, resolve_model_dir
+
+_COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def read_adapter(checkpoint_dir: Path):
+    """(LoraSpec, tensors, base model name) from a training state or a PEFT adapter directory."""
+    if (checkpoint_dir / META).is_file():
+        st = load_training_state(checkpoint_dir, with_optimizer=False)
+        if st.lora is None:
+            raise InvalidInputError(f"{str(checkpoint_dir)!r} is a full fine-tune state, not a LoRA adapter")
+        return st.lora, st.weights, st.base_model
+    if (checkpoint_dir / CONFIG).is_file():
+        spec, tensors = load_peft_adapter(checkpoint_dir)
+        base = json.loads((checkpoint_dir / CONFIG).read_text()).get("base_model_name_or_path")
+        return spec, tensors, base
+    raise InvalidInputError(f"no LoRA checkpoint in {str(checkpoint_dir)!r}")
+
+
+def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = None) -> Path:
+    spec, tensors, recorded_base = read_adapter(Path(checkpoint_dir))
+    base = base_model or recorded_base
+    if not base:
+        raise InvalidInputError("the checkpoint does not name its base model; pass --base-model")
+    base_dir = resolve_model_dir(base)
+    loaded = load_model(str(base_dir), device="cpu", dtype=torch.float32)
+    model = loaded.model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    tie = loaded.config.tie_word_embeddings
+    untie = tie and spec.train_unembed
+    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
+        A, B = tensors[f"{name}.lora_A.weight"].float(), tensors[f"{name}.lora_B.weight"].float()
+        state[f"{name}.weight"] = layer.weight.float() + (spec.alpha / spec.rank) * (B @ A)
+    if tie and not untie:
+        state.pop("lm_head.weight", None)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in _COPY:
+        if (base_dir / f).is_file():
+            shutil.copy(base_dir / f, out_dir / f)
+    if untie:
+        cfg = json.loads((out_dir / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
