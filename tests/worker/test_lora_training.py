@@ -309,9 +309,34 @@ def test_unknown_loss_and_capacity_errors(rt):
     assert isinstance(res, InvalidInputError) and "advantages" in str(res)
     with pytest.raises(CapacityError, match="rank=17"):
         rt.create_adapter(LoraSpec(rank=17))
+    rt.max_training_runs = 4
     for _ in range(3):
         rt.create_adapter(LoraSpec(rank=2))
-    with pytest.raises(CapacityError, match="slots"):
+    with pytest.raises(CapacityError, match="max-training-runs"):
         rt.create_adapter(LoraSpec(rank=2))
     with pytest.raises(InvalidInputError, match="learning_rate"):
         rt.optim_step(u, AdamParams(learning_rate=float("nan")))
+
+
+def test_more_runs_than_slots_park_idle_adapters_exactly(qwen3_dir):
+    """Five runs on three resident slots train exactly like five runs with room for all."""
+    rng = np.random.default_rng(12)
+    datas = [[sft_datum(rng, n, VOCAB, signed=True) for n in (12, 20)] for _ in range(5)]
+    tight = TrainingRuntime(load_model(str(qwen3_dir)).model, max_lora_adapters=3)
+    roomy = TrainingRuntime(load_model(str(qwen3_dir)).model, max_lora_adapters=8)
+    ut = [tight.create_adapter(LoraSpec(rank=4, seed=i)) for i in range(5)]
+    ur = [roomy.create_adapter(LoraSpec(rank=4, seed=i)) for i in range(5)]
+    assert len(tight.lru) == 3 and sum(not tight.unit(u).resident for u in ut) == 2
+    for step in range(2):
+        # All five in one call: split into waves of at most three attached adapters.
+        reqs_t = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in zip(ut, datas)]
+        reqs_r = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in zip(ur, datas)]
+        for a, b in zip(tight.forward_backward(reqs_t), roomy.forward_backward(reqs_r)):
+            assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5)
+        for i in (4, 0, 2, 1, 3):  # steps in an order that forces parking and unparking
+            tight.optim_step(ut[i], AdamParams(learning_rate=1e-2))
+            roomy.optim_step(ur[i], AdamParams(learning_rate=1e-2))
+    for a, b in zip(ut, ur):
+        for (n, x), (_, y) in zip(tight.unit(a).named_params, roomy.unit(b).named_params):
+            assert_rel_close(x.detach(), y.detach(), 1e-5, n)
+    assert len(tight.lru) <= 3

@@ -46,6 +46,7 @@ class Job:
     args: Any
     wire: str = "json"  # how the result is encoded for the client: "json" | "protobuf"
     owner: str = ""
+    internal: bool = False  # issued by the server itself (no client future, nothing to persist)
     enqueued_at: float = field(default_factory=time.monotonic)
     order: int = field(default_factory=lambda: next(_order))
 
@@ -244,6 +245,10 @@ class Engine:
 
     def _persist(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
         for job, out in zip(jobs, outcomes):
+            if job.internal:
+                if out.error is not None:
+                    log.warning("internal %s for %s failed: %s", job.kind, job.model_id, out.error)
+                continue
             try:
                 if out.error is None:
                     self.sink.complete_request(job.request_id, out.result or b"{}", out.content_type)

@@ -28,6 +28,8 @@ class ServerConfig:
     checkpoint_dir: str | None = None  # default: data_dir/checkpoints
     max_lora_adapters: int = 16
     max_lora_rank: int = 128
+    max_training_runs: int = 256
+    session_timeout_s: float = 300.0
     train_micro_batch_size: int | None = None  # sequences per micro-batch (None: by tokens only)
     train_micro_batch_tokens: int = 16384
     gradient_checkpointing: bool = False
@@ -70,6 +72,8 @@ _HELP = {
     "checkpoint_dir": "where checkpoints are written (default: DATA_DIR/checkpoints)",
     "max_lora_adapters": "LoRA adapter slots per base model",
     "max_lora_rank": "largest LoRA rank a client may ask for",
+    "max_training_runs": "training runs held per base model (beyond --max-lora-adapters, idle ones wait in host memory)",
+    "session_timeout_s": "a session with no heartbeat for this long is finished and its runs unloaded",
     "train_micro_batch_size": "sequences per training micro-batch (default: bounded by tokens only)",
     "train_micro_batch_tokens": "padded tokens per training micro-batch",
     "gradient_checkpointing": "recompute layer activations in backward to save memory",
@@ -99,9 +103,10 @@ def _coerce(f, value: Any) -> Any:
             return value.strip().lower() in ("1", "true", "yes", "on")
         return bool(value)
     if f.name in ("port", "max_lora_adapters", "max_lora_rank", "train_micro_batch_tokens",
-                  "max_full_finetunes", "max_body_bytes", "train_micro_batch_size", "checkpoint_quota_bytes"):
+                  "max_full_finetunes", "max_body_bytes", "train_micro_batch_size", "checkpoint_quota_bytes",
+                  "max_training_runs"):
         return int(value)
-    if f.name == "long_poll_seconds":
+    if f.name in ("long_poll_seconds", "session_timeout_s"):
         return float(value)
     return str(value)
 

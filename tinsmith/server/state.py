@@ -7,13 +7,15 @@ import logging
 import os
 import secrets
 import shutil
+import uuid
+from datetime import datetime, timedelta, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tinsmith.api.auth import Authenticator
-from tinsmith.engine.scheduler import Engine
+from tinsmith.engine.scheduler import Engine, Job
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.operations import WorkerOperations
 from tinsmith.store import Store
@@ -44,6 +46,7 @@ class ServerState:
                 device=device,
                 max_lora_adapters=config.max_lora_adapters,
                 max_lora_rank=config.max_lora_rank,
+                max_training_runs=config.max_training_runs,
                 micro_batch_tokens=config.train_micro_batch_tokens,
                 micro_batch_seqs=config.train_micro_batch_size or (1 << 30),
                 gradient_checkpointing=config.gradient_checkpointing,
@@ -94,12 +97,37 @@ class ServerState:
             log.info("removed %d expired checkpoint(s)", len(expired))
         return len(expired)
 
+    async def release_session_runs(self, session_id: str) -> int:
+        """Unload a finished session's training runs (after their queued requests), freeing their slots.
+
+        Saved checkpoints stay; the runs' unsaved in-memory state goes, as on the hosted service.
+        """
+        models = await asyncio.to_thread(self.store.list_session_models, session_id)
+        live = [m for m in models if m.status == "active"]
+        for m in live:
+            await asyncio.to_thread(self.store.update_model_status, m.model_id, "unloaded")
+            self.engine.submit(Job(f"internal-unload-{uuid.uuid4().hex}", "unload_model", m.model_id, None, None,
+                                   internal=True))
+        return len(live)
+
+    def _expire_stale_sessions(self) -> list[str]:
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=self.config.session_timeout_s)
+        expired = []
+        for s in self.store.list_stale_sessions(cutoff):
+            if self.store.finish_session(s.session_id, "interrupted",
+                                         f"no heartbeat for {self.config.session_timeout_s:.0f} s"):
+                expired.append(s.session_id)
+        return expired
+
     async def _sweeper(self) -> None:
         while True:
             try:
                 await asyncio.to_thread(self.sweep_expired_checkpoints)
+                for sid in await asyncio.to_thread(self._expire_stale_sessions):
+                    n = await self.release_session_runs(sid)
+                    log.info("session %s expired (no heartbeat); %d run(s) unloaded", sid, n)
             except Exception:
-                log.exception("checkpoint sweep failed")
+                log.exception("sweep failed")
             await asyncio.sleep(self.sweep_interval_s)
 
     async def start(self) -> None:

@@ -8,6 +8,8 @@ tensors until that unit's ``optim_step``.
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Union
 
@@ -41,6 +43,7 @@ class _Prepared:
     """A validated request, with its datums converted to tensors once."""
 
     unit: Trainable
+    unit_id: int
     spec: LossSpec
     config: dict
     forward_only: bool
@@ -68,6 +71,7 @@ class TrainingRuntime:
         *,
         max_lora_adapters: int = 16,
         max_lora_rank: int = 128,
+        max_training_runs: int = 256,
         micro_batch_tokens: int = 16384,
         micro_batch_seqs: int = 1 << 30,
         gradient_checkpointing: bool = False,
@@ -76,13 +80,17 @@ class TrainingRuntime:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
-        self.max_lora_adapters = max_lora_adapters
+        self.max_lora_adapters = max_lora_adapters  # adapters attached to the model at once
+        self.max_training_runs = max_training_runs  # adapters held at all (the rest parked in host memory)
         self.max_lora_rank = max_lora_rank
         self.micro_batch_tokens = micro_batch_tokens
         self.micro_batch_seqs = micro_batch_seqs
         model.gradient_checkpointing = gradient_checkpointing
         self.full_finetune = full_finetune
         self.units: dict[int, Trainable] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # resident LoRA units, least recently used first
+        self._unit_ids = itertools.count()
+        self.host = torch.device("cpu")
         if full_finetune:
             self.units[FULL_UNIT] = full_model_trainable(model)
 
@@ -95,19 +103,44 @@ class TrainingRuntime:
             raise CapacityError(f"lora_config.rank={spec.rank} is outside 1..{self.max_lora_rank} (server --max-lora-rank)")
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
             raise InvalidInputError("lora_config must train at least one of attn, mlp, unembed")
-        if len(self.units) >= self.max_lora_adapters:
+        if len(self.units) >= self.max_training_runs:
             raise CapacityError(
-                f"all {self.max_lora_adapters} LoRA adapter slots are in use (server --max-lora-adapters); "
-                "unload a model or try later"
+                f"this base model already holds {self.max_training_runs} training runs (server --max-training-runs); "
+                "unload a model or finish a session first"
             )
-        slot = next(i for i in range(self.max_lora_adapters + 1) if i not in self.units)
-        self.units[slot] = attach_lora(self.model, slot, spec)
-        return slot
+        self._make_room(1, keep=set())
+        unit = next(self._unit_ids)
+        self.units[unit] = attach_lora(self.model, unit, spec)
+        self.lru[unit] = None
+        return unit
+
+    # ----------------------------------------------------------------------------- residency
+    def _make_room(self, needed: int, keep: set[int]) -> None:
+        """Park least recently used adapters until ``needed`` more can be attached."""
+        while len(self.lru) + needed > self.max_lora_adapters:
+            victim = next((u for u in self.lru if u not in keep), None)
+            if victim is None:
+                raise CapacityError(f"more than {self.max_lora_adapters} adapters needed at once")
+            self.units[victim].park(self.host)
+            del self.lru[victim]
+
+    def ensure_resident(self, units: set[int]) -> None:
+        """Attach every adapter in ``units`` (parking others if needed) and mark them recently used."""
+        missing = [u for u in units if u not in self.lru and self.units[u].slot is not None]
+        if missing:
+            self._make_room(len(missing), keep=units)
+            for u in missing:
+                self.units[u].unpark(self.device)
+                self.lru[u] = None
+        for u in units:
+            if u in self.lru:
+                self.lru.move_to_end(u)
 
     def delete_adapter(self, unit: int) -> None:
         if unit in self.units and self.units[unit].slot is not None:
             detach_lora(self.model, unit)
             del self.units[unit]
+            self.lru.pop(unit, None)
 
     def unit(self, unit: int) -> Trainable:
         try:
@@ -157,7 +190,7 @@ class TrainingRuntime:
             toks.append(t.astype(np.int64, copy=False))
             targets.append(torch.from_numpy(tgt.astype(np.int64, copy=False)))
             inputs.append(flat)
-        return _Prepared(unit, spec, config, inp.forward_only, toks, targets, inputs)
+        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs)
 
     # ----------------------------------------------------------------------------- forward/backward
     def forward_backward(self, requests: list[TrainRequest]) -> list[Union[ForwardBackwardResult, TinsmithError]]:
@@ -169,12 +202,26 @@ class TrainingRuntime:
                 prepared[r] = self._prepare(req)
             except TinsmithError as e:
                 results[r] = e
-        if prepared:
-            for r, res in self._run(prepared).items():
+        for wave in self._waves(prepared):
+            for r, res in self._run(wave).items():
                 results[r] = res
         return results  # type: ignore[return-value]
 
+    def _waves(self, prepared: dict[int, _Prepared]) -> list[dict[int, _Prepared]]:
+        """Split requests so no call needs more adapters attached than there are resident slots."""
+        waves: list[dict[int, _Prepared]] = []
+        units: set[int] = set()
+        for r, p in prepared.items():
+            uid = p.unit_id
+            if not waves or (uid not in units and len(units) >= self.max_lora_adapters and p.unit.slot is not None):
+                waves.append({})
+                units = set()
+            waves[-1][r] = p
+            units.add(uid)
+        return waves
+
     def _run(self, prepared: dict[int, _Prepared]) -> dict[int, ForwardBackwardResult]:
+        self.ensure_resident({p.unit_id for p in prepared.values() if p.unit.slot is not None})
         seqs = [
             SequenceRef(r, d, p.unit.slot, len(t), needs_grad=not p.forward_only)
             for r, p in prepared.items()
@@ -267,7 +314,10 @@ class TrainingRuntime:
     # ----------------------------------------------------------------------------- optimizer
     def optim_step(self, unit: int, params: AdamParams) -> dict[str, float]:
         params.validate()
-        return self.unit(unit).step(params)
+        tr = self.unit(unit)
+        if tr.slot is not None:
+            self.ensure_resident({unit})
+        return tr.step(params)
 
     def has_pending_grads(self, unit: int) -> bool:
         return self.unit(unit).has_grads()

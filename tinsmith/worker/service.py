@@ -32,6 +32,7 @@ class RuntimeOptions:
     device: str = "cpu"
     max_lora_adapters: int = 16
     max_lora_rank: int = 128
+    max_training_runs: int = 256
     micro_batch_tokens: int = 16384
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
@@ -93,6 +94,7 @@ class Worker:
         loaded = load_model(source or name, device=o.device)
         rt = TrainingRuntime(
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
+            max_training_runs=o.max_training_runs,
             micro_batch_tokens=o.micro_batch_tokens, micro_batch_seqs=o.micro_batch_seqs,
             gradient_checkpointing=o.gradient_checkpointing,
         )

@@ -29,8 +29,11 @@ class Trainable:
     slot: int | None
     spec: LoraSpec | None
     named_params: list[tuple[str, torch.Tensor]]
+    # (layer, weights) pairs this adapter occupies while resident; empty for full fine-tuning.
+    attachments: list = field(default_factory=list)
     optimizer: torch.optim.AdamW = field(init=False)
     steps: int = 0
+    resident: bool = True
 
     def __post_init__(self) -> None:
         self.optimizer = torch.optim.AdamW(
@@ -45,6 +48,34 @@ class Trainable:
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.params)
+
+    def park(self, host: torch.device) -> None:
+        """Leave the model's layers (freeing a resident slot); tensors, grads and optimizer state
+        move to ``host`` memory untouched, so training resumes exactly where it stopped."""
+        if not self.resident or self.slot is None:
+            return
+        for layer, _ in self.attachments:
+            layer.adapters.pop(self.slot, None)
+        self._move(host)
+        self.resident = False
+
+    def unpark(self, device: torch.device) -> None:
+        if self.resident or self.slot is None:
+            return
+        self._move(device)
+        for layer, w in self.attachments:
+            layer.adapters[self.slot] = w
+        self.resident = True
+
+    def _move(self, device: torch.device) -> None:
+        for p in self.params:
+            if p.device != device:
+                p.data = p.data.to(device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        self.optimizer.state[p][k] = v.to(device)
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
@@ -120,10 +151,12 @@ def attach_lora(model: CausalLM, slot: int, spec: LoraSpec) -> Trainable:
     seed = spec.seed if spec.seed is not None else secrets.randbits(63)
     gen = torch.Generator().manual_seed(int(seed) & ((1 << 63) - 1))
     named: list[tuple[str, torch.Tensor]] = []
+    attachments = []
     for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
         w = layer.add_adapter(slot, spec.rank, spec.alpha, gen)
         named += [(f"{name}.lora_A.weight", w.A), (f"{name}.lora_B.weight", w.B)]
-    return Trainable(slot=slot, spec=spec, named_params=named)
+        attachments.append((layer, w))
+    return Trainable(slot=slot, spec=spec, named_params=named, attachments=attachments)
 
 
 def detach_lora(model: CausalLM, slot: int) -> None:

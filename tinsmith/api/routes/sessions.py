@@ -40,7 +40,8 @@ async def finish_session(session_id: str, request: Request, caller: Caller = Dep
     await owned_session(state, caller, session_id)
     raw = await request.body()
     body = FinishSessionRequest.model_validate_json(raw) if raw else FinishSessionRequest()
-    await run_in_threadpool(state.store.finish_session, session_id, body.reason.type, body.detail)
+    if await run_in_threadpool(state.store.finish_session, session_id, body.reason.type, body.detail):
+        await state.release_session_runs(session_id)
     return {}
 
 
