@@ -25,6 +25,50 @@ def _field_errors(exc: RequestValidationError) -> str:
     return "; ".join(parts)
 
 
+class BodyLimit:
+    """Answer 413 to any request whose body exceeds ``--max-body-bytes``, on every route.
+
+    The JSON routes are parsed by FastAPI before any handler runs, so without this an
+    oversized JSON body (even an unauthenticated one) would be buffered whole. A declared
+    ``Content-Length`` is checked up front (the HTTP layer holds the client to it); a body sent
+    without one is buffered only up to the limit, then replayed to the application.
+    """
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.limit:
+                return await self._too_large(scope, receive, send, f"request body of {int(declared)} bytes")
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._too_large(scope, receive, send, "request body")
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send, what: str) -> None:
+        response = JSONResponse({"detail": f"{what} exceeds the limit of {self.limit} bytes (--max-body-bytes)"},
+                                status_code=413)
+        await response(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -36,6 +80,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tinsmith", lifespan=lifespan)
     app.state.tinsmith = state
+    app.add_middleware(BodyLimit, limit=state.config.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
 

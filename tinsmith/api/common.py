@@ -74,6 +74,16 @@ async def owned_model(state: ServerState, caller: Caller, model_id: str, *, requ
     return m
 
 
+async def readable_checkpoint(state: ServerState, caller: Caller, tp, kind: str | None = None):
+    """The stored checkpoint a tinker path names, if it is ready and the caller owns it or it is public."""
+    if kind is not None and tp.kind != kind:
+        raise InvalidInputError(f"{str(tp)!r} must name {kind} (tinker://RUN/{kind}/NAME)")
+    ck = await run_in_threadpool(state.store.get_checkpoint, tp.run_id, tp.kind, tp.name)
+    if ck is None or ck.status != "ready" or (ck.owner != caller.owner and not ck.public):
+        raise NotFoundError(f"checkpoint {str(tp)!r} not found")
+    return ck
+
+
 async def submit(
     state: ServerState,
     caller: Caller,
@@ -95,6 +105,14 @@ async def submit(
             seq_id=seq_id, sampling_session_id=sampling_session_id, submit_info=submit_info,
         )
     )
+    if not created and rec.kind != kind:
+        # Only a replay of the same request may share its sequence number; answering with the
+        # other request's future would hand the client a result of the wrong type.
+        owner = model_id if model_id is not None else sampling_session_id
+        raise InvalidInputError(
+            f"seq_id {seq_id} of {owner!r} was already used by a {rec.kind} request ({rec.request_id}); "
+            "every request of a run needs its own seq_id"
+        )
     if created:
         state.engine.submit(Job(rec.request_id, kind, model_id, seq_id, args, wire, caller.owner))
     answer: dict[str, Any] = {"request_id": rec.request_id}

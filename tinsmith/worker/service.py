@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, StateLostError, TinsmithError
+from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, TinsmithError
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.loading import LoadedModel, load_model
 from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec

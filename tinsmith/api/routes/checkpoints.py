@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
+from tinsmith.api.common import caller_of, owned_model, owned_session, readable_checkpoint, state_of, submit
 from tinsmith.api.schemas import Body
 from tinsmith.checkpoints.paths import KINDS, TinkerPath, check_name, checkpoint_directory, parse_tinker_path
 from tinsmith.checkpoints.state_format import lora_from_meta, read_meta
@@ -105,20 +105,11 @@ async def save_weights_external(body: SaveWeightsRequest, request: Request, call
     return await _save(request, caller, body, "external_weights", "save_weights_external")
 
 
-async def readable_checkpoint(state, caller: Caller, tp: TinkerPath):
-    ck = await run_in_threadpool(state.store.get_checkpoint, tp.run_id, tp.kind, tp.name)
-    if ck is None or ck.status != "ready" or (ck.owner != caller.owner and not ck.public):
-        raise NotFoundError(f"checkpoint {str(tp)!r} not found")
-    return ck
-
-
 @router.post("/load_weights")
 async def load_weights(body: LoadWeightsRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
     tp = parse_tinker_path(body.path, "path")
-    if tp.kind != "weights":
-        raise InvalidInputError(f"path {body.path!r} must name a training state (tinker://RUN/weights/NAME)")
-    ck = await readable_checkpoint(state, caller, tp)
+    ck = await readable_checkpoint(state, caller, tp, "weights")
     meta = await run_in_threadpool(read_meta, Path(ck.storage_path))
     base_model = meta["base_model"]
     if body.base_model and state.worker.resolve_base(body.base_model) is not state.worker.resolve_base(base_model):

@@ -10,7 +10,8 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import caller_of, owned_model, owned_session, parse_json_object, read_body, state_of, submit
+from tinsmith.api.common import (caller_of, owned_model, owned_session, parse_json_object, read_body,
+                                 readable_checkpoint, state_of, submit)
 from tinsmith.api.schemas import Body
 from tinsmith.checkpoints.paths import TinkerPath, check_name, checkpoint_directory, parse_tinker_path
 from tinsmith.errors import InvalidInputError, NotFoundError
@@ -50,16 +51,6 @@ def _result_wire(request: Request) -> str:
     return "protobuf"
 
 
-async def _sampler_checkpoint(state, caller: Caller, tp: TinkerPath):
-    """The stored sampler weights a tinker path names, if the caller may read them."""
-    if tp.kind != "sampler_weights":
-        raise InvalidInputError(f"model_path {str(tp)!r} must name sampler weights (tinker://RUN/sampler_weights/NAME)")
-    ck = await run_in_threadpool(state.store.get_checkpoint, tp.run_id, tp.kind, tp.name)
-    if ck is None or ck.status != "ready" or (ck.owner != caller.owner and not ck.public):
-        raise NotFoundError(f"sampler weights {str(tp)!r} not found")
-    return ck
-
-
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(body: SaveForSamplerRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
@@ -96,7 +87,7 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, request: R
     base_model = body.base_model
     if body.model_path is not None:
         tp = parse_tinker_path(body.model_path)
-        await _sampler_checkpoint(state, caller, tp)
+        await readable_checkpoint(state, caller, tp, "sampler_weights")
         run = await run_in_threadpool(state.store.get_model, tp.run_id)
         if run is None:
             raise NotFoundError(f"training run {tp.run_id!r} of {body.model_path!r} not found")
@@ -144,7 +135,7 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
         raise InvalidInputError("asample needs sampling_session_id (or base_model / model_path)")
     if model_path is not None:
         tp = parse_tinker_path(model_path)
-        ck = await _sampler_checkpoint(state, caller, tp)
+        ck = await readable_checkpoint(state, caller, tp, "sampler_weights")
         snapshot_key, storage_path = str(tp), ck.storage_path
         if base_model is None:
             run = await run_in_threadpool(state.store.get_model, tp.run_id)
