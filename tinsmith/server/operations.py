@@ -120,6 +120,7 @@ class WorkerOperations:
         self.store = store
         self._sample_inbox: deque[Job] = deque()
         self.stability = StabilityLog()
+        self._touched: dict[str, float] = {}
 
     def run_batch(self, kind: str, jobs: list[Job]) -> list[Outcome]:
         for j in jobs:
@@ -142,12 +143,18 @@ class WorkerOperations:
         return out
 
     def _touch(self, model_ids: set[str]) -> None:
+        """Record activity (TrainingRun.last_request_time), at most once a second per run:
+        it is bookkeeping, and a database write per request would sit on the hot path."""
         if self.store is None:
             return
+        now = time.monotonic()
         for m in model_ids:
+            if now - self._touched.get(m, -1e9) < 1.0:
+                continue
+            self._touched[m] = now
             try:
                 self.store.touch_model(m)
-            except Exception:  # bookkeeping only
+            except Exception:
                 log.debug("touch_model failed for %s", m, exc_info=True)
 
     def fill_recorded_logprobs(self, inp) -> None:
