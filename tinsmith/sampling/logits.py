@@ -55,7 +55,10 @@ def choose_tokens(
     logprobs = torch.log_softmax(logits, dim=-1)
     greedy = temperature <= 0
     V = logits.shape[-1]
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    # Shift so the largest logit is 0 before dividing: a tiny positive temperature (down to
+    # float32 denormals) then sends the others to -inf instead of overflowing to inf - inf = NaN.
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scaled = shifted / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     probs = torch.softmax(scaled, dim=-1)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]

@@ -123,6 +123,10 @@ class Sampler:
                 f"sampling_params.max_tokens={inp.params.max_tokens}: prompt ({P} tokens) + max_tokens must fit "
                 f"the model's context of {ctx} tokens (and max_tokens must be >= 1)"
             )
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            k = getattr(inp, name)
+            if not 0 <= k <= V:  # the result holds (length, k) arrays: an unbounded k exhausts memory
+                raise InvalidInputError(f"{name}={k} must be in 0..{V} (the vocabulary size)")
         p = inp.params
         if p.temperature < 0 or not math.isfinite(p.temperature):
             raise InvalidInputError(f"sampling_params.temperature={p.temperature} must be >= 0")
@@ -141,9 +145,12 @@ class Sampler:
         while self.inbox:
             task = self.inbox[0]
             n, P = task.input.num_samples, len(task.input.prompt)
-            if batch and (rows + n > self.max_rows or tokens + P > self.prefill_tokens):
+            # A request that can never fit (num_samples > max_rows) goes straight to validation,
+            # which rejects it; waiting for rows would block the queue behind it forever.
+            fits = n <= self.max_rows
+            if fits and batch and (rows + n > self.max_rows or tokens + P > self.prefill_tokens):
                 break
-            if not batch and rows + n > self.max_rows:
+            if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
             self.inbox.popleft()
             try:
