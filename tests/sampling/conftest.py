@@ -1,0 +1,106 @@
+"""Helpers of the sampler tests: fresh tiny models, running a sampler to completion, references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tinsmith.models.layers import CausalLM
+from tinsmith.models.loading import load_model
+from tinsmith.sampling.sampler import Sampler, SampleTask
+from tinsmith.types import LoraSpec, SampleInput, SamplingParams
+from tinsmith.worker.trainables import install_lora_weights
+
+
+def decoder(model_dir: Path):
+    """token ids -> text with the checkpoint's own tokenizer (special tokens kept)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+
+
+def fresh_model(model_dir: Path) -> CausalLM:
+    """A new instance per test, so adapters installed by one test never leak into another."""
+    return load_model(str(model_dir)).model
+
+
+def make_sampler(model: CausalLM, model_dir: Path, **kw) -> Sampler:
+    return Sampler(model, decoder(model_dir), **kw)
+
+
+def task(key, prompt, *, slot=None, n=1, **params) -> SampleTask:
+    """A SampleTask; keyword arguments that are SampleInput fields go there, the rest to SamplingParams."""
+    input_fields = {"prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_logprobs_last_n"}
+    extra = {k: params.pop(k) for k in list(params) if k in input_fields}
+    inp = SampleInput(np.asarray(prompt, dtype=np.int64), n, SamplingParams(**params), **extra)
+    return SampleTask(key, slot, inp)
+
+
+def run(sampler: Sampler, tasks, *, budget_s: float = 0.05, max_steps: int = 10_000) -> dict:
+    """Queue ``tasks``, step until every one is done; key -> SampleResult or error."""
+    for t in tasks:
+        sampler.add(t)
+    out: dict = {}
+    for _ in range(max_steps):
+        if not sampler.has_work():
+            break
+        for key, res in sampler.step(budget_s):
+            assert key not in out, f"task {key!r} finished twice"
+            out[key] = res
+    else:
+        raise AssertionError(f"sampler still has work after {max_steps} steps")
+    missing = {t.key for t in tasks} - set(out)
+    assert not missing, f"tasks never finished: {missing}"
+    return out
+
+
+def sample_one(sampler: Sampler, prompt, **kw):
+    (res,) = run(sampler, [task("only", prompt, **kw)]).values()
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+def forward_logprobs(model: CausalLM, tokens, slot: int | None = None) -> torch.Tensor:
+    """log-softmax of one full forward pass (no cache): row i predicts token i + 1. (L, V) fp32."""
+    t = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None]
+    L = t.shape[1]
+    segs = None if slot is None else [(slot, 0, L)]
+    with torch.inference_mode():
+        h = model.hidden_states(t, torch.arange(L)[None], segs)
+        return torch.log_softmax(model.logits(h[0], segs), dim=-1)
+
+
+def random_adapter(model: CausalLM, slot: int, *, rank: int = 4, seed: int = 0, scale: float = 0.1) -> None:
+    """Install an adapter with random (non-zero) A and B into ``slot``, as sampler snapshots are."""
+    spec = LoraSpec(rank=rank, alpha=2.0 * rank)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
+        tensors[f"{name}.lora_A.weight"] = torch.randn(rank, layer.in_features, generator=g) * scale
+        tensors[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, rank, generator=g) * scale
+    install_lora_weights(model, slot, spec, tensors)
+
+
+@pytest.fixture
+def qwen3_model(qwen3_dir) -> CausalLM:
+    return fresh_model(qwen3_dir)
+
+
+@pytest.fixture
+def sampler(qwen3_model, qwen3_dir) -> Sampler:
+    return make_sampler(qwen3_model, qwen3_dir)
+
+
+@pytest.fixture(autouse=True)
+def _single_intra_op_thread():
+    """The models here are tiny; with other processes on the CPU, OpenMP's spinning worker
+    threads would make every step many times slower without making anything more exact."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
