@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
-import math
 
 import numpy as np
 import pytest
@@ -242,7 +240,7 @@ def test_choose_tokens_follows_the_truncated_distribution():
         return out / out.sum()
 
     for T, k, p in [(1.0, -1, 1.0), (0.5, -1, 1.0), (2.0, 5, 1.0), (1.0, -1, 0.6), (0.8, 4, 0.7)]:
-        tok, lp, full = choose_tokens(base.expand(N, V), torch.full((N,), T), torch.full((N,), k),
+        tok, lp, _ = choose_tokens(base.expand(N, V), torch.full((N,), T), torch.full((N,), k),
                                       torch.full((N,), p), u)
         freq = torch.bincount(tok, minlength=V).double() / N
         want = expected(T, k, p)
