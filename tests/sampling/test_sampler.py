@@ -528,3 +528,53 @@ def test_kv_cache_grows_by_blocks_and_rows_are_reused(qwen3_dir):
     res = run(s, [task(("wide", i), p, n=4, max_tokens=5, stop=[]) for i in range(10)])
     assert s.cache.row_capacity == 8, "40 rows' buffers are released once they finish"
     assert len(res) == 10
+
+
+# ------------------------------------------------------------------------------------ failures
+def test_an_unexpected_error_fails_its_requests_and_sampling_goes_on(qwen3_dir, monkeypatch):
+    """An error that is not bad input (out of memory, say) fails the requests of the failing
+    prefill or decode step; requests running beside them, and later ones, are unaffected."""
+    model = fresh_model(qwen3_dir)
+    ps = prompts(14, (5, 7, 9, 4), model.config.vocab_size)
+    kw = dict(max_tokens=30, stop=[], temperature=1.0, seed=3)
+    alone = [sample_one(make_sampler(model, qwen3_dir), p, **kw).sequences[0].tokens.tolist() for p in ps]
+
+    s = make_sampler(model, qwen3_dir)
+    real_plp, real_decode = s._prompt_logprobs, s._decode_step
+    fail_decode = {"now": False}
+
+    def prompt_logprobs(st, h):
+        if st.task.key == "bad prefill":
+            raise RuntimeError("simulated out of memory in prefill")
+        return real_plp(st, h)
+
+    def decode_step(done):
+        if fail_decode["now"]:
+            fail_decode["now"] = False
+            raise RuntimeError("simulated out of memory in decode")
+        return real_decode(done)
+
+    monkeypatch.setattr(s, "_prompt_logprobs", prompt_logprobs)
+    monkeypatch.setattr(s, "_decode_step", decode_step)
+    done: dict = {}
+    s.add(task("running", ps[0], **kw))
+    _step_until(s, 3, done)
+    s.add(task("bad prefill", ps[1], n=2, max_tokens=5, prompt_logprobs=True))
+    _step_until(s, 3, done)
+    assert isinstance(done.pop("bad prefill"), RuntimeError)
+    assert [r.state.task.key for r in s.rows] == ["running"]
+    s.add(task("after", ps[2], **kw))
+    done.update(run(s, []))
+    assert ok(done["running"]).sequences[0].tokens.tolist() == alone[0]
+    assert ok(done["after"]).sequences[0].tokens.tolist() == alone[2]
+
+    # a failing decode step fails the requests in the batch, not the sampler
+    s.add(task("victim 1", ps[0], **kw))
+    s.add(task("victim 2", ps[1], n=2, **kw))
+    _step_until(s, 2, done)
+    fail_decode["now"] = True
+    for key, res in s.step(0.01):
+        done[key] = res
+    assert isinstance(done["victim 1"], RuntimeError) and isinstance(done["victim 2"], RuntimeError)
+    assert not s.rows and not s.has_work()
+    assert ok(run(s, [task("later", ps[3], **kw)])["later"]).sequences[0].tokens.tolist() == alone[3]

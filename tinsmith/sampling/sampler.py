@@ -8,6 +8,7 @@ returns the requests that finished. Finished sequences leave the batch at once.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import time
@@ -26,6 +27,8 @@ from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
 TOPK_SENTINEL = -99999.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,14 +96,23 @@ class Sampler:
         used = {r.state.task.slot for r in self.rows} | {t.slot for t in list(self.inbox)}
         return {s for s in used if s is not None}
 
-    def step(self, budget_s: float = 0.05) -> list[tuple[Any, SampleResult | TinsmithError]]:
-        """Admit waiting requests, decode until ``budget_s`` is spent; return finished requests."""
-        done: list[tuple[Any, SampleResult | TinsmithError]] = []
+    def step(self, budget_s: float = 0.05) -> list[tuple[Any, SampleResult | Exception]]:
+        """Admit waiting requests, decode until ``budget_s`` is spent; return finished requests.
+
+        A request's result is an exception when it failed: a ``TinsmithError`` for bad input,
+        anything else (out of memory ...) for the requests that were in the failing step.
+        """
+        done: list[tuple[Any, SampleResult | Exception]] = []
         deadline = time.perf_counter() + budget_s
         with torch.inference_mode():
             self._admit(done)
             while self.rows and time.perf_counter() < deadline:
-                self._decode_step(done)
+                try:
+                    self._decode_step(done)
+                except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
+                    log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
+                    self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
+                    break
                 if self.inbox and len(self.rows) < self.max_rows:
                     self._admit(done)
             if not self.rows:
@@ -162,7 +174,27 @@ class Sampler:
             tokens += P
             rows += n
         if batch:
-            self._prefill(batch, done)
+            try:
+                self._prefill(batch, done)
+            except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
+                log.exception("prefill of %d requests failed", len(batch))
+                self._fail(batch, exc, done)
+
+    def _fail(self, states: list[_TaskState], exc: Exception, done: list) -> None:
+        """Drop the rows of ``states`` and report each request not yet reported as failed.
+
+        Without this an unexpected error would leave their rows in the batch, failing every
+        later step the same way: sampling on this base model would stop for every tenant.
+        """
+        ids = {id(s) for s in states}
+        for r in range(len(self.rows) - 1, -1, -1):
+            if id(self.rows[r].state) in ids:
+                self._drop_row(r)
+        for st in states:
+            if st.remaining > 0:
+                st.remaining = 0
+                done.append((st.task.key, exc))
+        self._groups = None
 
     def _prefill(self, batch: list[_TaskState], done: list) -> None:
         """Run every admitted prompt once (right-padded, grouped by adapter), seed its rows."""
@@ -305,6 +337,10 @@ class Sampler:
                 topk_prompt_token_ids=st.topk_ids,
                 topk_prompt_logprobs=st.topk_lps,
             )))
+        self._drop_row(r)
+
+    def _drop_row(self, r: int) -> None:
+        """Remove row ``r``; the last row moves into its place (rows stay dense)."""
         last = len(self.rows) - 1
         self.cache.move_row(last, r)
         self.rows[r] = self.rows[last]
