@@ -578,3 +578,18 @@ def test_an_unexpected_error_fails_its_requests_and_sampling_goes_on(qwen3_dir, 
     assert isinstance(done["victim 1"], RuntimeError) and isinstance(done["victim 2"], RuntimeError)
     assert not s.rows and not s.has_work()
     assert ok(run(s, [task("later", ps[3], **kw)])["later"]).sequences[0].tokens.tolist() == alone[3]
+
+
+def test_abort_returns_every_queued_and_running_request(qwen3_dir):
+    """What the engine relies on to fail, not strand, requests when a sampling slice breaks."""
+    from tinsmith.models.loading import load_model as _load
+    from tinsmith.sampling.sampler import SampleTask as _Task, Sampler as _Sampler
+    from tinsmith.types import SampleInput as _In, SamplingParams as _P
+
+    s = _Sampler(_load(str(qwen3_dir)).model, lambda ids: "")
+    prompt = np.array([1, 2, 3])
+    s.add(_Task("running", None, _In(prompt, 2, _P(max_tokens=50, stop=[]))))
+    s.step(budget_s=0.0)  # admitted, not finished
+    s.add(_Task("queued", None, _In(prompt, 1, _P(max_tokens=5))))
+    assert sorted(s.abort()) == ["queued", "running"]
+    assert not s.has_work()

@@ -85,6 +85,8 @@ class Operations(Protocol):
 
     def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]: ...
 
+    def sample_abort(self) -> list[Job]: ...  # drop every queued and running sample job
+
 
 class ResultSink(Protocol):
     def complete_request(self, request_id: str, result: bytes, content_type: str) -> bool: ...
@@ -175,9 +177,10 @@ class Engine:
                 sampling_turn = False
                 try:
                     pairs = await loop.run_in_executor(self.executor, self._sample_slice)
-                except Exception:
+                except Exception as exc:  # fail what the sampler held, rather than leave it hanging
                     log.exception("sampling step failed")
-                    pairs = []
+                    pairs = [(j, Outcome.failure(exc)) for j in self.ops.sample_abort()]
+                    await loop.run_in_executor(None, self._persist, [j for j, _ in pairs], [o for _, o in pairs])
                 self._finish([j for j, _ in pairs], [o for _, o in pairs])
                 await asyncio.sleep(0)  # let submissions in between slices
                 continue

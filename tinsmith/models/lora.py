@@ -81,8 +81,9 @@ class LoraLinear(nn.Module):
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1])
         for slot, rows in groups:
             w = self.adapters.get(slot)
-            if w is not None:
-                y2.index_add_(0, rows, self._delta(x2.index_select(0, rows), w))
+            if w is None:  # never fall back to the base weights silently
+                raise KeyError(f"LoRA adapter slot {slot} is not attached to this layer")
+            y2.index_add_(0, rows, self._delta(x2.index_select(0, rows), w))
         return y2.reshape(shape)
 
     @staticmethod

@@ -60,15 +60,30 @@ def choose_tokens(
     shifted = logits - logits.max(dim=-1, keepdim=True).values
     scaled = shifted / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     probs = torch.softmax(scaled, dim=-1)
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each entry
-    keep = (rank < k[:, None]) & ((before < top_p[:, None]) | (rank == 0))
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
-    cdf = torch.cumsum(kept, dim=-1)
-    target = (u * cdf[:, -1]).unsqueeze(-1)
-    pos = torch.searchsorted(cdf, target).clamp_(max=V - 1).squeeze(-1)
-    sampled = order.gather(-1, pos[:, None]).squeeze(-1)
+    # Rows that truncate (top-k / top-p) need their distribution sorted; the others draw by
+    # inverse CDF in vocabulary order, which skips the sort. Either way a row's token depends
+    # only on its own logits and its own uniform, never on the rest of the batch.
+    truncating = ((top_k > 0) & (top_k < V)) | (top_p < 1)
+    sampled = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    plain = ~truncating
+    if bool(plain.any()):
+        sampled[plain] = _inverse_cdf(probs[plain].double(), u[plain])
+    if bool(truncating.any()):
+        rows = truncating.nonzero().squeeze(-1)
+        sorted_p, order = torch.sort(probs[rows], dim=-1, descending=True)
+        rank = torch.arange(V, device=logits.device)[None, :]
+        k = torch.where(top_k[rows] > 0, top_k[rows], torch.full_like(top_k[rows], V))
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each entry
+        keep = (rank < k[:, None]) & ((before < top_p[rows][:, None]) | (rank == 0))
+        kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
+        sampled[rows] = order.gather(-1, _inverse_cdf(kept, u[rows])[:, None]).squeeze(-1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from unnormalised non-negative ``weights`` (rows) with uniforms ``u``."""
+    cdf = torch.cumsum(weights, dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target).squeeze(-1)
+    return idx.clamp_(max=weights.shape[-1] - 1)

@@ -180,6 +180,15 @@ class Sampler:
                 log.exception("prefill of %d requests failed", len(batch))
                 self._fail(batch, exc, done)
 
+    def abort(self) -> list[Any]:
+        """Forget every queued and running request; returns their keys (for the caller to fail)."""
+        keys = [t.key for t in self.inbox]
+        self.inbox.clear()
+        states = list({id(r.state): r.state for r in self.rows}.values())
+        done: list = []
+        self._fail(states, RuntimeError("aborted"), done)
+        return keys + [k for k, _ in done]
+
     def _fail(self, states: list[_TaskState], exc: Exception, done: list) -> None:
         """Drop the rows of ``states`` and report each request not yet reported as failed.
 

@@ -280,6 +280,13 @@ class WorkerOperations:
     def sample_has_work(self) -> bool:
         return bool(self._sample_inbox) or any(s.has_work() for s in self.worker.samplers.values())
 
+    def sample_abort(self) -> list[Job]:
+        jobs = list(self._sample_inbox)
+        self._sample_inbox.clear()
+        for sampler in self.worker.samplers.values():
+            jobs += sampler.abort()
+        return jobs
+
     def _resolve_slot(self, a: SampleArgs) -> tuple[Any, int | None]:
         base = self.worker.resolve_base(a.base_model)
         if a.snapshot_key is None:
