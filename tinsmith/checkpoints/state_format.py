@@ -44,7 +44,12 @@ def read_meta(directory: Path) -> dict:
     path = Path(directory) / META
     if not path.is_file():
         raise InvalidInputError(f"no training state at {str(directory)!r}")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidInputError(f"{META} in {str(directory)!r} is corrupted (not valid JSON: {e})") from None
+    if not isinstance(meta, dict):
+        raise InvalidInputError(f"{META} in {str(directory)!r} is corrupted (not a JSON object)")
     if meta.get("format") != FORMAT:
         raise InvalidInputError(f"{str(directory)!r} holds format {meta.get('format')!r}, expected {FORMAT}")
     return meta
