@@ -22,7 +22,7 @@ def _inputs(seed=0):
 def _run(name, lp, inputs, **config):
     spec, cfg = resolve_loss(name, config)
     t = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
-    batch = LossBatch(t, {k: torch.tensor(v) for k, v in inputs.items()}, [0, 20, E], cfg)
+    batch = LossBatch(t, {k: torch.tensor(v) for k, v in inputs.items()}, [0, min(20, len(lp)), len(lp)], cfg)
     out = spec.fn(batch)
     out.loss.backward()
     return out, t.grad.numpy()
@@ -110,3 +110,13 @@ def test_stable_reinforce_matches_numpy():
     np.testing.assert_allclose(out.elementwise.detach().numpy(), -w * x["advantages"] * lp, rtol=1e-10)
     np.testing.assert_allclose(g, -w * x["advantages"], rtol=1e-10)
     assert 0 <= out.metrics["truncated_fraction:mean"] <= 1
+
+
+def test_dro_leaves_unsampled_positions_unpenalised():
+    """RL datums mark prompt positions with logprob 0 and advantage 0: no pull on them."""
+    lp = np.array([-2.0, -1.5, -0.7, -0.3])
+    inputs = {"logprobs": np.array([0.0, 0.0, -0.9, -0.2]), "advantages": np.array([0.0, 0.0, 1.0, -1.0])}
+    out, g = _run("dro", lp, inputs, beta=0.5)
+    np.testing.assert_allclose(g[:2], [0.0, 0.0])
+    d = lp[2:] - inputs["logprobs"][2:]
+    np.testing.assert_allclose(g[2:], -(inputs["advantages"][2:] - 0.5 * d))

@@ -1,4 +1,5 @@
-"""``tinsmith`` command line: ``serve`` runs the server; ``make-tiny-model`` writes a test model."""
+"""``tinsmith`` command line: ``serve`` runs the server; ``make-tiny-model`` writes a test model;
+``demo`` trains a small model with RL through the SDK against a server it starts."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint with a BPE tokenizer")
     tiny.add_argument("rest", nargs=argparse.REMAINDER)
     tiny.set_defaults(func=lambda a: __import__("tinsmith.devtools.tiny_model", fromlist=["main"]).main(a.rest) or 0)
+    from tinsmith.demo.run import add_arguments as add_demo_arguments, run_from_args as run_demo
+
+    demo = sub.add_parser("demo", help="pre-train a small model offline, then improve it with RL through the SDK")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=run_demo)
     args = p.parse_args(argv)
     return int(args.func(args) or 0)
 

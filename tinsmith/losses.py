@@ -93,9 +93,14 @@ def cispo(b: LossBatch) -> LossOutput:
 
 
 def dro(b: LossBatch) -> LossOutput:
-    """``loss = -sum(logp * A - beta/2 * (logp - q)^2)`` (quadratic penalty keeps it near the sampler)."""
+    """``loss = -sum(logp * A - beta/2 * (logp - q)^2)`` (quadratic penalty keeps it near the sampler).
+
+    Positions whose sampler logprob ``q`` is exactly 0 carry no penalty: that is how RL datums
+    mark tokens that were not sampled (the prompt), whose logprobs nobody recorded.
+    """
     beta = float(b.config["beta"])
-    d = b.logprobs - b.inputs["logprobs"]
+    q = b.inputs["logprobs"]
+    d = torch.where(q != 0, b.logprobs - q, torch.zeros_like(q))
     el = -(b.logprobs * b.inputs["advantages"] - 0.5 * beta * d * d)
     return LossOutput(el.sum(), el, _metrics(el))
 

@@ -96,8 +96,6 @@ def test_bad_checkpoint_names_and_ttls(tc, server):
     assert tc.save_state("fine", ttl_seconds=3600).result(timeout=RESULT_TIMEOUT_S).path.endswith("/weights/fine")
 
 
-@pytest.mark.xfail(reason="save_weights_for_sampler does not check ttl_seconds against 3600 s .. 10 years "
-                          "(tinsmith/api/routes/sampling.py), unlike save_state and the TTL endpoint")
 def test_sampler_weights_ttl_is_range_checked(tc):
     msg = _fails(tc.save_weights_for_sampler("short-ttl-s", ttl_seconds=10))
     assert "ttl_seconds" in msg

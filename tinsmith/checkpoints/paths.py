@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from tinsmith.errors import InvalidInputError
@@ -24,6 +25,20 @@ class TinkerPath:
     @property
     def checkpoint_id(self) -> str:
         return f"{self.kind}/{self.name}"
+
+
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
+
+
+def expiry_from_ttl(ttl_seconds: int | None) -> datetime | None:
+    """When a checkpoint with this TTL expires (None: never); the range is the hosted service's."""
+    if ttl_seconds is None:
+        return None
+    if not (MIN_TTL_S <= ttl_seconds <= MAX_TTL_S):
+        raise InvalidInputError(
+            f"ttl_seconds={ttl_seconds} must be between {MIN_TTL_S} and {MAX_TTL_S} (or null for no expiry)"
+        )
+    return datetime.now(timezone.utc) + timedelta(seconds=ttl_seconds)
 
 
 def check_name(name: str, field: str = "path") -> str:

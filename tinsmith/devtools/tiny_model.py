@@ -16,6 +16,12 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
+# Optional extras (``extra_special_tokens=``) for chat renderers that assert single special tokens:
+# the Qwen3 / Qwen3.5 chat format and the Llama 3 header tokens.
+QWEN_CHAT_SPECIAL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                            "</tool_response>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+LLAMA3_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
 _WORDS = (
     "the a an and or but if then else when while for to of in on at by with from up down over "
     "under again further once here there all any both each few more most other some such no nor "
@@ -45,8 +51,11 @@ def _corpus(n_lines: int, seed: int) -> list[str]:
     return lines
 
 
-def train_bpe_tokenizer(vocab_size: int, seed: int = 0):
-    """Train a byte-level BPE tokenizer on the built-in corpus (no network)."""
+def train_bpe_tokenizer(vocab_size: int, seed: int = 0, extra_special_tokens: tuple[str, ...] = ()):
+    """Train a byte-level BPE tokenizer on the built-in corpus (no network).
+
+    ``extra_special_tokens`` are added after the default ones (ids 0-3 are unchanged).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -54,7 +63,7 @@ def train_bpe_tokenizer(vocab_size: int, seed: int = 0):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + [t for t in extra_special_tokens if t not in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -123,17 +132,20 @@ def make_tiny_model(
     shape: TinyShape = TinyShape(),
     seed: int = 0,
     max_shard_size: str | None = None,
+    extra_special_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write a random-initialised HF checkpoint plus tokenizer to ``out_dir`` and return it.
 
     ``max_shard_size`` (e.g. ``"200KB"``) writes a sharded checkpoint with an index file.
+    ``extra_special_tokens`` (e.g. ``QWEN_CHAT_SPECIAL_TOKENS``) become single special tokens of
+    the tokenizer, after the default ones; the model's vocabulary covers them.
     """
     import torch
     import transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_bpe_tokenizer(shape.vocab_size, seed)
+    tok = train_bpe_tokenizer(shape.vocab_size, seed, tuple(extra_special_tokens))
     eos_id = tok.token_to_id("<|endoftext|>")
     pad_id = tok.token_to_id("<|pad|>")
     config = _hf_config(family, shape, tok.get_vocab_size(), eos_id, pad_id)
@@ -157,7 +169,8 @@ def make_tiny_model(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
         pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"]
+        + [t for t in extra_special_tokens if t not in SPECIAL_TOKENS],
     )
     fast.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -251,8 +251,13 @@ class WorkerOperations:
 
     def _load_weights(self, job: Job) -> Outcome:
         a: LoadArgs = job.args
-        state = load_training_state(a.directory, a.with_optimizer)
-        self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create)
+        try:
+            state = load_training_state(a.directory, a.with_optimizer)
+            self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create)
+        except Exception:
+            if a.create:  # the run never came to life: do not list it as active
+                self.store.update_model_status(job.model_id, "unloaded")
+            raise
         if a.create:
             self.store.update_model_status(job.model_id, "active")
         return json_outcome({"model_id": job.model_id})

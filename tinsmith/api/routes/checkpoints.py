@@ -16,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_model, owned_session, readable_checkpoint, state_of, submit
 from tinsmith.api.schemas import Body
-from tinsmith.checkpoints.paths import KINDS, TinkerPath, check_name, checkpoint_directory, parse_tinker_path
+from tinsmith.checkpoints.paths import (KINDS, TinkerPath, check_name, checkpoint_directory, expiry_from_ttl,
+                                       parse_tinker_path)
 from tinsmith.checkpoints.state_format import lora_from_meta, read_meta
 from tinsmith.errors import ConflictError, InvalidInputError, NotFoundError
 from tinsmith.server.operations import LoadArgs, SaveArgs
@@ -24,7 +25,6 @@ from tinsmith.store.ids import model_id_for
 
 router = APIRouter(prefix="/api/v1")
 
-MIN_TTL, MAX_TTL = 3600, 10 * 365 * 24 * 3600
 CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 URL_LIFETIME = timedelta(hours=1)
 
@@ -57,14 +57,6 @@ class WeightsInfoRequest(Body):
     tinker_path: str
 
 
-def _expiry(ttl: int | None) -> datetime | None:
-    if ttl is None:
-        return None
-    if not (MIN_TTL <= ttl <= MAX_TTL):
-        raise InvalidInputError(f"ttl_seconds={ttl} must be between {MIN_TTL} and {MAX_TTL} (or null for no expiry)")
-    return datetime.now(timezone.utc) + timedelta(seconds=ttl)
-
-
 def _iso(t: datetime | None) -> str | None:
     return None if t is None else t.astimezone(timezone.utc).isoformat()
 
@@ -89,7 +81,7 @@ async def _save(request: Request, caller: Caller, body: SaveWeightsRequest, kind
         raise InvalidInputError(f"model {body.model_id!r} is a full fine-tune; external export needs a LoRA run")
     tp = TinkerPath(body.model_id, kind, check_name(body.path))
     args = SaveArgs(kind, tp.name, str(tp), checkpoint_directory(state.config.resolved_checkpoint_dir, tp),
-                    caller.owner, _expiry(body.ttl_seconds), body.user_metadata, body.overwrite,
+                    caller.owner, expiry_from_ttl(body.ttl_seconds), body.user_metadata, body.overwrite,
                     state.config.checkpoint_quota_bytes)
     return await submit(state, caller, job_kind, args, payload=body.model_dump_json().encode(), payload_type="json",
                         model_id=body.model_id, seq_id=body.seq_id)
@@ -233,7 +225,7 @@ async def unpublish(run_id: str, kind: str, name: str, request: Request, caller:
 async def set_ttl(run_id: str, kind: str, name: str, body: TtlRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
     await _owned_checkpoint(state, caller, run_id, kind, name)
-    await run_in_threadpool(state.store.set_expires_at, run_id, kind, name, _expiry(body.ttl_seconds))
+    await run_in_threadpool(state.store.set_expires_at, run_id, kind, name, expiry_from_ttl(body.ttl_seconds))
     return {}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta, timezone
 
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
@@ -13,7 +12,7 @@ from tinsmith.api.auth import Caller
 from tinsmith.api.common import (caller_of, owned_model, owned_session, parse_json_object, read_body,
                                  readable_checkpoint, state_of, submit)
 from tinsmith.api.schemas import Body
-from tinsmith.checkpoints.paths import TinkerPath, check_name, checkpoint_directory, parse_tinker_path
+from tinsmith.checkpoints.paths import TinkerPath, check_name, checkpoint_directory, expiry_from_ttl, parse_tinker_path
 from tinsmith.errors import InvalidInputError, NotFoundError
 from tinsmith.server.operations import SampleArgs, SamplerSaveArgs
 from tinsmith.store.ids import sampling_session_id_for
@@ -68,9 +67,7 @@ async def save_weights_for_sampler(body: SaveForSamplerRequest, request: Request
     else:
         name = check_name(body.path)
         tp = TinkerPath(body.model_id, "sampler_weights", name)
-        expires = None
-        if body.ttl_seconds is not None:
-            expires = datetime.now(timezone.utc) + timedelta(seconds=body.ttl_seconds)
+        expires = expiry_from_ttl(body.ttl_seconds)
         directory = checkpoint_directory(state.config.resolved_checkpoint_dir, tp)
         args = SamplerSaveArgs(name=name, tinker_path=str(tp), directory=directory, expires_at=expires,
                                user_metadata=body.user_metadata, owner=caller.owner)
