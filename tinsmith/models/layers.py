@@ -82,12 +82,11 @@ class AttentionBackend(Protocol):
 
 
 def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over right-padded rows (padding sits after real tokens, so no mask is needed)."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Causal SDPA over right-padded rows (padding sits after real tokens, so no mask is needed).
+
+    Grouped-query heads are handled by SDPA itself, so K/V are never copied per query head.
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):

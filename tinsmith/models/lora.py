@@ -70,10 +70,10 @@ class LoraLinear(nn.Module):
             return y
         if len(active) == 1:
             w, _, _ = active[0]
-            return (y2 + self._delta(x2, w)).reshape(shape)
+            return self._add_delta(y2, x2, w).reshape(shape)
         pieces = []
         for w, a, b in active:
-            pieces.append(y2[a:b] if w is None else y2[a:b] + self._delta(x2[a:b], w))
+            pieces.append(y2[a:b] if w is None else self._add_delta(y2[a:b], x2[a:b], w))
         return torch.cat(pieces, dim=0).reshape(shape)
 
     def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups) -> torch.Tensor:
@@ -92,6 +92,14 @@ class LoraLinear(nn.Module):
         if A.dtype != x.dtype:
             A, B = A.to(x.dtype), B.to(x.dtype)
         return F.linear(F.linear(x, A), B) * w.scale
+
+    @staticmethod
+    def _add_delta(y: torch.Tensor, x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
+        """``y + scale * (x A^T) B^T`` as one fused GEMM (scale and add in its epilogue)."""
+        A, B = w.A, w.B
+        if A.dtype != x.dtype:
+            A, B = A.to(x.dtype), B.to(x.dtype)
+        return torch.addmm(y, F.linear(x, A), B.t(), alpha=w.scale)
 
     def merged_weight(self, slot: int) -> torch.Tensor:
         """W + scale * B A for export (fp32)."""
