@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinsmith.api.routes import ROUTERS
@@ -17,7 +18,7 @@ from tinsmith.server.state import ServerState
 log = logging.getLogger(__name__)
 
 
-def _field_errors(exc: RequestValidationError) -> str:
+def _field_errors(exc: RequestValidationError | ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
@@ -90,6 +91,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": f"invalid request: {_field_errors(exc)}"}, status_code=400)
+
+    @app.exception_handler(ValidationError)
+    async def body_validation_error(_: Request, exc: ValidationError):
+        # A route that validates its body itself (e.g. an optional body): still the client's mistake.
         return JSONResponse({"detail": f"invalid request: {_field_errors(exc)}"}, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
