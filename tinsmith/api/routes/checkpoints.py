@@ -97,6 +97,14 @@ async def save_weights_external(body: SaveWeightsRequest, request: Request, call
     return await _save(request, caller, body, "external_weights", "save_weights_external")
 
 
+def _same_base(state, a: str, b: str) -> bool:
+    """Do two base-model names reach the same served model? (False when either is not served.)"""
+    try:
+        return state.worker.resolve_base(a) is state.worker.resolve_base(b)
+    except InvalidInputError:
+        return False
+
+
 @router.post("/load_weights")
 async def load_weights(body: LoadWeightsRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
@@ -115,8 +123,14 @@ async def load_weights(body: LoadWeightsRequest, request: Request, caller: Calle
             raise InvalidInputError(f"session {body.session_id!r} is finished")
         model_id, seq_id = model_id_for(body.session_id, body.model_seq_id), 0
         lora = lora_from_meta(meta)
+        # The checkpoint records the served model's internal name (for an alias, its target, e.g. a
+        # local directory); the new run keeps the name the source run was created with.
+        source = await run_in_threadpool(state.store.get_model, tp.run_id)
+        run_base = base_model
+        if source is not None and _same_base(state, source.base_model, base_model):
+            run_base = source.base_model
         await run_in_threadpool(lambda: state.store.create_model(
-            model_id, owner=caller.owner, base_model=body.base_model or base_model, session_id=body.session_id,
+            model_id, owner=caller.owner, base_model=body.base_model or run_base, session_id=body.session_id,
             model_seq_id=body.model_seq_id, is_lora=lora is not None, lora_rank=lora.rank if lora else None,
             lora_config=None if lora is None else dict(lora.__dict__), user_metadata=body.user_metadata))
     else:
