@@ -36,6 +36,7 @@ class SaveWeightsRequest(Body):
     ttl_seconds: int | None = None
     overwrite: bool = False
     user_metadata: dict | None = None
+    age_encryption_recipients: list[str] | None = None  # save_weights_external only; not supported
 
 
 class LoadWeightsRequest(Body):
@@ -79,6 +80,10 @@ async def _save(request: Request, caller: Caller, body: SaveWeightsRequest, kind
     m = await owned_model(state, caller, body.model_id)
     if kind == "external_weights" and not m.is_lora:
         raise InvalidInputError(f"model {body.model_id!r} is a full fine-tune; external export needs a LoRA run")
+    if body.age_encryption_recipients:
+        # Refuse rather than write plaintext files the caller asked to have encrypted.
+        raise InvalidInputError("age_encryption_recipients: this server cannot age-encrypt exported weights; "
+                                "save them without encryption recipients")
     tp = TinkerPath(body.model_id, kind, check_name(body.path))
     args = SaveArgs(kind, tp.name, str(tp), checkpoint_directory(state.config.resolved_checkpoint_dir, tp),
                     caller.owner, expiry_from_ttl(body.ttl_seconds), body.user_metadata, body.overwrite,
