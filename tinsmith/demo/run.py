@@ -30,11 +30,11 @@ API_KEY = "tml-demo"
 
 @dataclass
 class DemoConfig:
-    out_dir: str = "./demo-out"
+    out_dir: str = "./data/demo"
     model_dir: str = "./data/demo-model"
-    steps: int = 40
-    prompts_per_step: int = 16
-    group_size: int = 8
+    steps: int = 80
+    prompts_per_step: int = 32
+    group_size: int = 16
     learning_rate: float = 2e-3
     lora_rank: int = 16
     temperature: float = 1.0
@@ -132,7 +132,8 @@ def group_advantages(rewards: list[float], scale: float) -> list[float]:
     return [(r - mean) * scale for r in rewards]
 
 
-def plot_curve(records: list[dict], path: Path) -> None:
+def plot_curve(records: list[dict], path: Path, start_greedy: float | None = None) -> None:
+    """Reward and exact-match rate per step; a dashed line marks the starting model's greedy accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,6 +144,9 @@ def plot_curve(records: list[dict], path: Path) -> None:
     ax.plot(steps, [r["reward_mean"] for r in records], marker="o", ms=3, lw=1.5, label="mean reward")
     ax.plot(steps, [r["exact_match"] for r in records], marker="s", ms=3, lw=1.0, alpha=0.8,
             label="exact-match rate")
+    if start_greedy is not None:
+        ax.axhline(start_greedy, color="gray", ls="--", lw=1.0,
+                   label=f"starting model, greedy exact match ({100 * start_greedy:.0f}%)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward / rate (sampled at temperature 1)")
     ax.set_ylim(0, 1)
@@ -232,7 +236,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
             log(f"step {step:3d}/{cfg.steps}  reward {rec['reward_mean']:.3f}  exact {100 * rec['exact_match']:5.1f}%  "
                 f"loss {loss:+.4f}  sample {rec['sample_tokens_per_s']:6.0f} tok/s  "
                 f"train {rec['train_tokens_per_s']:6.0f} tok/s  {rec['step_s']:4.1f}s  [{rec['elapsed_s']:5.0f}s]")
-            plot_curve(records, png_path)
+            plot_curve(records, png_path, start_acc["greedy"])
         try:
             sc.close("success").result(timeout=10)
         except Exception:  # noqa: BLE001 - closing the session is a courtesy; the server stops next
@@ -282,12 +286,18 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(a) -> int:
+    if a.steps < 1:
+        print("tinsmith demo: --steps must be at least 1", file=sys.stderr)
+        return 2
     cfg = DemoConfig(out_dir=a.out, model_dir=a.model_dir, steps=a.steps, port=a.port, seed=a.seed)
     try:
         run_demo(cfg, log=lambda s: print(s, flush=True))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # the server did not start; the message carries its log's tail
+        print(f"tinsmith demo: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
