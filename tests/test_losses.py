@@ -120,3 +120,10 @@ def test_dro_leaves_unsampled_positions_unpenalised():
     np.testing.assert_allclose(g[:2], [0.0, 0.0])
     d = lp[2:] - inputs["logprobs"][2:]
     np.testing.assert_allclose(g[2:], -(inputs["advantages"][2:] - 0.5 * d))
+
+
+def test_ratio_metric_ignores_unsampled_positions():
+    lp = np.array([-3.0, -2.0, -0.5, -0.5])
+    inputs = {"logprobs": np.array([0.0, 0.0, -0.5, -0.5]), "advantages": np.array([0.0, 0.0, 1.0, 1.0])}
+    out, _ = _run("importance_sampling", lp, inputs)
+    assert out.metrics["ratio:mean"] == pytest.approx(1.0)

@@ -67,11 +67,18 @@ def _ratio(b: LossBatch) -> torch.Tensor:
     return torch.exp(b.logprobs - b.inputs["logprobs"])
 
 
+def _sampled_mean(x: torch.Tensor, b: LossBatch) -> torch.Tensor | float:
+    """Mean over sampled positions (sampler logprob known, i.e. != 0): RL datums send 0 for the
+    prompt, where a ratio means nothing and would drag the average down."""
+    sampled = b.inputs["logprobs"] != 0
+    return x.detach()[sampled].mean() if bool(sampled.any()) else 0.0
+
+
 def importance_sampling(b: LossBatch) -> LossOutput:
     """``loss = -sum(r * A)`` with ``r = exp(logp - q)`` (REINFORCE with an importance weight)."""
     r = _ratio(b)
     el = -r * b.inputs["advantages"]
-    return LossOutput(el.sum(), el, _metrics(el, ratio__mean=r.detach().mean() if r.numel() else 0.0))
+    return LossOutput(el.sum(), el, _metrics(el, ratio__mean=_sampled_mean(r, b)))
 
 
 def ppo(b: LossBatch) -> LossOutput:
@@ -149,8 +156,7 @@ def stable_reinforce(b: LossBatch) -> LossOutput:
     el = -(w * b.inputs["advantages"] * b.logprobs)
     truncated = ((r < lo) | (r > hi)).float()
     return LossOutput(el.sum(), el, _metrics(
-        el, ratio__mean=r.detach().mean() if r.numel() else 0.0,
-        truncated_fraction__mean=truncated.mean() if r.numel() else 0.0))
+        el, ratio__mean=_sampled_mean(r, b), truncated_fraction__mean=_sampled_mean(truncated, b)))
 
 
 LOSSES: dict[str, LossSpec] = {
