@@ -31,7 +31,7 @@ class ServerConfig:
     max_training_runs: int = 256
     session_timeout_s: float = 300.0
     train_micro_batch_size: int | None = None  # sequences per micro-batch (None: by tokens only)
-    train_micro_batch_tokens: int = 16384
+    train_micro_batch_tokens: int | None = None  # None: automatic
     gradient_checkpointing: bool = False
     model_alias: list[str] = field(default_factory=list)  # NAME=ID_OR_DIR
     api_keys_file: str | None = None
@@ -75,7 +75,7 @@ _HELP = {
     "max_training_runs": "training runs held per base model (beyond --max-lora-adapters, idle ones wait in host memory)",
     "session_timeout_s": "a session with no heartbeat for this long is finished and its runs unloaded",
     "train_micro_batch_size": "sequences per training micro-batch (default: bounded by tokens only)",
-    "train_micro_batch_tokens": "padded tokens per training micro-batch",
+    "train_micro_batch_tokens": "padded tokens per training micro-batch (default: automatic)",
     "gradient_checkpointing": "recompute layer activations in backward to save memory",
     "model_alias": "NAME=ID_OR_DIR: serve a hub name from a local model (repeatable)",
     "api_keys_file": "file of accepted API keys, one per line (default: any tml- key, single-user mode)",

@@ -33,7 +33,7 @@ class RuntimeOptions:
     max_lora_adapters: int = 16
     max_lora_rank: int = 128
     max_training_runs: int = 256
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: int | None = None  # None: automatic (see auto_micro_batch_tokens)
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
     max_full_finetunes: int = 1
@@ -95,7 +95,7 @@ class Worker:
         rt = TrainingRuntime(
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
             max_training_runs=o.max_training_runs,
-            micro_batch_tokens=o.micro_batch_tokens, micro_batch_seqs=o.micro_batch_seqs,
+            micro_batch_tokens=o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o), micro_batch_seqs=o.micro_batch_seqs,
             gradient_checkpointing=o.gradient_checkpointing,
         )
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
@@ -133,7 +133,8 @@ class Worker:
             model = copy.deepcopy(base.loaded.model)
             if model.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
-            rt = TrainingRuntime(model, full_finetune=True, micro_batch_tokens=self.options.micro_batch_tokens,
+            rt = TrainingRuntime(model, full_finetune=True,
+                                 micro_batch_tokens=base.lora.micro_batch_tokens,
                                  micro_batch_seqs=self.options.micro_batch_seqs,
                                  gradient_checkpointing=self.options.gradient_checkpointing)
             base.full[model_id] = rt
@@ -294,3 +295,21 @@ def _tokenizer_decoder(model_dir: Path):
 
     hf = AutoTokenizer.from_pretrained(str(model_dir))
     return lambda ids: hf.decode(ids, skip_special_tokens=False)
+
+
+def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
+    """Padded tokens per training micro-batch when none is configured.
+
+    On CPU, 4096: measured fastest on the tiny models (larger batches fall out of cache; 16384
+    ran ~12% slower per token). On a GPU, as many as half the free memory holds, at a rough
+    activation cost per token (about 20 hidden-sized values per layer kept for backward, a few
+    with checkpointing, plus the fp32 logits row), within [1024, 65536].
+    """
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 4096
+    free, _ = torch.cuda.mem_get_info(device)
+    width = 2 if next(model.parameters()).dtype in (torch.bfloat16, torch.float16) else 4
+    per_layer = (4 if o.gradient_checkpointing else 20) * cfg.hidden_size * width
+    per_token = cfg.num_layers * per_layer + 8 * cfg.vocab_size
+    return int(min(65536, max(1024, 0.5 * free / per_token)))
