@@ -58,6 +58,14 @@ class WeightsInfoRequest(Body):
     tinker_path: str
 
 
+class CopyWeightsRequest(Body):
+    source_path: str
+    destination_project_id: str | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    ttl_seconds: int | None = None
+
+
 def _iso(t: datetime | None) -> str | None:
     return None if t is None else t.astimezone(timezone.utc).isoformat()
 
@@ -260,6 +268,54 @@ async def weights_info(body: WeightsInfoRequest, request: Request, caller: Calle
     return {"base_model": run.base_model, "is_lora": run.is_lora, "lora_rank": run.lora_rank,
             "train_unembed": lc.get("train_unembed"), "train_mlp": lc.get("train_mlp"),
             "train_attn": lc.get("train_attn"), "optimizer_config": run.optimizer_config or {"type": "adamw"}}
+
+
+def _hardlink_tree(src: str, dst: Path) -> None:
+    """Copy a checkpoint directory by hard links: no bytes duplicated, yet deleting either
+    copy leaves the other whole."""
+    import os
+    import shutil
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dst, copy_function=os.link)
+
+
+@router.post("/copy_weights")
+async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    """Copy a readable checkpoint into a new training run that cannot be trained on."""
+    import uuid
+
+    state = state_of(request)
+    tp = parse_tinker_path(body.source_path, "source_path")
+    ck = await readable_checkpoint(state, caller, tp)
+    src = await run_in_threadpool(state.store.get_model, tp.run_id)
+    if src is None:
+        raise NotFoundError(f"training run {tp.run_id!r} of {body.source_path!r} not found")
+    expires = expiry_from_ttl(body.ttl_seconds)
+    if body.session_id is not None:
+        if body.model_seq_id is None:
+            raise InvalidInputError("copy_weights with session_id needs model_seq_id too")
+        await owned_session(state, caller, body.session_id)
+        run_id = model_id_for(body.session_id, body.model_seq_id)
+    else:
+        run_id = f"copy-{uuid.uuid4()}:train:0"
+    metadata = {"copied_from": body.source_path}
+    if body.destination_project_id:
+        metadata["project_id"] = body.destination_project_id
+    _, created = await run_in_threadpool(lambda: state.store.create_model(
+        run_id, owner=caller.owner, base_model=src.base_model, session_id=body.session_id,
+        model_seq_id=body.model_seq_id, is_lora=src.is_lora, lora_rank=src.lora_rank, lora_config=src.lora_config,
+        optimizer_config=src.optimizer_config, user_metadata=metadata))
+    if not created:
+        raise InvalidInputError(f"training run {run_id!r} already exists")
+    await run_in_threadpool(state.store.update_model_status, run_id, "unloaded")
+    dst = TinkerPath(run_id, tp.kind, tp.name)
+    directory = checkpoint_directory(state.config.resolved_checkpoint_dir, dst)
+    await run_in_threadpool(_hardlink_tree, ck.storage_path, directory)
+    await run_in_threadpool(lambda: state.store.put_checkpoint(
+        run_id, tp.kind, tp.name, owner=caller.owner, storage_path=str(directory), size_bytes=ck.size_bytes,
+        expires_at=expires, user_metadata=ck.user_metadata))
+    return {"tinker_path": str(dst)}
 
 
 # --------------------------------------------------------------------------------- downloads
