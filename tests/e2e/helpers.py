@@ -130,3 +130,17 @@ def detail(r: httpx.Response) -> str:
     body = r.json()
     assert isinstance(body.get("detail"), str) and body["detail"], body
     return body["detail"]
+
+
+def gathered_logprobs(model, data) -> list:
+    """log_softmax of a ``transformers`` model's logits at each datum's target tokens (fp32)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for d in data:
+            ids = torch.tensor([d.model_input.to_ints()])
+            targets = torch.as_tensor(d.loss_fn_inputs["target_tokens"].to_numpy())
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            out.append(logp[torch.arange(len(targets)), targets].double().numpy())
+    return out

@@ -9,6 +9,7 @@ from tinker import types
 
 from tests.e2e.conftest import VOCAB
 from tests.e2e.helpers import (
+    gathered_logprobs,
     RESULT_TIMEOUT_S,
     logprobs_of,
     lora_client,
@@ -29,14 +30,7 @@ def _reference_logprobs(model_dir, data: list[types.Datum]) -> list[np.ndarray]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     model.eval()
-    out = []
-    with torch.no_grad():
-        for d in data:
-            ids = torch.tensor([d.model_input.to_ints()])
-            targets = torch.as_tensor(d.loss_fn_inputs["target_tokens"].to_numpy())
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-            out.append(logp[torch.arange(len(targets)), targets].double().numpy())
-    return out
+    return gathered_logprobs(model, data)
 
 
 def test_fresh_adapter_forward_matches_transformers(sc, base_model, tiny_model):

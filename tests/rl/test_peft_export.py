@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinker import types
 
 from tests.e2e.conftest import VOCAB
-from tests.e2e.helpers import RESULT_TIMEOUT_S, logprobs_of, lora_client, repeated_pattern_batch, sft_batch
+from tests.e2e.helpers import (RESULT_TIMEOUT_S, gathered_logprobs, logprobs_of, lora_client,
+                              repeated_pattern_batch, sft_batch)
 from tests.rl.helpers import checkpoint_dir, train_steps_on
 
 pytestmark = [pytest.mark.e2e,
@@ -27,16 +27,7 @@ pytestmark = [pytest.mark.e2e,
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _gathered_logprobs(model, data: list[types.Datum]) -> list[np.ndarray]:
-    """log_softmax of ``model``'s logits at each datum's target tokens (fp32)."""
-    out = []
-    with torch.no_grad():
-        for d in data:
-            ids = torch.tensor([d.model_input.to_ints()])
-            targets = torch.as_tensor(d.loss_fn_inputs["target_tokens"].to_numpy())
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-            out.append(logp[torch.arange(len(targets)), targets].double().numpy())
-    return out
+
 
 
 def _hf_base(model_dir):
@@ -89,10 +80,10 @@ def test_paths_and_peft_layout(trained, server):
 @pytest.mark.parametrize("key", ["sampler", "external", "state"])
 def test_peft_loads_with_tinsmith_logprobs(trained, server, tiny_model, key):
     model = _peft_model(tiny_model, checkpoint_dir(server, trained[key]))
-    ref = _gathered_logprobs(model, trained["data"])
+    ref = gathered_logprobs(model, trained["data"])
     _assert_close(trained["ours"], ref)
     # control: the adapter matters (the base model alone is clearly different)
-    base_only = _gathered_logprobs(_hf_base(tiny_model), trained["data"])
+    base_only = gathered_logprobs(_hf_base(tiny_model), trained["data"])
     assert max(float(np.abs(a - b).max()) for a, b in zip(trained["ours"], base_only)) > 1e-2
 
 
@@ -112,20 +103,20 @@ def _export(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_tinsmith_export_merges_into_plain_hf_model(trained, server, tiny_model, tmp_path, capsys):
-    peft_ref = _gathered_logprobs(_peft_model(tiny_model, checkpoint_dir(server, trained["external"])),
+    peft_ref = gathered_logprobs(_peft_model(tiny_model, checkpoint_dir(server, trained["external"])),
                                   trained["data"])
     # from a checkpoint directory (PEFT layout), through the installed command line
     r = _export_subprocess(str(checkpoint_dir(server, trained["external"])), "--out", str(tmp_path / "from-dir"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == str(tmp_path / "from-dir")
-    merged = _gathered_logprobs(_hf_base(tmp_path / "from-dir"), trained["data"])
+    merged = gathered_logprobs(_hf_base(tmp_path / "from-dir"), trained["data"])
     _assert_close(merged, peft_ref)
     _assert_close(merged, trained["ours"])
     # from a tinker:// path of the server's data dir (the training-state checkpoint)
     code, _, err = _export(capsys, trained["state"], "--out", str(tmp_path / "from-path"),
                            "--data-dir", str(server.data_dir))
     assert code == 0, err
-    merged2 = _gathered_logprobs(_hf_base(tmp_path / "from-path"), trained["data"])
+    merged2 = gathered_logprobs(_hf_base(tmp_path / "from-path"), trained["data"])
     _assert_close(merged2, peft_ref)
     # the merged model is a plain HF directory: config, weights, tokenizer
     for f in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -23,7 +23,6 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -275,7 +274,3 @@ class Engine:
             if w is not None and not w.done():
                 w.set_result(out)
         self._wake.set()
-
-    def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Run ``fn`` on the worker thread (for synchronous calls that must not race the worker)."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -151,9 +151,6 @@ class Worker:
                 "before it was saved); create it again or load it from a checkpoint"
             ) from None
 
-    def has_model(self, model_id: str) -> bool:
-        return model_id in self.placements
-
     def unload_model(self, model_id: str) -> None:
         p = self.placements.pop(model_id, None)
         if p is None:
@@ -184,9 +181,6 @@ class Worker:
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         p = self.placement(model_id)
         return p.runtime.optim_step(p.unit, params)
-
-    def model_config(self, base_model: str) -> ModelConfig:
-        return self.resolve_base(base_model).config
 
     # ----------------------------------------------------------------------------- checkpoints
     def export_training_state(self, model_id: str):
@@ -278,9 +272,6 @@ class Worker:
             self._drop_snapshot(snap)
             excess -= 1
 
-    @staticmethod
-    def device_summary() -> str:
-        return f"cuda:{torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
 
 
 def _tokenizer_decoder(model_dir: Path):
