@@ -105,11 +105,14 @@ def test_sampled_logprobs_equal_forward_base_and_adapters(qwen3_dir):
     # An adapter made the way training runs make them, with its B moved off zero.
     rt = TrainingRuntime(model, max_lora_adapters=4, max_lora_rank=16)
     unit = rt.create_adapter(LoraSpec(rank=8, alpha=16, seed=3))
+    # One that targets only the MLPs: attention layers and the LM head have no weights for it.
+    mlp_only = rt.create_adapter(LoraSpec(rank=4, alpha=8, seed=4, train_attn=False, train_unembed=False))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for name, p in rt.unit(unit).named_params:
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        for u in (unit, mlp_only):
+            for name, p in rt.unit(u).named_params:
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     assert any(float(p.detach().abs().sum()) > 0 for n, p in rt.unit(unit).named_params if "lora_B" in n)
 
     ps = prompts(2, (5, 11, 3), V)
@@ -118,15 +121,18 @@ def test_sampled_logprobs_equal_forward_base_and_adapters(qwen3_dir):
         "snap": (SNAP_A, ps[1], dict(temperature=0.7, top_k=20, seed=2)),
         "train": (unit, ps[2], dict(temperature=1.3, top_p=0.9, seed=3)),
         "snap-greedy": (SNAP_A, ps[0], dict(temperature=0.0)),
+        "mlp-only": (mlp_only, ps[1], dict(temperature=1.0, seed=4)),
     }
     tasks = [task(k, p, slot=s, n=2, max_tokens=20, stop=[], **kw) for k, (s, p, kw) in cases.items()]
     res = run(make_sampler(model, qwen3_dir), tasks)
 
-    refs = {None: model, SNAP_A: merged_copy(model, SNAP_A), unit: merged_copy(model, unit)}
+    refs = {None: model, SNAP_A: merged_copy(model, SNAP_A), unit: merged_copy(model, unit),
+            mlp_only: merged_copy(model, mlp_only)}
     # The adapters really change the model (otherwise this test would not test them).
     base_lp = forward_logprobs(model, ps[1])
     assert float((forward_logprobs(refs[SNAP_A], ps[1]) - base_lp).abs().max()) > 1e-2
     assert float((forward_logprobs(refs[unit], ps[1]) - base_lp).abs().max()) > 1e-2
+    assert float((forward_logprobs(refs[mlp_only], ps[1]) - base_lp).abs().max()) > 1e-2
     for k, (slot, p, _) in cases.items():
         for seq in ok(res[k]).sequences:
             assert len(seq.tokens) == 20

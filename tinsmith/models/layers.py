@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinsmith.models.config import ModelConfig, RopeConfig
-from tinsmith.models.lora import LoraLinear, Segments
+from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -29,10 +29,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in fp32, cast back, then scale (the order Hugging Face uses, so bf16 matches).
+
+    ``weight`` broadcasts against ``x``'s trailing dimensions (one row per head is allowed).
+    """
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -59,20 +66,23 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape ``positions.shape + (head_dim,)`` (computed in fp32)."""
+        """``(cos, signed_sin)`` of shape ``positions.shape + (1, head_dim)`` (computed in fp32).
+
+        ``signed_sin`` is ``[-sin, sin]`` over the two halves, so :func:`apply_rotary` needs one
+        ``roll`` instead of slicing, negating and concatenating (the result is bit-identical).
+        The singleton dimension broadcasts over heads in the ``(b, L, heads, d)`` layout.
+        """
         freqs = positions.float()[..., None] * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1)[..., None, :].to(dtype), torch.cat((-sin, sin), -1)[..., None, :].to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape (b, L, heads, d): ``x cos + rotate_half(x) sin``.
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (b, heads, L, d); cos/sin: (b, L, d)."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    ``rotate_half(x) * sin`` equals ``roll(x, d/2) * [-sin, sin]`` exactly.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class AttentionBackend(Protocol):
@@ -105,16 +115,31 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+        # Set by ``pack_weights``: q/k/v weights as views of one buffer, for one GEMM at inference.
+        self.packed_qkv: PackedProjection | None = None
+
     def forward(self, x, cos, sin, segments: Segments | None, attend: AttentionBackend) -> torch.Tensor:
         b, L, _ = x.shape
-        q = self.q_proj(x, segments).view(b, L, self.num_heads, self.head_dim)
-        k = self.k_proj(x, segments).view(b, L, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, segments).view(b, L, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
-        out = attend(self.layer_idx, q, k, v.transpose(1, 2))
+        H, Hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        packed = self.packed_qkv
+        if packed is not None and not torch.is_grad_enabled() and packed.intact():
+            # Inference: one GEMM for q, k and v; norm and rotary over q and k heads together.
+            y = packed.project(x.reshape(b * L, -1), segments)
+            qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
+            v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
+            if self.q_norm is not None:
+                w = torch.cat((self.q_norm.weight.expand(H, d), self.k_norm.weight.expand(Hk, d)))
+                qk = rms_norm(qk, w, self.q_norm.eps)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        else:
+            q = self.q_proj(x, segments).view(b, L, H, d)
+            k = self.k_proj(x, segments).view(b, L, Hk, d)
+            v = self.v_proj(x, segments).view(b, L, Hk, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(self.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(b, L, -1), segments)
 
 
@@ -125,9 +150,17 @@ class MLP(nn.Module):
         self.gate_proj = LoraLinear(h, i)
         self.up_proj = LoraLinear(h, i)
         self.down_proj = LoraLinear(i, h)
+        self.packed_gate_up: PackedProjection | None = None  # set by ``pack_weights``
 
     def forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, segments)) * self.up_proj(x, segments), segments)
+        packed = self.packed_gate_up
+        if packed is not None and not torch.is_grad_enabled() and packed.intact():
+            i = self.gate_proj.out_features
+            y = packed.project(x.reshape(-1, x.shape[-1]), segments)
+            h = F.silu(y[:, :i]).mul_(y[:, i:]).view(*x.shape[:-1], i)
+        else:
+            h = F.silu(self.gate_proj(x, segments)) * self.up_proj(x, segments)
+        return self.down_proj(h, segments)
 
 
 class DecoderLayer(nn.Module):

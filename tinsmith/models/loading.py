@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tinsmith.errors import InvalidInputError, NotFoundError
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM, Rotary
+from tinsmith.models.lora import pack_weights
 from tinsmith.models.registry import family_for
 
 _HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -124,6 +125,7 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = Rotary(cfg.head_dim, cfg.rope).to(device)
+    pack_weights(model)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()

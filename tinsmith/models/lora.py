@@ -78,13 +78,29 @@ class LoraLinear(nn.Module):
 
     def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups) -> torch.Tensor:
         shape = y.shape
-        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1])
-        for slot, rows in groups:
-            w = self.adapters.get(slot)
-            if w is None:  # never fall back to the base weights silently
-                raise KeyError(f"LoRA adapter slot {slot} is not attached to this layer")
-            y2.index_add_(0, rows, self._delta(x2.index_select(0, rows), w))
-        return y2.reshape(shape)
+        self.add_lora_(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), groups)
+        return y
+
+    def add_lora_(self, x2: torch.Tensor, y2: torch.Tensor, segments: Segments | RowGroups | None) -> None:
+        """Add the adapters' deltas into ``y2`` in place (inference only: no autograd graph).
+
+        ``x2`` (rows, in) and ``y2`` (rows, out) may be views, e.g. one projection's columns of
+        a packed q/k/v output. An adapter that does not target this layer (attention-only,
+        MLP-only, no unembedding) adds nothing here.
+        """
+        if not segments or not self.adapters:
+            return
+        if len(segments[0]) == 2:
+            for slot, rows in segments:  # type: ignore[misc]
+                w = self.adapters.get(slot)
+                if w is not None:
+                    y2.index_add_(0, rows, self._delta(x2.index_select(0, rows), w))
+            return
+        for slot, a, b in segments:  # type: ignore[misc]
+            w = self.adapters.get(slot) if slot is not None else None
+            if w is not None:
+                A, B = (w.A, w.B) if w.A.dtype == x2.dtype else (w.A.to(x2.dtype), w.B.to(x2.dtype))
+                y2[a:b].addmm_(F.linear(x2[a:b], A), B.t(), alpha=w.scale)
 
     @staticmethod
     def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
@@ -105,3 +121,71 @@ class LoraLinear(nn.Module):
         """W + scale * B A for export (fp32)."""
         w = self.adapters[slot]
         return self.weight.float() + w.scale * (w.B.detach().float() @ w.A.detach().float())
+
+
+class PackedProjection:
+    """Several projections that read the same input, stored as one ``(in, sum of outs)`` buffer.
+
+    Each layer's ``weight`` parameter becomes a transposed view of its columns of the buffer, so
+    training still sees separate layers (and LoRA targets), while inference computes all of them
+    with one GEMM: fewer, wider matrix products, which is what small decode batches are bound
+    by. The ``(in, out)`` layout also makes ``x @ W`` a plain (non-transposed) GEMM, measured
+    ~1.3-1.7x faster than ``x @ W.T`` for a few rows on CPU.
+    """
+
+    def __init__(self, layers: list[LoraLinear]):
+        self.layers = layers
+        ref = layers[0].weight
+        n_in, outs = ref.shape[1], [l.out_features for l in layers]
+        self.weight = torch.empty(n_in, sum(outs), dtype=ref.dtype, device=ref.device)
+        has_bias = [l.bias is not None for l in layers]
+        self.bias = torch.zeros(sum(outs), dtype=ref.dtype, device=ref.device) if any(has_bias) else None
+        self.columns: list[tuple[int, int]] = []
+        start = 0
+        for layer, n in zip(layers, outs):
+            cols = slice(start, start + n)
+            self.weight[:, cols] = layer.weight.detach().t()
+            layer.weight = nn.Parameter(self.weight[:, cols].t(), requires_grad=layer.weight.requires_grad)
+            if layer.bias is not None:
+                assert self.bias is not None
+                self.bias[cols] = layer.bias.detach()
+                layer.bias = nn.Parameter(self.bias[cols], requires_grad=layer.bias.requires_grad)
+            self.columns.append((start, start + n))
+            start += n
+        self._pointers = self._current_pointers()
+
+    def _current_pointers(self) -> list[int]:
+        return [l.weight.data_ptr() for l in self.layers] + [l.bias.data_ptr() for l in self.layers if l.bias is not None]
+
+    def intact(self) -> bool:
+        """True while every layer's parameters are still the views of this buffer.
+
+        A deep copy (full fine-tuning copies the model) or a reassigned parameter breaks the
+        link; the layers then run separately, never from stale packed weights.
+        """
+        return self._current_pointers() == self._pointers
+
+    def project(self, x2: torch.Tensor, segments: Segments | RowGroups | None) -> torch.Tensor:
+        """All projections of ``x2`` (rows, in) side by side, adapters included (inference only)."""
+        y = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
+        if segments:
+            for layer, (a, b) in zip(self.layers, self.columns):
+                layer.add_lora_(x2, y[:, a:b], segments)
+        return y
+
+
+def pack_weights(model: nn.Module) -> None:
+    """Lay out every decoder layer's projections as :class:`PackedProjection` buffers.
+
+    q/k/v share one buffer and gate/up another; o, down and an untied LM head get their own
+    (for the GEMM layout alone). Values are unchanged, only where they live; safe to call again
+    (e.g. on a deep copy, which does not keep the views linked).
+    """
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])
+        PackedProjection([attn.o_proj])
+        PackedProjection([mlp.down_proj])
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        PackedProjection([model.lm_head])

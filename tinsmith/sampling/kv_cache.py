@@ -87,7 +87,10 @@ class RowKVCache:
         pos = self.lengths[:n]
         rows = torch.arange(n, device=self.device)
         span = int(pos.max()) + 1
-        mask = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # (n, span)
+        future = torch.arange(span, device=self.device)[None, :] > pos[:, None]  # (n, span)
+        # An additive mask (0 / -inf), built once per step for all layers: SDPA takes it
+        # faster than a boolean one.
+        mask = torch.zeros(future.shape, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
         mask = mask[:, None, None, :]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

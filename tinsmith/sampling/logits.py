@@ -30,7 +30,17 @@ def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def uniforms(seeds: torch.Tensor, sample_idx: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """U(0,1) per row from (seed, sample index, step); float64 for resolution over big vocabs."""
-    h = splitmix64(splitmix64(seeds ^ splitmix64(sample_idx)) + step)
+    return keyed_uniforms(row_keys(seeds, sample_idx), step)
+
+
+def row_keys(seeds: torch.Tensor, sample_idx: torch.Tensor) -> torch.Tensor:
+    """The per-row half of :func:`uniforms`, computed once while a row lives in the batch."""
+    return splitmix64(seeds ^ splitmix64(sample_idx))
+
+
+def keyed_uniforms(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """U(0,1) per row from its :func:`row_keys` value and the step."""
+    h = splitmix64(keys + step)
     return (_srl(h, 11).double() + 0.5) / float(1 << 53)
 
 
@@ -55,6 +65,9 @@ def choose_tokens(
     logprobs = torch.log_softmax(logits, dim=-1)
     greedy = temperature <= 0
     V = logits.shape[-1]
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
     # Shift so the largest logit is 0 before dividing: a tiny positive temperature (down to
     # float32 denormals) then sends the others to -inf instead of overflowing to inf - inf = NaN.
     shifted = logits - logits.max(dim=-1, keepdim=True).values
@@ -64,11 +77,13 @@ def choose_tokens(
     # inverse CDF in vocabulary order, which skips the sort. Either way a row's token depends
     # only on its own logits and its own uniform, never on the rest of the batch.
     truncating = ((top_k > 0) & (top_k < V)) | (top_p < 1)
-    sampled = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     plain = ~truncating
-    if bool(plain.any()):
-        sampled[plain] = _inverse_cdf(probs[plain].double(), u[plain])
-    if bool(truncating.any()):
+    if bool(plain.all()):  # the common case: no masking or scattering of rows
+        sampled = _inverse_cdf(probs.double(), u)
+    else:
+        sampled = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        if bool(plain.any()):
+            sampled[plain] = _inverse_cdf(probs[plain].double(), u[plain])
         rows = truncating.nonzero().squeeze(-1)
         sorted_p, order = torch.sort(probs[rows], dim=-1, descending=True)
         rank = torch.arange(V, device=logits.device)[None, :]
@@ -77,7 +92,7 @@ def choose_tokens(
         keep = (rank < k[:, None]) & ((before < top_p[rows][:, None]) | (rank == 0))
         kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
         sampled[rows] = order.gather(-1, _inverse_cdf(kept, u[rows])[:, None]).squeeze(-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
 
 

@@ -22,7 +22,7 @@ import torch
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
-from tinsmith.sampling.logits import choose_tokens, fold_seed, uniforms
+from tinsmith.sampling.logits import choose_tokens, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
@@ -80,7 +80,7 @@ class Sampler:
         self.cache = RowKVCache(self.cfg, self.device, self.dtype)
         self.inbox: deque[SampleTask] = deque()
         self.rows: list[_Row] = []
-        self._groups: list[tuple[int, torch.Tensor]] | None = None
+        self._decode_batch: _DecodeBatch | None = None
         self.stats = {"decode_steps": 0, "prefills": 0, "sampled_tokens": 0}
 
     # ----------------------------------------------------------------------------- public
@@ -203,7 +203,7 @@ class Sampler:
             if st.remaining > 0:
                 st.remaining = 0
                 done.append((st.task.key, exc))
-        self._groups = None
+        self._rows_changed()
 
     def _prefill(self, batch: list[_TaskState], done: list) -> None:
         """Run every admitted prompt once (right-padded, grouped by adapter), seed its rows."""
@@ -248,7 +248,7 @@ class Sampler:
                     self._retire(r, "stop", done)
                 elif st.max_tokens <= 1:
                     self._retire(r, "length", done)
-        self._groups = None
+        self._rows_changed()
 
     def _prompt_logprobs(self, st: _TaskState, h: torch.Tensor) -> None:
         inp = st.task.input
@@ -276,24 +276,16 @@ class Sampler:
     # ----------------------------------------------------------------------------- decoding
     def _decode_step(self, done: list) -> None:
         n = len(self.rows)
-        lengths = self.cache.lengths[:n]
-        self.cache.ensure(n, int(lengths.max()) + 1)
-        last = torch.tensor([r.tokens[-1] for r in self.rows], device=self.device)[:, None]
+        batch = self._batch()
+        self.cache.ensure(n, int(self.cache.lengths[:n].max()) + 1)
         positions = self.cache.lengths[:n][:, None]
-        groups = self._row_groups()
-        hidden = self.model.hidden_states(last, positions, groups, attend=self.cache.decode_attention(n))
-        logits = self.model.logits(hidden[:, 0], groups)
+        hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
+                                          attend=self.cache.decode_attention(n))
+        logits = self.model.logits(hidden[:, 0], batch.groups)
         self.cache.lengths[:n] += 1
-        params = [(r.state.task.input.params, r.state.seed, r.sample_idx, len(r.tokens)) for r in self.rows]
-        temp = torch.tensor([p.temperature for p, *_ in params], device=self.device)
-        top_k = torch.tensor([p.top_k for p, *_ in params], device=self.device)
-        top_p = torch.tensor([p.top_p for p, *_ in params], device=self.device)
-        u = uniforms(
-            torch.tensor([s for _, s, _, _ in params], dtype=torch.long),
-            torch.tensor([j for _, _, j, _ in params], dtype=torch.long),
-            torch.tensor([t for *_, t in params], dtype=torch.long),
-        ).to(self.device)
-        tok, lp, full = choose_tokens(logits, temp, top_k, top_p, u)
+        u = keyed_uniforms(batch.keys, batch.steps).to(self.device)
+        tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
+        batch.last, batch.steps = tok, batch.steps + 1
         self.stats["decode_steps"] += 1
         self.stats["sampled_tokens"] += n
         finished: list[tuple[int, str]] = []
@@ -306,7 +298,7 @@ class Sampler:
         for r, reason in sorted(finished, reverse=True):
             self._retire(r, reason, done)
         if finished:
-            self._groups = None
+            self._rows_changed()
 
     def _push(self, row: _Row, token: int, logprob: float, full: torch.Tensor | None) -> bool:
         """Record a sampled token; True if it ends the sequence by a stop condition."""
@@ -354,15 +346,56 @@ class Sampler:
         self.cache.move_row(last, r)
         self.rows[r] = self.rows[last]
         self.rows.pop()
+        self._rows_changed()
 
-    def _row_groups(self) -> list[tuple[int, torch.Tensor]] | None:
-        if self._groups is None:
-            by_slot: dict[int, list[int]] = {}
-            for i, row in enumerate(self.rows):
-                if row.state.task.slot is not None:
-                    by_slot.setdefault(row.state.task.slot, []).append(i)
-            self._groups = [(s, torch.tensor(ix, device=self.device)) for s, ix in by_slot.items()]
-        return self._groups or None
+    def _rows_changed(self) -> None:
+        self._decode_batch = None
+
+    def _batch(self) -> _DecodeBatch:
+        """Per-row tensors of the decode batch, rebuilt only when rows join or leave."""
+        if self._decode_batch is None:
+            self._decode_batch = _DecodeBatch.of(self.rows, self.device)
+        return self._decode_batch
+
+
+@dataclass
+class _DecodeBatch:
+    """What every decode step needs about its rows, as tensors built once per row set.
+
+    Between changes to the batch, each step only feeds back its sampled tokens and advances
+    the step counters: no per-step tensors are built from Python lists.
+    """
+
+    groups: list[tuple[int, torch.Tensor]] | list[tuple[int, int, int]] | None
+    last: torch.Tensor  # (n,) last token of each row: the next step's input
+    keys: torch.Tensor  # (n,) int64 random-stream key of each row (seed, sample index)
+    steps: torch.Tensor  # (n,) int64 tokens sampled so far (the stream position)
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: list[_Row], device: torch.device) -> _DecodeBatch:
+        by_slot: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            if row.state.task.slot is not None:
+                by_slot.setdefault(row.state.task.slot, []).append(i)
+        groups: list | None
+        if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(rows):
+            groups = [(next(iter(by_slot)), 0, len(rows))]  # one adapter for all: a plain segment
+        else:
+            groups = [(s, torch.tensor(ix, device=device)) for s, ix in by_slot.items()] or None
+        params = [r.state.task.input.params for r in rows]
+        return cls(
+            groups=groups,
+            last=torch.tensor([r.tokens[-1] for r in rows], device=device),
+            keys=row_keys(torch.tensor([r.state.seed for r in rows], dtype=torch.long),
+                          torch.tensor([r.sample_idx for r in rows], dtype=torch.long)),
+            steps=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long),
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+        )
 
 
 def _row_segments(slots: list[int | None], width: int):

@@ -19,6 +19,7 @@ import torch
 from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, TinsmithError
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.loading import LoadedModel, load_model
+from tinsmith.models.lora import pack_weights
 from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
@@ -133,6 +134,7 @@ class Worker:
             model = copy.deepcopy(base.loaded.model)
             if model.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
+            pack_weights(model)  # a deep copy does not keep the packed views linked
             rt = TrainingRuntime(model, full_finetune=True,
                                  micro_batch_tokens=base.lora.micro_batch_tokens,
                                  micro_batch_seqs=self.options.micro_batch_seqs,
