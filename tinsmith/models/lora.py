@@ -71,9 +71,16 @@ class LoraLinear(nn.Module):
         if len(active) == 1:
             w, _, _ = active[0]
             return self._add_delta(y2, x2, w).reshape(shape)
-        pieces = []
-        for w, a, b in active:
-            pieces.append(y2[a:b] if w is None else self._add_delta(y2[a:b], x2[a:b], w))
+        starts, ends = [a for _, a, _ in active], [b for _, _, b in active]
+        if starts[0] == 0 and ends[-1] == y2.shape[0] and starts[1:] == ends[:-1]:
+            # Segments tile the rows: ``split`` rather than slicing. The backward of a slice
+            # writes its gradient into a zero-filled tensor of the full size, once per segment
+            # (k tenants = k full-size fills and adds per layer); split's backward is one cat.
+            sizes = [b - a for a, b in zip(starts, ends)]
+            xs, ys = x2.split(sizes), y2.split(sizes)
+        else:
+            xs, ys = [x2[a:b] for a, b in zip(starts, ends)], [y2[a:b] for a, b in zip(starts, ends)]
+        pieces = [yp if w is None else self._add_delta(yp, xp, w) for (w, _, _), xp, yp in zip(active, xs, ys)]
         return torch.cat(pieces, dim=0).reshape(shape)
 
     def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups) -> torch.Tensor:
