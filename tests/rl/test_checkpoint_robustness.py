@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,42 @@ def test_leftover_temporary_directory_is_not_a_checkpoint(tmp_path):
     assert _same(load_training_state(final, with_optimizer=True), _state(3))
 
 
+def test_kill_between_the_renames_of_an_overwrite_is_undone_at_start_up(tmp_path, monkeypatch):
+    """A kill -9 after the old copy is moved aside and before the new one is renamed in."""
+    root = tmp_path / "checkpoints"
+    final, other = root / "run" / "weights" / "s", root / "run" / "weights" / "t"
+    save_training_state(final, _state(1))
+    save_training_state(other, _state(4))
+
+    class Killed(BaseException):
+        pass
+
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == final:  # the second rename: the process dies here, nothing is put back
+            raise Killed()
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # a dead process cleans nothing up
+    with pytest.raises(Killed):
+        save_training_state(final, _state(2))
+    monkeypatch.undo()
+    assert not final.exists()
+    leftovers = sorted(p.name for p in final.parent.iterdir())
+    assert any(".old-" in n for n in leftovers) and len(leftovers) == 3  # old copy, new temp, t
+    # a half-written temporary of a save that never reached its renames
+    (peft_format.atomic_dir(other) / "weights.safetensors").write_bytes(b"partial")
+
+    assert peft_format.recover_interrupted_commits(root) == (1, 2)
+    assert _same(load_training_state(final, with_optimizer=True), _state(1))  # the acknowledged copy
+    assert _same(load_training_state(other, with_optimizer=True), _state(4))  # untouched
+    assert sorted(p.name for p in final.parent.iterdir()) == ["s", "t"]
+    assert peft_format.recover_interrupted_commits(root) == (0, 0)
+    assert peft_format.recover_interrupted_commits(tmp_path / "absent") == (0, 0)
+
+
 def test_state_checksums_and_truncation(tmp_path):
     d = tmp_path / "s"
     save_training_state(d, _state(4))
@@ -202,3 +239,21 @@ def test_peft_adapter_checksum(tmp_path):
     w.write_bytes(bytes(raw))
     with pytest.raises(InvalidInputError, match="corrupted"):
         load_peft_adapter(d)
+
+
+def test_server_start_up_restores_an_interrupted_overwrite(tmp_path):
+    """The recovery above runs when the server starts (before it takes requests)."""
+    from tinsmith.server.config import ServerConfig
+    from tinsmith.server.state import ServerState
+
+    config = ServerConfig(base_model=["unused"], data_dir=str(tmp_path))
+    final = config.resolved_checkpoint_dir / "run" / "weights" / "s"
+    save_training_state(final, _state(1))
+    os.replace(final, final.with_name(".s.old-4242"))  # as a kill between the renames leaves it
+    state = ServerState.build(config)
+    try:
+        state.store.migrate()  # as start() does first
+        state.recover_after_restart()
+    finally:
+        state.store.close()
+    assert _same(load_training_state(final, with_optimizer=True), _state(1))

@@ -65,6 +65,34 @@ def commit_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def recover_interrupted_commits(root: Path) -> tuple[int, int]:
+    """Undo what a crash in the middle of :func:`commit_dir` left under ``root``.
+
+    A crash between its two renames leaves the name empty and the previous copy under
+    ``.NAME.old-PID``: that copy goes back (the new one was never acknowledged, so the old one
+    is what clients were last told exists). Half-written ``.NAME.XXXX`` temporaries of saves
+    that never committed, and old copies whose replacement did land, are removed. Run at
+    start-up, before any save. Returns (restored, removed).
+    """
+    restored = removed = 0
+    if not root.is_dir():
+        return 0, 0
+    for parent, dirs, _ in os.walk(root):
+        for d in list(dirs):
+            if not d.startswith("."):
+                continue
+            path = Path(parent) / d
+            dirs.remove(d)  # never descend into temporaries
+            name, sep, _ = d[1:].rpartition(".old-")
+            if sep and not (Path(parent) / name).exists():
+                os.replace(path, Path(parent) / name)
+                restored += 1
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
+    return restored, removed
+
+
 def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str) -> int:
     """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written."""
     tmp = atomic_dir(directory)

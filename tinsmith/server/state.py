@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tinsmith.api.auth import Authenticator
+from tinsmith.checkpoints.peft_format import recover_interrupted_commits
 from tinsmith.engine.scheduler import Engine, Job
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.operations import WorkerOperations
@@ -86,6 +87,10 @@ class ServerState:
             )
         if lost:
             log.info("restart: %d training run(s) marked lost", len(lost))
+        restored, removed = recover_interrupted_commits(self.config.resolved_checkpoint_dir)
+        if restored or removed:
+            log.warning("restart: %d checkpoint(s) restored from an interrupted overwrite, %d unfinished "
+                        "temporary director(ies) removed", restored, removed)
 
     def sweep_expired_checkpoints(self) -> int:
         """Delete checkpoints whose TTL has passed (files first, then the record)."""
