@@ -118,6 +118,11 @@ class SampleInput:
     topk_sample_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool = False
+    # (P-1, K) token ids to score at prompt positions 1..P-1; -1 = nothing asked there.
+    target_prompt_ids: np.ndarray | None = None
+    # The request's sparse CSR layout (crow, col) of those ids, echoed in the result; None = dense.
+    target_prompt_csr: tuple[np.ndarray, np.ndarray] | None = None
+    prompt_alt_tokens_k: int = 0  # tokens to draw at every prompt position after the first
 
 
 @dataclass
@@ -136,3 +141,7 @@ class SampleResult:
     topk_prompt_token_ids: np.ndarray | None = None  # int32 (P, k)
     topk_prompt_logprobs: np.ndarray | None = None  # float32 (P, k)
     prompt_cache_hit_tokens: int = 0
+    target_prompt_logprobs: np.ndarray | None = None  # float32 (P-1, K), 0.0 where nothing was asked
+    target_prompt_csr: tuple[np.ndarray, np.ndarray] | None = None  # the request's layout, if sparse
+    prompt_alt_tokens: np.ndarray | None = None  # int64 (P-1, k) drawn tokens
+    prompt_alt_logprobs: np.ndarray | None = None  # float32 (P-1, k) their model logprobs

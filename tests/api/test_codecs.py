@@ -669,9 +669,23 @@ SAMPLE_ERRORS = [
     (_set(["topk_prompt_logprobs"], -1), "topk_prompt_logprobs must be >= 0"),
     (_set(["topk_sample_logprobs"], -2), "topk_sample_logprobs must be >= 0"),
     (_set(["prompt_logprobs_last_n"], 1), "prompt_logprobs_last_n requires prompt_logprobs"),
-    (_set(["prompt_alt_tokens_k"], 2), "prompt_alt_tokens_k > 0 is not supported"),
+    (_set(["prompt_alt_tokens_k"], -1), "prompt_alt_tokens_k must be >= 0"),
+    (_set(["prompt_alt_tokens_k"], 1.5), "prompt_alt_tokens_k must be an integer"),
     (_set(["target_prompt_logprobs"], {"data": [1], "dtype": "int64", "shape": [2, 1]}),
-     "target_prompt_logprobs is not supported"),
+     "target_prompt_logprobs has 1 values but its shape [2, 1] needs 2"),
+    (_set(["target_prompt_logprobs"], {"data": [1, 2, 3], "dtype": "int64", "shape": [3, 1]}),
+     "target_prompt_logprobs has 3 rows but len(prompt) - 1 = 2"),
+    (_set(["target_prompt_logprobs"], {"data": [1, 2], "dtype": "int64", "shape": [2]}),
+     "target_prompt_logprobs.shape must be [len(prompt) - 1, K]"),
+    (_set(["target_prompt_logprobs"], {"data": [1.0, 2.0], "dtype": "float32", "shape": [2, 1]}),
+     "target_prompt_logprobs must hold int64 token ids"),
+    (_set(["target_prompt_logprobs"], {"data": [-1, -1], "dtype": "int64", "shape": [2, 1]}),
+     "target_prompt_logprobs names no token id"),
+    (_set(["target_prompt_logprobs"], {"data": [-3, 1], "dtype": "int64", "shape": [2, 1]}),
+     "target_prompt_logprobs holds ids below -1"),
+    (_set(["target_prompt_logprobs"], {"data": [4], "dtype": "int64", "shape": [2, 3],
+                                       "sparse_crow_indices": [0, 1], "sparse_col_indices": [0]}),
+     "target_prompt_logprobs: sparse crow_indices has 2 entries but shape [2, 3] needs 3"),
     (_set(["sampling_session_id"], None), "one of sampling_session_id, base_model or model_path"),
     (_set(["seq_id"], None), "seq_id is required with sampling_session_id"),
     (_set(["prompt_logprobs"], "yes"), "prompt_logprobs must be true or false"),
@@ -687,6 +701,21 @@ def test_sample_request_validation_errors(mutate, message):
     with pytest.raises(InvalidInputError) as err:
         decode_sample_request_json(body)
     assert message in str(err.value)
+
+
+def test_sample_request_target_prompt_ids_sparse_and_dense():
+    body = _sample_body()  # a 3-token prompt: 2 scored positions
+    body["target_prompt_logprobs"] = {"data": [4, 9], "dtype": "int64", "shape": [2, 3],
+                                      "sparse_crow_indices": [0, 1, 2], "sparse_col_indices": [2, 0]}
+    body["prompt_alt_tokens_k"] = 3
+    inp = decode_sample_request_json(body)[4]
+    assert inp.target_prompt_ids.tolist() == [[-1, -1, 4], [9, -1, -1]]  # unlisted cells are -1
+    crow, col = inp.target_prompt_csr
+    assert crow.tolist() == [0, 1, 2] and col.tolist() == [2, 0]
+    assert inp.prompt_alt_tokens_k == 3
+    body["target_prompt_logprobs"] = {"data": [4, -1], "dtype": "int64", "shape": [2, 1]}
+    inp = decode_sample_request_json(body)[4]
+    assert inp.target_prompt_ids.tolist() == [[4], [-1]] and inp.target_prompt_csr is None
 
 
 def test_sample_request_last_n_range():
@@ -1010,3 +1039,26 @@ def test_sdk0222_parses_our_results(sdk0222):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_sample_response_carries_target_and_alt_tokens_in_both_encodings():
+    seq = SampledSequence(tokens=np.array([3], np.int32), logprobs=np.array([-0.5], np.float32), stop_reason="length")
+    dense = np.array([[-1.5, 0.0, 0.0], [0.0, 0.0, -2.5]], np.float32)
+    csr = (np.array([0, 1, 2]), np.array([0, 2]))
+    result = SampleResult(sequences=[seq], target_prompt_logprobs=dense, target_prompt_csr=csr,
+                          prompt_alt_tokens=np.array([[7, 8], [9, 9]]),
+                          prompt_alt_logprobs=np.array([[-1.0, -2.0], [-3.0, -3.0]], np.float32))
+    msg = pb.SampleResponse.FromString(encode_sample_response_protobuf(result))
+    t = msg.target_prompt_logprobs
+    assert t.dtype == pb.DTYPE_FLOAT32 and list(t.shape) == [2, 3]
+    assert np.frombuffer(t.sparse_csr.values, np.float32).tolist() == [-1.5, -2.5]
+    assert np.frombuffer(t.sparse_csr.col_indices, np.int64).tolist() == [0, 2]
+    assert np.frombuffer(msg.prompt_alt_tokens.tokens.dense, np.int64).tolist() == [7, 8, 9, 9]
+    assert msg.prompt_alt_tokens.tokens.dtype == pb.DTYPE_INT64
+    js = encode_sample_response_json(result)
+    assert js["target_prompt_logprobs"] == {"dtype": "float32", "shape": [2, 3], "data": [-1.5, -2.5],
+                                            "sparse_crow_indices": [0, 1, 2], "sparse_col_indices": [0, 2]}
+    assert js["prompt_alt_tokens"]["tokens"]["data"] == [7, 8, 9, 9]
+    result.target_prompt_csr = None  # dense in, dense out
+    msg = pb.SampleResponse.FromString(encode_sample_response_protobuf(result))
+    assert np.frombuffer(msg.target_prompt_logprobs.dense, np.float32).reshape(2, 3).tolist() == dense.tolist()

@@ -168,3 +168,17 @@ def test_prompt_distillation_train(cookbook, cookbook_data, check_final_checkpoi
     assert all(r["train_mean_nll"] > 0 for r in rows)
     ck = run.check_checkpoints(["final"])
     check_final_checkpoint(ck[-1], base_model=STUDENT, renderer_name="role_colon")
+
+
+def test_decisions_sample_decision(cookbook):
+    """decisions: ``sample_decision`` scores every label token at the answer position in one sparse
+    ``target_prompt_logprobs`` request; its probabilities equal a softmax of the same logprobs read
+    through ``include_prompt_logprobs``."""
+    run = cookbook("decisions_check.py", f"--model={STUDENT}", pass_log_path=False)
+    out = json.loads([line for line in run.output.splitlines() if line.startswith("{")][-1])
+    probs, ref = out["probabilities"], out["reference_logprobs"]
+    assert list(probs) == ["billing", "sdk", "console", "cookbook"] and list(ref) == list(probs)
+    assert abs(sum(probs.values()) - 1.0) < 1e-5 and all(p > 0 for p in probs.values())
+    z = sum(math.exp(v) for v in ref.values())
+    for label, p in probs.items():
+        assert abs(p - math.exp(ref[label]) / z) < 1e-4, (label, p, ref)

@@ -329,3 +329,88 @@ def test_sdk_0_22_2_samples_through_the_json_path(sc, server, base_model):
             assert res.status_code == 200 and res.headers["content-type"].startswith(kind), (version, res.headers)
             if kind == "application/json":
                 assert res.json()["sequences"][0]["tokens"] == new.tokens[:3]
+
+
+# ------------------------------------------------------------------------------------ prompt scoring
+def test_target_prompt_logprobs_and_prompt_alt_tokens(sc, base_model):
+    """Requested ids scored at prompt positions (dense and sparse CSR), and k draws per position.
+
+    The reference is the prompt logprobs of the same request: row ``i`` of the answer belongs to
+    prompt position ``i + 1``, and ``prompt[i + 1]`` asked as a target gets exactly its logprob.
+    """
+    import torch
+
+    sampler = sc.create_sampling_client(base_model=base_model).result(timeout=TIMEOUT)
+    prompt = prompt_list(71, (9,))[0]
+    ids = prompt.to_ints()
+    P = len(ids)
+    full = sampler.sample(prompt, 1, greedy(1), include_prompt_logprobs=True, topk_prompt_logprobs=3
+                          ).result(timeout=TIMEOUT)
+    # column 0: the real next token; column 1: the top-1 token; column 2: nothing (-1) but row 3,
+    # which asks for the third most likely token at position 4
+    asked = np.full((P - 1, 3), -1, dtype=np.int64)
+    asked[:, 0] = ids[1:]
+    asked[:, 1] = [full.topk_prompt_logprobs[i + 1][0][0] for i in range(P - 1)]
+    third_id, third_lp = full.topk_prompt_logprobs[4][2]
+    asked[3, 2] = third_id
+    dense = sampler.sample(prompt, 1, greedy(1),
+                           target_prompt_logprobs=types.TensorData.from_torch(torch.tensor(asked)),
+                           ).result(timeout=TIMEOUT)
+    got = np.asarray(dense.target_prompt_logprobs.data, dtype=np.float32).reshape(P - 1, 3)
+    assert dense.target_prompt_logprobs.shape == [P - 1, 3]
+    np.testing.assert_allclose(got[:, 0], full.prompt_logprobs[1:], atol=1e-5)
+    np.testing.assert_allclose(got[:, 1], [full.topk_prompt_logprobs[i + 1][0][1] for i in range(P - 1)], atol=1e-5)
+    assert (got[np.arange(P - 1) != 3, 2] == 0.0).all()  # 0.0 where -1 was asked
+    assert abs(got[3, 2] - third_lp) < 1e-5
+
+    # sparse CSR in (wide and mostly -1, so the SDK sends CSR), the same layout out
+    wide = np.full((P - 1, 20), -1, dtype=np.int64)
+    wide[:, 0] = ids[1:]
+    wide[3, 7] = third_id
+    td = types.TensorData.from_torch_sparse(torch.tensor(wide), pad_value=-1)
+    assert td.sparse_crow_indices is not None  # really sent sparse
+    out = sampler.sample(prompt, 1, greedy(1), target_prompt_logprobs=td).result(timeout=TIMEOUT).target_prompt_logprobs
+    assert out.shape == [P - 1, 20]
+    assert out.sparse_crow_indices == td.sparse_crow_indices and out.sparse_col_indices == td.sparse_col_indices
+    want = np.concatenate([[got[i, 0]] + ([got[3, 2]] if i == 3 else []) for i in range(P - 1)])
+    np.testing.assert_allclose(out.data, want, atol=1e-6)
+
+    # prompt_alt_tokens: k draws per position, model logprobs, reproducible with a seed
+    params = types.SamplingParams(max_tokens=1, temperature=1.0, seed=11)
+    a = sampler.sample(prompt, 1, params, prompt_alt_tokens_k=4).result(timeout=TIMEOUT)
+    b = sampler.sample(prompt, 1, params, prompt_alt_tokens_k=4).result(timeout=TIMEOUT)
+    toks = np.asarray(a.prompt_alt_tokens.tokens.data).reshape(P - 1, 4)
+    lps = np.asarray(a.prompt_alt_tokens.logprobs.data, dtype=np.float32).reshape(P - 1, 4)
+    assert a.prompt_alt_tokens.tokens.shape == [P - 1, 4]
+    assert toks.tolist() == np.asarray(b.prompt_alt_tokens.tokens.data).reshape(P - 1, 4).tolist()
+    # each draw's logprob is the model's: score the drawn ids as targets (checked above)
+    scored = sampler.sample(prompt, 1, greedy(1), target_prompt_logprobs=types.TensorData.from_torch(
+        torch.tensor(toks))).result(timeout=TIMEOUT)
+    np.testing.assert_allclose(lps.ravel(), scored.target_prompt_logprobs.data, atol=1e-5)
+    assert len(set(toks.ravel().tolist())) > P - 1  # independent draws, not one token repeated
+    greedy_alt = sampler.sample(prompt, 1, greedy(1), prompt_alt_tokens_k=2).result(timeout=TIMEOUT)
+    top1 = [full.topk_prompt_logprobs[i + 1][0][0] for i in range(P - 1)]
+    assert np.asarray(greedy_alt.prompt_alt_tokens.tokens.data).reshape(P - 1, 2).tolist() == [[t, t] for t in top1]
+
+
+def test_target_prompt_logprobs_bad_input_names_the_field(server, base_model):
+    sampler_body = {"num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                    "sampling_params": {"max_tokens": 1}, "base_model": base_model, "type": "sample"}
+    cases = [
+        ({"data": [5, 6, 7], "dtype": "int64", "shape": [3, 1]}, "len(prompt) - 1 = 2"),
+        ({"data": [-1, -1], "dtype": "int64", "shape": [2, 1]}, "names no token id"),
+        ({"data": [1.5, 2.0], "dtype": "float32", "shape": [2, 1]}, "int64"),
+        ({"data": [999999, 1], "dtype": "int64", "shape": [2, 1]}, "outside"),
+    ]
+    for bad, needle in cases:
+        r = httpx.post(server.base_url + "/api/v1/asample", json={**sampler_body, "target_prompt_logprobs": bad},
+                       headers={"X-API-Key": "tml-sampling-tests"}, timeout=TIMEOUT)
+        body = r.text
+        if r.status_code == 200:  # accepted: the failure arrives with the future
+            fut = r.json()["request_id"]
+            res = httpx.post(server.base_url + "/api/v1/retrieve_future", json={"request_id": fut},
+                             headers={"X-API-Key": "tml-sampling-tests"}, timeout=TIMEOUT)
+            body = res.text
+            assert "target_prompt_logprobs" in body and needle in body, body
+        else:
+            assert r.status_code == 400 and "target_prompt_logprobs" in body and needle in body, body

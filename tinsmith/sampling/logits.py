@@ -96,6 +96,20 @@ def choose_tokens(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
 
 
+def draw_per_row(logprobs: torch.Tensor, temperature: float, u: torch.Tensor) -> torch.Tensor:
+    """``u.shape[1]`` independent draws from each row's distribution at ``temperature``.
+
+    ``logprobs`` (rows, V) are the model's; ``u`` (rows, k) uniforms. Temperature 0 gives the
+    argmax every time. One CDF per row, searched k times: no copy of the rows per draw.
+    """
+    if temperature <= 0:
+        return logprobs.argmax(dim=-1, keepdim=True).expand(-1, u.shape[1])
+    shifted = logprobs - logprobs.max(dim=-1, keepdim=True).values
+    cdf = torch.cumsum(torch.softmax(shifted / temperature, dim=-1).double(), dim=-1)
+    idx = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:])
+    return idx.clamp_(max=logprobs.shape[-1] - 1)
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index drawn from unnormalised non-negative ``weights`` (rows) with uniforms ``u``."""
     cdf = torch.cumsum(weights, dim=-1)

@@ -22,11 +22,12 @@ import torch
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
-from tinsmith.sampling.logits import choose_tokens, fold_seed, keyed_uniforms, row_keys, uniforms
+from tinsmith.sampling.logits import choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
 TOPK_SENTINEL = -99999.0
+_ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class _TaskState:
     prompt_logprobs: np.ndarray | None = None
     topk_ids: np.ndarray | None = None
     topk_lps: np.ndarray | None = None
+    target_lps: np.ndarray | None = None
+    alt_tokens: np.ndarray | None = None
+    alt_lps: np.ndarray | None = None
     remaining: int = 0
 
 
@@ -135,10 +139,18 @@ class Sampler:
                 f"sampling_params.max_tokens={inp.params.max_tokens}: prompt ({P} tokens) + max_tokens must fit "
                 f"the model's context of {ctx} tokens (and max_tokens must be >= 1)"
             )
-        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             k = getattr(inp, name)
             if not 0 <= k <= V:  # the result holds (length, k) arrays: an unbounded k exhausts memory
                 raise InvalidInputError(f"{name}={k} must be in 0..{V} (the vocabulary size)")
+        ids = inp.target_prompt_ids
+        if ids is not None:
+            if ids.shape[0] != P - 1:
+                raise InvalidInputError(f"target_prompt_logprobs has {ids.shape[0]} rows; len(prompt) - 1 = {P - 1}")
+            if int(ids.max()) >= V:
+                raise InvalidInputError(f"target_prompt_logprobs has token ids outside [0, {V}) (vocab size {V})")
+            if ids.shape[1] > V:  # bounded like a top-k width: more columns than the vocabulary is waste
+                raise InvalidInputError(f"target_prompt_logprobs has {ids.shape[1]} columns, more than the vocabulary ({V})")
         p = inp.params
         if p.temperature < 0 or not math.isfinite(p.temperature):
             raise InvalidInputError(f"sampling_params.temperature={p.temperature} must be >= 0")
@@ -226,7 +238,8 @@ class Sampler:
         self.cache.ensure(len(self.rows) + new_rows, L + 1)
         for i, st in enumerate(batch):
             inp = st.task.input
-            if inp.prompt_logprobs or inp.topk_prompt_logprobs:
+            if inp.prompt_logprobs or inp.topk_prompt_logprobs or inp.target_prompt_ids is not None \
+                    or inp.prompt_alt_tokens_k:
                 self._prompt_logprobs(st, hidden[i, : lens[i]])
             n = inp.num_samples
             p = inp.params
@@ -272,6 +285,28 @@ class Sampler:
                 ids[first:, :kk] = top.indices[first - 1 :].cpu().numpy()
                 vals_k[first:, :kk] = top.values[first - 1 :].float().cpu().numpy()
             st.topk_ids, st.topk_lps = ids, vals_k
+        if inp.target_prompt_ids is not None:
+            asked = torch.as_tensor(inp.target_prompt_ids, device=self.device)
+            got = lp[:-1].gather(-1, asked.clamp(min=0))
+            st.target_lps = torch.where(asked >= 0, got, torch.zeros_like(got)).float().cpu().numpy()
+        if inp.prompt_alt_tokens_k:
+            st.alt_tokens, st.alt_lps = self._prompt_alt_tokens(st, lp[:-1])
+
+    def _prompt_alt_tokens(self, st: _TaskState, lp: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """``k`` independent draws at the request's temperature from each next-token distribution.
+
+        Row ``i`` draws from the distribution after prompt position ``i`` (alternatives to
+        token ``i + 1``). The draws use the request's seed on a stream of their own (the
+        sampled sequences' streams are untouched), and the logprobs are the model's own.
+        """
+        inp = st.task.input
+        k, rows = inp.prompt_alt_tokens_k, lp.shape[0]
+        pos = torch.arange(rows)[:, None].expand(rows, k).reshape(-1)  # the stream's step = position
+        draw = torch.arange(k).repeat(rows)  # the stream's sample index = draw number
+        seeds = torch.full((rows * k,), fold_seed(st.seed ^ _ALT_STREAM), dtype=torch.long)
+        u = uniforms(seeds, draw, pos).view(rows, k)
+        tok = draw_per_row(lp.float(), inp.params.temperature, u)
+        return tok.cpu().numpy().astype(np.int64), lp.gather(-1, tok).float().cpu().numpy()
 
     # ----------------------------------------------------------------------------- decoding
     def _decode_step(self, done: list) -> None:
@@ -337,6 +372,10 @@ class Sampler:
                 prompt_logprobs=st.prompt_logprobs,
                 topk_prompt_token_ids=st.topk_ids,
                 topk_prompt_logprobs=st.topk_lps,
+                target_prompt_logprobs=st.target_lps,
+                target_prompt_csr=st.task.input.target_prompt_csr,
+                prompt_alt_tokens=st.alt_tokens,
+                prompt_alt_logprobs=st.alt_lps,
             )))
         self._drop_row(r)
 

@@ -54,12 +54,14 @@ def densify(
     crow: np.ndarray | None,
     col: np.ndarray | None,
     expected_rows: int,
+    pad: int | float = 0,
+    rows_of: str = "model_input has {n} tokens",
 ) -> np.ndarray:
     """Build the dense array a loss input stands for, and check it against the datum.
 
     ``values`` is 1-D in its final dtype. ``shape`` empty or ``None`` means 1-D. With
-    ``crow``/``col`` the tensor is 2-D sparse CSR and unlisted entries are 0. The leading
-    dimension must equal ``expected_rows`` (the datum's token count).
+    ``crow``/``col`` the tensor is 2-D sparse CSR and unlisted entries are ``pad``. The leading
+    dimension must equal ``expected_rows`` (``rows_of`` says what that is, for the message).
     """
     if shape is not None and len(shape) == 0:
         shape = None
@@ -84,7 +86,7 @@ def densify(
             fail(f"{where} is sparse CSR with shape {shape}; only 2-D CSR tensors are supported")
         rows, cols = shape
         if rows != expected_rows:
-            fail(f"{where} has {rows} rows but model_input has {expected_rows} tokens")
+            fail(f"{where} has {rows} rows but {rows_of.format(n=expected_rows)}")
         if rows * cols > MAX_DENSE_ELEMENTS:
             fail(
                 f"{where} has dense shape {shape} ({rows * cols} elements), above this server's "
@@ -104,7 +106,7 @@ def densify(
             )
         if col.size != nnz:
             fail(f"{where}: sparse col_indices has {col.size} entries but there are {nnz} values")
-        arr = np.zeros((rows, cols), dtype=values.dtype)
+        arr = np.full((rows, cols), pad, dtype=values.dtype)
         if nnz:
             if int(col.min()) < 0 or int(col.max()) >= cols:
                 fail(f"{where}: sparse col_indices out of range for {cols} columns")
@@ -115,7 +117,7 @@ def densify(
             arr[row_ids, col] = values
 
     if arr.shape[0] != expected_rows:
-        fail(f"{where} has {arr.shape[0]} rows but model_input has {expected_rows} tokens")
+        fail(f"{where} has {arr.shape[0]} rows but {rows_of.format(n=expected_rows)}")
     return arr
 
 

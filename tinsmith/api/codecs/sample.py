@@ -22,10 +22,12 @@ from tinsmith.types import SampledSequence, SampleInput, SampleResult, SamplingP
 from ._common import (
     TOPK_SENTINEL_LOGPROB,
     TOPK_SENTINEL_TOKEN,
+    densify,
     fail,
     is_int,
     is_number,
     json_float_list,
+    json_int_array,
     json_model_input_tokens,
 )
 
@@ -185,16 +187,13 @@ def decode_sample_request_json(
                 f"{prompt.size - 1}, got {last_n}"
             )
 
-    # Newer options this server does not implement yet: refuse them clearly rather than answer
-    # without the requested data (the SDK would then fail with a confusing error).
-    if obj.get("target_prompt_logprobs") is not None:
-        fail("target_prompt_logprobs is not supported by this server")
+    targets = _target_prompt_ids(obj.get("target_prompt_logprobs"), int(prompt.size))
     alt_k = _int_field(obj, "prompt_alt_tokens_k", 0, "prompt_alt_tokens_k")
     assert alt_k is not None
     if alt_k < 0:
         fail(f"prompt_alt_tokens_k must be >= 0, got {alt_k}")
-    if alt_k > 0:
-        fail("prompt_alt_tokens_k > 0 is not supported by this server")
+    if alt_k > 0 and prompt.size < 2:
+        fail("prompt_alt_tokens_k needs a prompt of at least 2 tokens (position 0 has no context)")
 
     return (
         sampling_session_id,
@@ -210,8 +209,38 @@ def decode_sample_request_json(
             topk_sample_logprobs=topk_sample,
             prompt_logprobs_last_n=last_n,
             record_stability_info=record_stability_info,
+            target_prompt_ids=None if targets is None else targets[0],
+            target_prompt_csr=None if targets is None else targets[1],
+            prompt_alt_tokens_k=alt_k,
         ),
     )
+
+
+def _target_prompt_ids(obj: Any, prompt_len: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None] | None:
+    """``target_prompt_logprobs`` as dense int64 ids ``(P-1, K)`` (-1 = none) and its CSR layout."""
+    where = "target_prompt_logprobs"
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        fail(f"{where} must be a TensorData object with 'data', 'dtype' and 'shape'")
+    if obj.get("dtype") not in ("int64", "int32"):
+        fail(f"{where} must hold int64 token ids, got dtype {obj.get('dtype')!r}")
+    if prompt_len < 2:
+        fail(f"{where} needs a prompt of at least 2 tokens (position 0 has no context)")
+    values = json_int_array(obj.get("data"), f"{where}.data")
+    shape = obj.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2 or not all(is_int(d) for d in shape):
+        fail(f"{where}.shape must be [len(prompt) - 1, K] = [{prompt_len - 1}, K], got {shape!r}")
+    crow_raw, col_raw = obj.get("sparse_crow_indices"), obj.get("sparse_col_indices")
+    crow = None if crow_raw is None else json_int_array(crow_raw, f"{where}.sparse_crow_indices")
+    col = None if col_raw is None else json_int_array(col_raw, f"{where}.sparse_col_indices")
+    ids = densify(where=where, values=values.astype(np.int64), shape=shape, crow=crow, col=col,
+                  expected_rows=prompt_len - 1, pad=-1, rows_of="len(prompt) - 1 = {n}")
+    if ids.size and int(ids.min()) < -1:
+        fail(f"{where} holds ids below -1 (-1 means no request)")
+    if not (ids >= 0).any():
+        fail(f"{where} names no token id (every cell is -1)")
+    return ids, (None if crow is None else (crow.astype(np.int64), col.astype(np.int64)))  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +334,32 @@ def encode_sample_response_protobuf(result: SampleResult) -> bytes:
         msg.topk_prompt_logprobs.logprobs = lps.tobytes()
         msg.topk_prompt_logprobs.k = ids.shape[1]
         msg.topk_prompt_logprobs.length = ids.shape[0]
+    if result.target_prompt_logprobs is not None:
+        _fill_tensor(msg.target_prompt_logprobs, np.asarray(result.target_prompt_logprobs, dtype="<f4"),
+                     pb.DTYPE_FLOAT32, result.target_prompt_csr)
+    if result.prompt_alt_tokens is not None and result.prompt_alt_logprobs is not None:
+        _fill_tensor(msg.prompt_alt_tokens.tokens, np.asarray(result.prompt_alt_tokens, dtype="<i8"),
+                     pb.DTYPE_INT64, None)
+        _fill_tensor(msg.prompt_alt_tokens.logprobs, np.asarray(result.prompt_alt_logprobs, dtype="<f4"),
+                     pb.DTYPE_FLOAT32, None)
     return msg.SerializeToString()
+
+
+def _fill_tensor(t: Any, dense: np.ndarray, dtype: int, csr: tuple[np.ndarray, np.ndarray] | None) -> None:
+    """A protobuf ``Tensor``: dense, or sparse CSR in the layout the request used.
+
+    Only FLOAT32 and INT64 are sent: the SDK mis-decodes a plain ``Tensor`` in BF16.
+    """
+    t.dtype = dtype
+    t.shape.extend(int(d) for d in dense.shape)
+    if csr is None:
+        t.dense = np.ascontiguousarray(dense).tobytes()
+        return
+    crow, col = csr
+    rows = np.repeat(np.arange(dense.shape[0], dtype=np.int64), np.diff(crow))
+    t.sparse_csr.values = np.ascontiguousarray(dense[rows, col]).tobytes()
+    t.sparse_csr.crow_indices = np.asarray(crow, dtype="<i8").tobytes()
+    t.sparse_csr.col_indices = np.asarray(col, dtype="<i8").tobytes()
 
 
 def encode_sample_response_json(result: SampleResult) -> dict:
@@ -344,4 +398,27 @@ def encode_sample_response_json(result: SampleResult) -> dict:
             n = int(np.flatnonzero(keep).max()) + 1  # trailing sentinels are padding
             rows.append([[int(t), float(lp)] for t, lp in zip(ids[r, :n], lps[r, :n])])
         out["topk_prompt_logprobs"] = rows
+    # Newer fields, for JSON clients that ask for them (SDK 0.22.2 cannot): TensorData objects.
+    if result.target_prompt_logprobs is not None:
+        out["target_prompt_logprobs"] = _json_tensor_data(
+            np.asarray(result.target_prompt_logprobs, dtype=np.float32), "float32", result.target_prompt_csr)
+    if result.prompt_alt_tokens is not None and result.prompt_alt_logprobs is not None:
+        out["prompt_alt_tokens"] = {
+            "tokens": _json_tensor_data(np.asarray(result.prompt_alt_tokens, dtype=np.int64), "int64", None),
+            "logprobs": _json_tensor_data(np.asarray(result.prompt_alt_logprobs, dtype=np.float32), "float32", None),
+        }
+    return out
+
+
+def _json_tensor_data(dense: np.ndarray, dtype: str, csr: tuple[np.ndarray, np.ndarray] | None) -> dict:
+    """The JSON ``TensorData`` form: dense row-major, or CSR values in the request's layout."""
+    out: dict[str, Any] = {"dtype": dtype, "shape": [int(d) for d in dense.shape]}
+    if csr is None:
+        values = dense.ravel()
+    else:
+        crow, col = csr
+        values = dense[np.repeat(np.arange(dense.shape[0]), np.diff(crow)), col]
+        out["sparse_crow_indices"] = [int(v) for v in crow]
+        out["sparse_col_indices"] = [int(v) for v in col]
+    out["data"] = json_float_list(values) if dtype == "float32" else [int(v) for v in values]
     return out
