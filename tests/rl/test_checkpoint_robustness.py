@@ -241,6 +241,18 @@ def test_peft_adapter_checksum(tmp_path):
         load_peft_adapter(d)
 
 
+def test_recovery_tells_old_copies_from_temporaries_of_names_that_contain_old(tmp_path):
+    """A checkpoint may be called ``x.old-3``: its unfinished temporary is not an old copy of ``x``."""
+    parent = tmp_path / "run" / "weights"
+    tmp = peft_format.atomic_dir(parent / "x.old-3")  # .x.old-3.XXXXXXXX, never committed
+    (tmp / "weights.safetensors").write_bytes(b"partial")
+    save_training_state(parent / "y.old-7", _state(5))
+    os.replace(parent / "y.old-7", parent / ".y.old-7.old-4242")  # killed between the renames
+    assert peft_format.recover_interrupted_commits(tmp_path) == (1, 1)
+    assert sorted(p.name for p in parent.iterdir()) == ["y.old-7"]
+    assert _same(load_training_state(parent / "y.old-7", with_optimizer=True), _state(5))
+
+
 def test_server_start_up_restores_an_interrupted_overwrite(tmp_path):
     """The recovery above runs when the server starts (before it takes requests)."""
     from tinsmith.server.config import ServerConfig

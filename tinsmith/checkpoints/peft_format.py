@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -65,6 +66,9 @@ def commit_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+_OLD_COPY = re.compile(r"^\.(.+)\.old-\d+$")  # what commit_dir names the previous copy
+
+
 def recover_interrupted_commits(root: Path) -> tuple[int, int]:
     """Undo what a crash in the middle of :func:`commit_dir` left under ``root``.
 
@@ -83,9 +87,9 @@ def recover_interrupted_commits(root: Path) -> tuple[int, int]:
                 continue
             path = Path(parent) / d
             dirs.remove(d)  # never descend into temporaries
-            name, sep, _ = d[1:].rpartition(".old-")
-            if sep and not (Path(parent) / name).exists():
-                os.replace(path, Path(parent) / name)
+            old = _OLD_COPY.match(d)  # exactly ".NAME.old-PID"; a temporary ends in mkdtemp's suffix
+            if old and not (Path(parent) / old.group(1)).exists():
+                os.replace(path, Path(parent) / old.group(1))
                 restored += 1
             else:
                 shutil.rmtree(path, ignore_errors=True)
