@@ -17,6 +17,15 @@ PROTOBUF = "application/x-protobuf"
 
 
 # ---------------------------------------------------------------------------------------- data
+INTERNAL_ERROR_MARKERS = ("Traceback", "internal error", "unhandled error")
+
+
+def assert_no_internal_errors(log_text: str) -> None:
+    """The server log (or the part of it a test produced) shows no unhandled error."""
+    for marker in INTERNAL_ERROR_MARKERS:
+        assert marker not in log_text, f"server logged {marker!r}:\n{log_text[-4000:]}"
+
+
 def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(0, vocab, n).tolist()
 

@@ -7,21 +7,16 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.helpers import RESULT_TIMEOUT_S, detail, lora_client, raw_client
+from tests.e2e.helpers import RESULT_TIMEOUT_S, assert_no_internal_errors, detail, lora_client, raw_client
 from tests.rl.helpers import PROMPT
 
 pytestmark = pytest.mark.e2e
-
-INTERNAL_ERROR_MARKERS = ("Traceback", "internal error", "unhandled error")
-
 
 @pytest.fixture(autouse=True)
 def _no_internal_errors(server):
     before = len(server.log_text())
     yield
-    new_log = server.log_text()[before:]
-    for marker in INTERNAL_ERROR_MARKERS:
-        assert marker not in new_log, f"server logged {marker!r}:\n{new_log[-4000:]}"
+    assert_no_internal_errors(server.log_text()[before:])
 
 
 @pytest.fixture

@@ -77,16 +77,16 @@ class RowKVCache:
         self.lengths[dst] = n
 
     # ----------------------------------------------------------------------------- attention
-    def decode_attention(self, n: int):
+    def decode_attention(self, n: int, span: int):
         """Attention backend for one decode step over rows ``[0, n)``.
 
         Writes each row's new K/V at its current length, then attends over the row's
-        ``length + 1`` positions. Grouped-query heads are folded into the query dimension, so
+        ``length + 1`` positions; ``span`` is the longest of those (the caller has it already,
+        from sizing the cache for this step). Grouped-query heads are folded into the query dimension, so
         cached K/V are never repeated.
         """
         pos = self.lengths[:n]
         rows = torch.arange(n, device=self.device)
-        span = int(pos.max()) + 1
         future = torch.arange(span, device=self.device)[None, :] > pos[:, None]  # (n, span)
         # An additive mask (0 / -inf), built once per step for all layers: SDPA takes it
         # faster than a boolean one.

@@ -68,11 +68,7 @@ def choose_tokens(
     if bool(greedy.all()):
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
-    # Shift so the largest logit is 0 before dividing: a tiny positive temperature (down to
-    # float32 denormals) then sends the others to -inf instead of overflowing to inf - inf = NaN.
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    scaled = shifted / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    probs = torch.softmax(scaled, dim=-1)
+    probs = _tempered_probs(logits, torch.where(greedy, torch.ones_like(temperature), temperature)[:, None])
     # Rows that truncate (top-k / top-p) need their distribution sorted; the others draw by
     # inverse CDF in vocabulary order, which skips the sort. Either way a row's token depends
     # only on its own logits and its own uniform, never on the rest of the batch.
@@ -104,15 +100,26 @@ def draw_per_row(logprobs: torch.Tensor, temperature: float, u: torch.Tensor) ->
     """
     if temperature <= 0:
         return logprobs.argmax(dim=-1, keepdim=True).expand(-1, u.shape[1])
-    shifted = logprobs - logprobs.max(dim=-1, keepdim=True).values
-    cdf = torch.cumsum(torch.softmax(shifted / temperature, dim=-1).double(), dim=-1)
-    idx = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:])
-    return idx.clamp_(max=logprobs.shape[-1] - 1)
+    return _inverse_cdf(_tempered_probs(logprobs, temperature).double(), u.to(logprobs.device))
+
+
+def _tempered_probs(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """softmax(logits / temperature) per row; ``temperature`` > 0, a float or a (rows, 1) tensor.
+
+    Shifted so the largest logit is 0 before dividing: a tiny positive temperature (down to
+    float32 denormals) then sends the others to -inf instead of overflowing to inf - inf = NaN.
+    """
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(shifted / temperature, dim=-1)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index drawn from unnormalised non-negative ``weights`` (rows) with uniforms ``u``."""
+    """Indices drawn from unnormalised non-negative ``weights`` (rows) with uniforms ``u``.
+
+    ``u`` is (rows,) for one draw per row, or (rows, k) for k draws from each row's one CDF.
+    """
     cdf = torch.cumsum(weights, dim=-1)
-    target = (u * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target).squeeze(-1)
-    return idx.clamp_(max=weights.shape[-1] - 1)
+    one = u.dim() == 1
+    target = (u[:, None] if one else u) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target)
+    return (idx[:, 0] if one else idx).clamp_(max=weights.shape[-1] - 1)

@@ -312,10 +312,11 @@ class Sampler:
     def _decode_step(self, done: list) -> None:
         n = len(self.rows)
         batch = self._batch()
-        self.cache.ensure(n, int(self.cache.lengths[:n].max()) + 1)
+        span = int(self.cache.lengths[:n].max()) + 1  # the longest row after this step's token
+        self.cache.ensure(n, span)
         positions = self.cache.lengths[:n][:, None]
         hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
-                                          attend=self.cache.decode_attention(n))
+                                          attend=self.cache.decode_attention(n, span))
         logits = self.model.logits(hidden[:, 0], batch.groups)
         self.cache.lengths[:n] += 1
         u = keyed_uniforms(batch.keys, batch.steps).to(self.device)

@@ -110,7 +110,7 @@ def densify(
         if nnz:
             if int(col.min()) < 0 or int(col.max()) >= cols:
                 fail(f"{where}: sparse col_indices out of range for {cols} columns")
-            row_ids = np.repeat(np.arange(rows, dtype=np.int64), counts)
+            row_ids = csr_row_ids(crow)
             flat = row_ids * cols + col
             if np.unique(flat).size != nnz:
                 fail(f"{where}: sparse col_indices list the same entry twice")
@@ -119,6 +119,11 @@ def densify(
     if arr.shape[0] != expected_rows:
         fail(f"{where} has {arr.shape[0]} rows but {rows_of.format(n=expected_rows)}")
     return arr
+
+
+def csr_row_ids(crow: np.ndarray) -> np.ndarray:
+    """The row of each listed value of a CSR tensor, from its row pointers."""
+    return np.repeat(np.arange(len(crow) - 1, dtype=np.int64), np.diff(crow))
 
 
 def check_spans(where: str, spans: list[ProvenanceSpan], n_positions: int, what: str) -> None:

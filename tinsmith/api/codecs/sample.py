@@ -22,6 +22,7 @@ from tinsmith.types import SampledSequence, SampleInput, SampleResult, SamplingP
 from ._common import (
     TOPK_SENTINEL_LOGPROB,
     TOPK_SENTINEL_TOKEN,
+    csr_row_ids,
     densify,
     fail,
     is_int,
@@ -356,8 +357,7 @@ def _fill_tensor(t: Any, dense: np.ndarray, dtype: int, csr: tuple[np.ndarray, n
         t.dense = np.ascontiguousarray(dense).tobytes()
         return
     crow, col = csr
-    rows = np.repeat(np.arange(dense.shape[0], dtype=np.int64), np.diff(crow))
-    t.sparse_csr.values = np.ascontiguousarray(dense[rows, col]).tobytes()
+    t.sparse_csr.values = np.ascontiguousarray(dense[csr_row_ids(crow), col]).tobytes()
     t.sparse_csr.crow_indices = np.asarray(crow, dtype="<i8").tobytes()
     t.sparse_csr.col_indices = np.asarray(col, dtype="<i8").tobytes()
 
@@ -417,7 +417,7 @@ def _json_tensor_data(dense: np.ndarray, dtype: str, csr: tuple[np.ndarray, np.n
         values = dense.ravel()
     else:
         crow, col = csr
-        values = dense[np.repeat(np.arange(dense.shape[0]), np.diff(crow)), col]
+        values = dense[csr_row_ids(crow), col]
         out["sparse_crow_indices"] = [int(v) for v in crow]
         out["sparse_col_indices"] = [int(v) for v in col]
     out["data"] = json_float_list(values) if dtype == "float32" else [int(v) for v in values]
