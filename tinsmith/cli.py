@@ -13,21 +13,35 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tinsmith.api.app import create_app
     from tinsmith.server.config import load_config
+    from tinsmith.server.exclusive import AlreadyServing
+    from tinsmith.server.private import set_private_umask
     from tinsmith.server.state import ServerState
 
-    config = load_config(args)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_private_umask()  # before anything is written: the database, checkpoints, the secret
     try:
-        state = ServerState.build(config)
+        config = load_config(args)
     except ValueError as e:
         print(f"tinsmith: {e}", file=sys.stderr)
         return 2
-    if not state.auth.multi_tenant:
-        logging.getLogger("tinsmith").warning(
-            "no --api-keys-file: local single-user mode, any 'tml-' API key is accepted"
-        )
-    uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                access_log=config.log_level.lower() == "debug")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        state = ServerState.build(config)
+        state.claim()  # refuse now, before recovery touches anything and before models load
+    except AlreadyServing as e:
+        print(f"tinsmith: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"tinsmith: {e}", file=sys.stderr)
+        return 2
+    try:
+        if not state.auth.multi_tenant:
+            logging.getLogger("tinsmith").warning(
+                "no --api-keys-file: local single-user mode, any 'tml-' API key is accepted"
+            )
+        uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=config.log_level.lower(),
+                    access_log=config.log_level.lower() == "debug")
+    finally:
+        state.release()
     return 0
 
 

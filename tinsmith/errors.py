@@ -40,14 +40,38 @@ class ConflictError(TinsmithError):
 
 
 class CapacityError(TinsmithError):
-    """No room: adapter slots exhausted, rank above the server maximum, quota exceeded."""
+    """No room: adapter slots exhausted, rank above the server maximum, quota exceeded.
+
+    Also every per-key hard cap (runs held, sampler snapshots held, checkpoint storage): only
+    the caller can lift those, by freeing something, so they fail at once (a failed future, or a
+    400 that the SDK does not retry) instead of a 429 that the SDK would retry for minutes."""
 
     status = 400
     category = "user"
 
 
+class TooManyRequestsError(TinsmithError):
+    """A transient per-key limit (requests in flight): the same request succeeds once some of the
+    key's work has finished. The API answers 429 with ``Retry-After``; the SDK backs off and
+    resubmits on its own, so the caller's code never sees this unless the limit persists."""
+
+    status = 429
+    category = "user"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class StateLostError(TinsmithError):
     """The model's in-memory state is gone (e.g. the server restarted before it was saved)."""
+
+    status = 410
+    category = "user"
+
+
+class ExpiredError(TinsmithError):
+    """What was asked for existed but is no longer kept (e.g. a result past its retention time)."""
 
     status = 410
     category = "user"

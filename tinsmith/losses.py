@@ -192,8 +192,15 @@ LOSSES: dict[str, LossSpec] = {
     )
 }
 
-# Inputs the SDK or the cookbook may attach that no loss reads; accepted and ignored.
-IGNORED_INPUTS = ("mask",)
+def inputs_read_by(loss_fn: str) -> frozenset[str] | None:
+    """The loss inputs a built-in loss reads; ``None`` for a name that is not a loss here.
+
+    Every other key a datum carries (``mask``, or ``advantages`` passed along to
+    ``cross_entropy`` by a recipe) is accepted and ignored, as the hosted service does: only
+    the keys a loss reads are checked for shape and type.
+    """
+    spec = LOSSES.get(loss_fn)
+    return None if spec is None else frozenset(spec.required_inputs + spec.optional_inputs)
 
 
 def resolve_loss(name: str, config: Mapping[str, float | str]) -> tuple[LossSpec, dict[str, float | str]]:
@@ -214,25 +221,19 @@ def resolve_loss(name: str, config: Mapping[str, float | str]) -> tuple[LossSpec
 
 
 def validate_inputs(spec: LossSpec, index: int, inputs: Mapping[str, object], shapes: Mapping[str, tuple]) -> None:
-    """Check one datum's loss inputs against the loss: required keys present, no strangers,
-    every input shaped like ``target_tokens``. ``index`` names the datum in messages."""
+    """Check one datum's loss inputs against the loss: required keys present, and every input
+    the loss reads shaped like ``target_tokens``. Keys the loss does not read are ignored.
+    ``index`` names the datum in messages."""
     missing = [k for k in spec.required_inputs if k not in inputs]
     if missing:
         raise InvalidInputError(f"data[{index}].loss_fn_inputs lacks {missing} required by loss_fn {spec.name!r}")
-    allowed = set(spec.required_inputs) | set(spec.optional_inputs) | set(IGNORED_INPUTS)
-    extra = sorted(set(inputs) - allowed)
-    if extra:
-        raise InvalidInputError(
-            f"data[{index}].loss_fn_inputs has keys {extra} that loss_fn {spec.name!r} does not use "
-            f"(it takes {sorted(set(spec.required_inputs) | set(spec.optional_inputs))})"
-        )
     tshape = shapes["target_tokens"]
     if len(tshape) == 2 and not spec.allows_2d_targets:
         raise InvalidInputError(f"data[{index}].loss_fn_inputs['target_tokens'] must be 1-D for loss_fn {spec.name!r}")
     if len(tshape) not in (1, 2):
         raise InvalidInputError(f"data[{index}].loss_fn_inputs['target_tokens'] must be 1-D or 2-D, got shape {tshape}")
-    for k in inputs:
-        if k in IGNORED_INPUTS or k == "target_tokens":
+    for k in spec.required_inputs + spec.optional_inputs:
+        if k == "target_tokens" or k not in inputs:
             continue
         if tuple(shapes[k]) != tuple(tshape):
             raise InvalidInputError(

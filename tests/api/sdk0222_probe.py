@@ -60,7 +60,7 @@ def _requests() -> dict:
         loss_fn_inputs={"target_tokens": types.TensorData(data=[8, 9], dtype="int64")},
     )
     fbi = types.ForwardBackwardInput(
-        data=[datum_1d, datum_2d_sparse, datum_no_shape], loss_fn="ppo",
+        data=[datum_1d, datum_2d_sparse, datum_no_shape], loss_fn="cross_entropy",
         loss_fn_config={"clip_low_threshold": 0.7, "clip_high_threshold": 1.3},
     )
 

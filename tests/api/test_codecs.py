@@ -40,6 +40,7 @@ from tinsmith.api.codecs import (
     encode_sample_response_json,
     encode_sample_response_protobuf,
 )
+from tinsmith.api.request import BodyTooLarge, decode_content
 from tinsmith.errors import InvalidInputError
 from tinsmith.types import (
     ForwardBackwardResult,
@@ -87,6 +88,11 @@ def sdk_forward_backward(data, loss_fn="cross_entropy", loss_fn_config=None, *,
     return call["body"], call["headers"].get("Content-Encoding")
 
 
+def decode_posted(body: bytes, content_encoding: str | None):
+    """Decode a forward_backward body as the route does: Content-Encoding first, then protobuf."""
+    return decode_forward_backward_protobuf(decode_content(body, content_encoding, 1 << 30))
+
+
 def sdk_asample(**kwargs) -> dict:
     """The JSON body SamplingClient posts to /api/v1/asample (after a JSON round trip)."""
     client = _CapturingClient()
@@ -109,7 +115,8 @@ def datum(tokens, **inputs):
 # forward_backward protobuf requests
 
 
-def test_protobuf_1d_targets_weights_and_numeric_config():
+def test_protobuf_1d_targets_numeric_config_and_unread_inputs_dropped():
+    """ppo does not read weights: they are dropped unread (as the hosted service ignores them)."""
     d0 = datum([10, 11, 12, 13], target_tokens=np.array([11, 12, 13, 14]),
                weights=np.array([0.0, 1.0, 1.0, 0.5], dtype=np.float32))
     d1 = datum([20, 21], target_tokens=[21, 22], weights=[1.0, 2.0],
@@ -118,7 +125,7 @@ def test_protobuf_1d_targets_weights_and_numeric_config():
                                      {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
                                      model_id="abc:train:3", seq_id=7)
     assert enc is None
-    model_id, seq_id, fb = decode_forward_backward_protobuf(body, enc)
+    model_id, seq_id, fb = decode_posted(body, enc)
     assert (model_id, seq_id) == ("abc:train:3", 7)
     assert fb.loss_fn == "ppo" and fb.forward_only is False
     assert fb.loss_fn_config == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
@@ -127,13 +134,12 @@ def test_protobuf_1d_targets_weights_and_numeric_config():
     assert a.tokens.dtype == np.int64 and a.tokens.tolist() == [10, 11, 12, 13]
     assert a.loss_inputs["target_tokens"].dtype == np.int64
     assert a.loss_inputs["target_tokens"].tolist() == [11, 12, 13, 14]
-    assert a.loss_inputs["weights"].dtype == np.float32
-    np.testing.assert_array_equal(a.loss_inputs["weights"], [0.0, 1.0, 1.0, 0.5])
+    assert "weights" not in a.loss_inputs and "weights" not in b.loss_inputs
     assert b.tokens.tolist() == [20, 21]
     np.testing.assert_array_equal(b.loss_inputs["advantages"], np.float32([0.5, -1.5]))
     assert a.model_input_spans == [] and a.loss_input_spans == []
     # Arrays are writable (the worker hands them to torch without copies or warnings).
-    assert a.loss_inputs["weights"].flags.writeable and a.tokens.flags.writeable
+    assert b.loss_inputs["advantages"].flags.writeable and a.tokens.flags.writeable
 
 
 def test_protobuf_2d_targets_with_sparse_csr_weights():
@@ -151,7 +157,7 @@ def test_protobuf_2d_targets_with_sparse_csr_weights():
     msg = pb.ForwardBackwardRequest.FromString(body)
     assert msg.data[0].loss_fn_inputs["weights"].WhichOneof("encoding") == "sparse_csr"
 
-    _, _, fb = decode_forward_backward_protobuf(body, enc)
+    _, _, fb = decode_posted(body, enc)
     got = fb.data[0].loss_inputs
     assert got["target_tokens"].shape == (n, k)
     np.testing.assert_array_equal(got["target_tokens"], targets.numpy())
@@ -166,7 +172,7 @@ def test_protobuf_sparse_integer_targets():
     d = T.Datum(model_input=T.ModelInput.from_ints([1, 2, 3, 4, 5]),
                 loss_fn_inputs={"target_tokens": targets})
     assert d.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None
-    _, _, fb = decode_forward_backward_protobuf(*sdk_forward_backward([d]))
+    _, _, fb = decode_posted(*sdk_forward_backward([d]))
     np.testing.assert_array_equal(fb.data[0].loss_inputs["target_tokens"], targets.numpy())
     assert "weights" not in fb.data[0].loss_inputs
 
@@ -177,7 +183,7 @@ def test_protobuf_missing_weights_and_empty_shape():
     body, enc = sdk_forward_backward([d])
     assert list(pb.ForwardBackwardRequest.FromString(body).data[0]
                 .loss_fn_inputs["target_tokens"].shape) == []
-    _, _, fb = decode_forward_backward_protobuf(body, enc)
+    _, _, fb = decode_posted(body, enc)
     assert fb.data[0].loss_inputs["target_tokens"].shape == (3,)
     assert fb.data[0].loss_inputs["target_tokens"].tolist() == [4, 5, 6]
     assert set(fb.data[0].loss_inputs) == {"target_tokens"}
@@ -188,7 +194,7 @@ def test_protobuf_string_loss_config_prefers_v2():
     body, enc = sdk_forward_backward([d], "custom", {"loss_id": "loss-7", "beta": 0.5})
     msg = pb.ForwardBackwardRequest.FromString(body)
     assert dict(msg.loss_fn_config) == {"beta": 0.5}  # the legacy map only has numbers
-    _, _, fb = decode_forward_backward_protobuf(body, enc)
+    _, _, fb = decode_posted(body, enc)
     assert fb.loss_fn == "custom"
     assert fb.loss_fn_config == {"loss_id": "loss-7", "beta": 0.5}
     assert isinstance(fb.loss_fn_config["beta"], float)
@@ -196,7 +202,7 @@ def test_protobuf_string_loss_config_prefers_v2():
     # v2 wins over the legacy map; a legacy-only sender (older proto writers) still works.
     msg.loss_fn_config["beta"] = 9.0
     msg.loss_fn_config["legacy_only"] = 3.0
-    _, _, fb = decode_forward_backward_protobuf(msg.SerializeToString(), None)
+    _, _, fb = decode_forward_backward_protobuf(msg.SerializeToString())
     assert fb.loss_fn_config == {"loss_id": "loss-7", "beta": 0.5, "legacy_only": 3.0}
 
 
@@ -208,7 +214,7 @@ def test_protobuf_provenance_spans_and_forward_only():
                         T.SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=3)])
     body, enc = sdk_forward_backward([d], "stable_reinforce", {"kl_coeff": 0.1},
                                      forward_only=True)
-    _, _, fb = decode_forward_backward_protobuf(body, enc)
+    _, _, fb = decode_posted(body, enc)
     assert fb.forward_only is True
     got = fb.data[0]
     assert got.model_input_spans == [ProvenanceSpan("prompt", "seq-a", 0, 3),
@@ -223,10 +229,10 @@ def test_protobuf_zstd_body_and_multi_chunk_input():
     body, enc = sdk_forward_backward([d] * 40, compress=True)
     assert enc == "zstd"
     assert body[:4] == b"\x28\xb5\x2f\xfd"  # zstd frame magic: really compressed
-    _, _, fb = decode_forward_backward_protobuf(body, enc)
+    _, _, fb = decode_posted(body, enc)
     assert len(fb.data) == 40
     assert fb.data[39].tokens.tolist() == [1, 2, 3, 4, 5, 6]
-    _, _, fb2 = decode_forward_backward_protobuf(body, "ZSTD")  # header value case-insensitive
+    _, _, fb2 = decode_posted(body, "ZSTD")  # header value case-insensitive
     assert fb2.data[0].tokens.tolist() == [1, 2, 3, 4, 5, 6]
 
 
@@ -235,10 +241,13 @@ def test_protobuf_zstd_frame_without_content_size():
     raw, _ = sdk_forward_backward([d])
     streamed = zstandard.ZstdCompressor(write_content_size=False).compressobj()
     body = streamed.compress(raw) + streamed.flush()
-    _, _, fb = decode_forward_backward_protobuf(body, "zstd")
+    _, _, fb = decode_posted(body, "zstd")
     assert fb.data[0].tokens.tolist() == [1, 2]
-    with pytest.raises(InvalidInputError, match="exceeds"):
-        decode_forward_backward_protobuf(body, "zstd", max_decompressed_bytes=10)
+    assert decode_content(body, "zstd", len(raw)) == raw  # exactly the limit
+    with pytest.raises(BodyTooLarge, match="exceeds the limit of 10 bytes"):
+        decode_content(body, "zstd", 10)
+    with pytest.raises(BodyTooLarge, match="exceeds the limit of 10 bytes"):
+        decode_content(zstandard.ZstdCompressor().compress(raw), "zstd", 10)  # size declared in the frame
 
 
 def test_protobuf_int32_and_bfloat16_tensors():
@@ -252,7 +261,7 @@ def test_protobuf_int32_and_bfloat16_tensors():
     w.dtype = pb.DTYPE_BFLOAT16
     w.shape.append(3)
     w.dense = (np.array([1.0, 0.5, -2.0], np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
-    _, _, fb = decode_forward_backward_protobuf(msg.SerializeToString(), None)
+    _, _, fb = decode_forward_backward_protobuf(msg.SerializeToString())
     got = fb.data[0].loss_inputs
     assert got["target_tokens"].dtype == np.int64 and got["target_tokens"].tolist() == [4, 5, 6]
     assert got["weights"].dtype == np.float32 and got["weights"].tolist() == [1.0, 0.5, -2.0]
@@ -461,10 +470,10 @@ PROTO_ERRORS = [
 @pytest.mark.parametrize("mutate,message", PROTO_ERRORS, ids=[m.__name__[5:] for m, _ in PROTO_ERRORS])
 def test_protobuf_validation_errors(mutate, message):
     msg = _base_msg()
-    decode_forward_backward_protobuf(msg.SerializeToString(), None)  # the base is valid
+    decode_forward_backward_protobuf(msg.SerializeToString())  # the base is valid
     mutate(msg)
     with pytest.raises(InvalidInputError) as err:
-        decode_forward_backward_protobuf(msg.SerializeToString(), None)
+        decode_forward_backward_protobuf(msg.SerializeToString())
     assert message in str(err.value)
     assert err.value.status == 400
 
@@ -476,14 +485,14 @@ def test_protobuf_validation_errors(mutate, message):
 ])
 def test_protobuf_undecodable_bodies(body, encoding, message):
     with pytest.raises(InvalidInputError, match=message):
-        decode_forward_backward_protobuf(body, encoding)
+        decode_posted(body, encoding)
 
 
 def test_protobuf_does_not_validate_loss_names_or_required_keys():
     d = datum([1, 2], advantages=[1.0, 2.0])  # no target_tokens at all
     msg = pb.ForwardBackwardRequest.FromString(sdk_forward_backward([d])[0])
     msg.loss_fn = "no_such_loss"
-    _, _, fb = decode_forward_backward_protobuf(msg.SerializeToString(), None)
+    _, _, fb = decode_forward_backward_protobuf(msg.SerializeToString())
     assert fb.loss_fn == "no_such_loss" and set(fb.data[0].loss_inputs) == {"advantages"}
 
 
@@ -825,7 +834,7 @@ FB_JSON_0222 = {
              "model_input": {"chunks": [{"tokens": [5], "type": "encoded_text"},
                                         {"tokens": [6], "type": "encoded_text"}]}},
         ],
-        "loss_fn": "ppo",
+        "loss_fn": "cross_entropy",
         "loss_fn_config": {"clip_low_threshold": 0.9},
     },
     "model_id": "m:train:0",
@@ -835,7 +844,7 @@ FB_JSON_0222 = {
 
 def test_json_forward_backward_fixture_0222():
     model_id, seq_id, fb = decode_forward_backward_json(copy.deepcopy(FB_JSON_0222))
-    assert (model_id, seq_id, fb.loss_fn, fb.forward_only) == ("m:train:0", 3, "ppo", False)
+    assert (model_id, seq_id, fb.loss_fn, fb.forward_only) == ("m:train:0", 3, "cross_entropy", False)
     assert fb.loss_fn_config == {"clip_low_threshold": 0.9}
     a, b = fb.data
     assert a.tokens.tolist() == [1, 2, 3] and a.loss_inputs["target_tokens"].dtype == np.int64
@@ -955,7 +964,7 @@ def test_sdk0222_request_bodies_decode(sdk0222):
     fb = reqs["forward_backward"]
     assert fb["path"] == "/api/v1/forward_backward"
     model_id, seq_id, inp = decode_forward_backward_json(fb["body"])
-    assert (model_id, seq_id, inp.loss_fn, inp.forward_only) == ("s:train:0", 3, "ppo", False)
+    assert (model_id, seq_id, inp.loss_fn, inp.forward_only) == ("s:train:0", 3, "cross_entropy", False)
     assert inp.loss_fn_config == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}
     d0, d1, d2 = inp.data
     assert d0.tokens.tolist() == [11, 12, 13, 14]
@@ -969,7 +978,7 @@ def test_sdk0222_request_bodies_decode(sdk0222):
 
     # The same call as protobuf (0.22.2 with proto_write_fwdbwd; its schema has no forward_only).
     _, _, from_proto = decode_forward_backward_protobuf(
-        base64.b64decode(reqs["forward_backward_proto"]["body"]), None)
+        base64.b64decode(reqs["forward_backward_proto"]["body"]))
     assert from_proto.loss_fn_config == inp.loss_fn_config and not from_proto.forward_only
     for a, b in zip(from_proto.data, inp.data):
         np.testing.assert_array_equal(a.tokens, b.tokens)

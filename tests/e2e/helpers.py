@@ -153,3 +153,14 @@ def gathered_logprobs(model, data) -> list:
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
             out.append(logp[torch.arange(len(targets)), targets].double().numpy())
     return out
+
+
+def lora_adapter_bytes(model_dir, rank: int) -> int:
+    """float32 bytes of a LoRA adapter of ``rank`` on every attention, MLP and unembedding
+    projection of the model at ``model_dir`` (the SDK's defaults): what a sampler-weights save
+    writes, and a quarter of a training-state save (weights, two Adam moments, PEFT copy)."""
+    from tinsmith.models.loading import load_model
+
+    model = load_model(str(model_dir)).model
+    return sum(4 * rank * (layer.in_features + layer.out_features)
+               for _, layer in model.lora_targets(True, True, True))

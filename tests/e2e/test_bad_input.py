@@ -266,3 +266,28 @@ def test_oversized_body_is_413(restricted_server, service_client, base_model):
     out = tc.forward_backward([sft_datum([1, 2, 3, 4])], "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
     assert logprobs_of(out)[0].shape == (3,)
     assert "Traceback" not in small.log_text()
+
+
+def test_sdk_splits_its_calls_within_the_server_limits(make_server, server, service_client, base_model):
+    """Lowered forward limits reach the SDK through client/config: it splits its calls and never
+    sees them refused; what it cannot split (one long datum, num_samples) is refused naming the option."""
+    small = make_server(extra_args=["--max-forward-datums", "3", "--max-forward-tokens", "40",
+                                    "--max-num-samples", "2"])
+    data = sft_batch(seed=7, n_seqs=7, seq_len=10, vocab=VOCAB)
+    here = lora_client(service_client(small), base_model, rank=4, seed=3)
+    there = lora_client(service_client(server), base_model, rank=4, seed=3)
+    split = here.forward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
+    whole = there.forward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
+    for a, b in zip(logprobs_of(split), logprobs_of(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(tinker.BadRequestError) as exc:
+        here.forward([sft_datum(list(range(1, 43)))], "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
+    assert "--max-forward-tokens" in str(exc.value) and "40" in str(exc.value)
+    sampler = service_client(small).create_sampling_client(base_model=base_model).result(timeout=RESULT_TIMEOUT_S)
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    with pytest.raises(tinker.BadRequestError) as exc:
+        sampler.sample(prompt, 3, types.SamplingParams(max_tokens=2)).result(timeout=RESULT_TIMEOUT_S)
+    assert "num_samples" in str(exc.value) and "--max-num-samples" in str(exc.value)
+    assert len(sampler.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result(
+        timeout=RESULT_TIMEOUT_S).sequences) == 2
+    assert_no_internal_errors(small.log_text())

@@ -13,7 +13,8 @@ import tinker
 import torch
 
 from tests.e2e.conftest import VOCAB
-from tests.e2e.helpers import RESULT_TIMEOUT_S, detail, logprobs_of, lora_client, raw_client, sft_batch
+from tests.e2e.helpers import (RESULT_TIMEOUT_S, detail, logprobs_of, lora_adapter_bytes, lora_client, raw_client,
+                               sft_batch)
 from tests.rl.helpers import checkpoint_dir, train_steps_on
 from tinsmith.checkpoints import peft_format, state_format
 from tinsmith.checkpoints.peft_format import load_peft_adapter, save_peft_adapter
@@ -95,12 +96,15 @@ def test_corrupted_metadata_is_a_client_error(sc, base_model, server):
 
 
 @pytest.mark.e2e
-def test_quota_refuses_the_save_past_it(make_server, base_model):
-    srv = make_server(extra_args=["--checkpoint-quota-bytes", "20000"])
+def test_quota_refuses_the_save_past_it(make_server, base_model, tiny_model):
+    # Before any optimizer step a state save holds the weights twice (tensors and their PEFT
+    # copy): about 2 adapters' worth, so one fits in 2.5 and a second (or an export) does not.
+    adapter = lora_adapter_bytes(tiny_model, rank=4)
+    srv = make_server(extra_args=["--checkpoint-quota-bytes", str(int(2.5 * adapter))])
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-rl-quota")
     try:
         tc = lora_client(sc, base_model, rank=4, seed=12)
-        first = tc.save_state("q1").result(timeout=RESULT_TIMEOUT_S).path  # well above 20 kB
+        first = tc.save_state("q1").result(timeout=RESULT_TIMEOUT_S).path
         with pytest.raises(tinker.RequestFailedError) as exc:
             tc.save_state("q2").result(timeout=RESULT_TIMEOUT_S)
         assert "quota" in str(exc.value)

@@ -1,22 +1,24 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
 from tinsmith.store import Store
-from tinsmith.store.connect import alembic_config
+from tinsmith.store.connect import alembic_config, run_migrations
 from tinsmith.store.tables import Base
 
 HEAD = ScriptDirectory.from_config(alembic_config()).get_current_head()
-TABLES = {"sessions", "models", "requests", "sampling_sessions", "checkpoints"}
+TABLES = {"sessions", "models", "requests", "sampling_sessions", "checkpoints", "server_lease"}
 
 
 def test_migrate_from_empty_twice_is_idempotent(db_url: str) -> None:
@@ -30,6 +32,56 @@ def test_migrate_from_empty_twice_is_idempotent(db_url: str) -> None:
         assert store.schema_revision() == HEAD
         assert store.get_session(session.session_id) == session
         assert set(inspect(store.engine).get_table_names()) >= TABLES
+    finally:
+        store.close()
+
+
+def test_0003_keeps_requests_and_adds_lease_and_retention(db_url: str) -> None:
+    """Upgrading a 0002 database keeps its requests (nothing purged), adds the lease table and
+    the indexes; downgrading and upgrading again round-trips."""
+    store = Store(db_url)
+    try:
+        run_migrations(store.engine, "0002")
+        assert store.schema_revision() == "0002"
+        with store.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO requests (request_id, owner, kind, payload, payload_type, status, result, "
+                    "result_content_type, created_at, completed_at) VALUES ('req-1', 'o', 'forward', :p, "
+                    "'protobuf', 'completed', :r, 'application/x-protobuf', :t, :t)"
+                ),
+                {"p": b"\x00payload", "r": b"\x01result", "t": datetime(2025, 1, 1, tzinfo=UTC)},
+            )
+        store.migrate()
+        assert store.schema_revision() == HEAD
+        got = store.get_request("req-1")
+        assert (got.payload, got.result, got.purged_at) == (b"\x00payload", b"\x01result", None)
+        assert store.get_lease() is None
+        indexes = {i["name"] for t in ("requests", "sessions") for i in inspect(store.engine).get_indexes(t)}
+        assert {"ix_requests_purged_at_completed_at", "ix_sessions_finished_at_last_heartbeat_at"} <= indexes
+
+        config = alembic_config()
+        with store.engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0002")
+        assert "server_lease" not in inspect(store.engine).get_table_names()
+        assert "purged_at" not in {c["name"] for c in inspect(store.engine).get_columns("requests")}
+        store.migrate()
+        assert store.get_request("req-1").payload == b"\x00payload"
+    finally:
+        store.close()
+
+
+def test_migrate_at_head_runs_nothing(db_url: str, caplog) -> None:
+    """An up-to-date database is not migrated again: a start logs nothing about migrations."""
+    store = Store(db_url)
+    try:
+        store.migrate()
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="alembic"):
+            store.migrate()
+        assert caplog.records == []
+        assert store.schema_revision() == HEAD
     finally:
         store.close()
 
@@ -49,8 +101,10 @@ def test_migrate_works_from_another_working_directory(tmp_path: Path) -> None:
         f"s = Store(Store.default_sqlite_url({str(db)!r})); s.migrate(); "
         "print(s.schema_revision()); s.close()"
     )
+    # PYTHONPATH: this checkout's package, wherever the environment installed one from.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True, env=env
     )
     assert out.stdout.strip() == HEAD
     assert (db / "tinsmith.sqlite").exists()

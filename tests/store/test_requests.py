@@ -152,15 +152,44 @@ def test_pending_requests_per_model_in_seq_order(store: Store) -> None:
     assert store.list_pending_requests("none") == []
 
 
-def test_purge_finished_requests(store: Store, clock) -> None:
+def test_purge_drops_payloads_and_results_but_keeps_the_record(store: Store, clock) -> None:
     old, _ = _req(store, model_id="m", seq_id=1)
-    store.complete_request(old.request_id, b"{}", "application/json")
-    pending, _ = _req(store, model_id="m", seq_id=2)
+    store.complete_request(old.request_id, BLOB, "application/x-protobuf")
+    failed, _ = _req(store, model_id="m", seq_id=2)
+    store.fail_request(failed.request_id, "bad input", "user")
+    pending, _ = _req(store, model_id="m", seq_id=3)
     clock.advance(60)
     cutoff = clock.now
-    new, _ = _req(store, model_id="m", seq_id=3)
-    store.fail_request(new.request_id, "x")
-    assert store.purge_finished_requests(cutoff) == 1
-    assert store.get_request(old.request_id) is None
-    assert store.get_request(pending.request_id) is not None
-    assert store.get_request(new.request_id) is not None
+    new, _ = _req(store, model_id="m", seq_id=4)
+    store.complete_request(new.request_id, b"{}", "application/json")
+
+    assert store.purge_request_payloads(cutoff) == 2
+    done = store.get_request(old.request_id)
+    assert done.is_purged and done.payload == b"" and done.result is None
+    assert (done.request_id, done.kind, done.owner, done.status) == (old.request_id, "forward_backward", "alice", "completed")
+    assert done.created_at == old.created_at and done.completed_at is not None and done.purged_at > cutoff
+    gone_failed = store.get_request(failed.request_id)
+    assert gone_failed.is_purged and gone_failed.payload == b""
+    assert (gone_failed.status, gone_failed.error, gone_failed.error_category) == ("failed", "bad input", "user")
+    # unfinished and recent requests keep everything
+    for r, result in ((pending, None), (new, b"{}")):
+        kept = store.get_request(r.request_id)
+        assert not kept.is_purged and kept.payload == BLOB and kept.result == result
+    # a replay of a purged request's seq_id still finds the same request
+    again, created = _req(store, model_id="m", seq_id=1)
+    assert not created and again.request_id == old.request_id
+    # once purged, a request is not purged again (its purge time stays)
+    clock.advance(60)
+    assert store.purge_request_payloads(clock.now) == 1  # only `new`
+    assert store.get_request(old.request_id).purged_at == done.purged_at
+
+
+def test_purge_works_through_a_backlog_in_batches(store: Store, clock) -> None:
+    ids = []
+    for seq in range(7):
+        r, _ = _req(store, model_id="m", seq_id=seq)
+        store.complete_request(r.request_id, b"x", "application/json")
+        ids.append(r.request_id)
+    clock.advance(1)
+    assert store.purge_request_payloads(clock.now, batch=3) == 7
+    assert all(store.get_request(i).is_purged for i in ids)

@@ -78,3 +78,19 @@ def test_stale_sessions(store: Store, clock) -> None:
     # Everything unfinished is stale against a cutoff in the future.
     later = {s.session_id for s in store.list_stale_sessions(clock.now + timedelta(seconds=1))}
     assert later == {old.session_id, fresh.session_id}
+
+
+def test_earliest_live_heartbeat(store: Store, clock) -> None:
+    """What the sweeper sleeps until: the unfinished session that times out next."""
+    assert store.earliest_live_heartbeat() is None
+    a = store.create_session("alice")
+    clock.advance(5)
+    b = store.create_session("bob")
+    assert store.earliest_live_heartbeat() == a.created_at
+    clock.advance(5)
+    store.heartbeat(a.session_id)  # a's deadline moves past b's
+    assert store.earliest_live_heartbeat() == b.created_at
+    store.finish_session(b.session_id, "success")
+    assert store.earliest_live_heartbeat() == store.get_session(a.session_id).last_heartbeat_at
+    store.finish_session(a.session_id, "success")
+    assert store.earliest_live_heartbeat() is None

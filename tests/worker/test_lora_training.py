@@ -283,7 +283,6 @@ def test_sft_loss_falls(rt):
         (lambda d: d.loss_inputs.__setitem__("weights", np.array([1.0, np.nan, 1.0], np.float32)), "NaN"),
         (lambda d: d.loss_inputs.__setitem__("target_tokens", np.array([1, 2, -1])), "target_tokens"),
         (lambda d: d.loss_inputs.__setitem__("weights", np.ones(4, np.float32)), "weights"),
-        (lambda d: d.loss_inputs.__setitem__("advantages", np.ones(3, np.float32)), "does not use"),
         (lambda d: d.__setattr__("tokens", np.array([], dtype=np.int64)), "at least one token"),
     ],
 )
@@ -298,6 +297,19 @@ def test_bad_input_is_rejected_before_anything_changes(rt, mutate, match):
     assert isinstance(res[0], InvalidInputError) and match in str(res[0])
     assert not rt.has_pending_grads(u)  # nothing half-applied
     assert rt.has_pending_grads(v) and res[1].metrics["loss:sum"] > 0  # the other tenant ran
+
+
+def test_inputs_the_loss_does_not_read_are_ignored(rt):
+    """Recipes pass RL fields along to cross_entropy; the hosted service ignores them, so do we."""
+    u = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    good = Datum(np.array([1, 2, 3]), {"target_tokens": np.array([2, 3, 4]), "weights": np.ones(3, np.float32)})
+    extra = copy.deepcopy(good)
+    extra.loss_inputs["advantages"] = np.array([np.nan, 1.0], np.float32)  # wrong length, even NaN: unread
+    extra.loss_inputs["mask"] = np.ones(3, np.float32)
+    want, got = rt.forward_backward([TrainRequest(u, ForwardBackwardInput([good], "cross_entropy", forward_only=True)),
+                                     TrainRequest(u, ForwardBackwardInput([extra], "cross_entropy", forward_only=True))])
+    assert not isinstance(got, Exception), got
+    assert got.metrics["loss:sum"] == want.metrics["loss:sum"]
 
 
 def test_unknown_loss_and_capacity_errors(rt):
@@ -340,3 +352,54 @@ def test_more_runs_than_slots_park_idle_adapters_exactly(qwen3_dir):
         for (n, x), (_, y) in zip(tight.unit(a).named_params, roomy.unit(b).named_params):
             assert_rel_close(x.detach(), y.detach(), 1e-5, n)
     assert len(tight.lru) <= 3
+
+
+def test_a_pass_run_in_small_chunks_equals_one_call(rt):
+    """The engine runs big requests a chunk at a time between other tenants' work: same numbers."""
+    rng = np.random.default_rng(21)
+    data_a = [sft_datum(rng, int(n), VOCAB) for n in rng.integers(8, 60, 7)]
+    data_b = [sft_datum(rng, int(n), VOCAB) for n in rng.integers(8, 60, 5)]
+    results = {}
+    for how in ("whole", "chunked"):
+        a, b = rt.create_adapter(LoraSpec(rank=4, seed=1)), rt.create_adapter(LoraSpec(rank=8, seed=2))
+        _perturb_B(rt, a, 5)
+        _perturb_B(rt, b, 6)
+        reqs_a = [TrainRequest(a, ForwardBackwardInput(data_a, "cross_entropy")),
+                  TrainRequest(a, ForwardBackwardInput(data_a[:2], "cross_entropy", forward_only=True))]
+        reqs_b = [TrainRequest(b, ForwardBackwardInput(data_b, "cross_entropy"))]
+        if how == "whole":
+            res = rt.forward_backward(reqs_a + reqs_b)
+        else:
+            pa, pb = rt.begin(reqs_a), rt.begin(reqs_b)
+            calls = 0
+            while not (pa.done and pb.done):
+                rt.advance([(pa, 30), (pb, 1)])  # pb's datums never fit: it runs once pa is done
+                calls += 1
+            assert calls >= 7
+            res = pa.results + pb.results
+        results[how] = (res, _grads(rt, a), _grads(rt, b))
+        rt.delete_adapter(a)
+        rt.delete_adapter(b)
+    (whole, ga, gb), (chunked, ca, cb) = results["whole"], results["chunked"]
+    for x, y in zip(whole, chunked):
+        assert x.metrics["loss:sum"] == pytest.approx(y.metrics["loss:sum"], rel=1e-6)
+        for ox, oy in zip(x.outputs, y.outputs):
+            np.testing.assert_allclose(ox["logprobs"], oy["logprobs"], rtol=1e-5, atol=1e-6)
+    for g, h in ((ga, ca), (gb, cb)):
+        for n in g:
+            torch.testing.assert_close(g[n], h[n], rtol=1e-3, atol=1e-5)  # other micro-batch shapes, other rounding
+
+
+def test_a_pass_that_fails_midway_leaves_its_gradients_as_before(rt, monkeypatch):
+    rng = np.random.default_rng(22)
+    u = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    _fb(rt, u, [sft_datum(rng, 16, VOCAB)])  # some gradient already accumulated
+    before = _grads(rt, u)
+    p = rt.begin([TrainRequest(u, ForwardBackwardInput([sft_datum(rng, 16, VOCAB) for _ in range(4)], "cross_entropy"))])
+    rt.advance([(p, 16)])  # the first datum ran: gradients moved
+    assert not all(torch.equal(before[n], g) for n, g in _grads(rt, u).items())
+    monkeypatch.setattr(rt, "_run_micro_batch", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    rt.advance([(p, 16)])
+    assert p.done and isinstance(p.results[0], RuntimeError)
+    for n, g in _grads(rt, u).items():
+        assert torch.equal(before[n], g), n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinsmith.api.routes import ROUTERS
-from tinsmith.errors import TinsmithError
+from tinsmith.errors import TinsmithError, TooManyRequestsError
 from tinsmith.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(TinsmithError)
     async def tinsmith_error(_: Request, exc: TinsmithError):
-        return JSONResponse({"detail": exc.message}, status_code=exc.status)
+        headers = None
+        if isinstance(exc, TooManyRequestsError):  # the SDK waits this long before resubmitting
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):

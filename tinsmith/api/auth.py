@@ -3,16 +3,32 @@
 Keys travel in the ``X-API-Key`` header (the SDK's convention). With a keys file only the
 listed keys are accepted and each key is its own tenant. Without one, the server runs in local
 single-user mode: any key with the SDK's ``tml-`` prefix is accepted and all share one owner.
+
+The keys file, one key per line:
+
+* blank lines, and lines whose first non-blank character is ``#``, are comments;
+* otherwise the first whitespace-separated token is the key (a ``#`` inside it is part of it),
+  optionally followed by whitespace and a ``#`` comment;
+* anything else on a line is an error naming the line number (the key itself is never shown).
+
+The file is read at start-up (an error there stops the server) and again whenever it changes
+(``reload_if_changed``, polled by the server) or on SIGHUP. A reload that fails keeps the keys
+in force and logs one error; nothing in flight is interrupted either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from tinsmith.errors import AuthError
+
+log = logging.getLogger(__name__)
 
 LOCAL_OWNER = "local"
 
@@ -26,31 +42,94 @@ def owner_for_key(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+def parse_keys(text: str, source: str) -> list[str]:
+    """The keys a keys file lists (format in the module docstring); ValueError names the line."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split(None, 1)
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) > 1 and not fields[1].startswith("#"):
+            raise ValueError(
+                f"api keys file {source} line {number}: unexpected text after the key "
+                "(one key per line; a comment after it must start with '#')"
+            )
+        keys.append(fields[0])
+    if not keys:
+        raise ValueError(f"api keys file {source} lists no keys")
+    return keys
+
+
+def read_keys_file(path: str | Path) -> dict[str, str]:
+    """sha256(key) -> owner for every key of the file; ValueError with a clear message otherwise."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read api keys file {str(path)!r}: {e}") from None
+    return {hashlib.sha256(k.encode()).hexdigest(): owner_for_key(k) for k in parse_keys(text, repr(str(path)))}
+
+
+def _signature(path: str) -> tuple[int, int, int] | str:
+    """What changes when the file is edited or replaced (or the reason it cannot be read)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror}"
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class Authenticator:
     def __init__(self, keys_file: str | None = None):
+        self.keys_file = keys_file
         self.keys: dict[str, str] | None = None
+        self._reload_lock = threading.Lock()
+        self._signature: tuple[int, int, int] | str | None = None
         if keys_file:
-            self.keys = {}
-            for line in Path(keys_file).read_text().splitlines():
-                key = line.split("#", 1)[0].strip()
-                if key:
-                    self.keys[hashlib.sha256(key.encode()).hexdigest()] = owner_for_key(key)
-            if not self.keys:
-                raise ValueError(f"api keys file {keys_file!r} lists no keys")
+            self._signature = _signature(keys_file)
+            self.keys = read_keys_file(keys_file)
 
     @property
     def multi_tenant(self) -> bool:
         return self.keys is not None
 
+    def reload(self) -> bool:
+        """Read the keys file again; True if the new keys are in force.
+
+        On any failure the current keys stay and one error is logged. Swapping the mapping is a
+        single assignment, so a request being authenticated sees the old or the new keys, whole.
+        """
+        if not self.keys_file:
+            return False
+        with self._reload_lock:
+            self._signature = _signature(self.keys_file)
+            try:
+                keys = read_keys_file(self.keys_file)
+            except ValueError as e:
+                log.error("%s; keeping the %d key(s) loaded before", e, len(self.keys or {}))
+                return False
+            self.keys = keys
+        log.info("api keys reloaded from %s: %d key(s)", self.keys_file, len(keys))
+        return True
+
+    def reload_if_changed(self) -> bool:
+        """Reload when the file was edited, replaced or removed since the last look.
+
+        A file that stays broken is reported once, not at every look.
+        """
+        if not self.keys_file or _signature(self.keys_file) == self._signature:
+            return False
+        return self.reload()
+
     def authenticate(self, key: str | None) -> Caller:
         if not key:
             raise AuthError("missing X-API-Key header (set TINKER_API_KEY)")
-        if self.keys is None:
+        keys = self.keys
+        if keys is None:
             if not (key.startswith("tml-") or key.startswith("eyJ")):
                 raise AuthError("API keys must start with 'tml-'")
             return Caller(LOCAL_OWNER)
         digest = hashlib.sha256(key.encode()).hexdigest()
-        for known, owner in self.keys.items():
+        for known, owner in keys.items():
             if hmac.compare_digest(known, digest):
                 return Caller(owner)
         raise AuthError("API key not accepted by this server")

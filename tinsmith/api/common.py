@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import Request
@@ -10,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
 from tinsmith.engine.scheduler import Job
-from tinsmith.errors import InvalidInputError, NotFoundError, StateLostError, TinsmithError
+from tinsmith.errors import InvalidInputError, NotFoundError, StateLostError
 from tinsmith.server.state import ServerState
 from tinsmith.store.records import ModelRecord, SessionRecord
 
@@ -21,36 +20,6 @@ def state_of(request: Request) -> ServerState:
 
 async def caller_of(request: Request) -> Caller:
     return state_of(request).auth.authenticate(request.headers.get("x-api-key"))
-
-
-async def read_body(request: Request) -> bytes:
-    """The raw body, refusing anything above the configured size with a 413."""
-    limit = state_of(request).config.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class BodyTooLarge(TinsmithError):
-    status = 413
-    category = "user"
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(body or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidInputError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise InvalidInputError("request body must be a JSON object")
-    return obj
 
 
 async def owned_session(state: ServerState, caller: Caller, session_id: str) -> SessionRecord:
@@ -84,6 +53,21 @@ async def readable_checkpoint(state: ServerState, caller: Caller, tp, kind: str 
     return ck
 
 
+def check_base_model_matches(state: ServerState, given: str | None, actual: str, source: str) -> None:
+    """A request may name its base model beside a checkpoint (recipes do); the checkpoint decides.
+
+    ``given`` must reach the same served model as ``actual`` (aliases count as the same);
+    otherwise the request is refused naming both, never silently run on the other model.
+    """
+    if given is None or given == actual:
+        return
+    if state.worker.resolve_base(given) is not state.worker.resolve_base(actual):
+        raise InvalidInputError(
+            f"base_model {given!r} does not match the base model {actual!r} of {source!r}; "
+            "pass the checkpoint's base model or leave base_model out"
+        )
+
+
 async def submit(
     state: ServerState,
     caller: Caller,
@@ -98,7 +82,12 @@ async def submit(
     wire: str = "json",
     submit_info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Persist the request (idempotent on its sequence key), then queue it; answer with its future."""
+    """Persist the request (idempotent on its sequence key), then queue it; answer with its future.
+
+    A key that already has its most requests queued or running gets a 429 first, before anything
+    is stored: the SDK backs off and resubmits, so one key's flood never fills the queue for all.
+    """
+    state.limits.admit(caller.owner, state.engine.in_flight(caller.owner))
     rec, created = await run_in_threadpool(
         lambda: state.store.create_request(
             owner=caller.owner, kind=kind, payload=payload, payload_type=payload_type, model_id=model_id,

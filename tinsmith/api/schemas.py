@@ -2,13 +2,58 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from fastapi import Query
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+from tinsmith.api.codecs._common import INT64_MAX, INT64_MIN
+
+
+# Stored in a 32-bit INTEGER column; the SDK counts its training clients from 0.
+ModelSeqId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+
+# An integer query parameter (limit, offset): one the database can take.
+Int64Query = Annotated[int, Query(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def _nonfinite_at(value: Any, path: str = "") -> str | None:
+    """Where a NaN or an infinity is in a value: ``""`` for the value itself, ``"a.b[2]"`` inside
+    a free-form object or list; None when there is none."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for where, v in items:
+        found = _nonfinite_at(v, where)
+        if found is not None:
+            return found
+    return None
 
 
 class Body(BaseModel):
+    """Base of every JSON body. Strings were already checked by the parser (no NUL, no lone
+    surrogate); numbers are checked here, each refused naming its field rather than failing
+    inside the database: an integer wider than 64 bits, and a NaN or an infinity (``NaN``,
+    ``Infinity`` or an overflowing ``1e999``), which PostgreSQL refuses in the JSON columns that
+    hold free-form objects such as ``user_metadata``, and which no typed field accepts either."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable_numbers(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"{value} does not fit in a signed 64-bit integer")
+        where = _nonfinite_at(value)
+        if where is not None:
+            raise ValueError(f"{where or 'the value'} is NaN or infinite; only finite numbers are accepted")
+        return value
 
 
 class ClientConfigRequest(Body):
@@ -46,7 +91,7 @@ class LoraConfigBody(Body):
 
 class CreateModelRequest(Body):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: ModelSeqId
     base_model: str = Field(min_length=1)
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfigBody | None = None

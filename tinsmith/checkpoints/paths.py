@@ -10,7 +10,12 @@ from pathlib import Path
 from tinsmith.errors import InvalidInputError
 
 KINDS = ("weights", "sampler_weights", "external_weights")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+
+# A checkpoint name is a directory name, and a save also writes ``.NAME.XXXXXXXX`` (the copy being
+# written) and ``.NAME.old-PID`` (the copy being replaced) beside it; 200 characters keep every
+# one of them within the file system's 255-byte limit on a name.
+MAX_NAME_LENGTH = 200
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_LENGTH - 1}}}")
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,12 @@ def expiry_from_ttl(ttl_seconds: int | None) -> datetime | None:
 
 
 def check_name(name: str, field: str = "path") -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    """A checkpoint name, checked whole before anything is written (a trailing newline included)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        shown = f"{name[:40]!r}... ({len(name)} characters)" if isinstance(name, str) and len(name) > 60 else repr(name)
         raise InvalidInputError(
-            f"{field} {name!r} is not a valid checkpoint name (1-255 characters of letters, digits, '.', '_', '-'; "
-            "no '/')"
+            f"{field} {shown} is not a valid checkpoint name (1-{MAX_NAME_LENGTH} characters of letters, "
+            "digits, '.', '_', '-', starting with a letter or digit; no '/' and no '..')"
         )
     return name
 

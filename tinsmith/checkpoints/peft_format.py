@@ -97,6 +97,12 @@ def recover_interrupted_commits(root: Path) -> tuple[int, int]:
     return restored, removed
 
 
+def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The tensor bytes :func:`save_peft_adapter` writes for ``tensors`` (float32), known before
+    writing so a storage quota can refuse the save up front; the small JSON files come on top."""
+    return sum(t.numel() * 4 for t in tensors.values())
+
+
 def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str) -> int:
     """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written."""
     tmp = atomic_dir(directory)

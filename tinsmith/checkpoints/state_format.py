@@ -60,6 +60,16 @@ def lora_from_meta(meta: dict) -> LoraSpec | None:
     return None if lora is None else LoraSpec(**lora)
 
 
+def training_state_bytes(state: TrainingState) -> int:
+    """The tensor bytes :func:`save_training_state` writes for ``state`` (weights, optimizer
+    moments, and for LoRA runs the float32 PEFT copy), known before writing so a storage quota
+    can refuse the save up front; the small JSON files come on top."""
+    weights = sum(t.numel() * t.element_size() for t in state.weights.values())
+    optimizer = sum(t.numel() * t.element_size() for t in (state.optimizer or {}).values())
+    peft = sum(t.numel() * 4 for t in state.weights.values()) if state.lora is not None else 0
+    return weights + optimizer + peft
+
+
 def save_training_state(directory: Path, state: TrainingState) -> int:
     """Write atomically; returns the bytes written."""
     tmp = atomic_dir(Path(directory))

@@ -1,17 +1,21 @@
-"""The engine: orders each training run's requests, batches runs together, completes futures.
-
-Sharing the device between training and sampling: when both have work, the engine alternates
-one training call with one sampling time slice (``sampling_slice_s`` of decode steps, with
-new requests joining between steps). Neither can starve the other; a training call is never
-interrupted, so a very large forward_backward delays sampling by its own duration.
+"""The engine: orders each training run's requests, shares the device fairly, completes futures.
 
 * Every accepted request becomes a :class:`Job` in its model's queue, ordered by ``seq_id``.
-  A model runs one job at a time (its next job waits for the previous one), so a run's
-  forward_backward / optim_step / save sequence is applied in the order the client sent it.
-* When the worker is free, the engine takes every model's head job. Consecutive
-  forward/backward jobs of every model are sent to the worker as **one** call (runs of many
-  tenants on one base model share micro-batches); other kinds run one by one, cheap ones
-  first.
+  A model runs one job at a time, in ``seq_id`` order. A job whose predecessors have not
+  arrived yet (the SDK sends the chunks of a large forward_backward concurrently, the first
+  one last) is held back until they do, or until ``seq_gap_wait_s`` has passed (a request
+  refused at the door leaves a gap that nothing will fill).
+* Forward/backward work is cut into **chunks** of about one micro-batch of tokens. Each chunk
+  takes datums from every running forward/backward *pass* (a model's consecutive
+  forward/backward requests), so tenants share micro-batches, and shares the chunk among API
+  keys by weighted fair queueing over tokens: busy keys get equal tokens over time, and a
+  small request of a key that was idle goes first in the next chunk. A huge request therefore advances a chunk at
+  a time while small requests of other keys start and finish between its chunks.
+* Everything else (optim_step, save/load, create, unload) runs before the next chunk, keys
+  taking turns, so checkpoint I/O never waits behind other tenants' compute.
+* Training and sampling alternate: one training turn (the ready single jobs, then one chunk),
+  then one sampling slice (``sampling_slice_s`` of decode steps, new requests joining between
+  steps). Neither can starve the other.
 * Results are persisted by the executor thread, then pushed to waiting long-polls through
   asyncio futures: no polling interval sits on the hot path.
 """
@@ -23,8 +27,10 @@ import bisect
 import itertools
 import logging
 import time
+from collections import Counter, deque
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from tinsmith.errors import TinsmithError
@@ -73,9 +79,23 @@ class Outcome:
 class Operations(Protocol):
     """Executes jobs (in the executor thread). Supplied by the server assembly."""
 
-    def run_batch(self, kind: str, jobs: list[Job]) -> list[Outcome]: ...
-
     def run_one(self, job: Job) -> Outcome: ...
+
+    # Forward/backward passes, run a chunk at a time. A handle is whatever train_begin returns.
+    def train_begin(self, jobs: list[Job]) -> Any: ...  # one model's consecutive forward/backward jobs
+
+    # Run each entry's quota of tokens, about ``budget`` in all; returns the tokens run per entry.
+    # on_done(handle) is called (executor thread) the moment a pass completes.
+    def train_advance(self, quotas: list[tuple[Any, int]], budget: int,
+                      on_done: Callable[[Any], None]) -> list[int]: ...
+
+    def train_done(self, handle: Any) -> bool: ...
+
+    def train_pending(self, handle: Any, tokens: int) -> list[int]: ...  # next datums' lengths, ~tokens worth
+
+    def train_outcomes(self, handle: Any, jobs: list[Job]) -> list[Outcome]: ...
+
+    def train_chunk_tokens(self, keys: int) -> int: ...  # tokens one chunk runs when ``keys`` keys have work
 
     # Continuous work (sampling): jobs join a running batch and finish at their own pace.
     def sample_submit(self, job: Job) -> None: ...  # thread-safe, called on the event loop
@@ -93,28 +113,42 @@ class ResultSink(Protocol):
     def fail_request(self, request_id: str, error: str, category: str = "server") -> bool: ...
 
 
+@dataclass
+class _Pass:
+    """One model's consecutive forward/backward jobs, running a chunk at a time."""
+
+    model_id: str
+    owner: str
+    jobs: list[Job]
+    handle: Any = None  # the operations' handle, once begun
+
+
 class Engine:
     def __init__(self, operations: Operations, sink: ResultSink, executor: Executor | None = None,
-                 cheap_kinds: tuple[str, ...] = ("optim_step", "create_model", "unload_model"),
-                 sampling_slice_s: float = 0.05):
+                 sampling_slice_s: float = 0.05, seq_gap_wait_s: float = 1.0):
         self.ops = operations
         self.sink = sink
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinsmith-worker")
-        self.cheap_kinds = cheap_kinds
         self.sampling_slice_s = sampling_slice_s
+        self.seq_gap_wait_s = seq_gap_wait_s
         self.queues: dict[str, list[Job]] = {}
-        self.unordered: list[Job] = []  # jobs without a model (sampling etc.)
         self.busy_models: set[str] = set()
+        self.passes: list[_Pass] = []  # running forward/backward passes, oldest first
+        self.next_seq: dict[str, int] = {}  # model -> the seq_id its next job should carry
+        self.vtime = 0.0  # fair queueing's virtual time (tokens): the start tag last served
+        self.start_tag: dict[str, float] = {}  # backlogged owner -> virtual start tag of its next packet
+        self.finish_tag: dict[str, float] = {}  # owner -> virtual finish tag of its last packet
         self.waiters: dict[str, asyncio.Future[Outcome]] = {}
         self.owners: dict[str, str] = {}  # request_id -> owner, while the job is queued or running
+        self._in_flight: Counter[str] = Counter()  # owner -> jobs queued or running
+        self._turn: dict[str, int] = {}  # owner -> when it last had a single job run (turn taking)
+        self._turns = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats = {"batches": 0, "jobs": 0, "max_batch_models": 0}
+        self.stats = {"chunks": 0, "singles": 0, "jobs": 0, "max_chunk_owners": 0, "seq_gaps_skipped": 0}
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._dispatch_loop(), name="tinsmith-engine")
 
     async def stop(self) -> None:
@@ -130,12 +164,13 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue a persisted request. Must be called on the event loop."""
         self.waiters.setdefault(job.request_id, asyncio.get_running_loop().create_future())
+        if job.request_id not in self.owners:
+            self._in_flight[job.owner] += 1
         self.owners[job.request_id] = job.owner
         if job.kind == "sample":
             self.ops.sample_submit(job)
-        elif job.model_id is None:
-            self.unordered.append(job)
-        else:
+        else:  # every other kind belongs to a training run
+            assert job.model_id is not None, f"{job.kind} job without a model"
             q = self.queues.setdefault(job.model_id, [])
             keys = [j.sort_key for j in q]
             q.insert(bisect.bisect(keys, job.sort_key), job)
@@ -158,8 +193,47 @@ class Engine:
     def owner_of(self, request_id: str) -> str | None:
         return self.owners.get(request_id)
 
+    def in_flight(self, owner: str) -> int:
+        """How many of ``owner``'s jobs are queued or running (for per-key limits)."""
+        return self._in_flight.get(owner, 0)
+
     def queue_depth(self) -> int:
-        return sum(len(q) for q in self.queues.values()) + len(self.unordered)
+        return sum(len(q) for q in self.queues.values())
+
+    # ----------------------------------------------------------------------------- what is ready
+    def _ready_head(self, model_id: str, now: float) -> Job | None:
+        """The model's next job if it may run now: the model is idle and no earlier seq_id is
+        still on its way (or the gap has been waited out)."""
+        q = self.queues.get(model_id)
+        if not q or model_id in self.busy_models:
+            return None
+        job = q[0]
+        expected = self.next_seq.get(model_id)
+        if (job.seq_id is None or expected is None or job.seq_id <= expected
+                or now - job.enqueued_at >= self.seq_gap_wait_s):
+            return job
+        return None
+
+    def _ready_heads(self) -> list[Job]:
+        now = time.monotonic()
+        return [j for j in (self._ready_head(m, now) for m in list(self.queues)) if j is not None]
+
+    def _next_gap_deadline(self) -> float | None:
+        """Seconds until a held-back head may run anyway (None if nothing is held back).
+
+        A head that has become ready since the caller looked counts as 0: the wait for a gap
+        ends exactly at the moment the head turns ready, so the caller's view and this one may
+        fall on either side of it, and sleeping without a deadline then would strand the job.
+        """
+        now, soonest = time.monotonic(), None
+        for m, q in self.queues.items():
+            if q and m not in self.busy_models:
+                left = 0.0 if self._ready_head(m, now) else q[0].enqueued_at + self.seq_gap_wait_s - now
+                soonest = left if soonest is None else min(soonest, left)
+        return None if soonest is None else max(0.0, soonest)
+
+    def _has_training_work(self) -> bool:
+        return bool(self.passes) or bool(self._ready_heads())
 
     # ----------------------------------------------------------------------------- dispatch
     async def _dispatch_loop(self) -> None:
@@ -170,80 +244,229 @@ class Engine:
             sampling = self.ops.sample_has_work()
             if not training and not sampling:
                 self._wake.clear()
-                await self._wake.wait()
+                gap = self._next_gap_deadline()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), gap)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             if sampling and (sampling_turn or not training):
                 sampling_turn = False
-                try:
-                    pairs = await loop.run_in_executor(self.executor, self._sample_slice)
-                except Exception as exc:  # fail what the sampler held, rather than leave it hanging
-                    log.exception("sampling step failed")
-                    pairs = [(j, Outcome.failure(exc)) for j in self.ops.sample_abort()]
-                    await loop.run_in_executor(None, self._persist, [j for j, _ in pairs], [o for _, o in pairs])
-                self._finish([j for j, _ in pairs], [o for _, o in pairs])
+                await self._sampling_turn(loop)
                 await asyncio.sleep(0)  # let submissions in between slices
                 continue
             sampling_turn = True
-            work = self._take_work()
-            if work is None:
-                continue
-            kind, jobs = work
-            try:
-                outcomes = await loop.run_in_executor(self.executor, self._execute, kind, jobs)
-            except Exception as exc:  # the executor itself failed: fail the jobs, keep serving
-                log.exception("worker call failed")
-                outcomes = [Outcome.failure(exc) for _ in jobs]
-                await loop.run_in_executor(None, self._persist, jobs, outcomes)
-            self._finish(jobs, outcomes)
+            singles = self._claim_singles()
+            if singles:
+                outcomes = await self._in_executor(loop, self._run_singles, singles)
+                self._finish(singles, outcomes)
+            self._claim_passes()
+            if self.passes:
+                passes = list(self.passes)
+                try:
+                    finished = await loop.run_in_executor(self.executor, self._run_chunk, passes, loop)
+                except Exception as exc:  # the chunk machinery itself failed: fail its passes, keep serving
+                    log.exception("training chunk failed")
+                    left = [p for p in passes if p in self.passes]
+                    finished = [(p, [Outcome.failure(exc) for _ in p.jobs]) for p in left]
+                    await loop.run_in_executor(None, self._persist, [j for p in left for j in p.jobs],
+                                               [o for _, outs in finished for o in outs])
+                for p, outcomes in finished:
+                    self._finish_pass(p, outcomes)
+            await asyncio.sleep(0)
 
-    def _has_training_work(self) -> bool:
-        return bool(self.unordered) or any(q and m not in self.busy_models for m, q in self.queues.items())
+    async def _in_executor(self, loop, fn, jobs: list[Job]) -> list[Outcome]:
+        try:
+            return await loop.run_in_executor(self.executor, fn, jobs)
+        except Exception as exc:  # the executor itself failed: fail the jobs, keep serving
+            log.exception("worker call failed")
+            outcomes = [Outcome.failure(exc) for _ in jobs]
+            await loop.run_in_executor(None, self._persist, jobs, outcomes)
+            return outcomes
+
+    async def _sampling_turn(self, loop) -> None:
+        try:
+            pairs = await loop.run_in_executor(self.executor, self._sample_slice)
+        except Exception as exc:  # fail what the sampler held, rather than leave it hanging
+            log.exception("sampling step failed")
+            pairs = [(j, Outcome.failure(exc)) for j in self.ops.sample_abort()]
+            await loop.run_in_executor(None, self._persist, [j for j, _ in pairs], [o for _, o in pairs])
+        self._finish([j for j, _ in pairs], [o for _, o in pairs])
 
     def _sample_slice(self) -> list[tuple[Job, Outcome]]:
         pairs = self.ops.sample_step(self.sampling_slice_s)
         self._persist([j for j, _ in pairs], [o for _, o in pairs])
         return pairs
 
-    def _take_work(self) -> tuple[str, list[Job]] | None:
-        """Pick the next worker call: cheap heads first, then one batch of forward/backward heads."""
-        heads = [(m, q[0]) for m, q in self.queues.items() if q and m not in self.busy_models]
-        for m, job in sorted(heads, key=lambda mj: mj[1].order):
-            if job.kind in self.cheap_kinds:
-                return self._claim(job.kind, [job])
-        fb = [(m, q) for m, q in self.queues.items() if q and m not in self.busy_models and q[0].kind in BATCHED_KINDS]
-        if fb:
-            jobs: list[Job] = []
-            for _, q in fb:
-                for j in q:  # a run's consecutive forward/backward requests commute: take them all
-                    if j.kind not in BATCHED_KINDS:
-                        break
-                    jobs.append(j)
-            self.stats["max_batch_models"] = max(self.stats["max_batch_models"], len(fb))
-            return self._claim("forward_backward", jobs)
-        for m, job in sorted(heads, key=lambda mj: mj[1].order):
-            return self._claim(job.kind, [job])
-        if self.unordered:
-            return self._claim(self.unordered[0].kind, [self.unordered.pop(0)])
-        return None
+    # ----------------------------------------------------------------------------- claiming (event loop)
+    def _claim(self, job: Job) -> None:
+        self.busy_models.add(job.model_id)
+        self.queues[job.model_id].remove(job)
+        if job.seq_id is not None:
+            expected = self.next_seq.get(job.model_id)
+            if expected is not None and job.seq_id > expected:
+                self.stats["seq_gaps_skipped"] += 1  # waited seq_gap_wait_s for a predecessor in vain
+            self.next_seq[job.model_id] = max(expected or 0, job.seq_id + 1)
 
-    def _claim(self, kind: str, jobs: list[Job]) -> tuple[str, list[Job]]:
-        for j in jobs:
-            if j.model_id is not None:
-                self.busy_models.add(j.model_id)
-                q = self.queues[j.model_id]
-                q.remove(j)
-        return kind, jobs
+    def _claim_singles(self) -> list[Job]:
+        """Every ready job that is not forward/backward, keys taking turns (least recently served
+        first); the server's own jobs (unloading a finished session's runs) go first, since they
+        free room that the others may need."""
+        ready = [j for j in self._ready_heads() if j.kind not in BATCHED_KINDS]
+        ready.sort(key=lambda j: (not j.internal, self._turn.get(j.owner, -1), j.order))
+        for j in ready:
+            self._claim(j)
+            self._turn[j.owner] = next(self._turns)
+        return ready
 
-    def _execute(self, kind: str, jobs: list[Job]) -> list[Outcome]:
-        """Runs in the executor thread: do the work, then persist every outcome."""
-        try:
-            outcomes = self.ops.run_batch(kind, jobs) if kind == "forward_backward" else [self.ops.run_one(jobs[0])]
-        except Exception as exc:
-            if not isinstance(exc, TinsmithError):
-                log.exception("%s failed", kind)
-            outcomes = [Outcome.failure(exc) for _ in jobs]
-        self._persist(jobs, outcomes)
+    def _claim_passes(self) -> None:
+        """Start a pass for every ready model whose head is forward/backward: its consecutive
+        forward/backward jobs (they commute) run as one pass."""
+        for head in self._ready_heads():
+            if head.kind not in BATCHED_KINDS:
+                continue
+            jobs = []
+            for j in self.queues[head.model_id]:
+                if j.kind not in BATCHED_KINDS:
+                    break
+                jobs.append(j)
+            for j in jobs:
+                self._claim(j)
+            self.passes.append(_Pass(head.model_id, head.owner, jobs))
+
+    # ----------------------------------------------------------------------------- execution (executor thread)
+    def _run_singles(self, jobs: list[Job]) -> list[Outcome]:
+        t0 = time.perf_counter()
+        outcomes = []
+        for job in jobs:
+            try:
+                out = self.ops.run_one(job)
+            except Exception as exc:
+                if not isinstance(exc, TinsmithError):
+                    log.exception("%s failed", job.kind)
+                out = Outcome.failure(exc)
+            self._persist([job], [out])
+            outcomes.append(out)
+        self.stats["singles"] += len(jobs)
+        log.debug("ran %d single jobs in %.1f ms", len(jobs), 1000 * (time.perf_counter() - t0))
         return outcomes
+
+    def _run_chunk(self, passes: list[_Pass], loop: asyncio.AbstractEventLoop) -> list[tuple[_Pass, list[Outcome]]]:
+        """Begin new passes, run one chunk of tokens shared fairly among keys, and persist the
+        outcomes of the passes that finished. A pass that completes midway is answered at once
+        (its futures resolve while the rest of the chunk still runs)."""
+        t0 = time.perf_counter()
+        finished: list[tuple[_Pass, list[Outcome]]] = []
+        answered: set[int] = set()
+        live = []
+        for p in passes:
+            if p.handle is None:
+                try:
+                    p.handle = self.ops.train_begin(p.jobs)
+                except Exception as exc:
+                    if not isinstance(exc, TinsmithError):
+                        log.exception("forward_backward failed to start")
+                    finished.append((p, [Outcome.failure(exc) for _ in p.jobs]))
+                    continue
+            live.append(p)
+        quotas, budget = self._quotas([p for p in live if not self.ops.train_done(p.handle)])
+        by_handle = {id(p.handle): p for p in live}
+
+        def answer_now(handle: Any) -> None:
+            p = by_handle[id(handle)]
+            outcomes = self.ops.train_outcomes(handle, p.jobs)
+            self._persist(p.jobs, outcomes)
+            answered.add(id(p))
+            loop.call_soon_threadsafe(self._finish_pass, p, outcomes)
+
+        if quotas:
+            ran = self.ops.train_advance([(p.handle, q) for p, q in quotas], budget, answer_now)
+            for (p, quota), tokens in zip(quotas, ran):
+                if quota > tokens and p.owner in self.finish_tag:  # what the worker could not run is not charged
+                    self.finish_tag[p.owner] -= quota - tokens
+                    if p.owner in self.start_tag:
+                        self.start_tag[p.owner] -= quota - tokens
+            self.stats["chunks"] += 1
+            log.debug("chunk: %d tokens of %d keys in %.1f ms (%d passes, %d answered early)", sum(ran),
+                      len({p.owner for (p, _), t in zip(quotas, ran) if t}), 1000 * (time.perf_counter() - t0),
+                      len(quotas), len(answered))
+            self.stats["max_chunk_owners"] = max(self.stats["max_chunk_owners"],
+                                                 len({p.owner for (p, _), t in zip(quotas, ran) if t}))
+        for p in live:
+            if id(p) not in answered and self.ops.train_done(p.handle):
+                outcomes = self.ops.train_outcomes(p.handle, p.jobs)
+                self._persist(p.jobs, outcomes)
+                finished.append((p, outcomes))
+        return finished
+
+    def _quotas(self, passes: list[_Pass]) -> tuple[list[tuple[_Pass, int]], int]:
+        """Fill one chunk by weighted fair queueing over tokens, keys being the flows.
+
+        A key's *packet* is a run of its pass's next datums, whole, up to a chunk of tokens
+        (contiguous, so each micro-batch holds few adapters and the multi-LoRA matmuls stay
+        few). A key that becomes backlogged gets the start tag ``max(V, its last finish tag)``
+        (``V``: the start tag last served); each packet it sends then starts where its previous
+        one finished, and the packet that would *finish* first goes next, as far as the chunk
+        has room. So busy keys get the same tokens over time whatever
+        their datum sizes or number of runs (a key's passes take turns); a key that was idle
+        starts at ``V`` with no credit hoarded, and its small request finishes ahead of the
+        larger packets of keys that start with it, in the very next chunk. The first datum of
+        a chunk may exceed the chunk, so a datum longer than a chunk still runs. Returns each
+        pass's tokens in the order granted, and the chunk's size.
+        """
+        budget = max(1, self.ops.train_chunk_tokens(len({p.owner for p in passes})))
+        heads = {id(p): deque(self.ops.train_pending(p.handle, budget)) for p in passes}
+        by_owner: dict[str, deque[_Pass]] = {}
+        for p in passes:
+            if heads[id(p)]:
+                by_owner.setdefault(p.owner, deque()).append(p)
+        for o in list(self.start_tag):
+            if o not in by_owner:  # no longer backlogged: its next packet gets a new start tag
+                del self.start_tag[o]
+        for o in list(self.finish_tag):
+            if o not in by_owner and self.finish_tag[o] <= self.vtime:
+                del self.finish_tag[o]
+        for o in by_owner:  # newly backlogged keys start now, or where their last packet finished
+            self.start_tag.setdefault(o, max(self.vtime, self.finish_tag.get(o, self.vtime)))
+        alloc: dict[int, int] = {}
+        order: list[_Pass] = []
+        total = 0
+
+        def packet(p: _Pass) -> int:
+            """Tokens of the pass's next packet that the chunk has room for (0: none)."""
+            size = 0
+            for n in heads[id(p)]:
+                if (size and size + n > budget) or (total + size + n > budget and total + size > 0):
+                    break
+                size += n
+            return size
+
+        while True:
+            best = None  # (finish tag, start tag, owner, pass, size)
+            for o, mine in by_owner.items():
+                start = self.start_tag[o]
+                for _ in range(len(mine)):  # the key's passes take turns: the first that fits
+                    size = packet(mine[0])
+                    if size:
+                        if best is None or start + size < best[0]:
+                            best = (start + size, start, o, mine[0], size)
+                        break
+                    mine.rotate(-1)
+            if best is None:
+                break
+            finish, start, o, p, size = best
+            taken = 0
+            while taken < size:
+                taken += heads[id(p)].popleft()
+            total += taken
+            by_owner[o].rotate(-1)
+            self.vtime = max(self.vtime, start)
+            self.finish_tag[o] = self.start_tag[o] = finish
+            if id(p) not in alloc:
+                alloc[id(p)] = 0
+                order.append(p)
+            alloc[id(p)] += taken
+        return [(p, alloc[id(p)]) for p in order], budget
 
     def _persist(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
         for job, out in zip(jobs, outcomes):
@@ -259,18 +482,31 @@ class Engine:
             except Exception:
                 log.exception("could not persist the outcome of %s", job.request_id)
 
+    def _finish_pass(self, p: _Pass, outcomes: list[Outcome]) -> None:
+        if p in self.passes:
+            self.passes.remove(p)
+            self._finish(p.jobs, outcomes)
+
     def _finish(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
         if not jobs:
             return
-        self.stats["batches"] += 1
         self.stats["jobs"] += len(jobs)
         for job, out in zip(jobs, outcomes):
             if job.model_id is not None and job.kind != "sample":
                 self.busy_models.discard(job.model_id)
                 if not self.queues.get(job.model_id):
                     self.queues.pop(job.model_id, None)
-            self.owners.pop(job.request_id, None)
+                if job.kind == "unload_model" and out.error is None:
+                    self.next_seq.pop(job.model_id, None)
+            owner = self.owners.pop(job.request_id, None)
+            if owner is not None:
+                self._in_flight[owner] -= 1
+                if self._in_flight[owner] <= 0:
+                    del self._in_flight[owner]
             w = self.waiters.pop(job.request_id, None)
             if w is not None and not w.done():
                 w.set_result(out)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s of %s (key %s) answered %.1f ms after it was queued", job.kind, job.model_id,
+                          job.owner[-6:], 1000 * (time.monotonic() - job.enqueued_at))
         self._wake.set()

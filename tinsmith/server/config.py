@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,16 +31,29 @@ class ServerConfig:
     max_lora_rank: int = 128
     max_training_runs: int = 256
     session_timeout_s: float = 300.0
+    request_retention_s: float = 86400.0  # 0: keep payloads and results forever
     train_micro_batch_size: int | None = None  # sequences per micro-batch (None: by tokens only)
     train_micro_batch_tokens: int | None = None  # None: automatic
+    train_chunk_tokens: int | None = None  # None: a micro-batch for one key, half of one when keys share
     gradient_checkpointing: bool = False
     model_alias: list[str] = field(default_factory=list)  # NAME=ID_OR_DIR
     api_keys_file: str | None = None
     device: str | None = None  # default: cuda if available, else cpu
     max_full_finetunes: int = 1
     max_body_bytes: int = 256 * 1024 * 1024
+    max_num_samples: int | None = None  # default: the sampler's row limit
+    max_sample_tokens: int | None = None  # default: the model's context length
+    max_prompt_tokens: int | None = None  # default: the model's context length
+    max_forward_datums: int = 1024
+    max_forward_tokens: int = 1 << 21
     long_poll_seconds: float = 25.0
+    seq_gap_wait_s: float = 2.0  # how long a run's request waits for an earlier seq_id to arrive
     checkpoint_quota_bytes: int | None = None  # per API key
+    max_runs_per_key: int = 32  # per-key limits apply with --api-keys-file only
+    max_requests_in_flight_per_key: int = 1024
+    max_sampler_snapshots: int = 64
+    max_sampler_snapshots_per_key: int = 32
+    sampler_snapshot_idle_s: float = 120.0
     public_url: str | None = None  # base URL clients reach this server at (download links)
     log_level: str = "info"
 
@@ -52,6 +66,30 @@ class ServerConfig:
     @property
     def resolved_checkpoint_dir(self) -> Path:
         return Path(self.checkpoint_dir or Path(self.data_dir) / "checkpoints").resolve()
+
+    # Options that must be a positive count when set, and durations that must not be negative.
+    _AT_LEAST_ONE = ("max_lora_adapters", "max_lora_rank", "max_training_runs", "max_full_finetunes",
+                     "max_body_bytes", "max_forward_datums", "max_forward_tokens", "train_micro_batch_tokens",
+                     "train_micro_batch_size", "train_chunk_tokens", "max_num_samples", "max_sample_tokens",
+                     "max_prompt_tokens", "max_runs_per_key", "max_requests_in_flight_per_key",
+                     "max_sampler_snapshots", "max_sampler_snapshots_per_key")
+    _NOT_NEGATIVE = ("request_retention_s", "seq_gap_wait_s", "sampler_snapshot_idle_s", "checkpoint_quota_bytes")
+    _POSITIVE = ("session_timeout_s", "long_poll_seconds")
+
+    def validate(self) -> None:
+        """Refuse values that cannot work, naming the option (a ValueError the CLI prints as one line)."""
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 1 and 65535 (got {self.port})")
+        for name in self._AT_LEAST_ONE:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        for name in self._NOT_NEGATIVE:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative (got {getattr(self, name)})")
+        for name in self._POSITIVE:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be above 0 (got {getattr(self, name)})")
 
     def aliases(self) -> dict[str, str]:
         out = {}
@@ -74,56 +112,77 @@ _HELP = {
     "max_lora_rank": "largest LoRA rank a client may ask for",
     "max_training_runs": "training runs held per base model (beyond --max-lora-adapters, idle ones wait in host memory)",
     "session_timeout_s": "a session with no heartbeat for this long is finished and its runs unloaded",
+    "request_retention_s": "seconds a finished request's payload and result are kept; the record stays and "
+                           "retrieving the result later answers 410 (0: keep forever)",
     "train_micro_batch_size": "sequences per training micro-batch (default: bounded by tokens only)",
     "train_micro_batch_tokens": "padded tokens per training micro-batch (default: automatic)",
+    "train_chunk_tokens": "forward/backward tokens run between scheduling decisions, shared among API keys "
+                          "(default: one micro-batch while one key has work, half of one while several do); "
+                          "smaller answers other keys sooner, larger switches less",
     "gradient_checkpointing": "recompute layer activations in backward to save memory",
     "model_alias": "NAME=ID_OR_DIR: serve a hub name from a local model (repeatable)",
-    "api_keys_file": "file of accepted API keys, one per line (default: any tml- key, single-user mode)",
+    "api_keys_file": "file of accepted API keys, one per line, '#' comments; re-read when it changes or on "
+                     "SIGHUP (default: any tml- key, single-user mode)",
     "device": "torch device (default: cuda when available, else cpu)",
     "max_full_finetunes": "full fine-tuning runs held at once (each is a private model copy)",
-    "max_body_bytes": "largest request body accepted",
+    "max_body_bytes": "largest request body accepted, before and after decompression",
+    "max_num_samples": "largest num_samples of a sampling request, and rows the sampler decodes at once (default: 256)",
+    "max_sample_tokens": "largest sampling_params.max_tokens (default: the model's context length)",
+    "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
+    "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
+    "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",
     "long_poll_seconds": "how long retrieve_future waits before answering try_again",
-    "checkpoint_quota_bytes": "checkpoint storage allowed per API key (default: unlimited)",
+    "seq_gap_wait_s": "how long a run's request waits for a missing earlier seq_id before it runs anyway",
+    "checkpoint_quota_bytes": "checkpoint storage allowed per API key, counting every save and copy (default: unlimited)",
+    "max_runs_per_key": "training runs one API key may hold at once (with --api-keys-file)",
+    "max_requests_in_flight_per_key": "queued and running requests per API key; more get a 429 that the SDK retries "
+                                      "(with --api-keys-file)",
+    "max_sampler_snapshots": "sampler snapshots held in memory by the whole server; idle ones are evicted to make room",
+    "max_sampler_snapshots_per_key": "sampler snapshots one API key may hold in memory; its own idle ones make room "
+                                     "(with --api-keys-file)",
+    "sampler_snapshot_idle_s": "a snapshot unused for this long (and with no queued or running request) is idle: "
+                               "another key's new snapshot may evict it",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
     "log_level": "debug, info, warning or error",
 }
+
+
+def _field_type(f) -> type:
+    """The scalar type of an option (``int`` for ``int | None``, ``list`` for list options)."""
+    hint = typing.get_type_hints(ServerConfig)[f.name]
+    if typing.get_origin(hint) is list:
+        return list
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
 def _coerce(f, value: Any) -> Any:
     """Convert a YAML or environment value to the field's type."""
     if value is None:
         return None
-    default = f.default if f.default is not dataclass_missing() else None
-    if f.name in ("base_model", "model_alias"):
+    kind = _field_type(f)
+    if kind is list:
         if isinstance(value, str):
             return [v for v in (s.strip() for s in value.split(",")) if v]
         return [str(v) for v in value]
-    if isinstance(default, bool) or f.name == "gradient_checkpointing":
+    if kind is bool:
         if isinstance(value, str):
             return value.strip().lower() in ("1", "true", "yes", "on")
         return bool(value)
-    if f.name in ("port", "max_lora_adapters", "max_lora_rank", "train_micro_batch_tokens",
-                  "max_full_finetunes", "max_body_bytes", "train_micro_batch_size", "checkpoint_quota_bytes",
-                  "max_training_runs"):
+    if kind is int:
         return int(value)
-    if f.name in ("long_poll_seconds", "session_timeout_s"):
+    if kind is float:
         return float(value)
     return str(value)
-
-
-def dataclass_missing():
-    from dataclasses import MISSING
-
-    return MISSING
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with any of the options below (underscored names)")
     for f in fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "gradient_checkpointing":
+        if _field_type(f) is bool:
             p.add_argument(flag, action="store_true", default=None, help=_HELP[f.name])
-        elif f.name in ("base_model", "model_alias"):
+        elif _field_type(f) is list:
             p.add_argument(flag, action="append", default=None, help=_HELP[f.name])
         else:
             p.add_argument(flag, default=None, help=_HELP[f.name])
@@ -151,5 +210,10 @@ def load_config(args: argparse.Namespace | None = None, environ: dict[str, str] 
     out = ServerConfig()
     for f in fields(ServerConfig):
         if f.name in values:
-            setattr(out, f.name, _coerce(f, values[f.name]))
+            try:
+                setattr(out, f.name, _coerce(f, values[f.name]))
+            except ValueError:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be {_field_type(f).__name__}, "
+                                 f"got {values[f.name]!r}") from None
+    out.validate()
     return out

@@ -11,17 +11,20 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tinsmith.api import codecs
 from tinsmith.engine.scheduler import Job, Outcome
 from tinsmith.errors import CapacityError, ConflictError, InvalidInputError, TinsmithError
-from tinsmith.checkpoints.peft_format import save_peft_adapter
-from tinsmith.checkpoints.state_format import load_training_state, save_training_state
+from tinsmith.checkpoints.peft_format import adapter_bytes, save_peft_adapter
+from tinsmith.checkpoints.state_format import load_training_state, save_training_state, training_state_bytes
 from tinsmith.sampling.sampler import SampleTask
+from tinsmith.server.limits import KeyLimits
 from tinsmith.types import ForwardBackwardResult, SampleInput, SampleResult
+from tinsmith.worker.runtime import FbPass
 from tinsmith.worker.service import Worker
 
 log = logging.getLogger(__name__)
@@ -82,7 +85,6 @@ class SaveArgs:
     expires_at: Any = None
     user_metadata: dict | None = None
     overwrite: bool = False
-    quota_bytes: int | None = None
 
 
 @dataclass
@@ -91,6 +93,16 @@ class LoadArgs:
     base_model: str
     with_optimizer: bool
     create: bool
+
+
+@dataclass
+class TrainPass:
+    """The engine's handle on one model's forward/backward jobs: those refused before running
+    (stable_reinforce without its logprobs) and the worker pass running the rest."""
+
+    refused: list[Outcome | None]
+    accepted: list[int] = field(default_factory=list)
+    fb: FbPass | None = None
 
 
 class StabilityLog:
@@ -115,23 +127,58 @@ class StabilityLog:
 class WorkerOperations:
     """The engine's ``Operations``: one method per job kind."""
 
-    def __init__(self, worker: Worker, store=None):
+    def __init__(self, worker: Worker, store=None, limits: KeyLimits | None = None):
         self.worker = worker
         self.store = store
+        self.limits = limits or KeyLimits()
         self._sample_inbox: deque[Job] = deque()
         self.stability = StabilityLog()
         self._touched: dict[str, float] = {}
 
-    def run_batch(self, kind: str, jobs: list[Job]) -> list[Outcome]:
-        for j in jobs:
-            if j.args.loss_fn == "stable_reinforce":
-                self.fill_recorded_logprobs(j.args)
-        results = self.worker.forward_backward([(j.model_id, j.args) for j in jobs])
-        outs = []
-        for job, res in zip(jobs, results):
-            outs.append(Outcome.failure(res) if isinstance(res, TinsmithError) else encode_fb(res, job.wire))
+    # ----------------------------------------------------------------------------- forward/backward
+    def train_begin(self, jobs: list[Job]) -> TrainPass:
+        """Validate one model's forward/backward jobs and queue their datums on the worker."""
+        tp = TrainPass([None] * len(jobs))
+        accepted = []
+        for i, j in enumerate(jobs):
+            try:
+                if j.args.loss_fn == "stable_reinforce":
+                    self.fill_recorded_logprobs(j.args)
+                accepted.append(i)
+            except TinsmithError as e:
+                tp.refused[i] = Outcome.failure(e)
+        if accepted:
+            tp.accepted = accepted
+            tp.fb = self.worker.fb_begin(jobs[0].model_id, [jobs[i].args for i in accepted])
+        return tp
+
+    def train_advance(self, quotas: list[tuple[TrainPass, int]], budget: int,
+                      on_done: Callable[[TrainPass], None] | None = None) -> list[int]:
+        live = [(tp, q) for tp, q in quotas if tp.fb is not None]
+        before = [tp.fb.tokens_run for tp, _ in live]
+        of_fb = {id(tp.fb): tp for tp, _ in live}
+        self.worker.fb_advance([(tp.fb, q) for tp, q in live], budget,
+                               None if on_done is None else (lambda fb: on_done(of_fb[id(fb)])))
+        ran = {id(tp): tp.fb.tokens_run - b for (tp, _), b in zip(live, before)}
+        return [ran.get(id(tp), 0) for tp, _ in quotas]
+
+    def train_pending(self, tp: TrainPass, tokens: int) -> list[int]:
+        return [] if tp.fb is None else tp.fb.pending_lengths(tokens)
+
+    def train_done(self, tp: TrainPass) -> bool:
+        return tp.fb is None or tp.fb.done
+
+    def train_outcomes(self, tp: TrainPass, jobs: list[Job]) -> list[Outcome]:
+        outs = list(tp.refused)
+        if tp.fb is not None:
+            for i, res in zip(tp.accepted, tp.fb.results):
+                job = jobs[i]
+                outs[i] = Outcome.failure(res) if isinstance(res, Exception) else encode_fb(res, job.wire)
         self._touch({j.model_id for j in jobs})
-        return outs
+        return outs  # type: ignore[return-value]
+
+    def train_chunk_tokens(self, keys: int) -> int:
+        return self.worker.chunk_tokens(keys)
 
     def run_one(self, job: Job) -> Outcome:
         handler = getattr(self, f"_{job.kind}", None)
@@ -194,7 +241,12 @@ class WorkerOperations:
     # ----------------------------------------------------------------------------- kinds
     def _create_model(self, job: Job) -> Outcome:
         base_model, lora = job.args
-        self.worker.create_model(job.model_id, base_model, lora)
+        try:
+            self.worker.create_model(job.model_id, base_model, lora, owner=job.owner)
+        except Exception:
+            if self.store is not None:  # the run never came to life: do not list it as active
+                self.store.update_model_status(job.model_id, "unloaded")
+            raise
         return json_outcome({"model_id": job.model_id})
 
     def _optim_step(self, job: Job) -> Outcome:
@@ -208,23 +260,15 @@ class WorkerOperations:
         return json_outcome({"model_id": job.model_id})
 
     # ----------------------------------------------------------------------------- checkpoints
-    def _check_quota(self, a: SaveArgs) -> None:
-        if a.quota_bytes is None:
-            return
-        used = self.store.owner_storage_bytes(a.owner)
-        if used >= a.quota_bytes:
-            raise CapacityError(
-                f"checkpoint storage quota exceeded: {used} of {a.quota_bytes} bytes used; delete checkpoints first"
-            )
-
     def _save_weights(self, job: Job) -> Outcome:
         a: SaveArgs = job.args
         existing = self.store.get_checkpoint(job.model_id, a.kind, a.name)
         if existing is not None and not a.overwrite:
             raise ConflictError(f"checkpoint {a.tinker_path!r} already exists (pass overwrite=True to replace it)")
-        self._check_quota(a)
         try:
             state = self.worker.export_training_state(job.model_id)
+            self.limits.check_storage(self.store, a.owner, training_state_bytes(state),
+                                      replacing=existing.size_bytes if existing is not None else 0, what=a.tinker_path)
             size = save_training_state(a.directory, state)
         except TinsmithError:
             raise
@@ -239,8 +283,8 @@ class WorkerOperations:
         a: SaveArgs = job.args
         if self.store.get_checkpoint(job.model_id, a.kind, a.name) is not None:
             raise ConflictError(f"checkpoint {a.tinker_path!r} already exists; choose another name")
-        self._check_quota(a)
         spec, tensors, base = self.worker.adapter_weights(job.model_id)
+        self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
         try:
             size = save_peft_adapter(a.directory, spec, tensors, base.name)
         except OSError as e:
@@ -253,7 +297,7 @@ class WorkerOperations:
         a: LoadArgs = job.args
         try:
             state = load_training_state(a.directory, a.with_optimizer)
-            self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create)
+            self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create, owner=job.owner)
         except Exception:
             if a.create:  # the run never came to life: do not list it as active
                 self.store.update_model_status(job.model_id, "unloaded")
@@ -266,16 +310,23 @@ class WorkerOperations:
     def _save_weights_for_sampler(self, job: Job) -> Outcome:
         a: SamplerSaveArgs = job.args
         if a.name is None:
-            self.worker.snapshot(job.model_id, a.sampling_session_id)
+            self.worker.snapshot(job.model_id, a.sampling_session_id, owner=job.owner,
+                                 queued=self._queued_snapshot_keys())
             return json_outcome({"sampling_session_id": a.sampling_session_id})
         if self.store.get_checkpoint(job.model_id, "sampler_weights", a.name) is not None:
             # A failed future rather than an HTTP 409, which the SDK would retry for minutes.
             raise ConflictError(f"sampler weights {a.tinker_path!r} already exist; save under another name")
         spec, tensors, base = self.worker.adapter_weights(job.model_id)
+        self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
         size = save_peft_adapter(a.directory, spec, tensors, base.name)
         self.store.put_checkpoint(job.model_id, "sampler_weights", a.name, owner=a.owner, storage_path=str(a.directory),
                                   size_bytes=size, expires_at=a.expires_at, user_metadata=a.user_metadata)
-        self.worker.snapshot(job.model_id, a.tinker_path, reloadable=True)
+        try:
+            self.worker.snapshot(job.model_id, a.tinker_path, owner=job.owner, reloadable=True,
+                                 queued=self._queued_snapshot_keys())
+        except CapacityError as e:
+            # Stored on disk, the weights are saved; a sampler loads them when memory frees up.
+            log.info("sampler weights %s saved but not kept in memory: %s", a.tinker_path, e.message)
         return json_outcome({"path": a.tinker_path})
 
     # ----------------------------------------------------------------------------- sampling
@@ -285,6 +336,13 @@ class WorkerOperations:
     def sample_has_work(self) -> bool:
         return bool(self._sample_inbox) or any(s.has_work() for s in self.worker.samplers.values())
 
+    def _queued_snapshot_keys(self) -> set[str]:
+        """Snapshots that sample requests not yet handed to a sampler will read (in use, so kept).
+
+        The inbox is appended to from the event loop; ``list()`` of a deque copies it atomically.
+        """
+        return {j.args.snapshot_key for j in list(self._sample_inbox) if j.args.snapshot_key is not None}
+
     def sample_abort(self) -> list[Job]:
         jobs = list(self._sample_inbox)
         self._sample_inbox.clear()
@@ -292,14 +350,16 @@ class WorkerOperations:
             jobs += sampler.abort()
         return jobs
 
-    def _resolve_slot(self, a: SampleArgs) -> tuple[Any, int | None]:
+    def _resolve_slot(self, job: Job) -> tuple[Any, int | None]:
+        a: SampleArgs = job.args
         base = self.worker.resolve_base(a.base_model)
         if a.snapshot_key is None:
             return base, None
         if a.snapshot_key in self.worker.snapshots:
             snap = self.worker.use_snapshot(a.snapshot_key)
         elif a.storage_path is not None:
-            snap = self.worker.load_snapshot(a.snapshot_key, a.base_model, Path(a.storage_path))
+            snap = self.worker.load_snapshot(a.snapshot_key, a.base_model, Path(a.storage_path), owner=job.owner,
+                                             queued=self._queued_snapshot_keys())
         else:
             raise InvalidInputError(
                 f"the weights of sampler {a.snapshot_key!r} are no longer held (evicted or lost in a restart); "
@@ -312,13 +372,15 @@ class WorkerOperations:
         while self._sample_inbox:
             job = self._sample_inbox.popleft()
             try:
-                base, slot = self._resolve_slot(job.args)
+                base, slot = self._resolve_slot(job)
                 self.worker.sampler(base).add(SampleTask(job, slot, job.args.input))
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
         busy = [s for s in self.worker.samplers.values() if s.has_work()]
         for sampler in busy:
             for job, res in sampler.step(budget_s / len(busy)):
+                if job.args.snapshot_key is not None:
+                    self.worker.snapshot_used(job.args.snapshot_key)
                 if isinstance(res, Exception):
                     out.append((job, Outcome.failure(res)))
                     continue

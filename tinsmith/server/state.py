@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import uuid
 from datetime import datetime, timedelta, timezone
 from dataclasses import dataclass, field
@@ -18,11 +19,18 @@ from tinsmith.api.auth import Authenticator
 from tinsmith.checkpoints.peft_format import recover_interrupted_commits
 from tinsmith.engine.scheduler import Engine, Job
 from tinsmith.server.config import ServerConfig
+from tinsmith.server.limits import KeyLimits
+from tinsmith.server.exclusive import DatabaseLease, DataDirLock
 from tinsmith.server.operations import WorkerOperations
-from tinsmith.store import Store
+from tinsmith.server.private import make_private
+from tinsmith.store import LeaseRecord, Store
 from tinsmith.worker.service import RuntimeOptions, Worker
 
 log = logging.getLogger(__name__)
+
+KEYS_POLL_S = 2.0  # how often the API keys file is checked for changes
+SESSION_SWEEP_SLACK_S = 0.05  # wake just past a session's deadline, so it is due when checked
+SWEEP_RETRY_S = 5.0  # after a failed sweep (database unreachable), try again this soon
 
 
 @dataclass
@@ -33,13 +41,19 @@ class ServerState:
     engine: Engine
     auth: Authenticator
     secret: bytes = b""  # signs download links; kept in the data dir so links survive restarts
-    sweep_interval_s: float = 60.0
+    sweep_interval_s: float = 60.0  # checkpoint TTLs and request retention; sessions are swept on time
+    limits: KeyLimits = field(default_factory=KeyLimits)
     _tasks: list = field(default_factory=list)
+    _lock: DataDirLock | None = None
+    _lease: DatabaseLease | None = None
 
     @classmethod
     def build(cls, config: ServerConfig) -> "ServerState":
         if not config.base_model:
             raise ValueError("no base model: pass --base-model ID_OR_DIR (or TINSMITH_BASE_MODEL)")
+        config.validate()  # also when built from code rather than load_config
+        auth = Authenticator(config.api_keys_file)
+        limits = KeyLimits.from_config(config, auth.multi_tenant)
         store = Store(config.resolved_database_url)
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         worker = Worker(
@@ -49,13 +63,50 @@ class ServerState:
                 max_lora_rank=config.max_lora_rank,
                 max_training_runs=config.max_training_runs,
                 micro_batch_tokens=config.train_micro_batch_tokens,
+                chunk_tokens=config.train_chunk_tokens,
                 micro_batch_seqs=config.train_micro_batch_size or (1 << 30),
                 gradient_checkpointing=config.gradient_checkpointing,
                 max_full_finetunes=config.max_full_finetunes,
+                max_sampler_snapshots=config.max_sampler_snapshots,
+                max_runs_per_key=limits.max_runs,
+                max_sampler_snapshots_per_key=limits.max_sampler_snapshots,
+                sampler_snapshot_idle_s=config.sampler_snapshot_idle_s,
+                max_sampling_rows=(RuntimeOptions.max_sampling_rows if config.max_num_samples is None
+                                   else config.max_num_samples),
             )
         )
-        engine = Engine(WorkerOperations(worker, store), store)
-        return cls(config, store, worker, engine, Authenticator(config.api_keys_file), _load_secret(config.data_dir))
+        engine = Engine(WorkerOperations(worker, store, limits), store, seq_gap_wait_s=config.seq_gap_wait_s)
+        return cls(config, store, worker, engine, auth, limits=limits)
+
+    def claim(self) -> None:
+        """Become the one server of this data dir and database, or raise ``AlreadyServing``.
+
+        Runs before anything is recovered or loaded: a second server must not touch the
+        runs of the first (recovery would mark them lost), and should be refused in a moment,
+        not after loading models. Also makes the data dir and checkpoints private, reads the
+        download secret and migrates the schema (the lease lives in it). Idempotent.
+        """
+        if self._lock is not None:
+            return
+        lock = DataDirLock.acquire(self.config.data_dir)
+        try:
+            make_private(self.config.data_dir, self.config.resolved_checkpoint_dir, self.store.sqlite_path)
+            self.secret = _load_secret(self.config.data_dir)
+            self.store.migrate()
+            self._lease = DatabaseLease.acquire(self.store, self.config.data_dir, on_lost=_stop_after_losing_lease)
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
+
+    def release(self) -> None:
+        """Give back the database lease and the data dir lock (clean shutdown)."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def load_models(self) -> None:
         """Load every base model (blocking; done once at start-up)."""
@@ -102,6 +153,16 @@ class ServerState:
             log.info("removed %d expired checkpoint(s)", len(expired))
         return len(expired)
 
+    def purge_old_requests(self) -> int:
+        """Drop payloads and results of requests finished more than ``request_retention_s`` ago."""
+        retention = self.config.request_retention_s
+        if retention <= 0:
+            return 0
+        n = self.store.purge_request_payloads(datetime.now(timezone.utc) - timedelta(seconds=retention))
+        if n:
+            log.info("dropped the payloads and results of %d request(s) finished over %.0f s ago", n, retention)
+        return n
+
     async def release_session_runs(self, session_id: str) -> int:
         """Unload a finished session's training runs (after their queued requests), freeing their slots.
 
@@ -124,29 +185,90 @@ class ServerState:
                 expired.append(s.session_id)
         return expired
 
+    def _until_next_session_expiry(self) -> float:
+        """Seconds until the next unfinished session times out, if it sends no heartbeat.
+
+        Heartbeats only push deadlines later, and a session created from now on times out no
+        sooner than ``session_timeout_s`` from now, so sleeping this long misses nothing.
+        """
+        timeout = self.config.session_timeout_s
+        earliest = self.store.earliest_live_heartbeat()
+        if earliest is None:
+            return timeout
+        due = (earliest - datetime.now(timezone.utc)).total_seconds() + timeout
+        return min(timeout, max(0.0, due) + SESSION_SWEEP_SLACK_S)
+
     async def _sweeper(self) -> None:
+        """Expire sessions on time; every ``sweep_interval_s``, expired checkpoints and old payloads.
+
+        Between rounds it sleeps until the next session deadline (one indexed query tells it)
+        or the next periodic round, whichever is sooner: a session times out within a fraction
+        of a second of its deadline, yet an idle server queries the database about once a
+        minute.
+        """
+        loop = asyncio.get_running_loop()
+        next_sweep = loop.time()
         while True:
+            wait = min(self.sweep_interval_s, SWEEP_RETRY_S)  # unless this round tells otherwise
             try:
-                await asyncio.to_thread(self.sweep_expired_checkpoints)
+                if loop.time() >= next_sweep:
+                    next_sweep = loop.time() + self.sweep_interval_s
+                    await asyncio.to_thread(self.sweep_expired_checkpoints)
+                    await asyncio.to_thread(self.purge_old_requests)
                 for sid in await asyncio.to_thread(self._expire_stale_sessions):
                     n = await self.release_session_runs(sid)
                     log.info("session %s expired (no heartbeat); %d run(s) unloaded", sid, n)
+                wait = await asyncio.to_thread(self._until_next_session_expiry)
             except Exception:
                 log.exception("sweep failed")
-            await asyncio.sleep(self.sweep_interval_s)
+            await asyncio.sleep(max(SESSION_SWEEP_SLACK_S, min(wait, next_sweep - loop.time())))
+
+    async def _watch_keys_file(self) -> None:
+        """Pick up edits of the API keys file within ``KEYS_POLL_S`` (SIGHUP reloads at once)."""
+        while True:
+            await asyncio.sleep(KEYS_POLL_S)
+            try:
+                await asyncio.to_thread(self.auth.reload_if_changed)
+            except Exception:
+                log.exception("checking the api keys file failed")
+
+    def _on_sighup(self) -> None:
+        if not self.auth.multi_tenant:
+            log.info("SIGHUP: no --api-keys-file, nothing to reload")
+            return
+        asyncio.get_running_loop().run_in_executor(None, self.auth.reload)
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.store.migrate)
+        try:  # first: SIGHUP's default action would end the process, even while models load
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass  # not the main thread (an embedded server): the file poll still reloads
+        await asyncio.to_thread(self.claim)
         await asyncio.to_thread(self.recover_after_restart)
         await asyncio.to_thread(self.load_models)
         await self.engine.start()
-        self._tasks.append(asyncio.create_task(self._sweeper(), name="tinsmith-checkpoint-sweeper"))
+        self._tasks.append(asyncio.create_task(self._sweeper(), name="tinsmith-sweeper"))
+        if self.auth.multi_tenant:
+            self._tasks.append(asyncio.create_task(self._watch_keys_file(), name="tinsmith-keys-watch"))
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        try:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass
         await self.engine.stop()
+        self.release()
         self.store.close()
+
+
+def _stop_after_losing_lease(current: LeaseRecord | None) -> None:
+    """Another server took this one's database lease (it failed to renew it for a while):
+    that server now owns the store, so this one shuts down rather than write to it too."""
+    holder = "nobody" if current is None else f"host {current.host}, pid {current.pid}"
+    log.error("another tinsmith server took over this database (now held by %s); shutting down", holder)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _load_secret(data_dir: str) -> bytes:

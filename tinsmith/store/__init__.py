@@ -8,6 +8,7 @@ torch. Everything goes through ``Store``; it hands out frozen records, never ORM
 from tinsmith.store.ids import model_id_for, new_request_id, new_session_id, sampling_session_id_for
 from tinsmith.store.records import (
     CheckpointRecord,
+    LeaseRecord,
     ModelRecord,
     Page,
     RequestRecord,
@@ -18,6 +19,7 @@ from tinsmith.store.store import Store
 
 __all__ = [
     "CheckpointRecord",
+    "LeaseRecord",
     "ModelRecord",
     "Page",
     "RequestRecord",

@@ -11,7 +11,8 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
@@ -26,7 +27,7 @@ def default_sqlite_url(data_dir: str | Path) -> str:
     return f"sqlite:///{Path(data_dir).expanduser().resolve() / 'tinsmith.sqlite'}"
 
 
-def _is_sqlite_memory(database: str | None) -> bool:
+def is_sqlite_memory(database: str | None) -> bool:
     return not database or database == ":memory:" or database.startswith("file::memory:")
 
 
@@ -48,7 +49,7 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
-        if _is_sqlite_memory(parsed.database):
+        if is_sqlite_memory(parsed.database):
             # One shared connection, or every pooled connection would see its own empty DB.
             engine = create_engine(
                 parsed, echo=echo, connect_args=connect_args, poolclass=StaticPool
@@ -72,9 +73,24 @@ def alembic_config() -> Config:
     return config
 
 
+def _stamped_revision(engine: Engine) -> str | None:
+    """The revision in ``alembic_version``, read with plain SQL (no Alembic context, no log lines)."""
+    with engine.connect() as connection:
+        if not inspect(connection).has_table("alembic_version"):
+            return None
+        return connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
 def run_migrations(engine: Engine, revision: str = "head") -> None:
-    """Upgrade the schema to ``revision``; a no-op when it is already there."""
+    """Upgrade the schema to ``revision``; a no-op when it is already there.
+
+    An up-to-date database (every start but the first after an upgrade) is recognised without
+    entering Alembic, so a start-up that is about to be refused prints nothing but the reason.
+    """
     config = alembic_config()
+    target = ScriptDirectory.from_config(config).get_current_head() if revision == "head" else revision
+    if _stamped_revision(engine) == target:
+        return
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)

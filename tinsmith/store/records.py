@@ -82,10 +82,15 @@ class RequestRecord:
     created_at: datetime
     started_at: datetime | None
     completed_at: datetime | None
+    purged_at: datetime | None  # payload and result dropped after the retention time
 
     @property
     def is_finished(self) -> bool:
         return self.status in ("completed", "failed")
+
+    @property
+    def is_purged(self) -> bool:
+        return self.purged_at is not None
 
 
 @dataclass(frozen=True)
@@ -121,3 +126,17 @@ class CheckpointRecord:
     @property
     def tinker_path(self) -> str:
         return f"tinker://{self.run_id}/{self.kind}/{self.name}"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """Who holds the database (``server_lease``): a server process and its last sign of life."""
+
+    name: str
+    holder: str
+    host: str
+    pid: int
+    pid_namespace: str | None
+    data_dir: str
+    acquired_at: datetime
+    heartbeat_at: datetime

@@ -29,6 +29,7 @@ from tinsmith.store import connect
 from tinsmith.store.ids import new_request_id, new_session_id
 from tinsmith.store.records import (
     CheckpointRecord,
+    LeaseRecord,
     ModelRecord,
     Page,
     RequestRecord,
@@ -44,6 +45,7 @@ from tinsmith.store.tables import (
     ModelTable,
     RequestTable,
     SamplingSessionTable,
+    ServerLeaseTable,
     SessionTable,
 )
 
@@ -51,6 +53,8 @@ R = TypeVar("R")
 
 ERROR_CATEGORIES = ("user", "server", "unknown")
 _UNFINISHED = ("pending", "running")
+_FINISHED = ("completed", "failed")
+SERVER_LEASE = "server"
 
 
 def utcnow() -> datetime:
@@ -106,6 +110,14 @@ class Store:
     def dialect(self) -> str:
         """``'sqlite'`` or ``'postgresql'``."""
         return self.engine.dialect.name
+
+    @property
+    def sqlite_path(self) -> Path | None:
+        """The database file of a file-backed SQLite store; None for PostgreSQL or in-memory."""
+        database = self.engine.url.database
+        if self.dialect != "sqlite" or connect.is_sqlite_memory(database):
+            return None
+        return Path(database).expanduser().resolve()
 
     def migrate(self) -> None:
         """Bring the schema to the newest revision (``alembic upgrade head``); idempotent."""
@@ -229,6 +241,17 @@ class Store:
             .order_by(SessionTable.last_heartbeat_at, SessionTable.session_id)
         )
         return self._list(SessionRecord, query)
+
+    def earliest_live_heartbeat(self) -> datetime | None:
+        """The oldest last heartbeat among unfinished sessions (None when there are none).
+
+        The session that times out next; the sweeper sleeps until then.
+        """
+        query = select(func.min(SessionTable.last_heartbeat_at)).where(
+            SessionTable.finished_at.is_(None)
+        )
+        with self._tx() as s:
+            return s.scalar(query)
 
     # ------------------------------------------------------------------ models
 
@@ -386,6 +409,7 @@ class Store:
             created_at=self._clock(),
             started_at=None,
             completed_at=None,
+            purged_at=None,
         )
         try:
             with self._tx() as s:
@@ -479,13 +503,37 @@ class Store:
         )
         return self._list(RequestRecord, query)
 
-    def purge_finished_requests(self, completed_before: datetime) -> int:
-        """Delete results finished before the cutoff (they can be large); returns the count."""
-        stmt = delete(RequestTable).where(
-            RequestTable.status.in_(("completed", "failed")),
-            RequestTable.completed_at < _aware(completed_before),
-        )
-        return self._update(stmt)
+    def purge_request_payloads(self, finished_before: datetime, *, batch: int = 1000) -> int:
+        """Drop the payload and result of requests finished before the cutoff; returns the count.
+
+        Payloads and results are the bulk of the table and are only needed until the client
+        has fetched the result. The record stays (id, kind, owner, status, times, error), so a
+        late ``retrieve_future`` can say the result expired rather than "not found", and a
+        replayed ``seq_id`` still maps to it. Works in batches of ``batch`` rows, each its own
+        short transaction, so a large backlog never holds the write lock for long.
+        """
+        cutoff = _aware(finished_before)
+        total = 0
+        while True:
+            due = (
+                select(RequestTable.request_id)
+                .where(
+                    RequestTable.purged_at.is_(None),
+                    RequestTable.completed_at < cutoff,
+                    RequestTable.status.in_(_FINISHED),
+                )
+                .order_by(RequestTable.completed_at)
+                .limit(batch)
+            )
+            stmt = (
+                update(RequestTable)
+                .where(RequestTable.request_id.in_(due))
+                .values(payload=b"", result=None, purged_at=self._clock())
+            )
+            n = self._update(stmt)
+            total += n
+            if n < batch:
+                return total
 
     # ------------------------------------------------------------------ sampling sessions
 
@@ -717,6 +765,63 @@ class Store:
             .order_by(CheckpointTable.expires_at, CheckpointTable.run_id, CheckpointTable.name)
         )
         return self._list(CheckpointRecord, query)
+
+    # ------------------------------------------------------------------ server lease
+
+    def get_lease(self, name: str = SERVER_LEASE) -> LeaseRecord | None:
+        """Who holds the database, if anyone."""
+        return self._get(LeaseRecord, ServerLeaseTable, name)
+
+    def take_lease(
+        self,
+        holder: str,
+        *,
+        host: str,
+        pid: int,
+        data_dir: str,
+        pid_namespace: str | None = None,
+        replacing: str | None = None,
+        name: str = SERVER_LEASE,
+    ) -> bool:
+        """Become the holder; True if this call did.
+
+        With ``replacing=None`` the lease must be free (no row); otherwise it is taken from
+        holder ``replacing`` only if that one still holds it. Of two servers racing for the
+        same lease, exactly one gets True. Whether the current holder is gone is the caller's
+        judgement; this only makes the hand-over atomic.
+        """
+        now = self._clock()
+        values = dict(holder=holder, host=host, pid=pid, pid_namespace=pid_namespace, data_dir=data_dir,
+                      acquired_at=now, heartbeat_at=now)
+        if replacing is not None:
+            stmt = (
+                update(ServerLeaseTable)
+                .where(ServerLeaseTable.name == name, ServerLeaseTable.holder == replacing)
+                .values(**values)
+            )
+            return self._update(stmt) > 0
+        try:
+            with self._tx() as s:
+                s.add(ServerLeaseTable(name=name, **values))
+            return True
+        except IntegrityError:
+            return False
+
+    def renew_lease(self, holder: str, name: str = SERVER_LEASE) -> bool:
+        """Record a sign of life. False when ``holder`` no longer holds the lease."""
+        stmt = (
+            update(ServerLeaseTable)
+            .where(ServerLeaseTable.name == name, ServerLeaseTable.holder == holder)
+            .values(heartbeat_at=self._clock())
+        )
+        return self._update(stmt) > 0
+
+    def release_lease(self, holder: str, name: str = SERVER_LEASE) -> bool:
+        """Give the lease back (clean shutdown). False when ``holder`` did not hold it."""
+        stmt = delete(ServerLeaseTable).where(
+            ServerLeaseTable.name == name, ServerLeaseTable.holder == holder
+        )
+        return self._update(stmt) > 0
 
 
 _CKPT_NEWEST_FIRST = (

@@ -101,7 +101,11 @@ class SessionTable(Base):
     project_id: Mapped[str | None] = mapped_column(String)
     display_name: Mapped[str | None] = mapped_column(String)
 
-    __table_args__ = (Index(None, "owner", "created_at"),)
+    __table_args__ = (
+        Index(None, "owner", "created_at"),
+        # The sweeper's expiry queries: unfinished sessions by last heartbeat.
+        Index(None, "finished_at", "last_heartbeat_at"),
+    )
 
 
 class ModelTable(Base):
@@ -160,6 +164,8 @@ class RequestTable(Base):
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     completed_at: Mapped[datetime | None]
+    # Set when the payload and result were dropped after the retention time; the rest stays.
+    purged_at: Mapped[datetime | None]
 
     __table_args__ = (
         UniqueConstraint("model_id", "seq_id"),
@@ -167,6 +173,8 @@ class RequestTable(Base):
         CheckConstraint(_in("status", REQUEST_STATUSES), name="status"),
         Index(None, "status", "created_at"),
         Index(None, "completed_at"),
+        # The retention sweep: finished requests not purged yet, oldest first.
+        Index(None, "purged_at", "completed_at"),
     )
 
 
@@ -213,3 +221,25 @@ class CheckpointTable(Base):
         Index(None, "owner", "created_at"),
         Index(None, "expires_at"),
     )
+
+
+class ServerLeaseTable(Base):
+    """Which server process serves this database: at most one at a time.
+
+    Servers with different data directories may share one PostgreSQL database; a file lock
+    cannot see across machines, this row can. The holder renews ``heartbeat_at`` every few
+    seconds; a row whose holder stopped renewing (or whose process is gone) is taken over by
+    the next server to start. ``name`` keys the row (only ``"server"`` today).
+    """
+
+    __tablename__ = "server_lease"
+
+    name: Mapped[str] = mapped_column(String, primary_key=True)
+    holder: Mapped[str] = mapped_column(String)  # a fresh id per server process
+    host: Mapped[str] = mapped_column(String)
+    pid: Mapped[int] = mapped_column(Integer)
+    # Where ``pid`` names a process (kernel boot id and pid namespace); None where unknown.
+    pid_namespace: Mapped[str | None] = mapped_column(String)
+    data_dir: Mapped[str] = mapped_column(String)
+    acquired_at: Mapped[datetime]
+    heartbeat_at: Mapped[datetime]

@@ -15,6 +15,7 @@ Layout rules, chosen for speed and for exactness:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from tinsmith.models.lora import Segments
 class SequenceRef:
     """One datum to run: where it came from and what it needs."""
 
-    request: int  # index of the request in the worker call
+    request: Any  # which request it belongs to (any sortable key, e.g. (pass, index))
     datum: int  # index of the datum in that request
     slot: int | None  # adapter slot (None = base model / full fine-tune unit)
     length: int

@@ -9,8 +9,9 @@ tensors until that unit's ``optim_step``.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
@@ -52,6 +53,54 @@ class _Prepared:
     inputs: list[dict[str, torch.Tensor]]  # flattened float inputs per datum
 
 
+@dataclass
+class FbPass:
+    """One trainable unit's forward/backward requests, run over one or more :meth:`advance` calls.
+
+    ``results`` is filled when the pass is done: per request, its result or its error.
+    """
+
+    id: int
+    runtime: "TrainingRuntime"
+    results: list[Union[ForwardBackwardResult, TinsmithError, Exception, None]]
+    prepared: dict[int, _Prepared] = field(default_factory=dict)
+    todo: deque[SequenceRef] = field(default_factory=deque)  # datums not run yet
+    lps: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (request, datum) -> logprobs
+    unit: Trainable | None = None
+    saved_grads: list[torch.Tensor | None] | None = None
+    tokens_run: int = 0
+    done: bool = False
+
+    def pending_lengths(self, tokens: int) -> list[int]:
+        """Lengths of the next datums to run, enough of them to cover ``tokens``."""
+        out, total = [], 0
+        for ref in self.todo:
+            if total >= tokens:
+                break
+            out.append(ref.length)
+            total += ref.length
+        return out
+
+    def complete(self) -> None:
+        for r, prep in self.prepared.items():
+            self.results[r] = self.runtime._finish(prep, [self.lps[(r, d)] for d in range(len(prep.tokens))])
+        self._close()
+
+    def fail(self, exc: Exception) -> None:
+        """Put the unit's gradients back as before the pass and fail its valid requests."""
+        if self.saved_grads is not None and self.unit is not None:
+            self.unit.restore_grads(self.saved_grads)
+        for r in self.prepared:
+            self.results[r] = exc
+        self.todo.clear()
+        self._close()
+
+    def _close(self) -> None:
+        self.done = True
+        self.lps.clear()
+        self.saved_grads = None
+
+
 def slice_segments(segs: Segments, a: int, b: int) -> Segments:
     """The part of ``segs`` inside rows [a, b), rebased to start at 0."""
     out: Segments = []
@@ -90,6 +139,7 @@ class TrainingRuntime:
         self.units: dict[int, Trainable] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident LoRA units, least recently used first
         self._unit_ids = itertools.count()
+        self._pass_ids = itertools.count()
         self.host = torch.device("cpu")
         if full_finetune:
             self.units[FULL_UNIT] = full_model_trainable(model)
@@ -194,51 +244,105 @@ class TrainingRuntime:
 
     # ----------------------------------------------------------------------------- forward/backward
     def forward_backward(self, requests: list[TrainRequest]) -> list[Union[ForwardBackwardResult, TinsmithError]]:
-        """Run many requests together. Returns, per request, its result or the error that rejected it."""
-        results: list[Union[ForwardBackwardResult, TinsmithError, None]] = [None] * len(requests)
-        prepared: dict[int, _Prepared] = {}
+        """Run many requests together, to completion. Returns, per request, its result or the
+        error that rejected it. (The engine uses :meth:`begin` / :meth:`advance` instead, to
+        interleave large requests with other tenants' work.)"""
+        by_unit: dict[int, list[int]] = {}
         for r, req in enumerate(requests):
-            try:
-                prepared[r] = self._prepare(req)
-            except TinsmithError as e:
-                results[r] = e
-        for wave in self._waves(prepared):
-            for r, res in self._run(wave).items():
+            by_unit.setdefault(req.unit, []).append(r)
+        passes = [(self.begin([requests[r] for r in idxs]), idxs) for idxs in by_unit.values()]
+        while any(not p.done for p, _ in passes):
+            self.advance([(p, 1 << 62) for p, _ in passes if not p.done])
+        results: list[Union[ForwardBackwardResult, TinsmithError, None]] = [None] * len(requests)
+        for p, idxs in passes:
+            for r, res in zip(idxs, p.results):
                 results[r] = res
         return results  # type: ignore[return-value]
 
-    def _waves(self, prepared: dict[int, _Prepared]) -> list[dict[int, _Prepared]]:
-        """Split requests so no call needs more adapters attached than there are resident slots."""
-        waves: list[dict[int, _Prepared]] = []
-        units: set[int] = set()
-        for r, p in prepared.items():
-            uid = p.unit_id
-            if not waves or (uid not in units and len(units) >= self.max_lora_adapters and p.unit.slot is not None):
-                waves.append({})
-                units = set()
-            waves[-1][r] = p
-            units.add(uid)
-        return waves
+    # ----------------------------------------------------------------------------- passes
+    def begin(self, requests: list[TrainRequest]) -> FbPass:
+        """Validate one unit's requests and queue their datums; nothing runs yet.
 
-    def _run(self, prepared: dict[int, _Prepared]) -> dict[int, ForwardBackwardResult]:
-        self.ensure_resident({p.unit_id for p in prepared.values() if p.unit.slot is not None})
-        seqs = [
-            SequenceRef(r, d, p.unit.slot, len(t), needs_grad=not p.forward_only)
-            for r, p in prepared.items()
-            for d, t in enumerate(p.tokens)
-        ]
-        lps: dict[tuple[int, int], torch.Tensor] = {}
-        grad_units = {id(p.unit): p.unit for p in prepared.values() if not p.forward_only}
-        saved = {k: u.snapshot_grads() for k, u in grad_units.items() if u.slot is not None}
+        A request that fails validation fails alone (its result is the error). The unit's
+        gradients are saved so that a failure while running puts them back as they were.
+        """
+        if len({req.unit for req in requests}) > 1:
+            raise ValueError("a forward/backward pass serves one trainable unit")
+        p = FbPass(next(self._pass_ids), self, [None] * len(requests))
+        for r, req in enumerate(requests):
+            try:
+                p.prepared[r] = self._prepare(req)
+            except TinsmithError as e:
+                p.results[r] = e
+        for r, prep in p.prepared.items():
+            p.todo.extend(SequenceRef((p.id, r), d, prep.unit.slot, len(t), needs_grad=not prep.forward_only)
+                          for d, t in enumerate(prep.tokens))
+        if p.prepared:
+            p.unit = next(iter(p.prepared.values())).unit
+            if p.unit.slot is not None and any(not x.forward_only for x in p.prepared.values()):
+                p.saved_grads = p.unit.snapshot_grads()
+        if not p.todo:  # every request was refused: nothing to run
+            p.complete()
+        return p
+
+    def advance(self, quotas: list[tuple[FbPass, int]], on_done: Callable[[FbPass], None] | None = None,
+                budget: int | None = None) -> None:
+        """Run up to ``quota`` tokens of each pass's remaining datums, and at most ``budget``
+        tokens in all, every pass's datums sharing micro-batches. Passes come in the order
+        given (most owed first); a datum that does not fit its pass's quota waits for a later
+        call, except that the first datum of a call always runs (so a datum longer than any
+        quota still gets its turn). Passes beyond the resident adapter slots wait too.
+
+        Micro-batches run smallest first, and a pass is completed (and ``on_done`` called) as
+        soon as its last datum has run, so a small request does not wait for the rest of the
+        call. A failure fails (and rolls back) the passes of this call not completed yet.
+        """
+        chosen: list[SequenceRef] = []
+        involved: list[FbPass] = []
+        units: set[int] = set()
+        total, cap = 0, (1 << 62) if budget is None else budget
+        for p, quota in quotas:
+            if p.done or quota <= 0 or total >= cap:
+                continue
+            if p.unit.slot is not None and id(p.unit) not in units and len(units) >= self.max_lora_adapters:
+                continue
+            taken = 0
+            while p.todo and ((taken + p.todo[0].length <= quota and total + p.todo[0].length <= cap) or not chosen):
+                ref = p.todo.popleft()
+                taken += ref.length
+                total += ref.length
+                chosen.append(ref)
+            if taken:
+                p.tokens_run += taken
+                involved.append(p)
+                if p.unit.slot is not None:
+                    units.add(id(p.unit))
+        if not chosen:
+            return
+        by_id = {p.id: p for p in involved}
+        prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
+        left = Counter(ref.request[0] for ref in chosen)  # datums of this call still to run, per pass
+        groups = plan_micro_batches(chosen, self.micro_batch_tokens, self.micro_batch_seqs)
+        groups.sort(key=lambda rows: len(rows) * max(r.length for r in rows))
         try:
-            for rows in plan_micro_batches(seqs, self.micro_batch_tokens, self.micro_batch_seqs):
+            self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
+            for rows in groups:
                 mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device)
+                lps: dict = {}
                 self._run_micro_batch(mb, prepared, lps)
-        except BaseException:
-            for k, g in saved.items():
-                grad_units[k].restore_grads(g)
-            raise
-        return {r: self._finish(p, [lps[(r, d)] for d in range(len(p.tokens))]) for r, p in prepared.items()}
+                for ((pid, r), d), lp in lps.items():
+                    by_id[pid].lps[(r, d)] = lp
+                    left[pid] -= 1
+                for pid in {ref.request[0] for ref in rows}:
+                    p = by_id[pid]
+                    if left[pid] == 0 and not p.todo:
+                        p.complete()
+                        if on_done is not None:
+                            on_done(p)
+        except Exception as exc:
+            for p in involved:
+                if not p.done:
+                    p.fail(exc)
 
     def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict) -> None:
         with torch.set_grad_enabled(mb.needs_grad):

@@ -3,6 +3,10 @@
 It is the only object that touches torch. The engine calls it from a single dedicated thread,
 so its methods need no locking. Training runs are addressed by their public ``model_id``; the
 worker maps each to (base model, trainable unit).
+
+Runs and sampler snapshots carry their owner, an opaque tenant string (the worker knows
+nothing of API keys or HTTP), so that what one tenant holds is capped and never taken away to
+make room for another tenant's work.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import copy
 import itertools
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +27,7 @@ from tinsmith.models.loading import LoadedModel, load_model
 from tinsmith.models.lora import pack_weights
 from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
 from tinsmith.sampling.sampler import Sampler
-from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
+from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
 from tinsmith.worker.trainables import detach_lora, install_lora_weights, lora_tensors
 
 log = logging.getLogger(__name__)
@@ -35,11 +40,15 @@ class RuntimeOptions:
     max_lora_rank: int = 128
     max_training_runs: int = 256
     micro_batch_tokens: int | None = None  # None: automatic (see auto_micro_batch_tokens)
+    chunk_tokens: int | None = None  # tokens per scheduling chunk; None: one micro-batch
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
     max_full_finetunes: int = 1
     max_sampler_snapshots: int = 64
     max_sampling_rows: int = 256
+    max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
+    max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
+    sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
 
 
 @dataclass
@@ -65,7 +74,8 @@ class Snapshot:
     base: BaseModel
     slot: int
     spec: LoraSpec
-    reloadable: bool  # stored on disk, so it can be evicted and loaded again
+    reloadable: bool  # stored on disk, so it can be evicted and loaded again; otherwise eviction loses it
+    owner: str = ""
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -76,6 +86,7 @@ class Placement:
     unit: int
     is_lora: bool
     lora: LoraSpec | None
+    owner: str = ""
 
 
 class Worker:
@@ -118,13 +129,14 @@ class Worker:
         raise InvalidInputError(f"base_model {name!r} is not served here; served models: {served}")
 
     # ----------------------------------------------------------------------------- training runs
-    def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None) -> Placement:
+    def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None, owner: str = "") -> Placement:
         if model_id in self.placements:  # replayed create: keep the existing run
             return self.placements[model_id]
         base = self.resolve_base(base_model)
+        self._check_run_cap(owner)
         if lora is not None:
             unit = base.lora.create_adapter(lora)
-            placement = Placement(base, base.lora, unit, True, lora)
+            placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
             if sum(len(b.full) for b in self.bases.values()) >= self.options.max_full_finetunes:
                 raise CapacityError(
@@ -140,9 +152,22 @@ class Worker:
                                  micro_batch_seqs=self.options.micro_batch_seqs,
                                  gradient_checkpointing=self.options.gradient_checkpointing)
             base.full[model_id] = rt
-            placement = Placement(base, rt, FULL_UNIT, False, None)
+            placement = Placement(base, rt, FULL_UNIT, False, None, owner)
         self.placements[model_id] = placement
         return placement
+
+    def _check_run_cap(self, owner: str) -> None:
+        """One owner may not hold every run slot: only it can free its runs, so refuse at once."""
+        cap = self.options.max_runs_per_key
+        if cap is None:
+            return
+        held = sum(1 for p in self.placements.values() if p.owner == owner)
+        if held >= cap:
+            raise CapacityError(
+                f"this API key already holds {held} training runs, the most this server allows per key "
+                f"(--max-runs-per-key {cap}); close a ServiceClient whose runs are no longer needed (its runs "
+                "are unloaded, saved checkpoints stay) and create this run again"
+            )
 
     def placement(self, model_id: str) -> Placement:
         try:
@@ -163,22 +188,35 @@ class Worker:
             p.base.full.pop(model_id, None)
 
     # ----------------------------------------------------------------------------- work
-    def forward_backward(self, batch: list[tuple[str, ForwardBackwardInput]]) -> list[ForwardBackwardResult | TinsmithError]:
-        """Run many runs' forward/backward requests; requests sharing a runtime go in one call."""
-        results: list[ForwardBackwardResult | TinsmithError | None] = [None] * len(batch)
-        groups: dict[int, tuple[TrainingRuntime, list[int]]] = {}
-        for i, (model_id, inp) in enumerate(batch):
-            try:
-                p = self.placement(model_id)
-            except TinsmithError as e:
-                results[i] = e
-                continue
-            groups.setdefault(id(p.runtime), (p.runtime, []))[1].append(i)
-        for rt, idxs in groups.values():
-            reqs = [TrainRequest(self.placements[batch[i][0]].unit, batch[i][1]) for i in idxs]
-            for i, res in zip(idxs, rt.forward_backward(reqs)):
-                results[i] = res
-        return results  # type: ignore[return-value]
+    def fb_begin(self, model_id: str, inputs: list[ForwardBackwardInput]) -> FbPass:
+        """Validate one run's forward/backward requests; their datums then run through :meth:`fb_advance`."""
+        p = self.placement(model_id)
+        return p.runtime.begin([TrainRequest(p.unit, inp) for inp in inputs])
+
+    def fb_advance(self, quotas: list[tuple[FbPass, int]], budget: int,
+                   on_done: Callable[[FbPass], None] | None = None) -> None:
+        """Run up to each pass's quota of tokens and about ``budget`` in all; passes on one
+        runtime share micro-batches. ``on_done`` is called for each pass the moment it completes."""
+        by_runtime: dict[int, list[tuple[FbPass, int]]] = {}
+        for fb, quota in quotas:
+            by_runtime.setdefault(id(fb.runtime), []).append((fb, quota))
+        for group in by_runtime.values():
+            before = sum(fb.tokens_run for fb, _ in group)
+            group[0][0].runtime.advance(group, on_done, budget=max(1, budget))
+            budget -= sum(fb.tokens_run for fb, _ in group) - before
+
+    def chunk_tokens(self, keys: int = 1) -> int:
+        """Tokens one scheduling chunk runs while ``keys`` API keys have forward/backward work.
+
+        By default one micro-batch (of the largest configured size) when one key has the device
+        to itself, half of one when keys share it: another key's small request then waits
+        for at most about half a micro-batch, for ~5% of multi-key throughput on a CPU.
+        ``--train-chunk-tokens`` fixes the size.
+        """
+        if self.options.chunk_tokens:
+            return self.options.chunk_tokens
+        micro_batch = max((b.lora.micro_batch_tokens for b in self.bases.values()), default=2048)
+        return micro_batch if keys <= 1 else max(1, micro_batch // 2)
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         p = self.placement(model_id)
@@ -193,12 +231,12 @@ class Worker:
         weights, opt = tr.export_state()
         return TrainingState(p.base.name, p.lora, weights, opt, tr.steps)
 
-    def load_training_state(self, model_id: str, base_model: str, state, create: bool) -> None:
+    def load_training_state(self, model_id: str, base_model: str, state, create: bool, owner: str = "") -> None:
         """Create the run from ``state`` (create=True) or replace an existing run's state."""
         if create:
             if model_id in self.placements:
                 self.unload_model(model_id)
-            self.create_model(model_id, base_model, state.lora)
+            self.create_model(model_id, base_model, state.lora, owner)
         p = self.placement(model_id)
         if (p.lora is None) != (state.lora is None) or (p.lora and state.lora and (
                 p.lora.rank != state.lora.rank or
@@ -227,53 +265,113 @@ class Worker:
             raise InvalidInputError(f"model {model_id!r} is a full fine-tune; only LoRA runs can be sampled or exported as adapters")
         return p.lora, lora_tensors(p.runtime.unit(p.unit)), p.base
 
-    def snapshot(self, model_id: str, key: str, reloadable: bool = False) -> Snapshot:
-        """Freeze the run's current adapter under ``key`` (a sampler id or a tinker path)."""
-        spec, tensors, base = self.adapter_weights(model_id)
-        return self._install_snapshot(key, base, spec, tensors, reloadable)
+    def snapshot(self, model_id: str, key: str, *, owner: str = "", reloadable: bool = False,
+                 queued: Collection[str] = ()) -> Snapshot:
+        """Freeze the run's current adapter under ``key`` (a sampler id or a tinker path) for ``owner``.
 
-    def load_snapshot(self, key: str, base_model: str, directory: Path) -> Snapshot:
+        ``queued``: snapshot keys that sample requests not yet handed to a sampler will read;
+        those snapshots are in use and are never evicted to make room.
+        """
+        spec, tensors, base = self.adapter_weights(model_id)
+        return self._install_snapshot(key, base, spec, tensors, reloadable, owner, queued)
+
+    def load_snapshot(self, key: str, base_model: str, directory: Path, *, owner: str = "",
+                      queued: Collection[str] = ()) -> Snapshot:
+        """Bring stored sampler weights back into memory (after an eviction or a restart)."""
         from tinsmith.checkpoints.peft_format import load_peft_adapter
 
         if key in self.snapshots:
             return self.use_snapshot(key)
+        self._snapshot_victims(owner, queued)  # refuse before reading the file when there is no room
         spec, tensors = load_peft_adapter(directory)
-        return self._install_snapshot(key, self.resolve_base(base_model), spec, tensors, reloadable=True)
+        return self._install_snapshot(key, self.resolve_base(base_model), spec, tensors, True, owner, queued)
 
     def use_snapshot(self, key: str) -> Snapshot:
         snap = self.snapshots[key]
         snap.last_used = time.monotonic()
         return snap
 
-    def _install_snapshot(self, key: str, base: BaseModel, spec: LoraSpec, tensors, reloadable: bool) -> Snapshot:
-        old = self.snapshots.pop(key, None)
+    def snapshot_used(self, key: str) -> None:
+        """A request on ``key`` finished: its idle time counts from now."""
+        snap = self.snapshots.get(key)
+        if snap is not None:
+            snap.last_used = time.monotonic()
+
+    def _install_snapshot(self, key: str, base: BaseModel, spec: LoraSpec, tensors, reloadable: bool, owner: str,
+                          queued: Collection[str]) -> Snapshot:
+        old = self.snapshots.get(key)
+        # Room is made before anything changes: if none can be made, the request fails and
+        # every snapshot held stays as it was.
+        victims = [] if old is not None else self._snapshot_victims(owner, queued)
         slot = next(self._snapshot_slots)
         install_lora_weights(base.loaded.model, slot, spec, tensors)
+        for victim in victims:
+            del self.snapshots[victim.key]
+            self._drop_snapshot(victim)
+            log.debug("evicted %s sampler snapshot %s of %r to make room for one of %r",
+                      "stored" if victim.reloadable else "in-memory", victim.key, victim.owner, owner)
         if old is not None:
             self._drop_snapshot(old)
-        snap = Snapshot(key, base, slot, spec, reloadable)
+        snap = Snapshot(key, base, slot, spec, reloadable, owner)
         self.snapshots[key] = snap
-        self._evict_snapshots()
         return snap
 
     def _drop_snapshot(self, snap: Snapshot) -> None:
         detach_lora(snap.base.loaded.model, snap.slot)
 
-    def _evict_snapshots(self) -> None:
-        """Keep at most ``max_sampler_snapshots``: drop the least recently used ones not in use."""
-        excess = len(self.snapshots) - self.options.max_sampler_snapshots
-        if excess <= 0:
-            return
-        busy = {s for sampler in self.samplers.values() for s in sampler.slots_in_use()}
-        for snap in sorted(self.snapshots.values(), key=lambda s: s.last_used):
-            if excess <= 0:
-                break
-            if snap.slot in busy:
-                continue
-            del self.snapshots[snap.key]
-            self._drop_snapshot(snap)
-            excess -= 1
+    def _snapshot_victims(self, owner: str, queued: Collection[str]) -> list[Snapshot]:
+        """The snapshots to evict so that ``owner`` may hold one more; CapacityError if it cannot.
 
+        A snapshot with sample requests queued or running is never evicted. Another owner's
+        snapshot is evicted only when it is also idle (unused for ``sampler_snapshot_idle_s``).
+        The order of preference: the owner's own idle snapshots, then its own stored ones
+        (reloaded from disk on their next request), then other owners' idle snapshots (stored
+        ones first, then least recently used), and last the owner's own recently used in-memory
+        snapshots. A stored snapshot loses nothing when evicted; an in-memory one (from
+        ``save_weights_and_get_sampling_client``) is gone, and its sampler gets a clear error.
+        """
+        o = self.options
+        now = time.monotonic()
+        busy = {s for sampler in self.samplers.values() for s in sampler.slots_in_use()}
+        queued = set(queued)
+
+        def in_use(s: Snapshot) -> bool:
+            return s.slot in busy or s.key in queued
+
+        def idle(s: Snapshot) -> bool:
+            return not in_use(s) and now - s.last_used >= o.sampler_snapshot_idle_s
+
+        def preference(s: Snapshot) -> tuple:
+            own = s.owner == owner
+            tier = 0 if own and idle(s) else 1 if own and s.reloadable else 2 if not own else 3
+            return (tier, not s.reloadable, s.last_used)
+
+        victims: list[Snapshot] = []
+        own = [s for s in self.snapshots.values() if s.owner == owner]
+        cap = o.max_sampler_snapshots_per_key
+        if cap is not None and len(own) + 1 > cap:
+            need = len(own) + 1 - cap
+            candidates = sorted((s for s in own if not in_use(s)), key=preference)
+            if len(candidates) < need:
+                raise CapacityError(
+                    f"this API key already holds {len(own)} sampler snapshots with sample requests queued or running, "
+                    f"the most this server allows per key (--max-sampler-snapshots-per-key {cap}); wait for some to "
+                    "finish before saving weights for another sampler"
+                )
+            victims += candidates[:need]
+        need = len(self.snapshots) - len(victims) + 1 - o.max_sampler_snapshots
+        if need > 0:
+            chosen = {id(v) for v in victims}
+            candidates = sorted((s for s in self.snapshots.values() if id(s) not in chosen and not in_use(s)
+                                 and (s.owner == owner or idle(s))), key=preference)
+            if len(candidates) < need:
+                raise CapacityError(
+                    f"no room for another sampler snapshot: the {o.max_sampler_snapshots} this server holds "
+                    f"(--max-sampler-snapshots) are all in use (sample requests queued or running, or used in the last "
+                    f"{o.sampler_snapshot_idle_s:g} s); try again when some are idle"
+                )
+            victims += candidates[:need]
+        return victims
 
 
 def _tokenizer_decoder(model_dir: Path):

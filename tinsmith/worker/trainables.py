@@ -84,8 +84,8 @@ class Trainable:
         return [None if p.grad is None else p.grad.clone() for p in self.params]
 
     def restore_grads(self, saved: list[torch.Tensor | None]) -> None:
-        for p, g in zip(self.params, saved):
-            p.grad = g
+        for p, g in zip(self.params, saved):  # the unit may have been parked or unparked since
+            p.grad = None if g is None else g.to(p.device)
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Copies of the weights and of the AdamW moments (``NAME.exp_avg``, ``.exp_avg_sq``, ``.step``)."""

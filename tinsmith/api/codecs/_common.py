@@ -8,24 +8,33 @@ Encoding failures are server bugs and raise ``ValueError``.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any, NoReturn
 
 import numpy as np
+import pydantic_core
 
 from tinsmith.errors import InvalidInputError
 from tinsmith.types import ProvenanceSpan
 
-# A sparse CSR tensor is densified on arrival; this caps how many elements that may create
-# (a tiny request must not be able to allocate gigabytes).
-MAX_DENSE_ELEMENTS = 1 << 28
+# Sparse CSR tensors are densified on arrival; the sparse tensors of one request may create no
+# more elements together than a dense body could carry at 4 bytes each (a tiny request must not
+# be able to allocate gigabytes). This is the bound for the default --max-body-bytes (256 MiB).
+MAX_DENSE_ELEMENTS = 1 << 26
+
+# JSON bodies nested deeper than this are refused: it is the parser's own bound (pydantic-core),
+# far below Python's recursion limit, so nothing downstream (validation, storage) can overflow.
+MAX_JSON_DEPTH = 200
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 # Sentinel the SDK recognises as "no entry" in top-k matrices (token 0, this logprob).
 TOPK_SENTINEL_TOKEN = 0
 TOPK_SENTINEL_LOGPROB = -99999.0
 
-_INT64_MIN = -(1 << 63)
-_INT64_MAX = (1 << 63) - 1
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
 _NONFINITE_WORDS = {"nan", "inf", "-inf", "+inf", "infinity", "-infinity", "+infinity"}
 
 
@@ -42,8 +51,116 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def check_int64(value: int, where: str) -> int:
+    """An integer the database can hold (BIGINT): anything wider is refused, not overflowed."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        fail(f"{where} must fit in a signed 64-bit integer, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Text and JSON from the wire
+
+
+def text_problem(value: str) -> str | None:
+    """Why a string cannot be stored or logged as it is, or None when it can.
+
+    A NUL character is refused by PostgreSQL (and cut short by C APIs); a lone surrogate
+    (``"\\ud800"`` in JSON) is not Unicode and cannot be encoded as UTF-8 for the database,
+    the log or a response.
+    """
+    if "\x00" in value:
+        return "contains a NUL character (\\u0000)"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "contains a lone surrogate (not valid Unicode)"
+    return None
+
+
+def check_text(value: str, where: str) -> str:
+    problem = text_problem(value)
+    if problem is not None:
+        fail(f"{where} {problem}")
+    return value
+
+
+def find_bad_text(obj: Any) -> tuple[str, str] | None:
+    """The first string of parsed JSON (a value or an object key) that ``text_problem`` refuses.
+
+    Returns ``(where, problem)``, ``where`` being the path of the field (``tags[0]``,
+    ``user_metadata.note``, or ``user_metadata key 'a\\x00'`` for a key).
+    """
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            problem = text_problem(node)
+            if problem is not None:
+                return path or "body", problem
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                problem = text_problem(key)
+                if problem is not None:
+                    return f"{path or 'body'} key {key!r}", problem
+                stack.append((value, f"{path}.{key}" if path else key))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node) if isinstance(v, (str, dict, list)))
+    return None
+
+
+def parse_json(body: bytes) -> Any:
+    """Parse a JSON request body, refusing what could not be stored or would exhaust the stack.
+
+    Refused with a 400: invalid JSON, nesting deeper than ``MAX_JSON_DEPTH``, and strings (values
+    or keys) holding a NUL character or a lone surrogate, named by their field.
+    """
+    try:
+        obj = pydantic_core.from_json(body)
+    except ValueError as e:
+        fail(_json_error(body, str(e)))
+    # A NUL reaches a parsed string only through this escape (raw control characters are
+    # invalid JSON), so bodies without it, nearly all of them, are not walked at all.
+    if b"\\u0000" in body:
+        bad = find_bad_text(obj)
+        if bad is not None:
+            fail(f"invalid request: {bad[0]} {bad[1]}")
+    return obj
+
+
+def _json_error(body: bytes, message: str) -> str:
+    if "recursion limit" in message:
+        return f"invalid request: body is nested more than {MAX_JSON_DEPTH} levels deep"
+    if _SURROGATE_ESCAPE.search(body):
+        # The strict parser refuses lone surrogates without naming the field; the standard
+        # library's parser keeps them, so the field can be found and named.
+        try:
+            bad = find_bad_text(json.loads(body))
+        except (ValueError, RecursionError):
+            bad = None
+        if bad is not None:
+            return f"invalid request: {bad[0]} {bad[1]}"
+    return f"invalid request: body is not valid JSON: {message}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Dense arrays from the wire
+
+
+class DenseBudget:
+    """How many elements the sparse tensors of one request may still expand to."""
+
+    def __init__(self, elements: int = MAX_DENSE_ELEMENTS) -> None:
+        self.total = self.left = elements
+
+    def take(self, where: str, shape: list[int]) -> None:
+        n = math.prod(shape)
+        if n > self.left:
+            fail(
+                f"{where} has dense shape {shape} ({n} elements); the sparse tensors of one request may "
+                f"expand to at most {self.total} elements in all (a quarter of --max-body-bytes)"
+            )
+        self.left -= n
 
 
 def densify(
@@ -56,12 +173,15 @@ def densify(
     expected_rows: int,
     pad: int | float = 0,
     rows_of: str = "model_input has {n} tokens",
+    budget: DenseBudget | None = None,
 ) -> np.ndarray:
     """Build the dense array a loss input stands for, and check it against the datum.
 
     ``values`` is 1-D in its final dtype. ``shape`` empty or ``None`` means 1-D. With
-    ``crow``/``col`` the tensor is 2-D sparse CSR and unlisted entries are ``pad``. The leading
-    dimension must equal ``expected_rows`` (``rows_of`` says what that is, for the message).
+    ``crow``/``col`` the tensor is 2-D sparse CSR and unlisted entries are ``pad``; its dense
+    size is taken from ``budget`` (the request's, shared by all its tensors) before anything is
+    allocated. The leading dimension must equal ``expected_rows`` (``rows_of`` says what that
+    is, for the message).
     """
     if shape is not None and len(shape) == 0:
         shape = None
@@ -87,11 +207,7 @@ def densify(
         rows, cols = shape
         if rows != expected_rows:
             fail(f"{where} has {rows} rows but {rows_of.format(n=expected_rows)}")
-        if rows * cols > MAX_DENSE_ELEMENTS:
-            fail(
-                f"{where} has dense shape {shape} ({rows * cols} elements), above this server's "
-                f"limit of {MAX_DENSE_ELEMENTS}"
-            )
+        (budget or DenseBudget()).take(where, shape)
         nnz = int(values.size)
         if crow.size != rows + 1:
             fail(
@@ -138,6 +254,7 @@ def check_spans(where: str, spans: list[ProvenanceSpan], n_positions: int, what:
 def make_span(where: str, kind: str, sequence_id: Any, offset: Any, length: Any) -> ProvenanceSpan:
     if not isinstance(sequence_id, str) or not sequence_id:
         fail(f"{where}.sequence_id must be a non-empty string")
+    check_text(sequence_id, f"{where}.sequence_id")
     if not is_int(offset) or offset < 0:
         fail(f"{where}.offset must be an integer >= 0, got {offset!r}")
     if not is_int(length) or length < 0:
@@ -169,13 +286,13 @@ def json_int_array(value: Any, where: str) -> np.ndarray:
     if kind == "i":
         return arr.astype(np.int64, copy=False)
     if kind == "u":
-        if int(arr.max()) > _INT64_MAX:
+        if int(arr.max()) > INT64_MAX:
             fail(f"{where} has a value outside the int64 range")
         return arr.astype(np.int64)
     if kind == "f":
         if not np.isfinite(arr).all() or (arr != np.round(arr)).any():
             fail(f"{where} must contain integers, found a non-integral number")
-        if arr.min() < _INT64_MIN or arr.max() > _INT64_MAX:
+        if arr.min() < INT64_MIN or arr.max() > INT64_MAX:
             fail(f"{where} has a value outside the int64 range")
         return arr.astype(np.int64)
     # bools, strings, nulls, nested lists, integers beyond 64 bits

@@ -4,7 +4,8 @@ Wire generations (read from the SDK sources):
 
 * ``tinker`` 0.38.0 posts ``POST /api/v1/forward_backward`` with a protobuf
   ``ForwardBackwardRequest`` body (``Content-Type: application/x-protobuf``, zstd-compressed
-  with ``Content-Encoding: zstd`` when the client config sets ``proto_compress_fwdbwd``).
+  with ``Content-Encoding: zstd`` when the client config sets ``proto_compress_fwdbwd``; the
+  HTTP layer undoes the compression, see ``tinsmith.api.request``).
   ``forward()`` is the same message with ``forward_only = true``. Results must be protobuf.
 * ``tinker`` 0.22.2 posts JSON by default: ``POST /api/v1/forward_backward`` with
   ``{"forward_backward_input": {...}, "model_id", "seq_id"}`` and, for ``forward()``,
@@ -19,15 +20,14 @@ Wire generations (read from the SDK sources):
 
 from __future__ import annotations
 
-import io
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zstandard
 from google.protobuf.message import DecodeError
 
 from tinker.proto import tinker_public_pb2 as pb
+from tinsmith.losses import inputs_read_by
 from tinsmith.types import (
     Datum,
     ForwardBackwardInput,
@@ -37,8 +37,11 @@ from tinsmith.types import (
 )
 
 from ._common import (
+    DenseBudget,
+    check_int64,
     check_metric_keys,
     check_spans,
+    check_text,
     check_token_ids,
     densify,
     fail,
@@ -53,16 +56,15 @@ from ._common import (
     unsupported_chunk,
 )
 
+if TYPE_CHECKING:
+    from tinsmith.api.limits import RequestLimits
+
 __all__ = [
-    "MAX_DECOMPRESSED_BYTES",
     "decode_forward_backward_json",
     "decode_forward_backward_protobuf",
     "encode_forward_backward_output_json",
     "encode_forward_backward_output_protobuf",
 ]
-
-# Largest forward_backward body accepted after decompression.
-MAX_DECOMPRESSED_BYTES = 1 << 30
 
 # Wire dtype -> (name, little-endian numpy dtype of the raw bytes, integer?)
 _PB_DTYPES: dict[int, tuple[str, np.dtype, bool]] = {
@@ -76,34 +78,6 @@ _JSON_DTYPES: dict[str, bool] = {"float32": False, "int64": True, "int32": True,
 
 # ---------------------------------------------------------------------------------------------
 # Protobuf request
-
-
-def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
-    if not content_encoding:
-        return body
-    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
-    for coding in reversed(codings):  # the last-applied coding is listed last
-        if coding == "identity":
-            continue
-        if coding != "zstd":
-            fail(f"Content-Encoding {coding!r} is not supported (use zstd or none)")
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(
-                io.BytesIO(body), read_across_frames=True
-            )
-            pieces, size = [], 0
-            while size <= limit:
-                piece = reader.read(1 << 20)
-                if not piece:
-                    break
-                pieces.append(piece)
-                size += len(piece)
-            body = b"".join(pieces)
-        except zstandard.ZstdError as e:
-            fail(f"body is not valid zstd data (Content-Encoding: zstd): {e}")
-        if len(body) > limit:
-            fail(f"forward_backward body exceeds {limit} bytes after decompression")
-    return body
 
 
 def _pb_array(raw: bytes, wire: np.dtype, name: str, where: str) -> np.ndarray:
@@ -121,7 +95,7 @@ def _pb_widen(raw: np.ndarray, dtype_name: str) -> np.ndarray:
     return raw.astype(np.int64)
 
 
-def _pb_tensor(t: Any, where: str, key: str, n_tokens: int) -> np.ndarray:
+def _pb_tensor(t: Any, where: str, key: str, n_tokens: int, budget: DenseBudget) -> np.ndarray:
     spec = _PB_DTYPES.get(t.dtype)
     if spec is None:
         fail(f"{where} has unknown dtype {t.dtype} (expected FLOAT32, INT64, INT32 or BFLOAT16)")
@@ -145,6 +119,7 @@ def _pb_tensor(t: Any, where: str, key: str, n_tokens: int) -> np.ndarray:
             crow=crow.astype(np.int64),
             col=col.astype(np.int64),
             expected_rows=n_tokens,
+            budget=budget,
         )
     raw = t.dense  # also the empty tensor when no encoding is set
     if shape:
@@ -173,7 +148,7 @@ def _pb_spans(spans: Any, where: str) -> list[ProvenanceSpan]:
     return out
 
 
-def _pb_datum(d: Any, i: int) -> Datum:
+def _pb_datum(d: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget) -> Datum:
     where = f"data[{i}]"
     parts: list[np.ndarray] = []
     for j, chunk in enumerate(d.model_input):
@@ -192,10 +167,11 @@ def _pb_datum(d: Any, i: int) -> Datum:
         fail(f"{where}.model_input has no tokens")
     check_token_ids(tokens, f"{where}.model_input")
 
-    inputs = {
-        key: _pb_tensor(d.loss_fn_inputs[key], f"{where}.loss_fn_inputs[{key!r}]", key, n)
-        for key in d.loss_fn_inputs
-    }
+    inputs: dict[str, np.ndarray] = {}
+    for key in d.loss_fn_inputs:
+        check_text(key, f"{where}.loss_fn_inputs key {key!r}")
+        if reads is None or key in reads:
+            inputs[key] = _pb_tensor(d.loss_fn_inputs[key], f"{where}.loss_fn_inputs[{key!r}]", key, n, budget)
     mi_spans = _pb_spans(d.model_input_spans, f"{where}.model_input_spans")
     lf_spans = _pb_spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")
     check_spans(f"{where}.model_input_spans", mi_spans, n, "model_input")
@@ -204,18 +180,20 @@ def _pb_datum(d: Any, i: int) -> Datum:
                  loss_input_spans=lf_spans)
 
 
+def _pb_token_count(msg: Any) -> int:
+    """model_input tokens of every datum, counted from the wire without decoding any."""
+    return sum(len(c.encoded_text.tokens) // 4 for d in msg.data for c in d.model_input)
+
+
 def decode_forward_backward_protobuf(
-    body: bytes,
-    content_encoding: str | None,
-    *,
-    max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES,
+    body: bytes, *, limits: RequestLimits | None = None
 ) -> tuple[str, int, ForwardBackwardInput]:
     """Decode the body of ``POST /api/v1/forward_backward`` sent as protobuf.
 
     Returns ``(model_id, seq_id, input)``. Loss names and required loss inputs are not checked
-    here (the loss module does that); shapes, dtypes and alignment with the tokens are.
+    here (the loss module does that); shapes, dtypes and alignment with the tokens are, and
+    the request's size against ``limits`` before any datum is decoded.
     """
-    body = _decompress(bytes(body), content_encoding, max_decompressed_bytes)
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -223,22 +201,32 @@ def decode_forward_backward_protobuf(
         fail(f"body is not a valid ForwardBackwardRequest protobuf message: {e}")
     if not msg.model_id:
         fail("model_id is empty")
+    check_text(msg.model_id, "model_id")
+    check_text(msg.loss_fn, "loss_fn")
     if msg.seq_id < 0:
         fail(f"seq_id must be >= 0, got {msg.seq_id}")
     if len(msg.data) == 0:
         fail("data is empty: forward_backward needs at least one datum")
+    if limits is not None:
+        limits.check_forward_datums(len(msg.data))
+        limits.check_forward_tokens(_pb_token_count(msg))
 
-    config: dict[str, LossConfigValue] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    config: dict[str, LossConfigValue] = {}
+    for key, number in msg.loss_fn_config.items():
+        config[check_text(key, f"loss_fn_config key {key!r}")] = float(number)
     for key, value in msg.loss_fn_config_v2.items():  # v2 wins where both are present
+        check_text(key, f"loss_fn_config_v2 key {key!r}")
         arm = value.WhichOneof("value")
         if arm == "number":
             config[key] = float(value.number)
         elif arm == "text":
-            config[key] = value.text
+            config[key] = check_text(value.text, f"loss_fn_config_v2[{key!r}]")
         else:
             fail(f"loss_fn_config_v2[{key!r}] has neither a number nor a text value")
 
-    data = [_pb_datum(d, i) for i, d in enumerate(msg.data)]
+    reads = inputs_read_by(msg.loss_fn)
+    budget = DenseBudget() if limits is None else DenseBudget(limits.dense_elements)
+    data = [_pb_datum(d, i, reads, budget) for i, d in enumerate(msg.data)]
     return (
         msg.model_id,
         int(msg.seq_id),
@@ -253,7 +241,7 @@ def decode_forward_backward_protobuf(
 # JSON request (SDK <= 0.22.2)
 
 
-def _json_tensor(obj: Any, where: str, key: str, n_tokens: int) -> np.ndarray:
+def _json_tensor(obj: Any, where: str, key: str, n_tokens: int, budget: DenseBudget) -> np.ndarray:
     if not isinstance(obj, dict):
         fail(f"{where} must be a TensorData object with 'data' and 'dtype'")
     dtype = obj.get("dtype")
@@ -276,10 +264,10 @@ def _json_tensor(obj: Any, where: str, key: str, n_tokens: int) -> np.ndarray:
     crow = None if crow_raw is None else json_int_array(crow_raw, f"{where}.sparse_crow_indices")
     col = None if col_raw is None else json_int_array(col_raw, f"{where}.sparse_col_indices")
     return densify(where=where, values=values, shape=shape, crow=crow, col=col,
-                   expected_rows=n_tokens)
+                   expected_rows=n_tokens, budget=budget)
 
 
-def _json_datum(obj: Any, i: int) -> Datum:
+def _json_datum(obj: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget) -> Datum:
     where = f"data[{i}]"
     if not isinstance(obj, dict):
         fail(f"{where} must be an object with 'model_input' and 'loss_fn_inputs'")
@@ -293,18 +281,35 @@ def _json_datum(obj: Any, i: int) -> Datum:
     if not isinstance(raw_inputs, dict):
         fail(f"{where}.loss_fn_inputs must be an object")
     inputs = {
-        str(key): _json_tensor(value, f"{where}.loss_fn_inputs[{key!r}]", key, n)
+        str(key): _json_tensor(value, f"{where}.loss_fn_inputs[{key!r}]", key, n, budget)
         for key, value in raw_inputs.items()
+        if reads is None or key in reads
     }
     return Datum(tokens=tokens, loss_inputs=inputs)
 
 
-def decode_forward_backward_json(obj: dict) -> tuple[str, int, ForwardBackwardInput]:
+def _json_token_count(raw_data: list) -> int:
+    """model_input tokens of every datum, counted before any is decoded (a malformed part counts
+    nothing here; decoding it names the mistake)."""
+    total = 0
+    for d in raw_data:
+        model_input = d.get("model_input") if isinstance(d, dict) else None
+        chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
+        for chunk in chunks if isinstance(chunks, list) else ():
+            tokens = chunk.get("tokens") if isinstance(chunk, dict) else None
+            total += len(tokens) if isinstance(tokens, list) else 0
+    return total
+
+
+def decode_forward_backward_json(
+    obj: dict, *, limits: RequestLimits | None = None
+) -> tuple[str, int, ForwardBackwardInput]:
     """Decode a JSON forward/backward body of SDK <= 0.22.2.
 
     Accepts both ``/api/v1/forward_backward`` bodies (``forward_backward_input``) and
     ``/api/v1/forward`` bodies (``forward_input``, which sets ``forward_only``). Returns
-    ``(model_id, seq_id, input)``.
+    ``(model_id, seq_id, input)``. The request's size is checked against ``limits`` before any
+    datum is decoded.
     """
     if not isinstance(obj, dict):
         fail("forward_backward body must be a JSON object")
@@ -325,6 +330,7 @@ def decode_forward_backward_json(obj: dict) -> tuple[str, int, ForwardBackwardIn
         fail(f"seq_id must be an integer, got {seq_id!r}")
     if seq_id < 0:
         fail(f"seq_id must be >= 0, got {seq_id}")
+    check_int64(seq_id, "seq_id")
 
     if not isinstance(inp, dict):
         fail(f"{name} must be an object")
@@ -348,7 +354,12 @@ def decode_forward_backward_json(obj: dict) -> tuple[str, int, ForwardBackwardIn
         fail(f"{name}.data must be a list")
     if not raw_data:
         fail("data is empty: forward_backward needs at least one datum")
-    data = [_json_datum(d, i) for i, d in enumerate(raw_data)]
+    if limits is not None:
+        limits.check_forward_datums(len(raw_data))
+        limits.check_forward_tokens(_json_token_count(raw_data))
+    reads = inputs_read_by(loss_fn)
+    budget = DenseBudget() if limits is None else DenseBudget(limits.dense_elements)
+    data = [_json_datum(d, i, reads, budget) for i, d in enumerate(raw_data)]
     return model_id, seq_id, ForwardBackwardInput(
         data=data, loss_fn=loss_fn, loss_fn_config=config, forward_only=forward_only
     )

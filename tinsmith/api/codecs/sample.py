@@ -12,7 +12,7 @@ schema still allows). 0.22.2 sends only ``num_samples``, ``prompt``, ``sampling_
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,8 +20,11 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinsmith.types import SampledSequence, SampleInput, SampleResult, SamplingParams
 
 from ._common import (
+    INT64_MIN,
     TOPK_SENTINEL_LOGPROB,
     TOPK_SENTINEL_TOKEN,
+    DenseBudget,
+    check_int64,
     csr_row_ids,
     densify,
     fail,
@@ -32,13 +35,15 @@ from ._common import (
     json_model_input_tokens,
 )
 
+if TYPE_CHECKING:
+    from tinsmith.api.limits import RequestLimits
+
 __all__ = [
     "decode_sample_request_json",
     "encode_sample_response_json",
     "encode_sample_response_protobuf",
 ]
 
-_INT64_MIN = -(1 << 63)
 _UINT64_MAX = (1 << 64) - 1
 _INT32_MAX = (1 << 31) - 1
 
@@ -54,13 +59,14 @@ def _opt_str(obj: dict, key: str) -> str | None:
     return value or None
 
 
-def _int_field(obj: dict, key: str, default: int | None, where: str) -> int | None:
+def _int_field(obj: dict, key: str, default: int | None, where: str, *, wide: bool = False) -> int | None:
+    """An optional integer; within int64 (what the database and numpy hold) unless ``wide``."""
     value = obj.get(key)
     if value is None:
         return default
     if not is_int(value):
         fail(f"{where} must be an integer, got {value!r}")
-    return value
+    return value if wide else check_int64(value, where)
 
 
 def _float_field(obj: dict, key: str, default: float, where: str) -> float:
@@ -123,8 +129,8 @@ def _sampling_params(obj: Any) -> SamplingParams:
     assert top_k is not None
     if top_k == 0 or top_k < -1:
         fail(f"{p}.top_k must be -1 (no limit) or >= 1, got {top_k}")
-    seed = _int_field(obj, "seed", None, f"{p}.seed")
-    if seed is not None and not _INT64_MIN <= seed <= _UINT64_MAX:
+    seed = _int_field(obj, "seed", None, f"{p}.seed", wide=True)
+    if seed is not None and not INT64_MIN <= seed <= _UINT64_MAX:
         fail(f"{p}.seed must fit in 64 bits, got {seed}")
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -133,14 +139,15 @@ def _sampling_params(obj: Any) -> SamplingParams:
 
 
 def decode_sample_request_json(
-    obj: dict,
+    obj: dict, *, limits: RequestLimits | None = None
 ) -> tuple[str | None, int | None, str | None, str | None, SampleInput]:
     """Decode the JSON body of ``POST /api/v1/asample``.
 
     Returns ``(sampling_session_id, seq_id, base_model, model_path, input)``. At least one of
     ``sampling_session_id``, ``base_model``, ``model_path`` is present, and ``seq_id`` is present
-    with ``sampling_session_id`` (the server deduplicates replays on that pair). ``max_tokens``
-    is not checked against the model's context here (the sampler does that).
+    with ``sampling_session_id`` (the server deduplicates replays on that pair). Sizes are not
+    checked against the model or the server's limits here (the route does that, knowing the
+    model); ``limits`` only bounds what sparse ``target_prompt_logprobs`` may expand to.
     """
     if not isinstance(obj, dict):
         fail("asample body must be a JSON object")
@@ -188,7 +195,8 @@ def decode_sample_request_json(
                 f"{prompt.size - 1}, got {last_n}"
             )
 
-    targets = _target_prompt_ids(obj.get("target_prompt_logprobs"), int(prompt.size))
+    budget = DenseBudget() if limits is None else DenseBudget(limits.dense_elements)
+    targets = _target_prompt_ids(obj.get("target_prompt_logprobs"), int(prompt.size), budget)
     alt_k = _int_field(obj, "prompt_alt_tokens_k", 0, "prompt_alt_tokens_k")
     assert alt_k is not None
     if alt_k < 0:
@@ -217,7 +225,7 @@ def decode_sample_request_json(
     )
 
 
-def _target_prompt_ids(obj: Any, prompt_len: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None] | None:
+def _target_prompt_ids(obj: Any, prompt_len: int, budget: DenseBudget) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None] | None:
     """``target_prompt_logprobs`` as dense int64 ids ``(P-1, K)`` (-1 = none) and its CSR layout."""
     where = "target_prompt_logprobs"
     if obj is None:
@@ -236,7 +244,7 @@ def _target_prompt_ids(obj: Any, prompt_len: int) -> tuple[np.ndarray, tuple[np.
     crow = None if crow_raw is None else json_int_array(crow_raw, f"{where}.sparse_crow_indices")
     col = None if col_raw is None else json_int_array(col_raw, f"{where}.sparse_col_indices")
     ids = densify(where=where, values=values.astype(np.int64), shape=shape, crow=crow, col=col,
-                  expected_rows=prompt_len - 1, pad=-1, rows_of="len(prompt) - 1 = {n}")
+                  expected_rows=prompt_len - 1, pad=-1, rows_of="len(prompt) - 1 = {n}", budget=budget)
     if ids.size and int(ids.min()) < -1:
         fail(f"{where} holds ids below -1 (-1 means no request)")
     if not (ids >= 0).any():

@@ -14,8 +14,10 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import caller_of, owned_model, owned_session, readable_checkpoint, state_of, submit
-from tinsmith.api.schemas import Body
+from tinsmith.api.common import (caller_of, check_base_model_matches, owned_model, owned_session, readable_checkpoint,
+                                 state_of, submit)
+from tinsmith.api.request import ApiRoute
+from tinsmith.api.schemas import Body, Int64Query, ModelSeqId
 from tinsmith.checkpoints.paths import (KINDS, TinkerPath, check_name, checkpoint_directory, expiry_from_ttl,
                                        parse_tinker_path)
 from tinsmith.checkpoints.state_format import lora_from_meta, read_meta
@@ -23,7 +25,7 @@ from tinsmith.errors import ConflictError, InvalidInputError, NotFoundError
 from tinsmith.server.operations import LoadArgs, SaveArgs
 from tinsmith.store.ids import model_id_for
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 URL_LIFETIME = timedelta(hours=1)
@@ -44,7 +46,7 @@ class LoadWeightsRequest(Body):
     model_id: str | None = None
     seq_id: int | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: ModelSeqId | None = None
     base_model: str | None = None
     user_metadata: dict | None = None
     optimizer: bool = False
@@ -62,7 +64,7 @@ class CopyWeightsRequest(Body):
     source_path: str
     destination_project_id: str | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: ModelSeqId | None = None
     ttl_seconds: int | None = None
 
 
@@ -94,8 +96,7 @@ async def _save(request: Request, caller: Caller, body: SaveWeightsRequest, kind
                                 "save them without encryption recipients")
     tp = TinkerPath(body.model_id, kind, check_name(body.path))
     args = SaveArgs(kind, tp.name, str(tp), checkpoint_directory(state.config.resolved_checkpoint_dir, tp),
-                    caller.owner, expiry_from_ttl(body.ttl_seconds), body.user_metadata, body.overwrite,
-                    state.config.checkpoint_quota_bytes)
+                    caller.owner, expiry_from_ttl(body.ttl_seconds), body.user_metadata, body.overwrite)
     return await submit(state, caller, job_kind, args, payload=body.model_dump_json().encode(), payload_type="json",
                         model_id=body.model_id, seq_id=body.seq_id)
 
@@ -125,8 +126,7 @@ async def load_weights(body: LoadWeightsRequest, request: Request, caller: Calle
     ck = await readable_checkpoint(state, caller, tp, "weights")
     meta = await run_in_threadpool(read_meta, Path(ck.storage_path))
     base_model = meta["base_model"]
-    if body.base_model and state.worker.resolve_base(body.base_model) is not state.worker.resolve_base(base_model):
-        raise InvalidInputError(f"base_model {body.base_model!r} does not match the checkpoint's base model {base_model!r}")
+    check_base_model_matches(state, body.base_model or None, base_model, body.path)
     create = body.model_id is None
     if create:
         if body.session_id is None or body.model_seq_id is None:
@@ -173,7 +173,7 @@ async def _run_json(state, m) -> dict:
 
 
 @router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, caller: Caller = Depends(caller_of)) -> dict:
+async def list_training_runs(request: Request, limit: Int64Query = 20, offset: Int64Query = 0, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
     limit, offset = max(1, min(limit, 1000)), max(0, offset)
     page = await run_in_threadpool(state.store.list_models, caller.owner, limit, offset)
@@ -196,7 +196,7 @@ async def list_run_checkpoints(run_id: str, request: Request, caller: Caller = D
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0, caller: Caller = Depends(caller_of)) -> dict:
+async def list_user_checkpoints(request: Request, limit: Int64Query = 100, offset: Int64Query = 0, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
     limit, offset = max(1, min(limit, 1000)), max(0, offset)
     page = await run_in_threadpool(state.store.list_user_checkpoints, caller.owner, limit, offset)
@@ -291,6 +291,10 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
     src = await run_in_threadpool(state.store.get_model, tp.run_id)
     if src is None:
         raise NotFoundError(f"training run {tp.run_id!r} of {body.source_path!r} not found")
+    # The copy shares the source's files, but it is the caller's to keep after the source is
+    # deleted (or, for a published checkpoint, after its owner deletes it): it counts in full.
+    await run_in_threadpool(state.limits.check_storage, state.store, caller.owner, ck.size_bytes,
+                            what=f"a copy of {body.source_path}")
     expires = expiry_from_ttl(body.ttl_seconds)
     if body.session_id is not None:
         if body.model_seq_id is None:

@@ -8,10 +8,11 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, state_of
+from tinsmith.api.request import ApiRoute
 from tinsmith.api.schemas import RetrieveFutureRequest
-from tinsmith.errors import NotFoundError
+from tinsmith.errors import ExpiredError, NotFoundError
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 
 def _answer(result: bytes | None, content_type: str | None, error: str | None, category: str | None) -> Response:
@@ -36,6 +37,11 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, caller:
     rec = await run_in_threadpool(state.store.get_request, rid)
     if rec is None or rec.owner != caller.owner:
         raise NotFoundError(f"request {rid!r} not found")
+    if rec.status == "completed" and rec.is_purged:
+        raise ExpiredError(
+            f"the result of request {rid!r} expired: results are kept for "
+            f"{state.config.request_retention_s:.0f} s after the request finishes (--request-retention-s)"
+        )
     if rec.status == "completed":
         return _answer(rec.result, rec.result_content_type, None, None)
     if rec.status == "failed":

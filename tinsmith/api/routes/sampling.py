@@ -9,15 +9,17 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import (caller_of, owned_model, owned_session, parse_json_object, read_body,
-                                 readable_checkpoint, state_of, submit)
+from tinsmith.api.common import (caller_of, check_base_model_matches, owned_model, owned_session, readable_checkpoint,
+                                 state_of, submit)
+from tinsmith.api.limits import limits_of
+from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import Body
 from tinsmith.checkpoints.paths import TinkerPath, check_name, checkpoint_directory, expiry_from_ttl, parse_tinker_path
 from tinsmith.errors import InvalidInputError, NotFoundError
 from tinsmith.server.operations import SampleArgs, SamplerSaveArgs
 from tinsmith.store.ids import sampling_session_id_for
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 
 class SaveForSamplerRequest(Body):
@@ -75,21 +77,31 @@ async def save_weights_for_sampler(body: SaveForSamplerRequest, request: Request
                         model_id=body.model_id, seq_id=body.seq_id)
 
 
+async def _sampler_weights(state, caller: Caller, base_model: str | None, model_path: str | None):
+    """The base model a sampler runs on, and the stored sampler weights it samples (if any).
+
+    With ``model_path`` the checkpoint decides the base model; a ``base_model`` given beside it
+    (cookbook recipes pass both) must name the same served model.
+    """
+    if model_path is None:
+        state.worker.resolve_base(base_model or "")
+        return base_model, None
+    tp = parse_tinker_path(model_path, "model_path")
+    ck = await readable_checkpoint(state, caller, tp, "sampler_weights")
+    run = await run_in_threadpool(state.store.get_model, tp.run_id)
+    if run is None:
+        raise NotFoundError(f"training run {tp.run_id!r} of {model_path!r} not found")
+    check_base_model_matches(state, base_model, run.base_model, model_path)
+    return run.base_model, ck
+
+
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
     await owned_session(state, caller, body.session_id)
-    if (body.base_model is None) == (body.model_path is None):
-        raise InvalidInputError("create_sampling_session needs exactly one of base_model and model_path")
-    base_model = body.base_model
-    if body.model_path is not None:
-        tp = parse_tinker_path(body.model_path)
-        await readable_checkpoint(state, caller, tp, "sampler_weights")
-        run = await run_in_threadpool(state.store.get_model, tp.run_id)
-        if run is None:
-            raise NotFoundError(f"training run {tp.run_id!r} of {body.model_path!r} not found")
-        base_model = run.base_model
-    state.worker.resolve_base(base_model)
+    if body.base_model is None and body.model_path is None:
+        raise InvalidInputError("create_sampling_session needs base_model or model_path")
+    base_model, _ = await _sampler_weights(state, caller, body.base_model, body.model_path)
     sid = sampling_session_id_for(body.session_id, body.sampling_session_seq_id)
     await run_in_threadpool(lambda: state.store.create_sampling_session(
         sid, owner=caller.owner, base_model=base_model, session_id=body.session_id, model_path=body.model_path))
@@ -117,9 +129,10 @@ async def get_sampler(sampler_id: str, request: Request, caller: Caller = Depend
 @router.post("/asample")
 async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
-    body = await read_body(request)
-    obj = parse_json_object(body)
-    sid, seq_id, base_model, model_path, inp = codecs.decode_sample_request_json(obj)
+    body = await request.body()
+    limits = limits_of(state)
+    sid, seq_id, base_model, model_path, inp = codecs.decode_sample_request_json(await json_object(request),
+                                                                                limits=limits)
     snapshot_key = storage_path = None
     if sid is not None:
         s = await run_in_threadpool(state.store.get_sampling_session, sid)
@@ -131,13 +144,10 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
     elif base_model is None and model_path is None:
         raise InvalidInputError("asample needs sampling_session_id (or base_model / model_path)")
     if model_path is not None:
-        tp = parse_tinker_path(model_path)
-        ck = await readable_checkpoint(state, caller, tp, "sampler_weights")
-        snapshot_key, storage_path = str(tp), ck.storage_path
-        if base_model is None:
-            run = await run_in_threadpool(state.store.get_model, tp.run_id)
-            base_model = run.base_model if run else None
-    state.worker.resolve_base(base_model or "")
+        base_model, ck = await _sampler_weights(state, caller, base_model, model_path)
+        snapshot_key, storage_path = model_path, ck.storage_path
+    base = state.worker.resolve_base(base_model or "")
+    limits.check_sample(inp, base.config.max_position_embeddings)
     first = await run_in_threadpool(state.store.reserve_sequence_numbers, sid, inp.num_samples) if sid else None
     prefix = sid or "direct"
     if first is None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from tinsmith.api.common import caller_of, state_of
+from tinsmith.api.limits import limits_of
+from tinsmith.api.request import ApiRoute
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 # Feature flags the SDK reads from client/config. Everything optional stays off.
 CLIENT_CONFIG = {
@@ -21,7 +23,8 @@ CLIENT_CONFIG = {
 
 @router.post("/client/config")
 async def client_config(request: Request, _=Depends(caller_of)) -> dict:
-    return CLIENT_CONFIG
+    # The SDK splits forward_backward calls by these, so it never sends what the limits refuse.
+    return {**CLIENT_CONFIG, **limits_of(state_of(request)).sdk_chunking()}
 
 
 @router.post("/client/dynamic_config")

@@ -8,9 +8,10 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_session, state_of
-from tinsmith.api.schemas import CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest
+from tinsmith.api.request import ApiRoute
+from tinsmith.api.schemas import CreateSessionRequest, FinishSessionRequest, Int64Query, SessionHeartbeatRequest
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 
 @router.post("/create_session")
@@ -39,14 +40,14 @@ async def finish_session(session_id: str, request: Request, caller: Caller = Dep
     state = state_of(request)
     await owned_session(state, caller, session_id)
     raw = await request.body()
-    body = FinishSessionRequest.model_validate_json(raw) if raw else FinishSessionRequest()
+    body = FinishSessionRequest.model_validate(await request.json()) if raw else FinishSessionRequest()
     if await run_in_threadpool(state.store.finish_session, session_id, body.reason.type, body.detail):
         await state.release_session_runs(session_id)
     return {}
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = 20, offset: int = 0, caller: Caller = Depends(caller_of)) -> dict:
+async def list_sessions(request: Request, limit: Int64Query = 20, offset: Int64Query = 0, caller: Caller = Depends(caller_of)) -> dict:
     page = await run_in_threadpool(state_of(request).store.list_sessions, caller.owner, max(1, min(limit, 1000)), max(0, offset))
     return {"sessions": [s.session_id for s in page.items]}
 

@@ -9,13 +9,15 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import caller_of, owned_model, owned_session, parse_json_object, read_body, state_of, submit
+from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
+from tinsmith.api.limits import limits_of
+from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import CreateModelRequest, ModelIdRequest, OptimStepRequest, UnloadModelRequest
 from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.store.ids import model_id_for
 from tinsmith.types import AdamParams, LoraSpec
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 SUPPORTED_OPTIMIZERS = ("adamw", "adam")
 
@@ -40,6 +42,8 @@ async def create_model(body: CreateModelRequest, request: Request, caller: Calle
         lora = LoraSpec(rank=c.rank, seed=c.seed, train_attn=c.train_attn, train_mlp=c.train_mlp,
                         train_unembed=c.train_unembed)
     model_id = model_id_for(body.session_id, body.model_seq_id)
+    # Refuse before the run is recorded: a 429 must not leave a run behind with no request to create it.
+    state.limits.admit(caller.owner, state.engine.in_flight(caller.owner))
     await run_in_threadpool(
         lambda: state.store.create_model(
             model_id, owner=caller.owner, base_model=body.base_model, session_id=body.session_id,
@@ -70,16 +74,17 @@ async def get_info(body: ModelIdRequest, request: Request, caller: Caller = Depe
 
 async def _forward_backward(request: Request, caller: Caller, forward_route: bool) -> dict:
     state = state_of(request)
-    body = await read_body(request)
+    body = await request.body()
+    limits = limits_of(state)
     ctype = request.headers.get("content-type", "")
     if "protobuf" in ctype:
         model_id, seq_id, inp = await run_in_threadpool(
-            codecs.decode_forward_backward_protobuf, body, request.headers.get("content-encoding")
-        )
+            lambda: codecs.decode_forward_backward_protobuf(body, limits=limits))
         wire, payload_type = "protobuf", "protobuf"
     else:
-        obj = parse_json_object(body)
-        model_id, seq_id, inp = await run_in_threadpool(codecs.decode_forward_backward_json, obj)
+        obj = await json_object(request)
+        model_id, seq_id, inp = await run_in_threadpool(
+            lambda: codecs.decode_forward_backward_json(obj, limits=limits))
         wire, payload_type = "json", "json"
     if forward_route:
         inp.forward_only = True

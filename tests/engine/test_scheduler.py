@@ -1,0 +1,299 @@
+"""The engine's scheduling, against operations that only count tokens (no model).
+
+What must hold: a model's jobs run in seq_id order even when they arrive out of order (held
+back until the gap fills or times out); a key with a huge forward_backward gets its fair share
+of each chunk and no more, so other keys' small requests, optimizer steps and checkpoint saves
+finish while the huge one is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from tinsmith.engine.scheduler import Engine, Job, Outcome
+
+CHUNK = 100  # tokens per chunk
+
+
+@dataclass
+class FakePass:
+    jobs: list[Job]
+    todo: list[int]  # datum lengths still to run
+    done: bool = False
+
+
+@dataclass
+class FakeOps:
+    """Forward/backward jobs carry their datum lengths as ``args``; everything is logged."""
+
+    chunk_delay_s: float = 0.0
+    log: list[tuple] = field(default_factory=list)  # ("chunk", {model: tokens}) / ("single", kind, model)
+
+    def run_one(self, job: Job) -> Outcome:
+        self.log.append(("single", job.kind, job.model_id))
+        return Outcome(result=b"{}")
+
+    def train_begin(self, jobs: list[Job]) -> FakePass:
+        self.log.append(("begin", jobs[0].model_id, [j.seq_id for j in jobs]))
+        return FakePass(jobs, [n for j in jobs for n in j.args])
+
+    def train_advance(self, quotas: list[tuple[FakePass, int]], budget: int, on_done) -> list[int]:
+        """The worker's rule: datums that fit the pass's quota and the chunk budget, and the
+        first datum of a call whatever its length."""
+        time.sleep(self.chunk_delay_s)
+        ran, by_model, total = [], {}, 0
+        for p, quota in quotas:
+            taken = 0
+            while p.todo and ((taken + p.todo[0] <= quota and total + p.todo[0] <= budget) or total == 0):
+                taken += p.todo[0]
+                total += p.todo.pop(0)
+            p.done = not p.todo
+            if p.done and 0 < taken <= 20:  # small passes answer at once, like small micro-batches
+                on_done(p)
+            ran.append(taken)
+            if taken:
+                by_model[p.jobs[0].model_id] = taken
+        self.log.append(("chunk", by_model))
+        assert total <= budget or len([t for t in ran if t]) == 1, "a chunk keeps to its budget"
+        return ran
+
+    def train_pending(self, p: FakePass, tokens: int) -> list[int]:
+        out = []
+        for n in p.todo:
+            if sum(out) >= tokens:
+                break
+            out.append(n)
+        return out
+
+    def train_done(self, p: FakePass) -> bool:
+        return p.done or not p.todo
+
+    def train_outcomes(self, p: FakePass, jobs: list[Job]) -> list[Outcome]:
+        return [Outcome(result=b"{}") for _ in jobs]
+
+    def train_chunk_tokens(self, keys: int) -> int:
+        return CHUNK
+
+    def sample_submit(self, job: Job) -> None:
+        raise AssertionError("no sampling here")
+
+    def sample_has_work(self) -> bool:
+        return False
+
+    def sample_step(self, budget_s: float):
+        return []
+
+    def sample_abort(self):
+        return []
+
+
+class NullSink:
+    def complete_request(self, request_id, result, content_type):
+        return True
+
+    def fail_request(self, request_id, error, category="server"):
+        return True
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def _engine(ops: FakeOps, **kw) -> Engine:
+    engine = Engine(ops, NullSink(), **kw)
+    await engine.start()
+    return engine
+
+
+def waiting(engine: Engine, *request_ids: str, timeout: float = 20) -> list[asyncio.Task]:
+    """Start waiting at once: a job's waiter is dropped when it finishes, so wait before it can."""
+    return [asyncio.ensure_future(engine.wait(r, timeout)) for r in request_ids]
+
+
+def fb(rid: str, model: str, seq: int, lengths: list[int], owner: str = "a", kind: str = "forward_backward") -> Job:
+    return Job(rid, kind, model, seq, lengths, owner=owner)
+
+
+def test_out_of_order_jobs_wait_for_their_predecessor_and_run_as_one_pass():
+    async def scenario():
+        ops = FakeOps()
+        engine = await _engine(ops, seq_gap_wait_s=5.0)
+        engine.submit(Job("c", "create_model", "m", 0, None, owner="a"))
+        await waiting(engine, "c")[0]
+        # The SDK sends the chunks of one large call concurrently, the first one last.
+        for seq in (3, 2):
+            engine.submit(fb(f"fb{seq}", "m", seq, [10]))
+        engine.submit(Job("opt", "optim_step", "m", 4, None, owner="a"))
+        (opt,) = waiting(engine, "opt")
+        await asyncio.sleep(0.2)
+        assert ops.log == [("single", "create_model", "m")], "seq 2 and 3 must wait for seq 1"
+        engine.submit(fb("fb1", "m", 1, [10]))
+        await opt
+        await engine.stop()
+        return ops.log
+
+    log = run(scenario())
+    assert log[1] == ("begin", "m", [1, 2, 3])  # all three chunks in one pass, in order
+    assert log[-1] == ("single", "optim_step", "m")
+
+
+def test_a_gap_that_never_fills_is_waited_out():
+    async def scenario():
+        ops = FakeOps()
+        engine = await _engine(ops, seq_gap_wait_s=0.3)
+        engine.submit(Job("c", "create_model", "m", 0, None))
+        await waiting(engine, "c")[0]
+        t0 = time.monotonic()
+        engine.submit(fb("fb5", "m", 5, [10]))  # 1..4 never come (refused at the door, say)
+        out = await waiting(engine, "fb5")[0]
+        waited = time.monotonic() - t0
+        engine.submit(fb("fb6", "m", 6, [10]))  # the next one is not held back again
+        t1 = time.monotonic()
+        await waiting(engine, "fb6")[0]
+        await engine.stop()
+        return out, waited, time.monotonic() - t1, engine.stats
+
+    out, waited, next_wait, stats = run(scenario())
+    assert out is not None and out.error is None
+    assert 0.25 <= waited < 2.0
+    assert next_wait < 0.2
+    assert stats["seq_gaps_skipped"] == 1
+
+
+def test_small_requests_of_other_keys_finish_while_a_huge_one_runs():
+    async def scenario():
+        ops = FakeOps(chunk_delay_s=0.002)
+        engine = await _engine(ops)
+        engine.submit(fb("huge", "big", 1, [50] * 200, owner="heavy"))  # 100 chunks worth
+        await asyncio.sleep(0.02)
+        arrived = sum(1 for entry in ops.log if entry[0] == "chunk")
+        engine.submit(fb("small", "s", 1, [30, 30], owner="light"))
+        engine.submit(Job("save", "save_weights", "t", 1, None, owner="light2"))
+        huge, small, save = waiting(engine, "huge", "small", "save")
+        small, save = await small, await save
+        still_running = engine.pending("huge")
+        await huge
+        await engine.stop()
+        return small, save, still_running, arrived, ops.log
+
+    small, save, still_running, arrived, log = run(scenario())
+    assert small.error is None and save.error is None
+    assert still_running, "the small request and the save must not wait for the huge pass"
+    chunks = [c for kind, c, *rest in log if kind == "chunk"]
+    first_small = next(i for i, c in enumerate(chunks) if c.get("s"))
+    assert arrived > 0 and first_small - arrived <= 2, "the small request starts within a chunk or two of arriving"
+    assert sum(c.get("s", 0) for c in chunks) == 60
+    assert all(sum(c.values()) <= CHUNK for c in chunks), "every chunk keeps to its budget"
+    assert sum(c.get("big", 0) for c in chunks[first_small - 1:first_small + 3]) > 0, "the huge one goes on meanwhile"
+
+
+def test_a_key_with_long_sequences_gets_no_more_than_its_share():
+    """Deficit round robin: 400-token datums against 20-token ones, both keys always busy."""
+    async def scenario():
+        ops = FakeOps()
+        engine = await _engine(ops)
+        engine.submit(fb("long", "L", 1, [400] * 20, owner="long"))
+        engine.submit(fb("short", "S", 1, [20] * 400, owner="short"))
+        await asyncio.gather(*waiting(engine, "long", "short"))
+        await engine.stop()
+        return ops.log
+
+    log = run(scenario())
+    chunks = [c for kind, c, *rest in log if kind == "chunk"]
+    # While both were running, each key's tokens stay within one long datum of each other.
+    last_short = max(i for i, c in enumerate(chunks) if "S" in c)
+    assert sum(1 for c in chunks[:last_short] if "L" in c) >= 10, "the long datums interleave with the short ones"
+    long_tokens = short_tokens = 0
+    for c in chunks:
+        long_tokens += c.get("L", 0)
+        short_tokens += c.get("S", 0)
+        if short_tokens < 8000 and long_tokens < 8000:
+            assert abs(long_tokens - short_tokens) <= 400 + CHUNK, (long_tokens, short_tokens)
+
+
+def test_one_keys_many_runs_share_one_keys_part():
+    async def scenario():
+        ops = FakeOps()
+        engine = await _engine(ops)
+        for i in range(4):
+            engine.submit(fb(f"many{i}", f"m{i}", 1, [10] * 40, owner="many"))
+        engine.submit(fb("one", "solo", 1, [10] * 40, owner="one"))
+        await waiting(engine, "one")[0]
+        counts = {"many": 0, "one": 0}
+        for kind, c, *rest in ops.log:
+            if kind == "chunk":
+                counts["many"] += sum(v for m, v in c.items() if m.startswith("m"))
+                counts["one"] += c.get("solo", 0)
+        await engine.stop()
+        return counts
+
+    counts = run(scenario())
+    # When the single-run key finished its 400 tokens, the four-run key had about as many.
+    assert counts["one"] == 400
+    assert 300 <= counts["many"] <= 500, counts
+
+
+@pytest.mark.parametrize("kind", ["forward_backward", "forward"])
+def test_a_failing_begin_fails_only_that_pass(kind):
+    class Refusing(FakeOps):
+        def train_begin(self, jobs):
+            if jobs[0].model_id == "bad":
+                raise ValueError("boom")
+            return super().train_begin(jobs)
+
+    async def scenario():
+        ops = Refusing()
+        engine = await _engine(ops)
+        engine.submit(fb("bad", "bad", 1, [10], kind=kind))
+        engine.submit(fb("good", "good", 1, [10], owner="b", kind=kind))
+        bad, good = await asyncio.gather(*waiting(engine, "bad", "good"))
+        await engine.stop()
+        return bad, good
+
+    bad, good = run(scenario())
+    assert bad.error and "boom" in bad.error and good.error is None
+
+
+def test_a_key_that_was_idle_goes_first_in_the_next_chunk():
+    """Four keys fill every chunk exactly; a newcomer's small request must not queue behind them."""
+    async def scenario():
+        ops = FakeOps(chunk_delay_s=0.003)
+        engine = await _engine(ops)
+        for i in range(4):
+            engine.submit(fb(f"busy{i}", f"b{i}", 1, [25] * 400, owner=f"busy{i}"))
+        waits = waiting(engine, *[f"busy{i}" for i in range(4)])
+        await asyncio.sleep(0.05)
+        arrived = sum(1 for entry in ops.log if entry[0] == "chunk")
+        engine.submit(fb("new", "n", 1, [10], owner="newcomer"))
+        await waiting(engine, "new")[0]
+        await asyncio.gather(*waits)
+        await engine.stop()
+        return arrived, [c for kind, c, *rest in ops.log if kind == "chunk"]
+
+    arrived, chunks = run(scenario())
+    first = next(i for i, c in enumerate(chunks) if "n" in c)
+    assert arrived > 0 and first - arrived <= 1, (arrived, first)
+    # and the four busy keys shared evenly throughout (within one packet: a chunk)
+    totals = [sum(c.get(f"b{i}", 0) for c in chunks[: first + 20]) for i in range(4)]
+    assert max(totals) - min(totals) <= CHUNK, totals
+
+
+def test_a_head_turning_ready_while_the_engine_looks_is_not_stranded(monkeypatch):
+    """The engine wakes exactly when a held-back head's gap wait ends; if it finds the head
+    still held and then asks for the next deadline a moment later, the answer must be "now",
+    not "nothing is held" (which would put it to sleep with the job stranded)."""
+    import tinsmith.engine.scheduler as sched
+
+    engine = Engine(FakeOps(), NullSink(), seq_gap_wait_s=2.0)
+    engine.next_seq["m"] = 1
+    job = fb("late", "m", 5, [10])
+    job.enqueued_at = 100.0
+    engine.queues["m"] = [job]
+    clock = iter([101.9999999, 102.0000001])
+    monkeypatch.setattr(sched.time, "monotonic", lambda: next(clock))
+    assert not engine._has_training_work()  # still held at the first look
+    assert engine._next_gap_deadline() == 0.0  # ready at the second: run now
