@@ -1,0 +1,68 @@
+"""Readings of the machine the server runs on: host memory, and per accelerator its memory and load.
+
+One place for them, so that ``/metrics``, the dashboard and ``tinsmith status`` show the same
+numbers. Every reading is cheap (no device synchronisation) and never raises: a value that cannot
+be read on this machine is ``None``, never a made-up zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import psutil
+import torch
+
+
+@dataclass
+class DeviceReading:
+    """One accelerator. ``used_bytes`` counts every process on the device (driver view);
+    ``allocated_bytes``/``reserved_bytes`` are this process's tensors and its caching allocator."""
+
+    index: int
+    name: str
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    utilization_percent: float | None = None
+
+
+@dataclass
+class HealthReading:
+    process_rss_bytes: int
+    host_total_bytes: int
+    host_available_bytes: int
+    cpu_percent: float
+    devices: list[DeviceReading] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_process = psutil.Process()
+
+
+def _device_reading(index: int) -> DeviceReading:
+    reading = DeviceReading(index=index, name=torch.cuda.get_device_name(index))
+    try:
+        free, total = torch.cuda.mem_get_info(index)
+        reading.total_bytes, reading.used_bytes = int(total), int(total - free)
+    except RuntimeError:
+        pass
+    reading.allocated_bytes = int(torch.cuda.memory_allocated(index))
+    reading.reserved_bytes = int(torch.cuda.memory_reserved(index))
+    try:  # needs NVML (the nvidia-ml-py package); absent on many installs
+        reading.utilization_percent = float(torch.cuda.utilization(index))
+    except Exception:  # noqa: BLE001 - ModuleNotFoundError, or an NVML error on this driver
+        reading.utilization_percent = None
+    return reading
+
+
+def read_health() -> HealthReading:
+    """Host memory and CPU of this process's machine, and every CUDA device this process sees."""
+    memory = psutil.virtual_memory()
+    devices = ([_device_reading(i) for i in range(torch.cuda.device_count())]
+               if torch.cuda.is_available() else [])
+    return HealthReading(process_rss_bytes=_process.memory_info().rss, host_total_bytes=memory.total,
+                         host_available_bytes=memory.available, cpu_percent=psutil.cpu_percent(interval=None),
+                         devices=devices)
