@@ -289,6 +289,12 @@ def run_from_args(a) -> int:
     if a.steps < 1:
         print("tinsmith demo: --steps must be at least 1", file=sys.stderr)
         return 2
+    try:
+        import matplotlib  # noqa: F401 - checked now, not after minutes of training
+    except ImportError:
+        print("tinsmith demo: the demo draws its reward curve with matplotlib: pip install 'tinsmith[demo]'",
+              file=sys.stderr)
+        return 2
     cfg = DemoConfig(out_dir=a.out, model_dir=a.model_dir, steps=a.steps, port=a.port, seed=a.seed)
     try:
         run_demo(cfg, log=lambda s: print(s, flush=True))

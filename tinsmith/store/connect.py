@@ -60,6 +60,11 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     if backend == "postgresql":
+        try:
+            import psycopg  # noqa: F401 - the driver is an optional extra
+        except ImportError:
+            raise ValueError("a postgresql database URL needs the PostgreSQL driver: "
+                             "pip install 'tinsmith[postgres]'") from None
         return create_engine(parsed, echo=echo, pool_pre_ping=True)
     raise ValueError(
         f"unsupported database URL {parsed.render_as_string()!r}: use sqlite or postgresql"
