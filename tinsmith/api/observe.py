@@ -27,6 +27,7 @@ from tinsmith.tenants import key_id_for_api_key
 log = logging.getLogger("tinsmith.requests")
 
 UNMATCHED_ROUTE = "unmatched"  # the label of a path no route serves (404s of scanners): one series
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # any other: "other"
 
 
 @dataclass
@@ -94,7 +95,8 @@ class RequestObserver:
             self._record(scope, status, time.perf_counter() - start, note)
 
     def _record(self, scope, status: int, seconds: float, note: RequestNote) -> None:
-        route, method = route_template(scope), scope.get("method", "")
+        route = route_template(scope)
+        method = scope.get("method", "") if scope.get("method") in METHODS else "other"
         self.metrics.observe_request(route, method, status, seconds)
         key = _header(scope, b"x-api-key")
         params = scope.get("path_params") or {}
