@@ -313,10 +313,11 @@ class Worker:
             del self.snapshots[victim.key]
             self._drop_snapshot(victim)
             self.stats["snapshot_evictions"] += 1
-            log.warning("evicted %s sampler snapshot %s of key %s to make room for one of key %s (%d held, "
-                        "--max-sampler-snapshots %d); %s", "stored" if victim.reloadable else "in-memory",
-                        victim.key, key_id(victim.owner), key_id(owner), len(self.snapshots) + 1,
-                        self.options.max_sampler_snapshots,
+            log.warning("evicted %s sampler snapshot %s of key %s to make room for one of key %s "
+                        "(--max-sampler-snapshots %d, --max-sampler-snapshots-per-key %s); %s",
+                        "stored" if victim.reloadable else "in-memory", victim.key, key_id(victim.owner),
+                        key_id(owner), self.options.max_sampler_snapshots,
+                        self.options.max_sampler_snapshots_per_key or "off",
                         "it is reloaded from disk on its next request" if victim.reloadable
                         else "its sampling client must save the weights again")
         if old is not None:
