@@ -14,6 +14,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tinsmith.api.app import create_app
     from tinsmith.server.config import load_config
     from tinsmith.server.exclusive import AlreadyServing
+    from tinsmith.server.logs import configure_logging
     from tinsmith.server.private import set_private_umask
     from tinsmith.server.state import ServerState
 
@@ -23,7 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tinsmith: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     try:
         state = ServerState.build(config)
         state.claim()  # refuse now, before recovery touches anything and before models load
@@ -38,8 +39,9 @@ def _serve(args: argparse.Namespace) -> int:
             logging.getLogger("tinsmith").warning(
                 "no --api-keys-file: local single-user mode, any 'tml-' API key is accepted"
             )
+        # log_config=None: uvicorn keeps the handler configure_logging set, so its lines share the format.
         uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    access_log=config.log_level.lower() == "debug")
+                    log_config=None, access_log=False)
     finally:
         state.release()
     return 0

@@ -214,6 +214,7 @@ def valid_calls(app: App) -> list[Call]:
         Call("POST", "/api/v1/client/config"),  # the SDK sends its version; the route reads no body
         Call("POST", "/api/v1/client/dynamic_config"),
         Call("GET", "/api/v1/healthz"),
+        Call("GET", "/metrics"),
         Call("GET", "/api/v1/get_server_capabilities"),
         Call("POST", "/api/v1/telemetry"),
         Call("POST", "/api/v1/create_session", body={"tags": ["t"], "user_metadata": meta, "sdk_version": "0.38.0",

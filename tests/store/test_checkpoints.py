@@ -145,3 +145,12 @@ def test_ttl_and_expiry(store: Store, clock) -> None:
     assert [c.name for c in store.list_expired()] == ["preset", "short", "long"]
     assert store.set_expires_at("r", "weights", "long", None)
     assert [c.name for c in store.list_expired()] == ["preset", "short"]
+
+
+def test_storage_bytes_by_owner(store: Store) -> None:
+    assert store.storage_bytes_by_owner() == {}
+    _put(store, "r1", "weights", "a", owner="alice", size_bytes=5 * 2**30)
+    _put(store, "r1", "sampler_weights", "a", owner="alice", size_bytes=7)
+    _put(store, "r2", "weights", "a", owner="bob", size_bytes=3)
+    assert store.storage_bytes_by_owner() == {"alice": 5 * 2**30 + 7, "bob": 3}
+    assert store.storage_bytes_by_owner()["alice"] == store.owner_storage_bytes("alice")

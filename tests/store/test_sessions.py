@@ -94,3 +94,13 @@ def test_earliest_live_heartbeat(store: Store, clock) -> None:
     assert store.earliest_live_heartbeat() == store.get_session(a.session_id).last_heartbeat_at
     store.finish_session(a.session_id, "success")
     assert store.earliest_live_heartbeat() is None
+
+
+def test_count_live_sessions(store: Store) -> None:
+    assert store.count_live_sessions() == 0
+    a, b = store.create_session("o"), store.create_session("p")
+    assert store.count_live_sessions() == 2
+    store.finish_session(a.session_id, "success")
+    assert store.count_live_sessions() == 1
+    store.finish_session(b.session_id, "interrupted", "no heartbeat")
+    assert store.count_live_sessions() == 0

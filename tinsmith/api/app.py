@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tinsmith.api.observe import RequestObserver, note_request
 from tinsmith.api.routes import ROUTERS
 from tinsmith.errors import TinsmithError, TooManyRequestsError
 from tinsmith.server.state import ServerState
@@ -83,11 +84,13 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tinsmith", lifespan=lifespan)
     app.state.tinsmith = state
     app.add_middleware(BodyLimit, limit=state.config.max_body_bytes)
+    app.add_middleware(RequestObserver, metrics=state.metrics)  # outermost: sees every answer, 413s too
     for router in ROUTERS:
         app.include_router(router)
 
     @app.exception_handler(TinsmithError)
     async def tinsmith_error(_: Request, exc: TinsmithError):
+        note_request(reason=exc.message)
         headers = None
         if isinstance(exc, TooManyRequestsError):  # the SDK waits this long before resubmitting
             headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
@@ -95,16 +98,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
+        note_request(reason=f"invalid request: {_field_errors(exc)}")
         return JSONResponse({"detail": f"invalid request: {_field_errors(exc)}"}, status_code=400)
 
     @app.exception_handler(ValidationError)
     async def body_validation_error(_: Request, exc: ValidationError):
         # A route that validates its body itself (e.g. an optional body): still the client's mistake.
+        note_request(reason=f"invalid request: {_field_errors(exc)}")
         return JSONResponse({"detail": f"invalid request: {_field_errors(exc)}"}, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         # Always a body: the SDK treats an empty 400 as a proxy failure and retries.
+        note_request(reason=str(exc.detail))
         return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code)
 
     @app.exception_handler(Exception)

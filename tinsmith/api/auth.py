@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinsmith.errors import AuthError
+from tinsmith.tenants import OWNER_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Caller:
 
 
 def owner_for_key(key: str) -> str:
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    return OWNER_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def parse_keys(text: str, source: str) -> list[str]:

@@ -8,6 +8,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
+from tinsmith.api.observe import note_request
 from tinsmith.engine.scheduler import Job
 from tinsmith.errors import InvalidInputError, NotFoundError, StateLostError
 from tinsmith.server.state import ServerState
@@ -68,6 +69,16 @@ def check_base_model_matches(state: ServerState, given: str | None, actual: str,
         )
 
 
+def request_tokens(kind: str, args: Any) -> int | None:
+    """The tokens a request brings, for its log line: datum tokens of forward/backward, prompt
+    tokens of a sample (times its samples, each decoded from the prompt); None for other kinds."""
+    if kind in ("forward_backward", "forward"):
+        return sum(len(d.tokens) for d in args.data)
+    if kind == "sample":
+        return len(args.input.prompt) * args.input.num_samples
+    return None
+
+
 async def submit(
     state: ServerState,
     caller: Caller,
@@ -87,6 +98,7 @@ async def submit(
     A key that already has its most requests queued or running gets a 429 first, before anything
     is stored: the SDK backs off and resubmits, so one key's flood never fills the queue for all.
     """
+    note_request(run=model_id, tokens=request_tokens(kind, args))
     state.limits.admit(caller.owner, state.engine.in_flight(caller.owner))
     rec, created = await run_in_threadpool(
         lambda: state.store.create_request(

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tinsmith.errors import TinsmithError
+from tinsmith.tenants import key_id
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class Job:
     owner: str = ""
     internal: bool = False  # issued by the server itself (no client future, nothing to persist)
     enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # when the worker began it (queue wait ends here)
+    finished_at: float | None = None  # when its outcome was ready (before it is pushed to waiters)
     order: int = field(default_factory=lambda: next(_order))
 
     @property
@@ -146,6 +149,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.stats = {"chunks": 0, "singles": 0, "jobs": 0, "max_chunk_owners": 0, "seq_gaps_skipped": 0}
+        # Called on the event loop with every finished job and its outcome (metrics); must be cheap.
+        self.observers: list[Callable[[Job, Outcome], None]] = []
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -199,6 +204,17 @@ class Engine:
 
     def queue_depth(self) -> int:
         return sum(len(q) for q in self.queues.values())
+
+    def queued_jobs(self) -> list[Job]:
+        """Every training-run job waiting in a queue (not sample jobs, which the sampler queues).
+
+        Safe to call from another thread (a metrics scrape): it copies before it reads.
+        """
+        return [j for q in list(self.queues.values()) for j in list(q)]
+
+    def in_flight_total(self) -> int:
+        """Jobs queued or running, every key together."""
+        return sum(list(self._in_flight.values()))
 
     # ----------------------------------------------------------------------------- what is ready
     def _ready_head(self, model_id: str, now: float) -> Job | None:
@@ -306,6 +322,10 @@ class Engine:
             expected = self.next_seq.get(job.model_id)
             if expected is not None and job.seq_id > expected:
                 self.stats["seq_gaps_skipped"] += 1  # waited seq_gap_wait_s for a predecessor in vain
+                log.warning("model %s (key %s): ran %s seq_id %d without seq_id %d after holding it back %.1f s "
+                            "(--seq-gap-wait-s); the earlier request never arrived (refused or lost on the way)",
+                            job.model_id, key_id(job.owner), job.kind, job.seq_id, expected,
+                            time.monotonic() - job.enqueued_at)
             self.next_seq[job.model_id] = max(expected or 0, job.seq_id + 1)
 
     def _claim_singles(self) -> list[Job]:
@@ -339,6 +359,7 @@ class Engine:
         t0 = time.perf_counter()
         outcomes = []
         for job in jobs:
+            job.started_at = time.monotonic()
             try:
                 out = self.ops.run_one(job)
             except Exception as exc:
@@ -361,6 +382,9 @@ class Engine:
         live = []
         for p in passes:
             if p.handle is None:
+                now = time.monotonic()
+                for j in p.jobs:
+                    j.started_at = now
                 try:
                     p.handle = self.ops.train_begin(p.jobs)
                 except Exception as exc:
@@ -469,7 +493,9 @@ class Engine:
         return [(p, alloc[id(p)]) for p in order], budget
 
     def _persist(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
+        now = time.monotonic()
         for job, out in zip(jobs, outcomes):
+            job.finished_at = now
             if job.internal:
                 if out.error is not None:
                     log.warning("internal %s for %s failed: %s", job.kind, job.model_id, out.error)
@@ -506,7 +532,12 @@ class Engine:
             w = self.waiters.pop(job.request_id, None)
             if w is not None and not w.done():
                 w.set_result(out)
+            for observe in self.observers:
+                try:
+                    observe(job, out)
+                except Exception:  # an observer's bug must never stall the engine
+                    log.exception("observer of finished jobs failed")
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s of %s (key %s) answered %.1f ms after it was queued", job.kind, job.model_id,
-                          job.owner[-6:], 1000 * (time.monotonic() - job.enqueued_at))
+                          key_id(job.owner), 1000 * (time.monotonic() - job.enqueued_at))
         self._wake.set()

@@ -31,6 +31,10 @@ class RowKVCache:
         self.V = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens held per row
 
+    def nbytes(self) -> int:
+        """Bytes the cache's buffers take (for metrics; its lists may be swapped meanwhile, a copy is read)."""
+        return sum(t.numel() * t.element_size() for t in list(self.K) + list(self.V))
+
     # ----------------------------------------------------------------------------- sizing
     def ensure(self, rows: int, length: int) -> None:
         """Make room for ``rows`` rows of ``length`` positions (grows geometrically / by blocks)."""

@@ -56,6 +56,8 @@ class ServerConfig:
     sampler_snapshot_idle_s: float = 120.0
     public_url: str | None = None  # base URL clients reach this server at (download links)
     log_level: str = "info"
+    log_format: str = "text"  # text | json (one JSON object per line, for log collectors)
+    metrics_auth: bool = False  # require an API key on /metrics
 
     @property
     def resolved_database_url(self) -> str:
@@ -87,6 +89,8 @@ class ServerConfig:
         for name in self._NOT_NEGATIVE:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative (got {getattr(self, name)})")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"--log-format must be text or json (got {self.log_format!r})")
         for name in self._POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be above 0 (got {getattr(self, name)})")
@@ -144,6 +148,9 @@ _HELP = {
                                "another key's new snapshot may evict it",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
     "log_level": "debug, info, warning or error",
+    "log_format": "text (for people) or json (one object per line, for log collectors)",
+    "metrics_auth": "require an API key (X-API-Key, or Authorization: Bearer) on /metrics (default: open to "
+                    "anyone who can reach the server's address)",
 }
 
 

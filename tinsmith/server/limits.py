@@ -24,10 +24,14 @@ applies in both modes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 from tinsmith.errors import CapacityError, TooManyRequestsError
+from tinsmith.tenants import key_id
+
+log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1.0  # what a 429 asks the client to wait; the SDK's own sampling backoff is 1 s too
 
@@ -80,6 +84,8 @@ class KeyLimits:
             return
         used = ledger.owner_storage_bytes(owner)
         if used - replacing + incoming > quota:
+            log.warning("refused a checkpoint write of %d bytes to key %s: it uses %d of its %d bytes "
+                        "(--checkpoint-quota-bytes)", incoming, key_id(owner), used, quota)
             raise CapacityError(
                 f"checkpoint storage quota exceeded: {what} needs {incoming} bytes and this API key already uses "
                 f"{used} of its {quota} bytes (--checkpoint-quota-bytes); delete checkpoints first"

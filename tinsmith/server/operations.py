@@ -134,6 +134,7 @@ class WorkerOperations:
         self._sample_inbox: deque[Job] = deque()
         self.stability = StabilityLog()
         self._touched: dict[str, float] = {}
+        self.stats = {"sampled_tokens": 0}  # tokens of the sequences returned to clients (read by metrics)
 
     # ----------------------------------------------------------------------------- forward/backward
     def train_begin(self, jobs: list[Job]) -> TrainPass:
@@ -371,6 +372,7 @@ class WorkerOperations:
         out: list[tuple[Job, Outcome]] = []
         while self._sample_inbox:
             job = self._sample_inbox.popleft()
+            job.started_at = time.monotonic()
             try:
                 base, slot = self._resolve_slot(job)
                 self.worker.sampler(base).add(SampleTask(job, slot, job.args.input))
@@ -384,6 +386,7 @@ class WorkerOperations:
                 if isinstance(res, Exception):
                     out.append((job, Outcome.failure(res)))
                     continue
+                self.stats["sampled_tokens"] += sum(len(seq.tokens) for seq in res.sequences)
                 if job.args.input.record_stability_info:
                     for sid, seq in zip(job.args.sequence_ids, res.sequences):
                         self.stability.put(sid, seq.tokens, seq.logprobs)

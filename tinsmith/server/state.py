@@ -20,6 +20,8 @@ from tinsmith.checkpoints.peft_format import recover_interrupted_commits
 from tinsmith.engine.scheduler import Engine, Job
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.limits import KeyLimits
+from tinsmith.server.logs import log_startup_summary
+from tinsmith.server.metrics import ServerMetrics
 from tinsmith.server.exclusive import DatabaseLease, DataDirLock
 from tinsmith.server.operations import WorkerOperations
 from tinsmith.server.private import make_private
@@ -43,9 +45,15 @@ class ServerState:
     secret: bytes = b""  # signs download links; kept in the data dir so links survive restarts
     sweep_interval_s: float = 60.0  # checkpoint TTLs and request retention; sessions are swept on time
     limits: KeyLimits = field(default_factory=KeyLimits)
+    metrics: ServerMetrics = field(init=False)
     _tasks: list = field(default_factory=list)
     _lock: DataDirLock | None = None
     _lease: DatabaseLease | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self)
+        if self.engine is not None:
+            self.engine.observers.append(self.metrics.observe_job)
 
     @classmethod
     def build(cls, config: ServerConfig) -> "ServerState":
@@ -246,6 +254,7 @@ class ServerState:
         await asyncio.to_thread(self.claim)
         await asyncio.to_thread(self.recover_after_restart)
         await asyncio.to_thread(self.load_models)
+        log_startup_summary(self)
         await self.engine.start()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="tinsmith-sweeper"))
         if self.auth.multi_tenant:

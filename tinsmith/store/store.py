@@ -242,6 +242,12 @@ class Store:
         )
         return self._list(SessionRecord, query)
 
+    def count_live_sessions(self) -> int:
+        """Sessions not yet finished (closed, or timed out without a heartbeat)."""
+        query = select(func.count()).select_from(SessionTable).where(SessionTable.finished_at.is_(None))
+        with self._tx() as s:
+            return int(s.scalar(query) or 0)
+
     def earliest_live_heartbeat(self) -> datetime | None:
         """The oldest last heartbeat among unfinished sessions (None when there are none).
 
@@ -725,6 +731,12 @@ class Store:
         query = select(func.coalesce(func.sum(CheckpointTable.size_bytes), 0)).where(CheckpointTable.owner == owner)
         with self._tx() as s:
             return int(s.scalar(query) or 0)
+
+    def storage_bytes_by_owner(self) -> dict[str, int]:
+        """Total size of every owner's checkpoints (for metrics): one grouped query."""
+        query = select(CheckpointTable.owner, func.sum(CheckpointTable.size_bytes)).group_by(CheckpointTable.owner)
+        with self._tx() as s:
+            return {owner: int(size or 0) for owner, size in s.execute(query)}
 
     def delete_checkpoint(self, run_id: str, kind: str, name: str) -> bool:
         """Forget the row (the caller removes the files). False if it did not exist."""

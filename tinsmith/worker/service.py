@@ -27,6 +27,7 @@ from tinsmith.models.loading import LoadedModel, load_model
 from tinsmith.models.lora import pack_weights
 from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
 from tinsmith.sampling.sampler import Sampler
+from tinsmith.tenants import key_id
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
 from tinsmith.worker.trainables import detach_lora, install_lora_weights, lora_tensors
 
@@ -98,6 +99,7 @@ class Worker:
         self.snapshots: dict[str, Snapshot] = {}
         self.samplers: dict[str, Sampler] = {}
         self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
+        self.stats = {"snapshot_evictions": 0}  # read by metrics scrapes
 
     # ----------------------------------------------------------------------------- base models
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
@@ -163,6 +165,8 @@ class Worker:
             return
         held = sum(1 for p in self.placements.values() if p.owner == owner)
         if held >= cap:
+            log.warning("refused a training run to key %s: it holds %d, the most allowed per key "
+                        "(--max-runs-per-key %d)", key_id(owner), held, cap)
             raise CapacityError(
                 f"this API key already holds {held} training runs, the most this server allows per key "
                 f"(--max-runs-per-key {cap}); close a ServiceClient whose runs are no longer needed (its runs "
@@ -308,8 +312,14 @@ class Worker:
         for victim in victims:
             del self.snapshots[victim.key]
             self._drop_snapshot(victim)
-            log.debug("evicted %s sampler snapshot %s of %r to make room for one of %r",
-                      "stored" if victim.reloadable else "in-memory", victim.key, victim.owner, owner)
+            self.stats["snapshot_evictions"] += 1
+            log.warning("evicted %s sampler snapshot %s of key %s to make room for one of key %s "
+                        "(--max-sampler-snapshots %d, --max-sampler-snapshots-per-key %s); %s",
+                        "stored" if victim.reloadable else "in-memory", victim.key, key_id(victim.owner),
+                        key_id(owner), self.options.max_sampler_snapshots,
+                        self.options.max_sampler_snapshots_per_key or "off",
+                        "it is reloaded from disk on its next request" if victim.reloadable
+                        else "its sampling client must save the weights again")
         if old is not None:
             self._drop_snapshot(old)
         snap = Snapshot(key, base, slot, spec, reloadable, owner)
@@ -353,6 +363,8 @@ class Worker:
             need = len(own) + 1 - cap
             candidates = sorted((s for s in own if not in_use(s)), key=preference)
             if len(candidates) < need:
+                log.warning("refused a sampler snapshot to key %s: its %d snapshots are all in use "
+                            "(--max-sampler-snapshots-per-key %d)", key_id(owner), len(own), cap)
                 raise CapacityError(
                     f"this API key already holds {len(own)} sampler snapshots with sample requests queued or running, "
                     f"the most this server allows per key (--max-sampler-snapshots-per-key {cap}); wait for some to "
@@ -365,6 +377,8 @@ class Worker:
             candidates = sorted((s for s in self.snapshots.values() if id(s) not in chosen and not in_use(s)
                                  and (s.owner == owner or idle(s))), key=preference)
             if len(candidates) < need:
+                log.warning("refused a sampler snapshot to key %s: the %d the server holds are all in use or "
+                            "recently used (--max-sampler-snapshots)", key_id(owner), o.max_sampler_snapshots)
                 raise CapacityError(
                     f"no room for another sampler snapshot: the {o.max_sampler_snapshots} this server holds "
                     f"(--max-sampler-snapshots) are all in use (sample requests queued or running, or used in the last "
