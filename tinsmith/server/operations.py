@@ -19,6 +19,8 @@ from typing import Any
 from tinsmith.api import codecs
 from tinsmith.engine.scheduler import Job, Outcome
 from tinsmith.errors import CapacityError, ConflictError, InvalidInputError, TinsmithError
+from tinsmith.checkpoints.age_encryption import parse_recipients
+from tinsmith.checkpoints.export import hf_model_bytes, save_hf_model
 from tinsmith.checkpoints.peft_format import adapter_bytes, save_peft_adapter
 from tinsmith.checkpoints.state_format import load_training_state, save_training_state, training_state_bytes
 from tinsmith.sampling.sampler import SampleTask
@@ -85,6 +87,7 @@ class SaveArgs:
     expires_at: Any = None
     user_metadata: dict | None = None
     overwrite: bool = False
+    age_recipients: tuple[str, ...] = ()  # save_weights_external: encrypt every file to these
 
 
 @dataclass
@@ -280,13 +283,22 @@ class WorkerOperations:
         return json_outcome({"path": a.tinker_path})
 
     def _save_weights_external(self, job: Job) -> Outcome:
+        """A LoRA run exports a PEFT adapter, a full fine-tune a Hugging Face model directory;
+        with recipients, every file is age-encrypted (``NAME.age``) before it is committed."""
         a: SaveArgs = job.args
         if self.store.get_checkpoint(job.model_id, a.kind, a.name) is not None:
             raise ConflictError(f"checkpoint {a.tinker_path!r} already exists; choose another name")
-        spec, tensors, base = self.worker.adapter_weights(job.model_id)
-        self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
+        recipients = parse_recipients(a.age_recipients)
+        if self.worker.placement(job.model_id).is_lora:
+            spec, tensors, base = self.worker.adapter_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
+            write = lambda: save_peft_adapter(a.directory, spec, tensors, base.name, recipients)  # noqa: E731
+        else:
+            weights, base = self.worker.full_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
+            write = lambda: save_hf_model(a.directory, weights, base.loaded.model_dir, recipients)  # noqa: E731
         try:
-            size = save_peft_adapter(a.directory, spec, tensors, base.name)
+            size = write()
         except OSError as e:
             raise CapacityError(f"could not write checkpoint {a.tinker_path!r}: {e.strerror or e}") from e
         self.store.put_checkpoint(job.model_id, a.kind, a.name, owner=a.owner, storage_path=str(a.directory),

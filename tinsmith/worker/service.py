@@ -265,6 +265,14 @@ class Worker:
             raise InvalidInputError(f"model {model_id!r} is a full fine-tune; only LoRA runs can be sampled or exported as adapters")
         return p.lora, lora_tensors(p.runtime.unit(p.unit)), p.base
 
+    def full_weights(self, model_id: str) -> tuple[dict[str, torch.Tensor], BaseModel]:
+        """A full fine-tune's live weights under their Hugging Face names (not copies: read them
+        before the next job runs on this worker thread)."""
+        p = self.placement(model_id)
+        if p.is_lora:
+            raise InvalidInputError(f"model {model_id!r} is a LoRA run, not a full fine-tune")
+        return {n: t.detach() for n, t in p.runtime.unit(p.unit).named_params}, p.base
+
     def snapshot(self, model_id: str, key: str, *, owner: str = "", reloadable: bool = False,
                  queued: Collection[str] = ()) -> Snapshot:
         """Freeze the run's current adapter under ``key`` (a sampler id or a tinker path) for ``owner``.
