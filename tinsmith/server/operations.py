@@ -328,9 +328,14 @@ class WorkerOperations:
         if self.store.get_checkpoint(job.model_id, "sampler_weights", a.name) is not None:
             # A failed future rather than an HTTP 409, which the SDK would retry for minutes.
             raise ConflictError(f"sampler weights {a.tinker_path!r} already exist; save under another name")
-        spec, tensors, base = self.worker.adapter_weights(job.model_id)
-        self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
-        size = save_peft_adapter(a.directory, spec, tensors, base.name)
+        if self.worker.placement(job.model_id).is_lora:
+            spec, tensors, base = self.worker.adapter_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
+            size = save_peft_adapter(a.directory, spec, tensors, base.name)
+        else:  # a full fine-tune's sampler weights are a whole Hugging Face model
+            weights, base = self.worker.full_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
+            size = save_hf_model(a.directory, weights, base.loaded.model_dir)
         self.store.put_checkpoint(job.model_id, "sampler_weights", a.name, owner=a.owner, storage_path=str(a.directory),
                                   size_bytes=size, expires_at=a.expires_at, user_metadata=a.user_metadata)
         try:
@@ -362,11 +367,12 @@ class WorkerOperations:
             jobs += sampler.abort()
         return jobs
 
-    def _resolve_slot(self, job: Job) -> tuple[Any, int | None]:
+    def _resolve_sampler(self, job: Job) -> tuple[Any, int | None]:
+        """The sampler that runs ``job``, and the adapter slot it reads (None: no adapter)."""
         a: SampleArgs = job.args
         base = self.worker.resolve_base(a.base_model)
         if a.snapshot_key is None:
-            return base, None
+            return self.worker.sampler(base), None
         if a.snapshot_key in self.worker.snapshots:
             snap = self.worker.use_snapshot(a.snapshot_key)
         elif a.storage_path is not None:
@@ -377,15 +383,15 @@ class WorkerOperations:
                 f"the weights of sampler {a.snapshot_key!r} are no longer held (evicted or lost in a restart); "
                 "save them again with save_weights_and_get_sampling_client"
             )
-        return snap.base, snap.slot
+        return self.worker.sampler(snap.base, snap), snap.slot
 
     def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]:
         out: list[tuple[Job, Outcome]] = []
         while self._sample_inbox:
             job = self._sample_inbox.popleft()
             try:
-                base, slot = self._resolve_slot(job)
-                self.worker.sampler(base).add(SampleTask(job, slot, job.args.input))
+                sampler, slot = self._resolve_sampler(job)
+                sampler.add(SampleTask(job, slot, job.args.input))
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
         busy = [s for s in self.worker.samplers.values() if s.has_work()]
