@@ -45,6 +45,7 @@ NUL, SURROGATE = "\x00", "\ud800"
 WIDE_INTS = (1 << 64, -(1 << 63) - 1)  # just outside int64 (and uint64), each side
 KEY = {"X-API-Key": "tml-hostile"}
 JSON_TYPE = {"Content-Type": "application/json"}
+AGE_RECIPIENT = "age1ql3z7hjy54pw3hyww5ayyfg7zqgvc7w3j2elw8zmrj2kg5sfn9aqmcac8p"  # the age spec's example key
 
 
 # --------------------------------------------------------------------------------------- the app
@@ -251,7 +252,8 @@ def valid_calls(app: App) -> list[Call]:
         Call("POST", "/api/v1/save_weights", body={"model_id": m, "path": app.name("w"), "seq_id": app.number(),
                                                    "ttl_seconds": 7200, "user_metadata": meta}),
         Call("POST", "/api/v1/save_weights_external", body={"model_id": m, "path": app.name("e"),
-                                                            "seq_id": app.number()}),
+                                                            "seq_id": app.number(),
+                                                            "age_encryption_recipients": [AGE_RECIPIENT]}),
         Call("POST", "/api/v1/load_weights", body={
             "path": app.tinker_path("weights", app.weights), "session_id": s, "model_seq_id": app.number(),
             "optimizer": True, "base_model": b, "user_metadata": meta}),

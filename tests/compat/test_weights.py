@@ -29,12 +29,15 @@ def test_external_weights_download_merge_and_peft(cookbook, tmp_path):
     np.testing.assert_allclose(out["merged_logprobs"], out["server_logprobs"], atol=1e-4)
 
 
-def test_training_checkpoint_download_needs_age_encryption(cookbook, tmp_path):
-    """Missing feature, pinned: ``weights.download`` of a ``tinker://.../weights/...`` checkpoint
-    exports it with ``save_weights_external(age_encryption_recipients=[<fresh age key>])`` and
-    requires ``.age`` files back. tinsmith cannot age-encrypt, and says so (400) instead of
-    returning plaintext; when it learns to, this test must become a round trip like the one above."""
-    run = cookbook("weights_roundtrip.py", str(tmp_path), "--from-state", log_path=tmp_path, pass_log_path=False,
-                   expect_rc=1)
-    assert "WeightsDownloadError" in run.output
-    assert "age_encryption_recipients: this server cannot age-encrypt exported weights" in run.output
+def test_training_checkpoint_download_is_age_encrypted(cookbook, tmp_path):
+    """``weights.download`` of a ``tinker://.../weights/...`` checkpoint: the cookbook loads it into
+    a new run, exports it with ``save_weights_external(age_encryption_recipients=[<fresh age key>])``,
+    requires every listed file to be ``NAME.age`` and decrypts each with the identity it made
+    (failing otherwise); the decrypted adapter, merged, reproduces the server's logprobs."""
+    run = cookbook("weights_roundtrip.py", str(tmp_path), "--from-state", log_path=tmp_path, pass_log_path=False)
+    out = _result(run)
+    assert "/weights/roundtrip" in out["path"]
+    assert out["listed_files"] and all(f.endswith(".age") for f in out["listed_files"])
+    assert {f.removesuffix(".age") for f in out["listed_files"]} == set(out["adapter_files"])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(out["adapter_files"])
+    np.testing.assert_allclose(out["merged_logprobs"], out["server_logprobs"], atol=1e-4)

@@ -91,3 +91,27 @@ def checkpoint_dir(srv: ServerProcess, tinker_path: str) -> Path:
 
 def all_finite(metrics: dict[str, float]) -> bool:
     return all(np.isfinite(float(v)) for v in metrics.values())
+
+
+def full_finetune_client(sc: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
+    """A full fine-tuning ``TrainingClient``: the SDK has no public call for one, so this sends
+    its own ``CreateModelRequest`` without a ``lora_config`` through the SDK's transport,
+    exactly as ``create_lora_training_client`` does with one."""
+    from tinker.lib.api_future_impl import _APIFuture
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+    from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
+
+    holder = sc.holder
+    session_id, model_seq_id = holder.get_session_id(), holder.get_training_client_id()
+
+    async def create() -> TrainingClient:
+        with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+            future = await client.models.create(request=types.CreateModelRequest(
+                session_id=session_id, model_seq_id=model_seq_id, base_model=base_model, lora_config=None,
+                optimizer_config=types.AdamOptimizerConfig()))
+        created = await _APIFuture(types.CreateModelResponse, holder, future, request_start_time=0.0,
+                                   request_type="CreateModel").result_async()
+        return TrainingClient(holder, model_seq_id=model_seq_id, model_id=created.model_id,
+                              info=await fetch_training_info(holder, created.model_id))
+
+    return holder.run_coroutine_threadsafe(create()).result(timeout=RESULT_TIMEOUT_S)

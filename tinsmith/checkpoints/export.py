@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from tinsmith.checkpoints.peft_format import CONFIG, load_peft_adapter
+from tinsmith.checkpoints.peft_format import CONFIG, atomic_dir, load_peft_adapter, seal_and_commit
 from tinsmith.checkpoints.state_format import META, load_training_state
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.loading import load_model, resolve_model_dir
@@ -35,6 +37,30 @@ def read_adapter(checkpoint_dir: Path):
         base = json.loads((checkpoint_dir / CONFIG).read_text()).get("base_model_name_or_path")
         return spec, tensors, base
     raise InvalidInputError(f"no LoRA checkpoint in {str(checkpoint_dir)!r}")
+
+
+def hf_model_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """The tensor bytes :func:`save_hf_model` writes (known up front, for the storage quota)."""
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: Path,
+                  age_recipients: Sequence[Any] = ()) -> int:
+    """Write a full fine-tune as a plain Hugging Face model directory (``model.safetensors`` plus
+    the base model's config and tokenizer files), atomically, age-encrypted when recipients are
+    given. ``weights`` use the Hugging Face names; a tied unembedding appears once, as the
+    embedding, which is what the copied config (``tie_word_embeddings``) expects."""
+    tmp = atomic_dir(Path(directory))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        for f in _COPY:
+            if (Path(base_dir) / f).is_file():
+                shutil.copy(Path(base_dir) / f, tmp / f)
+        return seal_and_commit(tmp, Path(directory), age_recipients)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = None) -> Path:

@@ -13,11 +13,14 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tinsmith.checkpoints.age_encryption import encrypt_files
 from tinsmith.errors import InvalidInputError
 from tinsmith.types import LoraSpec
 
@@ -66,6 +69,16 @@ def commit_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def seal_and_commit(tmp: Path, final: Path, age_recipients: Sequence[Any] = ()) -> int:
+    """Encrypt ``tmp``'s files to ``age_recipients`` (when any), commit it as ``final``;
+    returns the bytes committed."""
+    if age_recipients:
+        encrypt_files(tmp, age_recipients)
+    size = sum(f.stat().st_size for f in tmp.iterdir())
+    commit_dir(tmp, final)
+    return size
+
+
 _OLD_COPY = re.compile(r"^\.(.+)\.old-\d+$")  # what commit_dir names the previous copy
 
 
@@ -103,8 +116,13 @@ def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * 4 for t in tensors.values())
 
 
-def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str) -> int:
-    """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written."""
+def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str,
+                      age_recipients: Sequence[Any] = ()) -> int:
+    """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written.
+
+    With ``age_recipients`` every file is age-encrypted to them (``NAME.age``) before the
+    directory is committed, so no plaintext copy ever sits under the checkpoint's name.
+    """
     tmp = atomic_dir(directory)
     try:
         save_file({PEFT_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in tensors.items()},
@@ -126,9 +144,7 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
         (tmp / SIDECAR).write_text(json.dumps({
             "seed": spec.seed, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp,
             "train_unembed": spec.train_unembed, "sha256": sha256_file(tmp / WEIGHTS)}, indent=2))
-        size = sum(f.stat().st_size for f in tmp.iterdir())
-        commit_dir(tmp, directory)
-        return size
+        return seal_and_commit(tmp, directory, age_recipients)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

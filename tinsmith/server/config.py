@@ -40,6 +40,7 @@ class ServerConfig:
     api_keys_file: str | None = None
     device: str | None = None  # default: cuda if available, else cpu
     max_full_finetunes: int = 1
+    max_full_sampler_snapshots: int = 1  # frozen full-model copies that samplers of full fine-tunes read
     max_body_bytes: int = 256 * 1024 * 1024
     max_num_samples: int | None = None  # default: the sampler's row limit
     max_sample_tokens: int | None = None  # default: the model's context length
@@ -71,6 +72,7 @@ class ServerConfig:
 
     # Options that must be a positive count when set, and durations that must not be negative.
     _AT_LEAST_ONE = ("max_lora_adapters", "max_lora_rank", "max_training_runs", "max_full_finetunes",
+                     "max_full_sampler_snapshots",
                      "max_body_bytes", "max_forward_datums", "max_forward_tokens", "train_micro_batch_tokens",
                      "train_micro_batch_size", "train_chunk_tokens", "max_num_samples", "max_sample_tokens",
                      "max_prompt_tokens", "max_runs_per_key", "max_requests_in_flight_per_key",
@@ -129,6 +131,8 @@ _HELP = {
                      "SIGHUP (default: any tml- key, single-user mode)",
     "device": "torch device (default: cuda when available, else cpu)",
     "max_full_finetunes": "full fine-tuning runs held at once (each is a private model copy)",
+    "max_full_sampler_snapshots": "sampler snapshots of full fine-tunes held at once (each is a frozen copy of "
+                                  "the whole model in device memory; counted in the snapshot limits too)",
     "max_body_bytes": "largest request body accepted, before and after decompression",
     "max_num_samples": "largest num_samples of a sampling request, and rows the sampler decodes at once (default: 256)",
     "max_sample_tokens": "largest sampling_params.max_tokens (default: the model's context length)",

@@ -19,6 +19,8 @@ from typing import Any
 from tinsmith.api import codecs
 from tinsmith.engine.scheduler import Job, Outcome
 from tinsmith.errors import CapacityError, ConflictError, InvalidInputError, TinsmithError
+from tinsmith.checkpoints.age_encryption import parse_recipients
+from tinsmith.checkpoints.export import hf_model_bytes, save_hf_model
 from tinsmith.checkpoints.peft_format import adapter_bytes, save_peft_adapter
 from tinsmith.checkpoints.state_format import load_training_state, save_training_state, training_state_bytes
 from tinsmith.sampling.sampler import SampleTask
@@ -85,6 +87,7 @@ class SaveArgs:
     expires_at: Any = None
     user_metadata: dict | None = None
     overwrite: bool = False
+    age_recipients: tuple[str, ...] = ()  # save_weights_external: encrypt every file to these
 
 
 @dataclass
@@ -281,13 +284,22 @@ class WorkerOperations:
         return json_outcome({"path": a.tinker_path})
 
     def _save_weights_external(self, job: Job) -> Outcome:
+        """A LoRA run exports a PEFT adapter, a full fine-tune a Hugging Face model directory;
+        with recipients, every file is age-encrypted (``NAME.age``) before it is committed."""
         a: SaveArgs = job.args
         if self.store.get_checkpoint(job.model_id, a.kind, a.name) is not None:
             raise ConflictError(f"checkpoint {a.tinker_path!r} already exists; choose another name")
-        spec, tensors, base = self.worker.adapter_weights(job.model_id)
-        self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
+        recipients = parse_recipients(a.age_recipients)
+        if self.worker.placement(job.model_id).is_lora:
+            spec, tensors, base = self.worker.adapter_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
+            write = lambda: save_peft_adapter(a.directory, spec, tensors, base.name, recipients)  # noqa: E731
+        else:
+            weights, base = self.worker.full_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
+            write = lambda: save_hf_model(a.directory, weights, base.loaded.model_dir, recipients)  # noqa: E731
         try:
-            size = save_peft_adapter(a.directory, spec, tensors, base.name)
+            size = write()
         except OSError as e:
             raise CapacityError(f"could not write checkpoint {a.tinker_path!r}: {e.strerror or e}") from e
         self.store.put_checkpoint(job.model_id, a.kind, a.name, owner=a.owner, storage_path=str(a.directory),
@@ -317,9 +329,14 @@ class WorkerOperations:
         if self.store.get_checkpoint(job.model_id, "sampler_weights", a.name) is not None:
             # A failed future rather than an HTTP 409, which the SDK would retry for minutes.
             raise ConflictError(f"sampler weights {a.tinker_path!r} already exist; save under another name")
-        spec, tensors, base = self.worker.adapter_weights(job.model_id)
-        self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
-        size = save_peft_adapter(a.directory, spec, tensors, base.name)
+        if self.worker.placement(job.model_id).is_lora:
+            spec, tensors, base = self.worker.adapter_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
+            size = save_peft_adapter(a.directory, spec, tensors, base.name)
+        else:  # a full fine-tune's sampler weights are a whole Hugging Face model
+            weights, base = self.worker.full_weights(job.model_id)
+            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
+            size = save_hf_model(a.directory, weights, base.loaded.model_dir)
         self.store.put_checkpoint(job.model_id, "sampler_weights", a.name, owner=a.owner, storage_path=str(a.directory),
                                   size_bytes=size, expires_at=a.expires_at, user_metadata=a.user_metadata)
         try:
@@ -351,11 +368,12 @@ class WorkerOperations:
             jobs += sampler.abort()
         return jobs
 
-    def _resolve_slot(self, job: Job) -> tuple[Any, int | None]:
+    def _resolve_sampler(self, job: Job) -> tuple[Any, int | None]:
+        """The sampler that runs ``job``, and the adapter slot it reads (None: no adapter)."""
         a: SampleArgs = job.args
         base = self.worker.resolve_base(a.base_model)
         if a.snapshot_key is None:
-            return base, None
+            return self.worker.sampler(base), None
         if a.snapshot_key in self.worker.snapshots:
             snap = self.worker.use_snapshot(a.snapshot_key)
         elif a.storage_path is not None:
@@ -366,7 +384,7 @@ class WorkerOperations:
                 f"the weights of sampler {a.snapshot_key!r} are no longer held (evicted or lost in a restart); "
                 "save them again with save_weights_and_get_sampling_client"
             )
-        return snap.base, snap.slot
+        return self.worker.sampler(snap.base, snap), snap.slot
 
     def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]:
         out: list[tuple[Job, Outcome]] = []
@@ -374,8 +392,8 @@ class WorkerOperations:
             job = self._sample_inbox.popleft()
             job.started_at = time.monotonic()
             try:
-                base, slot = self._resolve_slot(job)
-                self.worker.sampler(base).add(SampleTask(job, slot, job.args.input))
+                sampler, slot = self._resolve_sampler(job)
+                sampler.add(SampleTask(job, slot, job.args.input))
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
         busy = [s for s in self.worker.samplers.values() if s.has_work()]

@@ -75,6 +75,7 @@ class ServerState:
                 micro_batch_seqs=config.train_micro_batch_size or (1 << 30),
                 gradient_checkpointing=config.gradient_checkpointing,
                 max_full_finetunes=config.max_full_finetunes,
+                max_full_sampler_snapshots=config.max_full_sampler_snapshots,
                 max_sampler_snapshots=config.max_sampler_snapshots,
                 max_runs_per_key=limits.max_runs,
                 max_sampler_snapshots_per_key=limits.max_sampler_snapshots,

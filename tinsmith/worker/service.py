@@ -23,6 +23,7 @@ import torch
 
 from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, TinsmithError
 from tinsmith.models.config import ModelConfig
+from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import LoadedModel, load_model
 from tinsmith.models.lora import pack_weights
 from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
@@ -45,6 +46,7 @@ class RuntimeOptions:
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
     max_full_finetunes: int = 1
+    max_full_sampler_snapshots: int = 1  # frozen whole-model copies (sampler snapshots of full fine-tunes)
     max_sampler_snapshots: int = 64
     max_sampling_rows: int = 256
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
@@ -69,15 +71,25 @@ class BaseModel:
 
 @dataclass
 class Snapshot:
-    """Frozen adapter weights that samplers read: never changed by later training."""
+    """Frozen weights that samplers read: never changed by later training.
+
+    A LoRA snapshot is an adapter ``slot`` of the shared base model (``spec`` set). A full
+    fine-tune's snapshot is ``model``, a frozen copy of the whole model that its own sampler
+    reads (``slot`` None): a full copy in device memory, so ``max_full_sampler_snapshots`` caps them.
+    """
 
     key: str
     base: BaseModel
-    slot: int
-    spec: LoraSpec
+    slot: int | None
+    spec: LoraSpec | None
     reloadable: bool  # stored on disk, so it can be evicted and loaded again; otherwise eviction loses it
     owner: str = ""
     last_used: float = field(default_factory=time.monotonic)
+    model: CausalLM | None = None
+
+    @property
+    def sampler_key(self) -> str:
+        return self.base.name if self.model is None else f"snapshot:{self.key}"
 
 
 @dataclass
@@ -257,17 +269,28 @@ class Worker:
             raise
 
     # ----------------------------------------------------------------------------- sampling
-    def sampler(self, base: BaseModel) -> Sampler:
-        if base.name not in self.samplers:
-            self.samplers[base.name] = Sampler(base.loaded.model, _tokenizer_decoder(base.loaded.model_dir),
-                                               max_rows=self.options.max_sampling_rows)
-        return self.samplers[base.name]
+    def sampler(self, base: BaseModel, snapshot: Snapshot | None = None) -> Sampler:
+        """The sampler of ``base`` (shared by its LoRA snapshots), or the one of a full snapshot."""
+        key = base.name if snapshot is None else snapshot.sampler_key
+        if key not in self.samplers:
+            model = base.loaded.model if snapshot is None or snapshot.model is None else snapshot.model
+            self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir),
+                                         max_rows=self.options.max_sampling_rows)
+        return self.samplers[key]
 
     def adapter_weights(self, model_id: str) -> tuple[LoraSpec, dict[str, torch.Tensor], BaseModel]:
         p = self.placement(model_id)
         if not p.is_lora:
             raise InvalidInputError(f"model {model_id!r} is a full fine-tune; only LoRA runs can be sampled or exported as adapters")
         return p.lora, lora_tensors(p.runtime.unit(p.unit)), p.base
+
+    def full_weights(self, model_id: str) -> tuple[dict[str, torch.Tensor], BaseModel]:
+        """A full fine-tune's live weights under their Hugging Face names (not copies: read them
+        before the next job runs on this worker thread)."""
+        p = self.placement(model_id)
+        if p.is_lora:
+            raise InvalidInputError(f"model {model_id!r} is a LoRA run, not a full fine-tune")
+        return {n: t.detach() for n, t in p.runtime.unit(p.unit).named_params}, p.base
 
     def snapshot(self, model_id: str, key: str, *, owner: str = "", reloadable: bool = False,
                  queued: Collection[str] = ()) -> Snapshot:
@@ -276,6 +299,9 @@ class Worker:
         ``queued``: snapshot keys that sample requests not yet handed to a sampler will read;
         those snapshots are in use and are never evicted to make room.
         """
+        p = self.placement(model_id)
+        if not p.is_lora:
+            return self._install_full_snapshot(key, p.base, p.runtime.model, reloadable, owner, queued)
         spec, tensors, base = self.adapter_weights(model_id)
         return self._install_snapshot(key, base, spec, tensors, reloadable, owner, queued)
 
@@ -287,6 +313,8 @@ class Worker:
         if key in self.snapshots:
             return self.use_snapshot(key)
         self._snapshot_victims(owner, queued)  # refuse before reading the file when there is no room
+        if not (directory / "adapter_config.json").is_file() and (directory / "model.safetensors").is_file():
+            return self._load_full_snapshot(key, self.resolve_base(base_model), directory, owner, queued)
         spec, tensors = load_peft_adapter(directory)
         return self._install_snapshot(key, self.resolve_base(base_model), spec, tensors, True, owner, queued)
 
@@ -326,10 +354,47 @@ class Worker:
         self.snapshots[key] = snap
         return snap
 
+    def _install_full_snapshot(self, key: str, base: BaseModel, source: CausalLM, reloadable: bool, owner: str,
+                               queued: Collection[str]) -> Snapshot:
+        """Freeze a copy of a whole model (a full fine-tune's weights now) for its own sampler."""
+        old = self.snapshots.get(key)
+        victims = [] if old is not None else self._snapshot_victims(owner, queued, full=True)
+        model = _frozen_copy(source)
+        for victim in victims:
+            del self.snapshots[victim.key]
+            self._drop_snapshot(victim)
+        if old is not None:
+            self._drop_snapshot(old)
+        snap = Snapshot(key, base, None, None, reloadable, owner, model=model)
+        self.snapshots[key] = snap
+        return snap
+
+    def _load_full_snapshot(self, key: str, base: BaseModel, directory: Path, owner: str,
+                            queued: Collection[str]) -> Snapshot:
+        """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in memory."""
+        from safetensors.torch import load_file
+
+        self._snapshot_victims(owner, queued, full=True)  # refuse before copying when there is no room
+        weights = load_file(str(directory / "model.safetensors"))
+        model = _frozen_copy(base.loaded.model)
+        params = dict(model.named_parameters())
+        missing = [n for n in params if n not in weights]
+        if missing or any(tuple(weights[n].shape) != tuple(p.shape) for n, p in params.items()):
+            raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(weights[n].to(p.device, p.dtype))
+        pack_weights(model)
+        return self._install_full_snapshot(key, base, model, True, owner, queued)
+
     def _drop_snapshot(self, snap: Snapshot) -> None:
+        if snap.model is not None:
+            self.samplers.pop(snap.sampler_key, None)
+            snap.model = None
+            return
         detach_lora(snap.base.loaded.model, snap.slot)
 
-    def _snapshot_victims(self, owner: str, queued: Collection[str]) -> list[Snapshot]:
+    def _snapshot_victims(self, owner: str, queued: Collection[str], full: bool = False) -> list[Snapshot]:
         """The snapshots to evict so that ``owner`` may hold one more; CapacityError if it cannot.
 
         A snapshot with sample requests queued or running is never evicted. Another owner's
@@ -346,6 +411,9 @@ class Worker:
         queued = set(queued)
 
         def in_use(s: Snapshot) -> bool:
+            if s.model is not None:
+                sampler = self.samplers.get(s.sampler_key)
+                return s.key in queued or (sampler is not None and sampler.has_work())
             return s.slot in busy or s.key in queued
 
         def idle(s: Snapshot) -> bool:
@@ -385,7 +453,34 @@ class Worker:
                     f"{o.sampler_snapshot_idle_s:g} s); try again when some are idle"
                 )
             victims += candidates[:need]
+        if full:  # a whole-model copy also needs one of the max_full_sampler_snapshots places
+            chosen = {id(v) for v in victims}
+            held = [s for s in self.snapshots.values() if s.model is not None and id(s) not in chosen]
+            need = len(held) + 1 - o.max_full_sampler_snapshots
+            if need > 0:
+                candidates = sorted((s for s in held if not in_use(s) and (s.owner == owner or idle(s))),
+                                    key=preference)
+                if len(candidates) < need:
+                    raise CapacityError(
+                        f"no room for another sampler snapshot of a full fine-tune: each is a copy of the whole "
+                        f"model, and the {o.max_full_sampler_snapshots} this server holds "
+                        "(--max-full-sampler-snapshots) are in use; try again when one is idle"
+                    )
+                victims += candidates[:need]
         return victims
+
+
+def _frozen_copy(model: CausalLM) -> CausalLM:
+    """A copy of ``model`` that shares no tensor with it (later training cannot reach it), with
+    no gradients and its projections packed for sampling."""
+    copied = copy.deepcopy(model)
+    if copied.config.tie_word_embeddings:
+        copied.lm_head.weight = copied.model.embed_tokens.weight
+    for p in copied.parameters():
+        p.grad = None
+        p.requires_grad_(False)
+    pack_weights(copied)
+    return copied
 
 
 def _tokenizer_decoder(model_dir: Path):

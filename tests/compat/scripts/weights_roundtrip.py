@@ -4,7 +4,9 @@ Trains a LoRA adapter a few steps, exports it with ``save_weights_external``, do
 ``tinker_cookbook.weights.download``, merges it into the base model with ``weights.build_hf_model``
 and converts it with ``weights.build_lora_adapter``; then compares the merged model's logprobs
 (plain transformers) with the server's ``forward``. With ``--from-state`` it instead downloads a
-``save_state`` checkpoint (the cookbook exports it age-encrypted).
+``save_state`` checkpoint: the cookbook exports it encrypted to an age identity it makes for the
+download, and decrypts the ``.age`` files it gets back; the names of the files the server listed
+are reported as ``listed_files``.
 
 usage: python weights_roundtrip.py OUT_DIR [--from-state]     (model from TINKER_BASE_URL's mirror)
 """
@@ -38,6 +40,15 @@ def main() -> None:
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     server_lp = tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     path = (tc.save_state("roundtrip") if from_state else tc.save_weights_external("roundtrip")).result().path
+    listed: list[str] = []
+    signed = tinker.RestClient.get_external_weights_urls
+
+    def recording(self, tinker_path, *a, **kw):  # what the server hands the cookbook, unchanged
+        fut = signed(self, tinker_path, *a, **kw)
+        listed.extend(fut.result().urls)
+        return fut
+
+    tinker.RestClient.get_external_weights_urls = recording
     adapter = weights.download(tinker_path=path, output_dir=str(out / "adapter"))
     weights.build_hf_model(base_model=MODEL, adapter_path=adapter, output_path=str(out / "merged"))
     weights.build_lora_adapter(base_model=MODEL, adapter_path=adapter, output_path=str(out / "peft"))
@@ -46,7 +57,8 @@ def main() -> None:
         logits = model(torch.tensor([toks[:-1]])).logits[0]
     merged_lp = torch.log_softmax(logits, -1)[range(len(toks) - 1), toks[1:]].tolist()
     print(json.dumps({"path": path, "server_logprobs": server_lp, "merged_logprobs": merged_lp,
-                      "adapter_files": sorted(os.listdir(adapter)), "peft_files": sorted(os.listdir(out / "peft"))}))
+                      "adapter_files": sorted(os.listdir(adapter)), "peft_files": sorted(os.listdir(out / "peft")),
+                      "listed_files": sorted(set(listed))}))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from tinsmith.api.common import (caller_of, check_base_model_matches, owned_mode
                                  state_of, submit)
 from tinsmith.api.request import ApiRoute
 from tinsmith.api.schemas import Body, Int64Query, ModelSeqId
+from tinsmith.checkpoints.age_encryption import parse_recipients
 from tinsmith.checkpoints.paths import (KINDS, TinkerPath, check_name, checkpoint_directory, expiry_from_ttl,
                                        parse_tinker_path)
 from tinsmith.checkpoints.state_format import lora_from_meta, read_meta
@@ -38,7 +39,7 @@ class SaveWeightsRequest(Body):
     ttl_seconds: int | None = None
     overwrite: bool = False
     user_metadata: dict | None = None
-    age_encryption_recipients: list[str] | None = None  # save_weights_external only; not supported
+    age_encryption_recipients: list[str] | None = None  # save_weights_external only
 
 
 class LoadWeightsRequest(Body):
@@ -87,16 +88,15 @@ def checkpoint_json(ck) -> dict:
 
 async def _save(request: Request, caller: Caller, body: SaveWeightsRequest, kind: str, job_kind: str) -> dict:
     state = state_of(request)
-    m = await owned_model(state, caller, body.model_id)
-    if kind == "external_weights" and not m.is_lora:
-        raise InvalidInputError(f"model {body.model_id!r} is a full fine-tune; external export needs a LoRA run")
-    if body.age_encryption_recipients:
-        # Refuse rather than write plaintext files the caller asked to have encrypted.
-        raise InvalidInputError("age_encryption_recipients: this server cannot age-encrypt exported weights; "
-                                "save them without encryption recipients")
+    await owned_model(state, caller, body.model_id)
+    recipients = body.age_encryption_recipients or []
+    if recipients and kind != "external_weights":
+        raise InvalidInputError("age_encryption_recipients applies to save_weights_external only")
+    parse_recipients(recipients)  # refused here, with the entry named, rather than as a failed future
     tp = TinkerPath(body.model_id, kind, check_name(body.path))
     args = SaveArgs(kind, tp.name, str(tp), checkpoint_directory(state.config.resolved_checkpoint_dir, tp),
-                    caller.owner, expiry_from_ttl(body.ttl_seconds), body.user_metadata, body.overwrite)
+                    caller.owner, expiry_from_ttl(body.ttl_seconds), body.user_metadata, body.overwrite,
+                    tuple(recipients))
     return await submit(state, caller, job_kind, args, payload=body.model_dump_json().encode(), payload_type="json",
                         model_id=body.model_id, seq_id=body.seq_id)
 

@@ -56,8 +56,6 @@ def _result_wire(request: Request) -> str:
 async def save_weights_for_sampler(body: SaveForSamplerRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
     m = await owned_model(state, caller, body.model_id)
-    if not m.is_lora:
-        raise InvalidInputError(f"model {body.model_id!r} is a full fine-tune; sampler weights need a LoRA run")
     payload = body.model_dump_json().encode()
     if body.path is None:
         if body.sampling_session_seq_id is None or m.session_id is None:
