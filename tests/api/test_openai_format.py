@@ -96,3 +96,14 @@ def test_sequences_json_carries_the_sampled_top_k():
     assert first["tokens"] == [5, 8, 4] and first["stop_reason"] == "stop"
     assert [[t for t, _ in row] for row in first["topk_logprobs"]] == [[5, 6, 7], [8, 9], [4]]  # absent ones dropped
     assert "topk_logprobs" not in second and second["logprobs"][-1] == "-Infinity"
+
+
+def test_the_key_comes_from_x_api_key_or_a_bearer_token():
+    from tinsmith.api.auth import key_from_headers
+
+    assert key_from_headers({"x-api-key": "tml-a", "authorization": "Bearer tml-b"}) == "tml-a"
+    assert key_from_headers({"authorization": "Bearer tml-b"}) == "tml-b"
+    assert key_from_headers({"authorization": "bearer  tml-c "}) == "tml-c"
+    assert key_from_headers({"authorization": "Basic dXNlcg=="}) is None
+    assert key_from_headers({"authorization": "Bearer "}) is None
+    assert key_from_headers({}) is None

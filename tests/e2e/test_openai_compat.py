@@ -131,6 +131,7 @@ def test_bad_parameters_get_a_400_naming_them(oai, base_model):
         (dict(response_format={"type": "json_object"}), "response_format"),
         (dict(temperature=3.5), "temperature"),
         (dict(n=0), "n"),
+        (dict(n=100_000), "n"),
         (dict(max_tokens=100_000), "max_tokens"),
         (dict(extra_body={"mirostat": 2}), "mirostat"),
         (dict(top_logprobs=2), "top_logprobs"),
@@ -168,6 +169,7 @@ def test_sampler_path_matches_the_sdk_and_is_private_to_its_key(restricted_serve
     with client(restricted_server, KEY_A) as a, client(restricted_server, KEY_B) as b:
         assert path in [m.id for m in a.models.list()]
         assert path not in [m.id for m in b.models.list()]
+        assert a.models.retrieve(path).id == path
         r = a.completions.create(model=path, prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
         (choice,) = r.choices
         assert choice.text == tokenizer.decode(sdk_tokens)

@@ -147,7 +147,7 @@ def _common_plan(body: dict) -> SamplingPlan:
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)
-                                or set(options) - {"include_usage", "continuous_usage_stats"}):
+                                or set(options) - {"include_usage"}):
         raise ParamError("stream_options", "stream_options takes {\"include_usage\": bool}, with stream: true")
     return SamplingPlan(
         model=model,

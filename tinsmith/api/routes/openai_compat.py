@@ -171,7 +171,9 @@ class TokenFeed:
 
 
 @dataclass
-class Job:
+class Submitted:
+    """One submitted ``sample`` job: its future, and where its choices go in the response."""
+
     request_id: str
     first_choice: int
     prompt_tokens: int
@@ -179,11 +181,14 @@ class Job:
 
 async def submit_samples(state: ServerState, caller: Caller, target: Target, plan: oai.SamplingPlan,
                          prompts: list[list[int]], payload: bytes, stops: list[str], prompt_param: str,
-                         feed: asyncio.Queue | None = None) -> list[Job]:
+                         feed: asyncio.Queue | None = None) -> list[Submitted]:
     """One ``sample`` job per prompt, each with ``n`` samples, checked against the server's limits."""
     limits = limits_of(state)
     ctx = target.base.config.max_position_embeddings
-    refuse_above("n x the number of prompts", plan.n * len(prompts), limits.num_samples, "set by --max-num-samples")
+    try:
+        refuse_above("n x the number of prompts", plan.n * len(prompts), limits.num_samples, "set by --max-num-samples")
+    except InvalidInputError as e:
+        raise oai.ParamError("n", e.message) from None
     inputs = []
     for tokens in prompts:
         max_tokens = plan.max_tokens
@@ -213,7 +218,7 @@ async def submit_samples(state: ServerState, caller: Caller, target: Target, pla
         args = SampleArgs(target.base_model, target.snapshot_key, target.storage_path, inp, ids, progress=progress)
         answer = await submit(state, caller, "sample", args, payload=payload, payload_type="json",
                               wire="sequences")
-        jobs.append(Job(answer["request_id"], first, len(inp.prompt)))
+        jobs.append(Submitted(answer["request_id"], first, len(inp.prompt)))
     return jobs
 
 
@@ -226,9 +231,11 @@ async def outcome_of(state: ServerState, request_id: str) -> Outcome:
         if state.engine.pending(request_id):
             continue
         rec = await run_in_threadpool(state.store.get_request, request_id)
-        if rec is not None and rec.status == "completed":
+        if rec is None:
+            raise TinsmithError(f"request {request_id!r} is no longer known to the server")
+        if rec.status == "completed":
             return Outcome(result=rec.result, content_type=rec.result_content_type or "application/json")
-        if rec is not None and rec.status == "failed":
+        if rec.status == "failed":
             return Outcome(error=rec.error, category=rec.error_category or "server")
         await asyncio.sleep(0.05)
 
@@ -248,7 +255,7 @@ def _finite(values: list) -> list[float]:
     return out
 
 
-def choices_of(out: Outcome, job: Job, target: Target, stops: list[str], top_k: int) -> list[oai.Choice]:
+def choices_of(out: Outcome, job: Submitted, target: Target, stops: list[str], top_k: int) -> list[oai.Choice]:
     raise_failure(out)
     result = json.loads(out.result or b"{}")
     choices = []
@@ -270,7 +277,7 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
 
-async def stream_events(state: ServerState, jobs: list[Job], queue: asyncio.Queue, target: Target,
+async def stream_events(state: ServerState, jobs: list[Submitted], queue: asyncio.Queue, target: Target,
                         plan: oai.SamplingPlan, stops: list[str], chat: bool) -> AsyncIterator[bytes]:
     """SSE chunks in OpenAI's format: text as it is decoded, a last chunk per choice with its
     finish_reason (and its logprobs, if asked for), usage if asked for, then ``[DONE]``."""
@@ -334,8 +341,12 @@ async def stream_events(state: ServerState, jobs: list[Job], queue: asyncio.Queu
             w.cancel()
 
 
-async def _forward_outcome(state: ServerState, job: Job, queue: asyncio.Queue) -> None:
-    queue.put_nowait(("done", job, await outcome_of(state, job.request_id)))
+async def _forward_outcome(state: ServerState, job: Submitted, queue: asyncio.Queue) -> None:
+    try:
+        out = await outcome_of(state, job.request_id)
+    except TinsmithError as e:
+        out = Outcome.failure(e)
+    queue.put_nowait(("done", job, out))
 
 
 # ----------------------------------------------------------------------------- routes
