@@ -80,6 +80,25 @@ def test_completion_stop_string_ends_the_text_before_it(oai, base_model):
                                  stop=[stop, "never-appears"]).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.find(stop)]
+    streamed = list(oai.completions.create(model=base_model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                           stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == cut.text  # no part of the stop string leaked out
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_several_prompts_in_one_completion_request(oai, base_model, tokenizer):
+    other = tokenizer.encode("one two three")
+    r = oai.completions.create(model=base_model, prompt=[PROMPT, other], max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    alone = [oai.completions.create(model=base_model, prompt=p, max_tokens=5, temperature=0).choices[0].text
+             for p in (PROMPT, other)]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert r.usage.prompt_tokens == len(tokenizer.encode(PROMPT)) + len(other)
+    streamed = ["", "", "", ""]
+    for chunk in oai.completions.create(model=base_model, prompt=[PROMPT, other], max_tokens=5, temperature=0, n=2,
+                                        stream=True):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert streamed == [c.text for c in r.choices]
 
 
 def test_chat_completion_uses_the_chat_template(oai, base_model, tokenizer):

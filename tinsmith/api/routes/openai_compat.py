@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
@@ -42,6 +42,9 @@ from tinsmith.errors import AuthError, InvalidInputError, NotFoundError, Tinsmit
 from tinsmith.server.operations import SampleArgs
 from tinsmith.server.state import ServerState
 from tinsmith.types import SampleInput, SamplingParams
+
+if TYPE_CHECKING:
+    from tinsmith.worker.service import BaseModel
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class Target:
     """What ``model`` names: a served base model, possibly with stored sampler weights on it."""
 
     base_model: str  # the name the sampler resolves
-    base: Any  # the worker's BaseModel
+    base: BaseModel
     snapshot_key: str | None = None
     storage_path: str | None = None
 
