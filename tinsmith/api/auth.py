@@ -1,6 +1,7 @@
 """API keys: who is calling, and therefore which sessions, runs and checkpoints they may see.
 
-Keys travel in the ``X-API-Key`` header (the SDK's convention). With a keys file only the
+Keys travel in the ``X-API-Key`` header (the SDK's convention), or, for the OpenAI-compatible
+routes, as ``Authorization: Bearer <key>`` (the OpenAI clients' convention). With a keys file only the
 listed keys are accepted and each key is its own tenant. Without one, the server runs in local
 single-user mode: any key with the SDK's ``tml-`` prefix is accepted and all share one owner.
 
@@ -77,6 +78,18 @@ def _signature(path: str) -> tuple[int, int, int] | str:
     except OSError as e:
         return f"{type(e).__name__}: {e.strerror}"
     return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def key_from_headers(headers) -> str | None:
+    """The API key of a request: ``X-API-Key``, else an ``Authorization: Bearer`` token.
+
+    Either way the same key rules apply (``Authenticator.authenticate``).
+    """
+    key = headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
 class Authenticator:

@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
 from tinsmith.api.observe import note_request
+from tinsmith.checkpoints.paths import parse_tinker_path
 from tinsmith.engine.scheduler import Job
 from tinsmith.errors import InvalidInputError, NotFoundError, StateLostError
 from tinsmith.server.state import ServerState
@@ -77,6 +78,24 @@ def request_tokens(kind: str, args: Any) -> int | None:
     if kind == "sample":
         return len(args.input.prompt) * args.input.num_samples
     return None
+async def sampler_weights(state, caller: Caller, base_model: str | None, model_path: str | None,
+                          field: str = "model_path"):
+    """The base model a sampler runs on, and the stored sampler weights it samples (if any).
+
+    With ``model_path`` the checkpoint decides the base model; a ``base_model`` given beside it
+    (cookbook recipes pass both) must name the same served model. Another key's private
+    checkpoint is "not found", exactly like a missing one. ``field`` names the path in errors.
+    """
+    if model_path is None:
+        state.worker.resolve_base(base_model or "")
+        return base_model, None
+    tp = parse_tinker_path(model_path, field)
+    ck = await readable_checkpoint(state, caller, tp, "sampler_weights")
+    run = await run_in_threadpool(state.store.get_model, tp.run_id)
+    if run is None:
+        raise NotFoundError(f"training run {tp.run_id!r} of {model_path!r} not found")
+    check_base_model_matches(state, base_model, run.base_model, model_path)
+    return run.base_model, ck
 
 
 async def submit(

@@ -50,7 +50,7 @@ class Job:
     model_id: str | None
     seq_id: int | None
     args: Any
-    wire: str = "json"  # how the result is encoded for the client: "json" | "protobuf"
+    wire: str = "json"  # how the result is encoded: "json" | "protobuf" (the SDKs) | "sequences" (OpenAI routes)
     owner: str = ""
     internal: bool = False  # issued by the server itself (no client future, nothing to persist)
     enqueued_at: float = field(default_factory=time.monotonic)

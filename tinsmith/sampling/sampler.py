@@ -100,6 +100,15 @@ class Sampler:
         used = {r.state.task.slot for r in self.rows} | {t.slot for t in list(self.inbox)}
         return {s for s in used if s is not None}
 
+    def running(self):
+        """``(key, sample_index, tokens so far)`` of every sequence still decoding.
+
+        For progress reports (streaming) between steps: the token lists are the live ones,
+        so a caller that keeps them must copy them before the next step.
+        """
+        for row in self.rows:
+            yield row.state.task.key, row.sample_idx, row.tokens
+
     def step(self, budget_s: float = 0.05) -> list[tuple[Any, SampleResult | Exception]]:
         """Admit waiting requests, decode until ``budget_s`` is spent; return finished requests.
 

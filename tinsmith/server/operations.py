@@ -48,6 +48,8 @@ def encode_fb(result: ForwardBackwardResult, wire: str) -> Outcome:
 def encode_sample(result: SampleResult, wire: str) -> Outcome:
     if wire == "protobuf":
         return Outcome(result=codecs.encode_sample_response_protobuf(result), content_type=PROTOBUF)
+    if wire == "sequences":  # the OpenAI-compatible routes: sequences with their sampled top-k
+        return json_outcome(codecs.encode_sample_sequences_json(result))
     return json_outcome(codecs.encode_sample_response_json(result))
 
 
@@ -60,6 +62,9 @@ class SampleArgs:
     storage_path: str | None  # where a named snapshot can be reloaded from
     input: SampleInput
     sequence_ids: list[str]
+    # Called on the worker thread after each sampling slice with (sample index, tokens so far)
+    # of every sequence still decoding (streaming); the list is live: copy what you keep.
+    progress: Callable[[int, list[int]], None] | None = None
 
 
 @dataclass
@@ -386,6 +391,17 @@ class WorkerOperations:
             )
         return self.worker.sampler(snap.base, snap), snap.slot
 
+    @staticmethod
+    def _report_progress(sampler) -> None:
+        """Hand the tokens decoded so far to the jobs that asked for them (streamed responses)."""
+        for job, sample_idx, tokens in sampler.running():
+            report = job.args.progress
+            if report is not None:
+                try:
+                    report(sample_idx, tokens)
+                except Exception:  # a listener's failure must never stop the batch of everyone else
+                    log.exception("progress report of %s failed", job.request_id)
+
     def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]:
         out: list[tuple[Job, Outcome]] = []
         while self._sample_inbox:
@@ -398,7 +414,9 @@ class WorkerOperations:
                 out.append((job, Outcome.failure(exc)))
         busy = [s for s in self.worker.samplers.values() if s.has_work()]
         for sampler in busy:
-            for job, res in sampler.step(budget_s / len(busy)):
+            finished = sampler.step(budget_s / len(busy))
+            self._report_progress(sampler)
+            for job, res in finished:
                 if job.args.snapshot_key is not None:
                     self.worker.snapshot_used(job.args.snapshot_key)
                 if isinstance(res, Exception):

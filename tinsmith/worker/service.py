@@ -12,6 +12,7 @@ make room for another tenant's work.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import time
@@ -67,6 +68,16 @@ class BaseModel:
     @property
     def config(self) -> ModelConfig:
         return self.loaded.config
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The model's own Hugging Face tokenizer (with its chat template), loaded on first use.
+
+        Only text-level endpoints (OpenAI-compatible sampling) need it; token-level ones never do.
+        """
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.loaded.model_dir))
 
 
 @dataclass

@@ -31,6 +31,7 @@ from .sample import (
     decode_sample_request_json,
     encode_sample_response_json,
     encode_sample_response_protobuf,
+    encode_sample_sequences_json,
 )
 
 __all__ = [
@@ -40,5 +41,6 @@ __all__ = [
     "encode_forward_backward_output_json",
     "encode_forward_backward_output_protobuf",
     "encode_sample_response_json",
+    "encode_sample_sequences_json",
     "encode_sample_response_protobuf",
 ]

@@ -395,17 +395,7 @@ def encode_sample_response_json(result: SampleResult) -> dict:
                  "topk_prompt_logprobs")
     if topk is not None:
         ids, lps = topk
-        rows: list[Any] = []
-        sentinel_lp = np.float32(TOPK_SENTINEL_LOGPROB)
-        for r in range(ids.shape[0]):
-            sentinel = (ids[r] == TOPK_SENTINEL_TOKEN) & (lps[r] == sentinel_lp)
-            keep = ~sentinel
-            if not keep[0]:
-                rows.append(None)
-                continue
-            n = int(np.flatnonzero(keep).max()) + 1  # trailing sentinels are padding
-            rows.append([[int(t), float(lp)] for t, lp in zip(ids[r, :n], lps[r, :n])])
-        out["topk_prompt_logprobs"] = rows
+        out["topk_prompt_logprobs"] = _topk_rows_json(ids, lps)
     # Newer fields, for JSON clients that ask for them (SDK 0.22.2 cannot): TensorData objects.
     if result.target_prompt_logprobs is not None:
         out["target_prompt_logprobs"] = _json_tensor_data(
@@ -416,6 +406,38 @@ def encode_sample_response_json(result: SampleResult) -> dict:
             "logprobs": _json_tensor_data(np.asarray(result.prompt_alt_logprobs, dtype=np.float32), "float32", None),
         }
     return out
+
+
+def encode_sample_sequences_json(result: SampleResult) -> dict:
+    """The sampled sequences alone, with their top-k logprobs when asked for: what the
+    OpenAI-compatible routes read back (not a Tinker wire format; no SDK sees it).
+
+    ``{"sequences": [{"stop_reason", "tokens", "logprobs", "topk_logprobs"?: [[[token, logprob]...]...]}]}``
+    """
+    sequences = []
+    for i, seq in enumerate(result.sequences):
+        tokens, logprobs = _sequence_parts(seq, i)
+        entry = {"stop_reason": seq.stop_reason, "tokens": tokens.tolist(), "logprobs": json_float_list(logprobs)}
+        topk = _topk(seq.topk_token_ids, seq.topk_logprobs, tokens.size, f"sequences[{i}].topk")
+        if topk is not None:
+            entry["topk_logprobs"] = _topk_rows_json(*topk)
+        sequences.append(entry)
+    return {"sequences": sequences}
+
+
+def _topk_rows_json(ids: np.ndarray, lps: np.ndarray) -> list[Any]:
+    """Top-k rows as ``[[token, logprob], ...]`` per position; ``None`` where nothing was computed."""
+    rows: list[Any] = []
+    sentinel_lp = np.float32(TOPK_SENTINEL_LOGPROB)
+    for r in range(ids.shape[0]):
+        sentinel = (ids[r] == TOPK_SENTINEL_TOKEN) & (lps[r] == sentinel_lp)
+        keep = ~sentinel
+        if not keep[0]:
+            rows.append(None)
+            continue
+        n = int(np.flatnonzero(keep).max()) + 1  # trailing sentinels are padding
+        rows.append([[int(t), float(lp)] for t, lp in zip(ids[r, :n], lps[r, :n])])
+    return rows
 
 
 def _json_tensor_data(dense: np.ndarray, dtype: str, csr: tuple[np.ndarray, np.ndarray] | None) -> dict:

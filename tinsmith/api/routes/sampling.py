@@ -9,12 +9,11 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import (caller_of, check_base_model_matches, owned_model, owned_session, readable_checkpoint,
-                                 state_of, submit)
+from tinsmith.api.common import caller_of, owned_model, owned_session, sampler_weights, state_of, submit
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import Body
-from tinsmith.checkpoints.paths import TinkerPath, check_name, checkpoint_directory, expiry_from_ttl, parse_tinker_path
+from tinsmith.checkpoints.paths import TinkerPath, check_name, checkpoint_directory, expiry_from_ttl
 from tinsmith.errors import InvalidInputError, NotFoundError
 from tinsmith.server.operations import SampleArgs, SamplerSaveArgs
 from tinsmith.store.ids import sampling_session_id_for
@@ -75,31 +74,13 @@ async def save_weights_for_sampler(body: SaveForSamplerRequest, request: Request
                         model_id=body.model_id, seq_id=body.seq_id)
 
 
-async def _sampler_weights(state, caller: Caller, base_model: str | None, model_path: str | None):
-    """The base model a sampler runs on, and the stored sampler weights it samples (if any).
-
-    With ``model_path`` the checkpoint decides the base model; a ``base_model`` given beside it
-    (cookbook recipes pass both) must name the same served model.
-    """
-    if model_path is None:
-        state.worker.resolve_base(base_model or "")
-        return base_model, None
-    tp = parse_tinker_path(model_path, "model_path")
-    ck = await readable_checkpoint(state, caller, tp, "sampler_weights")
-    run = await run_in_threadpool(state.store.get_model, tp.run_id)
-    if run is None:
-        raise NotFoundError(f"training run {tp.run_id!r} of {model_path!r} not found")
-    check_base_model_matches(state, base_model, run.base_model, model_path)
-    return run.base_model, ck
-
-
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
     await owned_session(state, caller, body.session_id)
     if body.base_model is None and body.model_path is None:
         raise InvalidInputError("create_sampling_session needs base_model or model_path")
-    base_model, _ = await _sampler_weights(state, caller, body.base_model, body.model_path)
+    base_model, _ = await sampler_weights(state, caller, body.base_model, body.model_path)
     sid = sampling_session_id_for(body.session_id, body.sampling_session_seq_id)
     await run_in_threadpool(lambda: state.store.create_sampling_session(
         sid, owner=caller.owner, base_model=base_model, session_id=body.session_id, model_path=body.model_path))
@@ -142,7 +123,7 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
     elif base_model is None and model_path is None:
         raise InvalidInputError("asample needs sampling_session_id (or base_model / model_path)")
     if model_path is not None:
-        base_model, ck = await _sampler_weights(state, caller, base_model, model_path)
+        base_model, ck = await sampler_weights(state, caller, base_model, model_path)
         snapshot_key, storage_path = model_path, ck.storage_path
     base = state.worker.resolve_base(base_model or "")
     limits.check_sample(inp, base.config.max_position_embeddings)
