@@ -78,6 +78,8 @@ def request_tokens(kind: str, args: Any) -> int | None:
     if kind == "sample":
         return len(args.input.prompt) * args.input.num_samples
     return None
+
+
 async def sampler_weights(state, caller: Caller, base_model: str | None, model_path: str | None,
                           field: str = "model_path"):
     """The base model a sampler runs on, and the stored sampler weights it samples (if any).
