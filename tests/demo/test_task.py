@@ -123,3 +123,10 @@ def test_cli_has_the_demo_command(capsys):
     help_text = capsys.readouterr().out
     for flag in ("--out", "--steps", "--port", "--model-dir"):
         assert flag in help_text
+
+
+def test_the_starting_model_is_cached_inside_the_output_directory(tmp_path):
+    from tinsmith.demo.run import DemoConfig, starting_model_dir
+
+    assert starting_model_dir(DemoConfig(out_dir=str(tmp_path / "out"))) == tmp_path / "out" / "model"
+    assert starting_model_dir(DemoConfig(out_dir=str(tmp_path / "out"), model_dir=str(tmp_path / "m"))) == tmp_path / "m"

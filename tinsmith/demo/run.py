@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tinsmith.demo import task
 from tinsmith.demo.pretrain import PretrainConfig, ensure_model
+from tinsmith.demo.terminal import progress_bar, progress_log
 
 API_KEY = "tml-demo"
 
@@ -31,7 +32,7 @@ API_KEY = "tml-demo"
 @dataclass
 class DemoConfig:
     out_dir: str = "./data/demo"
-    model_dir: str = "./data/demo-model"
+    model_dir: str | None = None  # default: OUT_DIR/model (pre-trained once, then reused)
     steps: int = 80
     prompts_per_step: int = 32
     group_size: int = 16
@@ -109,6 +110,12 @@ class DemoServer:
             self._log = None
 
 
+def starting_model_dir(cfg: DemoConfig) -> Path:
+    """Where the pre-trained starting model is cached: ``--model-dir``, else inside ``--out``, so a
+    demo writes nothing outside the directory it was given."""
+    return Path(cfg.model_dir).resolve() if cfg.model_dir else Path(cfg.out_dir).resolve() / "model"
+
+
 # --------------------------------------------------------------------------------- RL step parts
 def make_datum(prompt_ids: list[int], completion: list[int], logprobs: list[float], advantage: float):
     """One training sequence: the prompt plus the sampled completion, advantages on the completion."""
@@ -169,7 +176,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     t_start = time.perf_counter()
     out = Path(cfg.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model_dir, model_meta = ensure_model(Path(cfg.model_dir).resolve(), PretrainConfig(), log)
+    model_dir, model_meta = ensure_model(starting_model_dir(cfg), PretrainConfig(), log)
     start_acc = model_meta["stats"]["held_out_exact_match"]
     log(f"starting model: held-out exact match {100 * start_acc['greedy']:.1f}% greedy, "
         f"{100 * start_acc['sampled']:.1f}% when sampled at temperature 1")
@@ -189,6 +196,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
         n_seqs = cfg.prompts_per_step * cfg.group_size
         log(f"RL: {cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
             f"LoRA rank {cfg.lora_rank}, lr {cfg.learning_rate:g}, setup {time.perf_counter() - t_start:.0f}s")
+        bar = progress_bar(cfg.steps, "RL steps")
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
             sampler = tc.save_weights_and_get_sampling_client().result()
@@ -237,6 +245,9 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
                 f"loss {loss:+.4f}  sample {rec['sample_tokens_per_s']:6.0f} tok/s  "
                 f"train {rec['train_tokens_per_s']:6.0f} tok/s  {rec['step_s']:4.1f}s  [{rec['elapsed_s']:5.0f}s]")
             plot_curve(records, png_path, start_acc["greedy"])
+            bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", refresh=False)
+            bar.update()
+        bar.close()
         try:
             sc.close("success").result(timeout=10)
         except Exception:  # noqa: BLE001 - closing the session is a courtesy; the server stops next
@@ -279,7 +290,7 @@ def add_arguments(p) -> None:
     d = DemoConfig()
     p.add_argument("--out", default=d.out_dir, help=f"output directory (default {d.out_dir})")
     p.add_argument("--model-dir", default=d.model_dir,
-                   help=f"where the pre-trained starting model is cached (default {d.model_dir})")
+                   help="where the pre-trained starting model is cached (default: OUT/model)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps (default {d.steps})")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of prompts and sampling (default {d.seed})")
@@ -297,7 +308,7 @@ def run_from_args(a) -> int:
         return 2
     cfg = DemoConfig(out_dir=a.out, model_dir=a.model_dir, steps=a.steps, port=a.port, seed=a.seed)
     try:
-        run_demo(cfg, log=lambda s: print(s, flush=True))
+        run_demo(cfg, log=progress_log)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
