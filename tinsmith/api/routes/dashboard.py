@@ -24,13 +24,14 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, state_of
+from tinsmith.api.request import ApiRoute
 from tinsmith.api.routes.checkpoints import checkpoint_json, owned_checkpoint_files
 from tinsmith.errors import NotFoundError
 from tinsmith.server.health import read_health
 from tinsmith.server.state import ServerState
 from tinsmith.store.records import CheckpointRecord, ModelRecord, RunMetricRecord
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 ASSETS = Path(__file__).resolve().parent.parent / "dashboard"
 RUNS_SHOWN = 200  # the most recently active runs listed in the summary
