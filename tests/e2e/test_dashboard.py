@@ -41,8 +41,9 @@ def dash_server(make_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(dash_server, base_model) -> Iterator[dict]:
-    """A trains 3 steps and saves a checkpoint; B trains 1 step. Their run ids; the sessions
-    stay open (heartbeating) until the module ends, so the runs stay active."""
+    """A trains 3 steps and saves a checkpoint; B trains 1 step and freezes a sampler snapshot.
+    Their run ids; the sessions stay open (heartbeating) until the module ends, so the runs stay
+    active and the training clients stay at hand (``ids['clients']``)."""
     ids, clients = {}, []
     try:
         for key, steps in ((KEY_A, STEPS), (KEY_B, 1)):
@@ -53,7 +54,10 @@ def runs(dash_server, base_model) -> Iterator[dict]:
             train_steps(tc, sft_batch(seed=1, n_seqs=2, seq_len=12, vocab=VOCAB), steps)
             if key == KEY_A:
                 tc.save_state("ckpt-1").result(timeout=RESULT_TIMEOUT_S)
+            else:
+                tc.save_weights_and_get_sampling_client()
             ids[key] = tc.model_id
+            ids.setdefault("clients", {})[key] = tc
         yield ids
     finally:
         for sc in clients:
@@ -84,6 +88,31 @@ def test_summary_shows_a_key_its_own_runs_and_an_admin_every_run(dash_server, ru
     assert admin["caller"]["admin"] is True
     owners = {r["model_id"]: r["owner"] for r in admin["runs"]}
     assert set(owners) == {a, b} and owners[a] != owners[b]
+
+
+def test_queue_and_sampler_snapshots_of_other_keys_stay_hidden(dash_server, runs):
+    """B's in-memory snapshot and B's queued requests appear to the admin, never to A."""
+    a_owner = _get(dash_server, "/dashboard/api/summary", KEY_A).json()["caller"]["owner"]
+    tc_b = runs["clients"][KEY_B]
+    data = sft_batch(seed=2, n_seqs=4, seq_len=48, vocab=VOCAB)
+    futures = [tc_b.forward_backward(data, "cross_entropy") for _ in range(6)]
+    seen_b_queued = False
+    for _ in range(200):
+        admin = _get(dash_server, "/dashboard/api/summary", KEY_ADMIN).json()
+        mine = _get(dash_server, "/dashboard/api/summary", KEY_A).json()
+        assert all(q["owner"] == a_owner for q in mine["queue"])
+        assert all(s["owner"] == a_owner for s in mine["samplers"])
+        b_queue = [q for q in admin["queue"] if q["model_id"] == runs[KEY_B]]
+        if b_queue:
+            seen_b_queued = True
+            assert b_queue[0]["kind"] == "forward_backward" and "payload" not in b_queue[0]
+            break
+    for f in futures:
+        f.result(timeout=RESULT_TIMEOUT_S)
+    assert seen_b_queued, "the admin never saw B's requests in the queue"
+    b_owner = {r["model_id"]: r["owner"] for r in admin["runs"]}[runs[KEY_B]]
+    assert [s["owner"] for s in admin["samplers"]] == [b_owner]
+    assert _get(dash_server, "/dashboard/api/summary", KEY_A).json()["samplers"] == []
 
 
 def test_run_detail_has_the_loss_per_step_and_checkpoints_for_its_owner_only(dash_server, runs):

@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 KEYS_POLL_S = 2.0  # how often the API keys file is checked for changes
 SESSION_SWEEP_SLACK_S = 0.05  # wake just past a session's deadline, so it is due when checked
 SWEEP_RETRY_S = 5.0  # after a failed sweep (database unreachable), try again this soon
-METRIC_POINTS_PER_RUN = 2000  # a run's metric history beyond this is thinned (older half, every other point)
 
 
 @dataclass
@@ -223,7 +222,7 @@ class ServerState:
                     next_sweep = loop.time() + self.sweep_interval_s
                     await asyncio.to_thread(self.sweep_expired_checkpoints)
                     await asyncio.to_thread(self.purge_old_requests)
-                    await asyncio.to_thread(self.store.thin_run_metrics, METRIC_POINTS_PER_RUN)
+                    await asyncio.to_thread(self.store.thin_run_metrics, self.config.metric_history_points)
                 for sid in await asyncio.to_thread(self._expire_stale_sessions):
                     n = await self.release_session_runs(sid)
                     log.info("session %s expired (no heartbeat); %d run(s) unloaded", sid, n)
