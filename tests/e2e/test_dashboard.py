@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
+from tinker import types
 
 from tests.e2e.conftest import VOCAB
 from tests.e2e.helpers import RESULT_TIMEOUT_S, assert_no_internal_errors, sft_batch, train_steps
@@ -55,7 +56,7 @@ def runs(dash_server, base_model) -> Iterator[dict]:
             if key == KEY_A:
                 tc.save_state("ckpt-1").result(timeout=RESULT_TIMEOUT_S)
             else:
-                tc.save_weights_and_get_sampling_client()
+                ids["sampler_b"] = tc.save_weights_and_get_sampling_client().result(timeout=RESULT_TIMEOUT_S)
             ids[key] = tc.model_id
             ids.setdefault("clients", {})[key] = tc
         yield ids
@@ -113,6 +114,15 @@ def test_queue_and_sampler_snapshots_of_other_keys_stay_hidden(dash_server, runs
     b_owner = {r["model_id"]: r["owner"] for r in admin["runs"]}[runs[KEY_B]]
     assert [s["owner"] for s in admin["samplers"]] == [b_owner]
     assert _get(dash_server, "/dashboard/api/summary", KEY_A).json()["samplers"] == []
+
+
+def test_sampled_tokens_count_in_the_throughput(dash_server, runs):
+    before = _get(dash_server, "/dashboard/api/summary", KEY_A).json()["throughput"]["tokens_sampled"]
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=1)
+    runs["sampler_b"].sample(types.ModelInput.from_ints([1, 2, 3]), 2, params).result(timeout=RESULT_TIMEOUT_S)
+    after = _get(dash_server, "/dashboard/api/summary", KEY_A).json()["throughput"]
+    assert after["tokens_sampled"] - before == 10  # 2 samples of 5 tokens, within the last minute
+    assert after["sample_tokens_per_s"] == after["tokens_sampled"] / after["window_s"]
 
 
 def test_run_detail_has_the_loss_per_step_and_checkpoints_for_its_owner_only(dash_server, runs):
