@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def runs(dash_server, base_model) -> Iterator[dict]:
             train_steps(tc, sft_batch(seed=1, n_seqs=2, seq_len=12, vocab=VOCAB), steps)
             if key == KEY_A:
                 tc.save_state("ckpt-1").result(timeout=RESULT_TIMEOUT_S)
+                tc.save_weights_for_sampler("to-delete").result(timeout=RESULT_TIMEOUT_S)
             else:
                 ids["sampler_b"] = tc.save_weights_and_get_sampling_client().result(timeout=RESULT_TIMEOUT_S)
             ids[key] = tc.model_id
@@ -112,8 +114,9 @@ def test_queue_and_sampler_snapshots_of_other_keys_stay_hidden(dash_server, runs
         f.result(timeout=RESULT_TIMEOUT_S)
     assert seen_b_queued, "the admin never saw B's requests in the queue"
     b_owner = {r["model_id"]: r["owner"] for r in admin["runs"]}[runs[KEY_B]]
-    assert [s["owner"] for s in admin["samplers"]] == [b_owner]
-    assert _get(dash_server, "/dashboard/api/summary", KEY_A).json()["samplers"] == []
+    assert sorted(s["owner"] for s in admin["samplers"]) == sorted([a_owner, b_owner])
+    [own] = _get(dash_server, "/dashboard/api/summary", KEY_A).json()["samplers"]
+    assert own["key"].endswith("/sampler_weights/to-delete") and own["stored"] is True
 
 
 def test_sampled_tokens_count_in_the_throughput(dash_server, runs):
@@ -131,8 +134,11 @@ def test_run_detail_has_the_loss_per_step_and_checkpoints_for_its_owner_only(das
     loss = d["metrics"]["loss:sum"]
     assert [step for step, _ in loss] == list(range(STEPS))
     assert loss[-1][1] < loss[0][1]  # the SDK trained it: the loss went down
-    [ck] = d["checkpoints"]
-    assert (ck["name"], ck["kind"], ck["deletable"]) == ("ckpt-1", "weights", True) and ck["size_bytes"] > 0
+    cks = {c["name"]: c for c in d["checkpoints"]}
+    assert set(cks) == {"ckpt-1", "to-delete"}
+    ck = cks["ckpt-1"]
+    assert (ck["kind"], ck["deletable"], ck["expires_at"]) == ("weights", True, None) and ck["size_bytes"] > 0
+    assert cks["to-delete"]["kind"] == "sampler_weights"
 
     # Another key: not found, whether it asks for the run, its metrics or its files.
     for path in (f"/dashboard/api/runs/{a}", f"/dashboard/api/runs/{a}/checkpoints/weights/ckpt-1/files"):
@@ -142,7 +148,8 @@ def test_run_detail_has_the_loss_per_step_and_checkpoints_for_its_owner_only(das
     assert _get(dash_server, f"/dashboard/api/runs/{b}", KEY_B).status_code == 200
     # The admin reads it, but downloads and deletes stay with the owner (as in the API).
     admin_view = _get(dash_server, f"/dashboard/api/runs/{a}", KEY_ADMIN).json()
-    assert admin_view["checkpoints"][0]["deletable"] is False
+    assert len(admin_view["checkpoints"]) == 2
+    assert not any(c["deletable"] or c["downloadable"] for c in admin_view["checkpoints"])
     assert _get(dash_server, f"/dashboard/api/runs/{a}/checkpoints/weights/ckpt-1/files", KEY_ADMIN).status_code == 404
     # No key, or a wrong one: refused.
     assert _get(dash_server, "/dashboard/api/summary", None).status_code == 401
@@ -239,6 +246,14 @@ def _screenshot(pg, tmp_path: Path, name: str) -> None:
         pg.screenshot(path=str(Path(keep) / name), full_page=True)
 
 
+def _wait_until(check, timeout_s: float = 15.0) -> None:
+    """Poll from the test side (the page's CSP forbids the eval that wait_for_function uses)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the page did not update in time"
+        time.sleep(0.2)
+
+
 def _login(pg, server, key: str) -> None:
     response = pg.goto(server.base_url + "/dashboard")
     assert "script-src 'self'" in response.headers["content-security-policy"]
@@ -268,13 +283,28 @@ def test_browser_login_shows_own_run_and_its_loss_chart(page, dash_server, runs,
     assert "ckpt-1" in page.inner_text("#checkpoints")
     assert XSS in page.inner_text("#run-info")  # user metadata shown as text, never run
     assert page.evaluate("window.__xss") is None
+
+    # Live: one more step through the SDK shows up without reloading the page.
+    train_steps(runs["clients"][KEY_A], sft_batch(seed=1, n_seqs=2, seq_len=12, vocab=VOCAB), 1)
+    _wait_until(lambda: len(page.get_attribute("#charts svg[data-metric='loss:sum'] polyline", "points").split())
+                == STEPS + 1)
+
+    # Download: signed links to the checkpoint's files. Delete: through the API's own route.
+    page.click("#checkpoints tr[data-checkpoint$='/weights/ckpt-1'] button:text-is('Download')")
+    link = page.wait_for_selector("#downloads a[download]")
+    assert httpx.get(link.get_attribute("href"), timeout=30).status_code == 200
+    page.once("dialog", lambda d: d.accept())
+    page.click("#checkpoints tr[data-checkpoint$='/sampler_weights/to-delete'] button:text-is('Delete')")
+    page.wait_for_selector("#checkpoints tr[data-checkpoint$='/sampler_weights/to-delete']", state="detached")
+    names = [c["name"] for c in _get(dash_server, f"/dashboard/api/runs/{a}", KEY_A).json()["checkpoints"]]
+    assert names == ["ckpt-1"]
     _screenshot(page, tmp_path, "dashboard-run.png")
     assert page.problems == []
 
 
 def test_browser_admin_sees_every_run_with_its_owner(page, dash_server, runs, tmp_path):
     _login(page, dash_server, KEY_ADMIN)
-    page.wait_for_function("document.querySelectorAll('#runs tbody tr[data-run-id]').length === 2")
+    _wait_until(lambda: page.locator("#runs tbody tr[data-run-id]").count() == 2)
     assert page.locator("#runs th.owner-col").is_visible()
     assert "admin" in page.inner_text("#who")
     _screenshot(page, tmp_path, "dashboard-admin.png")
