@@ -133,6 +133,9 @@ class ModelTable(Base):
         CheckConstraint(_in("status", MODEL_STATUSES), name="status"),
         Index(None, "owner", "created_at"),
         Index(None, "status"),
+        # The dashboard's run lists, most recently active first: one owner's, and everyone's.
+        Index(None, "owner", "last_request_at"),
+        Index(None, "last_request_at"),
     )
 
 

@@ -1,6 +1,7 @@
 """run_metrics: each training run's metric history (loss and friends per step), for the dashboard.
 
-Only an addition: a new table and its index.
+Also indexes ``models`` by last activity (the dashboard lists runs most recently active first).
+Only additions: a new table and indexes.
 
 Revision ID: 0004
 Revises: 0003
@@ -35,8 +36,12 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_run_metrics"),
     )
     op.create_index("ix_run_metrics_model_id_id", "run_metrics", ["model_id", "id"])
+    op.create_index("ix_models_owner_last_request_at", "models", ["owner", "last_request_at"])
+    op.create_index("ix_models_last_request_at", "models", ["last_request_at"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_models_last_request_at", table_name="models")
+    op.drop_index("ix_models_owner_last_request_at", table_name="models")
     op.drop_index("ix_run_metrics_model_id_id", table_name="run_metrics")
     op.drop_table("run_metrics")
