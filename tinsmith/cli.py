@@ -1,5 +1,6 @@
-"""``tinsmith`` command line: ``serve`` runs the server; ``make-tiny-model`` writes a test model;
-``demo`` trains a small model with RL through the SDK against a server it starts."""
+"""``tinsmith`` command line: ``serve`` runs the server; ``status`` prints a running server's
+summary; ``make-tiny-model`` writes a test model; ``demo`` trains a small model with RL through
+the SDK against a server it starts."""
 
 from __future__ import annotations
 
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the server")
     add_arguments(serve)
     serve.set_defaults(func=_serve)
+    from tinsmith import status
+
+    st = sub.add_parser("status", help="print a running server's runs, queue and health (as the dashboard shows)")
+    status.add_arguments(st)
+    st.set_defaults(func=status.run)
     export = sub.add_parser("export", help="merge a LoRA checkpoint into its base model (HF format)")
     export.add_argument("checkpoint", help="checkpoint directory, or tinker://RUN/KIND/NAME of this server")
     export.add_argument("--out", required=True, help="directory to write the merged model to")

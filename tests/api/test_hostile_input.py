@@ -211,6 +211,8 @@ def valid_calls(app: App) -> list[Call]:
     urls = app.ok("GET", f"/api/v1/training_runs/{quote(m, safe='')}/checkpoints/external_weights/"
                          f"{app.external}/external_weights_urls")["urls"]
     download = urlsplit(next(iter(urls.values()))).path.split("/")[-5:]
+    files = app.ok("GET", f"/dashboard/api/runs/{quote(m, safe='')}/checkpoints/weights/{app.weights}/files")["urls"]
+    download_kind = urlsplit(next(iter(files.values()))).path.split("/")[-6:]
     return [
         Call("POST", "/api/v1/client/config"),  # the SDK sends its version; the route reads no body
         Call("POST", "/api/v1/client/dynamic_config"),
@@ -277,7 +279,16 @@ def valid_calls(app: App) -> list[Call]:
              {"run_id": m, "name": app.external}),
         Call("GET", "/api/v1/downloads/{run_id}/{name}/{expires}/{sig}/{filename}",
              dict(zip(("run_id", "name", "expires", "sig", "filename"), download))),
+        Call("GET", "/api/v1/downloads/{run_id}/{kind}/{name}/{expires}/{sig}/{filename}",
+             dict(zip(("run_id", "kind", "name", "expires", "sig", "filename"), download_kind))),
         Call("POST", "/api/v1/retrieve_future", body={"request_id": app.accepted[-1], "allow_metadata_only": True}),
+        Call("GET", "/dashboard"),
+        Call("GET", "/dashboard/"),
+        Call("GET", "/dashboard/{asset}", {"asset": "dashboard.js"}),
+        Call("GET", "/dashboard/api/summary"),
+        Call("GET", "/dashboard/api/runs/{model_id}", {"model_id": m}),
+        Call("GET", "/dashboard/api/runs/{model_id}/checkpoints/{kind}/{name}/files",
+             {"model_id": m, "kind": "weights", "name": app.weights}),
     ]
 
 

@@ -94,3 +94,22 @@ def test_reload_when_changed_and_keep_keys_on_failure(tmp_path, caplog):
     assert auth.reload_if_changed()
     assert _accepts(auth, "tml-four") and not _accepts(auth, "tml-two")
     assert auth.multi_tenant
+
+
+def test_admin_word_marks_a_key_admin_and_nothing_else_is_accepted(tmp_path):
+    from tinsmith.api.auth import parse_key_entries
+
+    text = "tml-ops admin  # operators\ntml-user\ntml-two admin\n"
+    assert parse_key_entries(text, "f") == [("tml-ops", True), ("tml-user", False), ("tml-two", True)]
+    with pytest.raises(ValueError, match="line 1"):
+        parse_key_entries("tml-ops admin extra\n", "f")
+    with pytest.raises(ValueError, match="line 1"):
+        parse_key_entries("tml-ops administrator\n", "f")
+    keys = tmp_path / "keys"
+    keys.write_text(text)
+    auth = Authenticator(str(keys))
+    ops, user = auth.authenticate("tml-ops"), auth.authenticate("tml-user")
+    assert ops.admin and not user.admin
+    assert ops.owner == owner_for_key("tml-ops")  # the same tenant as without the mark
+    # Single-user mode has no admins: the one local owner sees its own runs, which are all runs.
+    assert not Authenticator(None).authenticate("tml-anything").admin

@@ -297,3 +297,21 @@ def test_a_head_turning_ready_while_the_engine_looks_is_not_stranded(monkeypatch
     monkeypatch.setattr(sched.time, "monotonic", lambda: next(clock))
     assert not engine._has_training_work()  # still held at the first look
     assert engine._next_gap_deadline() == 0.0  # ready at the second: run now
+
+
+def test_queue_view_lists_queued_and_running_jobs_without_payloads():
+    async def go():
+        engine = Engine(FakeOps(), NullSink())  # not started: everything stays queued
+        engine.submit(fb("r1", "m1", 1, [5], owner="a"))
+        engine.submit(fb("r2", "m2", 1, [5], owner="b"))
+        engine.submit(Job("r3", "unload_model", "m1", None, None, owner="a", internal=True))
+        view = engine.queue_view()
+        assert {(e["request_id"], e["owner"], e["state"], e["kind"]) for e in view} == {
+            ("r1", "a", "queued", "forward_backward"), ("r2", "b", "queued", "forward_backward")}
+        assert all(set(e) == {"request_id", "kind", "model_id", "owner", "state", "age_s"} for e in view)
+        engine._claim(engine.queues["m1"][0])
+        assert {e["request_id"]: e["state"] for e in engine.queue_view()}["r1"] == "running"
+        engine._finish([engine.jobs["r1"]], [Outcome(result=b"{}")])
+        assert [e["request_id"] for e in engine.queue_view()] == ["r2"]
+
+    run(go())

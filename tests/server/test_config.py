@@ -25,6 +25,7 @@ def test_environment_values_take_their_declared_types():
     ({"TINSMITH_MAX_NUM_SAMPLES": "-3"}, "--max-num-samples must be at least 1"),
     ({"TINSMITH_SEQ_GAP_WAIT_S": "-1"}, "--seq-gap-wait-s must not be negative"),
     ({"TINSMITH_SESSION_TIMEOUT_S": "0"}, "--session-timeout-s must be above 0"),
+    ({"TINSMITH_METRIC_HISTORY_POINTS": "1"}, "--metric-history-points must be at least 2"),
 ])
 def test_values_that_cannot_work_are_refused_naming_the_option(env, message):
     with pytest.raises(ValueError, match=message):

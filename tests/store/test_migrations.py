@@ -18,7 +18,7 @@ from tinsmith.store.connect import alembic_config, run_migrations
 from tinsmith.store.tables import Base
 
 HEAD = ScriptDirectory.from_config(alembic_config()).get_current_head()
-TABLES = {"sessions", "models", "requests", "sampling_sessions", "checkpoints", "server_lease"}
+TABLES = {"sessions", "models", "requests", "sampling_sessions", "checkpoints", "server_lease", "run_metrics"}
 
 
 def test_migrate_from_empty_twice_is_idempotent(db_url: str) -> None:
@@ -68,6 +68,26 @@ def test_0003_keeps_requests_and_adds_lease_and_retention(db_url: str) -> None:
         assert "purged_at" not in {c["name"] for c in inspect(store.engine).get_columns("requests")}
         store.migrate()
         assert store.get_request("req-1").payload == b"\x00payload"
+    finally:
+        store.close()
+
+
+def test_0004_adds_run_metrics_and_round_trips(db_url: str) -> None:
+    """Upgrading a 0003 database adds the empty run_metrics table; down and up again round-trips."""
+    store = Store(db_url)
+    try:
+        run_migrations(store.engine, "0003")
+        store.create_session("alice")
+        store.migrate()
+        assert "run_metrics" in inspect(store.engine).get_table_names()
+        assert store.list_run_metrics("any") == []
+        config = alembic_config()
+        with store.engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0003")
+        assert "run_metrics" not in inspect(store.engine).get_table_names()
+        store.migrate()
+        assert store.schema_revision() == HEAD
     finally:
         store.close()
 

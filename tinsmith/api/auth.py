@@ -9,7 +9,8 @@ The keys file, one key per line:
 
 * blank lines, and lines whose first non-blank character is ``#``, are comments;
 * otherwise the first whitespace-separated token is the key (a ``#`` inside it is part of it),
-  optionally followed by whitespace and a ``#`` comment;
+  optionally followed by the word ``admin`` (the key may see every key's runs on the dashboard,
+  nothing more), then optionally by whitespace and a ``#`` comment;
 * anything else on a line is an error naming the line number (the key itself is never shown).
 
 The file is read at start-up (an error there stops the server) and again whenever it changes
@@ -35,40 +36,59 @@ log = logging.getLogger(__name__)
 LOCAL_OWNER = "local"
 
 
+ADMIN_WORD = "admin"
+
+
 @dataclass(frozen=True)
 class Caller:
     owner: str  # stable tenant id (a hash of the key; never the key itself)
+    # Marked ``admin`` in the keys file: may read every key's runs on the dashboard. Grants no
+    # write access to other keys' runs or checkpoints through the API.
+    admin: bool = False
 
 
 def owner_for_key(key: str) -> str:
     return OWNER_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def parse_keys(text: str, source: str) -> list[str]:
-    """The keys a keys file lists (format in the module docstring); ValueError names the line."""
-    keys = []
+def parse_key_entries(text: str, source: str) -> list[tuple[str, bool]]:
+    """(key, is admin) for every key a keys file lists (format in the module docstring);
+    ValueError names the line (never the key)."""
+    entries = []
     for number, line in enumerate(text.splitlines(), 1):
         fields = line.split(None, 1)
         if not fields or fields[0].startswith("#"):
             continue
-        if len(fields) > 1 and not fields[1].startswith("#"):
+        rest = fields[1] if len(fields) > 1 else ""
+        admin = False
+        words = rest.split(None, 1)
+        if words and words[0] == ADMIN_WORD:
+            admin, rest = True, words[1] if len(words) > 1 else ""
+        if rest and not rest.startswith("#"):
             raise ValueError(
                 f"api keys file {source} line {number}: unexpected text after the key "
-                "(one key per line; a comment after it must start with '#')"
+                f"(one key per line, optionally followed by the word '{ADMIN_WORD}'; "
+                "a comment after it must start with '#')"
             )
-        keys.append(fields[0])
-    if not keys:
+        entries.append((fields[0], admin))
+    if not entries:
         raise ValueError(f"api keys file {source} lists no keys")
-    return keys
+    return entries
 
 
-def read_keys_file(path: str | Path) -> dict[str, str]:
-    """sha256(key) -> owner for every key of the file; ValueError with a clear message otherwise."""
+def parse_keys(text: str, source: str) -> list[str]:
+    """The keys a keys file lists (format in the module docstring); ValueError names the line."""
+    return [key for key, _ in parse_key_entries(text, source)]
+
+
+def read_keys_file(path: str | Path) -> dict[str, Caller]:
+    """sha256(key) -> its caller for every key of the file; ValueError with a clear message otherwise."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read api keys file {str(path)!r}: {e}") from None
-    return {hashlib.sha256(k.encode()).hexdigest(): owner_for_key(k) for k in parse_keys(text, repr(str(path)))}
+    return {hashlib.sha256(k.encode()).hexdigest(): Caller(owner_for_key(k), admin)
+            for k, admin in parse_key_entries(text, repr(str(path)))}
 
 
 def _signature(path: str) -> tuple[int, int, int] | str:
@@ -95,7 +115,7 @@ def key_from_headers(headers) -> str | None:
 class Authenticator:
     def __init__(self, keys_file: str | None = None):
         self.keys_file = keys_file
-        self.keys: dict[str, str] | None = None
+        self.keys: dict[str, Caller] | None = None
         self._reload_lock = threading.Lock()
         self._signature: tuple[int, int, int] | str | None = None
         if keys_file:
@@ -143,7 +163,7 @@ class Authenticator:
                 raise AuthError("API keys must start with 'tml-'")
             return Caller(LOCAL_OWNER)
         digest = hashlib.sha256(key.encode()).hexdigest()
-        for known, owner in keys.items():
+        for known, caller in keys.items():
             if hmac.compare_digest(known, digest):
-                return Caller(owner)
+                return caller
         raise AuthError("API key not accepted by this server")

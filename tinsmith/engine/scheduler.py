@@ -71,6 +71,9 @@ class Outcome:
     content_type: str = "application/json"
     error: str | None = None
     category: str = "server"
+    # What the run's history records with the result (a store ``MetricPoint``), written in the
+    # same transaction; None for results that report no metrics.
+    metric_point: Any = None
 
     @classmethod
     def failure(cls, exc: BaseException) -> "Outcome":
@@ -111,7 +114,8 @@ class Operations(Protocol):
 
 
 class ResultSink(Protocol):
-    def complete_request(self, request_id: str, result: bytes, content_type: str) -> bool: ...
+    def complete_request(self, request_id: str, result: bytes, content_type: str,
+                         metric_point: Any = None) -> bool: ...
 
     def fail_request(self, request_id: str, error: str, category: str = "server") -> bool: ...
 
@@ -143,6 +147,7 @@ class Engine:
         self.finish_tag: dict[str, float] = {}  # owner -> virtual finish tag of its last packet
         self.waiters: dict[str, asyncio.Future[Outcome]] = {}
         self.owners: dict[str, str] = {}  # request_id -> owner, while the job is queued or running
+        self.jobs: dict[str, Job] = {}  # request_id -> job, while queued or running (client jobs only)
         self._in_flight: Counter[str] = Counter()  # owner -> jobs queued or running
         self._turn: dict[str, int] = {}  # owner -> when it last had a single job run (turn taking)
         self._turns = itertools.count()
@@ -172,6 +177,8 @@ class Engine:
         if job.request_id not in self.owners:
             self._in_flight[job.owner] += 1
         self.owners[job.request_id] = job.owner
+        if not job.internal:
+            self.jobs[job.request_id] = job
         if job.kind == "sample":
             self.ops.sample_submit(job)
         else:  # every other kind belongs to a training run
@@ -215,6 +222,23 @@ class Engine:
     def in_flight_total(self) -> int:
         """Jobs queued or running, every key together."""
         return sum(list(self._in_flight.values()))
+
+    def queue_view(self) -> list[dict[str, Any]]:
+        """Every request queued or running, oldest first: kind, run, owner, state and age.
+
+        No payloads. ``state`` is ``queued`` (waiting its turn in its run's queue), ``running``
+        (claimed by the worker) or ``sampling`` (with the samplers, queued or decoding).
+        Called on the event loop, which owns these structures.
+        """
+        now = time.monotonic()
+        queued = {id(j) for q in self.queues.values() for j in q}
+        view = []
+        for job in self.jobs.values():
+            state = "sampling" if job.kind == "sample" else "queued" if id(job) in queued else "running"
+            view.append({"request_id": job.request_id, "kind": job.kind, "model_id": job.model_id,
+                         "owner": job.owner, "state": state, "age_s": round(now - job.enqueued_at, 3)})
+        view.sort(key=lambda e: -e["age_s"])
+        return view
 
     # ----------------------------------------------------------------------------- what is ready
     def _ready_head(self, model_id: str, now: float) -> Job | None:
@@ -501,7 +525,10 @@ class Engine:
                     log.warning("internal %s for %s failed: %s", job.kind, job.model_id, out.error)
                 continue
             try:
-                if out.error is None:
+                if out.error is None and out.metric_point is not None:
+                    self.sink.complete_request(job.request_id, out.result or b"{}", out.content_type,
+                                               metric_point=out.metric_point)
+                elif out.error is None:
                     self.sink.complete_request(job.request_id, out.result or b"{}", out.content_type)
                 else:
                     self.sink.fail_request(job.request_id, out.error, out.category)
@@ -524,6 +551,7 @@ class Engine:
                     self.queues.pop(job.model_id, None)
                 if job.kind == "unload_model" and out.error is None:
                     self.next_seq.pop(job.model_id, None)
+            self.jobs.pop(job.request_id, None)
             owner = self.owners.pop(job.request_id, None)
             if owner is not None:
                 self._in_flight[owner] -= 1

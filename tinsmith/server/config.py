@@ -32,6 +32,7 @@ class ServerConfig:
     max_training_runs: int = 256
     session_timeout_s: float = 300.0
     request_retention_s: float = 86400.0  # 0: keep payloads and results forever
+    metric_history_points: int = 2000  # a run's metric points kept before the older half is thinned
     train_micro_batch_size: int | None = None  # sequences per micro-batch (None: by tokens only)
     train_micro_batch_tokens: int | None = None  # None: automatic
     train_chunk_tokens: int | None = None  # None: a micro-batch for one key, half of one when keys share
@@ -84,6 +85,8 @@ class ServerConfig:
         """Refuse values that cannot work, naming the option (a ValueError the CLI prints as one line)."""
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be between 1 and 65535 (got {self.port})")
+        if self.metric_history_points < 2:
+            raise ValueError(f"--metric-history-points must be at least 2 (got {self.metric_history_points})")
         for name in self._AT_LEAST_ONE:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -120,6 +123,8 @@ _HELP = {
     "session_timeout_s": "a session with no heartbeat for this long is finished and its runs unloaded",
     "request_retention_s": "seconds a finished request's payload and result are kept; the record stays and "
                            "retrieving the result later answers 410 (0: keep forever)",
+    "metric_history_points": "metric points (loss and friends, one per forward_backward/optim_step) kept per run "
+                             "for the dashboard; beyond it the older half is thinned to every other point",
     "train_micro_batch_size": "sequences per training micro-batch (default: bounded by tokens only)",
     "train_micro_batch_tokens": "padded tokens per training micro-batch (default: automatic)",
     "train_chunk_tokens": "forward/backward tokens run between scheduling decisions, shared among API keys "

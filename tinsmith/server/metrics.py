@@ -196,7 +196,7 @@ class StateCollector:
 
         def fill(sampled, rows, kv):
             samplers = list(self.state.worker.samplers.values())
-            sampled.add_metric([], self.state.engine.ops.stats["sampled_tokens"])
+            sampled.add_metric([], self.state.engine.ops.throughput.sampled.all_time)
             rows.add_metric([], sum(len(s.rows) for s in samplers))
             kv.add_metric([], sum(s.cache.nbytes() for s in samplers))
 

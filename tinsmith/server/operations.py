@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ from tinsmith.checkpoints.peft_format import adapter_bytes, save_peft_adapter
 from tinsmith.checkpoints.state_format import load_training_state, save_training_state, training_state_bytes
 from tinsmith.sampling.sampler import SampleTask
 from tinsmith.server.limits import KeyLimits
+from tinsmith.server.throughput import Throughput
+from tinsmith.store.records import MetricPoint
 from tinsmith.types import ForwardBackwardResult, SampleInput, SampleResult
 from tinsmith.worker.runtime import FbPass
 from tinsmith.worker.service import Worker
@@ -135,14 +137,15 @@ class StabilityLog:
 class WorkerOperations:
     """The engine's ``Operations``: one method per job kind."""
 
-    def __init__(self, worker: Worker, store=None, limits: KeyLimits | None = None):
+    def __init__(self, worker: Worker, store=None, limits: KeyLimits | None = None,
+                 throughput: Throughput | None = None):
         self.worker = worker
         self.store = store
         self.limits = limits or KeyLimits()
+        self.throughput = throughput or Throughput()
         self._sample_inbox: deque[Job] = deque()
         self.stability = StabilityLog()
         self._touched: dict[str, float] = {}
-        self.stats = {"sampled_tokens": 0}  # tokens of the sequences returned to clients (read by metrics)
 
     # ----------------------------------------------------------------------------- forward/backward
     def train_begin(self, jobs: list[Job]) -> TrainPass:
@@ -169,6 +172,7 @@ class WorkerOperations:
         self.worker.fb_advance([(tp.fb, q) for tp, q in live], budget,
                                None if on_done is None else (lambda fb: on_done(of_fb[id(fb)])))
         ran = {id(tp): tp.fb.tokens_run - b for (tp, _), b in zip(live, before)}
+        self.throughput.trained.add(sum(ran.values()))
         return [ran.get(id(tp), 0) for tp, _ in quotas]
 
     def train_pending(self, tp: TrainPass, tokens: int) -> list[int]:
@@ -180,11 +184,25 @@ class WorkerOperations:
     def train_outcomes(self, tp: TrainPass, jobs: list[Job]) -> list[Outcome]:
         outs = list(tp.refused)
         if tp.fb is not None:
+            steps = self._steps(jobs[0].model_id)
             for i, res in zip(tp.accepted, tp.fb.results):
                 job = jobs[i]
-                outs[i] = Outcome.failure(res) if isinstance(res, Exception) else encode_fb(res, job.wire)
+                if isinstance(res, Exception):
+                    outs[i] = Outcome.failure(res)
+                    continue
+                outs[i] = encode_fb(res, job.wire)
+                if job.kind == "forward_backward" and steps is not None:
+                    outs[i] = replace(outs[i], metric_point=MetricPoint(job.model_id, job.owner, steps, job.kind,
+                                                                        dict(res.metrics)))
         self._touch({j.model_id for j in jobs})
         return outs  # type: ignore[return-value]
+
+    def _steps(self, model_id: str | None) -> int | None:
+        """The run's optimizer steps so far (None if it is not held: nothing to chart against)."""
+        try:
+            return self.worker.steps(model_id)
+        except TinsmithError:
+            return None
 
     def train_chunk_tokens(self, keys: int) -> int:
         return self.worker.chunk_tokens(keys)
@@ -259,8 +277,10 @@ class WorkerOperations:
         return json_outcome({"model_id": job.model_id})
 
     def _optim_step(self, job: Job) -> Outcome:
-        metrics = self.worker.optim_step(job.model_id, job.args)
-        return json_outcome({"metrics": {k: float(v) for k, v in metrics.items()}})
+        metrics = {k: float(v) for k, v in self.worker.optim_step(job.model_id, job.args).items()}
+        out = json_outcome({"metrics": metrics})
+        step = self.worker.steps(job.model_id) - 1  # the step just taken, as its forward_backward saw it
+        return replace(out, metric_point=MetricPoint(job.model_id, job.owner, step, job.kind, metrics))
 
     def _unload_model(self, job: Job) -> Outcome:
         self.worker.unload_model(job.model_id)
@@ -422,7 +442,7 @@ class WorkerOperations:
                 if isinstance(res, Exception):
                     out.append((job, Outcome.failure(res)))
                     continue
-                self.stats["sampled_tokens"] += sum(len(seq.tokens) for seq in res.sequences)
+                self.throughput.sampled.add(sum(len(seq.tokens) for seq in res.sequences))
                 if job.args.input.record_stability_info:
                     for sid, seq in zip(job.args.sequence_ids, res.sequences):
                         self.stability.put(sid, seq.tokens, seq.logprobs)

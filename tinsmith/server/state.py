@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import signal
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from tinsmith.server.metrics import ServerMetrics
 from tinsmith.server.exclusive import DatabaseLease, DataDirLock
 from tinsmith.server.operations import WorkerOperations
 from tinsmith.server.private import make_private
+from tinsmith.server.throughput import Throughput
 from tinsmith.store import LeaseRecord, Store
 from tinsmith.worker.service import RuntimeOptions, Worker
 
@@ -46,6 +48,8 @@ class ServerState:
     sweep_interval_s: float = 60.0  # checkpoint TTLs and request retention; sessions are swept on time
     limits: KeyLimits = field(default_factory=KeyLimits)
     metrics: ServerMetrics = field(init=False)
+    throughput: Throughput = field(default_factory=Throughput)
+    started_at: float = field(default_factory=time.time)
     _tasks: list = field(default_factory=list)
     _lock: DataDirLock | None = None
     _lease: DatabaseLease | None = None
@@ -84,8 +88,10 @@ class ServerState:
                                    else config.max_num_samples),
             )
         )
-        engine = Engine(WorkerOperations(worker, store, limits), store, seq_gap_wait_s=config.seq_gap_wait_s)
-        return cls(config, store, worker, engine, auth, limits=limits)
+        throughput = Throughput()
+        engine = Engine(WorkerOperations(worker, store, limits, throughput), store,
+                        seq_gap_wait_s=config.seq_gap_wait_s)
+        return cls(config, store, worker, engine, auth, limits=limits, throughput=throughput)
 
     def claim(self) -> None:
         """Become the one server of this data dir and database, or raise ``AlreadyServing``.
@@ -208,7 +214,8 @@ class ServerState:
         return min(timeout, max(0.0, due) + SESSION_SWEEP_SLACK_S)
 
     async def _sweeper(self) -> None:
-        """Expire sessions on time; every ``sweep_interval_s``, expired checkpoints and old payloads.
+        """Expire sessions on time; every ``sweep_interval_s``, expired checkpoints, old payloads
+        and the older points of long metric histories.
 
         Between rounds it sleeps until the next session deadline (one indexed query tells it)
         or the next periodic round, whichever is sooner: a session times out within a fraction
@@ -224,6 +231,7 @@ class ServerState:
                     next_sweep = loop.time() + self.sweep_interval_s
                     await asyncio.to_thread(self.sweep_expired_checkpoints)
                     await asyncio.to_thread(self.purge_old_requests)
+                    await asyncio.to_thread(self.store.thin_run_metrics, self.config.metric_history_points)
                 for sid in await asyncio.to_thread(self._expire_stale_sessions):
                     n = await self.release_session_runs(sid)
                     log.info("session %s expired (no heartbeat); %d run(s) unloaded", sid, n)

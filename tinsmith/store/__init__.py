@@ -9,9 +9,11 @@ from tinsmith.store.ids import model_id_for, new_request_id, new_session_id, sam
 from tinsmith.store.records import (
     CheckpointRecord,
     LeaseRecord,
+    MetricPoint,
     ModelRecord,
     Page,
     RequestRecord,
+    RunMetricRecord,
     SamplingSessionRecord,
     SessionRecord,
 )
@@ -20,9 +22,11 @@ from tinsmith.store.store import Store
 __all__ = [
     "CheckpointRecord",
     "LeaseRecord",
+    "MetricPoint",
     "ModelRecord",
     "Page",
     "RequestRecord",
+    "RunMetricRecord",
     "SamplingSessionRecord",
     "SessionRecord",
     "Store",

@@ -129,6 +129,28 @@ class CheckpointRecord:
 
 
 @dataclass(frozen=True)
+class MetricPoint:
+    """What a completed forward_backward or optim_step reported, at the run's optimizer step."""
+
+    model_id: str
+    owner: str
+    step: int
+    kind: str
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RunMetricRecord:
+    id: int
+    model_id: str
+    owner: str
+    step: int
+    kind: str
+    metrics: dict[str, Any]
+    recorded_at: datetime
+
+
+@dataclass(frozen=True)
 class LeaseRecord:
     """Who holds the database (``server_lease``): a server process and its last sign of life."""
 

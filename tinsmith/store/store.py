@@ -12,6 +12,7 @@ return says whether *this* call made the change.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
@@ -30,9 +31,11 @@ from tinsmith.store.ids import new_request_id, new_session_id
 from tinsmith.store.records import (
     CheckpointRecord,
     LeaseRecord,
+    MetricPoint,
     ModelRecord,
     Page,
     RequestRecord,
+    RunMetricRecord,
     SamplingSessionRecord,
     SessionRecord,
 )
@@ -44,6 +47,7 @@ from tinsmith.store.tables import (
     CheckpointTable,
     ModelTable,
     RequestTable,
+    RunMetricTable,
     SamplingSessionTable,
     ServerLeaseTable,
     SessionTable,
@@ -462,19 +466,29 @@ class Store:
         )
         return self._update(stmt) > 0
 
-    def complete_request(self, request_id: str, result: bytes, content_type: str) -> bool:
-        """Store the result. The first outcome wins: False if already completed or failed."""
+    def complete_request(
+        self, request_id: str, result: bytes, content_type: str, metric_point: MetricPoint | None = None
+    ) -> bool:
+        """Store the result. The first outcome wins: False if already completed or failed.
+
+        ``metric_point`` (what a forward_backward or optim_step reported) is recorded in the
+        same transaction, only when this call completed the request: a replayed outcome adds
+        no second point, and the run's history costs no extra round trip.
+        """
+        now = self._clock()
         stmt = (
             update(RequestTable)
             .where(RequestTable.request_id == request_id, RequestTable.status.in_(_UNFINISHED))
-            .values(
-                status="completed",
-                result=bytes(result),
-                result_content_type=content_type,
-                completed_at=self._clock(),
-            )
+            .values(status="completed", result=bytes(result), result_content_type=content_type, completed_at=now)
         )
-        return self._update(stmt) > 0
+        with self._tx() as s:
+            done = s.execute(stmt.execution_options(synchronize_session=False)).rowcount > 0  # type: ignore[attr-defined]
+            if done and metric_point is not None:
+                p = metric_point
+                finite = {k: (float(v) if math.isfinite(v) else None) for k, v in p.metrics.items()}
+                s.add(RunMetricTable(model_id=p.model_id, owner=p.owner, step=p.step, kind=p.kind,
+                                     metrics=finite, recorded_at=now))
+        return done
 
     def fail_request(self, request_id: str, error: str, category: str = "server") -> bool:
         """Store a failure (``category`` user / server / unknown, as the SDK reports it).
@@ -777,6 +791,56 @@ class Store:
             .order_by(CheckpointTable.expires_at, CheckpointTable.run_id, CheckpointTable.name)
         )
         return self._list(CheckpointRecord, query)
+
+    # ------------------------------------------------------------------ run metrics (dashboard)
+    def list_run_metrics(self, model_id: str) -> list[RunMetricRecord]:
+        """A run's metric history, oldest first (bounded by ``thin_run_metrics``)."""
+        query = select(RunMetricTable).where(RunMetricTable.model_id == model_id).order_by(RunMetricTable.id)
+        return self._list(RunMetricRecord, query)
+
+    def optimizer_steps(self, model_ids: Sequence[str]) -> dict[str, int]:
+        """Optimizer steps each run has recorded (its last optim_step's step + 1); runs with none are absent."""
+        if not model_ids:
+            return {}
+        query = (
+            select(RunMetricTable.model_id, func.max(RunMetricTable.step))
+            .where(RunMetricTable.model_id.in_(list(model_ids)), RunMetricTable.kind == "optim_step")
+            .group_by(RunMetricTable.model_id)
+        )
+        with self._tx() as s:
+            return {m: int(step) + 1 for m, step in s.execute(query).all()}
+
+    def thin_run_metrics(self, max_points: int) -> int:
+        """Keep every run's history within ``max_points``: a run over it loses every other point
+        of its older half, so recent steps stay whole and old ones grow sparser. Returns the
+        points deleted."""
+        if max_points < 2:
+            raise ValueError("max_points must be >= 2")
+        over = (
+            select(RunMetricTable.model_id)
+            .group_by(RunMetricTable.model_id)
+            .having(func.count() > max_points)
+        )
+        deleted = 0
+        with self._tx() as s:
+            for model_id in s.scalars(over).all():
+                ids = s.scalars(
+                    select(RunMetricTable.id).where(RunMetricTable.model_id == model_id).order_by(RunMetricTable.id)
+                ).all()
+                older = ids[: len(ids) - max_points // 2]
+                doomed = older[1::2]
+                for i in range(0, len(doomed), 500):
+                    s.execute(delete(RunMetricTable).where(RunMetricTable.id.in_(doomed[i:i + 500])))
+                deleted += len(doomed)
+        return deleted
+
+    def list_recent_models(self, owner: str | None, limit: int = 200) -> list[ModelRecord]:
+        """Training runs, most recently active first: one owner's, or everyone's (``owner=None``)."""
+        query = select(ModelTable)
+        if owner is not None:
+            query = query.where(ModelTable.owner == owner)
+        query = query.order_by(ModelTable.last_request_at.desc(), ModelTable.model_id).limit(limit)
+        return self._list(ModelRecord, query)
 
     # ------------------------------------------------------------------ server lease
 

@@ -133,6 +133,9 @@ class ModelTable(Base):
         CheckConstraint(_in("status", MODEL_STATUSES), name="status"),
         Index(None, "owner", "created_at"),
         Index(None, "status"),
+        # The dashboard's run lists, most recently active first: one owner's, and everyone's.
+        Index(None, "owner", "last_request_at"),
+        Index(None, "last_request_at"),
     )
 
 
@@ -221,6 +224,28 @@ class CheckpointTable(Base):
         Index(None, "owner", "created_at"),
         Index(None, "expires_at"),
     )
+
+
+class RunMetricTable(Base):
+    """One point of a training run's metric history: the ``metrics`` of a completed
+    forward_backward or optim_step, at the run's optimizer step (what the dashboard charts).
+
+    Written in the transaction that stores the request's result. Bounded per run: the sweeper
+    thins the older half of a run's points once it has more than its cap (``Store.thin_run_metrics``).
+    """
+
+    __tablename__ = "run_metrics"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    model_id: Mapped[str] = mapped_column(String)
+    owner: Mapped[str] = mapped_column(String)
+    step: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String)  # forward_backward | optim_step
+    metrics: Mapped[dict[str, Any]]
+    recorded_at: Mapped[datetime]
+
+    __table_args__ = (Index(None, "model_id", "id"),)
 
 
 class ServerLeaseTable(Base):

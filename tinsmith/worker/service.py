@@ -249,6 +249,11 @@ class Worker:
         p = self.placement(model_id)
         return p.runtime.optim_step(p.unit, params)
 
+    def steps(self, model_id: str) -> int:
+        """Optimizer steps the run has taken (restored with its optimizer state)."""
+        p = self.placement(model_id)
+        return p.runtime.unit(p.unit).steps
+
     # ----------------------------------------------------------------------------- checkpoints
     def export_training_state(self, model_id: str):
         from tinsmith.checkpoints.state_format import TrainingState

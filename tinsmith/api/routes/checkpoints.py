@@ -323,35 +323,60 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
 
 
 # --------------------------------------------------------------------------------- downloads
-def _sign(secret: bytes, run_id: str, name: str, expires: int) -> str:
-    msg = f"{run_id}\n{name}\n{expires}".encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+def _sign(secret: bytes, run_id: str, name: str, expires: int, kind: str = "external_weights") -> str:
+    # External-weights links keep their original form (links handed out before stay valid);
+    # links to other kinds name the kind too, so one link never opens another kind's files.
+    msg = f"{run_id}\n{name}\n{expires}" if kind == "external_weights" else f"{run_id}\n{kind}\n{name}\n{expires}"
+    return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
+
+
+def signed_file_urls(state, request: Request, ck) -> tuple[dict[str, str], int]:
+    """A signed, expiring download link for every file of a checkpoint (filename -> URL)."""
+    from urllib.parse import quote
+
+    expires = int(time.time() + URL_LIFETIME.total_seconds())
+    sig = _sign(state.secret, ck.run_id, ck.name, expires, ck.kind)
+    base = (state.config.public_url or str(request.base_url)).rstrip("/")
+    kind_part = "" if ck.kind == "external_weights" else f"{ck.kind}/"
+    files = sorted(p.name for p in Path(ck.storage_path).iterdir() if p.is_file())
+    return {f: f"{base}/api/v1/downloads/{quote(ck.run_id, safe='')}/{kind_part}{quote(ck.name)}/{expires}/{sig}/"
+               f"{quote(f)}" for f in files}, expires
+
+
+async def owned_checkpoint_files(state, request: Request, caller: Caller, run_id: str, kind: str, name: str) -> dict:
+    """Download links for the files of a checkpoint the caller owns (the dashboard's download)."""
+    ck = await _owned_checkpoint(state, caller, run_id, kind, name)
+    urls, expires = await run_in_threadpool(signed_file_urls, state, request, ck)
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat()}
 
 
 @router.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
 async def external_weights_urls(run_id: str, name: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    return await owned_checkpoint_files(state_of(request), request, caller, run_id, "external_weights", name)
+
+
+async def _serve_file(request: Request, run_id: str, kind: str, name: str, expires: int, sig: str, filename: str):
     state = state_of(request)
-    ck = await _owned_checkpoint(state, caller, run_id, "external_weights", name)
-    expires = int(time.time() + URL_LIFETIME.total_seconds())
-    sig = _sign(state.secret, run_id, name, expires)
-    base = (state.config.public_url or str(request.base_url)).rstrip("/")
-    files = sorted(p.name for p in Path(ck.storage_path).iterdir() if p.is_file())
-    from urllib.parse import quote
-
-    urls = {f: f"{base}/api/v1/downloads/{quote(run_id, safe='')}/{quote(name)}/{expires}/{sig}/{quote(f)}" for f in files}
-    return {"urls": urls, "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat()}
-
-
-@router.get("/downloads/{run_id}/{name}/{expires}/{sig}/{filename}")
-async def download(run_id: str, name: str, expires: int, sig: str, filename: str, request: Request):
-    """Signed, expiring, unauthenticated file download (what external_weights_urls hands out)."""
-    state = state_of(request)
-    if expires < time.time() or not hmac.compare_digest(sig, _sign(state.secret, run_id, name, expires)):
+    if expires < time.time() or not hmac.compare_digest(sig, _sign(state.secret, run_id, name, expires, kind)):
         return JSONResponse({"detail": "download link is invalid or expired"}, status_code=403)
-    ck = await run_in_threadpool(state.store.get_checkpoint, run_id, "external_weights", name)
+    ck = await run_in_threadpool(state.store.get_checkpoint, run_id, kind, name)
     if ck is None:
         raise NotFoundError("checkpoint not found")
     path = Path(ck.storage_path) / filename
     if "/" in filename or filename.startswith(".") or not path.is_file():
         raise NotFoundError(f"file {filename!r} not found")
-    return FileResponse(path)
+    return FileResponse(path, filename=filename)
+
+
+@router.get("/downloads/{run_id}/{name}/{expires}/{sig}/{filename}")
+async def download(run_id: str, name: str, expires: int, sig: str, filename: str, request: Request):
+    """Signed, expiring, unauthenticated file download (what external_weights_urls hands out)."""
+    return await _serve_file(request, run_id, "external_weights", name, expires, sig, filename)
+
+
+@router.get("/downloads/{run_id}/{kind}/{name}/{expires}/{sig}/{filename}")
+async def download_kind(run_id: str, kind: str, name: str, expires: int, sig: str, filename: str, request: Request):
+    """Signed download of a training or sampler checkpoint's file (links from the dashboard)."""
+    if kind not in KINDS:
+        raise NotFoundError(f"checkpoint kind {kind!r} not found")
+    return await _serve_file(request, run_id, kind, name, expires, sig, filename)
