@@ -10,6 +10,8 @@ request's future failed as a server error, and the log holds no traceback.
 
 from __future__ import annotations
 
+import re
+
 import copy
 import itertools
 import json
@@ -180,7 +182,8 @@ class Call:
 
     def url(self, **path: str) -> str:
         values = {**self.path, **path}
-        return self.route.format(**{k: quote(str(v), safe="") for k, v in values.items()})
+        template = re.sub(r"\{(\w+):\w+\}", r"{\1}", self.route)  # {model:path} -> {model}
+        return template.format(**{k: quote(str(v), safe="") for k, v in values.items()})
 
     def send(self, app: App, body: Any = None, **kw):
         return app.send(self.method, kw.pop("url", self.url()), self.body if body is None else body,
@@ -289,6 +292,15 @@ def valid_calls(app: App) -> list[Call]:
         Call("GET", "/dashboard/api/runs/{model_id}", {"model_id": m}),
         Call("GET", "/dashboard/api/runs/{model_id}/checkpoints/{kind}/{name}/files",
              {"model_id": m, "kind": "weights", "name": app.weights}),
+        *[call for prefix in ("/v1", "/oai/api/v1") for call in (
+            Call("GET", prefix + "/models"),
+            Call("GET", prefix + "/models/{model:path}", {"model": app.base_model}),
+            Call("POST", prefix + "/completions", body={"model": app.base_model, "prompt": "12", "max_tokens": 2,
+                                                        "temperature": 0.5, "n": 1, "stop": ["x"], "seed": 3}),
+            Call("POST", prefix + "/chat/completions", body={
+                "model": app.base_model, "messages": [{"role": "user", "content": "12"}], "max_tokens": 2,
+                "top_p": 0.9, "logprobs": True, "top_logprobs": 2}),
+        )],
     ]
 
 
@@ -367,7 +379,13 @@ def spoiled(value: str, bad: str) -> str:
 
 
 def refused_naming(r, name: str) -> bool:
-    return 400 <= r.status_code < 500 and name in r.json().get("detail", "")
+    """A 4xx whose message names ``name``: Tinker routes answer ``{"detail"}``, the OpenAI-compatible
+    ones OpenAI's ``{"error": {"message", "param"}}``."""
+    if not 400 <= r.status_code < 500:
+        return False
+    body = r.json()
+    error = body.get("error") if isinstance(body.get("error"), dict) else {}
+    return any(name in str(text) for text in (body.get("detail", ""), error.get("message", ""), error.get("param", "")))
 
 
 # -------------------------------------------------------------------------------------- tests
