@@ -17,6 +17,7 @@ import torch
 
 from tinsmith.api.auth import Authenticator
 from tinsmith.checkpoints.peft_format import recover_interrupted_commits
+from tinsmith.custom_losses.cache import CustomLossCache
 from tinsmith.engine.scheduler import Engine, Job
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.limits import KeyLimits
@@ -43,6 +44,7 @@ class ServerState:
     secret: bytes = b""  # signs download links; kept in the data dir so links survive restarts
     sweep_interval_s: float = 60.0  # checkpoint TTLs and request retention; sessions are swept on time
     limits: KeyLimits = field(default_factory=KeyLimits)
+    custom_losses: CustomLossCache = field(default_factory=CustomLossCache)
     _tasks: list = field(default_factory=list)
     _lock: DataDirLock | None = None
     _lease: DatabaseLease | None = None

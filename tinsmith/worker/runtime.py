@@ -50,7 +50,8 @@ class _Prepared:
     forward_only: bool
     tokens: list[np.ndarray]
     targets: list[torch.Tensor]  # (N,) or (N, K) int64
-    inputs: list[dict[str, torch.Tensor]]  # flattened float inputs per datum
+    inputs: list[dict[str, torch.Tensor]]  # flattened float inputs per datum (a custom loss's: as declared)
+    custom: bool = False  # a custom loss: inputs keep their shapes, the loss runs per datum
 
 
 @dataclass
@@ -202,7 +203,13 @@ class TrainingRuntime:
     def _prepare(self, req: TrainRequest) -> _Prepared:
         unit = self.unit(req.unit)
         inp = req.input
-        spec, config = resolve_loss(inp.loss_fn, inp.loss_fn_config)
+        custom = inp.custom_loss
+        if inp.loss_fn == "custom":
+            if custom is None:
+                raise InvalidInputError("loss_fn 'custom' needs loss_fn_config['loss_id'] naming a loss from create_custom_loss")
+            spec, config = custom.spec(), {}
+        else:
+            spec, config = resolve_loss(inp.loss_fn, inp.loss_fn_config)
         if not inp.data:
             raise InvalidInputError("data must contain at least one datum")
         V, ctx = self.config.vocab_size, self.config.max_position_embeddings
@@ -222,10 +229,20 @@ class TrainingRuntime:
                 raise InvalidInputError(
                     f"data[{i}].loss_fn_inputs['target_tokens'] has {rows} rows but model_input has {t.size} tokens"
                 )
-            validate_inputs(spec, i, d.loss_inputs, shapes)
+            if custom is None:
+                validate_inputs(spec, i, d.loss_inputs, shapes)
+            elif "target_tokens" not in d.loss_inputs:
+                raise InvalidInputError(f"data[{i}].loss_fn_inputs lacks 'target_tokens', which every loss reads")
             tgt = np.asarray(d.loss_inputs["target_tokens"])
             if not np.issubdtype(tgt.dtype, np.integer) or tgt.min() < 0 or tgt.max() >= V:
                 raise InvalidInputError(f"data[{i}].loss_fn_inputs['target_tokens'] has ids outside [0, {V})")
+            if custom is not None:
+                datum_inputs = custom.datum_inputs(i, d.loss_inputs, tgt.shape, self.device)
+                custom.check_runs(i, datum_inputs, tgt.shape, self.device)
+                toks.append(t.astype(np.int64, copy=False))
+                targets.append(torch.from_numpy(tgt.astype(np.int64, copy=False)))
+                inputs.append(datum_inputs)
+                continue
             flat = {}
             for k, v in d.loss_inputs.items():
                 if k == "target_tokens" or k not in spec.required_inputs + spec.optional_inputs:
@@ -240,7 +257,7 @@ class TrainingRuntime:
             toks.append(t.astype(np.int64, copy=False))
             targets.append(torch.from_numpy(tgt.astype(np.int64, copy=False)))
             inputs.append(flat)
-        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs)
+        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs, custom is not None)
 
     # ----------------------------------------------------------------------------- forward/backward
     def forward_backward(self, requests: list[TrainRequest]) -> list[Union[ForwardBackwardResult, TinsmithError]]:
@@ -393,6 +410,9 @@ class TrainingRuntime:
         offsets = [0]
         for x in lps:
             offsets.append(offsets[-1] + x.numel())
+        if p.custom:
+            return LossBatch(torch.cat(lps), {}, offsets, p.config, datum_inputs=[p.inputs[d] for d in datums],
+                             datum_shapes=[tuple(p.targets[d].shape) for d in datums])
         keys = p.inputs[datums[0]].keys()
         inputs = {k: torch.cat([p.inputs[d][k] for d in datums]) for k in keys}
         return LossBatch(torch.cat(lps), inputs, offsets, p.config)
@@ -406,12 +426,10 @@ class TrainingRuntime:
         for d, lp in enumerate(lps):
             shape = tuple(p.targets[d].shape)
             b = a + lp.numel()
-            outputs.append(
-                {
-                    "logprobs": lp.float().cpu().numpy().reshape(shape),
-                    "elementwise_loss": out.elementwise[a:b].float().cpu().numpy().reshape(shape),
-                }
-            )
+            fields = {"logprobs": lp.float().cpu().numpy().reshape(shape)}
+            if out.elementwise is not None:
+                fields["elementwise_loss"] = out.elementwise[a:b].float().cpu().numpy().reshape(shape)
+            outputs.append(fields)
             a = b
         return ForwardBackwardResult(outputs=outputs, metrics=out.metrics)
 

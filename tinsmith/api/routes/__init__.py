@@ -1,5 +1,5 @@
 """HTTP routes, one module per area of the Tinker API."""
 
-from tinsmith.api.routes import checkpoints, futures, sampling, service, sessions, training
+from tinsmith.api.routes import checkpoints, custom_losses, futures, sampling, service, sessions, training
 
-ROUTERS = [service.router, sessions.router, training.router, sampling.router, checkpoints.router, futures.router]
+ROUTERS = [service.router, sessions.router, training.router, custom_losses.router, sampling.router, checkpoints.router, futures.router]

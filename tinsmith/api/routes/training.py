@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
+from tinsmith.api.routes.custom_losses import resolve_custom_loss
 from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
@@ -88,7 +89,8 @@ async def _forward_backward(request: Request, caller: Caller, forward_route: boo
         wire, payload_type = "json", "json"
     if forward_route:
         inp.forward_only = True
-    await owned_model(state, caller, model_id)
+    model = await owned_model(state, caller, model_id)
+    await resolve_custom_loss(state, model, inp)
     kind = "forward" if inp.forward_only else "forward_backward"
     return await submit(state, caller, kind, inp, payload=body, payload_type=payload_type, model_id=model_id,
                         seq_id=seq_id, wire=wire)
