@@ -11,6 +11,7 @@ gradient (``lr * g / (|g| + eps)``), so a wrong gradient, even a rescaled one, s
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import httpx
 import numpy as np
@@ -228,3 +229,93 @@ def test_hostile_losses_fail_alone_and_other_tenants_keep_training(server, sc, s
     # the attacker's own run is intact: it trains normally afterwards
     assert len(train_steps(attacker, data, 1)) == 1
     assert_no_internal_errors(server.log_text()[log_start:])
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _body(sid: str, **over) -> dict:
+    body = {"session_id": sid, "custom_loss_seq_id": 500, "name": "nll",
+            "inputs": [{"name": "logprobs", "rank": 1}],
+            "graph": {"format": 1, "nodes": [
+                {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}},
+                _node("s", "sum", LP, op="call_method"),
+                {"op": "output", "name": "output", "target": "output",
+                 "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}], "kwargs": {}}]},
+            "type": "create_custom_loss"}
+    body.update(over)
+    return body
+
+
+@pytest.mark.parametrize("over, status, match", [
+    ({"custom_loss_seq_id": -1}, 400, "custom_loss_seq_id"),
+    ({"custom_loss_seq_id": "x"}, 400, "custom_loss_seq_id"),
+    ({"graph": None}, 400, "graph"),
+    ({"inputs": [{"name": "logprobs", "rank": 0}]}, 400, "logprobs"),
+    ({"inputs": [{"name": "logprobs", "rank": 1}, {"name": "Weights!", "rank": 1}]}, 400, "inputs\\[1\\]"),
+    ({"inputs": [{"name": "weights", "rank": 1}]}, 400, "inputs\\[0\\] must be logprobs"),
+    ({"name": ""}, 400, "name"),
+    ({"session_id": "no-such-session"}, 404, "session 'no-such-session' not found"),
+])
+def test_bad_create_custom_loss_bodies_get_a_4xx_naming_the_field(server, sc, over, status, match):
+    with raw_client(server.base_url) as http:
+        r = http.post("/api/v1/create_custom_loss", json=_body(sc.holder.get_session_id(), **over))
+    assert r.status_code == status, r.text
+    assert re.search(match, r.text), r.text
+
+
+def test_another_keys_session_is_not_found(restricted_server, service_client):
+    from tests.e2e.conftest import KEY_A, KEY_B
+
+    a = service_client(restricted_server, api_key=KEY_A)
+    with raw_client(restricted_server.base_url, api_key=KEY_B) as http:
+        r = http.post("/api/v1/create_custom_loss", json=_body(a.holder.get_session_id()))
+    assert r.status_code == 404, r.text
+
+
+def test_a_retried_upload_gets_the_same_loss_and_a_reused_number_conflicts(server, sc):
+    sid = sc.holder.get_session_id()
+    with raw_client(server.base_url) as http:
+        ids = []
+        for _ in range(2):
+            r = http.post("/api/v1/create_custom_loss", json=_body(sid, custom_loss_seq_id=600))
+            assert r.status_code == 200, r.text
+            ids.append(http.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}).json())
+        assert ids[0] == ids[1] == {"loss_id": f"{sid}:loss:600", "type": "create_custom_loss"}
+        r = http.post("/api/v1/create_custom_loss", json=_body(sid, custom_loss_seq_id=600, name="other"))
+        assert r.status_code == 409 and "custom_loss_seq_id 600" in r.text, r.text
+
+
+def test_losses_outlive_a_restart_and_are_capped_per_session(make_server, base_model):
+    srv = make_server(extra_args=["--custom-loss-max-per-session", "2"])
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-e2e-local")
+    try:
+        fn, ranks = LOSSES["weighted_nll"]
+        handle = sc.create_custom_loss(fn, ranks).result(timeout=RESULT_TIMEOUT_S)
+        data = make_data("weighted_nll", seed=3)
+        before = lora_client(sc, base_model, rank=4, seed=8).forward_backward_custom(data, handle).result(
+            timeout=RESULT_TIMEOUT_S)
+        srv.restart()
+        # the run was in memory and is lost; a new run of the same session uses the stored loss
+        after = lora_client(sc, base_model, rank=4, seed=8).forward_backward_custom(data, handle).result(
+            timeout=RESULT_TIMEOUT_S)
+        assert after.metrics["loss:sum"] == pytest.approx(before.metrics["loss:sum"], rel=1e-5)
+        fn2, ranks2 = LOSSES["ppo_clipped"]
+        sc.create_custom_loss(fn2, ranks2).result(timeout=RESULT_TIMEOUT_S)
+        fn3, ranks3 = LOSSES["dpo_style"]
+        with pytest.raises(tinker.BadRequestError, match="--custom-loss-max-per-session"):
+            sc.create_custom_loss(fn3, ranks3).result(timeout=RESULT_TIMEOUT_S)
+    finally:
+        sc.close("success")
+
+
+def test_the_server_can_keep_custom_losses_on_the_client(make_server, base_model):
+    srv = make_server(extra_args=["--custom-loss-client-side"])
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-e2e-local")
+    try:
+        fn, ranks = LOSSES["weighted_nll"]
+        handle = sc.create_custom_loss(fn, ranks).result(timeout=RESULT_TIMEOUT_S)
+        assert handle.loss_id is None
+        out = lora_client(sc, base_model, rank=4, seed=8).forward_backward_custom(
+            make_data("weighted_nll", seed=3), handle).result(timeout=RESULT_TIMEOUT_S)
+        assert "surrogate_loss:sum" in out.metrics  # the SDK's two-pass client-side path
+    finally:
+        sc.close("success")

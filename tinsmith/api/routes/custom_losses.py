@@ -85,7 +85,10 @@ async def resolve_custom_loss(state: ServerState, model: ModelRecord, inp: Forwa
     extra = sorted(set(inp.loss_fn_config) - {"loss_id"})
     if extra:
         raise InvalidInputError(f"loss_fn_config keys {extra} are not used by loss_fn 'custom' (allowed: loss_id)")
-    loss = state.custom_losses.get(loss_id)
+    # Ids come from custom_loss_id_for, so a cached loss of this run's session has its prefix;
+    # any other id goes to the database, which tells another key's loss (404) from another
+    # session's (400).
+    loss = state.custom_losses.get(loss_id) if loss_id.startswith(f"{model.session_id}:loss:") else None
     if loss is None:
         rec = await run_in_threadpool(state.store.get_custom_loss, loss_id)
         if rec is None or rec.owner != model.owner:
@@ -94,13 +97,9 @@ async def resolve_custom_loss(state: ServerState, model: ModelRecord, inp: Forwa
             raise InvalidInputError(_other_session(loss_id, rec.session_id, model))
         loss = await run_in_threadpool(_decode, state, rec.name, rec.inputs, rec.graph)
         state.custom_losses.put(loss_id, loss)
-    elif not loss_id.startswith(f"{model.session_id}:loss:"):
-        # Cached ids were made by custom_loss_id_for, so the session is in the id.
-        raise InvalidInputError(_other_session(loss_id, None, model))
     inp.custom_loss = BoundCustomLoss(loss_id, loss, _run_limits(state))
 
 
-def _other_session(loss_id: str, loss_session: str | None, model: ModelRecord) -> str:
-    where = f"session {loss_session!r}" if loss_session else "another session"
-    return (f"custom loss {loss_id!r} was created in {where}; training run {model.model_id!r} "
+def _other_session(loss_id: str, loss_session: str, model: ModelRecord) -> str:
+    return (f"custom loss {loss_id!r} was created in session {loss_session!r}; training run {model.model_id!r} "
             f"(session {model.session_id!r}) can only use losses its own session created")
