@@ -83,8 +83,14 @@ class FbPass:
         return out
 
     def complete(self) -> None:
-        for r, prep in self.prepared.items():
-            self.results[r] = self.runtime._finish(prep, [self.lps[(r, d)] for d in range(len(prep.tokens))])
+        try:
+            results = {r: self.runtime._finish(prep, [self.lps[(r, d)] for d in range(len(prep.tokens))])
+                       for r, prep in self.prepared.items()}
+        except TinsmithError as exc:  # a custom loss refused on the real logprobs: this pass alone
+            self.fail(exc)
+            return
+        for r, res in results.items():
+            self.results[r] = res
         self._close()
 
     def fail(self, exc: Exception) -> None:
@@ -344,15 +350,20 @@ class TrainingRuntime:
         try:
             self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
             for rows in groups:
+                rows = [s for s in rows if not by_id[s.request[0]].done]  # a pass failed earlier in this call
+                if not rows:
+                    continue
                 mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device)
                 lps: dict = {}
-                self._run_micro_batch(mb, prepared, lps)
+                for pid, exc in self._run_micro_batch(mb, prepared, lps).items():
+                    by_id[pid].fail(exc)
                 for ((pid, r), d), lp in lps.items():
-                    by_id[pid].lps[(r, d)] = lp
-                    left[pid] -= 1
+                    if not by_id[pid].done:
+                        by_id[pid].lps[(r, d)] = lp
+                        left[pid] -= 1
                 for pid in {ref.request[0] for ref in rows}:
                     p = by_id[pid]
-                    if left[pid] == 0 and not p.todo:
+                    if left[pid] == 0 and not p.todo and not p.done:
                         p.complete()
                         if on_done is not None:
                             on_done(p)
@@ -361,7 +372,11 @@ class TrainingRuntime:
                 if not p.done:
                     p.fail(exc)
 
-    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict) -> None:
+    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict) -> dict[int, Exception]:
+        """Forward (and backward) one micro-batch; fills ``lps``. Returns the passes (by id) whose
+        custom loss was refused here: their loss is left out of the backward and they fail alone,
+        while every other request of the micro-batch trains."""
+        failed: dict[int, Exception] = {}
         with torch.set_grad_enabled(mb.needs_grad):
             hidden = self.model.hidden_states(mb.tokens, mb.positions, mb.row_segments)
             h = hidden[mb.valid]  # (T, hidden) real tokens, row-major
@@ -384,10 +399,18 @@ class TrainingRuntime:
                     p = prepared[r]
                     parts = [lps[(r, mb.rows[i].datum)] for i in idxs]
                     batch = self._loss_batch(p, [mb.rows[i].datum for i in idxs], parts)
-                    losses.append(p.spec.fn(batch).loss)
-                torch.stack(losses).sum().backward()
+                    if not p.custom:
+                        losses.append(p.spec.fn(batch).loss)
+                        continue
+                    try:
+                        losses.append(p.spec.fn(batch).loss)
+                    except TinsmithError as exc:
+                        failed[r[0]] = exc
+                if losses:
+                    torch.stack(losses).sum().backward()
         for i, ref in enumerate(mb.rows):
             lps[(ref.request, ref.datum)] = lps[(ref.request, ref.datum)].detach()
+        return failed
 
     def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """log p(cols[e] | token rows[e]) for each element e, without keeping huge logits around."""
