@@ -236,6 +236,29 @@ def test_runtime_errors_name_the_node():
         run_hostile(graph)
 
 
+@pytest.mark.parametrize("node, match", [
+    (call("x", "torch.exp", "rm -rf /"), "node 'x' \\(torch.exp\\)"),
+    (call("x", "torch.sum", LP, "dim"), "node 'x'"),
+    (call("x", "torch.clamp", LP, {"tuple": [1, 2]}), "node 'x'"),
+    (call("x", "math.log", LP), "node 'x'"),
+    (call("x", "operator.getitem", {"tuple": [1, 2]}, "a"), "node 'x'.*integers or slices"),
+])
+def test_wrong_argument_types_are_a_400_naming_the_node(node, match):
+    with pytest.raises(InvalidInputError, match=match):
+        run_hostile(graph_with(node))
+
+
+def test_any_device_named_means_the_run_device():
+    graph = graph_with(call("z", "new_zeros", LP, {"tuple": [4]}, op="call_method"),
+                       call("y", "to", {"ref": "z"}, "cuda:7", op="call_method"),
+                       call("w", "torch.zeros_like", LP), call("v", "operator.add", {"ref": "y"}, {"ref": "w"}),
+                       call("x", "sum", {"ref": "v"}, op="call_method"))
+    graph["nodes"][1]["kwargs"] = {"device": "cuda:7"}
+    graph["nodes"][3]["kwargs"] = {"device": {"device": "cuda:3"}}
+    loss, _ = run_hostile(graph)
+    assert loss.device == CPU
+
+
 def test_non_scalar_loss_is_refused():
     graph = graph_with(call("x", "torch.exp", LP))
     with pytest.raises(InvalidInputError, match="scalar"):

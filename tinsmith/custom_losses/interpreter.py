@@ -102,11 +102,11 @@ def _run_step(step: Step, values: list[Any], device: torch.device, limits: RunLi
             raise _StepError(f"reads .{step.target} of a {type(args[0]).__name__}, not of a tensor")
         return getattr(args[0], step.target)  # step.target is one of allowed.TENSOR_ATTRIBUTES
     call = _callable(step, args)
-    if step.kind == "function" and step.target in allowed.FACTORIES:
+    # Whatever device a loss names (a string such as "cuda:1" included), it runs where the server runs it.
+    if "device" in kwargs or (step.kind == "function" and step.target in allowed.FACTORIES):
         kwargs["device"] = device
-    if step.target == "to":  # .to(device) or .to("cuda"): the loss stays where it runs
+    if step.target == "to":  # .to("cuda") or .to(other_device)
         args = tuple(device if isinstance(a, (str, torch.device)) else a for a in args)
-        kwargs = {k: device if k == "device" else v for k, v in kwargs.items()}
     if not _has_tensor(args) and not _has_tensor(kwargs) and step.target not in allowed.FACTORIES:
         return _python_op(step, call, args, kwargs)
     _check_size_first(step, call, args, kwargs, limits)
