@@ -222,7 +222,7 @@ def test_a_slow_graph_stops_at_the_time_limit():
     calls = [call("n0", "torch.sort", LP)]
     calls += [call(f"n{i}", "torch.exp", LP) for i in range(1, 60)]
     graph = graph_with(*calls, output="n59")
-    with pytest.raises(InvalidInputError, match="time limit of 1e-06 s at node"):
+    with pytest.raises(InvalidInputError, match=r"time limit of 1e-06 s .*at node"):
         run_hostile(graph, [torch.zeros(100000)], RunLimits(max_elements=1 << 20, timeout_s=1e-6))
 
 

@@ -115,3 +115,30 @@ def test_a_detached_loss_has_nothing_to_train(rt):
     (res,) = rt.forward_backward([TrainRequest(unit, custom_input([datum], bound(detached, {"logprobs": 1})))])
     assert isinstance(res, InvalidInputError) and "does not depend on logprobs" in str(res)
     assert torch.is_grad_enabled()
+
+
+def test_the_time_limit_covers_all_runs_of_a_request(rt, monkeypatch):
+    """A clock that moves 10 ms per reading: one datum fits in the budget, thirty do not, even
+    though each datum alone would; so no request holds the worker past its budget."""
+    import time as time_module
+
+    now = [0.0]
+
+    def ticking() -> float:
+        now[0] += 0.01
+        return now[0]
+
+    unit = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    fn, ranks = LOSSES["weighted_nll"]
+    rng = np.random.default_rng(4)
+    short = RunLimits(max_elements=1 << 20, timeout_s=0.5)
+    one, many = [sft_datum(rng, 6, VOCAB)], [sft_datum(rng, 6, VOCAB) for _ in range(30)]
+    bound(fn, ranks)  # decode (and warm up) before the clock is replaced
+    monkeypatch.setattr(time_module, "monotonic", ticking)
+    b1 = BoundCustomLoss("s:loss:0", bound(fn, ranks).loss, short)
+    (ok,) = rt.forward_backward([TrainRequest(unit, custom_input(one, b1))])
+    assert not isinstance(ok, Exception), ok
+    b30 = BoundCustomLoss("s:loss:0", bound(fn, ranks).loss, short)
+    (late,) = rt.forward_backward([TrainRequest(unit, custom_input(many, b30))])
+    assert isinstance(late, InvalidInputError) and "time limit of 0.5 s (all its runs for one request)" in str(late)
+    assert str(late).startswith("data[") and not str(late).startswith("data[0]")  # stopped by the shared budget

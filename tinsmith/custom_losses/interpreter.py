@@ -34,10 +34,10 @@ _META = torch.device("meta")
 
 @dataclass(frozen=True)
 class RunLimits:
-    """Bounds for one evaluation of a custom loss (one request's datums)."""
+    """Bounds for running a custom loss for one request."""
 
     max_elements: int  # per tensor
-    timeout_s: float  # wall clock for the whole evaluation
+    timeout_s: float  # wall clock for every run of the loss for one request
 
 
 class _StepError(Exception):
@@ -54,8 +54,8 @@ def run_loss(
     for step in loss.steps:
         if time.monotonic() > deadline:
             raise InvalidInputError(
-                f"custom loss {loss.name!r} ran past its time limit of {limits.timeout_s:g} s at node "
-                f"{step.name!r} (--custom-loss-timeout-s)"
+                f"custom loss {loss.name!r} ran past its time limit of {limits.timeout_s:g} s (all its runs "
+                f"for one request) at node {step.name!r} (--custom-loss-timeout-s)"
             )
         try:
             values.append(_run_step(step, values, device, limits, made))

@@ -11,8 +11,9 @@ necessarily the targets' shape) and that the loss runs once per datum, as the SD
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,11 +27,27 @@ from tinsmith.losses import LossBatch, LossOutput, LossSpec
 @dataclass(frozen=True)
 class BoundCustomLoss:
     """A stored custom loss with the limits it runs under: what a ``loss_fn: "custom"`` request
-    carries from the API to the worker."""
+    carries from the API to the worker (one per request).
+
+    ``limits.timeout_s`` bounds the wall clock of every run of the loss for the request together
+    (its check, its micro-batches, its final metrics), so no request holds the shared worker
+    longer than that, however many datums it has.
+    """
 
     loss_id: str
     loss: CustomLoss
     limits: RunLimits
+    _spent_s: list[float] = field(default_factory=lambda: [0.0], compare=False, repr=False)
+
+    @contextmanager
+    def _deadline(self) -> Iterator[float]:
+        """The deadline of one run, from what is left of the request's time; counts the run's time."""
+        warm_up()  # torch's one-time set-up is not the loss's time
+        start = time.monotonic()
+        try:
+            yield start + self.limits.timeout_s - self._spent_s[0]
+        finally:
+            self._spent_s[0] += time.monotonic() - start
 
     def spec(self) -> LossSpec:
         return LossSpec("custom", self._run, ("target_tokens",) + self.loss.input_names, allows_2d_targets=True)
@@ -66,12 +83,11 @@ class BoundCustomLoss:
         """Run the loss and its backward on one datum with stand-in logprobs before the request
         joins a shared batch: whatever the graph cannot do with these shapes fails here, for this
         request alone, instead of failing the micro-batch it would share with other tenants."""
-        warm_up()
         logprobs = torch.full(target_shape, -1.0, device=device, requires_grad=True)
-        with torch.enable_grad():
+        with torch.enable_grad(), self._deadline() as deadline:
             try:
                 loss, _ = run_loss(self.loss, [logprobs, *(inputs[n] for n in self.loss.input_names)], device,
-                                   self.limits, time.monotonic() + self.limits.timeout_s)
+                                   self.limits, deadline)
             except InvalidInputError as e:
                 raise InvalidInputError(f"data[{index}]: {e}") from None
             if not loss.requires_grad:
@@ -87,8 +103,11 @@ class BoundCustomLoss:
 
     def _run(self, b: LossBatch) -> LossOutput:
         assert b.datum_inputs is not None and b.datum_shapes is not None
-        warm_up()
-        deadline = time.monotonic() + self.limits.timeout_s
+        with self._deadline() as deadline:
+            return self._run_until(b, deadline)
+
+    def _run_until(self, b: LossBatch, deadline: float) -> LossOutput:
+        assert b.datum_inputs is not None and b.datum_shapes is not None
         device = b.logprobs.device
         total: torch.Tensor | None = None
         sums: dict[str, float] = {}

@@ -57,7 +57,7 @@ class ServerConfig:
     custom_loss_client_side: bool = False  # do not offer server-side custom losses
     custom_loss_max_nodes: int = 1024
     custom_loss_max_elements: int = 1 << 24  # per tensor a custom loss makes
-    custom_loss_timeout_s: float = 10.0  # per evaluation of one request's datums
+    custom_loss_timeout_s: float = 10.0  # all runs of the loss for one request
     custom_loss_max_per_session: int = 64
     public_url: str | None = None  # base URL clients reach this server at (download links)
     log_level: str = "info"
@@ -151,7 +151,7 @@ _HELP = {
     "custom_loss_client_side": "do not run custom losses here: the SDK's create_custom_loss keeps them on the client",
     "custom_loss_max_nodes": "most nodes in the graph of a custom loss uploaded with create_custom_loss",
     "custom_loss_max_elements": "most elements of any one tensor a custom loss makes (checked before it is allocated)",
-    "custom_loss_timeout_s": "wall-clock limit for running a custom loss over one request's datums",
+    "custom_loss_timeout_s": "wall-clock limit for all runs of a custom loss for one request together",
     "custom_loss_max_per_session": "custom losses one session may create",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
     "log_level": "debug, info, warning or error",

@@ -2,4 +2,5 @@
 
 from tinsmith.api.routes import checkpoints, custom_losses, futures, sampling, service, sessions, training
 
-ROUTERS = [service.router, sessions.router, training.router, custom_losses.router, sampling.router, checkpoints.router, futures.router]
+ROUTERS = [service.router, sessions.router, training.router, custom_losses.router, sampling.router,
+           checkpoints.router, futures.router]

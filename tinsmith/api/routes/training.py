@@ -9,10 +9,10 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
-from tinsmith.api.routes.custom_losses import resolve_custom_loss
 from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
+from tinsmith.api.routes.custom_losses import resolve_custom_loss
 from tinsmith.api.schemas import CreateModelRequest, ModelIdRequest, OptimStepRequest, UnloadModelRequest
 from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.store.ids import model_id_for
