@@ -204,6 +204,24 @@ def test_size_is_checked_for_every_way_of_making_a_large_tensor(node):
         run_hostile(graph, [torch.zeros(20000)], RunLimits(max_elements=1 << 20, timeout_s=5.0))
 
 
+@pytest.mark.parametrize("node", [
+    call("x", "split", LP, 1, op="call_method"),
+    call("x", "torch.unbind", LP),
+    call("x", "torch.chunk", LP, 100000),
+])
+def test_splitting_into_many_pieces_is_refused_before_it_runs(node):
+    with pytest.raises(InvalidInputError, match="node 'x'.*pieces"):
+        run_hostile(graph_with(node), [torch.zeros(1 << 20)])
+
+
+def test_a_small_split_runs():
+    graph = graph_with(call("parts", "split", LP, 2, op="call_method"),
+                       call("first", "operator.getitem", {"ref": "parts"}, 1),
+                       call("x", "sum", {"ref": "first"}, op="call_method"))
+    loss, _ = run_hostile(graph, [torch.arange(6.0)])
+    assert float(loss) == 2.0 + 3.0
+
+
 def test_huge_python_numbers_are_refused():
     graph = graph_with(call("n", "operator.pow", 10, 10 ** 9), call("x", "torch.mul", LP, {"ref": "n"}))
     with pytest.raises(InvalidInputError, match="node 'n'.*power"):

@@ -53,7 +53,7 @@ _TORCH_FUNCTIONS: tuple[Callable[..., Any], ...] = (
     torch.norm, torch.amax, torch.amin, torch.max, torch.min, torch.argmax, torch.argmin,
     torch.all, torch.any, torch.count_nonzero, torch.logsumexp, torch.cumsum, torch.cumprod,
     torch.softmax, torch.log_softmax, torch.topk, torch.sort, torch.argsort, torch.dot,
-    torch.matmul, torch.diff,
+    torch.matmul,
     # shapes and indexing
     torch.stack, torch.cat, torch.concat, torch.squeeze, torch.unsqueeze, torch.flatten,
     torch.reshape, torch.transpose, torch.permute, torch.flip, torch.roll, torch.narrow,
@@ -103,7 +103,7 @@ METHODS = frozenset({
     "logical_not", "logical_xor",
     "sum", "mean", "nansum", "nanmean", "prod", "std", "var", "norm", "amax", "amin", "max", "min",
     "argmax", "argmin", "all", "any", "count_nonzero", "logsumexp", "cumsum", "cumprod", "softmax",
-    "log_softmax", "topk", "sort", "argsort", "dot", "matmul", "diff",
+    "log_softmax", "topk", "sort", "argsort", "dot", "matmul",
     "squeeze", "unsqueeze", "flatten", "reshape", "view", "view_as", "reshape_as", "transpose",
     "permute", "flip", "roll", "narrow", "select", "gather", "index_select", "masked_select",
     "masked_fill", "expand", "expand_as", "broadcast_to", "split", "chunk", "unbind", "nonzero",
@@ -145,6 +145,9 @@ _BOUNDED_NAMES = (
 BOUNDED_BY_INPUTS = frozenset(
     name for name in set(FUNCTIONS) | METHODS if name.rsplit(".", 1)[-1] in _BOUNDED_NAMES
 )
+
+# Calls that return a tuple of pieces: how many is checked before they run.
+SPLITTING = frozenset({"torch.split", "split", "torch.chunk", "chunk", "torch.unbind", "unbind"})
 
 # Calls whose output size depends on tensor values, so no shape check can run before them;
 # their output is never larger than their input (boolean masks, nonzero indices).

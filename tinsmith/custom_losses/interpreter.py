@@ -109,6 +109,8 @@ def _run_step(step: Step, values: list[Any], device: torch.device, limits: RunLi
         args = tuple(device if isinstance(a, (str, torch.device)) else a for a in args)
     if not _has_tensor(args) and not _has_tensor(kwargs) and step.target not in allowed.FACTORIES:
         return _python_op(step, call, args, kwargs)
+    if step.target in allowed.SPLITTING:
+        _check_pieces(step, args, kwargs)
     _check_size_first(step, call, args, kwargs, limits)
     out = call(*args, **kwargs)
     _check_result(out, limits, made)
@@ -191,6 +193,28 @@ def _check_size_first(step: Step, call: Any, args: tuple, kwargs: dict, limits: 
                 f"it would make a tensor of shape {tuple(t.shape)} ({t.numel()} elements), above this "
                 f"server's limit of {limits.max_elements} (--custom-loss-max-elements)"
             )
+
+
+def _check_pieces(step: Step, args: tuple, kwargs: dict) -> None:
+    """Refuse a split into more pieces than a loss may hold (each piece is a Python object)."""
+    tensor, rest = args[0], list(args[1:])
+    if not isinstance(tensor, torch.Tensor):
+        return  # the call itself refuses it
+    name = step.target.rsplit(".", 1)[-1]
+    size = rest.pop(0) if rest and name != "unbind" else kwargs.get("split_size_or_sections",
+                                                                     kwargs.get("split_size", kwargs.get("chunks")))
+    dim = rest[0] if rest else kwargs.get("dim", 0)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -max(tensor.ndim, 1) <= dim < max(tensor.ndim, 1):
+        return  # the call itself refuses it
+    length = tensor.shape[dim] if tensor.ndim else 1
+    if name == "unbind":
+        pieces = length
+    elif isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        pieces = size if name == "chunk" else -(-length // size)
+    else:
+        return  # a list of sizes is bounded by the argument limits; anything else is refused by the call
+    if pieces > _MAX_SEQUENCE:
+        raise _StepError(f"it would make {pieces} pieces; a custom loss may make at most {_MAX_SEQUENCE}")
 
 
 def _broadcast_numel(tensors: list[torch.Tensor]) -> int:
