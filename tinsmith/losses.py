@@ -30,12 +30,16 @@ class LossBatch:
     inputs: Mapping[str, torch.Tensor]  # each (E,), same layout as logprobs
     offsets: list[int]  # datum boundaries, len = num_datums + 1
     config: Mapping[str, float | str]
+    # Losses that read each datum's inputs in their own shapes (custom losses): per datum of the
+    # batch, its inputs and its targets' shape. Built-in losses read the flat ``inputs`` instead.
+    datum_inputs: list[dict[str, torch.Tensor]] | None = None
+    datum_shapes: list[tuple[int, ...]] | None = None
 
 
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar
-    elementwise: torch.Tensor  # (E,)
+    elementwise: torch.Tensor | None  # (E,); None for a loss that is not a sum over elements
     metrics: dict[str, float] = field(default_factory=dict)
 
 

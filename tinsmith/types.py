@@ -8,7 +8,7 @@ codecs in ``tinsmith/api/`` translate to and from these.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class ForwardBackwardInput:
     loss_fn: str
     loss_fn_config: dict[str, LossConfigValue] = field(default_factory=dict)
     forward_only: bool = False
+    # For loss_fn "custom": the stored loss that loss_fn_config["loss_id"] names, resolved by the
+    # API (a tinsmith.custom_losses.BoundCustomLoss; typed loosely to keep torch out of here).
+    custom_loss: Any = None
 
 
 @dataclass

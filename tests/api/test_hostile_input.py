@@ -242,6 +242,19 @@ def valid_calls(app: App) -> list[Call]:
         Call("POST", "/api/v1/forward", body={
             "forward_input": {"data": [datum_json([1, 2, 3])], "loss_fn": "cross_entropy"},
             "model_id": m, "seq_id": app.number()}),
+        Call("POST", "/api/v1/create_custom_loss", body={
+            "session_id": s, "custom_loss_seq_id": app.number(), "name": "nll", "type": "create_custom_loss",
+            "inputs": [{"name": "logprobs", "rank": 1}, {"name": "weights", "rank": 1}],
+            "graph": {"format": 1, "nodes": [
+                {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}},
+                {"op": "placeholder", "name": "weights", "target": "weights", "args": [], "kwargs": {}},
+                {"op": "call_function", "name": "mul", "target": "operator.mul",
+                 "args": [{"ref": "logprobs"}, {"ref": "weights"}], "kwargs": {}},
+                {"op": "call_method", "name": "sum_1", "target": "sum", "args": [{"ref": "mul"}],
+                 "kwargs": {"dim": None}},
+                {"op": "output", "name": "output", "target": "output",
+                 "args": [{"tuple": [{"ref": "sum_1"}, {"dict": {"custom/n:mean": {"ref": "sum_1"}}}]}],
+                 "kwargs": {}}]}}),
         Call("POST", "/api/v1/optim_step", body={"model_id": m, "seq_id": app.number(), "type": "optim_step",
                                                  "adam_params": {"learning_rate": 1e-3, "beta1": 0.9}}),
         Call("POST", "/api/v1/unload_model", body={"model_id": app.new_model(), "seq_id": 1}),

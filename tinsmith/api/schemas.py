@@ -98,6 +98,16 @@ class CreateModelRequest(Body):
     optimizer_config: dict[str, Any] | None = None
 
 
+class CreateCustomLossRequest(Body):
+    """``create_custom_loss``; ``inputs`` and ``graph`` are checked by tinsmith.custom_losses."""
+
+    session_id: str = Field(min_length=1)
+    custom_loss_seq_id: int = Field(ge=0)
+    name: str
+    inputs: list[Any]
+    graph: dict[str, Any]
+
+
 class ModelIdRequest(Body):
     model_id: str = Field(min_length=1)
 

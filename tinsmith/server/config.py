@@ -56,6 +56,11 @@ class ServerConfig:
     max_sampler_snapshots: int = 64
     max_sampler_snapshots_per_key: int = 32
     sampler_snapshot_idle_s: float = 120.0
+    custom_loss_client_side: bool = False  # do not offer server-side custom losses
+    custom_loss_max_nodes: int = 1024
+    custom_loss_max_elements: int = 1 << 24  # per tensor a custom loss makes
+    custom_loss_timeout_s: float = 10.0  # all runs of the loss for one request
+    custom_loss_max_per_session: int = 64
     public_url: str | None = None  # base URL clients reach this server at (download links)
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object per line, for log collectors)
@@ -77,9 +82,10 @@ class ServerConfig:
                      "max_body_bytes", "max_forward_datums", "max_forward_tokens", "train_micro_batch_tokens",
                      "train_micro_batch_size", "train_chunk_tokens", "max_num_samples", "max_sample_tokens",
                      "max_prompt_tokens", "max_runs_per_key", "max_requests_in_flight_per_key",
-                     "max_sampler_snapshots", "max_sampler_snapshots_per_key")
+                     "max_sampler_snapshots", "max_sampler_snapshots_per_key", "custom_loss_max_nodes",
+                     "custom_loss_max_elements", "custom_loss_max_per_session")
     _NOT_NEGATIVE = ("request_retention_s", "seq_gap_wait_s", "sampler_snapshot_idle_s", "checkpoint_quota_bytes")
-    _POSITIVE = ("session_timeout_s", "long_poll_seconds")
+    _POSITIVE = ("session_timeout_s", "long_poll_seconds", "custom_loss_timeout_s")
 
     def validate(self) -> None:
         """Refuse values that cannot work, naming the option (a ValueError the CLI prints as one line)."""
@@ -155,6 +161,11 @@ _HELP = {
                                      "(with --api-keys-file)",
     "sampler_snapshot_idle_s": "a snapshot unused for this long (and with no queued or running request) is idle: "
                                "another key's new snapshot may evict it",
+    "custom_loss_client_side": "do not run custom losses here: the SDK's create_custom_loss keeps them on the client",
+    "custom_loss_max_nodes": "most nodes in the graph of a custom loss uploaded with create_custom_loss",
+    "custom_loss_max_elements": "most elements of any one tensor a custom loss makes (checked before it is allocated)",
+    "custom_loss_timeout_s": "wall-clock limit for all runs of a custom loss for one request together",
+    "custom_loss_max_per_session": "custom losses one session may create",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
     "log_level": "debug, info, warning or error",
     "log_format": "text (for people) or json (one object per line, for log collectors)",

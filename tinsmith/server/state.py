@@ -18,6 +18,7 @@ import torch
 
 from tinsmith.api.auth import Authenticator
 from tinsmith.checkpoints.peft_format import recover_interrupted_commits
+from tinsmith.custom_losses.cache import CustomLossCache
 from tinsmith.engine.scheduler import Engine, Job
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.limits import KeyLimits
@@ -50,6 +51,7 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     throughput: Throughput = field(default_factory=Throughput)
     started_at: float = field(default_factory=time.time)
+    custom_losses: CustomLossCache = field(default_factory=CustomLossCache)
     _tasks: list = field(default_factory=list)
     _lock: DataDirLock | None = None
     _lease: DatabaseLease | None = None

@@ -1,4 +1,5 @@
-"""The durable record: sessions, training runs, requests (futures), samplers, checkpoints.
+"""The durable record: sessions, training runs, requests (futures), samplers, checkpoints,
+custom losses.
 
 SQLAlchemy 2 tables and Alembic migrations; SQLite (WAL) is the embedded default and
 PostgreSQL (``postgresql+psycopg://...``) the production option. Knows nothing of HTTP or
@@ -8,6 +9,7 @@ torch. Everything goes through ``Store``; it hands out frozen records, never ORM
 from tinsmith.store.ids import model_id_for, new_request_id, new_session_id, sampling_session_id_for
 from tinsmith.store.records import (
     CheckpointRecord,
+    CustomLossRecord,
     LeaseRecord,
     MetricPoint,
     ModelRecord,
@@ -21,6 +23,7 @@ from tinsmith.store.store import Store
 
 __all__ = [
     "CheckpointRecord",
+    "CustomLossRecord",
     "LeaseRecord",
     "MetricPoint",
     "ModelRecord",

@@ -21,5 +21,9 @@ def model_id_for(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
 
 
+def custom_loss_id_for(session_id: str, custom_loss_seq_id: int) -> str:
+    return f"{session_id}:loss:{custom_loss_seq_id}"
+
+
 def sampling_session_id_for(session_id: str, sampling_session_seq_id: int) -> str:
     return f"{session_id}:sample:{sampling_session_seq_id}"

@@ -105,6 +105,18 @@ class SamplingSessionRecord:
 
 
 @dataclass(frozen=True)
+class CustomLossRecord:
+    loss_id: str
+    session_id: str
+    custom_loss_seq_id: int
+    owner: str
+    name: str
+    inputs: list[Any]
+    graph: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
 class CheckpointRecord:
     run_id: str
     kind: str

@@ -30,6 +30,7 @@ from tinsmith.store import connect
 from tinsmith.store.ids import new_request_id, new_session_id
 from tinsmith.store.records import (
     CheckpointRecord,
+    CustomLossRecord,
     LeaseRecord,
     MetricPoint,
     ModelRecord,
@@ -45,6 +46,7 @@ from tinsmith.store.tables import (
     MODEL_STATUSES,
     Base,
     CheckpointTable,
+    CustomLossTable,
     ModelTable,
     RequestTable,
     RunMetricTable,
@@ -554,6 +556,56 @@ class Store:
             total += n
             if n < batch:
                 return total
+
+    # ------------------------------------------------------------------ custom losses
+
+    def create_custom_loss(
+        self,
+        loss_id: str,
+        *,
+        session_id: str,
+        custom_loss_seq_id: int,
+        owner: str,
+        name: str,
+        inputs: list[Any],
+        graph: dict[str, Any],
+    ) -> tuple[CustomLossRecord, bool]:
+        """Record an uploaded custom loss; returns ``(record, created)``.
+
+        Idempotent on ``(session_id, custom_loss_seq_id)``, since the SDK retries the upload with
+        the same sequence number; a different loss under a used number is a ConflictError.
+        """
+        row = CustomLossTable(
+            loss_id=loss_id, session_id=session_id, custom_loss_seq_id=custom_loss_seq_id, owner=owner,
+            name=name, inputs=list(inputs), graph=dict(graph), created_at=self._clock(),
+        )
+        try:
+            with self._tx() as s:
+                s.add(row)
+            return _record(CustomLossRecord, row), True
+        except IntegrityError:
+            query = select(CustomLossTable).where(
+                CustomLossTable.session_id == session_id, CustomLossTable.custom_loss_seq_id == custom_loss_seq_id
+            )
+            with self._tx() as s:
+                found = s.scalars(query).first()
+                existing = None if found is None else _record(CustomLossRecord, found)
+            if existing is None:
+                raise
+            if (existing.name, existing.inputs, existing.graph) != (name, list(inputs), dict(graph)):
+                raise ConflictError(
+                    f"custom_loss_seq_id {custom_loss_seq_id} of session {session_id!r} was already used "
+                    f"by loss {existing.name!r}; every create_custom_loss needs its own sequence number"
+                ) from None
+            return existing, False
+
+    def get_custom_loss(self, loss_id: str) -> CustomLossRecord | None:
+        return self._get(CustomLossRecord, CustomLossTable, loss_id)
+
+    def count_session_custom_losses(self, session_id: str) -> int:
+        query = select(func.count()).select_from(CustomLossTable).where(CustomLossTable.session_id == session_id)
+        with self._tx() as s:
+            return int(s.execute(query).scalar_one())
 
     # ------------------------------------------------------------------ sampling sessions
 

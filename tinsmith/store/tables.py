@@ -201,6 +201,24 @@ class SamplingSessionTable(Base):
     next_sequence_number: Mapped[int] = mapped_column(BigInteger)
 
 
+class CustomLossTable(Base):
+    """A custom loss uploaded with ``create_custom_loss``: the SDK's encoded torch.fx graph,
+    kept as sent (the server decodes it against its allow-list whenever it loads it)."""
+
+    __tablename__ = "custom_losses"
+
+    loss_id: Mapped[str] = mapped_column(String, primary_key=True)
+    session_id: Mapped[str] = mapped_column(String)
+    custom_loss_seq_id: Mapped[int] = mapped_column(BigInteger)
+    owner: Mapped[str] = mapped_column(String)
+    name: Mapped[str] = mapped_column(String)
+    inputs: Mapped[list[Any]] = mapped_column(JSON)
+    graph: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+
+    __table_args__ = (UniqueConstraint("session_id", "custom_loss_seq_id"),)
+
+
 class CheckpointTable(Base):
     """A saved checkpoint, addressed as ``tinker://{run_id}/{kind}/{name}``."""
 

@@ -50,7 +50,8 @@ class _Prepared:
     forward_only: bool
     tokens: list[np.ndarray]
     targets: list[torch.Tensor]  # (N,) or (N, K) int64
-    inputs: list[dict[str, torch.Tensor]]  # flattened float inputs per datum
+    inputs: list[dict[str, torch.Tensor]]  # flattened float inputs per datum (a custom loss's: as declared)
+    custom: bool = False  # a custom loss: inputs keep their shapes, the loss runs per datum
 
 
 @dataclass
@@ -82,8 +83,14 @@ class FbPass:
         return out
 
     def complete(self) -> None:
-        for r, prep in self.prepared.items():
-            self.results[r] = self.runtime._finish(prep, [self.lps[(r, d)] for d in range(len(prep.tokens))])
+        try:
+            results = {r: self.runtime._finish(prep, [self.lps[(r, d)] for d in range(len(prep.tokens))])
+                       for r, prep in self.prepared.items()}
+        except TinsmithError as exc:  # a custom loss refused on the real logprobs: this pass alone
+            self.fail(exc)
+            return
+        for r, res in results.items():
+            self.results[r] = res
         self._close()
 
     def fail(self, exc: Exception) -> None:
@@ -202,7 +209,13 @@ class TrainingRuntime:
     def _prepare(self, req: TrainRequest) -> _Prepared:
         unit = self.unit(req.unit)
         inp = req.input
-        spec, config = resolve_loss(inp.loss_fn, inp.loss_fn_config)
+        custom = inp.custom_loss
+        if inp.loss_fn == "custom":
+            if custom is None:
+                raise InvalidInputError("loss_fn 'custom' needs loss_fn_config['loss_id'] naming a loss from create_custom_loss")
+            spec, config = custom.spec(), {}
+        else:
+            spec, config = resolve_loss(inp.loss_fn, inp.loss_fn_config)
         if not inp.data:
             raise InvalidInputError("data must contain at least one datum")
         V, ctx = self.config.vocab_size, self.config.max_position_embeddings
@@ -222,10 +235,20 @@ class TrainingRuntime:
                 raise InvalidInputError(
                     f"data[{i}].loss_fn_inputs['target_tokens'] has {rows} rows but model_input has {t.size} tokens"
                 )
-            validate_inputs(spec, i, d.loss_inputs, shapes)
+            if custom is None:
+                validate_inputs(spec, i, d.loss_inputs, shapes)
+            elif "target_tokens" not in d.loss_inputs:
+                raise InvalidInputError(f"data[{i}].loss_fn_inputs lacks 'target_tokens', which every loss reads")
             tgt = np.asarray(d.loss_inputs["target_tokens"])
             if not np.issubdtype(tgt.dtype, np.integer) or tgt.min() < 0 or tgt.max() >= V:
                 raise InvalidInputError(f"data[{i}].loss_fn_inputs['target_tokens'] has ids outside [0, {V})")
+            if custom is not None:
+                datum_inputs = custom.datum_inputs(i, d.loss_inputs, tgt.shape, self.device)
+                custom.check_runs(i, datum_inputs, tgt.shape, self.device)
+                toks.append(t.astype(np.int64, copy=False))
+                targets.append(torch.from_numpy(tgt.astype(np.int64, copy=False)))
+                inputs.append(datum_inputs)
+                continue
             flat = {}
             for k, v in d.loss_inputs.items():
                 if k == "target_tokens" or k not in spec.required_inputs + spec.optional_inputs:
@@ -240,7 +263,7 @@ class TrainingRuntime:
             toks.append(t.astype(np.int64, copy=False))
             targets.append(torch.from_numpy(tgt.astype(np.int64, copy=False)))
             inputs.append(flat)
-        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs)
+        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs, custom is not None)
 
     # ----------------------------------------------------------------------------- forward/backward
     def forward_backward(self, requests: list[TrainRequest]) -> list[Union[ForwardBackwardResult, TinsmithError]]:
@@ -327,15 +350,20 @@ class TrainingRuntime:
         try:
             self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
             for rows in groups:
+                rows = [s for s in rows if not by_id[s.request[0]].done]  # a pass failed earlier in this call
+                if not rows:
+                    continue
                 mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device)
                 lps: dict = {}
-                self._run_micro_batch(mb, prepared, lps)
+                for pid, exc in self._run_micro_batch(mb, prepared, lps).items():
+                    by_id[pid].fail(exc)
                 for ((pid, r), d), lp in lps.items():
-                    by_id[pid].lps[(r, d)] = lp
-                    left[pid] -= 1
+                    if not by_id[pid].done:
+                        by_id[pid].lps[(r, d)] = lp
+                        left[pid] -= 1
                 for pid in {ref.request[0] for ref in rows}:
                     p = by_id[pid]
-                    if left[pid] == 0 and not p.todo:
+                    if left[pid] == 0 and not p.todo and not p.done:
                         p.complete()
                         if on_done is not None:
                             on_done(p)
@@ -344,7 +372,11 @@ class TrainingRuntime:
                 if not p.done:
                     p.fail(exc)
 
-    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict) -> None:
+    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict) -> dict[int, Exception]:
+        """Forward (and backward) one micro-batch; fills ``lps``. Returns the passes (by id) whose
+        custom loss was refused here: their loss is left out of the backward and they fail alone,
+        while every other request of the micro-batch trains."""
+        failed: dict[int, Exception] = {}
         with torch.set_grad_enabled(mb.needs_grad):
             hidden = self.model.hidden_states(mb.tokens, mb.positions, mb.row_segments)
             h = hidden[mb.valid]  # (T, hidden) real tokens, row-major
@@ -367,10 +399,18 @@ class TrainingRuntime:
                     p = prepared[r]
                     parts = [lps[(r, mb.rows[i].datum)] for i in idxs]
                     batch = self._loss_batch(p, [mb.rows[i].datum for i in idxs], parts)
-                    losses.append(p.spec.fn(batch).loss)
-                torch.stack(losses).sum().backward()
+                    if not p.custom:
+                        losses.append(p.spec.fn(batch).loss)
+                        continue
+                    try:
+                        losses.append(p.spec.fn(batch).loss)
+                    except TinsmithError as exc:
+                        failed[r[0]] = exc
+                if losses:
+                    torch.stack(losses).sum().backward()
         for i, ref in enumerate(mb.rows):
             lps[(ref.request, ref.datum)] = lps[(ref.request, ref.datum)].detach()
+        return failed
 
     def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """log p(cols[e] | token rows[e]) for each element e, without keeping huge logits around."""
@@ -393,6 +433,9 @@ class TrainingRuntime:
         offsets = [0]
         for x in lps:
             offsets.append(offsets[-1] + x.numel())
+        if p.custom:
+            return LossBatch(torch.cat(lps), {}, offsets, p.config, datum_inputs=[p.inputs[d] for d in datums],
+                             datum_shapes=[tuple(p.targets[d].shape) for d in datums])
         keys = p.inputs[datums[0]].keys()
         inputs = {k: torch.cat([p.inputs[d][k] for d in datums]) for k in keys}
         return LossBatch(torch.cat(lps), inputs, offsets, p.config)
@@ -406,12 +449,10 @@ class TrainingRuntime:
         for d, lp in enumerate(lps):
             shape = tuple(p.targets[d].shape)
             b = a + lp.numel()
-            outputs.append(
-                {
-                    "logprobs": lp.float().cpu().numpy().reshape(shape),
-                    "elementwise_loss": out.elementwise[a:b].float().cpu().numpy().reshape(shape),
-                }
-            )
+            fields = {"logprobs": lp.float().cpu().numpy().reshape(shape)}
+            if out.elementwise is not None:
+                fields["elementwise_loss"] = out.elementwise[a:b].float().cpu().numpy().reshape(shape)
+            outputs.append(fields)
             a = b
         return ForwardBackwardResult(outputs=outputs, metrics=out.metrics)
 

@@ -170,7 +170,7 @@ def densify(
     shape: list[int] | None,
     crow: np.ndarray | None,
     col: np.ndarray | None,
-    expected_rows: int,
+    expected_rows: int | None,
     pad: int | float = 0,
     rows_of: str = "model_input has {n} tokens",
     budget: DenseBudget | None = None,
@@ -181,7 +181,7 @@ def densify(
     ``crow``/``col`` the tensor is 2-D sparse CSR and unlisted entries are ``pad``; its dense
     size is taken from ``budget`` (the request's, shared by all its tensors) before anything is
     allocated. The leading dimension must equal ``expected_rows`` (``rows_of`` says what that
-    is, for the message).
+    is, for the message), unless it is ``None`` (a custom loss's inputs have shapes of their own).
     """
     if shape is not None and len(shape) == 0:
         shape = None
@@ -205,7 +205,7 @@ def densify(
         if len(shape) != 2:
             fail(f"{where} is sparse CSR with shape {shape}; only 2-D CSR tensors are supported")
         rows, cols = shape
-        if rows != expected_rows:
+        if expected_rows is not None and rows != expected_rows:
             fail(f"{where} has {rows} rows but {rows_of.format(n=expected_rows)}")
         (budget or DenseBudget()).take(where, shape)
         nnz = int(values.size)
@@ -232,7 +232,7 @@ def densify(
                 fail(f"{where}: sparse col_indices list the same entry twice")
             arr[row_ids, col] = values
 
-    if arr.shape[0] != expected_rows:
+    if expected_rows is not None and arr.shape[0] != expected_rows:
         fail(f"{where} has {arr.shape[0]} rows but {rows_of.format(n=expected_rows)}")
     return arr
 

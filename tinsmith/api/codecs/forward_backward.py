@@ -95,7 +95,7 @@ def _pb_widen(raw: np.ndarray, dtype_name: str) -> np.ndarray:
     return raw.astype(np.int64)
 
 
-def _pb_tensor(t: Any, where: str, key: str, n_tokens: int, budget: DenseBudget) -> np.ndarray:
+def _pb_tensor(t: Any, where: str, key: str, n_tokens: int | None, budget: DenseBudget) -> np.ndarray:
     spec = _PB_DTYPES.get(t.dtype)
     if spec is None:
         fail(f"{where} has unknown dtype {t.dtype} (expected FLOAT32, INT64, INT32 or BFLOAT16)")
@@ -148,7 +148,8 @@ def _pb_spans(spans: Any, where: str) -> list[ProvenanceSpan]:
     return out
 
 
-def _pb_datum(d: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget) -> Datum:
+def _pb_datum(d: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget, custom: bool) -> Datum:
+    """One datum; ``custom``: a custom loss's inputs, whose rows need not match the tokens."""
     where = f"data[{i}]"
     parts: list[np.ndarray] = []
     for j, chunk in enumerate(d.model_input):
@@ -171,7 +172,8 @@ def _pb_datum(d: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget)
     for key in d.loss_fn_inputs:
         check_text(key, f"{where}.loss_fn_inputs key {key!r}")
         if reads is None or key in reads:
-            inputs[key] = _pb_tensor(d.loss_fn_inputs[key], f"{where}.loss_fn_inputs[{key!r}]", key, n, budget)
+            rows = n if key == "target_tokens" or not custom else None
+            inputs[key] = _pb_tensor(d.loss_fn_inputs[key], f"{where}.loss_fn_inputs[{key!r}]", key, rows, budget)
     mi_spans = _pb_spans(d.model_input_spans, f"{where}.model_input_spans")
     lf_spans = _pb_spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")
     check_spans(f"{where}.model_input_spans", mi_spans, n, "model_input")
@@ -226,7 +228,8 @@ def decode_forward_backward_protobuf(
 
     reads = inputs_read_by(msg.loss_fn)
     budget = DenseBudget() if limits is None else DenseBudget(limits.dense_elements)
-    data = [_pb_datum(d, i, reads, budget) for i, d in enumerate(msg.data)]
+    custom = msg.loss_fn == "custom"
+    data = [_pb_datum(d, i, reads, budget, custom) for i, d in enumerate(msg.data)]
     return (
         msg.model_id,
         int(msg.seq_id),
@@ -241,7 +244,7 @@ def decode_forward_backward_protobuf(
 # JSON request (SDK <= 0.22.2)
 
 
-def _json_tensor(obj: Any, where: str, key: str, n_tokens: int, budget: DenseBudget) -> np.ndarray:
+def _json_tensor(obj: Any, where: str, key: str, n_tokens: int | None, budget: DenseBudget) -> np.ndarray:
     if not isinstance(obj, dict):
         fail(f"{where} must be a TensorData object with 'data' and 'dtype'")
     dtype = obj.get("dtype")
@@ -267,7 +270,7 @@ def _json_tensor(obj: Any, where: str, key: str, n_tokens: int, budget: DenseBud
                    expected_rows=n_tokens, budget=budget)
 
 
-def _json_datum(obj: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget) -> Datum:
+def _json_datum(obj: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget, custom: bool) -> Datum:
     where = f"data[{i}]"
     if not isinstance(obj, dict):
         fail(f"{where} must be an object with 'model_input' and 'loss_fn_inputs'")
@@ -281,7 +284,8 @@ def _json_datum(obj: Any, i: int, reads: frozenset[str] | None, budget: DenseBud
     if not isinstance(raw_inputs, dict):
         fail(f"{where}.loss_fn_inputs must be an object")
     inputs = {
-        str(key): _json_tensor(value, f"{where}.loss_fn_inputs[{key!r}]", key, n, budget)
+        str(key): _json_tensor(value, f"{where}.loss_fn_inputs[{key!r}]", key,
+                               n if key == "target_tokens" or not custom else None, budget)
         for key, value in raw_inputs.items()
         if reads is None or key in reads
     }
@@ -359,7 +363,7 @@ def decode_forward_backward_json(
         limits.check_forward_tokens(_json_token_count(raw_data))
     reads = inputs_read_by(loss_fn)
     budget = DenseBudget() if limits is None else DenseBudget(limits.dense_elements)
-    data = [_json_datum(d, i, reads, budget) for i, d in enumerate(raw_data)]
+    data = [_json_datum(d, i, reads, budget, loss_fn == "custom") for i, d in enumerate(raw_data)]
     return model_id, seq_id, ForwardBackwardInput(
         data=data, loss_fn=loss_fn, loss_fn_config=config, forward_only=forward_only
     )

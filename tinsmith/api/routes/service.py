@@ -11,10 +11,10 @@ from tinsmith.api.request import ApiRoute
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 # Feature flags the SDK reads from client/config. Everything optional stays off.
+# custom_loss_server_side is set per server (--custom-loss-client-side turns it off).
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "sample_use_retrieve_futures": False,
-    "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
     "proto_compress_fwdbwd": False,
     "parallel_fwdbwd_chunks": True,
@@ -24,7 +24,9 @@ CLIENT_CONFIG = {
 @router.post("/client/config")
 async def client_config(request: Request, _=Depends(caller_of)) -> dict:
     # The SDK splits forward_backward calls by these, so it never sends what the limits refuse.
-    return {**CLIENT_CONFIG, **limits_of(state_of(request)).sdk_chunking()}
+    state = state_of(request)
+    return {**CLIENT_CONFIG, "custom_loss_server_side": not state.config.custom_loss_client_side,
+            **limits_of(state).sdk_chunking()}
 
 
 @router.post("/client/dynamic_config")

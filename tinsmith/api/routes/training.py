@@ -12,6 +12,7 @@ from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
+from tinsmith.api.routes.custom_losses import resolve_custom_loss
 from tinsmith.api.schemas import CreateModelRequest, ModelIdRequest, OptimStepRequest, UnloadModelRequest
 from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.store.ids import model_id_for
@@ -88,7 +89,8 @@ async def _forward_backward(request: Request, caller: Caller, forward_route: boo
         wire, payload_type = "json", "json"
     if forward_route:
         inp.forward_only = True
-    await owned_model(state, caller, model_id)
+    model = await owned_model(state, caller, model_id)
+    await resolve_custom_loss(state, model, inp)
     kind = "forward" if inp.forward_only else "forward_backward"
     return await submit(state, caller, kind, inp, payload=body, payload_type=payload_type, model_id=model_id,
                         seq_id=seq_id, wire=wire)
