@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="merged: full model in the base dtype, sharded (default); peft: the adapter as trained; "
                              "peft-vllm: the adapter without modules vLLM cannot serve (lm_head)")
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of a merged export")
-    export.add_argument("--push-to-hub", metavar="REPO", help="also upload to this Hugging Face repo (HF_TOKEN, HF_ENDPOINT)")
+    export.add_argument("--push-to-hub", metavar="REPO",
+                        help="also upload to this Hugging Face repo (token: HF_TOKEN; hub: HF_ENDPOINT)")
     export.add_argument("--private", action="store_true", help="create the --push-to-hub repo private")
     export.add_argument("--quiet", action="store_true", help="no progress bars")
     export.add_argument("--base-model", help="base model dir or HF id (default: the one the checkpoint names)")

@@ -25,9 +25,7 @@ from tests.e2e.helpers import RESULT_TIMEOUT_S, gathered_logprobs, logprobs_of, 
 from tests.e2e.server import ServerProcess
 from tests.rl.fake_hub import USER, FakeHub
 from tests.rl.helpers import checkpoint_dir, train_steps_on
-from tinsmith.checkpoints.peft_format import save_peft_adapter
 from tinsmith.devtools.tiny_model import make_tiny_model
-from tinsmith.types import LoraSpec
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]

@@ -35,6 +35,7 @@ from tinsmith.checkpoints.peft_format import (CONFIG, VLLM_LORA_TARGETS, atomic_
 from tinsmith.checkpoints.state_format import META, load_training_state
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.loading import read_config, resolve_model_dir, weight_files
+from tinsmith.types import LoraSpec
 
 FORMATS = ("merged", "peft", "peft-vllm")
 _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -142,7 +143,7 @@ def _lora_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
     return pairs
 
 
-def _merge_plan(base_dir: Path, spec, tensors: dict[str, torch.Tensor]):
+def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]):
     """(meta plan of the merged model, function making each tensor, untie?) without loading it."""
     raw = json.loads((base_dir / "config.json").read_text())
     cfg = read_config(base_dir)
@@ -178,7 +179,8 @@ def _merge_plan(base_dir: Path, spec, tensors: dict[str, torch.Tensor]):
             a, b = pairs[module]
             delta = scale * (b.float() @ a.float())
             if delta.shape != t.shape:
-                raise InvalidInputError(f"the adapter's {module!r} is {tuple(delta.shape)}, the base weight {tuple(t.shape)}")
+                raise InvalidInputError(f"the adapter's {module!r} is {tuple(delta.shape)}, "
+                                        f"the base weight {tuple(t.shape)}")
             t = t.float() + delta
             if not bool(torch.isfinite(t).all()):
                 raise InvalidInputError(f"merging {module!r} gives NaN or infinite values")
@@ -221,7 +223,8 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
     return ExportResult(out_dir, sorted(p.name for p in out_dir.iterdir()))
 
 
-def vllm_servable(spec, tensors: dict[str, torch.Tensor]):
+def vllm_servable(spec: LoraSpec, tensors: dict[str, torch.Tensor]
+                  ) -> tuple[LoraSpec, dict[str, torch.Tensor], list[str]]:
     """(spec, tensors, dropped modules) of the adapter restricted to :data:`VLLM_LORA_TARGETS`."""
     pairs = _lora_pairs(tensors)
     keep = {m for m in pairs if m.rsplit(".", 1)[-1] in VLLM_LORA_TARGETS}

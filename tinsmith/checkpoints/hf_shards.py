@@ -57,7 +57,8 @@ def write_shards(out_dir: Path, plan: dict[str, torch.Tensor], make: Callable[[s
                 t = make(name).detach().contiguous().cpu()
                 want = plan[name]
                 if t.shape != want.shape or t.dtype != want.dtype:
-                    raise AssertionError(f"{name}: made {tuple(t.shape)} {t.dtype}, planned {tuple(want.shape)} {want.dtype}")
+                    raise AssertionError(f"{name}: made {tuple(t.shape)} {t.dtype}, "
+                                         f"planned {tuple(want.shape)} {want.dtype}")
                 shard[name] = t
                 pbar.update(t.numel() * t.element_size())
             save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
