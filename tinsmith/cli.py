@@ -76,6 +76,8 @@ def _export(args: argparse.Namespace) -> int:
     except TinsmithError as e:
         print(f"tinsmith export: {e.message}", file=sys.stderr)
         return 1
+    if not args.quiet:
+        print(f"tinsmith export: {result.summary}", file=sys.stderr)
     for w in result.warnings:
         print(f"tinsmith export: warning: {w}", file=sys.stderr)
     print(result.path)
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--push-to-hub", metavar="REPO",
                         help="also upload to this Hugging Face repo (token: HF_TOKEN; hub: HF_ENDPOINT)")
     export.add_argument("--private", action="store_true", help="create the --push-to-hub repo private")
-    export.add_argument("--quiet", action="store_true", help="no progress bars")
+    export.add_argument("--quiet", action="store_true", help="no progress bars, no summary (warnings still show)")
     export.add_argument("--base-model", help="base model dir or HF id (default: the one the checkpoint names)")
     export.add_argument("--data-dir", default="./data", help="the server's data dir (for tinker:// paths)")
     export.add_argument("--database-url", default=None, help="the server's database URL (for tinker:// paths)")

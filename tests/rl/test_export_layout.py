@@ -65,6 +65,7 @@ def test_tied_embeddings_written_once(tied_qwen3_dir, tmp_path, unembed):
     assert ("lm_head.weight" in weights) is unembed  # tied and not trained: only the embedding
     assert cfg["tie_word_embeddings"] is (not unembed)  # a trained unembedding unties them
     assert "model.embed_tokens.weight" in weights and result.warnings == []
+    assert result.summary.startswith("merged model (float32, one model.safetensors)")
     ref = _logits(tied_qwen3_dir, adapter)
     assert torch.allclose(_logits(tmp_path / "out"), ref, atol=1e-4, rtol=1e-4)
 
@@ -96,7 +97,8 @@ def test_refused_before_any_work(qwen3_dir, tmp_path):
 def test_vllm_adapter_of_projections_only_is_the_trained_one(qwen3_dir, tmp_path):
     adapter = _adapter(qwen3_dir, tmp_path / "adapter", unembed=False)
     result = run_export(adapter, tmp_path / "vllm", "peft-vllm")
-    assert result.warnings == []
+    assert result.warnings == [] and result.summary.startswith("vLLM-servable")
+    assert "and vLLM serves it" in run_export(adapter, tmp_path / "peft", "peft").summary
     assert load_file(str(tmp_path / "vllm" / "adapter_model.safetensors")).keys() == \
         load_file(str(adapter / "adapter_model.safetensors")).keys()
 

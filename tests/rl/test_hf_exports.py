@@ -90,6 +90,7 @@ def test_merged_export_is_bf16_sharded_like_transformers(trained, bf16_model, tm
     assert code == 0, err
     assert stdout.strip() == str(out)
     assert "%|" not in err, "no progress bars when stderr is not a terminal"
+    assert "merged model (bfloat16, " in err and "shards with an index" in err, err
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -120,6 +121,7 @@ def test_peft_and_vllm_adapters(trained, bf16_model, tmp_path, capsys):
     # the PEFT adapter as trained: lm_head included, the server's log-probabilities in peft
     code, _, err = _export(capsys, str(trained["dir"]), "--out", str(tmp_path / "peft"), "--format", "peft")
     assert code == 0 and "warning" not in err, err
+    assert "PEFT adapter as trained" in err and "vLLM refuses its lm_head" in err, err
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert "lm_head" in cfg["target_modules"]
     full = gathered_logprobs(_peft(bf16_model, tmp_path / "peft"), trained["data"])
@@ -130,6 +132,7 @@ def test_peft_and_vllm_adapters(trained, bf16_model, tmp_path, capsys):
     code, stdout, err = _export(capsys, str(trained["dir"]), "--out", str(vdir), "--format", "peft-vllm")
     assert code == 0 and stdout.strip() == str(vdir), err
     assert "warning" in err and "lm_head" in err and "NOT the trained model" in err, err
+    assert "vLLM-servable PEFT adapter" in err, err
     cfg = json.loads((vdir / "adapter_config.json").read_text())
     assert cfg["target_modules"] == PROJECTIONS and not cfg.get("modules_to_save")
     keys = list(load_file(str(vdir / "adapter_model.safetensors")))

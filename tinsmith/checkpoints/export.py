@@ -88,10 +88,12 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16
 
 @dataclass
 class ExportResult:
-    """Where the export went and what the user must know about it (printed as warnings)."""
+    """Where the export went, which kind of export it is (``summary``, one line for the user)
+    and what they must know about it (``warnings``)."""
 
     path: Path
     files: list[str]
+    summary: str
     warnings: list[str] = field(default_factory=list)
 
 
@@ -213,14 +215,17 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
             if isinstance(cfg.get("text_config"), dict):
                 cfg["text_config"]["tie_word_embeddings"] = False
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        write_shards(tmp, plan, make, max_shard_size, show_progress)
+        written = write_shards(tmp, plan, make, max_shard_size, show_progress)
         dtype = str(next(iter(plan.values())).dtype).removeprefix("torch.")
         (tmp / "README.md").write_text(_model_card("merged", base, dtype))
         commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out_dir, sorted(p.name for p in out_dir.iterdir()))
+    shards = len([f for f in written if f.endswith(".safetensors")])
+    layout = "one model.safetensors" if shards == 1 else f"{shards} safetensors shards with an index"
+    summary = f"merged model ({dtype}, {layout}): loads in transformers and vLLM like the base model"
+    return ExportResult(out_dir, sorted(p.name for p in out_dir.iterdir()), summary)
 
 
 def vllm_servable(spec: LoraSpec, tensors: dict[str, torch.Tensor]
@@ -253,7 +258,15 @@ def export_adapter(checkpoint_dir: Path, out_dir: Path, base_model: str | None =
                 "compare outputs, or serve --format merged, which keeps every trained weight)")
     save_peft_adapter(out_dir, spec, tensors, base)
     (out_dir / "README.md").write_text(_model_card("peft-vllm" if vllm else "peft", base, "float32", warnings))
-    return ExportResult(out_dir, sorted(p.name for p in out_dir.iterdir()), warnings)
+    modules = sorted({m.rsplit(".", 1)[-1] for m in _lora_pairs(tensors)})
+    if vllm:
+        summary = f"vLLM-servable PEFT adapter ({', '.join(modules)}): vllm serve --enable-lora, or peft"
+    elif "lm_head" in modules:
+        summary = (f"PEFT adapter as trained ({', '.join(modules)}): loads in peft; vLLM refuses its lm_head, "
+                   "use --format peft-vllm or merged for vLLM")
+    else:
+        summary = f"PEFT adapter as trained ({', '.join(modules)}): loads in peft, and vLLM serves it"
+    return ExportResult(out_dir, sorted(p.name for p in out_dir.iterdir()), summary, warnings)
 
 
 _HOW_TO_LOAD = {
