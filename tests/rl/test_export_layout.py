@@ -68,6 +68,15 @@ def test_tied_embeddings_written_once(tied_qwen3_dir, tmp_path, unembed):
     assert result.summary.startswith("merged model (float32, one model.safetensors)")
     ref = _logits(tied_qwen3_dir, adapter)
     assert torch.allclose(_logits(tmp_path / "out"), ref, atol=1e-4, rtol=1e-4)
+    # sharded, the index is the one transformers writes for the same (tied or untied) model
+    run_export(adapter, tmp_path / "sharded", max_shard_size="50KB")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded")).save_pretrained(
+        str(tmp_path / "resaved"), max_shard_size="50KB")
+    index = (tmp_path / "sharded" / "model.safetensors.index.json").read_text()
+    assert index == (tmp_path / "resaved" / "model.safetensors.index.json").read_text()
+    assert ('"lm_head.weight"' in index) is unembed
 
 
 def test_export_follows_the_config_dtype(tmp_path):
