@@ -49,10 +49,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """Merge a LoRA checkpoint (local directory or tinker:// path) into a full HF model."""
+    """Export a LoRA checkpoint (local directory or tinker:// path): merged HF model or PEFT adapter."""
     from pathlib import Path
 
-    from tinsmith.checkpoints.export import export_merged
+    from tinsmith.checkpoints.export import run_export
+    from tinsmith.checkpoints.progress import progress_wanted
     from tinsmith.errors import TinsmithError
 
     source = args.checkpoint
@@ -71,11 +72,16 @@ def _export(args: argparse.Namespace) -> int:
                 print(f"tinsmith export: no checkpoint {source} in {cfg.resolved_database_url}", file=sys.stderr)
                 return 1
             source = ck.storage_path
-        out = export_merged(Path(source), Path(args.out), args.base_model)
+        result = run_export(Path(source), Path(args.out), args.format, args.base_model, args.max_shard_size,
+                            args.push_to_hub, args.private, progress_wanted(args.quiet))
     except TinsmithError as e:
         print(f"tinsmith export: {e.message}", file=sys.stderr)
         return 1
-    print(out)
+    if not args.quiet:
+        print(f"tinsmith export: {result.summary}", file=sys.stderr)
+    for w in result.warnings:
+        print(f"tinsmith export: warning: {w}", file=sys.stderr)
+    print(result.path)
     return 0
 
 
@@ -92,9 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="print a running server's runs, queue and health (as the dashboard shows)")
     status.add_arguments(st)
     st.set_defaults(func=status.run)
-    export = sub.add_parser("export", help="merge a LoRA checkpoint into its base model (HF format)")
+    export = sub.add_parser("export", help="export a LoRA checkpoint: merged HF model, or PEFT adapter (for vLLM too)")
     export.add_argument("checkpoint", help="checkpoint directory, or tinker://RUN/KIND/NAME of this server")
-    export.add_argument("--out", required=True, help="directory to write the merged model to")
+    export.add_argument("--out", required=True, help="new (or empty) directory to write the export to")
+    export.add_argument("--format", default="merged", choices=("merged", "peft", "peft-vllm"),
+                        help="merged: full model in the base dtype, sharded (default); peft: the adapter as trained; "
+                             "peft-vllm: the adapter without modules vLLM cannot serve (lm_head)")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of a merged export")
+    export.add_argument("--push-to-hub", metavar="REPO",
+                        help="also upload to this Hugging Face repo (token: HF_TOKEN; hub: HF_ENDPOINT)")
+    export.add_argument("--private", action="store_true", help="create the --push-to-hub repo private")
+    export.add_argument("--quiet", action="store_true", help="no progress bars, no summary (warnings still show)")
     export.add_argument("--base-model", help="base model dir or HF id (default: the one the checkpoint names)")
     export.add_argument("--data-dir", default="./data", help="the server's data dir (for tinker:// paths)")
     export.add_argument("--database-url", default=None, help="the server's database URL (for tinker:// paths)")

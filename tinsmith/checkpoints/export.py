@@ -1,26 +1,43 @@
-"""Merge a LoRA checkpoint into its base model and write a plain Hugging Face model directory.
+"""``tinsmith export``: a LoRA checkpoint in a form other tools load.
 
-``W' = W + (alpha / r) * B @ A`` for every adapted projection. When the adapter trains the
-unembedding of a model with tied embeddings, the merged ``lm_head`` is written separately and
-the config is untied, since the input embedding must stay the base one.
+* ``merged``: the adapter merged into its base model, ``W' = W + (alpha / r) * B @ A`` for
+  every adapted projection, written like a Hugging Face release: the base model's dtype (its
+  config's ``dtype``/``torch_dtype``), safetensors shards with an index. When the adapter
+  trains the unembedding of a model with tied embeddings, the merged ``lm_head`` is written
+  separately and the config is untied, since the input embedding must stay the base one.
+* ``peft``: the adapter as trained (``peft.PeftModel.from_pretrained`` loads it).
+* ``peft-vllm``: the adapter restricted to the modules vLLM's LoRA serves (attention and MLP
+  projections); an ``lm_head`` LoRA is dropped, with a warning, since the result then differs
+  from the trained model.
+
+Every export goes to a fresh directory (refused when ``--out`` is not empty) with a short
+``README.md`` saying which format it is and how to load it, and can be pushed to the Hugging
+Face Hub (:mod:`tinsmith.checkpoints.hub`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tinsmith.checkpoints.peft_format import CONFIG, atomic_dir, load_peft_adapter, seal_and_commit
+from tinsmith.checkpoints.hf_shards import DEFAULT_MAX_SHARD_SIZE, shard_size, write_shards
+from tinsmith.checkpoints.peft_format import (CONFIG, VLLM_LORA_TARGETS, atomic_dir, commit_dir, load_peft_adapter,
+                                              save_peft_adapter, seal_and_commit)
 from tinsmith.checkpoints.state_format import META, load_training_state
 from tinsmith.errors import InvalidInputError
-from tinsmith.models.loading import load_model, resolve_model_dir
+from tinsmith.models.loading import read_config, resolve_model_dir, weight_files
+from tinsmith.types import LoraSpec
 
+FORMATS = ("merged", "peft", "peft-vllm")
 _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -63,30 +80,236 @@ def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: P
         raise
 
 
-def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = None) -> Path:
+# safetensors' dtype names (``safe_open(...).get_slice(name).get_dtype()``)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+@dataclass
+class ExportResult:
+    """Where the export went, which kind of export it is (``summary``, one line for the user)
+    and what they must know about it (``warnings``)."""
+
+    path: Path
+    files: list[str]
+    summary: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def config_dtype(raw: dict[str, Any]) -> torch.dtype | None:
+    """The floating dtype a Hugging Face ``config.json`` declares (``dtype``, or the older
+    ``torch_dtype``; a multimodal config's ``text_config`` too); None when it names none."""
+    for cfg in (raw, raw.get("text_config") or {}):
+        name = cfg.get("dtype") or cfg.get("torch_dtype")
+        if isinstance(name, str):
+            dt = getattr(torch, name.removeprefix("torch."), None)
+            if isinstance(dt, torch.dtype) and dt.is_floating_point:
+                return dt
+    return None
+
+
+def _save_order(name: str) -> list[tuple]:
+    """The order ``transformers`` (5.x) writes a state dict in, so shards hold the same tensors:
+    dot-separated parts, numbers numerically (``layers.2`` before ``layers.10``), names
+    alphabetically, a trailing number of a name numerically (``shard_2`` before ``shard_11``)."""
+    key = []
+    for part in name.split("."):
+        text = part.rstrip("0123456789")
+        if part.isdigit():
+            key.append((0, int(part)))
+        elif text != part:
+            key.append((1, text, int(part[len(text):])))
+        else:
+            key.append((1, part))
+    return key
+
+
+def _require_empty(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise InvalidInputError(f"--out {str(out_dir)!r} exists and is not empty; choose a new directory")
+
+
+def _lora_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module name -> (A, B) of every adapted module."""
+    pairs = {}
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[: -len(".lora_A.weight")]
+            b = tensors.get(f"{module}.lora_B.weight")
+            if b is None:
+                raise InvalidInputError(f"adapter has {key!r} but no matching lora_B")
+            pairs[module] = (a, b)
+    if not pairs:
+        raise InvalidInputError("the adapter holds no LoRA weights")
+    return pairs
+
+
+def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]):
+    """(meta plan of the merged model, function making each tensor, untie?) without loading it."""
+    raw = json.loads((base_dir / "config.json").read_text())
+    cfg = read_config(base_dir)
+    tie = cfg.tie_word_embeddings
+    files = weight_files(base_dir)
+    out_dtype = config_dtype(raw)
+    pairs = _lora_pairs(tensors)
+    untie = tie and "lm_head" in pairs
+    sources = {name: name for name in files}  # output tensor -> base tensor it starts from
+    if tie:
+        sources.pop("lm_head.weight", None)  # tied: the embedding alone is written
+        if untie:
+            sources["lm_head.weight"] = "model.embed_tokens.weight"
+    for module in pairs:
+        if f"{module}.weight" not in sources:
+            raise InvalidInputError(f"the adapter adapts {module!r}, which base model {str(base_dir)!r} lacks")
+    plan: dict[str, torch.Tensor] = {}
+    for name in sorted(sources, key=_save_order):
+        with safe_open(files[sources[name]], framework="pt") as fh:
+            sl = fh.get_slice(sources[name])
+            shape, stored = sl.get_shape(), _ST_DTYPES.get(sl.get_dtype())
+        if stored is None:
+            raise InvalidInputError(f"tensor {name!r} has an unsupported dtype {sl.get_dtype()}")
+        dtype = out_dtype if out_dtype is not None and stored.is_floating_point else stored
+        plan[name] = torch.empty(shape, dtype=dtype, device="meta")
+    scale = spec.alpha / spec.rank
+
+    def make(name: str) -> torch.Tensor:
+        with safe_open(files[sources[name]], framework="pt", device="cpu") as fh:
+            t = fh.get_tensor(sources[name])
+        module = name.removesuffix(".weight")
+        if module in pairs:
+            a, b = pairs[module]
+            delta = scale * (b.float() @ a.float())
+            if delta.shape != t.shape:
+                raise InvalidInputError(f"the adapter's {module!r} is {tuple(delta.shape)}, "
+                                        f"the base weight {tuple(t.shape)}")
+            t = t.float() + delta
+            if not bool(torch.isfinite(t).all()):
+                raise InvalidInputError(f"merging {module!r} gives NaN or infinite values")
+        return t.to(plan[name].dtype)
+
+    return plan, make, untie
+
+
+def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = None,
+                  max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, show_progress: bool = False) -> ExportResult:
+    """Merge the adapter into its base model and write a Hugging Face model directory (atomically:
+    a failed export leaves nothing under ``out_dir``)."""
+    out_dir = Path(out_dir)
+    _require_empty(out_dir)
+    shard_size(max_shard_size)
     spec, tensors, recorded_base = read_adapter(Path(checkpoint_dir))
     base = base_model or recorded_base
     if not base:
         raise InvalidInputError("the checkpoint does not name its base model; pass --base-model")
     base_dir = resolve_model_dir(base)
-    loaded = load_model(str(base_dir), device="cpu", dtype=torch.float32)
-    model = loaded.model
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    tie = loaded.config.tie_word_embeddings
-    untie = tie and spec.train_unembed
-    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
-        A, B = tensors[f"{name}.lora_A.weight"].float(), tensors[f"{name}.lora_B.weight"].float()
-        state[f"{name}.weight"] = layer.weight.float() + (spec.alpha / spec.rank) * (B @ A)
-    if tie and not untie:
-        state.pop("lm_head.weight", None)
+    plan, make, untie = _merge_plan(base_dir, spec, tensors)
+    tmp = atomic_dir(out_dir)
+    try:
+        for f in _COPY:
+            if (base_dir / f).is_file():
+                shutil.copy(base_dir / f, tmp / f)
+        if untie:
+            cfg = json.loads((tmp / "config.json").read_text())
+            cfg["tie_word_embeddings"] = False
+            if isinstance(cfg.get("text_config"), dict):
+                cfg["text_config"]["tie_word_embeddings"] = False
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        written = write_shards(tmp, plan, make, max_shard_size, show_progress)
+        dtype = str(next(iter(plan.values())).dtype).removeprefix("torch.")
+        (tmp / "README.md").write_text(_model_card("merged", base, dtype))
+        commit_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shards = len([f for f in written if f.endswith(".safetensors")])
+    layout = "one model.safetensors" if shards == 1 else f"{shards} safetensors shards with an index"
+    summary = f"merged model ({dtype}, {layout}): loads in transformers and vLLM like the base model"
+    return ExportResult(out_dir, sorted(p.name for p in out_dir.iterdir()), summary)
+
+
+def vllm_servable(spec: LoraSpec, tensors: dict[str, torch.Tensor]
+                  ) -> tuple[LoraSpec, dict[str, torch.Tensor], list[str]]:
+    """(spec, tensors, dropped modules) of the adapter restricted to :data:`VLLM_LORA_TARGETS`."""
+    pairs = _lora_pairs(tensors)
+    keep = {m for m in pairs if m.rsplit(".", 1)[-1] in VLLM_LORA_TARGETS}
+    dropped = sorted(set(pairs) - keep)
+    if not keep:
+        raise InvalidInputError("the adapter adapts only modules vLLM's LoRA cannot serve "
+                                f"({', '.join(dropped)}); export it with --format merged instead")
+    kept = {k: v for k, v in tensors.items() if k.rsplit(".lora_", 1)[0] in keep}
+    return replace(spec, train_unembed=False), kept, dropped
+
+
+def export_adapter(checkpoint_dir: Path, out_dir: Path, base_model: str | None = None,
+                   vllm: bool = False) -> ExportResult:
+    """Write the adapter as a PEFT directory; with ``vllm`` only the modules vLLM serves."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in _COPY:
-        if (base_dir / f).is_file():
-            shutil.copy(base_dir / f, out_dir / f)
-    if untie:
-        cfg = json.loads((out_dir / "config.json").read_text())
-        cfg["tie_word_embeddings"] = False
-        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
+    _require_empty(out_dir)
+    spec, tensors, recorded_base = read_adapter(Path(checkpoint_dir))
+    base = base_model or recorded_base or ""
+    warnings = []
+    if vllm:
+        spec, tensors, dropped = vllm_servable(spec, tensors)
+        if dropped:
+            warnings.append(
+                f"the adapter trained {', '.join(dropped)}, which vLLM's LoRA does not serve: the vLLM adapter "
+                "leaves it out, so it is NOT the trained model (by an amount that depends on the training; "
+                "compare outputs, or serve --format merged, which keeps every trained weight)")
+    save_peft_adapter(out_dir, spec, tensors, base)
+    (out_dir / "README.md").write_text(_model_card("peft-vllm" if vllm else "peft", base, "float32", warnings))
+    modules = sorted({m.rsplit(".", 1)[-1] for m in _lora_pairs(tensors)})
+    if vllm:
+        summary = f"vLLM-servable PEFT adapter ({', '.join(modules)}): vllm serve --enable-lora, or peft"
+    elif "lm_head" in modules:
+        summary = (f"PEFT adapter as trained ({', '.join(modules)}): loads in peft; vLLM refuses its lm_head, "
+                   "use --format peft-vllm or merged for vLLM")
+    else:
+        summary = f"PEFT adapter as trained ({', '.join(modules)}): loads in peft, and vLLM serves it"
+    return ExportResult(out_dir, sorted(p.name for p in out_dir.iterdir()), summary, warnings)
+
+
+_HOW_TO_LOAD = {
+    "merged": ("transformers", "The LoRA adapter merged into the base model's weights ({dtype}), "
+               "a plain Hugging Face model:\n\n```python\nfrom transformers import AutoModelForCausalLM\n"
+               "model = AutoModelForCausalLM.from_pretrained(PATH_OR_REPO, dtype=\"auto\")\n```\n\n"
+               "vLLM serves it as any model: `vllm serve PATH_OR_REPO`.\n"),
+    "peft": ("peft", "A PEFT LoRA adapter, every trained module included (also the unembedding when it was "
+             "trained, which vLLM cannot serve: use the `peft-vllm` export for vLLM):\n\n```python\n"
+             "from peft import PeftModel\nmodel = PeftModel.from_pretrained(base_model, PATH_OR_REPO)\n```\n"),
+    "peft-vllm": ("peft", "A PEFT LoRA adapter restricted to the attention and MLP projections, the modules "
+                  "vLLM's LoRA serves:\n\n```\nvllm serve BASE_MODEL --enable-lora "
+                  "--lora-modules adapter=PATH_OR_REPO\n```\n\nIt also loads with "
+                  "`peft.PeftModel.from_pretrained`.\n"),
+}
+
+
+def _model_card(fmt: str, base: str, dtype: str, warnings: Sequence[str] = ()) -> str:
+    """A short README.md: which export this is and how to load it (the Hub shows it)."""
+    library, how = _HOW_TO_LOAD[fmt]
+    hub_id = base if re.fullmatch(r"[\w.-]+/[\w.-]+", base or "") and not Path(base).exists() else None
+    front = ["---", f"library_name: {library}", "tags:", "- tinsmith", "- lora"]
+    if hub_id:
+        front.append(f"base_model: {hub_id}")
+    front.append("---")
+    notes = "".join(f"\n**Warning:** {w}\n" for w in warnings)
+    return ("\n".join(front) + f"\n\n# tinsmith export ({fmt})\n\nBase model: `{base}`.\n\n"
+            + how.format(dtype=dtype) + notes)
+
+
+def run_export(checkpoint_dir: Path, out_dir: Path, fmt: str = "merged", base_model: str | None = None,
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, push_to_hub: str | None = None,
+               private: bool = False, show_progress: bool = False) -> ExportResult:
+    """What ``tinsmith export`` does once the checkpoint's directory is known: write ``fmt`` to
+    ``out_dir``, then push it when asked (the local copy stays)."""
+    if fmt not in FORMATS:
+        raise InvalidInputError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "merged":
+        result = export_merged(checkpoint_dir, out_dir, base_model, max_shard_size, show_progress)
+    else:
+        result = export_adapter(checkpoint_dir, out_dir, base_model, vllm=fmt == "peft-vllm")
+    if push_to_hub:
+        from tinsmith.checkpoints.hub import push_folder
+
+        push_folder(result.path, push_to_hub, private, show_progress)
+    return result

@@ -27,6 +27,9 @@ from tinsmith.types import LoraSpec
 PEFT_PREFIX = "base_model.model."
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# What vLLM's LoRA serves on Qwen3/Llama-style models: the attention and MLP projections (it
+# packs q/k/v and gate/up itself); lm_head and embed_tokens adapters are refused by default.
+VLLM_LORA_TARGETS = ATTN + MLP
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 SIDECAR = "tinsmith_adapter.json"  # our extras (seed, switches, checksum); peft ignores the file

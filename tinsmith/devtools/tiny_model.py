@@ -133,12 +133,15 @@ def make_tiny_model(
     seed: int = 0,
     max_shard_size: str | None = None,
     extra_special_tokens: tuple[str, ...] = (),
+    dtype: str = "float32",
 ) -> Path:
     """Write a random-initialised HF checkpoint plus tokenizer to ``out_dir`` and return it.
 
     ``max_shard_size`` (e.g. ``"200KB"``) writes a sharded checkpoint with an index file.
     ``extra_special_tokens`` (e.g. ``QWEN_CHAT_SPECIAL_TOKENS``) become single special tokens of
     the tokenizer, after the default ones; the model's vocabulary covers them.
+    ``dtype`` (``"bfloat16"``, as Qwen3 releases) is what the weights are stored in and what the
+    config declares; the random values are drawn in float32 first, so only the rounding differs.
     """
     import torch
     import transformers
@@ -160,6 +163,8 @@ def make_tiny_model(
                 p.uniform_(0.8, 1.2)
             else:
                 p.normal_(0.0, 0.02)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size

@@ -61,7 +61,7 @@ def read_config(model_dir: Path) -> ModelConfig:
     return family_for(raw).config(raw)
 
 
-def _weight_files(model_dir: Path) -> dict[str, Path]:
+def weight_files(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -99,7 +99,7 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = {k: v for k, v in model.state_dict().items()}
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir)
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     missing = [k for k in expected if k not in files]
