@@ -20,6 +20,7 @@ from tinsmith.checkpoints.peft_format import CONFIG, atomic_dir, load_peft_adapt
 from tinsmith.checkpoints.state_format import META, load_training_state
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.loading import load_model, resolve_model_dir
+from tinsmith.models.moe import split_expert_tensors
 
 _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -49,10 +50,12 @@ def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: P
     """Write a full fine-tune as a plain Hugging Face model directory (``model.safetensors`` plus
     the base model's config and tokenizer files), atomically, age-encrypted when recipients are
     given. ``weights`` use the Hugging Face names; a tied unembedding appears once, as the
-    embedding, which is what the copied config (``tie_word_embeddings``) expects."""
+    embedding, which is what the copied config (``tie_word_embeddings``) expects. Stacked expert
+    weights are written one tensor per expert, as hub checkpoints are."""
     tmp = atomic_dir(Path(directory))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"),
+        save_file({k: v.detach().contiguous().cpu() for k, v in split_expert_tensors(weights).items()},
+                  str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         for f in _COPY:
             if (Path(base_dir) / f).is_file():
@@ -76,7 +79,7 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
     untie = tie and spec.train_unembed
     for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
         A, B = tensors[f"{name}.lora_A.weight"].float(), tensors[f"{name}.lora_B.weight"].float()
-        state[f"{name}.weight"] = layer.weight.float() + (spec.alpha / spec.rank) * (B @ A)
+        state[f"{name}.weight"] = layer.weight.float() + (spec.alpha / spec.rank) * (B @ A)  # batched per expert
     if tie and not untie:
         state.pop("lm_head.weight", None)
     out_dir = Path(out_dir)
@@ -88,5 +91,6 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
         cfg = json.loads((out_dir / "config.json").read_text())
         cfg["tie_word_embeddings"] = False
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in split_expert_tensors(state).items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     return out_dir

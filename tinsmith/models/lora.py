@@ -42,6 +42,10 @@ class LoraLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.adapters: dict[int, LoraWeights] = {}
 
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of an adapter's (A, B) at ``rank``."""
+        return (rank, self.in_features), (self.out_features, rank)
+
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         """Create adapter ``slot``: A ~ kaiming-uniform (as peft does), B = 0 so it starts as a no-op."""
         A = torch.empty(rank, self.in_features, dtype=torch.float32)
@@ -191,8 +195,9 @@ def pack_weights(model: nn.Module) -> None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])
         PackedProjection([attn.o_proj])
-        PackedProjection([mlp.down_proj])
+        if hasattr(mlp, "packed_gate_up"):  # dense MLP (routed experts keep their stacked weights)
+            mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])
+            PackedProjection([mlp.down_proj])
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         PackedProjection([model.lm_head])
