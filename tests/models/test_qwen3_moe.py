@@ -237,7 +237,56 @@ def test_single_token_steps_equal_the_full_forward(qwen3_moe_dir):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
     with torch.no_grad():
-        full = model.logits(model.hidden_states(tokens, torch.arange(12)[None], [(slot, 0, 12)], causal_attention))
-        steps = [model.logits(model.hidden_states(tokens[:, t:t + 1], torch.tensor([[t]]), [(slot, 0, 1)], cached))
-                 for t in range(12)]
+        full = model.logits(model.hidden_states(tokens, torch.arange(12)[None], [(slot, 0, 12)], causal_attention),
+                            [(slot, 0, 12)])
+        steps = [model.logits(model.hidden_states(tokens[:, t:t + 1], torch.tensor([[t]]), [(slot, 0, 1)], cached),
+                              [(slot, 0, 1)]) for t in range(12)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, qwen3_moe_dir):
+    """``tinsmith export`` merges per-expert adapters into per-expert weights; a full fine-tune's
+    weights are written the same way; transformers loads both with our logits."""
+    from tinsmith.checkpoints.export import export_merged, save_hf_model
+
+    rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, max_lora_adapters=1, max_lora_rank=8)
+    spec = LoraSpec(rank=4, alpha=8, seed=5)
+    u = _perturbed_adapter(rt, spec, 12)
+    tensors = {n: p.detach() for n, p in rt.unit(u).named_params}
+    save_peft_adapter(tmp_path / "adapter", spec, tensors, str(qwen3_moe_dir))
+    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(qwen3_moe_dir))
+    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(30).expand_as(tokens)
+    with torch.no_grad():
+        rows = [(rt.unit(u).slot, 0, 60)]
+        ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
+        torch.testing.assert_close(_reference(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+
+    full = load_model(str(qwen3_moe_dir)).model
+    with torch.no_grad():
+        full.model.layers[1].mlp.experts.down_proj.weight[2].mul_(1.5)
+        full.model.layers[0].mlp.gate.weight.mul_(-1.0)
+        expected = _logits(full, tokens)
+    save_hf_model(tmp_path / "full", {n: p for n, p in full.named_parameters()}, qwen3_moe_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(_reference(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_logits(load_model(str(tmp_path / "full")).model, tokens), expected)
+
+
+def test_incomplete_moe_config_is_a_clear_error(tmp_path, qwen3_moe_dir):
+    import json
+    import shutil
+
+    from tinsmith.errors import InvalidInputError
+
+    d = tmp_path / "broken"
+    shutil.copytree(qwen3_moe_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidInputError, match="moe_intermediate_size"):
+        load_model(str(d))
+    cfg["moe_intermediate_size"], cfg["num_experts_per_tok"] = 64, 9
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidInputError, match="num_experts_per_tok"):
+        load_model(str(d))
