@@ -188,15 +188,19 @@ class PackedProjection:
 def pack_weights(model: nn.Module) -> None:
     """Lay out every decoder layer's projections as :class:`PackedProjection` buffers.
 
-    q/k/v share one buffer and gate/up another; o, down and an untied LM head get their own
-    (for the GEMM layout alone). Values are unchanged, only where they live; safe to call again
+    q/k/v share one buffer and gate/up another (for routed experts too: one stacked buffer); o,
+    down and an untied LM head get their own (for the GEMM layout alone). Values are unchanged, only where they live; safe to call again
     (e.g. on a deep copy, which does not keep the views linked).
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
         PackedProjection([attn.o_proj])
-        if hasattr(mlp, "packed_gate_up"):  # dense MLP (routed experts keep their stacked weights)
+        if hasattr(mlp, "experts"):  # routed experts: gate and up halves of one stacked buffer
+            from tinsmith.models.moe import PackedGateUp
+
+            mlp.experts.packed_gate_up = PackedGateUp(mlp.experts.gate_proj, mlp.experts.up_proj)
+        else:
             mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])
             PackedProjection([mlp.down_proj])
     if model.lm_head.weight is not model.model.embed_tokens.weight:

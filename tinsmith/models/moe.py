@@ -124,7 +124,11 @@ class ExpertLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows]) -> torch.Tensor:
         """``x``: rows sorted by expert. Adds ``scale * (x A_e^T) B_e^T`` on each adapter's rows."""
-        y = grouped_linear(x, self.weight, groups)
+        return self.add_lora(x, grouped_linear(x, self.weight, groups), lora)
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor, lora: list[AdapterRows]) -> torch.Tensor:
+        """``y`` plus the adapters' deltas; in place when no graph is recorded (``y`` may then be a
+        view, e.g. this projection's columns of a packed gate/up output)."""
         for rows in lora:
             w = self.adapters.get(rows.slot)
             if w is None:
@@ -132,13 +136,46 @@ class ExpertLinear(nn.Module):
             A, B = (w.A, w.B) if w.A.dtype == x.dtype else (w.A.to(x.dtype), w.B.to(x.dtype))
             xr = x if rows.index is None else x.index_select(0, rows.index)
             delta = grouped_linear(grouped_linear(xr, A, rows.groups), B, rows.groups) * w.scale
-            if rows.index is None:
-                y = y + delta
-            elif torch.is_grad_enabled():
-                y = y.index_add(0, rows.index, delta)
+            if torch.is_grad_enabled():
+                y = y + delta if rows.index is None else y.index_add(0, rows.index, delta)
+            elif rows.index is None:
+                y.add_(delta)
             else:
                 y.index_add_(0, rows.index, delta)
         return y
+
+
+class PackedGateUp:
+    """The experts' gate and up weights as two halves of one (experts x 2I x in) buffer.
+
+    Like :class:`tinsmith.models.lora.PackedProjection` for dense layers: the two projections
+    stay separate parameters (and LoRA targets) whose weights are views of the buffer, and
+    inference runs both as one grouped matmul. A deep copy or a reassigned weight breaks the
+    link (``intact`` turns false) and the projections then run separately.
+    """
+
+    def __init__(self, gate: ExpertLinear, up: ExpertLinear):
+        self.gate, self.up = gate, up
+        n = gate.out_features
+        self.weight = torch.cat((gate.weight.detach(), up.weight.detach()), dim=1)
+        gate.weight = nn.Parameter(self.weight[:, :n], requires_grad=gate.weight.requires_grad)
+        up.weight = nn.Parameter(self.weight[:, n:], requires_grad=up.weight.requires_grad)
+        self._pointers = self._current_pointers()
+
+    def _current_pointers(self) -> tuple[int, int]:
+        return self.gate.weight.data_ptr(), self.up.weight.data_ptr()
+
+    def intact(self) -> bool:
+        return self._current_pointers() == self._pointers
+
+    def project(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows]) -> torch.Tensor:
+        """``silu(gate) * up`` of expert-sorted rows (inference only)."""
+        n = self.gate.out_features
+        y = grouped_linear(x, self.weight, groups)
+        g, u = y[:, :n], y[:, n:]
+        self.gate.add_lora(x, g, lora)
+        self.up.add_lora(x, u, lora)
+        return F.silu(g).mul_(u)
 
 
 class Experts(nn.Module):
@@ -151,6 +188,7 @@ class Experts(nn.Module):
         self.gate_proj = ExpertLinear(e, h, i)
         self.up_proj = ExpertLinear(e, h, i)
         self.down_proj = ExpertLinear(e, i, h)
+        self.packed_gate_up: PackedGateUp | None = None  # set by ``pack_weights``
 
 
 class TopKRouter(nn.Module):
@@ -192,7 +230,11 @@ class SparseMoeBlock(nn.Module):
         lora = _adapter_rows(segments, x2.shape[0], token_of, flat[order], num_experts, groups)
         ex = self.experts
         rows = x2.index_select(0, token_of)
-        h = F.silu(ex.gate_proj(rows, groups, lora)) * ex.up_proj(rows, groups, lora)
+        packed = ex.packed_gate_up
+        if packed is not None and not torch.is_grad_enabled() and packed.intact():
+            h = packed.project(rows, groups, lora)
+        else:
+            h = F.silu(ex.gate_proj(rows, groups, lora)) * ex.up_proj(rows, groups, lora)
         out = ex.down_proj(h, groups, lora) * weights.reshape(-1)[order, None]
         # index_add over rows sorted by expert sums each token's experts in ascending expert order.
         return torch.zeros_like(x2).index_add(0, token_of, out).view(x.shape)
