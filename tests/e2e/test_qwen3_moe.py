@@ -18,7 +18,7 @@ from tests.e2e.server import ServerProcess
 from tests.rl.helpers import checkpoint_dir
 from tinsmith.devtools.tiny_model import make_tiny_model
 
-pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:.*_pattern keys did not match.*:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
 VOCAB = SMALL.vocab_size

@@ -322,3 +322,21 @@ def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_moe_dir):
             np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
         for n in ref_g:
             assert_rel_close(g[n], ref_g[n], 1e-5, n)
+
+
+def test_base_model_rows_beside_adapter_rows_are_the_base_model(qwen3_moe_dir):
+    rt, units = _two_tenants(qwen3_moe_dir)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(16).expand_as(tokens)
+    rows = [(None, 0, 16), (rt.unit(units[1]).slot, 16, 32)]
+    with torch.no_grad():
+        mixed = _logits_with(rt.model, tokens, pos, rows)
+        base = _logits(rt.model, tokens[:1])
+        adapted = _logits_with(rt.model, tokens[1:], pos[1:], [(rt.unit(units[1]).slot, 0, 16)])
+    torch.testing.assert_close(mixed[:1], base, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed[1:], adapted, rtol=1e-5, atol=1e-5)
+    assert (adapted - _logits(rt.model, tokens[1:])).abs().max() > 1e-3
+
+
+def _logits_with(model, tokens, pos, rows):
+    return model.logits(model.hidden_states(tokens, pos, rows), rows)
