@@ -32,3 +32,9 @@ def qwen3_dir(model_dirs):
 def tied_qwen3_dir(tmp_path_factory):
     shape = TinyShape(**{**SMALL.__dict__, "tie_word_embeddings": True})
     return make_tiny_model(tmp_path_factory.mktemp("tied") / "qwen3", "qwen3", shape, seed=2)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE: 4 experts, top-2, every layer routed."""
+    return make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe", SMALL, seed=1)

@@ -35,6 +35,7 @@ from tinsmith.checkpoints.peft_format import (CONFIG, VLLM_LORA_TARGETS, atomic_
 from tinsmith.checkpoints.state_format import META, load_training_state
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.loading import read_config, resolve_model_dir, weight_files
+from tinsmith.models.moe import split_expert_tensors
 from tinsmith.types import LoraSpec
 
 FORMATS = ("merged", "peft", "peft-vllm")
@@ -66,10 +67,12 @@ def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: P
     """Write a full fine-tune as a plain Hugging Face model directory (``model.safetensors`` plus
     the base model's config and tokenizer files), atomically, age-encrypted when recipients are
     given. ``weights`` use the Hugging Face names; a tied unembedding appears once, as the
-    embedding, which is what the copied config (``tie_word_embeddings``) expects."""
+    embedding, which is what the copied config (``tie_word_embeddings``) expects. Stacked expert
+    weights are written one tensor per expert, as hub checkpoints are."""
     tmp = atomic_dir(Path(directory))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"),
+        save_file({k: v.detach().contiguous().cpu() for k, v in split_expert_tensors(weights).items()},
+                  str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         for f in _COPY:
             if (Path(base_dir) / f).is_file():
@@ -152,7 +155,7 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
     tie = cfg.tie_word_embeddings
     files = weight_files(base_dir)
     out_dtype = config_dtype(raw)
-    pairs = _lora_pairs(tensors)
+    pairs = _lora_pairs(split_expert_tensors(tensors))  # routed experts: one pair per expert, as on disk
     untie = tie and "lm_head" in pairs
     sources = {name: name for name in files}  # output tensor -> base tensor it starts from
     if tie:

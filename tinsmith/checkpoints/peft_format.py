@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from tinsmith.checkpoints.age_encryption import encrypt_files
 from tinsmith.errors import InvalidInputError
+from tinsmith.models.moe import split_expert_tensors, stack_expert_tensors
 from tinsmith.types import LoraSpec
 
 PEFT_PREFIX = "base_model.model."
@@ -123,12 +124,17 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
                       age_recipients: Sequence[Any] = ()) -> int:
     """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written.
 
+    Routed experts' stacked adapters are written one per expert
+    (``model.layers.0.mlp.experts.3.gate_proj.lora_A.weight``), the per-expert layout of the hub
+    checkpoints, which peft converts onto transformers 5's fused expert parameters when loading.
+
     With ``age_recipients`` every file is age-encrypted to them (``NAME.age``) before the
     directory is committed, so no plaintext copy ever sits under the checkpoint's name.
     """
     tmp = atomic_dir(directory)
     try:
-        save_file({PEFT_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in tensors.items()},
+        save_file({PEFT_PREFIX + k: v.detach().float().contiguous().cpu()
+                   for k, v in split_expert_tensors(tensors).items()},
                   str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = {
             "peft_type": "LORA",
@@ -167,7 +173,8 @@ def load_peft_adapter(directory: Path) -> tuple[LoraSpec, dict[str, torch.Tensor
         rank=int(cfg["r"]), seed=extra.get("seed"), alpha=float(cfg.get("lora_alpha", 32)),
         train_attn=bool(targets & set(ATTN)), train_mlp=bool(targets & set(MLP)), train_unembed="lm_head" in targets,
     )
-    tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v for k, v in load_file(str(w_path)).items()}
+    tensors = stack_expert_tensors(
+        {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v for k, v in load_file(str(w_path)).items()})
     for name, t in tensors.items():
         if not bool(torch.isfinite(t).all()):
             raise InvalidInputError(f"adapter tensor {name!r} at {str(directory)!r} contains NaN or infinity")

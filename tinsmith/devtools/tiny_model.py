@@ -84,9 +84,13 @@ class TinyShape:
     head_dim: int = 64
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    # Mixture of experts (qwen3_moe only): every layer routes each token to top-k of the experts.
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
 
 
-FAMILIES = ("qwen3", "llama", "qwen2")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 
 
 def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int, pad_id: int):
@@ -108,6 +112,12 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
     )
     if family == "qwen3":
         return transformers.Qwen3Config(head_dim=shape.head_dim, rope_theta=1_000_000.0, **common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            head_dim=shape.head_dim, rope_theta=1_000_000.0, num_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok, moe_intermediate_size=shape.moe_intermediate_size,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common,
+        )
     if family == "qwen2":
         return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
     if family == "llama":

@@ -22,6 +22,18 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Routed-expert settings, named as in transformers' ``Qwen3MoeConfig``."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -40,23 +52,40 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    moe: MoeConfig | None = None  # routed experts (Qwen3-MoE); None for dense families
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` routes to experts (transformers' rule for Qwen3-MoE)."""
+        m = self.moe
+        return (m is not None and m.num_experts > 0 and layer_idx not in m.mlp_only_layers
+                and (layer_idx + 1) % m.decoder_sparse_step == 0)
+
+    def _mlp_params(self, layer_idx: int, active: bool) -> int:
+        """Feed-forward matmul parameters of one layer (only the routed top-k experts when ``active``)."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer_idx):
+            return 3 * h * self.intermediate_size
+        assert self.moe is not None
+        experts = self.moe.num_experts_per_tok if active else self.moe.num_experts
+        return experts * 3 * h * self.moe.moe_intermediate_size + self.moe.num_experts * h  # experts + router
 
     @property
     def num_params(self) -> int:
         """Parameter count of the base model (embedding counted once when tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         q = h * self.num_heads * self.head_dim
         kv = 2 * h * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * h
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        layer = q + kv + o + bias + 3 * h * i + norms
+        layers = sum(q + kv + o + bias + norms + self._mlp_params(i, active=False) for i in range(self.num_layers))
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return layers + embed + h
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in per-token matmuls (everything but embedding lookup and norms).
+        """Parameters that take part in one token's matmuls (everything but embedding lookup and norms;
+        for a mixture of experts, only the experts a token is routed to).
 
         This is the N of the usual ``2 * N * tokens`` forward FLOP estimate.
         """
@@ -64,7 +93,8 @@ class ModelConfig:
         q = h * self.num_heads * self.head_dim
         kv = 2 * h * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * h
-        return self.num_layers * (q + kv + o + 3 * h * self.intermediate_size) + self.vocab_size * h
+        layers = sum(q + kv + o + self._mlp_params(i, active=True) for i in range(self.num_layers))
+        return layers + self.vocab_size * h
 
 
 def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
@@ -87,7 +117,30 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def config_from_hf(raw: dict[str, Any], family: str, *, attention_bias: bool, qk_norm: bool) -> ModelConfig:
+def _moe_from_hf(raw: dict[str, Any]) -> MoeConfig:
+    from tinsmith.errors import InvalidInputError
+
+    try:
+        moe = MoeConfig(
+            # transformers >= 5.2x writes ``num_local_experts``; hub checkpoints say ``num_experts``.
+            num_experts=int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        )
+    except KeyError as e:
+        raise InvalidInputError(f"config.json of a mixture-of-experts model lacks {e.args[0]!r}") from e
+    if not 0 < moe.num_experts_per_tok <= moe.num_experts or moe.decoder_sparse_step < 1:
+        raise InvalidInputError(
+            f"config.json: num_experts_per_tok ({moe.num_experts_per_tok}) must be in 1..num_experts "
+            f"({moe.num_experts}) and decoder_sparse_step ({moe.decoder_sparse_step}) at least 1")
+    return moe
+
+
+def config_from_hf(raw: dict[str, Any], family: str, *, attention_bias: bool, qk_norm: bool,
+                   moe: bool = False) -> ModelConfig:
     """Build a ModelConfig from a parsed ``config.json`` for a known family."""
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
@@ -111,4 +164,5 @@ def config_from_hf(raw: dict[str, Any], family: str, *, attention_bias: bool, qk
         rope=_rope_from_hf(raw),
         eos_token_ids=eos_ids,
         hidden_act=str(raw.get("hidden_act", "silu")),
+        moe=_moe_from_hf(raw) if moe else None,
     )

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
+from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -167,7 +168,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -218,15 +219,20 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         return self.lm_head(hidden, segments).float()
 
-    def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[tuple[str, LoraLinear]]:
-        """The (name, layer) pairs an adapter with these switches attaches to, in a fixed order."""
-        names = (ATTN_TARGETS if attn else ()) + (MLP_TARGETS if mlp else ())
-        out = []
+    def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[tuple[str, LoraLinear | ExpertLinear]]:
+        """The (name, layer) pairs an adapter with these switches attaches to, in a fixed order.
+
+        In a mixture-of-experts layer the MLP targets are the experts' stacked projections
+        (``mlp.experts.gate_proj``...: one A/B per expert); the router is never a target.
+        """
+        out: list[tuple[str, LoraLinear | ExpertLinear]] = []
         for i, layer in enumerate(self.model.layers):
-            for n in names:
-                part = "self_attn" if n in ATTN_TARGETS else "mlp"
-                mod = getattr(getattr(layer, part), n)
-                out.append((f"model.layers.{i}.{part}.{n}", mod))
+            if attn:
+                out += [(f"model.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n)) for n in ATTN_TARGETS]
+            if mlp and isinstance(layer.mlp, SparseMoeBlock):
+                out += [(f"model.layers.{i}.mlp.experts.{n}", getattr(layer.mlp.experts, n)) for n in EXPERT_TARGETS]
+            elif mlp:
+                out += [(f"model.layers.{i}.mlp.{n}", getattr(layer.mlp, n)) for n in MLP_TARGETS]
         if unembed:
             out.append(("lm_head", self.lm_head))
         return out

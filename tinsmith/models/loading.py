@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,6 +22,7 @@ from tinsmith.errors import InvalidInputError, NotFoundError
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM, Rotary
 from tinsmith.models.lora import pack_weights
+from tinsmith.models.moe import expert_tensor_sources
 from tinsmith.models.registry import family_for
 
 _HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -78,6 +82,10 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return out
 
 
+def _single(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0]
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU (exact reference checks), bf16 on accelerators."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -102,25 +110,38 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     files = weight_files(model_dir)
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in files]
+    num_experts = cfg.moe.num_experts if cfg.moe else 0
+    # Each tensor we need, as (checkpoint tensors, combine); stacked experts may come from several.
+    recipes: dict[str, tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]] = {}
+    missing = []
+    for name in expected:
+        recipe = ([name], _single) if name in files else expert_tensor_sources(name, num_experts, files)
+        if recipe is None:
+            missing.append(name)
+        else:
+            recipes[name] = recipe
     if missing:
         raise InvalidInputError(f"checkpoint {str(model_dir)!r} lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    for f, names in by_file.items():
-        with safe_open(f, framework="pt", device="cpu") as fh:
-            for name in names:
-                t = fh.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise InvalidInputError(
-                        f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
-                    )
-                t = t.to(device=device, dtype=dtype)
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise InvalidInputError(f"tensor {name!r} in {str(f)!r} contains NaN or infinite values")
-                state[name] = t
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(source: str) -> torch.Tensor:
+            f = files[source]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+            return handles[f].get_tensor(source)
+
+        for name, (sources, combine) in recipes.items():
+            t = combine([read(s) for s in sources])
+            if tuple(t.shape) != tuple(expected[name].shape):
+                raise InvalidInputError(
+                    f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
+                )
+            t = t.to(device=device, dtype=dtype)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise InvalidInputError(f"tensor {name!r} in {str(files[sources[0]])!r} contains NaN or infinite values")
+            state[name] = t
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -42,6 +42,10 @@ class LoraLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.adapters: dict[int, LoraWeights] = {}
 
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of an adapter's (A, B) at ``rank``."""
+        return (rank, self.in_features), (self.out_features, rank)
+
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         """Create adapter ``slot``: A ~ kaiming-uniform (as peft does), B = 0 so it starts as a no-op."""
         A = torch.empty(rank, self.in_features, dtype=torch.float32)
@@ -184,15 +188,20 @@ class PackedProjection:
 def pack_weights(model: nn.Module) -> None:
     """Lay out every decoder layer's projections as :class:`PackedProjection` buffers.
 
-    q/k/v share one buffer and gate/up another; o, down and an untied LM head get their own
-    (for the GEMM layout alone). Values are unchanged, only where they live; safe to call again
+    q/k/v share one buffer and gate/up another (for routed experts too: one stacked buffer); o,
+    down and an untied LM head get their own (for the GEMM layout alone). Values are unchanged, only where they live; safe to call again
     (e.g. on a deep copy, which does not keep the views linked).
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])
         PackedProjection([attn.o_proj])
-        PackedProjection([mlp.down_proj])
+        if hasattr(mlp, "experts"):  # routed experts: gate and up halves of one stacked buffer
+            from tinsmith.models.moe import PackedGateUp
+
+            mlp.experts.packed_gate_up = PackedGateUp(mlp.experts.gate_proj, mlp.experts.up_proj)
+        else:
+            mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])
+            PackedProjection([mlp.down_proj])
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         PackedProjection([model.lm_head])

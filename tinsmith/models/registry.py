@@ -15,9 +15,10 @@ class Family:
     architectures: tuple[str, ...]
     attention_bias: bool
     qk_norm: bool
+    moe: bool = False  # routed experts in (some of) the feed-forward layers
 
     def config(self, raw: dict[str, Any]) -> ModelConfig:
-        return config_from_hf(raw, self.name, attention_bias=self.attention_bias, qk_norm=self.qk_norm)
+        return config_from_hf(raw, self.name, attention_bias=self.attention_bias, qk_norm=self.qk_norm, moe=self.moe)
 
 
 _BY_ARCH: dict[str, Family] = {}
@@ -49,4 +50,4 @@ def family_for(raw: dict[str, Any]) -> Family:
 
 def _load_families() -> None:
     # Importing the family modules registers them; kept lazy to avoid import cycles.
-    from tinsmith.models import llama, qwen2, qwen3  # noqa: F401
+    from tinsmith.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401

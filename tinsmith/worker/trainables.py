@@ -15,6 +15,7 @@ import torch
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear
+from tinsmith.models.moe import ExpertLinear
 from tinsmith.types import AdamParams, LoraSpec
 
 
@@ -161,7 +162,7 @@ def attach_lora(model: CausalLM, slot: int, spec: LoraSpec) -> Trainable:
 
 def detach_lora(model: CausalLM, slot: int) -> None:
     for m in model.modules():
-        if isinstance(m, LoraLinear):
+        if isinstance(m, (LoraLinear, ExpertLinear)):
             m.remove_adapter(slot)
 
 
@@ -195,10 +196,10 @@ def install_lora_weights(model: CausalLM, slot: int, spec: LoraSpec, tensors: di
         A, B = tensors.get(f"{name}.lora_A.weight"), tensors.get(f"{name}.lora_B.weight")
         if A is None or B is None:
             raise InvalidInputError(f"adapter weights lack {name}.lora_A/lora_B")
-        if A.shape != (spec.rank, layer.in_features) or B.shape != (layer.out_features, spec.rank):
+        a_shape, b_shape = layer.lora_shapes(spec.rank)
+        if tuple(A.shape) != a_shape or tuple(B.shape) != b_shape:
             raise InvalidInputError(
-                f"adapter tensor {name} has shapes {tuple(A.shape)}/{tuple(B.shape)}, the model needs "
-                f"{(spec.rank, layer.in_features)}/{(layer.out_features, spec.rank)}"
+                f"adapter tensor {name} has shapes {tuple(A.shape)}/{tuple(B.shape)}, the model needs {a_shape}/{b_shape}"
             )
         planned.append((layer, A, B))
     device = next(model.parameters()).device

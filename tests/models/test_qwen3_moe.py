@@ -1,0 +1,342 @@
+"""Qwen3-MoE against transformers' Qwen3MoeForCausalLM: logits, gradients, peft adapters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tinsmith.checkpoints.peft_format import save_peft_adapter
+from tinsmith.models import moe
+from tinsmith.models.loading import load_model
+from tinsmith.types import Datum, ForwardBackwardInput, LoraSpec
+from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+from tests.worker.helpers import assert_rel_close, sft_datum
+
+VOCAB = 512
+
+
+def _reference(model_dir):
+    # The eager experts are transformers' reference loop (the grouped kernels reorder sums).
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                             experts_implementation="eager")
+
+
+def _logits(model, tokens):
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model.logits(model.hidden_states(tokens, pos))
+
+
+def _fb(rt, unit, data):
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", {}, False))])
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+def _ref_loss(ref, data):
+    total, lps = 0.0, []
+    for d in data:
+        lp = torch.log_softmax(ref(torch.from_numpy(d.tokens)[None]).logits[0].float(), -1)
+        lp = lp.gather(-1, torch.from_numpy(d.loss_inputs["target_tokens"])[:, None])[:, 0]
+        loss = -(lp * torch.from_numpy(d.loss_inputs["weights"])).sum()
+        loss.backward()
+        total += float(loss.detach())
+        lps.append(lp.detach().numpy())
+    return total, lps
+
+
+def test_logits_match_transformers(qwen3_moe_dir):
+    ours = load_model(str(qwen3_moe_dir))
+    assert ours.config.family == "qwen3_moe" and ours.config.moe.num_experts == 4
+    ref = _reference(qwen3_moe_dir).eval()
+    tokens = torch.randint(0, VOCAB, (3, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(_logits(ours.model, tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert ours.config.num_params == sum(p.numel() for p in ref.parameters())
+
+
+def test_fused_expert_layout_loads_the_same(tmp_path, qwen3_moe_dir):
+    """transformers 5 keeps experts fused in memory (gate_up_proj); a checkpoint saved that way loads too."""
+    import shutil
+
+    ref = _reference(qwen3_moe_dir)
+    fused = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    d = tmp_path / "fused"
+    shutil.copytree(qwen3_moe_dir, d)
+    save_file(fused, d / "model.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        a = _logits(load_model(str(d)).model, tokens)
+        b = _logits(load_model(str(qwen3_moe_dir)).model, tokens)
+    assert torch.equal(a, b)
+
+
+def test_full_finetune_grads_match_transformers(qwen3_moe_dir):
+    """Every weight's gradient, router included: the routing weights backpropagate as transformers'."""
+    rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, full_finetune=True)
+    rng = np.random.default_rng(10)
+    data = [sft_datum(rng, 25, VOCAB, signed=True), sft_datum(rng, 9, VOCAB, signed=True)]
+    res = _fb(rt, 0, data)
+    ref = _reference(qwen3_moe_dir)
+    total, _ = _ref_loss(ref, data)
+    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    theirs = {n: p.grad for n, p in ref.named_parameters()}
+    ours = {n: p.grad for n, p in rt.unit(0).named_params}
+    for i in range(2):
+        experts = f"model.layers.{i}.mlp.experts"
+        gate_up = theirs.pop(f"{experts}.gate_up_proj")
+        half = gate_up.shape[1] // 2
+        theirs[f"{experts}.gate_proj.weight"] = gate_up[:, :half]
+        theirs[f"{experts}.up_proj.weight"] = gate_up[:, half:]
+        theirs[f"{experts}.down_proj.weight"] = theirs.pop(f"{experts}.down_proj")
+        assert ours[f"model.layers.{i}.mlp.gate.weight"].abs().sum() > 0
+    assert set(ours) == set(theirs)
+    for n, g in ours.items():
+        assert_rel_close(g, theirs[n], 1e-4, n)
+
+
+def _perturbed_adapter(rt, spec, seed):
+    u = rt.create_adapter(spec)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in rt.unit(u).named_params:
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return u
+
+
+def _peft_grads_per_expert(peft_model, num_experts: int, rank: int) -> dict[str, torch.Tensor]:
+    """peft's gradients under our names; fused expert LoRA (see peft's PeftConcatenate) taken apart.
+
+    gate_up_proj's adapter is rank 2r: A = [A_gate; A_up] per expert, B block-diagonal, columns
+    ordered (rank, expert). down_proj's is rank r with the same column order.
+    """
+    out = {}
+    for n, p in peft_model.named_parameters():
+        if p.grad is None:
+            continue
+        n = n.replace("base_model.model.", "").replace(".default", "")
+        g = p.grad
+        if ".mlp.experts.base_layer.lora_" in n:  # gate_up_proj (the inner wrapper)
+            prefix = n.split(".base_layer.")[0]
+            if ".lora_A." in n:
+                a = g.reshape(num_experts, 2 * rank, -1)
+                out[f"{prefix}.gate_proj.lora_A.weight"], out[f"{prefix}.up_proj.lora_A.weight"] = a[:, :rank], a[:, rank:]
+            else:
+                b = g.reshape(g.shape[0], 2 * rank, num_experts).permute(2, 0, 1)  # experts, 2I, 2r
+                half = b.shape[1] // 2
+                out[f"{prefix}.gate_proj.lora_B.weight"] = b[:, :half, :rank]
+                out[f"{prefix}.up_proj.lora_B.weight"] = b[:, half:, rank:]
+        elif ".mlp.experts.lora_" in n:  # down_proj (the outer wrapper)
+            prefix, kind = n.split(".lora_")
+            if kind.startswith("A"):
+                out[f"{prefix}.down_proj.lora_A.weight"] = g.reshape(num_experts, rank, -1)
+            else:
+                out[f"{prefix}.down_proj.lora_B.weight"] = g.reshape(g.shape[0], rank, num_experts).permute(2, 0, 1)
+        else:
+            out[n] = g
+    return out
+
+
+def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, qwen3_moe_dir):
+    """The PEFT export (per-expert names) loads onto transformers' fused experts through peft's own
+    conversion; logprobs and every LoRA gradient (attention and each expert's A/B) agree."""
+    import peft
+
+    rank = 4
+    rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, max_lora_adapters=2, max_lora_rank=8)
+    spec = LoraSpec(rank=rank, alpha=8, seed=5)
+    u = _perturbed_adapter(rt, spec, 11)
+    rng = np.random.default_rng(1)
+    data = [sft_datum(rng, n, VOCAB, signed=True) for n in (33, 17)]
+    res = _fb(rt, u, data)
+    names = dict(rt.unit(u).named_params)
+    assert tuple(names["model.layers.0.mlp.experts.gate_proj.lora_A.weight"].shape) == (4, rank, 64)
+    assert "model.layers.0.mlp.gate.lora_A.weight" not in names  # the router is not trained
+
+    save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in names.items()}, str(qwen3_moe_dir))
+    ref = peft.PeftModel.from_pretrained(_reference(qwen3_moe_dir), tmp_path / "adapter", is_trainable=True)
+    total, lps = _ref_loss(ref, data)
+    for lp, out in zip(lps, res.outputs):
+        np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
+    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    theirs = _peft_grads_per_expert(ref, 4, rank)
+    ours = {n: p.grad for n, p in rt.unit(u).named_params}
+    assert set(ours) == set(theirs)
+    for n, g in ours.items():
+        assert_rel_close(g, theirs[n], 1e-4, n)
+
+
+def _batches():
+    rng = np.random.default_rng(3)
+    return [[sft_datum(rng, n, VOCAB, signed=True) for n in (21, 9)] for _ in range(2)]
+
+
+def _two_tenants(model_dir):
+    rt = TrainingRuntime(load_model(str(model_dir)).model, max_lora_adapters=3, max_lora_rank=8)
+    return rt, [_perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
+
+
+def _run(rt, pairs):
+    results = rt.forward_backward([TrainRequest(u, ForwardBackwardInput(d, "cross_entropy", {}, False))
+                                   for u, d in pairs])
+    assert not any(isinstance(r, Exception) for r in results), results
+    return results
+
+
+def _assert_same(rt_a, units_a, res_a, rt_b, units_b, res_b, tol):
+    for ua, ub, ra, rb in zip(units_a, units_b, res_a, res_b):
+        for a, b in zip(ra.outputs, rb.outputs):
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=tol, atol=tol)
+        for (n, p), (_, q) in zip(rt_a.unit(ua).named_params, rt_b.unit(ub).named_params):
+            assert_rel_close(q.grad, p.grad, tol * 10, n)
+
+
+def test_tenants_in_one_batch_equal_separate_batches(qwen3_moe_dir, monkeypatch):
+    """Two adapters share one batch (each one's rows picked out of the expert-sorted rows) exactly
+    as if each ran alone."""
+    monkeypatch.setattr(moe, "GROUPED_MM", "loop")
+    batches = _batches()
+    rt, units = _two_tenants(qwen3_moe_dir)
+    together = _run(rt, list(zip(units, batches)))
+    alone_rt, alone_units = _two_tenants(qwen3_moe_dir)
+    alone = [_run(alone_rt, [(u, d)])[0] for u, d in zip(alone_units, batches)]
+    _assert_same(rt, units, together, alone_rt, alone_units, alone, 1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
+def test_grouped_matmul_path_equals_the_expert_loop(qwen3_moe_dir, monkeypatch):
+    batches = _batches()
+    results = {}
+    for mode in ("loop", "grouped"):
+        monkeypatch.setattr(moe, "GROUPED_MM", mode)
+        rt, units = _two_tenants(qwen3_moe_dir)
+        results[mode] = (rt, units, _run(rt, list(zip(units, batches))))
+    _assert_same(*results["loop"], *results["grouped"], 1e-5)
+
+
+def test_single_token_steps_equal_the_full_forward(qwen3_moe_dir):
+    """Decode feeds one token per step (one routed row per token, a kv cache for attention)."""
+    from tinsmith.models.layers import causal_attention
+
+    model = load_model(str(qwen3_moe_dir)).model
+    rt = TrainingRuntime(model, max_lora_adapters=1, max_lora_rank=4)
+    u = _perturbed_adapter(rt, LoraSpec(rank=4, seed=9), 9)
+    slot = rt.unit(u).slot
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cached(layer_idx, q, k, v):
+        if layer_idx in cache:
+            k, v = torch.cat((cache[layer_idx][0], k), 2), torch.cat((cache[layer_idx][1], v), 2)
+        cache[layer_idx] = (k, v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    with torch.no_grad():
+        full = model.logits(model.hidden_states(tokens, torch.arange(12)[None], [(slot, 0, 12)], causal_attention),
+                            [(slot, 0, 12)])
+        steps = [model.logits(model.hidden_states(tokens[:, t:t + 1], torch.tensor([[t]]), [(slot, 0, 1)], cached),
+                              [(slot, 0, 1)]) for t in range(12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, qwen3_moe_dir):
+    """``tinsmith export`` merges per-expert adapters into per-expert weights; a full fine-tune's
+    weights are written the same way; transformers loads both with our logits."""
+    from tinsmith.checkpoints.export import export_merged, save_hf_model
+
+    rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, max_lora_adapters=1, max_lora_rank=8)
+    spec = LoraSpec(rank=4, alpha=8, seed=5)
+    u = _perturbed_adapter(rt, spec, 12)
+    tensors = {n: p.detach() for n, p in rt.unit(u).named_params}
+    save_peft_adapter(tmp_path / "adapter", spec, tensors, str(qwen3_moe_dir))
+    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(qwen3_moe_dir))
+    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(30).expand_as(tokens)
+    with torch.no_grad():
+        rows = [(rt.unit(u).slot, 0, 60)]
+        ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
+        torch.testing.assert_close(_reference(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+
+    full = load_model(str(qwen3_moe_dir)).model
+    with torch.no_grad():
+        full.model.layers[1].mlp.experts.down_proj.weight[2].mul_(1.5)
+        full.model.layers[0].mlp.gate.weight.mul_(-1.0)
+        expected = _logits(full, tokens)
+    save_hf_model(tmp_path / "full", {n: p for n, p in full.named_parameters()}, qwen3_moe_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(_reference(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_logits(load_model(str(tmp_path / "full")).model, tokens), expected)
+
+
+def test_incomplete_moe_config_is_a_clear_error(tmp_path, qwen3_moe_dir):
+    import json
+    import shutil
+
+    from tinsmith.errors import InvalidInputError
+
+    d = tmp_path / "broken"
+    shutil.copytree(qwen3_moe_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidInputError, match="moe_intermediate_size"):
+        load_model(str(d))
+    cfg["moe_intermediate_size"], cfg["num_experts_per_tok"] = 64, 9
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidInputError, match="num_experts_per_tok"):
+        load_model(str(d))
+
+
+def test_packed_gate_up_inference_equals_separate_projections(qwen3_moe_dir):
+    """Inference runs each layer's expert gate and up as one grouped matmul over a shared buffer."""
+    rt, units = _two_tenants(qwen3_moe_dir)
+    model = rt.model
+    assert model.model.layers[0].mlp.experts.packed_gate_up.intact()
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(20).expand_as(tokens)
+    rows = [(rt.unit(units[0]).slot, 0, 20), (rt.unit(units[1]).slot, 20, 40)]
+    with torch.no_grad():
+        packed = model.logits(model.hidden_states(tokens, pos, rows), rows)
+        for layer in model.model.layers:
+            layer.mlp.experts.packed_gate_up = None
+        separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_moe_dir):
+    rng = np.random.default_rng(6)
+    data = [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 50, 17, 33)]
+    results = []
+    for kwargs in ({}, {"micro_batch_tokens": 64}, {"gradient_checkpointing": True}):
+        rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, **kwargs)
+        u = _perturbed_adapter(rt, LoraSpec(rank=4, seed=9), 9)
+        results.append((_fb(rt, u, data), {n: p.grad for n, p in rt.unit(u).named_params}))
+    (ref, ref_g), rest = results[0], results[1:]
+    for res, g in rest:
+        for x, y in zip(res.outputs, ref.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
+        for n in ref_g:
+            assert_rel_close(g[n], ref_g[n], 1e-5, n)
+
+
+def test_base_model_rows_beside_adapter_rows_are_the_base_model(qwen3_moe_dir):
+    rt, units = _two_tenants(qwen3_moe_dir)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(16).expand_as(tokens)
+    rows = [(None, 0, 16), (rt.unit(units[1]).slot, 16, 32)]
+    with torch.no_grad():
+        mixed = _logits_with(rt.model, tokens, pos, rows)
+        base = _logits(rt.model, tokens[:1])
+        adapted = _logits_with(rt.model, tokens[1:], pos[1:], [(rt.unit(units[1]).slot, 0, 16)])
+    torch.testing.assert_close(mixed[:1], base, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed[1:], adapted, rtol=1e-5, atol=1e-5)
+    assert (adapted - _logits(rt.model, tokens[1:])).abs().max() > 1e-3
+
+
+def _logits_with(model, tokens, pos, rows):
+    return model.logits(model.hidden_states(tokens, pos, rows), rows)

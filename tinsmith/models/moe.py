@@ -1,0 +1,343 @@
+"""Routed experts (Qwen3-MoE style) whose every expert can carry tenant LoRA adapters.
+
+Each routed (token, expert) pair becomes one row; rows are sorted by expert so that every
+expert's rows are contiguous, and each projection of all experts runs as one grouped matmul
+(``torch._grouped_mm`` on GPUs that have it, a loop over the experts that received rows
+otherwise). Adapters follow the same grouping: an adapter owns one ``A``/``B`` pair per expert
+(stacked as ``experts x rank x in`` / ``experts x out x rank``), applied to the rows of its own
+tokens. The router is frozen and reproduces transformers' ``Qwen3MoeTopKRouter`` exactly:
+softmax in fp32, top-k, renormalised when ``norm_topk_prob``, weights cast back to the
+activations' dtype; expert outputs are weighted in that dtype and summed per token in
+ascending expert order, as transformers' eager experts do.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tinsmith.models.config import ModelConfig
+from tinsmith.models.lora import LoraWeights, RowGroups, Segments
+
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+# How expert matmuls run: "auto" (grouped on GPUs that support it, a loop elsewhere), "loop" or
+# "grouped" (forced; tests compare the two).
+GROUPED_MM = "auto"
+
+
+@dataclass
+class ExpertGroups:
+    """Row counts per expert for rows sorted by expert (``counts[e]`` rows of expert ``e``)."""
+
+    counts: torch.Tensor  # (experts,) int64, on the rows' device
+    _host: list[int] | None = field(default=None, repr=False)
+    _offsets: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def host_counts(self) -> list[int]:
+        if self._host is None:
+            self._host = self.counts.tolist()
+        return self._host
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Cumulative end row of each group (int32), what ``torch._grouped_mm`` takes."""
+        if self._offsets is None:
+            self._offsets = torch.cumsum(self.counts, 0, dtype=torch.int32)
+        return self._offsets
+
+
+def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if GROUPED_MM != "auto":
+        return GROUPED_MM == "grouped"
+    if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    if weight.shape[-1] % 8 or weight.shape[-2] % 8:  # 16-byte aligned rows for the bf16 kernel
+        return False
+    major, minor = torch.cuda.get_device_capability(x.device)
+    torch_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return major == 9 or (torch_version >= (2, 9) and (major, minor) >= (8, 0))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """``x[rows of e] @ weight[e].T`` for every expert ``e``, rows sorted by expert; (rows, out)."""
+    if _grouped_mm_usable(x, weight):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=groups.offsets)
+    counts = groups.host_counts
+    pieces = [F.linear(xe, weight[e]) for e, xe in enumerate(x.split(counts)) if counts[e]]
+    if not pieces:
+        return x.new_zeros(0, weight.shape[-2])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+@dataclass
+class AdapterRows:
+    """The sorted rows one adapter applies to (``index`` None: all of them), grouped by expert."""
+
+    slot: int
+    index: torch.Tensor | None
+    groups: ExpertGroups
+
+
+class ExpertLinear(nn.Module):
+    """``num_experts`` stacked projections (weight: experts x out x in), each with per-adapter LoRA."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features), requires_grad=False)
+        self.adapters: dict[int, LoraWeights] = {}
+
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.num_experts, rank, self.in_features), (self.num_experts, self.out_features, rank)
+
+    def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
+        """Per-expert A ~ kaiming-uniform (as peft does), B = 0 so the adapter starts as a no-op."""
+        a_shape, b_shape = self.lora_shapes(rank)
+        A = torch.empty(a_shape, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(self.in_features)
+        A.uniform_(-bound, bound, generator=generator)
+        B = torch.zeros(b_shape, dtype=torch.float32)
+        device = self.weight.device
+        w = LoraWeights(A.to(device).requires_grad_(), B.to(device).requires_grad_(), alpha / rank)
+        self.adapters[slot] = w
+        return w
+
+    def remove_adapter(self, slot: int) -> None:
+        self.adapters.pop(slot, None)
+
+    def merged_weight(self, slot: int) -> torch.Tensor:
+        """W + scale * B A per expert, for export (fp32)."""
+        w = self.adapters[slot]
+        return self.weight.float() + w.scale * torch.bmm(w.B.detach().float(), w.A.detach().float())
+
+    def forward(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows]) -> torch.Tensor:
+        """``x``: rows sorted by expert. Adds ``scale * (x A_e^T) B_e^T`` on each adapter's rows."""
+        return self.add_lora(x, grouped_linear(x, self.weight, groups), lora)
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor, lora: list[AdapterRows]) -> torch.Tensor:
+        """``y`` plus the adapters' deltas; in place when no graph is recorded (``y`` may then be a
+        view, e.g. this projection's columns of a packed gate/up output)."""
+        for rows in lora:
+            w = self.adapters.get(rows.slot)
+            if w is None:
+                continue
+            A, B = (w.A, w.B) if w.A.dtype == x.dtype else (w.A.to(x.dtype), w.B.to(x.dtype))
+            xr = x if rows.index is None else x.index_select(0, rows.index)
+            delta = grouped_linear(grouped_linear(xr, A, rows.groups), B, rows.groups) * w.scale
+            if torch.is_grad_enabled():
+                y = y + delta if rows.index is None else y.index_add(0, rows.index, delta)
+            elif rows.index is None:
+                y.add_(delta)
+            else:
+                y.index_add_(0, rows.index, delta)
+        return y
+
+
+class PackedGateUp:
+    """The experts' gate and up weights as two halves of one (experts x 2I x in) buffer.
+
+    Like :class:`tinsmith.models.lora.PackedProjection` for dense layers: the two projections
+    stay separate parameters (and LoRA targets) whose weights are views of the buffer, and
+    inference runs both as one grouped matmul. A deep copy or a reassigned weight breaks the
+    link (``intact`` turns false) and the projections then run separately.
+    """
+
+    def __init__(self, gate: ExpertLinear, up: ExpertLinear):
+        self.gate, self.up = gate, up
+        n = gate.out_features
+        self.weight = torch.cat((gate.weight.detach(), up.weight.detach()), dim=1)
+        gate.weight = nn.Parameter(self.weight[:, :n], requires_grad=gate.weight.requires_grad)
+        up.weight = nn.Parameter(self.weight[:, n:], requires_grad=up.weight.requires_grad)
+        self._pointers = self._current_pointers()
+
+    def _current_pointers(self) -> tuple[int, int]:
+        return self.gate.weight.data_ptr(), self.up.weight.data_ptr()
+
+    def intact(self) -> bool:
+        return self._current_pointers() == self._pointers
+
+    def project(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows]) -> torch.Tensor:
+        """``silu(gate) * up`` of expert-sorted rows (inference only)."""
+        n = self.gate.out_features
+        y = grouped_linear(x, self.weight, groups)
+        g, u = y[:, :n], y[:, n:]
+        self.gate.add_lora(x, g, lora)
+        self.up.add_lora(x, u, lora)
+        return F.silu(g).mul_(u)
+
+
+class Experts(nn.Module):
+    """The experts of one layer; ``experts.gate_proj`` etc. are the LoRA target names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.moe is not None
+        e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.moe_intermediate_size
+        self.gate_proj = ExpertLinear(e, h, i)
+        self.up_proj = ExpertLinear(e, h, i)
+        self.down_proj = ExpertLinear(e, i, h)
+        self.packed_gate_up: PackedGateUp | None = None  # set by ``pack_weights``
+
+
+class TopKRouter(nn.Module):
+    """transformers' ``Qwen3MoeTopKRouter``: frozen, never trained (no load-balancing loss)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.moe is not None
+        self.top_k = cfg.moe.num_experts_per_tok
+        self.norm_topk_prob = cfg.moe.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.moe.num_experts, cfg.hidden_size), requires_grad=False)
+
+    def forward(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights in ``x2``'s dtype, expert indices), both (rows, top_k)."""
+        logits = F.linear(x2, self.weight)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return top_value.to(logits.dtype), top_index
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts, in place of a dense MLP (module names as transformers': ``gate``, ``experts``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = TopKRouter(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.gate(x2)
+        flat = chosen.reshape(-1)  # pair p = token * top_k + k
+        order = torch.argsort(flat, stable=True)
+        token_of = order // self.gate.top_k
+        num_experts = self.gate.weight.shape[0]
+        groups = ExpertGroups(torch.bincount(flat, minlength=num_experts))
+        lora = _adapter_rows(segments, x2.shape[0], token_of, flat[order], num_experts, groups)
+        ex = self.experts
+        rows = x2.index_select(0, token_of)
+        packed = ex.packed_gate_up
+        if packed is not None and not torch.is_grad_enabled() and packed.intact():
+            h = packed.project(rows, groups, lora)
+        else:
+            h = F.silu(ex.gate_proj(rows, groups, lora)) * ex.up_proj(rows, groups, lora)
+        out = ex.down_proj(h, groups, lora) * weights.reshape(-1)[order, None]
+        # index_add over rows sorted by expert sums each token's experts in ascending expert order.
+        return torch.zeros_like(x2).index_add(0, token_of, out).view(x.shape)
+
+
+def _adapter_rows(segments: Segments | RowGroups | None, num_tokens: int, token_of: torch.Tensor,
+                  sorted_experts: torch.Tensor, num_experts: int, all_groups: ExpertGroups) -> list[AdapterRows]:
+    """Which sorted rows each adapter in ``segments`` owns (rows stay sorted by expert)."""
+    if not segments:
+        return []
+    if len(segments[0]) == 3 and len(segments) == 1:
+        slot, a, b = segments[0]  # type: ignore[misc]
+        if slot is None:
+            return []
+        if a == 0 and b == num_tokens:
+            return [AdapterRows(slot, None, all_groups)]
+    owner = torch.full((num_tokens,), -1, dtype=torch.long, device=token_of.device)
+    slots: list[int] = []
+    for seg in segments:
+        slot = seg[0]
+        if slot is None:
+            continue
+        if len(seg) == 3:
+            owner[seg[1]:seg[2]] = len(slots)  # type: ignore[misc]
+        else:
+            owner[seg[1]] = len(slots)  # type: ignore[misc]
+        slots.append(slot)
+    pair_owner = owner[token_of]
+    out = []
+    for i, slot in enumerate(slots):
+        index = (pair_owner == i).nonzero().squeeze(1)
+        if index.numel():
+            counts = torch.bincount(sorted_experts.index_select(0, index), minlength=num_experts)
+            out.append(AdapterRows(slot, index, ExpertGroups(counts)))
+    return out
+
+
+# ----------------------------------------------------------------------------- checkpoint layouts
+# Hub checkpoints (and transformers' save_pretrained) store one tensor per expert,
+# ``mlp.experts.{e}.gate_proj.weight``; transformers 5 models hold them fused in memory,
+# ``mlp.experts.gate_up_proj`` (experts x 2I x H, gate rows first) and ``mlp.experts.down_proj``.
+# Both are read; exports are written per expert, which every version of transformers loads.
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_tensor_sources(name: str, num_experts: int,
+                          available: Container[str]) -> tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]] | None:
+    """How to build our stacked expert weight ``name`` from a checkpoint's tensors: (source names,
+    combine), or None when ``name`` is not an expert weight or the checkpoint lacks its sources."""
+    m = _STACKED.match(name)
+    if m is None:
+        return None
+    prefix, proj = m.groups()
+    per_expert = [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
+    if all(k in available for k in per_expert):
+        return per_expert, torch.stack
+    fused = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+    if fused not in available:
+        return None
+    if proj == "down_proj":
+        return [fused], lambda ts: ts[0]
+    first = proj == "gate_proj"
+    return [fused], lambda ts: (ts[0][:, : ts[0].shape[1] // 2] if first else ts[0][:, ts[0].shape[1] // 2 :]).contiguous()
+
+
+def split_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our stacked expert weights (and per-expert LoRA tensors) under per-expert Hugging Face names.
+
+    ``...mlp.experts.gate_proj.weight`` (experts x out x in) becomes ``...mlp.experts.{e}.gate_proj.weight``;
+    ``...mlp.experts.gate_proj.lora_A.weight`` becomes ``...mlp.experts.{e}.gate_proj.lora_A.weight``
+    (the layout peft converts onto transformers 5's fused experts). Other tensors pass through.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = _STACKED_ANY.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, proj, suffix = m.groups()
+        for e in range(t.shape[0]):
+            out[f"{prefix}.{e}.{proj}.{suffix}"] = t[e].clone()  # safetensors refuses shared storage
+    return out
+
+
+def stack_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`split_expert_tensors` (per-expert names back to stacked tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, e, proj, suffix = m.groups()
+        pieces.setdefault(f"{prefix}.{proj}.{suffix}", {})[int(e)] = t
+    for name, by_expert in pieces.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            from tinsmith.errors import InvalidInputError
+
+            raise InvalidInputError(f"tensor {name!r}: experts {sorted(by_expert)} are not 0..{len(by_expert) - 1}")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+_STACKED_ANY = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.((?:lora_[AB]\.)?weight)$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.((?:lora_[AB]\.)?weight)$")
