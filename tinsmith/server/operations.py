@@ -21,6 +21,7 @@ from tinsmith.engine.scheduler import Job, Outcome
 from tinsmith.errors import CapacityError, ConflictError, InvalidInputError, TinsmithError
 from tinsmith.checkpoints.peft_format import adapter_bytes, save_peft_adapter
 from tinsmith.checkpoints.state_format import load_training_state, save_training_state, training_state_bytes
+from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.sampler import SampleTask
 from tinsmith.server.limits import KeyLimits
 from tinsmith.types import ForwardBackwardResult, SampleInput, SampleResult
@@ -132,6 +133,8 @@ class WorkerOperations:
         self.store = store
         self.limits = limits or KeyLimits()
         self._sample_inbox: deque[Job] = deque()
+        # Sampling requests their clients cancelled: posted from the event loop, honoured here.
+        self.cancellations = CancelBoard(key_id=lambda job: job.request_id)
         self.stability = StabilityLog()
         self._touched: dict[str, float] = {}
 
@@ -333,6 +336,15 @@ class WorkerOperations:
     def sample_submit(self, job: Job) -> None:
         self._sample_inbox.append(job)
 
+    def sample_cancel(self, request_id: str) -> None:
+        """Drop a queued or running sample job (called on the event loop): it leaves the sampler
+        before its next decode step and finishes with a cancellation error."""
+        self.cancellations.post(request_id)
+
+    def sample_forget(self, request_id: str) -> None:
+        """The sample job finished: a cancellation posted for it has nothing left to stop."""
+        self.cancellations.forget(request_id)
+
     def sample_has_work(self) -> bool:
         return bool(self._sample_inbox) or any(s.has_work() for s in self.worker.samplers.values())
 
@@ -371,9 +383,14 @@ class WorkerOperations:
         out: list[tuple[Job, Outcome]] = []
         while self._sample_inbox:
             job = self._sample_inbox.popleft()
+            if self.cancellations.wants(job):
+                out.append((job, Outcome.failure(SampleCancelled("the request was cancelled by its client"))))
+                continue
             try:
                 base, slot = self._resolve_slot(job)
-                self.worker.sampler(base).add(SampleTask(job, slot, job.args.input))
+                sampler = self.worker.sampler(base)
+                sampler.cancellations = self.cancellations
+                sampler.add(SampleTask(job, slot, job.args.input))
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
         busy = [s for s in self.worker.samplers.values() if s.has_work()]

@@ -8,17 +8,21 @@ torch. Everything goes through ``Store``; it hands out frozen records, never ORM
 from tinsmith.store.ids import model_id_for, new_request_id, new_session_id, sampling_session_id_for
 from tinsmith.store.records import (
     CheckpointRecord,
+    CompletionRecord,
     LeaseRecord,
     ModelRecord,
     Page,
     RequestRecord,
     SamplingSessionRecord,
     SessionRecord,
+    TraceEntry,
+    UsageRecord,
 )
 from tinsmith.store.store import Store
 
 __all__ = [
     "CheckpointRecord",
+    "CompletionRecord",
     "LeaseRecord",
     "ModelRecord",
     "Page",
@@ -26,6 +30,8 @@ __all__ = [
     "SamplingSessionRecord",
     "SessionRecord",
     "Store",
+    "TraceEntry",
+    "UsageRecord",
     "model_id_for",
     "new_request_id",
     "new_session_id",
