@@ -7,7 +7,7 @@ input and what another key may see (nothing).
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import time
 
 import numpy as np
@@ -17,6 +17,7 @@ from tinker import types
 
 from tests.e2e.conftest import KEY_A, KEY_B
 from tests.e2e.helpers import RESULT_TIMEOUT_S, detail, raw_client, retrieve
+from tinsmith.store import Store
 
 pytestmark = pytest.mark.e2e
 
@@ -185,22 +186,35 @@ def test_cancel_stops_a_running_sample_and_frees_the_sampler(server, base_model)
         assert r.status_code == 200 and r.json() == {"request_id": quick, "cancelled": False, "status": "completed"}
 
 
-def test_cancel_through_the_sdk_when_a_sample_is_abandoned(sc, server, base_model):
+def test_cancel_through_the_sdk_when_a_sample_times_out(sc, server, base_model):
+    """An abandoned sample (asyncio timeout) makes the SDK send cancel_future; the server drops it."""
     client = sc.create_sampling_client(base_model=base_model).result(timeout=RESULT_TIMEOUT_S)
-    future = client.sample(PROMPT, num_samples=16, sampling_params=types.SamplingParams(max_tokens=500))
-    time.sleep(0.5)
-    future.cancel()
-    with pytest.raises(concurrent.futures.CancelledError):
-        future.result(timeout=RESULT_TIMEOUT_S)
-    # The SDK sent cancel_future: the server records the request as cancelled, well before 500 tokens.
+    params = types.SamplingParams(max_tokens=500, stop=[])
+
+    async def abandon() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.sample_async(PROMPT, num_samples=16, sampling_params=params), 0.5)
+
+    asyncio.run(abandon())
+    sid = client._sampling_session_id
     deadline = time.monotonic() + 20
-    while '"POST /api/v1/cancel_future HTTP/1.1" 200' not in server.log_text():
-        assert time.monotonic() < deadline, "the SDK never sent cancel_future"
-        time.sleep(0.1)
-    # and sampling goes on normally afterwards
+    with Store(Store.default_sqlite_url(server.data_dir)) as store:
+        while True:  # the SDK's cancel drain sends cancel_future; the sample fails as cancelled
+            reqs = [r for r in store.session_trace(session_id_of_sampler(sid)) if r.sampling_session_id == sid]
+            if reqs and reqs[-1].status == "failed":
+                break
+            assert time.monotonic() < deadline, reqs
+            time.sleep(0.1)
+        rec = store.get_request(reqs[-1].request_id)
+    assert "cancelled" in rec.error and rec.error_category == "user"
+    # the poller and the sampler carry on normally afterwards
     res = client.sample(PROMPT, num_samples=1, sampling_params=types.SamplingParams(max_tokens=3)).result(
         timeout=RESULT_TIMEOUT_S)
     assert len(res.sequences[0].tokens) == 3
+
+
+def session_id_of_sampler(sampling_session_id: str) -> str:
+    return sampling_session_id.split(":sample:")[0]
 
 
 def test_cancel_bad_and_hostile_input(restricted_server, base_model):
