@@ -275,6 +275,11 @@ def valid_calls(app: App) -> list[Call]:
         Call("GET", "/api/v1/downloads/{run_id}/{name}/{expires}/{sig}/{filename}",
              dict(zip(("run_id", "name", "expires", "sig", "filename"), download))),
         Call("POST", "/api/v1/retrieve_future", body={"request_id": app.accepted[-1], "allow_metadata_only": True}),
+        Call("POST", "/api/v1/retrieve_futures", body={
+            "target": {"type": "sampling_session", "sampling_session_id": app.sampler_id, "cloned_sampler_id": 0},
+            "prev_cursor": 0, "timeout": 0, "retrieved_request_ids": []}),
+        Call("POST", "/api/v1/cancel_future", body={"request_id": app.ok("POST", "/api/v1/asample", sample_body(app))[
+            "request_id"]}),
     ]
 
 

@@ -135,7 +135,7 @@ class FuturesTarget(Body):
 class RetrieveFuturesRequest(Body):
     target: FuturesTarget
     prev_cursor: int = Field(0, ge=0)
-    timeout: float | None = Field(None, ge=0)
+    timeout: float | None = Field(None, ge=0, le=3600)  # seconds; the server caps it at --long-poll-seconds
     retrieved_request_ids: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=100_000)
 
 
