@@ -55,6 +55,7 @@ class ServerConfig:
     max_sampler_snapshots_per_key: int = 32
     sampler_snapshot_idle_s: float = 120.0
     public_url: str | None = None  # base URL clients reach this server at (download links)
+    usage_flush_s: float = 10.0  # how often per-key token counts are written to the database
     log_level: str = "info"
 
     @property
@@ -74,7 +75,7 @@ class ServerConfig:
                      "max_prompt_tokens", "max_runs_per_key", "max_requests_in_flight_per_key",
                      "max_sampler_snapshots", "max_sampler_snapshots_per_key")
     _NOT_NEGATIVE = ("request_retention_s", "seq_gap_wait_s", "sampler_snapshot_idle_s", "checkpoint_quota_bytes")
-    _POSITIVE = ("session_timeout_s", "long_poll_seconds")
+    _POSITIVE = ("session_timeout_s", "long_poll_seconds", "usage_flush_s")
 
     def validate(self) -> None:
         """Refuse values that cannot work, naming the option (a ValueError the CLI prints as one line)."""
@@ -131,7 +132,7 @@ _HELP = {
     "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
     "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
     "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",
-    "long_poll_seconds": "how long retrieve_future waits before answering try_again",
+    "long_poll_seconds": "how long retrieve_future and retrieve_futures wait before answering with nothing new",
     "seq_gap_wait_s": "how long a run's request waits for a missing earlier seq_id before it runs anyway",
     "checkpoint_quota_bytes": "checkpoint storage allowed per API key, counting every save and copy (default: unlimited)",
     "max_runs_per_key": "training runs one API key may hold at once (with --api-keys-file)",
@@ -143,6 +144,8 @@ _HELP = {
     "sampler_snapshot_idle_s": "a snapshot unused for this long (and with no queued or running request) is idle: "
                                "another key's new snapshot may evict it",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
+    "usage_flush_s": "how often per-key token counts (billing usage) are written to the database; a crash "
+                     "loses at most this many seconds of counts",
     "log_level": "debug, info, warning or error",
 }
 

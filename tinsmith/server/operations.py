@@ -24,6 +24,7 @@ from tinsmith.checkpoints.state_format import load_training_state, save_training
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.sampler import SampleTask
 from tinsmith.server.limits import KeyLimits
+from tinsmith.server.usage import UsageMeter, session_of
 from tinsmith.types import ForwardBackwardResult, SampleInput, SampleResult
 from tinsmith.worker.runtime import FbPass
 from tinsmith.worker.service import Worker
@@ -128,10 +129,11 @@ class StabilityLog:
 class WorkerOperations:
     """The engine's ``Operations``: one method per job kind."""
 
-    def __init__(self, worker: Worker, store=None, limits: KeyLimits | None = None):
+    def __init__(self, worker: Worker, store=None, limits: KeyLimits | None = None, usage: UsageMeter | None = None):
         self.worker = worker
         self.store = store
         self.limits = limits or KeyLimits()
+        self.usage = usage
         self._sample_inbox: deque[Job] = deque()
         # Sampling requests their clients cancelled: posted from the event loop, honoured here.
         self.cancellations = CancelBoard(key_id=lambda job: job.request_id)
@@ -177,8 +179,32 @@ class WorkerOperations:
             for i, res in zip(tp.accepted, tp.fb.results):
                 job = jobs[i]
                 outs[i] = Outcome.failure(res) if isinstance(res, Exception) else encode_fb(res, job.wire)
+                if not isinstance(res, Exception):
+                    self._count_training(job)
         self._touch({j.model_id for j in jobs})
         return outs  # type: ignore[return-value]
+
+    def _count_training(self, job: Job) -> None:
+        """Charge a completed forward/forward_backward request's input tokens to its key."""
+        if self.usage is None or job.internal:
+            return
+        try:
+            base = self.worker.placement(job.model_id).base.name
+        except Exception:  # the run is gone already (unloaded): still count, without its model
+            base = ""
+        self.usage.record(job.owner, "training", sum(len(d.tokens) for d in job.args.data), base_model=base,
+                          session_id=session_of(job.model_id))
+
+    def _count_sampling(self, job: Job, res: SampleResult) -> None:
+        """Charge a completed sample's prompt (computed or cached) and generated tokens to its key."""
+        if self.usage is None:
+            return
+        a: SampleArgs = job.args
+        cached = int(res.prompt_cache_hit_tokens)
+        where = dict(base_model=a.base_model, session_id=session_of(job.topic))
+        self.usage.record(job.owner, "sampling_prefill", len(a.input.prompt) - cached, **where)
+        self.usage.record(job.owner, "sampling_prefill_cached", cached, **where)
+        self.usage.record(job.owner, "sampling_sample", sum(len(s.tokens) for s in res.sequences), **where)
 
     def train_chunk_tokens(self, keys: int) -> int:
         return self.worker.chunk_tokens(keys)
@@ -401,6 +427,7 @@ class WorkerOperations:
                 if isinstance(res, Exception):
                     out.append((job, Outcome.failure(res)))
                     continue
+                self._count_sampling(job, res)
                 if job.args.input.record_stability_info:
                     for sid, seq in zip(job.args.sequence_ids, res.sequences):
                         self.stability.put(sid, seq.tokens, seq.logprobs)

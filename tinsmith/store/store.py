@@ -60,7 +60,7 @@ _UNFINISHED = ("pending", "running")
 _FINISHED = ("completed", "failed")
 SERVER_LEASE = "server"
 CLONE_BLOCK = 1_000_000_000  # a cloned SamplingClient's seq_ids lie in [clone * CLONE_BLOCK, (clone + 1) * CLONE_BLOCK)
-USAGE_KINDS = ("training", "sampling_prefill", "sampling_sample")
+USAGE_KINDS = ("training", "sampling_prefill", "sampling_prefill_cached", "sampling_sample")
 
 
 def utcnow() -> datetime:

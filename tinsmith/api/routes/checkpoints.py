@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import (caller_of, check_base_model_matches, owned_model, owned_session, readable_checkpoint,
                                  state_of, submit)
+from tinsmith.api import signed_links
 from tinsmith.api.request import ApiRoute
 from tinsmith.api.schemas import Body, Int64Query, ModelSeqId
 from tinsmith.checkpoints.paths import (KINDS, TinkerPath, check_name, checkpoint_directory, expiry_from_ttl,
@@ -324,8 +325,7 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
 
 # --------------------------------------------------------------------------------- downloads
 def _sign(secret: bytes, run_id: str, name: str, expires: int) -> str:
-    msg = f"{run_id}\n{name}\n{expires}".encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+    return signed_links.sign(secret, run_id, name, expires)
 
 
 @router.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")

@@ -5,7 +5,7 @@
 * ``requests.completion_seq``: that number. A ``retrieve_futures`` cursor is one of them, so
   cursors stay valid across a server restart, and commits of one sampler are serialized by the
   counter row, so no completion can appear behind a cursor already handed out.
-* ``usage``: tokens per API key, UTC hour, kind (training, sampling_prefill, sampling_sample),
+* ``usage``: tokens per API key, UTC hour, kind (training, sampling_prefill[_cached], sampling_sample),
   base model and session, added to in batches.
 
 Only additions: no table is rewritten.
