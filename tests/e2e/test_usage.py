@@ -147,3 +147,31 @@ def test_export_trace_through_the_cli(usage_server, service_client, base_model, 
         assert other.get(path.replace(f"/{expires}/", f"/{int(expires) + 1}/")).status_code == 403
         r = own.get(f"/api/v1/sessions/no-such-session/trace_export")
         assert r.status_code == 404
+
+
+def test_retrieve_futures_cursors_survive_a_restart(usage_server, service_client, base_model):
+    """A SamplingClient made before a restart keeps sampling after it: its poller's cursor is a
+    durable completion number, valid on the restarted server; raw polls see the same order."""
+    from tests.e2e.test_futures import _asample, _poll, _sampler_session
+
+    client = service_client(usage_server, KEY_A).create_sampling_client(base_model=base_model).result(
+        timeout=RESULT_TIMEOUT_S)
+    params = types.SamplingParams(max_tokens=3, stop=[], seed=1)
+    before = client.sample(PROMPT, num_samples=1, sampling_params=params).result(timeout=RESULT_TIMEOUT_S)
+    with raw_client(usage_server.base_url, KEY_A) as http:
+        sid = _sampler_session(http, base_model)
+        first = [_asample(http, sid, i) for i in (1, 2)]
+        seen, cursor = [], 0
+        while len(seen) < 2:
+            body = _poll(http, sid, cursor).json()
+            seen += [c["request_id"] for c in body["completions"]]
+            cursor = body["cursor"]
+    usage_server.restart()
+    after = client.sample(PROMPT, num_samples=1, sampling_params=params).result(timeout=RESULT_TIMEOUT_S)
+    assert list(after.sequences[0].tokens) == list(before.sequences[0].tokens)
+    with raw_client(usage_server.base_url, KEY_A) as http:
+        late = _asample(http, sid, 3)
+        body = _poll(http, sid, cursor).json()  # the pre-restart cursor: only what finished since
+        assert [c["request_id"] for c in body["completions"]] == [late] and body["cursor"] == cursor + 1
+        everything = _poll(http, sid, 0, timeout=0).json()
+        assert [c["request_id"] for c in everything["completions"]] == seen + [late]
