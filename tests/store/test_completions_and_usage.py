@@ -106,3 +106,35 @@ def test_storage_summary_and_session_trace(store: Store) -> None:
     trace = store.session_trace(sess.session_id)
     assert [(t.request_id, t.status, t.payload_bytes, t.result_bytes) for t in trace] == [
         (fb.request_id, "completed", 3, 6), (sample, "pending", 2, None)]
+
+
+def test_0004_upgrades_existing_samplers_and_round_trips(db_url: str) -> None:
+    """A 0003 database keeps its samplers and requests; their completions start at 1."""
+    from alembic import command
+    from sqlalchemy import inspect, text
+
+    from tinsmith.store.connect import alembic_config, run_migrations
+
+    store = Store(db_url)
+    try:
+        run_migrations(store.engine, "0003")
+        with store.engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO sampling_sessions (sampling_session_id, owner, base_model, created_at, "
+                "next_client_counter, next_sequence_number) VALUES ('old', 'o', 'b', :t, 0, 0)"),
+                {"t": datetime(2025, 1, 1, tzinfo=UTC)})
+        store.migrate()
+        rid = _sample(store, "old", 1, "o")
+        assert store.complete_request(rid, b"r", "application/json")
+        assert store.sampling_completions("old", 0, 0)[1] == 1
+        config = alembic_config()
+        with store.engine.begin() as conn:  # downgrade: the columns and table go, the sampler stays
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0003")
+        assert "usage" not in inspect(store.engine).get_table_names()
+        assert "completion_seq" not in {c["name"] for c in inspect(store.engine).get_columns("requests")}
+        store.migrate()
+        assert store.get_sampling_session("old") is not None
+        assert store.get_request(rid).completion_seq is None  # numbers are not restored by a downgrade
+    finally:
+        store.close()
