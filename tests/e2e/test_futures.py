@@ -193,7 +193,7 @@ def test_cancel_through_the_sdk_when_a_sample_times_out(sc, server, base_model):
 
     async def abandon() -> None:
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(client.sample_async(PROMPT, num_samples=16, sampling_params=params), 0.5)
+            await asyncio.wait_for(_awaited(client.sample(PROMPT, num_samples=16, sampling_params=params)), 0.5)
 
     asyncio.run(abandon())
     sid = client._sampling_session_id
@@ -211,6 +211,10 @@ def test_cancel_through_the_sdk_when_a_sample_times_out(sc, server, base_model):
     res = client.sample(PROMPT, num_samples=1, sampling_params=types.SamplingParams(max_tokens=3)).result(
         timeout=RESULT_TIMEOUT_S)
     assert len(res.sequences[0].tokens) == 3
+
+
+async def _awaited(future):
+    return await future
 
 
 def session_id_of_sampler(sampling_session_id: str) -> str:
