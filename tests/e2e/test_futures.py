@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-import tinker
 from tinker import types
 
 from tests.e2e.conftest import KEY_A, KEY_B

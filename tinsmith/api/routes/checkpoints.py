@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 from datetime import datetime, timedelta, timezone
