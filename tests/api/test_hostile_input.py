@@ -19,6 +19,7 @@ import logging
 import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -216,6 +217,8 @@ def valid_calls(app: App) -> list[Call]:
     download = urlsplit(next(iter(urls.values()))).path.split("/")[-5:]
     files = app.ok("GET", f"/dashboard/api/runs/{quote(m, safe='')}/checkpoints/weights/{app.weights}/files")["urls"]
     download_kind = urlsplit(next(iter(files.values()))).path.split("/")[-6:]
+    trace = urlsplit(app.ok("GET", f"/api/v1/sessions/{s}/trace_export")["url"]).path.split("/")[-3:]
+    hour = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
     return [
         Call("POST", "/api/v1/client/config"),  # the SDK sends its version; the route reads no body
         Call("POST", "/api/v1/client/dynamic_config"),
@@ -314,6 +317,17 @@ def valid_calls(app: App) -> list[Call]:
                 "model": app.base_model, "messages": [{"role": "user", "content": "12"}], "max_tokens": 2,
                 "top_p": 0.9, "logprobs": True, "top_logprobs": 2}),
         )],
+        Call("GET", "/api/v1/sessions/{session_id}/trace_export", {"session_id": s}),
+        Call("GET", "/api/v1/trace_downloads/{session_id}/{expires}/{sig}",
+             dict(zip(("session_id", "expires", "sig"), trace))),
+        Call("GET", "/api/v1/billing/usage/events",
+             query={"starting_on": hour.isoformat(), "ending_before": (hour + timedelta(hours=1)).isoformat()}),
+        Call("GET", "/api/v1/billing/usage/checkpoints/current", query={"project_id": "p"}),
+        Call("POST", "/api/v1/retrieve_futures", body={
+            "target": {"type": "sampling_session", "sampling_session_id": app.sampler_id, "cloned_sampler_id": 0},
+            "prev_cursor": 0, "timeout": 0, "retrieved_request_ids": []}),
+        Call("POST", "/api/v1/cancel_future", body={"request_id": app.ok("POST", "/api/v1/asample", sample_body(app))[
+            "request_id"]}),
     ]
 
 

@@ -87,6 +87,12 @@ class FakeOps:
     def sample_step(self, budget_s: float):
         return []
 
+    def sample_cancel(self, request_id: str) -> None:
+        pass
+
+    def sample_forget(self, request_id: str) -> None:
+        pass
+
     def sample_abort(self):
         return []
 

@@ -136,7 +136,9 @@ async def submit(
             "every request of a run needs its own seq_id"
         )
     if created:
-        state.engine.submit(Job(rec.request_id, kind, model_id, seq_id, args, wire, caller.owner))
+        # A sampler's retrieve_futures long-polls listen on its id: they wake when the job finishes.
+        state.engine.submit(Job(rec.request_id, kind, model_id, seq_id, args, wire, caller.owner,
+                                topic=sampling_session_id))
     answer: dict[str, Any] = {"request_id": rec.request_id}
     if model_id is not None:
         answer["model_id"] = model_id

@@ -133,6 +133,26 @@ class UnloadModelRequest(Body):
     seq_id: int | None = None
 
 
+class FuturesTarget(Body):
+    """What a ``retrieve_futures`` poll watches: one (possibly cloned) sampling client."""
+
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str = Field(min_length=1)
+    # seq_ids of clone c lie in [c * 1e9, (c + 1) * 1e9), which must fit in 64 bits.
+    cloned_sampler_id: int = Field(0, ge=0, le=INT64_MAX // 1_000_000_000 - 1)
+
+
+class RetrieveFuturesRequest(Body):
+    target: FuturesTarget
+    prev_cursor: int = Field(0, ge=0)
+    timeout: float | None = Field(None, ge=0, le=3600)  # seconds; the server caps it at --long-poll-seconds
+    retrieved_request_ids: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=100_000)
+
+
+class CancelFutureRequest(Body):
+    request_id: str = Field(min_length=1)
+
+
 class RetrieveFutureRequest(Body):
     request_id: str = Field(min_length=1)
     allow_metadata_only: bool = False

@@ -53,6 +53,7 @@ class Job:
     wire: str = "json"  # how the result is encoded: "json" | "protobuf" (the SDKs) | "sequences" (OpenAI routes)
     owner: str = ""
     internal: bool = False  # issued by the server itself (no client future, nothing to persist)
+    topic: str | None = None  # listeners of this topic (a sampler's retrieve_futures polls) wake when it finishes
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # when the worker began it (queue wait ends here)
     finished_at: float | None = None  # when its outcome was ready (before it is pushed to waiters)
@@ -112,6 +113,10 @@ class Operations(Protocol):
 
     def sample_abort(self) -> list[Job]: ...  # drop every queued and running sample job
 
+    def sample_cancel(self, request_id: str) -> None: ...  # drop one sample job (event loop; it finishes as cancelled)
+
+    def sample_forget(self, request_id: str) -> None: ...  # the sample job finished (event loop)
+
 
 class ResultSink(Protocol):
     def complete_request(self, request_id: str, result: bytes, content_type: str,
@@ -148,6 +153,7 @@ class Engine:
         self.waiters: dict[str, asyncio.Future[Outcome]] = {}
         self.owners: dict[str, str] = {}  # request_id -> owner, while the job is queued or running
         self.jobs: dict[str, Job] = {}  # request_id -> job, while queued or running (client jobs only)
+        self._listeners: dict[str, set[asyncio.Event]] = {}  # topic -> events set when one of its jobs finishes
         self._in_flight: Counter[str] = Counter()  # owner -> jobs queued or running
         self._turn: dict[str, int] = {}  # owner -> when it last had a single job run (turn taking)
         self._turns = itertools.count()
@@ -201,6 +207,36 @@ class Engine:
             return await asyncio.wait_for(asyncio.shield(w), timeout)
         except asyncio.TimeoutError:
             return None
+
+    def cancel(self, request_id: str, *, known_sample: bool = False) -> bool:
+        """Ask for a queued or running sample job to be dropped; False if there is none.
+
+        The job then finishes like any other (persisted as failed with a cancellation error,
+        waiters answered), at the latest after the sampler's next decode step.
+        ``known_sample``: the caller read a pending sample request of this id from the store, so
+        a job the engine does not hold yet (its submission is between storing and queueing) is
+        still dropped when it arrives.
+        """
+        job = self.jobs.get(request_id)
+        if (job is None and not known_sample) or (job is not None and job.kind != "sample"):
+            return False
+        self.ops.sample_cancel(request_id)
+        self._wake.set()
+        return True
+
+    def listen(self, topic: str) -> asyncio.Event:
+        """An event set the next time a job of ``topic`` finishes (its outcome already persisted).
+        Register before reading the store, so a finish in between is never missed; ``unlisten`` after."""
+        event = asyncio.Event()
+        self._listeners.setdefault(topic, set()).add(event)
+        return event
+
+    def unlisten(self, topic: str, event: asyncio.Event) -> None:
+        events = self._listeners.get(topic)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self._listeners[topic]
 
     def owner_of(self, request_id: str) -> str | None:
         return self.owners.get(request_id)
@@ -552,6 +588,11 @@ class Engine:
                 if job.kind == "unload_model" and out.error is None:
                     self.next_seq.pop(job.model_id, None)
             self.jobs.pop(job.request_id, None)
+            if job.kind == "sample":
+                self.ops.sample_forget(job.request_id)
+            if job.topic is not None:
+                for event in self._listeners.get(job.topic, ()):
+                    event.set()
             owner = self.owners.pop(job.request_id, None)
             if owner is not None:
                 self._in_flight[owner] -= 1

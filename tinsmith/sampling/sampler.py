@@ -21,6 +21,7 @@ import torch
 
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
+from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
 from tinsmith.sampling.logits import choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
@@ -73,6 +74,7 @@ class Sampler:
         *,
         max_rows: int = 256,
         prefill_tokens: int = 8192,
+        cancellations: CancelBoard | None = None,
     ):
         self.model = model
         self.cfg = model.config
@@ -85,7 +87,9 @@ class Sampler:
         self.inbox: deque[SampleTask] = deque()
         self.rows: list[_Row] = []
         self._decode_batch: _DecodeBatch | None = None
-        self.stats = {"decode_steps": 0, "prefills": 0, "sampled_tokens": 0}
+        self.cancellations = cancellations
+        self._cancel_version = 0  # the board's version last acted on
+        self.stats = {"decode_steps": 0, "prefills": 0, "sampled_tokens": 0, "cancelled": 0}
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -118,8 +122,12 @@ class Sampler:
         done: list[tuple[Any, SampleResult | Exception]] = []
         deadline = time.perf_counter() + budget_s
         with torch.inference_mode():
+            self._drop_cancelled(done)
             self._admit(done)
             while self.rows and time.perf_counter() < deadline:
+                self._drop_cancelled(done)
+                if not self.rows:
+                    break
                 try:
                     self._decode_step(done)
                 except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
@@ -200,6 +208,24 @@ class Sampler:
             except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
                 log.exception("prefill of %d requests failed", len(batch))
                 self._fail(batch, exc, done)
+
+    def _drop_cancelled(self, done: list) -> None:
+        """Drop queued and running requests posted on the cancellation board since the last look:
+        their rows leave the batch and their cache rows are freed before the next decode step."""
+        board = self.cancellations
+        if board is None or board.version == self._cancel_version:
+            return
+        self._cancel_version = board.version
+        if not len(board):
+            return
+        for task in [t for t in list(self.inbox) if board.wants(t.key)]:
+            self.inbox.remove(task)
+            done.append((task.key, SampleCancelled("the request was cancelled by its client")))
+            self.stats["cancelled"] += 1
+        states = list({id(r.state): r.state for r in self.rows if board.wants(r.state.task.key)}.values())
+        if states:
+            self.stats["cancelled"] += len(states)
+            self._fail(states, SampleCancelled("the request was cancelled by its client"), done)
 
     def abort(self) -> list[Any]:
         """Forget every queued and running request; returns their keys (for the caller to fail)."""

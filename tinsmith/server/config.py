@@ -62,6 +62,7 @@ class ServerConfig:
     custom_loss_timeout_s: float = 10.0  # all runs of the loss for one request
     custom_loss_max_per_session: int = 64
     public_url: str | None = None  # base URL clients reach this server at (download links)
+    usage_flush_s: float = 10.0  # how often per-key token counts are written to the database
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object per line, for log collectors)
     metrics_auth: bool = False  # require an API key on /metrics
@@ -85,7 +86,7 @@ class ServerConfig:
                      "max_sampler_snapshots", "max_sampler_snapshots_per_key", "custom_loss_max_nodes",
                      "custom_loss_max_elements", "custom_loss_max_per_session")
     _NOT_NEGATIVE = ("request_retention_s", "seq_gap_wait_s", "sampler_snapshot_idle_s", "checkpoint_quota_bytes")
-    _POSITIVE = ("session_timeout_s", "long_poll_seconds", "custom_loss_timeout_s")
+    _POSITIVE = ("session_timeout_s", "long_poll_seconds", "custom_loss_timeout_s", "usage_flush_s")
 
     def validate(self) -> None:
         """Refuse values that cannot work, naming the option (a ValueError the CLI prints as one line)."""
@@ -150,7 +151,7 @@ _HELP = {
     "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
     "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
     "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",
-    "long_poll_seconds": "how long retrieve_future waits before answering try_again",
+    "long_poll_seconds": "how long retrieve_future and retrieve_futures wait before answering with nothing new",
     "seq_gap_wait_s": "how long a run's request waits for a missing earlier seq_id before it runs anyway",
     "checkpoint_quota_bytes": "checkpoint storage allowed per API key, counting every save and copy (default: unlimited)",
     "max_runs_per_key": "training runs one API key may hold at once (with --api-keys-file)",
@@ -167,6 +168,8 @@ _HELP = {
     "custom_loss_timeout_s": "wall-clock limit for all runs of a custom loss for one request together",
     "custom_loss_max_per_session": "custom losses one session may create",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
+    "usage_flush_s": "how often per-key token counts (billing usage) are written to the database; a crash "
+                     "loses at most this many seconds of counts",
     "log_level": "debug, info, warning or error",
     "log_format": "text (for people) or json (one object per line, for log collectors)",
     "metrics_auth": "require an API key (X-API-Key, or Authorization: Bearer) on /metrics (default: open to "

@@ -23,10 +23,12 @@ from tinsmith.checkpoints.age_encryption import parse_recipients
 from tinsmith.checkpoints.export import hf_model_bytes, save_hf_model
 from tinsmith.checkpoints.peft_format import adapter_bytes, save_peft_adapter
 from tinsmith.checkpoints.state_format import load_training_state, save_training_state, training_state_bytes
+from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.sampler import SampleTask
 from tinsmith.server.limits import KeyLimits
 from tinsmith.server.throughput import Throughput
 from tinsmith.store.records import MetricPoint
+from tinsmith.server.usage import UsageMeter, session_of
 from tinsmith.types import ForwardBackwardResult, SampleInput, SampleResult
 from tinsmith.worker.runtime import FbPass
 from tinsmith.worker.service import Worker
@@ -138,12 +140,15 @@ class WorkerOperations:
     """The engine's ``Operations``: one method per job kind."""
 
     def __init__(self, worker: Worker, store=None, limits: KeyLimits | None = None,
-                 throughput: Throughput | None = None):
+                 throughput: Throughput | None = None, usage: UsageMeter | None = None):
         self.worker = worker
         self.store = store
         self.limits = limits or KeyLimits()
         self.throughput = throughput or Throughput()
+        self.usage = usage
         self._sample_inbox: deque[Job] = deque()
+        # Sampling requests their clients cancelled: posted from the event loop, honoured here.
+        self.cancellations = CancelBoard(key_id=lambda job: job.request_id)
         self.stability = StabilityLog()
         self._touched: dict[str, float] = {}
 
@@ -191,6 +196,7 @@ class WorkerOperations:
                     outs[i] = Outcome.failure(res)
                     continue
                 outs[i] = encode_fb(res, job.wire)
+                self._count_training(job)
                 if job.kind == "forward_backward" and steps is not None:
                     outs[i] = replace(outs[i], metric_point=MetricPoint(job.model_id, job.owner, steps, job.kind,
                                                                         dict(res.metrics)))
@@ -203,6 +209,28 @@ class WorkerOperations:
             return self.worker.steps(model_id)
         except TinsmithError:
             return None
+
+    def _count_training(self, job: Job) -> None:
+        """Charge a completed forward/forward_backward request's input tokens to its key."""
+        if self.usage is None or job.internal:
+            return
+        try:
+            base = self.worker.placement(job.model_id).base.name
+        except Exception:  # the run is gone already (unloaded): still count, without its model
+            base = ""
+        self.usage.record(job.owner, "training", sum(len(d.tokens) for d in job.args.data), base_model=base,
+                          session_id=session_of(job.model_id))
+
+    def _count_sampling(self, job: Job, res: SampleResult) -> None:
+        """Charge a completed sample's prompt (computed or cached) and generated tokens to its key."""
+        if self.usage is None:
+            return
+        a: SampleArgs = job.args
+        cached = int(res.prompt_cache_hit_tokens)
+        where = dict(base_model=a.base_model, session_id=session_of(job.topic))
+        self.usage.record(job.owner, "sampling_prefill", len(a.input.prompt) - cached, **where)
+        self.usage.record(job.owner, "sampling_prefill_cached", cached, **where)
+        self.usage.record(job.owner, "sampling_sample", sum(len(s.tokens) for s in res.sequences), **where)
 
     def train_chunk_tokens(self, keys: int) -> int:
         return self.worker.chunk_tokens(keys)
@@ -376,6 +404,15 @@ class WorkerOperations:
     def sample_submit(self, job: Job) -> None:
         self._sample_inbox.append(job)
 
+    def sample_cancel(self, request_id: str) -> None:
+        """Drop a queued or running sample job (called on the event loop): it leaves the sampler
+        before its next decode step and finishes with a cancellation error."""
+        self.cancellations.post(request_id)
+
+    def sample_forget(self, request_id: str) -> None:
+        """The sample job finished: a cancellation posted for it has nothing left to stop."""
+        self.cancellations.forget(request_id)
+
     def sample_has_work(self) -> bool:
         return bool(self._sample_inbox) or any(s.has_work() for s in self.worker.samplers.values())
 
@@ -427,8 +464,12 @@ class WorkerOperations:
         while self._sample_inbox:
             job = self._sample_inbox.popleft()
             job.started_at = time.monotonic()
+            if self.cancellations.wants(job):
+                out.append((job, Outcome.failure(SampleCancelled("the request was cancelled by its client"))))
+                continue
             try:
                 sampler, slot = self._resolve_sampler(job)
+                sampler.cancellations = self.cancellations
                 sampler.add(SampleTask(job, slot, job.args.input))
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
@@ -443,6 +484,7 @@ class WorkerOperations:
                     out.append((job, Outcome.failure(res)))
                     continue
                 self.throughput.sampled.add(sum(len(seq.tokens) for seq in res.sequences))
+                self._count_sampling(job, res)
                 if job.args.input.record_stability_info:
                     for sid, seq in zip(job.args.sequence_ids, res.sequences):
                         self.stability.put(sid, seq.tokens, seq.logprobs)

@@ -28,6 +28,7 @@ from tinsmith.server.exclusive import DatabaseLease, DataDirLock
 from tinsmith.server.operations import WorkerOperations
 from tinsmith.server.private import make_private
 from tinsmith.server.throughput import Throughput
+from tinsmith.server.usage import UsageMeter
 from tinsmith.store import LeaseRecord, Store
 from tinsmith.worker.service import RuntimeOptions, Worker
 
@@ -52,6 +53,7 @@ class ServerState:
     throughput: Throughput = field(default_factory=Throughput)
     started_at: float = field(default_factory=time.time)
     custom_losses: CustomLossCache = field(default_factory=CustomLossCache)
+    usage: UsageMeter | None = None  # per-key token counts, written to the store in batches
     _tasks: list = field(default_factory=list)
     _lock: DataDirLock | None = None
     _lease: DatabaseLease | None = None
@@ -90,10 +92,10 @@ class ServerState:
                                    else config.max_num_samples),
             )
         )
-        throughput = Throughput()
-        engine = Engine(WorkerOperations(worker, store, limits, throughput), store,
+        throughput, usage = Throughput(), UsageMeter(store)
+        engine = Engine(WorkerOperations(worker, store, limits, throughput, usage), store,
                         seq_gap_wait_s=config.seq_gap_wait_s)
-        return cls(config, store, worker, engine, auth, limits=limits, throughput=throughput)
+        return cls(config, store, worker, engine, auth, limits=limits, throughput=throughput, usage=usage)
 
     def claim(self) -> None:
         """Become the one server of this data dir and database, or raise ``AlreadyServing``.
@@ -242,6 +244,19 @@ class ServerState:
                 log.exception("sweep failed")
             await asyncio.sleep(max(SESSION_SWEEP_SLACK_S, min(wait, next_sweep - loop.time())))
 
+    async def flush_usage(self) -> None:
+        """Write the token counts gathered since the last flush (one transaction)."""
+        if self.usage is not None:
+            await asyncio.to_thread(self.usage.flush)
+
+    async def _flush_usage_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.usage_flush_s)
+            try:
+                await self.flush_usage()
+            except Exception:
+                log.exception("writing usage counts failed; they are kept for the next flush")
+
     async def _watch_keys_file(self) -> None:
         """Pick up edits of the API keys file within ``KEYS_POLL_S`` (SIGHUP reloads at once)."""
         while True:
@@ -268,6 +283,7 @@ class ServerState:
         log_startup_summary(self)
         await self.engine.start()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="tinsmith-sweeper"))
+        self._tasks.append(asyncio.create_task(self._flush_usage_loop(), name="tinsmith-usage-flush"))
         if self.auth.multi_tenant:
             self._tasks.append(asyncio.create_task(self._watch_keys_file(), name="tinsmith-keys-watch"))
 
@@ -279,6 +295,10 @@ class ServerState:
         except (ValueError, RuntimeError, NotImplementedError):
             pass
         await self.engine.stop()
+        try:
+            await self.flush_usage()  # the last counts, after the engine has finished its work
+        except Exception:
+            log.exception("writing the last usage counts failed")
         self.release()
         self.store.close()
 

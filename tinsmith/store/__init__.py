@@ -10,6 +10,7 @@ from tinsmith.store.ids import model_id_for, new_request_id, new_session_id, sam
 from tinsmith.store.records import (
     CheckpointRecord,
     CustomLossRecord,
+    CompletionRecord,
     LeaseRecord,
     MetricPoint,
     ModelRecord,
@@ -18,12 +19,15 @@ from tinsmith.store.records import (
     RunMetricRecord,
     SamplingSessionRecord,
     SessionRecord,
+    TraceEntry,
+    UsageRecord,
 )
 from tinsmith.store.store import Store
 
 __all__ = [
     "CheckpointRecord",
     "CustomLossRecord",
+    "CompletionRecord",
     "LeaseRecord",
     "MetricPoint",
     "ModelRecord",
@@ -33,6 +37,8 @@ __all__ = [
     "SamplingSessionRecord",
     "SessionRecord",
     "Store",
+    "TraceEntry",
+    "UsageRecord",
     "model_id_for",
     "new_request_id",
     "new_session_id",

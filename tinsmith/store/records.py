@@ -83,6 +83,7 @@ class RequestRecord:
     started_at: datetime | None
     completed_at: datetime | None
     purged_at: datetime | None  # payload and result dropped after the retention time
+    completion_seq: int | None = None  # place in its sampler's completion order (samples only)
 
     @property
     def is_finished(self) -> bool:
@@ -174,3 +175,43 @@ class LeaseRecord:
     data_dir: str
     acquired_at: datetime
     heartbeat_at: datetime
+
+
+@dataclass(frozen=True)
+class CompletionRecord:
+    """A finished sampling request as ``retrieve_futures`` reports it."""
+
+    request_id: str
+    status: str  # completed | failed
+    result_size: int | None  # bytes of the stored result; None when failed or purged
+    completion_seq: int
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """Tokens of one kind one API key used in one UTC hour (``bucket_start``), per base model and session."""
+
+    owner: str
+    bucket_start: datetime
+    kind: str
+    base_model: str
+    session_id: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One request of a session, without its payload or result: what a trace export shows."""
+
+    request_id: str
+    kind: str
+    status: str
+    model_id: str | None
+    sampling_session_id: str | None
+    seq_id: int | None
+    created_at: datetime
+    started_at: datetime | None
+    completed_at: datetime | None
+    error_category: str | None
+    payload_bytes: int
+    result_bytes: int | None

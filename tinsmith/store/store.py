@@ -25,12 +25,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from tinsmith.errors import ConflictError
+from tinsmith.errors import ConflictError, InvalidInputError
 from tinsmith.store import connect
 from tinsmith.store.ids import new_request_id, new_session_id
 from tinsmith.store.records import (
     CheckpointRecord,
     CustomLossRecord,
+    CompletionRecord,
     LeaseRecord,
     MetricPoint,
     ModelRecord,
@@ -39,6 +40,8 @@ from tinsmith.store.records import (
     RunMetricRecord,
     SamplingSessionRecord,
     SessionRecord,
+    TraceEntry,
+    UsageRecord,
 )
 from tinsmith.store.tables import (
     CHECKPOINT_KINDS,
@@ -53,6 +56,7 @@ from tinsmith.store.tables import (
     SamplingSessionTable,
     ServerLeaseTable,
     SessionTable,
+    UsageTable,
 )
 
 R = TypeVar("R")
@@ -61,6 +65,8 @@ ERROR_CATEGORIES = ("user", "server", "unknown")
 _UNFINISHED = ("pending", "running")
 _FINISHED = ("completed", "failed")
 SERVER_LEASE = "server"
+CLONE_BLOCK = 1_000_000_000  # a cloned SamplingClient's seq_ids lie in [clone * CLONE_BLOCK, (clone + 1) * CLONE_BLOCK)
+USAGE_KINDS = ("training", "sampling_prefill", "sampling_prefill_cached", "sampling_sample")
 
 
 def utcnow() -> datetime:
@@ -478,19 +484,10 @@ class Store:
         no second point, and the run's history costs no extra round trip.
         """
         now = self._clock()
-        stmt = (
-            update(RequestTable)
-            .where(RequestTable.request_id == request_id, RequestTable.status.in_(_UNFINISHED))
-            .values(status="completed", result=bytes(result), result_content_type=content_type, completed_at=now)
+        return self._finish_request(
+            request_id, dict(status="completed", result=bytes(result), result_content_type=content_type, completed_at=now),
+            metric_point=metric_point,
         )
-        with self._tx() as s:
-            done = s.execute(stmt.execution_options(synchronize_session=False)).rowcount > 0  # type: ignore[attr-defined]
-            if done and metric_point is not None:
-                p = metric_point
-                finite = {k: (float(v) if math.isfinite(v) else None) for k, v in p.metrics.items()}
-                s.add(RunMetricTable(model_id=p.model_id, owner=p.owner, step=p.step, kind=p.kind,
-                                     metrics=finite, recorded_at=now))
-        return done
 
     def fail_request(self, request_id: str, error: str, category: str = "server") -> bool:
         """Store a failure (``category`` user / server / unknown, as the SDK reports it).
@@ -498,14 +495,133 @@ class Store:
         The first outcome wins: False if already completed or failed.
         """
         _check(category, ERROR_CATEGORIES, "error category")
+        return self._finish_request(
+            request_id, dict(status="failed", error=error, error_category=category, completed_at=self._clock())
+        )
+
+    def _finish_request(self, request_id: str, values: dict[str, Any], metric_point: MetricPoint | None = None) -> bool:
+        """Store an outcome if the request is unfinished; a sampling request also takes the next
+        number of its sampler's completion order, and a training request's ``metric_point`` is
+        added to its run's history, in the same transaction.
+
+        The counter row stays locked until the commit, so a sampler's completions commit in
+        the order of their numbers: once a reader sees the counter at N, every completion up
+        to N is visible to it (what makes ``sampling_completions`` cursors safe).
+        """
+        with self._tx() as s:
+            finished = s.execute(
+                update(RequestTable)
+                .where(RequestTable.request_id == request_id, RequestTable.status.in_(_UNFINISHED))
+                .values(**values)
+                .returning(RequestTable.sampling_session_id)
+            ).first()
+            if finished is None:
+                return False
+            if metric_point is not None:
+                p = metric_point
+                finite = {k: (float(v) if math.isfinite(v) else None) for k, v in p.metrics.items()}
+                s.add(RunMetricTable(model_id=p.model_id, owner=p.owner, step=p.step, kind=p.kind,
+                                     metrics=finite, recorded_at=values.get("completed_at", self._clock())))
+            if finished.sampling_session_id is not None:
+                seq = s.execute(
+                    update(SamplingSessionTable)
+                    .where(SamplingSessionTable.sampling_session_id == finished.sampling_session_id)
+                    .values(completions=SamplingSessionTable.completions + 1)
+                    .returning(SamplingSessionTable.completions)
+                ).scalar_one_or_none()
+                if seq is not None:
+                    s.execute(
+                        update(RequestTable).where(RequestTable.request_id == request_id).values(completion_seq=seq)
+                    )
+            return True
+
+    def sampling_completions(
+        self, sampling_session_id: str, clone_id: int, after: int, *, limit: int = 1000
+    ) -> tuple[list[CompletionRecord], int]:
+        """Requests of one sampler clone that finished after cursor ``after``, in completion
+        order (at most ``limit``), and the cursor that follows them.
+
+        The cursor is a completion number of the sampler (shared by its clones): the counter
+        is read first, then only completions up to it are listed, so nothing numbered at or
+        below the returned cursor can still turn up later.
+        """
+        lo, hi = clone_id * CLONE_BLOCK, (clone_id + 1) * CLONE_BLOCK
+        with self._tx() as s:
+            counter = s.scalar(
+                select(SamplingSessionTable.completions).where(
+                    SamplingSessionTable.sampling_session_id == sampling_session_id
+                )
+            )
+            if counter is not None and after > counter:
+                raise InvalidInputError(
+                    f"prev_cursor {after} is ahead of sampler {sampling_session_id!r}, whose last completion is "
+                    f"{counter}; pass 0 or a cursor this server returned"
+                )
+            if counter is None or counter == after:
+                return [], after
+            rows = s.execute(
+                select(
+                    RequestTable.request_id,
+                    RequestTable.status,
+                    func.length(RequestTable.result),
+                    RequestTable.completion_seq,
+                )
+                .where(
+                    RequestTable.sampling_session_id == sampling_session_id,
+                    RequestTable.completion_seq > after,
+                    RequestTable.completion_seq <= counter,
+                    RequestTable.seq_id >= lo,
+                    RequestTable.seq_id < hi,
+                )
+                .order_by(RequestTable.completion_seq)
+                .limit(limit)
+            ).all()
+        found = [CompletionRecord(r[0], r[1], None if r[2] is None else int(r[2]), int(r[3])) for r in rows]
+        cursor = found[-1].completion_seq if len(found) == limit else int(counter)
+        return found, cursor
+
+    def purge_retrieved(self, owner: str, sampling_session_id: str, request_ids: Sequence[str]) -> int:
+        """Drop the payload and result of finished requests whose result the client has fetched.
+
+        Only the owner's finished requests of that sampler are touched; other ids are ignored.
+        """
+        if not request_ids:
+            return 0
         stmt = (
             update(RequestTable)
-            .where(RequestTable.request_id == request_id, RequestTable.status.in_(_UNFINISHED))
-            .values(
-                status="failed", error=error, error_category=category, completed_at=self._clock()
+            .where(
+                RequestTable.request_id.in_(list(request_ids)),
+                RequestTable.owner == owner,
+                RequestTable.sampling_session_id == sampling_session_id,
+                RequestTable.status.in_(_FINISHED),
+                RequestTable.purged_at.is_(None),
             )
+            .values(payload=b"", result=None, purged_at=self._clock())
         )
-        return self._update(stmt) > 0
+        return self._update(stmt)
+
+    def session_trace(self, session_id: str) -> list[TraceEntry]:
+        """Every request of a session's training runs and samplers, oldest first, without payloads."""
+        runs = select(ModelTable.model_id).where(ModelTable.session_id == session_id)
+        samplers = select(SamplingSessionTable.sampling_session_id).where(
+            SamplingSessionTable.session_id == session_id
+        )
+        query = (
+            select(
+                RequestTable.request_id, RequestTable.kind, RequestTable.status, RequestTable.model_id,
+                RequestTable.sampling_session_id, RequestTable.seq_id, RequestTable.created_at,
+                RequestTable.started_at, RequestTable.completed_at, RequestTable.error_category,
+                func.length(RequestTable.payload), func.length(RequestTable.result),
+            )
+            .where(RequestTable.model_id.in_(runs) | RequestTable.sampling_session_id.in_(samplers))
+            .order_by(RequestTable.created_at, RequestTable.request_id)
+        )
+        with self._tx() as s:
+            rows = s.execute(query).all()
+        return [
+            TraceEntry(*r[:10], payload_bytes=int(r[10] or 0), result_bytes=None if r[11] is None else int(r[11]))
+            for r in rows
+        ]
 
     def list_unfinished_requests(self) -> list[RequestRecord]:
         """Pending and running requests, oldest first: what to re-run after a restart."""
@@ -633,6 +749,7 @@ class Store:
             created_at=self._clock(),
             next_client_counter=0,
             next_sequence_number=0,
+            completions=0,
         )
         try:
             with self._tx() as s:
@@ -803,6 +920,55 @@ class Store:
         query = select(CheckpointTable.owner, func.sum(CheckpointTable.size_bytes)).group_by(CheckpointTable.owner)
         with self._tx() as s:
             return {owner: int(size or 0) for owner, size in s.execute(query)}
+
+    def owner_storage_summary(self, owner: str, project_id: str | None = None) -> tuple[int, int]:
+        """``(checkpoint count, bytes)`` of an owner's checkpoints, counted as the quota counts them.
+
+        With ``project_id``: only checkpoints of runs whose session belongs to that project.
+        """
+        query = select(func.count(), func.coalesce(func.sum(CheckpointTable.size_bytes), 0)).where(
+            CheckpointTable.owner == owner
+        )
+        if project_id is not None:
+            runs = (
+                select(ModelTable.model_id)
+                .join(SessionTable, SessionTable.session_id == ModelTable.session_id)
+                .where(SessionTable.project_id == project_id)
+            )
+            query = query.where(CheckpointTable.run_id.in_(runs))
+        with self._tx() as s:
+            count, size = s.execute(query).one()
+        return int(count), int(size or 0)
+
+    # ------------------------------------------------------------------ usage
+
+    def add_usage(self, rows: Sequence[UsageRecord]) -> None:
+        """Add token counts to their buckets (created on first use), all in one transaction."""
+        if not rows:
+            return
+        insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+        with self._tx() as s:
+            for r in rows:
+                _check(r.kind, USAGE_KINDS, "usage kind")
+                stmt = insert(UsageTable).values(
+                    owner=r.owner, bucket_start=_aware(r.bucket_start), kind=r.kind, base_model=r.base_model,
+                    session_id=r.session_id, tokens=r.tokens,
+                )
+                stmt = stmt.on_conflict_do_update(
+                    index_elements=["owner", "bucket_start", "kind", "base_model", "session_id"],
+                    set_={"tokens": UsageTable.tokens + stmt.excluded.tokens},
+                )
+                s.execute(stmt)
+
+    def usage_between(self, owner: str, start: datetime, end: datetime) -> list[UsageRecord]:
+        """An owner's usage buckets with ``start <= bucket_start < end``, by bucket then most tokens."""
+        query = (
+            select(UsageTable)
+            .where(UsageTable.owner == owner, UsageTable.bucket_start >= _aware(start),
+                   UsageTable.bucket_start < _aware(end))
+            .order_by(UsageTable.bucket_start, UsageTable.tokens.desc(), UsageTable.kind)
+        )
+        return self._list(UsageRecord, query)
 
     def delete_checkpoint(self, run_id: str, kind: str, name: str) -> bool:
         """Forget the row (the caller removes the files). False if it did not exist."""

@@ -169,6 +169,8 @@ class RequestTable(Base):
     completed_at: Mapped[datetime | None]
     # Set when the payload and result were dropped after the retention time; the rest stays.
     purged_at: Mapped[datetime | None]
+    # A sampling request's place in its sampler's completion order (retrieve_futures cursors).
+    completion_seq: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         UniqueConstraint("model_id", "seq_id"),
@@ -178,6 +180,7 @@ class RequestTable(Base):
         Index(None, "completed_at"),
         # The retention sweep: finished requests not purged yet, oldest first.
         Index(None, "purged_at", "completed_at"),
+        Index(None, "sampling_session_id", "completion_seq"),
     )
 
 
@@ -199,6 +202,8 @@ class SamplingSessionTable(Base):
     # original client) and sampled-sequence numbers.
     next_client_counter: Mapped[int] = mapped_column(Integer)
     next_sequence_number: Mapped[int] = mapped_column(BigInteger)
+    # How many of its requests have finished: the last completion_seq handed out.
+    completions: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class CustomLossTable(Base):
@@ -264,6 +269,24 @@ class RunMetricTable(Base):
     recorded_at: Mapped[datetime]
 
     __table_args__ = (Index(None, "model_id", "id"),)
+
+
+class UsageTable(Base):
+    """Tokens one API key used in one UTC hour, by kind, base model and session.
+
+    ``kind``: ``training`` (forward and forward_backward input tokens), ``sampling_prefill``
+    (prompt tokens), ``sampling_sample`` (generated tokens). Rows are added to in batches
+    (``Store.add_usage``); ``base_model`` and ``session_id`` are ``""`` where unknown.
+    """
+
+    __tablename__ = "usage"
+
+    owner: Mapped[str] = mapped_column(String, primary_key=True)
+    bucket_start: Mapped[datetime] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String, primary_key=True)
+    base_model: Mapped[str] = mapped_column(String, primary_key=True)
+    session_id: Mapped[str] = mapped_column(String, primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger)
 
 
 class ServerLeaseTable(Base):

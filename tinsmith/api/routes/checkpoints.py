@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 from datetime import datetime, timedelta, timezone
@@ -16,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import (caller_of, check_base_model_matches, owned_model, owned_session, readable_checkpoint,
                                  state_of, submit)
+from tinsmith.api import signed_links
 from tinsmith.api.request import ApiRoute
 from tinsmith.api.schemas import Body, Int64Query, ModelSeqId
 from tinsmith.checkpoints.age_encryption import parse_recipients
@@ -326,8 +326,9 @@ async def copy_weights(body: CopyWeightsRequest, request: Request, caller: Calle
 def _sign(secret: bytes, run_id: str, name: str, expires: int, kind: str = "external_weights") -> str:
     # External-weights links keep their original form (links handed out before stay valid);
     # links to other kinds name the kind too, so one link never opens another kind's files.
-    msg = f"{run_id}\n{name}\n{expires}" if kind == "external_weights" else f"{run_id}\n{kind}\n{name}\n{expires}"
-    return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
+    if kind == "external_weights":
+        return signed_links.sign(secret, run_id, name, expires)
+    return signed_links.sign(secret, run_id, kind, name, expires)
 
 
 def signed_file_urls(state, request: Request, ck) -> tuple[dict[str, str], int]:

@@ -1,6 +1,9 @@
-"""``retrieve_future``: a long-poll that wakes the moment the engine stores the result."""
+"""Futures: ``retrieve_future`` (one request), ``retrieve_futures`` (a sampler's completions) and
+``cancel_future``. Long-polls wake the moment the engine stores a result."""
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -9,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, state_of
 from tinsmith.api.request import ApiRoute
-from tinsmith.api.schemas import RetrieveFutureRequest
-from tinsmith.errors import ExpiredError, NotFoundError
+from tinsmith.api.schemas import CancelFutureRequest, RetrieveFutureRequest, RetrieveFuturesRequest
+from tinsmith.errors import ExpiredError, InvalidInputError, NotFoundError
 
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
@@ -48,3 +51,66 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, caller:
         return _answer(None, None, rec.error, rec.error_category)
     return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active",
                          "queue_state_reason": f"{engine.queue_depth()} request(s) queued"})
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures(body: RetrieveFuturesRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    """The requests of one sampling client that finished after ``prev_cursor``, in the order they
+    finished, and the cursor to pass next.
+
+    Cursors are numbers of the sampler's durable completion order, so they stay valid across a
+    restart. With nothing new the call waits (``timeout``, at most ``--long-poll-seconds``) and
+    answers as soon as one of the sampler's requests finishes. ``retrieved_request_ids``: results
+    the client has fetched; their payloads are dropped at once rather than at the retention sweep.
+    """
+    state = state_of(request)
+    sid, clone = body.target.sampling_session_id, body.target.cloned_sampler_id
+    s = await run_in_threadpool(state.store.get_sampling_session, sid)
+    if s is None or s.owner != caller.owner:
+        raise NotFoundError(f"target.sampling_session_id {sid!r} not found")
+    if body.retrieved_request_ids:
+        await run_in_threadpool(state.store.purge_retrieved, caller.owner, sid, body.retrieved_request_ids)
+    wait_s = state.config.long_poll_seconds if body.timeout is None else min(body.timeout, state.config.long_poll_seconds)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        finished = state.engine.listen(sid)  # before reading, so a completion in between still wakes us
+        try:
+            found, cursor = await run_in_threadpool(state.store.sampling_completions, sid, clone, body.prev_cursor)
+            left = deadline - loop.time()
+            if found or left <= 0:
+                break
+            try:
+                await asyncio.wait_for(finished.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        finally:
+            state.engine.unlisten(sid, finished)
+    completions = [
+        {"state": "finished", "request_id": c.request_id, "response_payload_uncompressed_size": c.result_size}
+        if c.status == "completed" else {"state": "failed", "request_id": c.request_id}
+        for c in found
+    ]
+    return {"completions": completions, "cursor": cursor}
+
+
+@router.post("/cancel_future")
+async def cancel_future(body: CancelFutureRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    """Stop a sampling request whose client gave up on it.
+
+    A queued request never runs; a running one leaves the batch before the sampler's next decode
+    step and frees its cache rows. The future then fails with a cancellation error (category
+    ``user``). Cancelling a finished request changes nothing (the answer says so); only sampling
+    requests can be cancelled.
+    """
+    state = state_of(request)
+    rid = body.request_id
+    rec = await run_in_threadpool(state.store.get_request, rid)
+    if rec is None or rec.owner != caller.owner:
+        raise NotFoundError(f"request_id {rid!r} not found")
+    if rec.kind != "sample":
+        raise InvalidInputError(f"request_id {rid!r} is a {rec.kind} request; only sampling requests can be cancelled")
+    if rec.is_finished:
+        return {"request_id": rid, "cancelled": False, "status": rec.status}
+    cancelled = state.engine.cancel(rid, known_sample=True)
+    return {"request_id": rid, "cancelled": cancelled, "status": rec.status}

@@ -10,11 +10,12 @@ from tinsmith.api.request import ApiRoute
 
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
-# Feature flags the SDK reads from client/config. Everything optional stays off.
+# Feature flags the SDK reads from client/config.
 # custom_loss_server_side is set per server (--custom-loss-client-side turns it off).
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
-    "sample_use_retrieve_futures": False,
+    # One batched long-poll per sampling client (/retrieve_futures) instead of one per sample.
+    "sample_use_retrieve_futures": True,
     "sample_join_sampling_session": False,
     "proto_compress_fwdbwd": False,
     "parallel_fwdbwd_chunks": True,
@@ -31,7 +32,8 @@ async def client_config(request: Request, _=Depends(caller_of)) -> dict:
 
 @router.post("/client/dynamic_config")
 async def dynamic_config(_=Depends(caller_of)) -> dict:
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+    # Abandoned samples are cancelled explicitly (/cancel_future), freeing the device at once.
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
 
 
 @router.get("/healthz")

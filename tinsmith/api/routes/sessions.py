@@ -1,15 +1,21 @@
-"""Sessions: create, heartbeat, finish, list."""
+"""Sessions: create, heartbeat, finish, list, trace export."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from datetime import UTC, datetime
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+
+from tinsmith.api import signed_links
 
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_session, state_of
 from tinsmith.api.request import ApiRoute
 from tinsmith.api.schemas import CreateSessionRequest, FinishSessionRequest, Int64Query, SessionHeartbeatRequest
+from tinsmith.api.trace import session_trace_json
 
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
@@ -64,3 +70,35 @@ async def get_session(session_id: str, request: Request, caller: Caller = Depend
         "user_metadata": {k: str(v) for k, v in (s.user_metadata or {}).items()},
         "display_name": s.display_name,
     }
+
+
+TRACE_LINK = "session-trace"  # the kind of signed link (so a link to another kind of file never opens a trace)
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def trace_export(session_id: str, request: Request, caller: Caller = Depends(caller_of)) -> dict:
+    """A signed link to the session's request trace (``tinker session export-trace``).
+
+    The trace is built when the link is opened, so it is always ready at once and always current.
+    """
+    state = state_of(request)
+    await owned_session(state, caller, session_id)
+    expires = signed_links.new_expiry()
+    sig = signed_links.sign(state.secret, TRACE_LINK, session_id, expires)
+    base = (state.config.public_url or str(request.base_url)).rstrip("/")
+    return {"status": "ready", "url": f"{base}/api/v1/trace_downloads/{quote(session_id, safe='')}/{expires}/{sig}"}
+
+
+@router.get("/trace_downloads/{session_id}/{expires}/{sig}")
+async def trace_download(session_id: str, expires: int, sig: str, request: Request) -> Response:
+    """Signed, expiring, unauthenticated trace download (what trace_export hands out)."""
+    state = state_of(request)
+    if not signed_links.valid(state.secret, sig, expires, TRACE_LINK, session_id):
+        return JSONResponse({"detail": "download link is invalid or expired"}, status_code=403)
+    session = await run_in_threadpool(state.store.get_session, session_id)
+    if session is None:
+        return JSONResponse({"detail": f"session {session_id!r} not found"}, status_code=404)
+    entries = await run_in_threadpool(state.store.session_trace, session_id)
+    body = session_trace_json(session, entries, datetime.now(UTC))
+    return Response(body, media_type="application/json",
+                    headers={"Content-Disposition": f'attachment; filename="{quote(session_id, safe="")}.pftrace"'})
