@@ -108,8 +108,8 @@ def test_storage_summary_and_session_trace(store: Store) -> None:
         (fb.request_id, "completed", 3, 6), (sample, "pending", 2, None)]
 
 
-def test_0004_upgrades_existing_samplers_and_round_trips(db_url: str) -> None:
-    """A 0003 database keeps its samplers and requests; their completions start at 1."""
+def test_0006_upgrades_existing_samplers_and_round_trips(db_url: str) -> None:
+    """A 0005 database keeps its samplers and requests; their completions start at 1."""
     from alembic import command
     from sqlalchemy import inspect, text
 
@@ -117,7 +117,7 @@ def test_0004_upgrades_existing_samplers_and_round_trips(db_url: str) -> None:
 
     store = Store(db_url)
     try:
-        run_migrations(store.engine, "0003")
+        run_migrations(store.engine, "0005")
         with store.engine.begin() as conn:
             conn.execute(text(
                 "INSERT INTO sampling_sessions (sampling_session_id, owner, base_model, created_at, "
@@ -130,7 +130,7 @@ def test_0004_upgrades_existing_samplers_and_round_trips(db_url: str) -> None:
         config = alembic_config()
         with store.engine.begin() as conn:  # downgrade: the columns and table go, the sampler stays
             config.attributes["connection"] = conn
-            command.downgrade(config, "0003")
+            command.downgrade(config, "0005")
         assert "usage" not in inspect(store.engine).get_table_names()
         assert "completion_seq" not in {c["name"] for c in inspect(store.engine).get_columns("requests")}
         store.migrate()
