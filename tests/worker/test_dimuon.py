@@ -109,6 +109,7 @@ def test_dimuon_params_and_config_validation():
     assert normalize_optimizer_config(None) == {"type": "adamw"}
     assert normalize_optimizer_config({"type": "adam"}) == {"type": "adamw"}
     assert normalize_optimizer_config({"type": "dimuon"}) == {"type": "dimuon", "version": 1}
+    assert normalize_optimizer_config({"type": "AdamW"}) == {"type": "adamw"}
     with pytest.raises(InvalidInputError, match=r"optimizer_config.type 'sgd'.*adamw, dimuon"):
         normalize_optimizer_config({"type": "sgd"})
     with pytest.raises(InvalidInputError, match="optimizer_config.version"):
@@ -192,3 +193,33 @@ def test_dimuon_step_leaves_an_adamw_neighbour_bit_identical(rt):
         assert torch.equal(p.detach(), before[n][0]) and torch.equal(p.grad, before[n][1]), n
     after = rt.unit(a).optimizer.state_dict()["state"]
     assert all(torch.equal(after[i][k], opt_before[i][k]) for i in opt_before for k in opt_before[i])
+
+
+def test_full_finetune_with_dimuon(qwen3_dir):
+    """Matrices step by lr * sqrt(min(m, n)) in Frobenius norm (no LoRA rank, no correction),
+    vectors (norm weights) by lr in RMS; the loss falls."""
+    rt = TrainingRuntime(load_model(str(qwen3_dir)).model, full_finetune=True, full_optimizer="dimuon")
+    tr = rt.unit(0)
+    rng = np.random.default_rng(3)
+    data = [sft_datum(rng, 24, VOCAB)]
+    lr = 1e-3
+    first = _loss(_fb(rt, 0, data))
+    before = {n: p.detach().clone() for n, p in tr.named_params}
+    had_grad = {n for n, p in tr.named_params if p.grad is not None and bool(p.grad.any())}
+    rt.optim_step(0, DimuonParams(learning_rate=lr, rank_lr_correction_exponent=3.0))  # ignored: no LoRA rank
+    kinds = set()
+    for n, p in tr.named_params:
+        if n not in had_grad:
+            continue
+        delta = (p.detach() - before[n]).double()
+        if p.ndim == 2:
+            expected = lr * math.sqrt(min(p.shape))
+            assert float(torch.linalg.matrix_norm(delta)) == pytest.approx(expected, rel=1e-3), n
+        else:
+            assert float(delta.square().mean().sqrt()) == pytest.approx(lr, rel=1e-3), n
+        kinds.add(p.ndim)
+    assert kinds == {1, 2}
+    for _ in range(3):
+        _fb(rt, 0, data)
+        rt.optim_step(0, DimuonParams(learning_rate=lr))
+    assert _loss(_fb(rt, 0, data)) < first

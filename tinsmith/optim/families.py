@@ -27,7 +27,8 @@ def normalize_optimizer_config(config: Any, field: str = "optimizer_config") -> 
     if not isinstance(config, dict):
         raise InvalidInputError(f"{field} must be an object with a 'type' (supported: {', '.join(SUPPORTED_OPTIMIZERS)})")
     kind = config.get("type", ADAMW)
-    kind = _ALIASES.get(kind, kind) if isinstance(kind, str) else kind
+    if isinstance(kind, str):  # case-insensitive, as before optimizer choice existed
+        kind = _ALIASES.get(kind.lower(), kind.lower())
     if kind == ADAMW:
         return {"type": ADAMW}
     if kind == DIMUON:
