@@ -73,6 +73,20 @@ def test_rank_lr_correction_relative_to_32():
     assert rank_lr_factor(None, 0.5) == 1.0  # full fine-tune: no LoRA rank
 
 
+def test_default_rank_correction_makes_the_weight_change_rank_independent():
+    """docs/optimizers.md's reason for e = 0.5: with LoRA's alpha / rank scaling, a first step on
+    B changes W = W0 + (32 / r) B A by the same Frobenius norm at every rank."""
+    sizes = {}
+    for r in (4, 16, 64):
+        g = _gen(r)
+        a = (torch.rand(r, 256, generator=g) * 2 - 1) / 16  # kaiming-uniform A, in = 256
+        d = matrix_direction(torch.randn(256, r, generator=g), damping=1.0, norm=math.sqrt(r))
+        for e in (0.0, 0.5):
+            sizes[r, e] = float(torch.linalg.matrix_norm((32 / r) * rank_lr_factor(r, e) * d @ a))
+    assert sizes[4, 0.0] > 3 * sizes[64, 0.0]  # uncorrected: falls as 1 / sqrt(rank)
+    assert max(sizes[r, 0.5] for r in (4, 16, 64)) < 1.05 * min(sizes[r, 0.5] for r in (4, 16, 64))
+
+
 def test_step_follows_the_formula_with_momentum_and_rank_correction():
     rank, lr, beta1, damping, e = 4, 0.1, 0.8, 0.5, 0.5
     w = torch.randn(rank, 24, generator=_gen(3))
