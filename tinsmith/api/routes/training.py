@@ -14,8 +14,8 @@ from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import CreateModelRequest, ModelIdRequest, OptimStepRequest, UnloadModelRequest
 from tinsmith.errors import CapacityError, InvalidInputError
-from tinsmith.store.ids import model_id_for
 from tinsmith.optim import check_params_match, normalize_optimizer_config, optimizer_type
+from tinsmith.store.ids import model_id_for
 from tinsmith.types import LoraSpec
 
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
@@ -51,8 +51,7 @@ async def create_model(body: CreateModelRequest, request: Request, caller: Calle
     )
     raw = body.model_dump_json().encode()
     return await submit(state, caller, "create_model", (body.base_model, lora, opt["type"]), payload=raw,
-                        payload_type="json",
-                        model_id=model_id, seq_id=0)
+                        payload_type="json", model_id=model_id, seq_id=0)
 
 
 @router.post("/get_info")
