@@ -89,6 +89,39 @@ class AdamParams:
 
 
 @dataclass(frozen=True)
+class DimuonParams:
+    """One Dimuon step's hyperparameters (``optimizer_params`` with ``type: "dimuon"``); the
+    defaults of the two fields the SDK does not send yet are tinsmith's (docs/optimizers.md)."""
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0  # non-positive: no clipping
+    beta1: float = 0.9
+    damping: float = 1.0
+    rank_lr_correction_exponent: float = 0.5
+
+    def validate(self) -> None:
+        """Raise InvalidInputError naming the first out-of-range field."""
+        import math
+
+        from tinsmith.errors import InvalidInputError
+
+        checks = {
+            "learning_rate": self.learning_rate >= 0,
+            "grad_clip_norm": True,
+            "beta1": 0 <= self.beta1 < 1,
+            "damping": self.damping > 0,
+            "rank_lr_correction_exponent": True,
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if not ok or not math.isfinite(value):
+                raise InvalidInputError(f"optimizer_params.{name}={value!r} is out of range")
+
+
+OptimParams = AdamParams | DimuonParams
+
+
+@dataclass(frozen=True)
 class LoraSpec:
     """What the SDK's LoraConfig carries, plus alpha (not exposed by the SDK; default 32)."""
 

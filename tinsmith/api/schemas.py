@@ -9,6 +9,8 @@ from fastapi import Query
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from tinsmith.api.codecs._common import INT64_MAX, INT64_MIN
+from tinsmith.errors import InvalidInputError
+from tinsmith.types import AdamParams, DimuonParams, OptimParams
 
 
 # Stored in a 32-bit INTEGER column; the SDK counts its training clients from 0.
@@ -112,20 +114,49 @@ class ModelIdRequest(Body):
     model_id: str = Field(min_length=1)
 
 
-class AdamParamsBody(Body):
+_ADAM_ONLY = ("beta2", "eps", "weight_decay")
+_DIMUON_ONLY = ("damping", "rank_lr_correction_exponent")
+
+
+class OptimParamsBody(Body):
+    """``adam_params`` (AdamParams: no ``type``) or ``optimizer_params`` (``type: "dimuon"``).
+
+    Every field is optional here so the defaults can be the family's own; :meth:`to_params`
+    picks the family, checks no field of the other one was sent, and fills the defaults."""
+
     type: str | None = None
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    grad_clip_norm: float | None = None
+    damping: float | None = None
+    rank_lr_correction_exponent: float | None = None
+
+    def to_params(self) -> OptimParams:
+        from tinsmith.optim import ADAMW, DIMUON, SUPPORTED_OPTIMIZERS
+
+        kind = ADAMW if self.type in (None, "adam") else self.type
+        if kind not in SUPPORTED_OPTIMIZERS:
+            raise InvalidInputError(f"optimizer_params.type {self.type!r} is not supported "
+                                    f"(supported: {', '.join(SUPPORTED_OPTIMIZERS)})")
+        field_prefix, foreign = ("optimizer_params", _ADAM_ONLY) if kind == DIMUON else ("adam_params", _DIMUON_ONLY)
+        for name in foreign:
+            if getattr(self, name) is not None:
+                raise InvalidInputError(f"{field_prefix}.{name} does not apply to the {kind} optimizer")
+        sent = {k: v for k, v in self.model_dump(exclude={"type"}).items() if v is not None}
+        if kind == DIMUON:
+            if "learning_rate" not in sent:
+                raise InvalidInputError("optimizer_params.learning_rate is required for dimuon")
+            return DimuonParams(**sent)
+        return AdamParams(**sent)
 
 
 class OptimStepRequest(Body):
     model_id: str = Field(min_length=1)
     seq_id: int | None = Field(default=None, ge=0)
-    params: AdamParamsBody = Field(validation_alias=AliasChoices("adam_params", "optim_params", "optimizer_params"))
+    params: OptimParamsBody = Field(validation_alias=AliasChoices("adam_params", "optim_params", "optimizer_params"))
 
 
 class UnloadModelRequest(Body):

@@ -1,11 +1,12 @@
-"""Training-state checkpoints (``save_state``): weights plus AdamW state, enough to resume exactly.
+"""Training-state checkpoints (``save_state``): weights plus optimizer state, enough to resume exactly.
 
 Layout of ``tinker://RUN/weights/NAME`` on disk::
 
     meta.json               format version, base model, LoRA config (or full), optimizer steps,
-                            SHA-256 of every file
+                            optimizer config (absent in older checkpoints: AdamW), SHA-256 of every file
     weights.safetensors     trainable tensors under their PEFT-style names
-    optimizer.safetensors   per tensor: NAME.exp_avg, NAME.exp_avg_sq, NAME.step
+    optimizer.safetensors   per tensor: AdamW's NAME.exp_avg, NAME.exp_avg_sq, NAME.step;
+                            Dimuon's NAME.momentum
 
 For LoRA runs the weights are also written as a PEFT adapter (``adapter_config.json`` +
 ``adapter_model.safetensors``) so the same directory is usable outside tinsmith. The directory
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from tinsmith.checkpoints.peft_format import CONFIG, PEFT_PREFIX, WEIGHTS, _targets, atomic_dir, commit_dir, sha256_file
 from tinsmith.errors import InvalidInputError
+from tinsmith.optim import normalize_optimizer_config
+from tinsmith.optim import optimizer_type as family_of
 from tinsmith.types import LoraSpec
 
 FORMAT = "tinsmith-training-state/1"
@@ -38,6 +41,11 @@ class TrainingState:
     weights: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor] | None
     steps: int
+    optimizer_config: dict = field(default_factory=lambda: {"type": "adamw"})
+
+    @property
+    def optimizer_type(self) -> str:
+        return family_of(self.optimizer_config)
 
 
 def read_meta(directory: Path) -> dict:
@@ -53,6 +61,11 @@ def read_meta(directory: Path) -> dict:
     if meta.get("format") != FORMAT:
         raise InvalidInputError(f"{str(directory)!r} holds format {meta.get('format')!r}, expected {FORMAT}")
     return meta
+
+
+def optimizer_config_from_meta(meta: dict) -> dict:
+    """The optimizer the checkpointed run was created with (checkpoints before the choice: AdamW)."""
+    return normalize_optimizer_config(meta.get("optimizer"), field=f"{META} optimizer")
 
 
 def lora_from_meta(meta: dict) -> LoraSpec | None:
@@ -95,6 +108,7 @@ def save_training_state(directory: Path, state: TrainingState) -> int:
             "base_model": state.base_model,
             "lora": None if state.lora is None else state.lora.__dict__,
             "steps": state.steps,
+            "optimizer": state.optimizer_config,
             "sha256": {f: sha256_file(tmp / f) for f in files},
         }
         (tmp / META).write_text(json.dumps(meta, indent=2))
@@ -121,4 +135,5 @@ def load_training_state(directory: Path, with_optimizer: bool) -> TrainingState:
         if not (directory / "optimizer.safetensors").is_file():
             raise InvalidInputError(f"checkpoint {str(directory)!r} holds no optimizer state")
         optimizer = load_file(str(directory / "optimizer.safetensors"))
-    return TrainingState(meta["base_model"], lora_from_meta(meta), weights, optimizer, int(meta.get("steps", 0)))
+    return TrainingState(meta["base_model"], lora_from_meta(meta), weights, optimizer, int(meta.get("steps", 0)),
+                         optimizer_config_from_meta(meta))

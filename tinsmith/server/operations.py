@@ -105,6 +105,7 @@ class LoadArgs:
     base_model: str
     with_optimizer: bool
     create: bool
+    optimizer_type: str = "adamw"  # of a run created by a weights-only load
 
 
 @dataclass
@@ -295,9 +296,9 @@ class WorkerOperations:
 
     # ----------------------------------------------------------------------------- kinds
     def _create_model(self, job: Job) -> Outcome:
-        base_model, lora = job.args
+        base_model, lora, optimizer = job.args
         try:
-            self.worker.create_model(job.model_id, base_model, lora, owner=job.owner)
+            self.worker.create_model(job.model_id, base_model, lora, owner=job.owner, optimizer_type=optimizer)
         except Exception:
             if self.store is not None:  # the run never came to life: do not list it as active
                 self.store.update_model_status(job.model_id, "unloaded")
@@ -363,7 +364,8 @@ class WorkerOperations:
         a: LoadArgs = job.args
         try:
             state = load_training_state(a.directory, a.with_optimizer)
-            self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create, owner=job.owner)
+            self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create, owner=job.owner,
+                                            optimizer_type=a.optimizer_type)
         except Exception:
             if a.create:  # the run never came to life: do not list it as active
                 self.store.update_model_status(job.model_id, "unloaded")

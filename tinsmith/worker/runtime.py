@@ -22,7 +22,8 @@ from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, Tin
 from tinsmith.losses import LossBatch, LossSpec, resolve_loss, validate_inputs
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import Segments
-from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
+from tinsmith.optim import ADAMW
+from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec, OptimParams
 from tinsmith.worker.batching import MicroBatch, SequenceRef, build_micro_batch, plan_micro_batches
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable
 
@@ -132,6 +133,7 @@ class TrainingRuntime:
         micro_batch_seqs: int = 1 << 30,
         gradient_checkpointing: bool = False,
         full_finetune: bool = False,
+        full_optimizer: str = ADAMW,
     ):
         self.model = model
         self.config = model.config
@@ -149,11 +151,11 @@ class TrainingRuntime:
         self._pass_ids = itertools.count()
         self.host = torch.device("cpu")
         if full_finetune:
-            self.units[FULL_UNIT] = full_model_trainable(model)
+            self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer)
 
     # ----------------------------------------------------------------------------- units
-    def create_adapter(self, spec: LoraSpec) -> int:
-        """Allocate a LoRA slot for ``spec`` and return its unit id."""
+    def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
+        """Allocate a LoRA slot for ``spec`` (stepped by ``optimizer_type``) and return its unit id."""
         if self.full_finetune:
             raise InvalidInputError("this model instance is a full fine-tune; it does not take LoRA adapters")
         if not (1 <= spec.rank <= self.max_lora_rank):
@@ -167,7 +169,7 @@ class TrainingRuntime:
             )
         self._make_room(1, keep=set())
         unit = next(self._unit_ids)
-        self.units[unit] = attach_lora(self.model, unit, spec)
+        self.units[unit] = attach_lora(self.model, unit, spec, optimizer_type)
         self.lru[unit] = None
         return unit
 
@@ -457,7 +459,7 @@ class TrainingRuntime:
         return ForwardBackwardResult(outputs=outputs, metrics=out.metrics)
 
     # ----------------------------------------------------------------------------- optimizer
-    def optim_step(self, unit: int, params: AdamParams) -> dict[str, float]:
+    def optim_step(self, unit: int, params: OptimParams) -> dict[str, float]:
         params.validate()
         tr = self.unit(unit)
         if tr.slot is not None:

@@ -27,7 +27,8 @@ from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import LoadedModel, load_model
 from tinsmith.models.lora import pack_weights
-from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
+from tinsmith.optim import ADAMW, normalize_optimizer_config
+from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec, OptimParams
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
@@ -154,13 +155,14 @@ class Worker:
         raise InvalidInputError(f"base_model {name!r} is not served here; served models: {served}")
 
     # ----------------------------------------------------------------------------- training runs
-    def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None, owner: str = "") -> Placement:
+    def create_model(self, model_id: str, base_model: str, lora: LoraSpec | None, owner: str = "",
+                     optimizer_type: str = ADAMW) -> Placement:
         if model_id in self.placements:  # replayed create: keep the existing run
             return self.placements[model_id]
         base = self.resolve_base(base_model)
         self._check_run_cap(owner)
         if lora is not None:
-            unit = base.lora.create_adapter(lora)
+            unit = base.lora.create_adapter(lora, optimizer_type)
             placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
             if sum(len(b.full) for b in self.bases.values()) >= self.options.max_full_finetunes:
@@ -172,7 +174,7 @@ class Worker:
             if model.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
             pack_weights(model)  # a deep copy does not keep the packed views linked
-            rt = TrainingRuntime(model, full_finetune=True,
+            rt = TrainingRuntime(model, full_finetune=True, full_optimizer=optimizer_type,
                                  micro_batch_tokens=base.lora.micro_batch_tokens,
                                  micro_batch_seqs=self.options.micro_batch_seqs,
                                  gradient_checkpointing=self.options.gradient_checkpointing)
@@ -245,7 +247,7 @@ class Worker:
         micro_batch = max((b.lora.micro_batch_tokens for b in self.bases.values()), default=2048)
         return micro_batch if keys <= 1 else max(1, micro_batch // 2)
 
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+    def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]:
         p = self.placement(model_id)
         return p.runtime.optim_step(p.unit, params)
 
@@ -261,14 +263,20 @@ class Worker:
         p = self.placement(model_id)
         tr = p.runtime.unit(p.unit)
         weights, opt = tr.export_state()
-        return TrainingState(p.base.name, p.lora, weights, opt, tr.steps)
+        return TrainingState(p.base.name, p.lora, weights, opt, tr.steps,
+                             normalize_optimizer_config({"type": tr.optimizer_type}))
 
-    def load_training_state(self, model_id: str, base_model: str, state, create: bool, owner: str = "") -> None:
-        """Create the run from ``state`` (create=True) or replace an existing run's state."""
+    def load_training_state(self, model_id: str, base_model: str, state, create: bool, owner: str = "",
+                            optimizer_type: str = ADAMW) -> None:
+        """Create the run from ``state`` (create=True) or replace an existing run's state.
+
+        A created run keeps the checkpoint's optimizer when its state is restored, else it gets
+        ``optimizer_type`` (the client's ``optimizer_config`` of a weights-only load)."""
         if create:
             if model_id in self.placements:
                 self.unload_model(model_id)
-            self.create_model(model_id, base_model, state.lora, owner)
+            kind = state.optimizer_type if state.optimizer is not None else optimizer_type
+            self.create_model(model_id, base_model, state.lora, owner, kind)
         p = self.placement(model_id)
         if (p.lora is None) != (state.lora is None) or (p.lora and state.lora and (
                 p.lora.rank != state.lora.rank or
@@ -277,6 +285,10 @@ class Worker:
             raise InvalidInputError(f"the checkpoint's LoRA configuration does not match model {model_id!r}")
         try:
             tr = p.runtime.unit(p.unit)
+            if state.optimizer is not None and state.optimizer_type != tr.optimizer_type:
+                raise InvalidInputError(
+                    f"the checkpoint holds {state.optimizer_type} optimizer state but model {model_id!r} uses "
+                    f"{tr.optimizer_type}; load its weights only (load_state) or create the run from the checkpoint")
             tr.import_state(state.weights, state.optimizer)
             tr.steps = state.steps if state.optimizer is not None else 0
         except Exception:

@@ -1,7 +1,8 @@
 """Trainable units that share one base model: LoRA adapters, or the whole model (full fine-tune).
 
-Each unit owns its parameters, its AdamW state and its accumulated gradients. Stepping one
-unit touches only its own tensors, so tenants cannot disturb each other.
+Each unit owns its parameters, its optimizer (AdamW or Dimuon, fixed when the run is created)
+with its state, and its accumulated gradients. Stepping one unit touches only its own tensors,
+so tenants cannot disturb each other.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear
 from tinsmith.models.moe import ExpertLinear
-from tinsmith.types import AdamParams, LoraSpec
+from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match
+from tinsmith.types import LoraSpec, OptimParams
 
 
 @dataclass
@@ -32,15 +34,14 @@ class Trainable:
     named_params: list[tuple[str, torch.Tensor]]
     # (layer, weights) pairs this adapter occupies while resident; empty for full fine-tuning.
     attachments: list = field(default_factory=list)
-    optimizer: torch.optim.AdamW = field(init=False)
+    optimizer_type: str = ADAMW
+    optimizer: torch.optim.Optimizer = field(init=False)
     steps: int = 0
     resident: bool = True
 
     def __post_init__(self) -> None:
-        self.optimizer = torch.optim.AdamW(
-            [p for _, p in self.named_params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
-            foreach=True,
-        )
+        rank = self.spec.rank if self.spec is not None else None
+        self.optimizer = build_optimizer(self.optimizer_type, [p for _, p in self.named_params], rank)
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -89,26 +90,36 @@ class Trainable:
             p.grad = None if g is None else g.to(p.device)
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Copies of the weights and of the AdamW moments (``NAME.exp_avg``, ``.exp_avg_sq``, ``.step``)."""
+        """Copies of the weights and of the optimizer state per tensor: AdamW's ``NAME.exp_avg``,
+        ``.exp_avg_sq``, ``.step``; Dimuon's ``NAME.momentum``."""
         weights = {n: p.detach().clone() for n, p in self.named_params}
         opt: dict[str, torch.Tensor] = {}
         for n, p in self.named_params:
             st = self.optimizer.state.get(p)
             if st:
-                opt[f"{n}.exp_avg"] = st["exp_avg"].detach().clone()
-                opt[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
-                opt[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()
+                for key in STATE_KEYS[self.optimizer_type]:
+                    opt[f"{n}.{key}"] = st[key].detach().clone()
+                if "step" in st:
+                    opt[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()
         return weights, opt
 
+    def _has_saved_state(self, optimizer: dict[str, torch.Tensor] | None, name: str) -> bool:
+        """Does the checkpoint hold optimizer state for tensor ``name`` (it was stepped)?"""
+        if optimizer is None:
+            return False
+        marker = "step" if self.optimizer_type == ADAMW else STATE_KEYS[self.optimizer_type][0]
+        return f"{name}.{marker}" in optimizer
+
     def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
-        """Replace weights (and the optimizer state, or reset it); validates everything first."""
+        """Replace weights (and the optimizer state, or reset it); validates everything first.
+        ``optimizer`` must come from a run of this unit's optimizer family."""
         for n, p in self.named_params:
             w = weights.get(n)
             if w is None or tuple(w.shape) != tuple(p.shape):
                 got = None if w is None else tuple(w.shape)
                 raise InvalidInputError(f"checkpoint tensor {n!r} has shape {got}, this run needs {tuple(p.shape)}")
-            if optimizer is not None and f"{n}.step" in optimizer:
-                for suffix in ("exp_avg", "exp_avg_sq"):
+            if self._has_saved_state(optimizer, n):
+                for suffix in STATE_KEYS[self.optimizer_type]:
                     t = optimizer.get(f"{n}.{suffix}")
                     if t is None or tuple(t.shape) != tuple(p.shape):
                         raise InvalidInputError(f"checkpoint optimizer state {n}.{suffix} is missing or misshapen")
@@ -117,15 +128,15 @@ class Trainable:
             for n, p in self.named_params:
                 p.copy_(weights[n].to(p.device, p.dtype))
                 p.grad = None
-                if optimizer is not None and f"{n}.step" in optimizer:
-                    self.optimizer.state[p] = {
-                        "step": optimizer[f"{n}.step"].reshape(()).float().clone(),
-                        "exp_avg": optimizer[f"{n}.exp_avg"].to(p.device, p.dtype).clone(),
-                        "exp_avg_sq": optimizer[f"{n}.exp_avg_sq"].to(p.device, p.dtype).clone(),
-                    }
+                if self._has_saved_state(optimizer, n):
+                    st = {k: optimizer[f"{n}.{k}"].to(p.device, p.dtype).clone() for k in STATE_KEYS[self.optimizer_type]}
+                    if f"{n}.step" in optimizer:
+                        st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
+                    self.optimizer.state[p] = st
 
-    def step(self, hp: AdamParams) -> dict[str, float]:
-        """One AdamW step over this unit only; clip by its own global grad norm when asked."""
+    def step(self, hp: OptimParams) -> dict[str, float]:
+        """One optimizer step over this unit only; clip by its own global grad norm when asked."""
+        check_params_match(self.optimizer_type, hp)
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return {"grad_norm": 0.0, "skipped_no_grad": 1.0}
@@ -139,15 +150,14 @@ class Trainable:
         if hp.grad_clip_norm > 0 and norm_f > hp.grad_clip_norm:
             coef = hp.grad_clip_norm / (norm_f + 1e-6)
             torch._foreach_mul_([p.grad for p in params], coef)
-        for g in self.optimizer.param_groups:
-            g.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
+        apply_hyperparameters(self.optimizer, hp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
 
 
-def attach_lora(model: CausalLM, slot: int, spec: LoraSpec) -> Trainable:
+def attach_lora(model: CausalLM, slot: int, spec: LoraSpec, optimizer_type: str = ADAMW) -> Trainable:
     """Create adapter ``slot`` on every targeted layer; seeded init is reproducible."""
     seed = spec.seed if spec.seed is not None else secrets.randbits(63)
     gen = torch.Generator().manual_seed(int(seed) & ((1 << 63) - 1))
@@ -157,7 +167,7 @@ def attach_lora(model: CausalLM, slot: int, spec: LoraSpec) -> Trainable:
         w = layer.add_adapter(slot, spec.rank, spec.alpha, gen)
         named += [(f"{name}.lora_A.weight", w.A), (f"{name}.lora_B.weight", w.B)]
         attachments.append((layer, w))
-    return Trainable(slot=slot, spec=spec, named_params=named, attachments=attachments)
+    return Trainable(slot=slot, spec=spec, named_params=named, attachments=attachments, optimizer_type=optimizer_type)
 
 
 def detach_lora(model: CausalLM, slot: int) -> None:
@@ -166,7 +176,7 @@ def detach_lora(model: CausalLM, slot: int) -> None:
             m.remove_adapter(slot)
 
 
-def full_model_trainable(model: CausalLM) -> Trainable:
+def full_model_trainable(model: CausalLM, optimizer_type: str = ADAMW) -> Trainable:
     """Make every base weight trainable (full fine-tuning of this model instance)."""
     named = []
     seen: set[int] = set()
@@ -178,7 +188,7 @@ def full_model_trainable(model: CausalLM) -> Trainable:
         if p.dtype != torch.float32 and p.device.type == "cpu":
             raise InvalidInputError("full fine-tuning on CPU needs fp32 weights")
         named.append((name, p))
-    return Trainable(slot=None, spec=None, named_params=named)
+    return Trainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type)
 
 
 def lora_tensors(tr: Trainable) -> dict[str, torch.Tensor]:

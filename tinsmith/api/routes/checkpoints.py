@@ -21,8 +21,9 @@ from tinsmith.api.schemas import Body, Int64Query, ModelSeqId
 from tinsmith.checkpoints.age_encryption import parse_recipients
 from tinsmith.checkpoints.paths import (KINDS, TinkerPath, check_name, checkpoint_directory, expiry_from_ttl,
                                        parse_tinker_path)
-from tinsmith.checkpoints.state_format import lora_from_meta, read_meta
+from tinsmith.checkpoints.state_format import lora_from_meta, optimizer_config_from_meta, read_meta
 from tinsmith.errors import ConflictError, InvalidInputError, NotFoundError
+from tinsmith.optim import normalize_optimizer_config, optimizer_type
 from tinsmith.server.operations import LoadArgs, SaveArgs
 from tinsmith.store.ids import model_id_for
 
@@ -51,6 +52,7 @@ class LoadWeightsRequest(Body):
     base_model: str | None = None
     user_metadata: dict | None = None
     optimizer: bool = False
+    optimizer_config: dict | None = None  # create-via-load without optimizer state: the new run's optimizer
 
 
 class TtlRequest(Body):
@@ -119,6 +121,21 @@ def _same_base(state, a: str, b: str) -> bool:
         return False
 
 
+def _load_optimizer(body: LoadWeightsRequest, saved: dict, create: bool) -> dict:
+    """The optimizer config of the run a load creates: the checkpoint's when its optimizer state is
+    restored, else ``optimizer_config`` (default AdamW). Only a new run takes ``optimizer_config``."""
+    if body.optimizer_config is None:
+        return saved if body.optimizer else normalize_optimizer_config(None)
+    if not create:
+        raise InvalidInputError("optimizer_config applies only when load_weights creates a run "
+                                "(session_id and model_seq_id); an existing run keeps its optimizer")
+    wanted = normalize_optimizer_config(body.optimizer_config)
+    if body.optimizer and wanted != saved:
+        raise InvalidInputError(f"optimizer_config {wanted['type']!r} conflicts with the checkpoint's optimizer state "
+                                f"({saved['type']!r}); omit it, or load the weights only")
+    return wanted
+
+
 @router.post("/load_weights")
 async def load_weights(body: LoadWeightsRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
@@ -128,6 +145,8 @@ async def load_weights(body: LoadWeightsRequest, request: Request, caller: Calle
     base_model = meta["base_model"]
     check_base_model_matches(state, body.base_model or None, base_model, body.path)
     create = body.model_id is None
+    saved_optimizer = optimizer_config_from_meta(meta)
+    optimizer = _load_optimizer(body, saved_optimizer, create)
     if create:
         if body.session_id is None or body.model_seq_id is None:
             raise InvalidInputError("load_weights needs model_id, or session_id and model_seq_id")
@@ -145,11 +164,17 @@ async def load_weights(body: LoadWeightsRequest, request: Request, caller: Calle
         await run_in_threadpool(lambda: state.store.create_model(
             model_id, owner=caller.owner, base_model=body.base_model or run_base, session_id=body.session_id,
             model_seq_id=body.model_seq_id, is_lora=lora is not None, lora_rank=lora.rank if lora else None,
-            lora_config=None if lora is None else dict(lora.__dict__), user_metadata=body.user_metadata))
+            lora_config=None if lora is None else dict(lora.__dict__), optimizer_config=optimizer,
+            user_metadata=body.user_metadata))
     else:
-        await owned_model(state, caller, body.model_id)
+        m = await owned_model(state, caller, body.model_id)
         model_id, seq_id = body.model_id, body.seq_id
-    args = LoadArgs(Path(ck.storage_path), base_model, body.optimizer, create)
+        run_type = optimizer_type(m.optimizer_config)
+        if body.optimizer and saved_optimizer["type"] != run_type:
+            raise InvalidInputError(
+                f"{body.path!r} holds {saved_optimizer['type']} optimizer state but model {model_id!r} uses {run_type}; "
+                "load its weights only (load_state) or create a new run from it")
+    args = LoadArgs(Path(ck.storage_path), base_model, body.optimizer, create, optimizer["type"])
     return await submit(state, caller, "load_weights", args, payload=body.model_dump_json().encode(),
                         payload_type="json", model_id=model_id, seq_id=seq_id)
 
@@ -267,7 +292,7 @@ async def weights_info(body: WeightsInfoRequest, request: Request, caller: Calle
     lc = run.lora_config or {}
     return {"base_model": run.base_model, "is_lora": run.is_lora, "lora_rank": run.lora_rank,
             "train_unembed": lc.get("train_unembed"), "train_mlp": lc.get("train_mlp"),
-            "train_attn": lc.get("train_attn"), "optimizer_config": run.optimizer_config or {"type": "adamw"}}
+            "train_attn": lc.get("train_attn"), "optimizer_config": normalize_optimizer_config(run.optimizer_config)}
 
 
 def _hardlink_tree(src: str, dst: Path) -> None:

@@ -15,12 +15,11 @@ from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.routes.custom_losses import resolve_custom_loss
 from tinsmith.api.schemas import CreateModelRequest, ModelIdRequest, OptimStepRequest, UnloadModelRequest
 from tinsmith.errors import CapacityError, InvalidInputError
+from tinsmith.optim import check_params_match, normalize_optimizer_config, optimizer_type
 from tinsmith.store.ids import model_id_for
-from tinsmith.types import AdamParams, LoraSpec
+from tinsmith.types import LoraSpec
 
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
-
-SUPPORTED_OPTIMIZERS = ("adamw", "adam")
 
 
 @router.post("/create_model")
@@ -30,9 +29,7 @@ async def create_model(body: CreateModelRequest, request: Request, caller: Calle
     if session.is_finished:
         raise InvalidInputError(f"session {body.session_id!r} is finished; start a new ServiceClient")
     state.worker.resolve_base(body.base_model)  # 400 naming base_model if not served
-    opt = body.optimizer_config or {"type": "adamw"}
-    if str(opt.get("type", "adamw")).lower() not in SUPPORTED_OPTIMIZERS:
-        raise InvalidInputError(f"optimizer_config.type {opt.get('type')!r} is not supported (supported: adamw)")
+    opt = normalize_optimizer_config(body.optimizer_config)  # 400 naming the supported types
     lora = None
     if body.lora_config is not None:
         c = body.lora_config
@@ -54,8 +51,8 @@ async def create_model(body: CreateModelRequest, request: Request, caller: Calle
         )
     )
     raw = body.model_dump_json().encode()
-    return await submit(state, caller, "create_model", (body.base_model, lora), payload=raw, payload_type="json",
-                        model_id=model_id, seq_id=0)
+    return await submit(state, caller, "create_model", (body.base_model, lora, opt["type"]), payload=raw,
+                        payload_type="json", model_id=model_id, seq_id=0)
 
 
 @router.post("/get_info")
@@ -69,7 +66,7 @@ async def get_info(body: ModelIdRequest, request: Request, caller: Caller = Depe
         "is_lora": m.is_lora,
         "lora_rank": m.lora_rank,
         "model_name": m.base_model,
-        "optimizer_config": m.optimizer_config or {"type": "adamw"},
+        "optimizer_config": normalize_optimizer_config(m.optimizer_config),
     }
 
 
@@ -110,11 +107,10 @@ async def forward(request: Request, caller: Caller = Depends(caller_of)) -> dict
 @router.post("/optim_step")
 async def optim_step(body: OptimStepRequest, request: Request, caller: Caller = Depends(caller_of)) -> dict:
     state = state_of(request)
-    await owned_model(state, caller, body.model_id)
-    p = body.params
-    params = AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
-                        weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
+    m = await owned_model(state, caller, body.model_id)
+    params = body.params.to_params()
     params.validate()
+    check_params_match(optimizer_type(m.optimizer_config), params, body.model_id)
     return await submit(state, caller, "optim_step", params, payload=json.dumps(body.model_dump()).encode(),
                         payload_type="json", model_id=body.model_id, seq_id=body.seq_id)
 
