@@ -82,6 +82,7 @@ def _serve(**flags: Any) -> int:
     except ConfigError as e:
         return _fail(e.message, 2)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # import-time chatter
     try:  # cheap checks first: a minute into loading a model is too late to hear of a typo
         sock = bind_listening_socket(config.host, config.port)
     except StartupError as e:
