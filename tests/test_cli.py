@@ -127,10 +127,17 @@ def test_an_unknown_yaml_key_is_one_line_with_a_suggestion(tmp_path):
     assert one_line(proc) == f"tinsmith: unknown option max_lora_rnk (in {config}); did you mean max_lora_rank?"
 
 
-def test_a_missing_local_model_is_one_line(tmp_path):
-    proc = tinsmith("serve", "--base-model", str(tmp_path / "no-such-model"), "--data-dir", str(tmp_path / "data"))
+@pytest.mark.parametrize("make, expected", [
+    (lambda p: None, "no such directory"),
+    (lambda p: p.write_text("weights?"), "a file, not a model directory"),
+    (lambda p: p.mkdir(), "the directory has no config.json"),
+    (lambda p: (p.mkdir(), (p / "config.json").write_text("{not json")), "cannot read"),
+])
+def test_a_local_model_that_cannot_be_one_is_one_line(tmp_path, make, expected):
+    make(tmp_path / "model")
+    proc = tinsmith("serve", "--base-model", str(tmp_path / "model"), "--data-dir", str(tmp_path / "data"))
     assert proc.returncode == 2
-    assert "no such directory" in one_line(proc)
+    assert one_line(proc).startswith(f"tinsmith: --base-model {tmp_path / 'model'}: {expected}")
     assert not (tmp_path / "data").exists()
 
 

@@ -115,6 +115,11 @@ def _start(config: ServerConfig, sock) -> int:
     except AlreadyServing as e:
         sock.close()
         return _fail(str(e), 1)
+    except KeyboardInterrupt:
+        sock.close()
+        if state is not None:
+            state.release()
+        return _fail("interrupted during start-up", 130)
     except Exception as e:  # one line, whatever broke: the traceback is for --log-level debug
         sock.close()
         if state is not None:

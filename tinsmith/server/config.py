@@ -177,12 +177,12 @@ def option_help(option: str) -> str:
 def option_kind(option: str) -> type:
     """The scalar type of an option: ``int`` for ``int | None``, ``list`` for list options."""
     hint = ServerConfig.model_fields[option].annotation
-    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (
-        typing.Union, types.UnionType) else [hint]
-    kind = typing.get_origin(args[0]) or args[0]
-    if kind is typing.Annotated:
-        kind = typing.get_origin(typing.get_args(args[0])[0]) or typing.get_args(args[0])[0]
-    return kind if kind in (int, float, bool, list) else str
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    hint = typing.get_origin(hint) or hint  # list[str] -> list
+    return hint if hint in (int, float, bool, list) else str
 
 
 def flag_name(option: str) -> str:
@@ -281,16 +281,16 @@ class _YamlSource(YamlConfigSettingsSource):
         return out
 
 
-def _read_yaml(config_file: str) -> tuple[dict[str, Any], dict[str, str]]:
+def _read_yaml(config_file: str, given_as: str) -> tuple[dict[str, Any], dict[str, str]]:
     path = Path(config_file).expanduser()
     if not path.is_file():
-        raise ConfigError(f"--config {config_file}: no such file")
+        raise ConfigError(f"{given_as} {config_file}: no such file")
     try:
         source = _YamlSource(path)
     except ConfigError:
         raise
     except Exception as e:  # yaml.YAMLError, UnicodeDecodeError, OSError
-        raise ConfigError(f"--config {config_file}: not readable YAML ({_first_line(e)})") from None
+        raise ConfigError(f"{given_as} {config_file}: not readable YAML ({_first_line(e)})") from None
     values = dict(source.yaml_data)
     names = {option: f"{source.keys_as_written.get(option, option)} (in {config_file})" for option in values}
     return values, names
@@ -323,9 +323,10 @@ def load_config(args: Any = None, environ: Mapping[str, str] | None = None) -> S
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     names: dict[str, str] = {}
-    config_file = _given(args, "config") or environ.get(ENV_PREFIX + "CONFIG")
-    if config_file:
-        values, names = _read_yaml(config_file)
+    if _given(args, "config"):
+        values, names = _read_yaml(_given(args, "config"), "--config")
+    elif environ.get(ENV_PREFIX + "CONFIG"):
+        values, names = _read_yaml(environ[ENV_PREFIX + "CONFIG"], ENV_PREFIX + "CONFIG")
     env_values = _EnvironSource(environ)()
     values.update(env_values)
     names.update({option: env_name(option) for option in env_values})

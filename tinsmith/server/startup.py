@@ -88,7 +88,10 @@ def _find_config(name: str, option: str) -> Path:
             raise StartupError(f"{option} {name}: the directory has no config.json; point it at a Hugging Face "
                                "model directory (config.json + *.safetensors)")
         return path / "config.json"
-    if name.count("/") != 1 or name.startswith(("/", ".", "~")) or path.exists():
+    if path.exists():
+        raise StartupError(f"{option} {name}: a file, not a model directory; point it at the directory that "
+                           "holds config.json and the *.safetensors files")
+    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
         raise StartupError(f"{option} {name}: no such directory, and not a Hugging Face hub id (ORG/NAME); "
                            "check the spelling")
     return _hub_config(name, option)
