@@ -216,7 +216,11 @@ def demo(args: tuple[str, ...]) -> int:
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (click's own errors as one line, status 2)."""
+    """Run the command line; returns the exit status (click's own errors as one line, status 2).
+
+    ``make-tiny-model`` and ``demo`` keep their argparse parsers, whose ``--help`` and errors
+    raise ``SystemExit`` as usual.
+    """
     try:
         result = cli.main(args=argv, prog_name="tinsmith", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:
@@ -229,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail_as("tinsmith", e.format_message(), e.exit_code)
     except click.Abort:
         return _fail_as("tinsmith", "aborted", 130)
-    except SystemExit as e:  # argparse of make-tiny-model and demo, on --help or a bad flag
-        return e.code if isinstance(e.code, int) else int(e.code is not None)
     return result if isinstance(result, int) else 0
 
 
