@@ -22,7 +22,6 @@ from typing import Annotated, Any, Literal
 import annotated_types
 from pydantic import BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, YamlConfigSettingsSource
-from pydantic_settings.sources.utils import parse_env_vars
 
 ENV_PREFIX = "TINSMITH_"
 
@@ -258,7 +257,8 @@ class _EnvironSource(EnvSettingsSource):
         super().__init__(ServerConfig)
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
-        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+        # Names match case-insensitively (as the source looks them up); an empty value is unset.
+        return {name.lower(): value for name, value in self._environ.items() if value != ""}
 
 
 class _YamlSource(YamlConfigSettingsSource):

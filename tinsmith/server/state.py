@@ -54,7 +54,7 @@ class ServerState:
     def build(cls, config: ServerConfig) -> "ServerState":
         if not config.base_model:
             raise ValueError("no base model: pass --base-model ID_OR_DIR (or TINSMITH_BASE_MODEL)")
-        config.validate()  # also when built from code rather than load_config
+        config.validate()  # again: fields may have been assigned since it was built
         auth = Authenticator(config.api_keys_file)
         limits = KeyLimits.from_config(config, auth.multi_tenant)
         store = Store(config.resolved_database_url)
