@@ -91,7 +91,7 @@ def test_bare_tinsmith_lists_the_commands():
 
 def test_serve_help_names_every_option_with_its_environment_variable_and_default():
     text = " ".join(tinsmith("serve", "--help").stdout.split())  # undo the line wrapping
-    for option, field in ServerConfig.model_fields.items():
+    for option in ServerConfig.model_fields:
         assert flag_name(option) in text
         assert f"env {env_name(option)}" in text, option
     assert "--max-lora-rank INT largest LoRA rank a client may ask for [env TINSMITH_MAX_LORA_RANK; default: 128]" in text
