@@ -6,7 +6,6 @@ the two always agree: a key sees its own runs, an admin key every key's.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from datetime import datetime, timezone
@@ -85,16 +84,10 @@ def render(summary: dict) -> str:
     return "\n".join(out)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default=None,
-                   help=f"the server (default: $TINKER_BASE_URL, else {DEFAULT_BASE_URL})")
-    p.add_argument("--api-key", default=None, help="API key (default: $TINKER_API_KEY)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON instead")
-
-
-def run(args: argparse.Namespace) -> int:
-    base_url = (args.base_url or os.environ.get("TINKER_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
-    key = args.api_key or os.environ.get("TINKER_API_KEY")
+def run(base_url: str | None, api_key: str | None, as_json: bool) -> int:
+    """``tinsmith status``: fetch the summary with the key and print it; the exit status says how it went."""
+    base_url = (base_url or os.environ.get("TINKER_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+    key = api_key or os.environ.get("TINKER_API_KEY")
     if not key:
         print("tinsmith status: no API key: pass --api-key or set TINKER_API_KEY", file=sys.stderr)
         return 2
@@ -110,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             detail = r.text
         print(f"tinsmith status: {base_url} answered {r.status_code}: {detail}", file=sys.stderr)
         return 1
-    if args.json:
+    if as_json:
         print(r.text)
     else:
         print(render(r.json()))

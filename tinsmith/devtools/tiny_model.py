@@ -196,8 +196,8 @@ def make_tiny_model(
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Write a tiny random HF checkpoint with a BPE tokenizer.")
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description="Write a tiny random HF checkpoint with a BPE tokenizer.")
     p.add_argument("out_dir")
     p.add_argument("--family", default="qwen3", choices=FAMILIES)
     p.add_argument("--seed", type=int, default=0)

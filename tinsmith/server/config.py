@@ -3,69 +3,112 @@
 Every option has one name in each source: ``--max-lora-rank`` / ``TINSMITH_MAX_LORA_RANK`` /
 ``max_lora_rank:`` in YAML. List options (``base_model``, ``model_alias``) take a
 comma-separated string in the environment and a list in YAML.
+
+The sources are read with pydantic-settings and the values checked by pydantic against the
+field types below (ranges included), so a bad value is refused in one line that names the
+option the way the user wrote it (``--port``, ``TINSMITH_PORT`` or ``port`` in the YAML file).
 """
 
 from __future__ import annotations
 
-import argparse
+import difflib
 import os
+import types
 import typing
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-import yaml
+import annotated_types
+from pydantic import BeforeValidator, ValidationError
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, YamlConfigSettingsSource
 
 ENV_PREFIX = "TINSMITH_"
 
 
-@dataclass
-class ServerConfig:
-    base_model: list[str] = field(default_factory=list)
+def _split_commas(value: Any) -> Any:
+    """A list option given as one string (the environment): comma-separated items."""
+    if isinstance(value, str):
+        return [item for item in (s.strip() for s in value.split(",")) if item]
+    return value
+
+
+# Option types: the range each kind of option must lie in, checked by pydantic.
+AtLeastOne = Annotated[int, annotated_types.Ge(1)]  # a count or size that must be positive
+NotNegativeInt = Annotated[int, annotated_types.Ge(0)]
+NotNegative = Annotated[float, annotated_types.Ge(0)]  # durations where 0 means "at once" or "forever"
+AboveZero = Annotated[float, annotated_types.Gt(0)]
+Port = Annotated[int, annotated_types.Ge(1), annotated_types.Le(65535)]
+CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
+LogLevel = Annotated[Literal["debug", "info", "warning", "error"],
+                     BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+LogFormat = Annotated[Literal["text", "json"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+
+
+class ServerConfig(BaseSettings):
+    """Every server option. Built from code it takes exactly the values passed (no environment);
+    ``load_config`` layers the YAML file, the environment and the flags."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="forbid")
+
+    base_model: CommaList = []
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Port = 8000
     data_dir: str = "./data"
     database_url: str | None = None  # default: SQLite file under data_dir
     checkpoint_dir: str | None = None  # default: data_dir/checkpoints
-    max_lora_adapters: int = 16
-    max_lora_rank: int = 128
-    max_training_runs: int = 256
-    session_timeout_s: float = 300.0
-    request_retention_s: float = 86400.0  # 0: keep payloads and results forever
-    metric_history_points: int = 2000  # a run's metric points kept before the older half is thinned
-    train_micro_batch_size: int | None = None  # sequences per micro-batch (None: by tokens only)
-    train_micro_batch_tokens: int | None = None  # None: automatic
-    train_chunk_tokens: int | None = None  # None: a micro-batch for one key, half of one when keys share
+    max_lora_adapters: AtLeastOne = 16
+    max_lora_rank: AtLeastOne = 128
+    max_training_runs: AtLeastOne = 256
+    session_timeout_s: AboveZero = 300.0
+    request_retention_s: NotNegative = 86400.0  # 0: keep payloads and results forever
+    metric_history_points: Annotated[int, annotated_types.Ge(2)] = 2000  # a run's points kept before the older half is thinned
+    train_micro_batch_size: AtLeastOne | None = None  # sequences per micro-batch (None: by tokens only)
+    train_micro_batch_tokens: AtLeastOne | None = None  # None: automatic
+    train_chunk_tokens: AtLeastOne | None = None  # None: a micro-batch for one key, half of one when keys share
     gradient_checkpointing: bool = False
-    model_alias: list[str] = field(default_factory=list)  # NAME=ID_OR_DIR
+    model_alias: CommaList = []  # NAME=ID_OR_DIR
     api_keys_file: str | None = None
     device: str | None = None  # default: cuda if available, else cpu
-    max_full_finetunes: int = 1
-    max_full_sampler_snapshots: int = 1  # frozen full-model copies that samplers of full fine-tunes read
-    max_body_bytes: int = 256 * 1024 * 1024
-    max_num_samples: int | None = None  # default: the sampler's row limit
-    max_sample_tokens: int | None = None  # default: the model's context length
-    max_prompt_tokens: int | None = None  # default: the model's context length
-    max_forward_datums: int = 1024
-    max_forward_tokens: int = 1 << 21
-    long_poll_seconds: float = 25.0
-    seq_gap_wait_s: float = 2.0  # how long a run's request waits for an earlier seq_id to arrive
-    checkpoint_quota_bytes: int | None = None  # per API key
-    max_runs_per_key: int = 32  # per-key limits apply with --api-keys-file only
-    max_requests_in_flight_per_key: int = 1024
-    max_sampler_snapshots: int = 64
-    max_sampler_snapshots_per_key: int = 32
-    sampler_snapshot_idle_s: float = 120.0
+    max_full_finetunes: AtLeastOne = 1
+    max_full_sampler_snapshots: AtLeastOne = 1  # frozen full-model copies that samplers of full fine-tunes read
+    max_body_bytes: AtLeastOne = 256 * 1024 * 1024
+    max_num_samples: AtLeastOne | None = None  # default: the sampler's row limit
+    max_sample_tokens: AtLeastOne | None = None  # default: the model's context length
+    max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
+    max_forward_datums: AtLeastOne = 1024
+    max_forward_tokens: AtLeastOne = 1 << 21
+    long_poll_seconds: AboveZero = 25.0
+    seq_gap_wait_s: NotNegative = 2.0  # how long a run's request waits for an earlier seq_id to arrive
+    checkpoint_quota_bytes: NotNegativeInt | None = None  # per API key
+    max_runs_per_key: AtLeastOne = 32  # per-key limits apply with --api-keys-file only
+    max_requests_in_flight_per_key: AtLeastOne = 1024
+    max_sampler_snapshots: AtLeastOne = 64
+    max_sampler_snapshots_per_key: AtLeastOne = 32
+    sampler_snapshot_idle_s: NotNegative = 120.0
     custom_loss_client_side: bool = False  # do not offer server-side custom losses
-    custom_loss_max_nodes: int = 1024
-    custom_loss_max_elements: int = 1 << 24  # per tensor a custom loss makes
-    custom_loss_timeout_s: float = 10.0  # all runs of the loss for one request
-    custom_loss_max_per_session: int = 64
+    custom_loss_max_nodes: AtLeastOne = 1024
+    custom_loss_max_elements: AtLeastOne = 1 << 24  # per tensor a custom loss makes
+    custom_loss_timeout_s: AboveZero = 10.0  # all runs of the loss for one request
+    custom_loss_max_per_session: AtLeastOne = 64
     public_url: str | None = None  # base URL clients reach this server at (download links)
-    usage_flush_s: float = 10.0  # how often per-key token counts are written to the database
-    log_level: str = "info"
-    log_format: str = "text"  # text | json (one JSON object per line, for log collectors)
+    usage_flush_s: AboveZero = 10.0  # how often per-key token counts are written to the database
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "text"  # text | json (one JSON object per line, for log collectors)
     metrics_auth: bool = False  # require an API key on /metrics
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise ConfigError.of(e, flag_name) from None
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        # Only what the caller passes: ``load_config`` reads the file and the environment itself,
+        # so that an error can say which of them a bad value came from.
+        return (init_settings,)
 
     @property
     def resolved_database_url(self) -> str:
@@ -77,35 +120,9 @@ class ServerConfig:
     def resolved_checkpoint_dir(self) -> Path:
         return Path(self.checkpoint_dir or Path(self.data_dir) / "checkpoints").resolve()
 
-    # Options that must be a positive count when set, and durations that must not be negative.
-    _AT_LEAST_ONE = ("max_lora_adapters", "max_lora_rank", "max_training_runs", "max_full_finetunes",
-                     "max_full_sampler_snapshots",
-                     "max_body_bytes", "max_forward_datums", "max_forward_tokens", "train_micro_batch_tokens",
-                     "train_micro_batch_size", "train_chunk_tokens", "max_num_samples", "max_sample_tokens",
-                     "max_prompt_tokens", "max_runs_per_key", "max_requests_in_flight_per_key",
-                     "max_sampler_snapshots", "max_sampler_snapshots_per_key", "custom_loss_max_nodes",
-                     "custom_loss_max_elements", "custom_loss_max_per_session")
-    _NOT_NEGATIVE = ("request_retention_s", "seq_gap_wait_s", "sampler_snapshot_idle_s", "checkpoint_quota_bytes")
-    _POSITIVE = ("session_timeout_s", "long_poll_seconds", "custom_loss_timeout_s", "usage_flush_s")
-
     def validate(self) -> None:
-        """Refuse values that cannot work, naming the option (a ValueError the CLI prints as one line)."""
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"--port must be between 1 and 65535 (got {self.port})")
-        if self.metric_history_points < 2:
-            raise ValueError(f"--metric-history-points must be at least 2 (got {self.metric_history_points})")
-        for name in self._AT_LEAST_ONE:
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-        for name in self._NOT_NEGATIVE:
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must not be negative (got {getattr(self, name)})")
-        if self.log_format not in ("text", "json"):
-            raise ValueError(f"--log-format must be text or json (got {self.log_format!r})")
-        for name in self._POSITIVE:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be above 0 (got {getattr(self, name)})")
+        """Check again after fields were assigned (construction already checks): a one-line ``ConfigError``."""
+        ServerConfig(**self.model_dump())
 
     def aliases(self) -> dict[str, str]:
         out = {}
@@ -177,73 +194,177 @@ _HELP = {
 }
 
 
-def _field_type(f) -> type:
-    """The scalar type of an option (``int`` for ``int | None``, ``list`` for list options)."""
-    hint = typing.get_type_hints(ServerConfig)[f.name]
-    if typing.get_origin(hint) is list:
-        return list
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+def option_help(option: str) -> str:
+    return _HELP[option]
 
 
-def _coerce(f, value: Any) -> Any:
-    """Convert a YAML or environment value to the field's type."""
-    if value is None:
-        return None
-    kind = _field_type(f)
-    if kind is list:
-        if isinstance(value, str):
-            return [v for v in (s.strip() for s in value.split(",")) if v]
-        return [str(v) for v in value]
-    if kind is bool:
-        if isinstance(value, str):
-            return value.strip().lower() in ("1", "true", "yes", "on")
-        return bool(value)
-    if kind is int:
-        return int(value)
-    if kind is float:
-        return float(value)
-    return str(value)
+def option_kind(option: str) -> type:
+    """The scalar type of an option: ``int`` for ``int | None``, ``list`` for list options."""
+    hint = ServerConfig.model_fields[option].annotation
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    hint = typing.get_origin(hint) or hint  # list[str] -> list
+    return hint if hint in (int, float, bool, list) else str
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML file with any of the options below (underscored names)")
-    for f in fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if _field_type(f) is bool:
-            p.add_argument(flag, action="store_true", default=None, help=_HELP[f.name])
-        elif _field_type(f) is list:
-            p.add_argument(flag, action="append", default=None, help=_HELP[f.name])
+def flag_name(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def env_name(option: str) -> str:
+    return ENV_PREFIX + option.upper()
+
+
+class ConfigError(ValueError):
+    """An option that cannot work, in one line naming it as the user wrote it."""
+
+    def __init__(self, message: str, errors: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.errors = errors or []
+
+    @classmethod
+    def of(cls, error: ValidationError | ConfigError, name_of: Callable[[str], str]) -> ConfigError:
+        errors = error.errors() if isinstance(error, ValidationError) else error.errors
+        if not errors:
+            return error if isinstance(error, ConfigError) else cls(str(error))
+        return cls(_describe(errors[0], name_of), errors)
+
+
+def _bounds(option: str) -> dict[str, Any]:
+    """The ``ge``/``gt``/``le`` limits an option's type declares (``int | None`` types included)."""
+    field = ServerConfig.model_fields[option]
+    metadata = list(field.metadata)  # pydantic moves a plain Annotated type's constraints here
+    for arg in getattr(field.annotation, "__args__", ()):  # an optional type keeps them inside
+        metadata.extend(getattr(arg, "__metadata__", ()))
+    return {key: getattr(m, key) for m in metadata for key in ("ge", "gt", "le") if hasattr(m, key)}
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "list": "a list",
+               "string": "a string"}
+
+
+def _describe(error: dict[str, Any], name_of: Callable[[str], str]) -> str:
+    """One line for one pydantic error: the option, what it must be, and what it got."""
+    option = str(error["loc"][0]) if error["loc"] else ""
+    name, got = name_of(option), error.get("input")
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(option, ServerConfig.model_fields, n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; `tinsmith serve --help` lists the options"
+        return f"unknown option {name}{hint}"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal"):
+        b = _bounds(option)
+        if "ge" in b and "le" in b:
+            rule = f"must be between {b['ge']} and {b['le']}"
+        elif "gt" in b:
+            rule = f"must be above {b['gt']}"
+        elif b.get("ge") == 0:
+            rule = "must not be negative"
         else:
-            p.add_argument(flag, default=None, help=_HELP[f.name])
+            rule = f"must be at least {b.get('ge')}"
+        return f"{name} {rule} (got {got})"
+    if kind == "literal_error":
+        return f"{name} must be {error['ctx']['expected']} (got {got!r})"
+    for type_name, words in _TYPE_WORDS.items():
+        if kind.startswith(type_name + "_"):
+            return f"{name} must be {words} (got {got!r})"
+    return f"{name}: {error['msg']} (got {got!r})"
 
 
-def load_config(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
-    environ = dict(os.environ if environ is None else environ)
-    values: dict[str, Any] = {}
-    config_file = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
-    if config_file:
-        raw = yaml.safe_load(Path(config_file).read_text()) or {}
+class _EnvironSource(EnvSettingsSource):
+    """``TINSMITH_*`` variables of a given mapping (``os.environ`` by default)."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self._environ = environ
+        super().__init__(ServerConfig)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # Names match case-insensitively (as the source looks them up); an empty value is unset.
+        return {name.lower(): value for name, value in self._environ.items() if value != ""}
+
+
+class _YamlSource(YamlConfigSettingsSource):
+    """The ``--config`` file; keys may be written with dashes or underscores."""
+
+    def __init__(self, path: Path):
+        self.keys_as_written: dict[str, str] = {}
+        super().__init__(ServerConfig, yaml_file=path)
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        raw = super()._read_file(file_path)
         if not isinstance(raw, dict):
-            raise ValueError(f"{config_file}: expected a mapping of option names to values")
-        known = {f.name for f in fields(ServerConfig)}
-        unknown = sorted(set(k.replace("-", "_") for k in raw) - known)
-        if unknown:
-            raise ValueError(f"{config_file}: unknown options {unknown}")
-        values.update({k.replace("-", "_"): v for k, v in raw.items()})
-    for f in fields(ServerConfig):
-        env = environ.get(ENV_PREFIX + f.name.upper())
-        if env is not None and env != "":
-            values[f.name] = env
-        if args is not None and getattr(args, f.name, None) is not None:
-            values[f.name] = getattr(args, f.name)
-    out = ServerConfig()
-    for f in fields(ServerConfig):
-        if f.name in values:
-            try:
-                setattr(out, f.name, _coerce(f, values[f.name]))
-            except ValueError:
-                raise ValueError(f"--{f.name.replace('_', '-')} must be {_field_type(f).__name__}, "
-                                 f"got {values[f.name]!r}") from None
-    out.validate()
-    return out
+            raise ConfigError(f"{file_path}: expected a mapping of option names to values, "
+                              f"got {type(raw).__name__}")
+        out = {}
+        for key, value in raw.items():
+            option = str(key).replace("-", "_")
+            self.keys_as_written[option] = str(key)
+            out[option] = value
+        return out
+
+
+def _read_yaml(config_file: str, given_as: str) -> tuple[dict[str, Any], dict[str, str]]:
+    path = Path(config_file).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{given_as} {config_file}: no such file")
+    try:
+        source = _YamlSource(path)
+    except ConfigError:
+        raise
+    except Exception as e:  # yaml.YAMLError, UnicodeDecodeError, OSError
+        raise ConfigError(f"{given_as} {config_file}: not readable YAML ({_first_line(e)})") from None
+    values = dict(source.yaml_data)
+    names = {option: f"{source.keys_as_written.get(option, option)} (in {config_file})" for option in values}
+    return values, names
+
+
+def _first_line(e: Exception) -> str:
+    """A YAML error's problem and where it is, else the first line of any error."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _given_flags(args: Any) -> dict[str, Any]:
+    """Options given on the command line: attributes or keys that are not None (nor empty lists)."""
+    if args is None:
+        return {}
+    items = args.items() if isinstance(args, Mapping) else vars(args).items()
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in items
+            if k in ServerConfig.model_fields and v is not None and v != () and v != []}
+
+
+def load_config(args: Any = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Defaults < YAML file (``--config``/``TINSMITH_CONFIG``) < ``TINSMITH_*`` < flags.
+
+    ``args`` holds the flags: a mapping or an object with one attribute per option (None or
+    absent when not given). Raises ``ConfigError`` (a ValueError) whose message is one line.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    if _given(args, "config"):
+        values, names = _read_yaml(_given(args, "config"), "--config")
+    elif environ.get(ENV_PREFIX + "CONFIG"):
+        values, names = _read_yaml(environ[ENV_PREFIX + "CONFIG"], ENV_PREFIX + "CONFIG")
+    env_values = _EnvironSource(environ)()
+    values.update(env_values)
+    names.update({option: env_name(option) for option in env_values})
+    flags = _given_flags(args)
+    values.update(flags)
+    names.update({option: flag_name(option) for option in flags})
+    try:
+        return ServerConfig(**values)
+    except ConfigError as e:
+        raise ConfigError.of(e, lambda option: names.get(option, flag_name(option))) from None
+
+
+def _given(args: Any, key: str) -> Any:
+    if isinstance(args, Mapping):
+        return args.get(key)
+    return getattr(args, key, None)

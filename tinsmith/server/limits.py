@@ -53,7 +53,7 @@ class KeyLimits:
     @classmethod
     def from_config(cls, config, multi_tenant: bool) -> "KeyLimits":
         """The limits of a server built from ``config`` (a ``ServerConfig``; its ranges are checked
-        by ``ServerConfig.validate``)."""
+        by the field types, when it is built)."""
         per_key = (lambda v: v) if multi_tenant else (lambda v: None)
         return cls(
             max_requests_in_flight=per_key(config.max_requests_in_flight_per_key),

@@ -20,6 +20,7 @@ from tinsmith.api.auth import Authenticator
 from tinsmith.checkpoints.peft_format import recover_interrupted_commits
 from tinsmith.custom_losses.cache import CustomLossCache
 from tinsmith.engine.scheduler import Engine, Job
+from tinsmith.errors import TinsmithError
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.limits import KeyLimits
 from tinsmith.server.logs import log_startup_summary
@@ -29,6 +30,7 @@ from tinsmith.server.operations import WorkerOperations
 from tinsmith.server.private import make_private
 from tinsmith.server.throughput import Throughput
 from tinsmith.server.usage import UsageMeter
+from tinsmith.server.startup import StartupError
 from tinsmith.store import LeaseRecord, Store
 from tinsmith.worker.service import RuntimeOptions, Worker
 
@@ -57,6 +59,7 @@ class ServerState:
     _tasks: list = field(default_factory=list)
     _lock: DataDirLock | None = None
     _lease: DatabaseLease | None = None
+    _prepared: bool = False
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self)
@@ -67,7 +70,7 @@ class ServerState:
     def build(cls, config: ServerConfig) -> "ServerState":
         if not config.base_model:
             raise ValueError("no base model: pass --base-model ID_OR_DIR (or TINSMITH_BASE_MODEL)")
-        config.validate()  # also when built from code rather than load_config
+        config.validate()  # again: fields may have been assigned since it was built
         auth = Authenticator(config.api_keys_file)
         limits = KeyLimits.from_config(config, auth.multi_tenant)
         store = Store(config.resolved_database_url)
@@ -128,14 +131,30 @@ class ServerState:
             self._lock = None
 
     def load_models(self) -> None:
-        """Load every base model (blocking; done once at start-up)."""
+        """Load every base model (blocking; done once at start-up).
+
+        A model that fails to load raises ``StartupError`` naming it, with the cause chained.
+        """
         for name in self.config.base_model:
-            self.worker.add_base_model(name)
+            _load_or_explain(lambda: self.worker.add_base_model(name), name)
         for alias, target in self.config.aliases().items():
             if target in self.worker.bases:
                 self.worker.add_alias(alias, target)
             else:
-                self.worker.add_base_model(alias, target)
+                _load_or_explain(lambda: self.worker.add_base_model(alias, target), target)
+
+    def prepare(self) -> None:
+        """The slow, blocking part of start-up: claim, recover, load the models. Once only.
+
+        ``tinsmith serve`` calls it before the HTTP server starts, so a failure is reported as
+        one line; an embedded server gets it from ``start()``.
+        """
+        if self._prepared:
+            return
+        self.claim()
+        self.recover_after_restart()
+        self.load_models()
+        self._prepared = True
 
     def recover_after_restart(self) -> None:
         """Nothing in memory survived the last process: say so, durably and clearly.
@@ -277,9 +296,7 @@ class ServerState:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
         except (ValueError, RuntimeError, NotImplementedError):
             pass  # not the main thread (an embedded server): the file poll still reloads
-        await asyncio.to_thread(self.claim)
-        await asyncio.to_thread(self.recover_after_restart)
-        await asyncio.to_thread(self.load_models)
+        await asyncio.to_thread(self.prepare)
         log_startup_summary(self)
         await self.engine.start()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="tinsmith-sweeper"))
@@ -301,6 +318,19 @@ class ServerState:
             log.exception("writing the last usage counts failed")
         self.release()
         self.store.close()
+
+
+def _load_or_explain(load, source: str) -> None:
+    try:
+        load()
+    except TinsmithError as e:
+        raise StartupError(f"cannot load base model {source}: {e.message}") from e
+    except torch.OutOfMemoryError as e:
+        raise StartupError(f"cannot load base model {source}: out of device memory; serve fewer or smaller "
+                           "models, or another --device") from e
+    except Exception as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise StartupError(f"cannot load base model {source}: {type(e).__name__}: {text}") from e
 
 
 def _stop_after_losing_lease(current: LeaseRecord | None) -> None:
