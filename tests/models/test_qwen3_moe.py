@@ -254,7 +254,7 @@ def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, qwen3_moe
     u = _perturbed_adapter(rt, spec, 12)
     tensors = {n: p.detach() for n, p in rt.unit(u).named_params}
     save_peft_adapter(tmp_path / "adapter", spec, tensors, str(qwen3_moe_dir))
-    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(qwen3_moe_dir))
+    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(qwen3_moe_dir)).path
     tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(30).expand_as(tokens)
     with torch.no_grad():
