@@ -49,6 +49,7 @@ def test_wheel_carries_migrations_and_runs_them(wheel, tmp_path):
         names = z.namelist()
         z.extractall(tmp_path / "site")
     assert any(n.startswith("tinsmith/store/migrations/versions/0001") for n in names)
+    assert {"tinsmith/api/dashboard/index.html", "tinsmith/api/dashboard/dashboard.js"} <= set(names)
     # the unpacked wheel, not the checkout, migrates a fresh database
     code = ("import tinsmith, sys; from tinsmith.store import Store; "
             f"assert tinsmith.__file__.startswith({str(tmp_path / 'site')!r}), tinsmith.__file__; "
