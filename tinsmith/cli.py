@@ -191,7 +191,7 @@ def export(checkpoint: str, out: str, fmt: str, max_shard_size: str, push_to_hub
     from pathlib import Path
 
     from tinsmith.checkpoints.export import run_export
-    from tinsmith.checkpoints.progress import progress_wanted
+    from tinsmith.progress import progress_wanted
     from tinsmith.errors import TinsmithError
 
     source = checkpoint

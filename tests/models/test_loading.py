@@ -106,3 +106,20 @@ def test_nan_weights_rejected(tmp_path, qwen3_dir):
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(InvalidInputError, match="up_proj.*NaN"):
         load_model(str(d))
+
+
+def test_loading_draws_a_progress_bar_on_a_terminal_only(tmp_path, monkeypatch, capsys):
+    """A model load shows its bytes on stderr when stderr is a terminal, and nothing otherwise."""
+    import sys
+
+    from tests.conftest import SMALL
+    from tinsmith.devtools.tiny_model import make_tiny_model
+    from tinsmith.models.loading import load_model
+
+    model_dir = make_tiny_model(tmp_path / "m", "qwen3", SMALL, seed=1)
+    capsys.readouterr()
+    load_model(str(model_dir))
+    assert "loading m" not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    load_model(str(model_dir))
+    assert "loading m" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
-from tinsmith.checkpoints.progress import bar
+from tinsmith.progress import bar
 from tinsmith.errors import InvalidInputError
 
 INDEX = "model.safetensors.index.json"

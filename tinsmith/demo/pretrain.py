@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tinsmith.demo import task
-from tinsmith.demo.terminal import progress_bar
+from tinsmith.progress import bar, progress_wanted
 
 RECIPE_VERSION = 1
 
@@ -151,7 +151,7 @@ def _pretrain(cfg: PretrainConfig, log):
     loss_v = float("nan")
     acc = {"greedy": 0.0, "sampled": 0.0}
     step = 0
-    bar = progress_bar(cfg.max_steps, "pre-training")
+    steps_bar = bar(progress_wanted(), total=cfg.max_steps, desc="pre-training", unit="step", leave=False)
     while step < cfg.max_steps and acc["greedy"] < cfg.target_greedy:
         for g in opt.param_groups:
             g["lr"] = cfg.learning_rate * min(1.0, (step + 1) / cfg.warmup_steps)
@@ -166,12 +166,12 @@ def _pretrain(cfg: PretrainConfig, log):
         opt.step()
         loss_v = float(loss.detach())
         step += 1
-        bar.update()
+        steps_bar.update()
         if step % cfg.eval_every == 0:
             acc = evaluate(model, held_out)
             log(f"pretrain step {step:4d}  loss {loss_v:.3f}  held-out exact match {100 * acc['greedy']:4.1f}% greedy, "
                 f"{100 * acc['sampled']:4.1f}% sampled  {time.perf_counter() - t0:5.1f}s")
-    bar.close()
+    steps_bar.close()
     stats = {"steps": step, "final_loss": loss_v, "seconds": round(time.perf_counter() - t0, 1),
              "params": sum(p.numel() for p in model.parameters()),
              "held_out_exact_match": evaluate(model, held_out)}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tinsmith.demo import task
 from tinsmith.demo.pretrain import PretrainConfig, ensure_model
-from tinsmith.demo.terminal import progress_bar, progress_log
+from tinsmith.progress import bar, progress_log, progress_wanted
 
 API_KEY = "tml-demo"
 
@@ -196,7 +196,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
         n_seqs = cfg.prompts_per_step * cfg.group_size
         log(f"RL: {cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
             f"LoRA rank {cfg.lora_rank}, lr {cfg.learning_rate:g}, setup {time.perf_counter() - t_start:.0f}s")
-        bar = progress_bar(cfg.steps, "RL steps")
+        steps_bar = bar(progress_wanted(), total=cfg.steps, desc="RL steps", unit="step", leave=False)
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
             sampler = tc.save_weights_and_get_sampling_client().result()
@@ -245,9 +245,9 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
                 f"loss {loss:+.4f}  sample {rec['sample_tokens_per_s']:6.0f} tok/s  "
                 f"train {rec['train_tokens_per_s']:6.0f} tok/s  {rec['step_s']:4.1f}s  [{rec['elapsed_s']:5.0f}s]")
             plot_curve(records, png_path, start_acc["greedy"])
-            bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", refresh=False)
-            bar.update()
-        bar.close()
+            steps_bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", refresh=False)
+            steps_bar.update()
+        steps_bar.close()
         try:
             sc.close("success").result(timeout=10)
         except Exception:  # noqa: BLE001 - closing the session is a courtesy; the server stops next

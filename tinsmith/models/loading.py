@@ -24,6 +24,7 @@ from tinsmith.models.layers import CausalLM, Rotary
 from tinsmith.models.lora import pack_weights
 from tinsmith.models.moe import expert_tensor_sources
 from tinsmith.models.registry import family_for
+from tinsmith.progress import bar, progress_wanted
 
 _HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                  "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
@@ -132,8 +133,12 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
                 handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
             return handles[f].get_tensor(source)
 
+        total = sum(expected[name].numel() * expected[name].element_size() for name in recipes)
+        loading = stack.enter_context(bar(progress_wanted(), total=total, desc=f"loading {model_dir.name}",
+                                          unit="B", unit_scale=True, unit_divisor=1024, leave=False))
         for name, (sources, combine) in recipes.items():
             t = combine([read(s) for s in sources])
+            loading.update(expected[name].numel() * expected[name].element_size())
             if tuple(t.shape) != tuple(expected[name].shape):
                 raise InvalidInputError(
                     f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
