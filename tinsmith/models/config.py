@@ -22,6 +22,23 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """What an image-text model adds to its text decoder: how images become tokens.
+
+    ``raw`` is the checkpoint's ``vision_config`` as written (the vision tower is built from it).
+    An image of ``grid_h x grid_w`` patches becomes ``grid_h * grid_w / merge_size**2`` copies of
+    ``image_token_id`` in the token sequence.
+    """
+
+    image_token_id: int
+    vision_start_token_id: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    raw: tuple[tuple[str, Any], ...] = ()  # vision_config items (frozen; dict(raw) to use)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -40,6 +57,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    vision: VisionConfig | None = None  # None: a text-only model (image chunks are refused)
 
     @property
     def num_params(self) -> int:

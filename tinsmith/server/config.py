@@ -47,6 +47,7 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # default: the model's context length
     max_forward_datums: int = 1024
     max_forward_tokens: int = 1 << 21
+    max_image_pixels: int = 4096 * 4096  # width x height of one prompt image, read before decoding
     long_poll_seconds: float = 25.0
     seq_gap_wait_s: float = 2.0  # how long a run's request waits for an earlier seq_id to arrive
     checkpoint_quota_bytes: int | None = None  # per API key
@@ -73,7 +74,8 @@ class ServerConfig:
     # Options that must be a positive count when set, and durations that must not be negative.
     _AT_LEAST_ONE = ("max_lora_adapters", "max_lora_rank", "max_training_runs", "max_full_finetunes",
                      "max_full_sampler_snapshots",
-                     "max_body_bytes", "max_forward_datums", "max_forward_tokens", "train_micro_batch_tokens",
+                     "max_body_bytes", "max_forward_datums", "max_forward_tokens", "max_image_pixels",
+                     "train_micro_batch_tokens",
                      "train_micro_batch_size", "train_chunk_tokens", "max_num_samples", "max_sample_tokens",
                      "max_prompt_tokens", "max_runs_per_key", "max_requests_in_flight_per_key",
                      "max_sampler_snapshots", "max_sampler_snapshots_per_key")
@@ -139,6 +141,7 @@ _HELP = {
     "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
     "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
     "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",
+    "max_image_pixels": "largest image (width x height) in a model input, checked from its header before it is decoded",
     "long_poll_seconds": "how long retrieve_future waits before answering try_again",
     "seq_gap_wait_s": "how long a run's request waits for a missing earlier seq_id before it runs anyway",
     "checkpoint_quota_bytes": "checkpoint storage allowed per API key, counting every save and copy (default: unlimited)",

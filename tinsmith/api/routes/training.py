@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
+from tinsmith.api.images import check_images_for_model
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import CreateModelRequest, ModelIdRequest, OptimStepRequest, UnloadModelRequest
@@ -88,7 +89,9 @@ async def _forward_backward(request: Request, caller: Caller, forward_route: boo
         wire, payload_type = "json", "json"
     if forward_route:
         inp.forward_only = True
-    await owned_model(state, caller, model_id)
+    m = await owned_model(state, caller, model_id)
+    check_images_for_model((im for d in inp.data for im in d.images), m.base_model,
+                           state.worker.resolve_base(m.base_model).config)
     kind = "forward" if inp.forward_only else "forward_backward"
     return await submit(state, caller, kind, inp, payload=body, payload_type=payload_type, model_id=model_id,
                         seq_id=seq_id, wire=wire)
