@@ -70,6 +70,9 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
         raise InvalidInputError("the checkpoint does not name its base model; pass --base-model")
     base_dir = resolve_model_dir(base)
     loaded = load_model(str(base_dir), device="cpu", dtype=torch.float32)
+    if loaded.config.vision is not None:
+        raise InvalidInputError(f"merged export of image-text base model {base!r} is not supported yet; "
+                                "export the LoRA adapter instead")
     model = loaded.model
     state = {k: v.clone() for k, v in model.state_dict().items()}
     tie = loaded.config.tie_word_embeddings

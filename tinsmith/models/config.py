@@ -19,6 +19,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Multimodal RoPE (Qwen3-VL): frequencies per axis (temporal, height, width), interleaved;
+    # empty for a text-only model. Positions are then (3, b, L); equal axes give plain RoPE.
+    mrope_section: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        mrope_section=tuple(int(x) for x in params.get("mrope_section") or ()),
     )
 
 

@@ -20,9 +20,10 @@ from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM, Rotary
 from tinsmith.models.lora import pack_weights
 from tinsmith.models.registry import family_for
+from tinsmith.models.vision import VisionTower
 
-_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                 "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
+_HUB_PATTERNS = ["config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json",
+                 "*.safetensors", "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
@@ -55,10 +56,12 @@ def resolve_model_dir(name_or_path: str) -> Path:
 
 
 def read_config(model_dir: Path) -> ModelConfig:
-    raw = json.loads((model_dir / "config.json").read_text())
-    if "text_config" in raw and "num_hidden_layers" not in raw:
-        raw = {**raw["text_config"], "architectures": raw.get("architectures")}
+    raw = _raw_config(model_dir)
     return family_for(raw).config(raw)
+
+
+def _raw_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -88,12 +91,14 @@ class LoadedModel:
     model: CausalLM
     config: ModelConfig
     model_dir: Path
+    vision: VisionTower | None = None  # image-text models: processor and frozen vision encoder
 
 
 def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
     """Build the model for a checkpoint and load its weights (frozen, ready for adapters)."""
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
+    text_prefix = family_for(_raw_config(model_dir)).text_prefix
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
@@ -102,25 +107,20 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     files = _weight_files(model_dir)
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in files]
+    # Checkpoint name of each tensor (a multimodal checkpoint nests the decoder: model.language_model.*).
+    stored = {k: text_prefix + k.removeprefix("model.") if k.startswith("model.") else k for k in expected}
+    missing = [stored[k] for k in expected if stored[k] not in files]
     if missing:
         raise InvalidInputError(f"checkpoint {str(model_dir)!r} lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
-        by_file.setdefault(files[name], []).append(name)
+        by_file.setdefault(files[stored[name]], []).append(name)
     for f, names in by_file.items():
         with safe_open(f, framework="pt", device="cpu") as fh:
             for name in names:
-                t = fh.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise InvalidInputError(
-                        f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
-                    )
-                t = t.to(device=device, dtype=dtype)
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise InvalidInputError(f"tensor {name!r} in {str(f)!r} contains NaN or infinite values")
-                state[name] = t
+                t = _checked_tensor(fh, stored[name], f, tuple(expected[name].shape))
+                state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -129,4 +129,35 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
-    return LoadedModel(model=model, config=cfg, model_dir=model_dir)
+    vision = None
+    if cfg.vision is not None:
+        vision = VisionTower(cfg.vision, model_dir, _vision_weights(files), device, dtype)
+    return LoadedModel(model=model, config=cfg, model_dir=model_dir, vision=vision)
+
+
+VISION_PREFIX = "model.visual."
+
+
+def _vision_weights(files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """The vision encoder's tensors (``model.visual.*``), named as its module names them."""
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        if name.startswith(VISION_PREFIX):
+            by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt", device="cpu") as fh:
+            for name in names:
+                out[name.removeprefix(VISION_PREFIX)] = _checked_tensor(fh, name, f, None)
+    if not out:
+        raise InvalidInputError(f"image-text checkpoint has no vision tensors ({VISION_PREFIX}*)")
+    return out
+
+
+def _checked_tensor(fh, name: str, f: Path, shape: tuple[int, ...] | None) -> torch.Tensor:
+    t = fh.get_tensor(name)
+    if shape is not None and tuple(t.shape) != shape:
+        raise InvalidInputError(f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {shape}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise InvalidInputError(f"tensor {name!r} in {str(f)!r} contains NaN or infinite values")
+    return t
