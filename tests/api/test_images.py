@@ -19,7 +19,7 @@ from tinker import types as T
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinsmith.api.codecs import decode_forward_backward_json, decode_forward_backward_protobuf, decode_sample_request_json
 from tinsmith.api.codecs._images import check_image
-from tinsmith.api.images import check_images_for_model
+from tinsmith.api.images import check_images_for_model, fit_forward_input, fit_sample_input
 from tinsmith.api.limits import RequestLimits
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.config import ModelConfig, VisionConfig
@@ -207,5 +207,33 @@ def test_text_only_model_refuses_images_by_name():
         check_images_for_model([im], "Qwen/Qwen3-8B", config)
     assert str(exc.value).startswith("prompt.chunks[1] is an image, but base model 'Qwen/Qwen3-8B' is a text-only model")
     vl = VisionConfig(image_token_id=9, vision_start_token_id=8, patch_size=16, merge_size=2, temporal_patch_size=2)
-    with pytest.raises(InvalidInputError, match="not served yet"):
-        check_images_for_model([im], "vl", ModelConfig(**{**config.__dict__, "vision": vl}))
+    check_images_for_model([im], "vl", ModelConfig(**{**config.__dict__, "vision": vl}))
+
+
+def test_image_text_model_expands_images_by_its_processor_count():
+    config = ModelConfig(architecture="Qwen3VLForConditionalGeneration", family="qwen3_vl", vocab_size=10,
+                         hidden_size=4, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4,
+                         max_position_embeddings=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         vision=VisionConfig(image_token_id=9, vision_start_token_id=8, patch_size=16, merge_size=2,
+                                             temporal_patch_size=2))
+    counts = {(8, 6): 3, (16, 16): 2}
+    count = lambda w, h: counts[(w, h)]  # noqa: E731
+    sample = decode_sample_request_json({"sampling_session_id": "s", "seq_id": 0, "prompt": {"chunks": [
+        {"type": "encoded_text", "tokens": [1, 8]}, T.ImageChunk(data=image_bytes(), format="png").model_dump(mode="json"),
+        {"type": "encoded_text", "tokens": [2]},
+        T.ImageChunk(data=image_bytes(size=(16, 16)), format="png", expected_tokens=2).model_dump(mode="json")]}})[4]
+    fit_sample_input(sample, "vl", config, count)
+    assert sample.prompt.tolist() == [1, 8, 9, 9, 9, 2, 9, 9]
+    assert [(im.position, im.expected_tokens) for im in sample.prompt_images] == [(2, 3), (6, 2)]
+
+    def fb(expected: int, rows: int, text=(1, 2)):
+        chunks = [T.EncodedTextChunk(tokens=list(text)), T.ImageChunk(data=image_bytes(), format="png", expected_tokens=expected)]
+        return decode_forward_backward_protobuf(_pb_body([_datum(chunks, rows)]))[2]
+
+    inp = fb(3, 5)
+    fit_forward_input(inp, "vl", config, count)
+    assert inp.data[0].tokens.tolist() == [1, 2, 9, 9, 9] and inp.data[0].images[0].position == 2
+    with pytest.raises(InvalidInputError, match=r"data\[0\].model_input\[1\].expected_tokens is 4, but base model 'vl' makes 3"):
+        fit_forward_input(fb(4, 6), "vl", config, count)
+    with pytest.raises(InvalidInputError, match=r"data\[0\].model_input holds the image placeholder token id 9"):
+        fit_forward_input(fb(3, 5, text=(1, 9)), "vl", config, count)

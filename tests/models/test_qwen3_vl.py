@@ -36,8 +36,8 @@ def ours(loaded, text: np.ndarray, images: list[ImageInput]):
     vt, cfg = loaded.vision, loaded.config.vision
     enc = vt.encode(images)
     assert [e.num_tokens for e in enc] == [vt.num_tokens(im.width, im.height) for im in images]
-    tokens = expand_tokens(text, images, [e.num_tokens for e in enc], cfg.image_token_id)
-    pos, delta = mrope_positions(len(text), images, [e.grid for e in enc], cfg.merge_size)
+    tokens, starts = expand_tokens(text, images, [e.num_tokens for e in enc], cfg.image_token_id)
+    pos, delta = mrope_positions(len(tokens), starts, [e.grid for e in enc], cfg.merge_size)
     t = torch.tensor(tokens)[None]
     visual = VisualFeatures(mask=t == cfg.image_token_id, embeds=torch.cat([e.embeds for e in enc]),
                             deepstack=[torch.cat(f) for f in zip(*[e.deepstack for e in enc])])

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from tinsmith.models.config import VisionConfig
+from tinsmith.models.layers import VisualFeatures
 from tinsmith.types import ImageInput
 
 
@@ -73,33 +74,65 @@ class VisionTower:
         return [EncodedImage(grid=tuple(int(x) for x in grid[i].tolist()), embeds=embeds[i],
                              deepstack=[layer[i] for layer in layers]) for i in range(len(images))]
 
+    def batch_inputs(self, tokens: torch.Tensor, lengths: list[int],
+                     images: list[list[ImageInput]]) -> tuple[torch.Tensor, VisualFeatures | None, list[int]]:
+        """What a right-padded ``(b, L)`` batch needs for its images: ``(3, b, L)`` positions, the
+        visual features, and each row's rope delta. ``images[i]`` are row ``i``'s images, their
+        ``position`` the start of their tokens in the (expanded) row."""
+        b, L = tokens.shape
+        positions = torch.arange(L, device=tokens.device).expand(3, b, L).clone()
+        flat = [im for row in images for im in row]
+        if not flat:
+            return positions, None, [0] * b
+        encoded = self.encode(flat)
+        deltas, k = [], 0
+        for i, row in enumerate(images):
+            enc, k = encoded[k:k + len(row)], k + len(row)
+            if not row:
+                deltas.append(0)
+                continue
+            pos, delta = mrope_positions(lengths[i], [im.position for im in row], [e.grid for e in enc],
+                                         self.cfg.merge_size)
+            positions[:, i, :lengths[i]] = torch.from_numpy(pos).to(tokens.device)
+            deltas.append(delta)
+        valid = torch.arange(L, device=tokens.device)[None, :] < torch.tensor(lengths, device=tokens.device)[:, None]
+        mask = (tokens == self.cfg.image_token_id) & valid
+        embeds = torch.cat([e.embeds for e in encoded])
+        if int(mask.sum()) != embeds.shape[0]:
+            raise RuntimeError(f"{int(mask.sum())} image tokens in the batch but its images make {embeds.shape[0]}")
+        deepstack = [torch.cat(layer) for layer in zip(*[e.deepstack for e in encoded])]
+        return positions, VisualFeatures(mask=mask, embeds=embeds, deepstack=deepstack), deltas
 
-def expand_tokens(tokens: np.ndarray, images: list[ImageInput], counts: list[int], image_token_id: int) -> np.ndarray:
-    """The model's token sequence: each image becomes ``count`` image tokens at its position."""
-    parts, prev = [], 0
+
+def expand_tokens(tokens: np.ndarray, images: list[ImageInput], counts: list[int],
+                  image_token_id: int) -> tuple[np.ndarray, list[int]]:
+    """The model's token sequence, each image as ``count`` image tokens at its place among the
+    text tokens (``ImageInput.position``); and where each image's tokens start in it."""
+    parts, starts, prev, added = [], [], 0, 0
     for im, n in zip(images, counts):
         parts += [tokens[prev:im.position], np.full(n, image_token_id, dtype=np.int64)]
-        prev = im.position
+        starts.append(im.position + added)
+        prev, added = im.position, added + n
     parts.append(tokens[prev:])
-    return np.concatenate(parts).astype(np.int64)
+    return np.concatenate(parts).astype(np.int64), starts
 
 
-def mrope_positions(n_text: int, images: list[ImageInput], grids: list[tuple[int, int, int]],
+def mrope_positions(length: int, starts: list[int], grids: list[tuple[int, int, int]],
                     merge_size: int) -> tuple[np.ndarray, int]:
-    """(3, L) multimodal positions of the sequence ``expand_tokens`` makes of ``n_text`` text tokens
-    and these images (``grids`` from the processor), and its ``rope_delta``
-    (``max position + 1 - L``: what decoding adds to each new token's index)."""
+    """(3, length) multimodal positions of an expanded sequence whose images' tokens start at
+    ``starts`` (``grids`` from the processor, in patches), and its ``rope_delta``
+    (``max position + 1 - length``: what decoding adds to each new token's index)."""
     cols, cur, prev = [], 0, 0
-    for im, (t, gh, gw) in zip(images, grids):
-        text = im.position - prev
+    for start, (t, gh, gw) in zip(starts, grids):
+        text = start - prev
         cols.append(np.broadcast_to(np.arange(cur, cur + text), (3, text)))
         cur += text
-        prev = im.position
         h, w = gh // merge_size, gw // merge_size
         tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
         cols.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + cur)
         cur += max(h, w)
-    text = n_text - prev
+        prev = start + t * h * w
+    text = length - prev
     cols.append(np.broadcast_to(np.arange(cur, cur + text), (3, text)))
     pos = np.concatenate(cols, axis=1).astype(np.int64)
-    return pos, int(pos.max()) + 1 - pos.shape[1] if pos.size else 0
+    return pos, int(pos.max()) + 1 - length if pos.size else 0

@@ -22,7 +22,8 @@ from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, Tin
 from tinsmith.losses import LossBatch, LossSpec, resolve_loss, validate_inputs
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import Segments
-from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, LoraSpec
+from tinsmith.models.vision import VisionTower
+from tinsmith.types import AdamParams, ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec
 from tinsmith.worker.batching import MicroBatch, SequenceRef, build_micro_batch, plan_micro_batches
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable
 
@@ -51,6 +52,7 @@ class _Prepared:
     tokens: list[np.ndarray]
     targets: list[torch.Tensor]  # (N,) or (N, K) int64
     inputs: list[dict[str, torch.Tensor]]  # flattened float inputs per datum
+    images: list[list[ImageInput]]  # per datum; positions are where their tokens start
 
 
 @dataclass
@@ -125,8 +127,10 @@ class TrainingRuntime:
         micro_batch_seqs: int = 1 << 30,
         gradient_checkpointing: bool = False,
         full_finetune: bool = False,
+        vision: VisionTower | None = None,
     ):
         self.model = model
+        self.vision = vision  # image-text models: the frozen vision tower that feeds image tokens
         self.config = model.config
         self.device = next(model.parameters()).device
         self.max_lora_adapters = max_lora_adapters  # adapters attached to the model at once
@@ -240,7 +244,10 @@ class TrainingRuntime:
             toks.append(t.astype(np.int64, copy=False))
             targets.append(torch.from_numpy(tgt.astype(np.int64, copy=False)))
             inputs.append(flat)
-        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs)
+        images = [list(d.images) for d in inp.data]
+        if any(images) and self.vision is None:
+            raise InvalidInputError("this model takes no image input")
+        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs, images)
 
     # ----------------------------------------------------------------------------- forward/backward
     def forward_backward(self, requests: list[TrainRequest]) -> list[Union[ForwardBackwardResult, TinsmithError]]:
@@ -329,7 +336,8 @@ class TrainingRuntime:
             for rows in groups:
                 mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device)
                 lps: dict = {}
-                self._run_micro_batch(mb, prepared, lps)
+                images = [prepared[s.request].images[s.datum] for s in mb.rows]
+                self._run_micro_batch(mb, prepared, lps, images)
                 for ((pid, r), d), lp in lps.items():
                     by_id[pid].lps[(r, d)] = lp
                     left[pid] -= 1
@@ -344,9 +352,14 @@ class TrainingRuntime:
                 if not p.done:
                     p.fail(exc)
 
-    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict) -> None:
+    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict,
+                         images: list[list[ImageInput]]) -> None:
+        positions, visual = mb.positions, None
+        if any(images):
+            assert self.vision is not None
+            positions, visual, _ = self.vision.batch_inputs(mb.tokens, [r.length for r in mb.rows], images)
         with torch.set_grad_enabled(mb.needs_grad):
-            hidden = self.model.hidden_states(mb.tokens, mb.positions, mb.row_segments)
+            hidden = self.model.hidden_states(mb.tokens, positions, mb.row_segments, visual=visual)
             h = hidden[mb.valid]  # (T, hidden) real tokens, row-major
             rows_idx, cols, elem_bounds = [], [], [0]
             for i, ref in enumerate(mb.rows):

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_model, owned_session, sampler_weights, state_of, submit
-from tinsmith.api.images import check_images_for_model
+from tinsmith.api.images import fit_sample_input
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import Body
@@ -129,7 +129,7 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
         base_model, ck = await sampler_weights(state, caller, base_model, model_path)
         snapshot_key, storage_path = model_path, ck.storage_path
     base = state.worker.resolve_base(base_model or "")
-    check_images_for_model(inp.prompt_images, base_model or "", base.config)
+    fit_sample_input(inp, base_model or "", base.config, base.image_token_counter)
     limits.check_sample(inp, base.config.max_position_embeddings)
     first = await run_in_threadpool(state.store.reserve_sequence_numbers, sid, inp.num_samples) if sid else None
     prefix = sid or "direct"

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
-from tinsmith.api.images import check_images_for_model
+from tinsmith.api.images import fit_forward_input
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import CreateModelRequest, ModelIdRequest, OptimStepRequest, UnloadModelRequest
@@ -90,8 +90,10 @@ async def _forward_backward(request: Request, caller: Caller, forward_route: boo
     if forward_route:
         inp.forward_only = True
     m = await owned_model(state, caller, model_id)
-    check_images_for_model((im for d in inp.data for im in d.images), m.base_model,
-                           state.worker.resolve_base(m.base_model).config)
+    base = state.worker.resolve_base(m.base_model)
+    fit_forward_input(inp, m.base_model, base.config, base.image_token_counter)
+    if any(d.images for d in inp.data):  # image tokens count too, now that the processor has made them
+        limits.check_forward_tokens(sum(int(d.tokens.size) for d in inp.data))
     kind = "forward" if inp.forward_only else "forward_backward"
     return await submit(state, caller, kind, inp, payload=body, payload_type=payload_type, model_id=model_id,
                         seq_id=seq_id, wire=wire)
