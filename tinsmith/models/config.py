@@ -28,7 +28,7 @@ class RopeConfig:
 class VisionConfig:
     """What an image-text model adds to its text decoder: how images become tokens.
 
-    ``raw`` is the checkpoint's ``vision_config`` as written (the vision tower is built from it).
+    ``raw_json`` is the checkpoint's ``vision_config`` as written (the vision tower is built from it).
     An image of ``grid_h x grid_w`` patches becomes ``grid_h * grid_w / merge_size**2`` copies of
     ``image_token_id`` in the token sequence.
     """
@@ -38,7 +38,7 @@ class VisionConfig:
     patch_size: int
     merge_size: int
     temporal_patch_size: int
-    raw: tuple[tuple[str, Any], ...] = ()  # vision_config items (frozen; dict(raw) to use)
+    raw_json: str = "{}"  # vision_config, as JSON (keeps this dataclass hashable)
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
     vision: VisionConfig | None = None  # None: a text-only model (image chunks are refused)
+    text_prefix: str = "model."  # where the checkpoint keeps the decoder ("model.language_model." in VL models)
 
     @property
     def num_params(self) -> int:

@@ -98,7 +98,6 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     """Build the model for a checkpoint and load its weights (frozen, ready for adapters)."""
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
-    text_prefix = family_for(_raw_config(model_dir)).text_prefix
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
@@ -108,7 +107,7 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     # Checkpoint name of each tensor (a multimodal checkpoint nests the decoder: model.language_model.*).
-    stored = {k: text_prefix + k.removeprefix("model.") if k.startswith("model.") else k for k in expected}
+    stored = {k: cfg.text_prefix + k.removeprefix("model.") if k.startswith("model.") else k for k in expected}
     missing = [stored[k] for k in expected if stored[k] not in files]
     if missing:
         raise InvalidInputError(f"checkpoint {str(model_dir)!r} lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -9,6 +9,7 @@ first decoder layers add to the image positions.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tinsmith.models.config import VisionConfig
@@ -23,12 +24,8 @@ def vision_config(raw: dict[str, Any]) -> VisionConfig:
         patch_size=int(vision.get("patch_size", 16)),
         merge_size=int(vision.get("spatial_merge_size", 2)),
         temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
-        raw=tuple(sorted((k, _frozen(v)) for k, v in vision.items())),
+        raw_json=json.dumps(vision, sort_keys=True),
     )
-
-
-def _frozen(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 QWEN3_VL = register(Family(name="qwen3_vl", architectures=("Qwen3VLForConditionalGeneration",),

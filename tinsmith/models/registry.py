@@ -30,9 +30,8 @@ class Family:
             if "tie_word_embeddings" in raw and "tie_word_embeddings" not in raw["text_config"]:
                 text["tie_word_embeddings"] = raw["tie_word_embeddings"]
         cfg = config_from_hf(text, self.name, attention_bias=self.attention_bias, qk_norm=self.qk_norm)
-        if self.vision is not None:
-            cfg = dataclasses.replace(cfg, vision=self.vision(raw))
-        return cfg
+        return dataclasses.replace(cfg, vision=None if self.vision is None else self.vision(raw),
+                                   text_prefix=self.text_prefix)
 
 
 _BY_ARCH: dict[str, Family] = {}

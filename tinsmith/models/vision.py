@@ -11,6 +11,7 @@ starting at the running position, which then moves on by ``max(height, width)`` 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class VisionTower:
 
         self.cfg = cfg
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
-        config = Qwen3VLVisionConfig(**dict(cfg.raw))
+        config = Qwen3VLVisionConfig(**json.loads(cfg.raw_json))
         config._attn_implementation = "sdpa"
         model = Qwen3VLVisionModel(config)
         model.load_state_dict(weights, strict=True)

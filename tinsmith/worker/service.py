@@ -168,6 +168,9 @@ class Worker:
             unit = base.lora.create_adapter(lora)
             placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
+            if base.config.vision is not None:
+                raise InvalidInputError(f"full fine-tuning of image-text base model {base_model!r} is not supported "
+                                        "yet; use a LoRA config")
             if sum(len(b.full) for b in self.bases.values()) >= self.options.max_full_finetunes:
                 raise CapacityError(
                     f"this server holds at most {self.options.max_full_finetunes} full fine-tuning runs "
