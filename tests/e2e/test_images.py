@@ -1,21 +1,30 @@
-"""Images in prompts through the real SDK: a text-only base model refuses them with a 400 naming it.
+"""Images in prompts through the real SDK.
 
-Every call that carries a model input (forward_backward, forward, sample, compute_logprobs)
-is tried with an ``ImageChunk``; hostile images are refused before the model is asked. After each
-case the server must have logged no internal error, and the run must still train on text.
+A text-only base model refuses them with a 400 naming it, for every call that carries a model
+input (forward_backward, forward, sample, compute_logprobs); hostile images are refused before
+the model is asked. A tiny random Qwen3-VL takes them: forward equals transformers, training
+lowers the loss, sampling after an image matches forward. After each case the server must have
+logged no internal error.
 """
 
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tinker
+import torch
+import transformers
 from PIL import Image
 from tinker import types
 
+from tests.conftest import SMALL
 from tests.e2e.helpers import RESULT_TIMEOUT_S, assert_no_internal_errors, lora_client, loss_sum
+from tests.e2e.server import ServerProcess
+from tinsmith.devtools.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -100,35 +109,24 @@ def test_hostile_images_are_refused_by_field(tc):
 
 @pytest.fixture(scope="module")
 def vl_server(tmp_path_factory):
-    from tests.conftest import SMALL
-    from tests.e2e.server import ServerProcess
-    from tinsmith.devtools.tiny_model import make_tiny_model
-
     model_dir = make_tiny_model(tmp_path_factory.mktemp("vl-model") / "qwen3_vl", "qwen3_vl", SMALL, seed=5)
     srv = ServerProcess(model_dir, tmp_path_factory.mktemp("vl-data")).start()
     yield srv
+    assert_no_internal_errors(srv.log_text())
     srv.stop()
 
 
 def _vl_ids(model_dir: str) -> dict:
-    import json
-    from pathlib import Path
-
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def _image_tokens(model_dir: str, data: bytes) -> int:
-    from transformers import AutoImageProcessor
-
     w, h = Image.open(io.BytesIO(data)).size
-    return AutoImageProcessor.from_pretrained(model_dir).get_number_of_image_patches(h, w, {}) // 4
+    return transformers.AutoImageProcessor.from_pretrained(model_dir).get_number_of_image_patches(h, w, {}) // 4
 
 
 def _hf_logprobs(model_dir: str, tokens: list[int], data: bytes) -> np.ndarray:
     """transformers' Qwen3-VL: log p(tokens[i+1] | tokens[:i+1]) with the image in place."""
-    import torch
-    import transformers
-
     model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     proc = transformers.AutoImageProcessor.from_pretrained(model_dir)
     batch = proc(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
@@ -213,4 +211,12 @@ def test_vl_model_refuses_mismatched_images(vl_server):
     msg = _bad_request(lambda: tc.forward([datum([types.EncodedTextChunk(tokens=[1, ids["image_token_id"]])], 2)],
                                           "cross_entropy"))
     assert "holds the image placeholder token id" in msg, msg
+    thin = types.ImageChunk(data=png((1000, 2)), format="png")
+    msg = _bad_request(lambda: tc.forward([datum([types.EncodedTextChunk(tokens=[1]), thin], 5)], "cross_entropy"))
+    assert "data[0].model_input[1] is a 1000x2 image that base model" in msg and "aspect ratio" in msg, msg
+    # a one-pixel image is fine: the processor scales it up to its minimum
+    dot = types.ImageChunk(data=png((1, 1)), format="png")
+    n_dot = _image_tokens(model_dir, png((1, 1)))
+    out = tc.forward([datum([types.EncodedTextChunk(tokens=[1]), dot], 1 + n_dot)], "cross_entropy")
+    assert np.isfinite(out.result(timeout=RESULT_TIMEOUT_S).loss_fn_outputs[0]["logprobs"].to_numpy()).all()
     sc.close("success").result(timeout=10)

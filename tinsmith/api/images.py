@@ -48,7 +48,12 @@ def _fit(tokens: np.ndarray, images: list[ImageInput], where: str, base_model: s
         return tokens, images
     counts = []
     for im in images:
-        n = count(im.width, im.height)
+        try:
+            n = count(im.width, im.height)
+        except ValueError as e:  # e.g. an aspect ratio the processor cannot resize within its bounds
+            raise InvalidInputError(
+                f"{im.where} is a {im.width}x{im.height} image that base model {base_model!r}'s image "
+                f"processor refuses: {e}") from None
         if im.expected_tokens is not None and im.expected_tokens != n:
             raise InvalidInputError(
                 f"{im.where}.expected_tokens is {im.expected_tokens}, but base model {base_model!r} makes "
