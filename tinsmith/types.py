@@ -25,6 +25,24 @@ class ProvenanceSpan:
     length: int
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a model input: its bytes, checked on arrival but not yet turned into tokens.
+
+    How many tokens an image becomes is the base model's processor's business, so a model
+    input keeps its text tokens and its images apart: the image sits before the text token at
+    index ``position`` (``len(tokens)`` = after the last one).
+    """
+
+    data: bytes  # encoded image, format checked (decodes fully, within the pixel cap)
+    format: str  # "png" | "jpeg" | "webp"
+    width: int
+    height: int
+    position: int
+    expected_tokens: int | None  # the client's advisory count; checked against the processor's
+    where: str  # wire path of the chunk, for messages: "data[0].model_input[2]"
+
+
 @dataclass
 class Datum:
     """One training example: model input tokens and the loss inputs aligned with them.
@@ -38,6 +56,7 @@ class Datum:
     loss_inputs: dict[str, np.ndarray]
     model_input_spans: list[ProvenanceSpan] = field(default_factory=list)
     loss_input_spans: list[ProvenanceSpan] = field(default_factory=list)
+    images: list[ImageInput] = field(default_factory=list)  # image chunks between the tokens
 
 
 @dataclass
@@ -159,6 +178,7 @@ class SampleInput:
     # The request's sparse CSR layout (crow, col) of those ids, echoed in the result; None = dense.
     target_prompt_csr: tuple[np.ndarray, np.ndarray] | None = None
     prompt_alt_tokens_k: int = 0  # tokens to draw at every prompt position after the first
+    prompt_images: list[ImageInput] = field(default_factory=list)  # image chunks of the prompt
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tinsmith.api.codecs._images import DEFAULT_MAX_IMAGE_PIXELS
 from tinsmith.errors import InvalidInputError
 from tinsmith.types import SampleInput
 
@@ -43,13 +44,15 @@ class RequestLimits:
     forward_datums: int
     forward_tokens: int
     dense_elements: int  # what the sparse tensors of one request may expand to, in all
+    image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width x height of one image in a model input
 
     @classmethod
     def of(cls, config: ServerConfig, sampling_rows: int) -> RequestLimits:
         """The limits a server runs with; ``sampling_rows`` is its sampler's row limit (num_samples' bound)."""
         return cls(num_samples=sampling_rows, sample_tokens=config.max_sample_tokens,
                    prompt_tokens=config.max_prompt_tokens, forward_datums=config.max_forward_datums,
-                   forward_tokens=config.max_forward_tokens, dense_elements=config.max_body_bytes // 4)
+                   forward_tokens=config.max_forward_tokens, dense_elements=config.max_body_bytes // 4,
+                   image_pixels=config.max_image_pixels)
 
     def check_sample(self, inp: SampleInput, context_length: int) -> None:
         """Refuse a sampling request whose sizes exceed a limit (before any id is reserved)."""

@@ -206,6 +206,9 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
     if not base:
         raise InvalidInputError("the checkpoint does not name its base model; pass --base-model")
     base_dir = resolve_model_dir(base)
+    if read_config(base_dir).vision is not None:
+        raise InvalidInputError(f"merged export of image-text base model {base!r} is not supported yet; "
+                                "export the LoRA adapter instead (--format peft)")
     plan, make, untie = _merge_plan(base_dir, spec, tensors)
     tmp = atomic_dir(out_dir)
     try:

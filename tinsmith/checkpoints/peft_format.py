@@ -114,6 +114,18 @@ def recover_interrupted_commits(root: Path) -> tuple[int, int]:
     return restored, removed
 
 
+# An image-text checkpoint nests its decoder one level down; our module names never do.
+_NESTED_DECODER = "model.language_model."
+
+
+def _stored_name(name: str, text_prefix: str) -> str:
+    return text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+def _our_name(name: str) -> str:
+    return "model." + name.removeprefix(_NESTED_DECODER) if name.startswith(_NESTED_DECODER) else name
+
+
 def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
     """The tensor bytes :func:`save_peft_adapter` writes for ``tensors`` (float32), known before
     writing so a storage quota can refuse the save up front; the small JSON files come on top."""
@@ -121,19 +133,21 @@ def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str,
-                      age_recipients: Sequence[Any] = ()) -> int:
+                      age_recipients: Sequence[Any] = (), text_prefix: str = "model.") -> int:
     """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written.
 
     Routed experts' stacked adapters are written one per expert
     (``model.layers.0.mlp.experts.3.gate_proj.lora_A.weight``), the per-expert layout of the hub
     checkpoints, which peft converts onto transformers 5's fused expert parameters when loading.
+    ``text_prefix`` is where the base checkpoint keeps its decoder (``model.language_model.`` in
+    an image-text model), so the adapter's names are the ones PEFT finds in the HF model class.
 
     With ``age_recipients`` every file is age-encrypted to them (``NAME.age``) before the
     directory is committed, so no plaintext copy ever sits under the checkpoint's name.
     """
     tmp = atomic_dir(directory)
     try:
-        save_file({PEFT_PREFIX + k: v.detach().float().contiguous().cpu()
+        save_file({PEFT_PREFIX + _stored_name(k, text_prefix): v.detach().float().contiguous().cpu()
                    for k, v in split_expert_tensors(tensors).items()},
                   str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = {
@@ -174,7 +188,7 @@ def load_peft_adapter(directory: Path) -> tuple[LoraSpec, dict[str, torch.Tensor
         train_attn=bool(targets & set(ATTN)), train_mlp=bool(targets & set(MLP)), train_unembed="lm_head" in targets,
     )
     tensors = stack_expert_tensors(
-        {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v for k, v in load_file(str(w_path)).items()})
+        {_our_name(k.removeprefix(PEFT_PREFIX)): v for k, v in load_file(str(w_path)).items()})
     for name, t in tensors.items():
         if not bool(torch.isfinite(t).all()):
             raise InvalidInputError(f"adapter tensor {name!r} at {str(directory)!r} contains NaN or infinity")

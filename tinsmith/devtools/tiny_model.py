@@ -90,10 +90,15 @@ class TinyShape:
     moe_intermediate_size: int = 64
 
 
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_vl")
+
+# The vision-language family: its tokenizer needs these specials, and images stay small.
+VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+TINY_IMAGE_MIN_PIXELS = 32 * 32
+TINY_IMAGE_MAX_PIXELS = 128 * 128
 
 
-def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int, pad_id: int):
+def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int, pad_id: int, tok=None):
     import transformers
 
     common = dict(
@@ -133,6 +138,21 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
             },
             **common,
         )
+    if family == "qwen3_vl":
+        half = shape.head_dim // 2  # rotary frequencies, split temporal/height/width like 24/20/20 of 64
+        section = [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+        text = dict(common, head_dim=shape.head_dim,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": section,
+                                     "mrope_interleaved": True})
+        text.pop("tie_word_embeddings")
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=shape.hidden_size,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+        ids = {name: tok.token_to_id(t) for name, t in (
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision,
+                                          tie_word_embeddings=shape.tie_word_embeddings, **ids)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
@@ -158,12 +178,18 @@ def make_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if family == "qwen3_vl":
+        extra_special_tokens = tuple(extra_special_tokens) + tuple(
+            t for t in VISION_SPECIAL_TOKENS if t not in extra_special_tokens)
     tok = train_bpe_tokenizer(shape.vocab_size, seed, tuple(extra_special_tokens))
     eos_id = tok.token_to_id("<|endoftext|>")
     pad_id = tok.token_to_id("<|pad|>")
-    config = _hf_config(family, shape, tok.get_vocab_size(), eos_id, pad_id)
+    config = _hf_config(family, shape, tok.get_vocab_size(), eos_id, pad_id, tok)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "qwen3_vl":
+        model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with a larger spread than HF's default so logits are not all near zero.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -192,6 +218,11 @@ def make_tiny_model(
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     fast.save_pretrained(out)
+    if family == "qwen3_vl":
+        transformers.Qwen2VLImageProcessor(
+            patch_size=16, merge_size=2, temporal_patch_size=2,
+            size={"shortest_edge": TINY_IMAGE_MIN_PIXELS, "longest_edge": TINY_IMAGE_MAX_PIXELS},
+        ).save_pretrained(out)
     (out / "tinsmith_tiny.json").write_text(json.dumps({"family": family, "seed": seed, **shape.__dict__}))
     return out
 

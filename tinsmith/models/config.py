@@ -19,6 +19,26 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Multimodal RoPE (Qwen3-VL): frequencies per axis (temporal, height, width), interleaved;
+    # empty for a text-only model. Positions are then (3, b, L); equal axes give plain RoPE.
+    mrope_section: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """What an image-text model adds to its text decoder: how images become tokens.
+
+    ``raw_json`` is the checkpoint's ``vision_config`` as written (the vision tower is built from it).
+    An image of ``grid_h x grid_w`` patches becomes ``grid_h * grid_w / merge_size**2`` copies of
+    ``image_token_id`` in the token sequence.
+    """
+
+    image_token_id: int
+    vision_start_token_id: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    raw_json: str = "{}"  # vision_config, as JSON (keeps this dataclass hashable)
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
     moe: MoeConfig | None = None  # routed experts (Qwen3-MoE); None for dense families
+    vision: VisionConfig | None = None  # None: a text-only model (image chunks are refused)
+    text_prefix: str = "model."  # where the checkpoint keeps the decoder ("model.language_model." in VL models)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` routes to experts (transformers' rule for Qwen3-MoE)."""
@@ -114,6 +136,7 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        mrope_section=tuple(int(x) for x in params.get("mrope_section") or ()),
     )
 
 

@@ -8,6 +8,7 @@ tenant adapters; which ones do is decided per adapter (attn / mlp / unembed targ
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -65,15 +66,30 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        self.mrope_section = rope.mrope_section
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, signed_sin)`` of shape ``positions.shape + (1, head_dim)`` (computed in fp32).
+        """``(cos, signed_sin)`` of shape ``(b, L, 1, head_dim)`` (computed in fp32).
+
+        ``positions`` is ``(b, L)``, or ``(3, b, L)`` temporal/height/width positions for
+        multimodal RoPE (Qwen3-VL): frequency ``i`` turns with the height position when
+        ``i % 3 == 1`` (for the first ``3 * mrope_section[1]``), with the width position when
+        ``i % 3 == 2`` (first ``3 * mrope_section[2]``), else with the temporal one. Text tokens
+        have three equal positions, so for them this is plain RoPE.
 
         ``signed_sin`` is ``[-sin, sin]`` over the two halves, so :func:`apply_rotary` needs one
         ``roll`` instead of slicing, negating and concatenating (the result is bit-identical).
         The singleton dimension broadcasts over heads in the ``(b, L, heads, d)`` layout.
         """
         freqs = positions.float()[..., None] * self.inv_freq.float()
+        if positions.dim() == 3:
+            if len(self.mrope_section) != 3:
+                raise ValueError("3-D positions need a model with multimodal RoPE (mrope_section)")
+            mixed = freqs[0].clone()
+            for axis in (1, 2):
+                pick = slice(axis, 3 * self.mrope_section[axis], 3)
+                mixed[..., pick] = freqs[axis][..., pick]
+            freqs = mixed
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), -1)[..., None, :].to(dtype), torch.cat((-sin, sin), -1)[..., None, :].to(dtype)
 
@@ -187,6 +203,29 @@ class Backbone(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope)
 
 
+@dataclass
+class VisualFeatures:
+    """What a vision tower made of a batch's images, placed on the token grid.
+
+    ``mask`` (b, L) marks the image positions; ``embeds`` (n, hidden) are their input
+    embeddings in mask order (row-major), ``deepstack[i]`` (n, hidden) is added to them after
+    decoder layer ``i``.
+    """
+
+    mask: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+    def embed(self, h: torch.Tensor) -> torch.Tensor:
+        return h.masked_scatter(self.mask[..., None], self.embeds.to(h.dtype))
+
+    def add_deepstack(self, h: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if layer_idx >= len(self.deepstack):
+            return h
+        added = h[self.mask] + self.deepstack[layer_idx].to(h.dtype)
+        return h.masked_scatter(self.mask[..., None], added)
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM. ``hidden_states`` runs the trunk; ``lm_head`` maps to logits."""
 
@@ -205,15 +244,22 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         segments: Segments | None = None,
         attend: AttentionBackend = causal_attention,
+        visual: VisualFeatures | None = None,
     ) -> torch.Tensor:
-        """tokens, positions: (b, L). ``segments`` index the flattened b*L rows. Returns (b, L, hidden)."""
+        """tokens: (b, L); positions: (b, L), or (3, b, L) with multimodal RoPE. ``segments``
+        index the flattened b*L rows. ``visual`` replaces the embeddings of image positions and
+        adds its DeepStack features after the first layers. Returns (b, L, hidden)."""
         h = self.model.embed_tokens(tokens)
+        if visual is not None:
+            h = visual.embed(h)
         cos, sin = self.model.rotary(positions, h.dtype)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, segments, attend, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, segments, attend)
+            if visual is not None:
+                h = visual.add_deepstack(h, i)
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:

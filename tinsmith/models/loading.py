@@ -24,10 +24,11 @@ from tinsmith.models.layers import CausalLM, Rotary
 from tinsmith.models.lora import pack_weights
 from tinsmith.models.moe import expert_tensor_sources
 from tinsmith.models.registry import family_for
+from tinsmith.models.vision import VisionTower
 from tinsmith.progress import bar, progress_wanted
 
-_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                 "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
+_HUB_PATTERNS = ["config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json",
+                 "*.safetensors", "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
@@ -60,10 +61,12 @@ def resolve_model_dir(name_or_path: str) -> Path:
 
 
 def read_config(model_dir: Path) -> ModelConfig:
-    raw = json.loads((model_dir / "config.json").read_text())
-    if "text_config" in raw and "num_hidden_layers" not in raw:
-        raw = {**raw["text_config"], "architectures": raw.get("architectures")}
+    raw = _raw_config(model_dir)
     return family_for(raw).config(raw)
+
+
+def _raw_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -97,6 +100,7 @@ class LoadedModel:
     model: CausalLM
     config: ModelConfig
     model_dir: Path
+    vision: VisionTower | None = None  # image-text models: processor and frozen vision encoder
 
 
 def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
@@ -112,13 +116,15 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     num_experts = cfg.moe.num_experts if cfg.moe else 0
-    # Each tensor we need, as (checkpoint tensors, combine); stacked experts may come from several.
+    # Each tensor we need, as (checkpoint tensors, combine): a multimodal checkpoint nests the
+    # decoder (model.language_model.*), and stacked experts may come from several tensors.
     recipes: dict[str, tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]] = {}
     missing = []
     for name in expected:
-        recipe = ([name], _single) if name in files else expert_tensor_sources(name, num_experts, files)
+        stored = cfg.text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
+        recipe = ([stored], _single) if stored in files else expert_tensor_sources(name, num_experts, files)
         if recipe is None:
-            missing.append(name)
+            missing.append(stored)
         else:
             recipes[name] = recipe
     if missing:
@@ -139,14 +145,8 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
         for name, (sources, combine) in recipes.items():
             t = combine([read(s) for s in sources])
             loading.update(expected[name].numel() * expected[name].element_size())
-            if tuple(t.shape) != tuple(expected[name].shape):
-                raise InvalidInputError(
-                    f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
-                )
-            t = t.to(device=device, dtype=dtype)
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise InvalidInputError(f"tensor {name!r} in {str(files[sources[0]])!r} contains NaN or infinite values")
-            state[name] = t
+            _check_tensor(t, sources[0], files[sources[0]], tuple(expected[name].shape))
+            state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -155,4 +155,35 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
-    return LoadedModel(model=model, config=cfg, model_dir=model_dir)
+    vision = None
+    if cfg.vision is not None:
+        vision = VisionTower(cfg.vision, model_dir, _vision_weights(files), device, dtype)
+    return LoadedModel(model=model, config=cfg, model_dir=model_dir, vision=vision)
+
+
+VISION_PREFIX = "model.visual."
+
+
+def _vision_weights(files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """The vision encoder's tensors (``model.visual.*``), named as its module names them."""
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        if name.startswith(VISION_PREFIX):
+            by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt", device="cpu") as fh:
+            for name in names:
+                out[name.removeprefix(VISION_PREFIX)] = _check_tensor(fh.get_tensor(name), name, f, None)
+    if not out:
+        raise InvalidInputError(f"image-text checkpoint has no vision tensors ({VISION_PREFIX}*)")
+    return out
+
+
+def _check_tensor(t: torch.Tensor, name: str, f: Path, shape: tuple[int, ...] | None) -> torch.Tensor:
+    """``t`` (tensor ``name`` of file ``f``) if it has the shape config.json implies and finite values."""
+    if shape is not None and tuple(t.shape) != shape:
+        raise InvalidInputError(f"tensor {name!r} has shape {tuple(t.shape)}, config.json implies {shape}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise InvalidInputError(f"tensor {name!r} in {str(f)!r} contains NaN or infinite values")
+    return t

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tinsmith.errors import InvalidInputError
-from tinsmith.models.config import ModelConfig, config_from_hf
+from tinsmith.models.config import ModelConfig, VisionConfig, config_from_hf
 
 
 @dataclass(frozen=True)
@@ -16,9 +18,22 @@ class Family:
     attention_bias: bool
     qk_norm: bool
     moe: bool = False  # routed experts in (some of) the feed-forward layers
+    # Image-text families: reads the vision part of config.json (None: a text-only family).
+    vision: Callable[[dict[str, Any]], VisionConfig] | None = None
+    # Where the text decoder's weights sit in the checkpoint ("model.layers.0..." by default).
+    text_prefix: str = "model."
 
     def config(self, raw: dict[str, Any]) -> ModelConfig:
-        return config_from_hf(raw, self.name, attention_bias=self.attention_bias, qk_norm=self.qk_norm, moe=self.moe)
+        """The ModelConfig of a parsed config.json (a multimodal one keeps its decoder in ``text_config``)."""
+        text = raw
+        if "text_config" in raw and "num_hidden_layers" not in raw:
+            text = {**raw["text_config"], "architectures": raw.get("architectures")}
+            if "tie_word_embeddings" in raw and "tie_word_embeddings" not in raw["text_config"]:
+                text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        cfg = config_from_hf(text, self.name, attention_bias=self.attention_bias, qk_norm=self.qk_norm,
+                             moe=self.moe)
+        return dataclasses.replace(cfg, vision=None if self.vision is None else self.vision(raw),
+                                   text_prefix=self.text_prefix)
 
 
 _BY_ARCH: dict[str, Family] = {}
@@ -50,4 +65,4 @@ def family_for(raw: dict[str, Any]) -> Family:
 
 def _load_families() -> None:
     # Importing the family modules registers them; kept lazy to avoid import cycles.
-    from tinsmith.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401
+    from tinsmith.models import llama, qwen2, qwen3, qwen3_moe, qwen3_vl  # noqa: F401

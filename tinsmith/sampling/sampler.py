@@ -21,6 +21,7 @@ import torch
 
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
+from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
 from tinsmith.sampling.logits import choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
@@ -54,6 +55,7 @@ class _TaskState:
     alt_tokens: np.ndarray | None = None
     alt_lps: np.ndarray | None = None
     remaining: int = 0
+    rope_delta: int = 0  # multimodal RoPE: decoded token i sits at position len(prompt) + i + rope_delta
 
 
 @dataclass
@@ -75,8 +77,10 @@ class Sampler:
         max_rows: int = 256,
         prefill_tokens: int = 8192,
         cancellations: CancelBoard | None = None,
+        vision: VisionTower | None = None,
     ):
         self.model = model
+        self.vision = vision  # image-text models: turns prompt images into their tokens' features
         self.cfg = model.config
         self.decode = decode
         self.max_rows = max_rows
@@ -146,6 +150,8 @@ class Sampler:
         P, V, ctx = len(inp.prompt), self.cfg.vocab_size, self.cfg.max_position_embeddings
         if P == 0:
             raise InvalidInputError("prompt must hold at least one token")
+        if inp.prompt_images and self.vision is None:
+            raise InvalidInputError("this model takes no image input")
         if int(np.min(inp.prompt)) < 0 or int(np.max(inp.prompt)) >= V:
             raise InvalidInputError(f"prompt has token ids outside [0, {V}) (vocab size {V})")
         if inp.num_samples < 1 or inp.num_samples > self.max_rows:
@@ -262,9 +268,16 @@ class Sampler:
             toks[i, : lens[i]] = s.task.input.prompt
         tokens = torch.from_numpy(toks).to(self.device)
         positions = torch.arange(L, device=self.device).expand(b, L)
+        visual = None
+        images = [s.task.input.prompt_images for s in batch]
+        if any(images):
+            assert self.vision is not None
+            positions, visual, deltas = self.vision.batch_inputs(tokens, lens, images)
+            for st, delta in zip(batch, deltas):
+                st.rope_delta = delta
         segments = _row_segments([s.task.slot for s in batch], L)
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv))
+        hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv), visual=visual)
         last = hidden[torch.arange(b, device=self.device), torch.tensor(lens, device=self.device) - 1]
         last_logits = self.model.logits(last, _row_segments([s.task.slot for s in batch], 1))
         self.stats["prefills"] += b
@@ -350,6 +363,8 @@ class Sampler:
         span = int(self.cache.lengths[:n].max()) + 1  # the longest row after this step's token
         self.cache.ensure(n, span)
         positions = self.cache.lengths[:n][:, None]
+        if batch.rope_deltas is not None:
+            positions = positions + batch.rope_deltas[:, None]
         hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
                                           attend=self.cache.decode_attention(n, span))
         logits = self.model.logits(hidden[:, 0], batch.groups)
@@ -448,6 +463,7 @@ class _DecodeBatch:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    rope_deltas: torch.Tensor | None  # (n,) multimodal RoPE offsets; None when every row's is 0
 
     @classmethod
     def of(cls, rows: list[_Row], device: torch.device) -> _DecodeBatch:
@@ -470,6 +486,8 @@ class _DecodeBatch:
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
+            rope_deltas=(torch.tensor([r.state.rope_delta for r in rows], device=device)
+                         if any(r.state.rope_delta for r in rows) else None),
         )
 
 

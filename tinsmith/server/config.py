@@ -78,6 +78,7 @@ class ServerConfig(BaseSettings):
     max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
     max_forward_datums: AtLeastOne = 1024
     max_forward_tokens: AtLeastOne = 1 << 21
+    max_image_pixels: AtLeastOne = 4096 * 4096  # width x height of one prompt image, read before decoding
     long_poll_seconds: AboveZero = 25.0
     seq_gap_wait_s: NotNegative = 2.0  # how long a run's request waits for an earlier seq_id to arrive
     checkpoint_quota_bytes: NotNegativeInt | None = None  # per API key
@@ -168,6 +169,7 @@ _HELP = {
     "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
     "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
     "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",
+    "max_image_pixels": "largest image (width x height) in a model input, checked from its header before it is decoded",
     "long_poll_seconds": "how long retrieve_future and retrieve_futures wait before answering with nothing new",
     "seq_gap_wait_s": "how long a run's request waits for a missing earlier seq_id before it runs anyway",
     "checkpoint_quota_bytes": "checkpoint storage allowed per API key, counting every save and copy (default: unlimited)",

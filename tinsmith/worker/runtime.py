@@ -22,8 +22,9 @@ from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, Tin
 from tinsmith.losses import LossBatch, LossSpec, resolve_loss, validate_inputs
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import Segments
+from tinsmith.models.vision import VisionTower
 from tinsmith.optim import ADAMW
-from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec, OptimParams
+from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
 from tinsmith.worker.batching import MicroBatch, SequenceRef, build_micro_batch, plan_micro_batches
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable
 
@@ -52,6 +53,7 @@ class _Prepared:
     tokens: list[np.ndarray]
     targets: list[torch.Tensor]  # (N,) or (N, K) int64
     inputs: list[dict[str, torch.Tensor]]  # flattened float inputs per datum (a custom loss's: as declared)
+    images: list[list[ImageInput]]  # per datum; positions are where their tokens start
     custom: bool = False  # a custom loss: inputs keep their shapes, the loss runs per datum
 
 
@@ -134,8 +136,10 @@ class TrainingRuntime:
         gradient_checkpointing: bool = False,
         full_finetune: bool = False,
         full_optimizer: str = ADAMW,
+        vision: VisionTower | None = None,
     ):
         self.model = model
+        self.vision = vision  # image-text models: the frozen vision tower that feeds image tokens
         self.config = model.config
         self.device = next(model.parameters()).device
         self.max_lora_adapters = max_lora_adapters  # adapters attached to the model at once
@@ -265,7 +269,11 @@ class TrainingRuntime:
             toks.append(t.astype(np.int64, copy=False))
             targets.append(torch.from_numpy(tgt.astype(np.int64, copy=False)))
             inputs.append(flat)
-        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs, custom is not None)
+        images = [list(d.images) for d in inp.data]
+        if any(images) and self.vision is None:
+            raise InvalidInputError("this model takes no image input")
+        return _Prepared(unit, req.unit, spec, config, inp.forward_only, toks, targets, inputs, images,
+                         custom is not None)
 
     # ----------------------------------------------------------------------------- forward/backward
     def forward_backward(self, requests: list[TrainRequest]) -> list[Union[ForwardBackwardResult, TinsmithError]]:
@@ -357,7 +365,8 @@ class TrainingRuntime:
                     continue
                 mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device)
                 lps: dict = {}
-                for pid, exc in self._run_micro_batch(mb, prepared, lps).items():
+                images = [prepared[s.request].images[s.datum] for s in mb.rows]
+                for pid, exc in self._run_micro_batch(mb, prepared, lps, images).items():
                     by_id[pid].fail(exc)
                 for ((pid, r), d), lp in lps.items():
                     if not by_id[pid].done:
@@ -374,13 +383,18 @@ class TrainingRuntime:
                 if not p.done:
                     p.fail(exc)
 
-    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict) -> dict[int, Exception]:
+    def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict,
+                         images: list[list[ImageInput]]) -> dict[int, Exception]:
         """Forward (and backward) one micro-batch; fills ``lps``. Returns the passes (by id) whose
         custom loss was refused here: their loss is left out of the backward and they fail alone,
         while every other request of the micro-batch trains."""
         failed: dict[int, Exception] = {}
+        positions, visual = mb.positions, None
+        if any(images):
+            assert self.vision is not None
+            positions, visual, _ = self.vision.batch_inputs(mb.tokens, [r.length for r in mb.rows], images)
         with torch.set_grad_enabled(mb.needs_grad):
-            hidden = self.model.hidden_states(mb.tokens, mb.positions, mb.row_segments)
+            hidden = self.model.hidden_states(mb.tokens, positions, mb.row_segments, visual=visual)
             h = hidden[mb.valid]  # (T, hidden) real tokens, row-major
             rows_idx, cols, elem_bounds = [], [], [0]
             for i, ref in enumerate(mb.rows):

@@ -70,6 +70,11 @@ class BaseModel:
     def config(self) -> ModelConfig:
         return self.loaded.config
 
+    @property
+    def image_token_counter(self) -> Callable[[int, int], int] | None:
+        """(width, height) -> image tokens, by the model's own processor; None for a text-only model."""
+        return None if self.loaded.vision is None else self.loaded.vision.num_tokens
+
     @functools.cached_property
     def tokenizer(self):
         """The model's own Hugging Face tokenizer (with its chat template), loaded on first use.
@@ -134,7 +139,7 @@ class Worker:
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
             max_training_runs=o.max_training_runs,
             micro_batch_tokens=o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o), micro_batch_seqs=o.micro_batch_seqs,
-            gradient_checkpointing=o.gradient_checkpointing,
+            gradient_checkpointing=o.gradient_checkpointing, vision=loaded.vision,
         )
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
         self.bases[name] = base
@@ -165,6 +170,9 @@ class Worker:
             unit = base.lora.create_adapter(lora, optimizer_type)
             placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
+            if base.config.vision is not None:
+                raise InvalidInputError(f"full fine-tuning of image-text base model {base_model!r} is not supported "
+                                        "yet; use a LoRA config")
             if sum(len(b.full) for b in self.bases.values()) >= self.options.max_full_finetunes:
                 raise CapacityError(
                     f"this server holds at most {self.options.max_full_finetunes} full fine-tuning runs "
@@ -177,7 +185,8 @@ class Worker:
             rt = TrainingRuntime(model, full_finetune=True, full_optimizer=optimizer_type,
                                  micro_batch_tokens=base.lora.micro_batch_tokens,
                                  micro_batch_seqs=self.options.micro_batch_seqs,
-                                 gradient_checkpointing=self.options.gradient_checkpointing)
+                                 gradient_checkpointing=self.options.gradient_checkpointing,
+                                 vision=base.loaded.vision)
             base.full[model_id] = rt
             placement = Placement(base, rt, FULL_UNIT, False, None, owner)
         self.placements[model_id] = placement
@@ -303,7 +312,7 @@ class Worker:
         if key not in self.samplers:
             model = base.loaded.model if snapshot is None or snapshot.model is None else snapshot.model
             self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir),
-                                         max_rows=self.options.max_sampling_rows)
+                                         max_rows=self.options.max_sampling_rows, vision=base.loaded.vision)
         return self.samplers[key]
 
     def adapter_weights(self, model_id: str) -> tuple[LoraSpec, dict[str, torch.Tensor], BaseModel]:

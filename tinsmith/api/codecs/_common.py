@@ -17,7 +17,7 @@ import numpy as np
 import pydantic_core
 
 from tinsmith.errors import InvalidInputError
-from tinsmith.types import ProvenanceSpan
+from tinsmith.types import ImageInput, ProvenanceSpan
 
 # Sparse CSR tensors are densified on arrival; the sparse tensors of one request may create no
 # more elements together than a dense body could carry at 4 bytes each (a tiny request must not
@@ -181,7 +181,9 @@ def densify(
     ``crow``/``col`` the tensor is 2-D sparse CSR and unlisted entries are ``pad``; its dense
     size is taken from ``budget`` (the request's, shared by all its tensors) before anything is
     allocated. The leading dimension must equal ``expected_rows`` (``rows_of`` says what that
-    is, for the message), unless it is ``None`` (a custom loss's inputs have shapes of their own).
+    is, for the message); ``None`` when it is not known yet: a custom loss's inputs have shapes of
+    their own, and a model input with images has token counts only the model's processor knows
+    (:func:`check_rows` is called then).
     """
     if shape is not None and len(shape) == 0:
         shape = None
@@ -232,9 +234,14 @@ def densify(
                 fail(f"{where}: sparse col_indices list the same entry twice")
             arr[row_ids, col] = values
 
-    if expected_rows is not None and arr.shape[0] != expected_rows:
-        fail(f"{where} has {arr.shape[0]} rows but {rows_of.format(n=expected_rows)}")
+    if expected_rows is not None:
+        check_rows(where, arr, expected_rows, rows_of)
     return arr
+
+
+def check_rows(where: str, arr: np.ndarray, expected_rows: int, rows_of: str = "model_input has {n} tokens") -> None:
+    if arr.shape[0] != expected_rows:
+        fail(f"{where} has {arr.shape[0]} rows but {rows_of.format(n=expected_rows)}")
 
 
 def csr_row_ids(crow: np.ndarray) -> np.ndarray:
@@ -365,9 +372,9 @@ def check_metric_keys(metrics: dict[str, float]) -> None:
 # ModelInput, JSON form: {"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]}
 
 _UNSUPPORTED_CHUNKS = {
-    "image": "image input is not supported by this server's text models",
-    "image_asset_pointer": "image input is not supported by this server's text models",
-    "dmel": "audio (dmel) input is not supported by this server's text models",
+    "image_asset_pointer": "this server does not fetch images by location; send the image's bytes "
+                           "in an ImageChunk instead",
+    "dmel": "audio (dmel) input is not supported by this server's models",
 }
 
 
@@ -381,24 +388,34 @@ def check_token_ids(tokens: np.ndarray, where: str) -> None:
         fail(f"{where} has a negative token id ({int(tokens.min())})")
 
 
-def json_model_input_tokens(obj: Any, where: str) -> np.ndarray:
-    """Concatenate the text chunks of a JSON ModelInput into int64 token ids."""
+def json_model_input(obj: Any, where: str, max_image_pixels: int) -> tuple[np.ndarray, list[ImageInput]]:
+    """A JSON ModelInput as int64 text token ids and the checked images that sit between them."""
+    from ._images import check_image, json_image_bytes
+
     if not isinstance(obj, dict):
         fail(f"{where} must be an object with 'chunks'")
     chunks = obj.get("chunks")
     if not isinstance(chunks, list):
         fail(f"{where}.chunks must be a list")
     parts: list[np.ndarray] = []
+    images: list[ImageInput] = []
+    n_text = 0
     for j, chunk in enumerate(chunks):
         cwhere = f"{where}.chunks[{j}]"
         if not isinstance(chunk, dict):
             fail(f"{cwhere} must be an object")
         ctype = chunk.get("type", "encoded_text" if "tokens" in chunk else None)
-        if ctype != "encoded_text":
-            if isinstance(ctype, str):
-                unsupported_chunk(cwhere, ctype)
+        if ctype == "encoded_text":
+            parts.append(json_int_array(chunk.get("tokens"), f"{cwhere}.tokens"))
+            n_text += parts[-1].size
+        elif ctype == "image":
+            images.append(check_image(json_image_bytes(chunk.get("data"), cwhere), chunk.get("format"),
+                                      chunk.get("expected_tokens"), position=n_text, where=cwhere,
+                                      max_pixels=max_image_pixels))
+        elif isinstance(ctype, str):
+            unsupported_chunk(cwhere, ctype)
+        else:
             fail(f"{cwhere} has no chunk 'type'")
-        parts.append(json_int_array(chunk.get("tokens"), f"{cwhere}.tokens"))
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     check_token_ids(tokens, where)
-    return tokens
+    return tokens, images

@@ -30,6 +30,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinsmith.losses import inputs_read_by
 from tinsmith.types import (
     Datum,
+    ImageInput,
     ForwardBackwardInput,
     ForwardBackwardResult,
     LossConfigValue,
@@ -51,10 +52,11 @@ from ._common import (
     json_float_array,
     json_float_list,
     json_int_array,
-    json_model_input_tokens,
+    json_model_input,
     make_span,
     unsupported_chunk,
 )
+from ._images import DEFAULT_MAX_IMAGE_PIXELS, check_image
 
 if TYPE_CHECKING:
     from tinsmith.api.limits import RequestLimits
@@ -148,25 +150,36 @@ def _pb_spans(spans: Any, where: str) -> list[ProvenanceSpan]:
     return out
 
 
-def _pb_datum(d: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget, custom: bool) -> Datum:
+def _pb_datum(d: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget, custom: bool,
+              max_image_pixels: int) -> Datum:
     """One datum; ``custom``: a custom loss's inputs, whose rows need not match the tokens."""
     where = f"data[{i}]"
     parts: list[np.ndarray] = []
+    images: list[ImageInput] = []
+    n_text = 0
     for j, chunk in enumerate(d.model_input):
         cwhere = f"{where}.model_input[{j}]"
         arm = chunk.WhichOneof("chunk")
         if arm == "encoded_text":
             raw = _pb_array(chunk.encoded_text.tokens, np.dtype("<i4"), "int32", f"{cwhere}.tokens")
             parts.append(raw.astype(np.int64))
+            n_text += raw.size
+        elif arm == "image":
+            image = chunk.image
+            if image.HasField("override_dimensions"):
+                fail(f"{cwhere}.override_dimensions is not supported; send the image at the size to use")
+            expected = int(image.expected_tokens) if image.HasField("expected_tokens") else None
+            images.append(check_image(image.data, image.format, expected, position=n_text, where=cwhere,
+                                      max_pixels=max_image_pixels))
         elif arm is None:
             fail(f"{cwhere} is an empty chunk")
         else:
             unsupported_chunk(cwhere, arm)
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    n = int(tokens.size)
-    if n == 0:
+    if tokens.size == 0 and not images:
         fail(f"{where}.model_input has no tokens")
     check_token_ids(tokens, f"{where}.model_input")
+    n = rows_known(tokens, images)
 
     inputs: dict[str, np.ndarray] = {}
     for key in d.loss_fn_inputs:
@@ -176,10 +189,19 @@ def _pb_datum(d: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget,
             inputs[key] = _pb_tensor(d.loss_fn_inputs[key], f"{where}.loss_fn_inputs[{key!r}]", key, rows, budget)
     mi_spans = _pb_spans(d.model_input_spans, f"{where}.model_input_spans")
     lf_spans = _pb_spans(d.loss_fn_input_spans, f"{where}.loss_fn_input_spans")
-    check_spans(f"{where}.model_input_spans", mi_spans, n, "model_input")
-    check_spans(f"{where}.loss_fn_input_spans", lf_spans, n, "loss_fn_inputs (rows)")
+    if n is not None:
+        check_spans(f"{where}.model_input_spans", mi_spans, n, "model_input")
+        check_spans(f"{where}.loss_fn_input_spans", lf_spans, n, "loss_fn_inputs (rows)")
     return Datum(tokens=tokens, loss_inputs=inputs, model_input_spans=mi_spans,
-                 loss_input_spans=lf_spans)
+                 loss_input_spans=lf_spans, images=images)
+
+
+def rows_known(tokens: np.ndarray, images: list[ImageInput]) -> int | None:
+    """A datum's length in tokens, if known before the model's processor counts its images: the
+    text tokens plus every image's ``expected_tokens`` (``None`` when one image has none)."""
+    if any(im.expected_tokens is None for im in images):
+        return None
+    return int(tokens.size) + sum(int(im.expected_tokens or 0) for im in images)
 
 
 def _pb_token_count(msg: Any) -> int:
@@ -229,7 +251,8 @@ def decode_forward_backward_protobuf(
     reads = inputs_read_by(msg.loss_fn)
     budget = DenseBudget() if limits is None else DenseBudget(limits.dense_elements)
     custom = msg.loss_fn == "custom"
-    data = [_pb_datum(d, i, reads, budget, custom) for i, d in enumerate(msg.data)]
+    pixels = DEFAULT_MAX_IMAGE_PIXELS if limits is None else limits.image_pixels
+    data = [_pb_datum(d, i, reads, budget, custom, pixels) for i, d in enumerate(msg.data)]
     return (
         msg.model_id,
         int(msg.seq_id),
@@ -270,14 +293,15 @@ def _json_tensor(obj: Any, where: str, key: str, n_tokens: int | None, budget: D
                    expected_rows=n_tokens, budget=budget)
 
 
-def _json_datum(obj: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget, custom: bool) -> Datum:
+def _json_datum(obj: Any, i: int, reads: frozenset[str] | None, budget: DenseBudget, custom: bool,
+                max_image_pixels: int) -> Datum:
     where = f"data[{i}]"
     if not isinstance(obj, dict):
         fail(f"{where} must be an object with 'model_input' and 'loss_fn_inputs'")
-    tokens = json_model_input_tokens(obj.get("model_input"), f"{where}.model_input")
-    n = int(tokens.size)
-    if n == 0:
+    tokens, images = json_model_input(obj.get("model_input"), f"{where}.model_input", max_image_pixels)
+    if tokens.size == 0 and not images:
         fail(f"{where}.model_input has no tokens")
+    n = rows_known(tokens, images)
     raw_inputs = obj.get("loss_fn_inputs", {})
     if raw_inputs is None:
         raw_inputs = {}
@@ -289,7 +313,7 @@ def _json_datum(obj: Any, i: int, reads: frozenset[str] | None, budget: DenseBud
         for key, value in raw_inputs.items()
         if reads is None or key in reads
     }
-    return Datum(tokens=tokens, loss_inputs=inputs)
+    return Datum(tokens=tokens, loss_inputs=inputs, images=images)
 
 
 def _json_token_count(raw_data: list) -> int:
@@ -363,7 +387,8 @@ def decode_forward_backward_json(
         limits.check_forward_tokens(_json_token_count(raw_data))
     reads = inputs_read_by(loss_fn)
     budget = DenseBudget() if limits is None else DenseBudget(limits.dense_elements)
-    data = [_json_datum(d, i, reads, budget, loss_fn == "custom") for i, d in enumerate(raw_data)]
+    pixels = DEFAULT_MAX_IMAGE_PIXELS if limits is None else limits.image_pixels
+    data = [_json_datum(d, i, reads, budget, loss_fn == "custom", pixels) for i, d in enumerate(raw_data)]
     return model_id, seq_id, ForwardBackwardInput(
         data=data, loss_fn=loss_fn, loss_fn_config=config, forward_only=forward_only
     )

@@ -32,8 +32,9 @@ from ._common import (
     is_number,
     json_float_list,
     json_int_array,
-    json_model_input_tokens,
+    json_model_input,
 )
+from ._images import DEFAULT_MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
     from tinsmith.api.limits import RequestLimits
@@ -169,10 +170,19 @@ def decode_sample_request_json(
 
     if "prompt" not in obj:
         fail("prompt is missing")
-    prompt = json_model_input_tokens(obj["prompt"], "prompt")
-    if prompt.size == 0:
+    pixels = DEFAULT_MAX_IMAGE_PIXELS if limits is None else limits.image_pixels
+    prompt, images = json_model_input(obj["prompt"], "prompt", pixels)
+    if prompt.size == 0 and not images:
         fail("prompt has no tokens")
 
+    if images:
+        for key in ("prompt_logprobs_last_n", "target_prompt_logprobs"):
+            if obj.get(key) is not None:
+                fail(f"{key} is not supported for a prompt with image chunks (its length in tokens "
+                     "is the model's processor's); ask for prompt_logprobs instead")
+        if obj.get("prompt_alt_tokens_k"):
+            fail("prompt_alt_tokens_k is not supported for a prompt with image chunks; ask for "
+                 "prompt_logprobs instead")
     params = _sampling_params(obj.get("sampling_params"))
 
     prompt_logprobs = _bool_field(obj, "prompt_logprobs")
@@ -221,6 +231,7 @@ def decode_sample_request_json(
             target_prompt_ids=None if targets is None else targets[0],
             target_prompt_csr=None if targets is None else targets[1],
             prompt_alt_tokens_k=alt_k,
+            prompt_images=images,
         ),
     )
 

@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_model, owned_session, sampler_weights, state_of, submit
+from tinsmith.api.images import fit_sample_input
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.schemas import Body
@@ -110,8 +111,10 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
     state = state_of(request)
     body = await request.body()
     limits = limits_of(state)
-    sid, seq_id, base_model, model_path, inp = codecs.decode_sample_request_json(await json_object(request),
-                                                                                limits=limits)
+    obj = await json_object(request)
+    # In a worker thread: image chunks are decoded in full to check them.
+    sid, seq_id, base_model, model_path, inp = await run_in_threadpool(
+        lambda: codecs.decode_sample_request_json(obj, limits=limits))
     snapshot_key = storage_path = None
     if sid is not None:
         s = await run_in_threadpool(state.store.get_sampling_session, sid)
@@ -126,6 +129,7 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
         base_model, ck = await sampler_weights(state, caller, base_model, model_path)
         snapshot_key, storage_path = model_path, ck.storage_path
     base = state.worker.resolve_base(base_model or "")
+    fit_sample_input(inp, base_model or "", base.config, base.image_token_counter)
     limits.check_sample(inp, base.config.max_position_embeddings)
     first = await run_in_threadpool(state.store.reserve_sequence_numbers, sid, inp.num_samples) if sid else None
     prefix = sid or "direct"

@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
 from tinsmith.api.common import caller_of, owned_model, owned_session, state_of, submit
+from tinsmith.api.images import fit_forward_input
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.api.routes.custom_losses import resolve_custom_loss
@@ -88,6 +89,10 @@ async def _forward_backward(request: Request, caller: Caller, forward_route: boo
         inp.forward_only = True
     model = await owned_model(state, caller, model_id)
     await resolve_custom_loss(state, model, inp)
+    base = state.worker.resolve_base(model.base_model)
+    fit_forward_input(inp, model.base_model, base.config, base.image_token_counter)
+    if any(d.images for d in inp.data):  # image tokens count too, now that the processor has made them
+        limits.check_forward_tokens(sum(int(d.tokens.size) for d in inp.data))
     kind = "forward" if inp.forward_only else "forward_backward"
     return await submit(state, caller, kind, inp, payload=body, payload_type=payload_type, model_id=model_id,
                         seq_id=seq_id, wire=wire)

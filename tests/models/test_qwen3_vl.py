@@ -1,0 +1,138 @@
+"""Qwen3-VL: tinsmith's decoder (M-RoPE, DeepStack) with the vision tower, against transformers."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from tests.conftest import SMALL
+from tinsmith.devtools.tiny_model import make_tiny_model
+from tinsmith.models.layers import VisualFeatures
+from tinsmith.models.loading import load_model
+from tinsmith.models.vision import expand_tokens, mrope_positions
+from tinsmith.types import ImageInput
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
+
+
+def image(width: int, height: int, position: int, seed: int = 0) -> ImageInput:
+    buf = io.BytesIO()
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
+    return ImageInput(data=buf.getvalue(), format="png", width=width, height=height, position=position,
+                      expected_tokens=None, where="prompt.chunks[1]")
+
+
+def ours(loaded, text: np.ndarray, images: list[ImageInput]):
+    """tinsmith's logits for a text with images, and the expanded tokens and rope delta."""
+    vt, cfg = loaded.vision, loaded.config.vision
+    enc = vt.encode(images)
+    assert [e.num_tokens for e in enc] == [vt.num_tokens(im.width, im.height) for im in images]
+    tokens, starts = expand_tokens(text, images, [e.num_tokens for e in enc], cfg.image_token_id)
+    pos, delta = mrope_positions(len(tokens), starts, [e.grid for e in enc], cfg.merge_size)
+    t = torch.tensor(tokens)[None]
+    visual = VisualFeatures(mask=t == cfg.image_token_id, embeds=torch.cat([e.embeds for e in enc]),
+                            deepstack=[torch.cat(f) for f in zip(*[e.deepstack for e in enc])])
+    with torch.no_grad():
+        logits = loaded.model.logits(loaded.model.hidden_states(t, torch.tensor(pos)[:, None, :], visual=visual))
+    return logits[0], tokens, delta
+
+
+def reference(vl_dir, tokens: np.ndarray, images: list[ImageInput]):
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    proc = transformers.AutoImageProcessor.from_pretrained(vl_dir)
+    batch = proc(images=[Image.open(io.BytesIO(im.data)).convert("RGB") for im in images], return_tensors="pt")
+    ids = torch.tensor(tokens)[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                    mm_token_type_ids=(ids == model.config.image_token_id).int())
+    return model, out.logits[0], model.model.rope_deltas
+
+
+def test_logits_with_images_match_transformers(vl_dir):
+    loaded = load_model(str(vl_dir))
+    assert loaded.config.family == "qwen3_vl" and loaded.config.rope.mrope_section
+    cfg = loaded.config.vision
+    text = np.array([10, 11, cfg.vision_start_token_id, 300, 12, cfg.vision_start_token_id, 13, 14, 15], dtype=np.int64)
+    images = [image(70, 50, position=3, seed=1), image(40, 90, position=6, seed=2)]
+    logits, tokens, delta = ours(loaded, text, images)
+    assert (tokens == cfg.image_token_id).sum() > 4
+    _, expected, ref_delta = reference(vl_dir, tokens, images)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert delta == int(ref_delta[0, 0]) and delta < 0
+
+
+def test_text_only_prompt_on_a_vl_model_matches_transformers(vl_dir):
+    loaded = load_model(str(vl_dir))
+    tokens = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(0))
+    ref = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(input_ids=tokens).logits
+        got = loaded.model.logits(loaded.model.hidden_states(tokens, torch.arange(40).expand(2, 40)))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_with_and_without_images_equals_each_row_alone(vl_dir):
+    """VisionTower.batch_inputs: right-padded rows, some with images, each as if it ran alone."""
+    loaded = load_model(str(vl_dir))
+    vt, cfg = loaded.vision, loaded.config.vision
+    text = np.array([10, 11, cfg.vision_start_token_id, 12, 13], dtype=np.int64)
+    images = [image(70, 50, position=3, seed=1), image(33, 40, position=5, seed=4)]
+    expanded, starts = expand_tokens(text, images, [vt.num_tokens(im.width, im.height) for im in images],
+                                     cfg.image_token_id)
+    placed = [ImageInput(**{**im.__dict__, "position": s}) for im, s in zip(images, starts)]
+    plain = np.array([20, 21, 22], dtype=np.int64)
+    L = len(expanded)
+    tokens = torch.zeros(2, L, dtype=torch.long)
+    tokens[0, : len(plain)] = torch.tensor(plain)
+    tokens[1] = torch.tensor(expanded)
+    positions, visual, deltas = vt.batch_inputs(tokens, [len(plain), L], [[], placed])
+    with torch.no_grad():
+        logits = loaded.model.logits(loaded.model.hidden_states(tokens, positions, visual=visual))
+    alone, _, delta = ours(loaded, text, images)
+    torch.testing.assert_close(logits[1], alone, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        plain_alone = loaded.model.logits(loaded.model.hidden_states(torch.tensor(plain)[None], torch.arange(3)[None]))
+    torch.testing.assert_close(logits[0, :3], plain_alone[0], atol=1e-5, rtol=1e-5)
+    assert deltas == [0, delta]
+
+
+def test_peft_adapter_of_a_vl_base_loads_into_transformers(vl_dir, tmp_path):
+    """Adapters of a Qwen3-VL base carry the VL class's module names, so PEFT applies them."""
+    from peft import PeftModel
+
+    from tinsmith.checkpoints.peft_format import load_peft_adapter, save_peft_adapter
+    from tinsmith.types import LoraSpec
+
+    loaded = load_model(str(vl_dir))
+    spec = LoraSpec(rank=2, seed=0, alpha=4.0, train_attn=True, train_mlp=True, train_unembed=True)
+    g = torch.Generator().manual_seed(0)
+    targets = loaded.model.lora_targets(True, True, True)
+    tensors = {}
+    for name, layer in targets:
+        tensors[f"{name}.lora_A.weight"] = torch.randn(2, layer.in_features, generator=g) * 0.1
+        tensors[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, 2, generator=g) * 0.1
+    save_peft_adapter(tmp_path / "adapter", spec, tensors, "vl", text_prefix=loaded.config.text_prefix)
+    back_spec, back = load_peft_adapter(tmp_path / "adapter")
+    assert back.keys() == tensors.keys() and back_spec.rank == 2
+
+    with torch.no_grad():  # ours, with the adapter merged in
+        for name, layer in targets:
+            layer.weight += (spec.alpha / spec.rank) * tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
+    ref = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    ref = PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
+    tokens = torch.randint(0, 400, (1, 24), generator=g)
+    with torch.no_grad():
+        expected = ref(input_ids=tokens).logits
+        base = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32)(input_ids=tokens).logits
+        got = loaded.model.logits(loaded.model.hidden_states(tokens, torch.arange(24)[None]))
+    assert (expected - base).abs().max() > 1e-2  # the adapter changes the model
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
