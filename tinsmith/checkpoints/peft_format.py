@@ -49,9 +49,17 @@ def sha256_file(path: Path) -> str:
 
 
 def atomic_dir(final: Path) -> Path:
-    """A fresh temporary sibling of ``final``; pass it to :func:`commit_dir` when complete."""
+    """A fresh temporary sibling of ``final``; pass it to :func:`commit_dir` when complete.
+
+    mkdtemp makes it 0700 whatever the umask; it gets the mode a plain mkdir would give, so the
+    committed directory follows the process's umask (private under the server's, the user's own
+    for ``tinsmith export``)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
 
 
 def commit_dir(tmp: Path, final: Path) -> None:
