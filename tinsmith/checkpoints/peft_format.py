@@ -56,10 +56,20 @@ def atomic_dir(final: Path) -> Path:
     for ``tinsmith export``)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
+    tmp.chmod(0o777 & ~_current_umask())
     return tmp
+
+
+def _current_umask() -> int:
+    """The process's umask, read without changing it (setting it to read it back would open a
+    window in which another thread's files get mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o077  # cannot tell: assume private
 
 
 def commit_dir(tmp: Path, final: Path) -> None:
