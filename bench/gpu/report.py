@@ -1,0 +1,62 @@
+"""summary.md: the figures of a run as one markdown table per part (a missing figure shows its error)."""
+
+from __future__ import annotations
+
+
+def _fmt(v, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}%" if pct else (f"{v:,.0f}" if v >= 100 else f"{v:.3g}")
+
+
+def _get(d: dict, *path, pct: bool = False) -> str:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return "-"
+        if "error" in d and k not in d:
+            return "error"
+        d = d[k]
+    return _fmt(d, pct) if isinstance(d, (int, float)) else "-"
+
+
+def _status(d: dict) -> str:
+    if not isinstance(d, dict):
+        return ""
+    return "error: " + d["error"].splitlines()[0][:80] if "error" in d else d.get("skipped", "")
+
+
+def markdown(s: dict) -> str:
+    pk = s["peak"]
+    L = [f"# bench/gpu on {pk.get('device_name')} (torch {s['torch']}{', quick' if s['quick'] else ''})", "",
+         f"Measured peaks: matmul {pk['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, "
+         f"copy {pk['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written). Wall {s.get('wall_s')} s.", ""]
+    tr = s.get("train", {})
+    if tr:
+        L += ["## Training (tokens/s; MFU 4NT LoRA, 6NT full)", "",
+              "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | long ctx (ckpt) tok/s | "
+              "peft tok/s | peft MFU | full FT MFU | peak GiB | notes |", "|" + "---|" * 13]
+        for name in s["shapes"]:
+            lo, pf, ff = tr.get(f"{name}/lora", {}), tr.get(f"{name}/peft_baseline", {}), tr.get(f"{name}/full_finetune", {})
+            keys = [k for k in lo if "x" in k and isinstance(lo[k], dict)]
+            small, large = (keys + ["-", "-"])[:2]
+            L.append(f"| {name} | {_get(lo, small, 'tokens_per_s')} | {_get(lo, small, 'mfu_4nt', pct=True)} | "
+                     f"{_get(lo, large, 'tokens_per_s')} | {_get(lo, large, 'mfu_4nt', pct=True)} | "
+                     f"{_get(lo, 'tenants', '4', 'vs_one_tenant')} | {_get(lo, 'tenants', '16', 'vs_one_tenant')} | "
+                     f"{_get(lo, 'long_context', 'checkpointing', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "
+                     f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
+                     f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")
+        L.append("")
+    sa = s.get("sample", {})
+    if sa:
+        L += ["## Sampling (tokens/s)", "",
+              "| shape | rows | tok/s | of HBM bound | 8 adapters vs base | HF generate tok/s | GRPO separate / num_samples | "
+              "first call s | second call s | notes |", "|" + "---|" * 10]
+        for name in s["shapes"]:
+            de, ge, sd = sa.get(f"{name}/decode", {}), sa.get(f"{name}/generate_baseline", {}), sa.get(f"{name}/sdk", {})
+            for rk in [k for k in de if k.startswith("rows_")] or ["-"]:
+                L.append(f"| {name} | {rk[5:]} | {_get(de, rk, 'tokens_per_s')} | {_get(de, rk, 'of_hbm_bound', pct=True)} | "
+                         f"{_get(de, 'adapters_8', 'vs_base')} | {_get(ge, 'tokens_per_s')} | "
+                         f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
+                         f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")
+        L.append("")
+    return "\n".join(L)

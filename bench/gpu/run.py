@@ -1,0 +1,124 @@
+"""Run the GPU benchmarks and write their results: one JSON per part, summary.json, summary.md.
+
+    python -m bench.gpu.run --out DIR [--shapes 0.6B,1.7B] [--quick] [--device cuda|cpu]
+
+Parts: ``peak`` (the machine's measured ceilings), ``train`` (LoRA / full fine-tune / peft
+baseline), ``sample`` (decode vs the HBM bound, 8 adapters, generate baseline, SDK GRPO and
+first-call latency). Each item runs guarded: a failure is recorded and the rest still run. Each
+part has a time budget; items that would start after it are recorded as skipped, so the whole
+stays inside one device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.gpu import peak as peak_mod
+from bench.gpu import sample, train
+from bench.gpu.report import markdown
+from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
+
+# seconds per part on an H100 (tests take the rest of the 10-minute call)
+BUDGET_S = {"peak": 30, "train": 200, "sample": 200}
+
+
+class Part:
+    """Collects one part's items; ``item`` runs a measurement unless the part's budget is spent."""
+
+    def __init__(self, name: str, budget_s: float):
+        self.name, self.deadline, self.results = name, time.monotonic() + budget_s, {}
+
+    def item(self, key: str, fn: Callable[[], dict]) -> None:
+        if time.monotonic() > self.deadline:
+            self.results[key] = {"skipped": f"the {self.name} part's time budget was spent"}
+            return
+        t = time.perf_counter()
+        try:
+            self.results[key] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded; the other items still run
+            self.results[key] = {"error": f"{type(e).__name__}: {e}"[:2000],
+                                 "traceback": traceback.format_exc()[-3000:]}
+        self.results[key]["wall_s"] = round(time.perf_counter() - t, 2)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--shapes", default="0.6B,1.7B", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--quick", action="store_true", help="small batches and lengths (a CPU check of the whole run)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--parts", default="peak,train,sample")
+    p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TINSMITH_BENCH_CACHE",
+                                                                         Path(tempfile.gettempdir()) / "tinsmith-bench")))
+    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
+    a = p.parse_args(argv)
+    shapes = [s for s in a.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"--shapes: unknown {unknown}; choose from {list(SHAPES)}")
+    parts = a.parts.split(",")
+    device = torch.device(a.device)
+    a.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes, "torch": torch.__version__}
+
+    pk = Part("peak", BUDGET_S["peak"] * a.budget_scale)
+    pk.item("machine", lambda: peak_mod.measure(device, a.quick))
+    peaks = pk.results["machine"]
+    summary["peak"] = peaks
+    (a.out / "peak.json").write_text(json.dumps(pk.results, indent=2))
+    if "error" in peaks:
+        summary["wall_s"] = time.perf_counter() - started
+        (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    dirs: dict[str, Path] = {}
+    for name in shapes:
+        dirs[name] = checkpoint(name, a.cache_dir, a.device)
+    counts = {name: param_counts(qwen3_config(name)) for name in shapes}
+    summary["params"] = counts
+
+    if "train" in parts:
+        tr = Part("train", BUDGET_S["train"] * a.budget_scale)
+        for name in shapes:
+            n = counts[name]["matmul"]
+            tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
+            tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
+            if name in ("tiny", "0.6B", "1.7B"):  # a bf16 full copy + AdamW state of 4B/8B does not fit beside the rest
+                tr.item(f"{name}/full_finetune", lambda: train.full_finetune(dirs[name], device, peaks, n, a.quick))
+        summary["train"] = tr.results
+        (a.out / "train.json").write_text(json.dumps(tr.results, indent=2))
+
+    if "sample" in parts:
+        sa = Part("sample", BUDGET_S["sample"] * a.budget_scale)
+        for name in shapes:
+            sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
+            sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
+            sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
+                                                              Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
+        summary["sample"] = sa.results
+        (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
+
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    md = markdown(summary)
+    (a.out / "summary.md").write_text(md)
+    print(md)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Sampling: decode tokens/s beside the HBM decode bound, many adapters vs base, the transformers
+``generate`` baseline, and GRPO-style traffic through the SDK (separate requests vs num_samples).
+
+HBM bound of a decode step = bytes it must read (every weight once, plus each row's KV cache at
+the mean context length) / measured copy bandwidth (peak.py): rows / that time = bound tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.gpu.peak import sync
+from bench.gpu.shapes import param_counts
+from tinsmith.models.loading import load_model
+from tinsmith.sampling.sampler import Sampler, SampleTask
+from tinsmith.types import LoraSpec, SampleInput, SamplingParams
+from tinsmith.worker.runtime import TrainingRuntime
+
+
+def sizes(quick: bool) -> dict:
+    return {"rows": (4, 8), "prompt": 16, "new": 8} if quick else {"rows": (64, 256), "prompt": 128, "new": 256}
+
+
+def hbm_bound_tokens_per_s(model_dir, rows: int, prompt: int, new: int, copy_bps: float, dtype_bytes: int) -> float:
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    n = param_counts(config)
+    weight_bytes = (n["layers"] + n["unembed"]) * dtype_bytes
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    kv_bytes = rows * (prompt + new / 2) * kv_per_token
+    return rows / ((weight_bytes + kv_bytes) / copy_bps)
+
+
+def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int, slots: list[int | None], seed: int) -> float:
+    """Wall seconds to sample ``rows`` sequences of exactly ``new`` tokens (prefill included)."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=new, temperature=1.0, stop=[])
+    for i in range(rows):
+        sampler.add(SampleTask(i, slots[i % len(slots)],
+                               SampleInput(prompt=rng.integers(4, 2000, prompt), num_samples=1, params=params)))
+    sync(sampler.device)
+    t = time.perf_counter()
+    finished = 0
+    with torch.inference_mode():
+        while finished < rows:
+            for _, res in sampler.step(budget_s=1.0):
+                if isinstance(res, Exception):
+                    raise res
+                finished += 1
+    sync(sampler.device)
+    return time.perf_counter() - t
+
+
+def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
+    z = sizes(quick)
+    lm = load_model(str(model_dir), device=device)
+    dtype_bytes = next(lm.model.parameters()).element_size()
+    sampler = Sampler(lm.model, lambda toks: "", max_rows=max(z["rows"]))
+    out: dict = {"prompt_tokens": z["prompt"], "new_tokens": z["new"]}
+    run_sampler(sampler, 2, z["prompt"], 4, [None], seed=99)  # warm-up
+    for rows in z["rows"]:
+        s = run_sampler(sampler, rows, z["prompt"], z["new"], [None], seed=rows)
+        tps = rows * z["new"] / s
+        bound = hbm_bound_tokens_per_s(model_dir, rows, z["prompt"], z["new"], peak["copy_bytes_per_s"], dtype_bytes)
+        out[f"rows_{rows}"] = {"tokens_per_s": tps, "hbm_bound_tokens_per_s": bound, "of_hbm_bound": tps / bound}
+    rt = TrainingRuntime(lm.model, max_lora_adapters=8, max_lora_rank=32)
+    units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(8)]
+    rows = z["rows"][0]
+    base_s = run_sampler(sampler, rows, z["prompt"], z["new"], [None], seed=1)
+    multi_s = run_sampler(sampler, rows, z["prompt"], z["new"], units, seed=1)
+    out["adapters_8"] = {"rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
+                         "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s}
+    del rt, sampler, lm
+    return out
+
+
+def generate_baseline(model_dir, device, quick: bool) -> dict:
+    import transformers
+
+    z = sizes(quick)
+    rows = z["rows"][0]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    ids = torch.randint(4, 2000, (rows, z["prompt"]), device=device)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=z["new"], min_new_tokens=z["new"], pad_token_id=3)
+    with torch.inference_mode():
+        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        sync(device)
+        t = time.perf_counter()
+        model.generate(ids, **kw)
+        sync(device)
+    s = time.perf_counter() - t
+    return {"rows": rows, "tokens_per_s": rows * z["new"] / s, "transformers": transformers.__version__}
+
+
+def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
+    """A real server: first-call latency, then GRPO traffic as separate requests vs num_samples."""
+    import tinker
+    from tinker import types
+
+    from tests.e2e.server import ServerProcess
+
+    prompts_n, group, new = (2, 4, 8) if quick else (8, 16, 256)
+    srv = ServerProcess(model_dir, log_dir / "server-data", extra_args=["--device", device.type], log_dir=log_dir)
+    srv.start(timeout=600)
+    try:
+        sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench-gpu")
+        s = sc.create_sampling_client(base_model=str(model_dir)).result(timeout=600)
+        rng = np.random.default_rng(0)
+        prompts = [types.ModelInput.from_ints(rng.integers(4, 2000, 128 if not quick else 16).tolist())
+                   for _ in range(prompts_n)]
+        params = types.SamplingParams(max_tokens=new, temperature=1.0, stop=[])
+        first = []
+        for _ in range(2):
+            t = time.perf_counter()
+            s.sample(prompts[0], 1, params).result(timeout=600)
+            first.append(time.perf_counter() - t)
+
+        def timed_tokens(submit) -> tuple[float, int]:
+            """Submit every request at once (the SDK's futures), then wait for all."""
+            t = time.perf_counter()
+            results = [f.result(timeout=600) for f in submit()]
+            return time.perf_counter() - t, sum(len(q.tokens) for r in results for q in r.sequences)
+
+        sep_s, sep_tok = timed_tokens(lambda: [s.sample(p, 1, params) for p in prompts for _ in range(group)])
+        ns_s, ns_tok = timed_tokens(lambda: [s.sample(p, group, params) for p in prompts])
+        return {"first_call_s": first[0], "second_call_s": first[1], "new_tokens": new,
+                "grpo": {"prompts": prompts_n, "group": group,
+                         "separate_requests_tokens_per_s": sep_tok / sep_s,
+                         "num_samples_tokens_per_s": ns_tok / ns_s, "separate_vs_num_samples": ns_s / sep_s}}
+    finally:
+        srv.stop()

@@ -1,0 +1,143 @@
+"""LoRA and full fine-tune fwd+bwd through tinsmith's TrainingRuntime, in-process, and the
+transformers + peft baseline on the same batch.
+
+MFU: LoRA counts 4NT FLOPs per step (forward 2NT, backward through activations 2NT, no weight
+gradients for the frozen base), full fine-tuning 6NT; N = every weight matrix a token passes
+(``shapes.param_counts``), T = tokens. Stated against the measured matmul peak (peak.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from bench.gpu.peak import sync, timed
+from tinsmith.models.loading import load_model
+from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
+from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
+
+RANK = 32
+
+
+def batch(vocab: int, rows: int, length: int, seed: int = 0) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(rows):
+        t = rng.integers(4, vocab, length + 1)
+        out.append(Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(length, np.float32)}))
+    return out
+
+
+def peak_memory(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
+    """tokens/s of forward_backward + optim_step over every unit in ``work`` together, in one pass."""
+    reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in work.items()]
+    tokens = sum(len(x.tokens) for d in work.values() for x in d)
+
+    def one() -> None:
+        for res in rt.forward_backward(reqs):
+            if isinstance(res, Exception):
+                raise res
+        for u in work:
+            rt.optim_step(u, AdamParams(learning_rate=1e-5))
+
+    reset_peak(rt.device)
+    t0 = time.perf_counter()
+    one()
+    sync(rt.device)
+    first = time.perf_counter() - t0
+    s = timed(one, rt.device, repeats=steps, warmup=1)
+    return {"tokens": tokens, "step_s": s, "tokens_per_s": tokens / s, "first_step_s": first,
+            "peak_gib": peak_memory(rt.device)}
+
+
+def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:
+    return factor * n * tokens_per_s / peak
+
+
+def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
+    """LoRA r32 at 8x1024 and 32x1024; 1, 4 and 16 tenants in one step; 1x32k long context."""
+    L = 32 if quick else 1024
+    steps = 2 if quick else 5
+    lm = load_model(str(model_dir), device=device)
+    vocab = lm.config.vocab_size
+    rt = TrainingRuntime(lm.model, max_lora_adapters=16, max_lora_rank=RANK)
+    units = [rt.create_adapter(LoraSpec(rank=RANK, seed=i)) for i in range(16)]
+    out: dict = {"rank": RANK, "seq_len": L}
+    for rows in ((1, 2) if quick else (8, 32)):
+        r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
+        r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
+        out[f"{rows}x{L}"] = r
+    per_tenant = 1 if quick else 2
+    tenants = {}
+    for k in ((1, 4) if quick else (1, 4, 16)):
+        one_unit = step_rate(rt, {units[0]: batch(vocab, per_tenant * k, L)}, steps)
+        many = step_rate(rt, {u: batch(vocab, per_tenant, L, seed=i) for i, u in enumerate(units[:k])}, steps)
+        tenants[str(k)] = {"tokens_per_s": many["tokens_per_s"], "one_tenant_same_tokens_per_s": one_unit["tokens_per_s"],
+                           "vs_one_tenant": many["tokens_per_s"] / one_unit["tokens_per_s"],
+                           "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])}
+    out["tenants"] = {"rows_per_tenant": per_tenant, "seq_len": L, **tenants}
+    long_len = 128 if quick else 32_768
+    out["long_context"] = {"seq_len": long_len}
+    for ckpt in (False, True):
+        lm.model.gradient_checkpointing = ckpt
+        try:
+            r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1 if not quick else 1)
+            r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
+        except torch.OutOfMemoryError as e:
+            r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+        out["long_context"]["checkpointing" if ckpt else "plain"] = r
+    lm.model.gradient_checkpointing = False
+    del rt, lm
+    return out
+
+
+def full_finetune(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
+    L = 32 if quick else 1024
+    lm = load_model(str(model_dir), device=device)
+    rt = TrainingRuntime(lm.model, full_finetune=True)
+    try:
+        r = step_rate(rt, {FULL_UNIT: batch(lm.config.vocab_size, 1 if quick else 8, L)}, 1 if quick else 4)
+        r["mfu_6nt"] = mfu(r["tokens_per_s"], n, 6, peak["matmul_flops_per_s"])
+        r["shape"] = f"{1 if quick else 8}x{L}"
+        return r
+    finally:
+        del rt, lm
+
+
+def peft_baseline(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
+    """transformers + peft LoRA r32 on the same projections, the same batch and optimizer."""
+    import peft
+    import transformers
+
+    L, rows = (32, 1) if quick else (1024, 8)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=RANK, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.as_tensor(np.stack([d.tokens for d in batch(model.config.vocab_size, rows, L)]), device=device)
+
+    def one() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    reset_peak(device)
+    s = timed(one, device, repeats=2 if quick else 5, warmup=1)
+    tps = rows * L / s
+    return {"shape": f"{rows}x{L}", "tokens_per_s": tps, "mfu_4nt": mfu(tps, n, 4, peak["matmul_flops_per_s"]),
+            "peak_gib": peak_memory(device), "transformers": transformers.__version__, "peft": peft.__version__}
