@@ -102,21 +102,26 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         bounds = _element_bounds(rows, n, chunk)
+        # One chunk covers every row: its log-softmax is kept for backward (it is within the
+        # memory budget by definition) rather than recomputed by a second unembedding GEMM.
+        kept = None
         for c, a in enumerate(range(0, n, chunk)):
             b = min(n, a + chunk)
             logits = _chunk_logits(hidden[a:b], weight, bias, a, spans, factors)
             lse[a:b] = torch.logsumexp(logits, dim=-1)
+            logp = logits.sub_(lse[a:b, None])
             ea, eb = bounds[c], bounds[c + 1]
             if ea < eb:
-                r = rows[ea:eb] - a
-                out[ea:eb] = logits[r, cols[ea:eb]] - lse[a:b][r]
-        ctx.save_for_backward(hidden, weight, bias, rows, cols, lse, *factors)
+                out[ea:eb] = logp[rows[ea:eb] - a, cols[ea:eb]]
+            if n <= chunk and any(ctx.needs_input_grad):
+                kept = logp
+        ctx.save_for_backward(hidden, weight, bias, rows, cols, lse, kept, *factors)
         ctx.chunk, ctx.spans = chunk, spans
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, bias, rows, cols, lse, *factors = ctx.saved_tensors
+        hidden, weight, bias, rows, cols, lse, kept, *factors = ctx.saved_tensors
         chunk, spans = ctx.chunk, ctx.spans
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_f = ctx.needs_input_grad[7:]
@@ -134,16 +139,19 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         for c, a in enumerate(range(0, n, chunk)):
             b = min(n, a + chunk)
             h = hidden[a:b]
-            with torch.no_grad():
-                logits = _chunk_logits(h, weight, bias, a, spans, factors)
-            d_logits = logits.sub_(lse[a:b, None]).exp_().mul_(-g_row[a:b, None])  # in place: one buffer
+            if kept is not None:
+                d_logits = kept.exp()
+            else:
+                with torch.no_grad():
+                    d_logits = _chunk_logits(h, weight, bias, a, spans, factors).sub_(lse[a:b, None]).exp_()
+            d_logits.mul_(-g_row[a:b, None])  # softmax * -sum(g), in place: one buffer
             ea, eb = bounds[c], bounds[c + 1]
             if ea < eb:
                 d_logits.index_put_((rows[ea:eb] - a, cols[ea:eb]), grad_out[ea:eb], accumulate=True)
             if need_b:
                 d_b += d_logits.sum(0)
             d_y = d_logits.to(dtype)
-            del logits, d_logits
+            del d_logits
             if need_h:
                 d_h[a:b] = d_y @ weight.to(dtype)
             if need_w:
