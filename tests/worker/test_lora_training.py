@@ -172,9 +172,7 @@ def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_dir):
             assert_rel_close(g[n], ref_g[n], 1e-5, n)
 
 
-def test_chunked_logprobs_equal_unchunked(rt, monkeypatch):
-    import tinsmith.worker.runtime as runtime
-
+def test_chunked_logprobs_equal_unchunked(rt):
     rng = np.random.default_rng(7)
     u = rt.create_adapter(LoraSpec(rank=4, seed=1))
     _perturb_B(rt, u, 5)
@@ -182,7 +180,7 @@ def test_chunked_logprobs_equal_unchunked(rt, monkeypatch):
     plain = _fb(rt, u, data)
     g_plain = _grads(rt, u)
     rt.unit(u).optimizer.zero_grad(set_to_none=True)
-    monkeypatch.setattr(runtime, "LOGIT_CHUNK_ELEMENTS", VOCAB * 7)  # 7 tokens per chunk
+    rt.logit_chunk_bytes = VOCAB * 4 * 7  # 7 tokens per chunk
     chunked = _fb(rt, u, data)
     for x, y in zip(plain.outputs, chunked.outputs):
         np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-6, atol=1e-6)

@@ -16,10 +16,10 @@ from typing import Union
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, TinsmithError
 from tinsmith.losses import LossBatch, LossSpec, resolve_loss, validate_inputs
+from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES, UnembedLora, chunked_target_logprobs, rows_per_chunk
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import Segments
 from tinsmith.models.vision import VisionTower
@@ -30,9 +30,6 @@ from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full
 
 FULL_UNIT = 0  # unit id of the whole-model trainable in full fine-tuning mode
 
-# Above this many logits (tokens x vocab) per micro-batch, logprobs are computed in chunks whose
-# logits are recomputed in backward instead of stored.
-LOGIT_CHUNK_ELEMENTS = 1 << 25
 
 
 @dataclass
@@ -111,16 +108,6 @@ class FbPass:
         self.saved_grads = None
 
 
-def slice_segments(segs: Segments, a: int, b: int) -> Segments:
-    """The part of ``segs`` inside rows [a, b), rebased to start at 0."""
-    out: Segments = []
-    for slot, s, e in segs:
-        lo, hi = max(s, a), min(e, b)
-        if lo < hi:
-            out.append((slot, lo - a, hi - a))
-    return out
-
-
 class TrainingRuntime:
     """Owns the model's trainable units and runs batched forward/backward and optimizer steps."""
 
@@ -137,6 +124,7 @@ class TrainingRuntime:
         full_finetune: bool = False,
         full_optimizer: str = ADAMW,
         vision: VisionTower | None = None,
+        logit_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ):
         self.model = model
         self.vision = vision  # image-text models: the frozen vision tower that feeds image tokens
@@ -147,6 +135,8 @@ class TrainingRuntime:
         self.max_lora_rank = max_lora_rank
         self.micro_batch_tokens = micro_batch_tokens
         self.micro_batch_seqs = micro_batch_seqs
+        # fp32 logits of at most this many bytes exist at once (forward and backward alike)
+        self.logit_chunk_bytes = logit_chunk_bytes
         model.gradient_checkpointing = gradient_checkpointing
         self.full_finetune = full_finetune
         self.units: dict[int, Trainable] = {}
@@ -429,21 +419,13 @@ class TrainingRuntime:
         return failed
 
     def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """log p(cols[e] | token rows[e]) for each element e, without keeping huge logits around."""
-        T, V = h.shape[0], self.config.vocab_size
-        if T * V <= LOGIT_CHUNK_ELEMENTS:
-            return _gather_logprobs(self.model, h, segs, rows, cols)
-        chunk = max(1, LOGIT_CHUNK_ELEMENTS // V)
-        out = []
-        for a in range(0, T, chunk):
-            b = min(T, a + chunk)
-            ea, eb = torch.searchsorted(rows, torch.tensor([a, b], device=rows.device)).tolist()
-            if ea == eb:
-                continue
-            fn = _gather_logprobs
-            args = (self.model, h[a:b], slice_segments(segs, a, b), rows[ea:eb] - a, cols[ea:eb])
-            out.append(checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args))
-        return torch.cat(out)
+        """log p(cols[e] | token rows[e]) for each element e, with the unembedding and the loss's
+        log-softmax fused over chunks of rows: full (tokens, vocab) logits never exist."""
+        head = self.model.lm_head
+        loras = [UnembedLora(w.A, w.B, w.scale, a, b)
+                 for slot, a, b in segs if slot is not None and (w := head.adapters.get(slot)) is not None]
+        return chunked_target_logprobs(h, head.weight, rows, cols, bias=head.bias, loras=loras,
+                                       chunk_rows=rows_per_chunk(self.config.vocab_size, self.logit_chunk_bytes))
 
     def _loss_batch(self, p: _Prepared, datums: list[int], lps: list[torch.Tensor]) -> LossBatch:
         offsets = [0]
@@ -483,8 +465,3 @@ class TrainingRuntime:
     def has_pending_grads(self, unit: int) -> bool:
         return self.unit(unit).has_grads()
 
-
-def _gather_logprobs(model: CausalLM, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    logits = model.logits(h, segs)
-    lse = torch.logsumexp(logits, dim=-1)
-    return logits[rows, cols] - lse[rows]

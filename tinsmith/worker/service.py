@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, TinsmithError
+from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import LoadedModel, load_model
@@ -541,8 +542,9 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
     slower per token than 4096, and 4096 ~12% slower than 2048 when four tenants' 8 x 128 steps
     share one call, while 32 x 512 ran alike at 1024-4096). On a GPU, as many as half the free memory holds, at a rough
     activation cost per token (about 20 hidden-sized values per layer kept for backward, a few
-    with checkpointing, plus the routed experts' rows of a mixture of experts, plus the fp32
-    logits row), within [1024, 65536].
+    with checkpointing, plus the routed experts' rows of a mixture of experts), within [1024, 65536].
+    Logits cost nothing per token: they are computed in fixed-size chunks (``logit_chunk_bytes``,
+    a few such buffers at once), set aside from the free memory first.
     """
     device = next(model.parameters()).device
     if device.type != "cuda":
@@ -553,5 +555,6 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
     if cfg.moe is not None and not o.gradient_checkpointing:
         # each routed copy of a token keeps its input, gate, up, product and output rows
         per_layer += cfg.moe.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe.moe_intermediate_size) * width
-    per_token = cfg.num_layers * per_layer + 8 * cfg.vocab_size
+    per_token = cfg.num_layers * per_layer
+    free -= 4 * DEFAULT_CHUNK_BYTES
     return int(min(65536, max(1024, 0.5 * free / per_token)))

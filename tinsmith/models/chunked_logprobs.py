@@ -1,0 +1,174 @@
+"""Log-probabilities of chosen tokens straight from hidden states, a chunk of rows at a time.
+
+Every loss reads ``log p(token | position)`` at a few tokens per position (one target, or K
+candidates for distillation), never the whole distribution. Computing full ``(N, V)`` fp32
+logits for that is the single biggest memory and elementwise cost of a training step on a large
+vocabulary (8k tokens x 152k vocab = 5 GB). :func:`chunked_target_logprobs` instead runs the
+unembedding (with any LoRA adapters on it) over a chunk of rows, reduces that chunk to its
+logsumexp and the wanted entries, and drops it; backward recomputes each chunk's logits from
+the saved hidden states and per-row logsumexp and fuses ``softmax - onehot`` with the matmuls
+that give the gradients of the hidden states, the unembedding weight and its LoRA factors.
+
+The arithmetic is the plain path's (``lm_head(h).float()``, then log-softmax): the product runs
+in the hidden states' dtype and the softmax in fp32, so results agree with it to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+# Default memory allowed for one chunk's fp32 logits (backward holds about three such buffers).
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class UnembedLora:
+    """A LoRA adapter on the unembedding for the rows ``[start, end)``: ``+ scale * h A^T B^T``."""
+
+    A: torch.Tensor  # (rank, hidden)
+    B: torch.Tensor  # (vocab, rank)
+    scale: float
+    start: int
+    end: int
+
+
+def rows_per_chunk(vocab: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """How many rows of fp32 logits fit in ``chunk_bytes`` (at least one)."""
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+def chunked_target_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    loras: list[UnembedLora] | tuple[UnembedLora, ...] = (),
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weight^T + bias + LoRA)[rows[e], cols[e]]`` for each element ``e``, fp32.
+
+    ``hidden`` (N, H); ``weight`` (V, H); ``rows`` (E,) non-decreasing row indices and ``cols``
+    (E,) token ids. LoRA row ranges must not overlap. ``chunk_rows`` defaults to
+    :func:`rows_per_chunk` of the vocabulary. Differentiable in ``hidden``, ``weight``,
+    ``bias`` and every adapter's ``A``/``B``; full-vocabulary logits never exist at once.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+    if rows.shape != cols.shape or rows.dim() != 1:
+        raise ValueError("rows and cols must be 1-D and of the same length")
+    chunk = chunk_rows or rows_per_chunk(weight.shape[0])
+    spans = tuple((w.start, w.end, w.scale) for w in loras)
+    factors = [t for w in loras for t in (w.A, w.B)]
+    return _ChunkedTargetLogprobs.apply(hidden, weight, bias, rows, cols, chunk, spans, *factors)
+
+
+def targets_to_elements(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, cols)`` for targets of shape (N,) or (N, K): row-major, K entries per row."""
+    n = targets.shape[0]
+    k = 1 if targets.dim() == 1 else targets.shape[1]
+    rows = torch.arange(n, device=targets.device).repeat_interleave(k)
+    return rows, targets.reshape(-1)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: int,
+                  spans: tuple, factors: tuple) -> torch.Tensor:
+    """fp32 logits of the rows ``h`` (= rows ``[a, a + len(h))``), as ``LoraLinear`` computes them."""
+    y = F.linear(h, weight, bias)
+    b = a + h.shape[0]
+    for i, (start, end, scale) in enumerate(spans):
+        lo, hi = max(start, a), min(end, b)
+        if lo >= hi:
+            continue
+        A, B = factors[2 * i].to(h.dtype), factors[2 * i + 1].to(h.dtype)
+        y[lo - a : hi - a] = torch.addmm(y[lo - a : hi - a], F.linear(h[lo - a : hi - a], A), B.t(), alpha=scale)
+    return y.float()
+
+
+def _element_bounds(rows: torch.Tensor, n: int, chunk: int) -> list[int]:
+    """Index of the first element of each chunk of rows (plus the end), ``rows`` being sorted."""
+    starts = torch.arange(0, n + chunk, chunk, device=rows.device).clamp(max=n)
+    return torch.searchsorted(rows, starts).tolist()
+
+
+class _ChunkedTargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, cols, chunk, spans, *factors):
+        n = hidden.shape[0]
+        out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        bounds = _element_bounds(rows, n, chunk)
+        # One chunk covers every row: its log-softmax is kept for backward (it is within the
+        # memory budget by definition) rather than recomputed by a second unembedding GEMM.
+        kept = None
+        for c, a in enumerate(range(0, n, chunk)):
+            b = min(n, a + chunk)
+            logits = _chunk_logits(hidden[a:b], weight, bias, a, spans, factors)
+            lse[a:b] = torch.logsumexp(logits, dim=-1)
+            logp = logits.sub_(lse[a:b, None])
+            ea, eb = bounds[c], bounds[c + 1]
+            if ea < eb:
+                out[ea:eb] = logp[rows[ea:eb] - a, cols[ea:eb]]
+            if n <= chunk and any(ctx.needs_input_grad):
+                kept = logp
+        ctx.save_for_backward(hidden, weight, bias, rows, cols, lse, kept, *factors)
+        ctx.chunk, ctx.spans = chunk, spans
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, rows, cols, lse, kept, *factors = ctx.saved_tensors
+        chunk, spans = ctx.chunk, ctx.spans
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_f = ctx.needs_input_grad[7:]
+        n, dtype = hidden.shape[0], hidden.dtype
+        grad_out = grad_out.float()
+        # Per-row sum of the incoming gradients: d logits = onehot-scatter(g) - softmax * sum(g).
+        g_row = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_add_(0, rows, grad_out)
+        d_h = torch.empty_like(hidden) if need_h else None
+        # Weight-sized gradients are summed over chunks in fp32, cast to their dtype at the end.
+        d_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        d_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        d_f = [torch.zeros(f.shape, dtype=torch.float32, device=f.device) if need else None
+               for f, need in zip(factors, need_f)]
+        bounds = _element_bounds(rows, n, chunk)
+        for c, a in enumerate(range(0, n, chunk)):
+            b = min(n, a + chunk)
+            h = hidden[a:b]
+            if kept is not None:
+                d_logits = kept.exp()
+            else:
+                with torch.no_grad():
+                    d_logits = _chunk_logits(h, weight, bias, a, spans, factors).sub_(lse[a:b, None]).exp_()
+            d_logits.mul_(-g_row[a:b, None])  # softmax * -sum(g), in place: one buffer
+            ea, eb = bounds[c], bounds[c + 1]
+            if ea < eb:
+                d_logits.index_put_((rows[ea:eb] - a, cols[ea:eb]), grad_out[ea:eb], accumulate=True)
+            if need_b:
+                d_b += d_logits.sum(0)
+            d_y = d_logits.to(dtype)
+            del d_logits
+            if need_h:
+                d_h[a:b] = d_y @ weight.to(dtype)
+            if need_w:
+                d_w += d_y.t() @ h  # one chunk in the compute dtype, summed in fp32
+            for i, (start, end, scale) in enumerate(spans):
+                lo, hi = max(start, a), min(end, b)
+                if lo >= hi:
+                    continue
+                A, B = factors[2 * i].to(dtype), factors[2 * i + 1].to(dtype)
+                x, dy = h[lo - a : hi - a], d_y[lo - a : hi - a]
+                dy_b = dy @ B  # (rows, rank)
+                if need_h:
+                    d_h[lo:hi].addmm_(dy_b, A, alpha=scale)
+                if need_f[2 * i]:
+                    d_f[2 * i] += (scale * (dy_b.t() @ x)).float()
+                if need_f[2 * i + 1]:
+                    d_f[2 * i + 1] += (scale * (dy.t() @ F.linear(x, A))).float()
+        grads_f = [None if g is None else g.to(f.dtype) for g, f in zip(d_f, factors)]
+        return (d_h, None if d_w is None else d_w.to(weight.dtype), None if d_b is None else d_b.to(bias.dtype),
+                None, None, None, None, *grads_f)
