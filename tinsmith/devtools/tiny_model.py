@@ -88,9 +88,20 @@ class TinyShape:
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
+    # gpt_oss only: the window of its sliding-attention layers (every other layer, as gpt-oss).
+    sliding_window: int = 16
 
 
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gpt_oss")
+
+# A minimal harmony-style chat template for the tiny gpt_oss tokenizer (the real one needs
+# harmony's special tokens, which the tiny tokenizer carries as GPT_OSS_SPECIAL_TOKENS).
+GPT_OSS_SPECIAL_TOKENS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>")
+_HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}"
+    "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
 
 
 def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int, pad_id: int):
@@ -117,6 +128,16 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
             head_dim=shape.head_dim, rope_theta=1_000_000.0, num_experts=shape.num_experts,
             num_experts_per_tok=shape.num_experts_per_tok, moe_intermediate_size=shape.moe_intermediate_size,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common,
+        )
+    if family == "gpt_oss":
+        # YaRN as gpt-oss releases (factor 32 over 4096 there), scaled down so tiny tests reach it.
+        original = max(shape.max_position_embeddings // 4, 1)
+        return transformers.GptOssConfig(
+            head_dim=shape.head_dim, num_local_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+            sliding_window=shape.sliding_window, attention_bias=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": original},
+            **{**common, "intermediate_size": shape.moe_intermediate_size},
         )
     if family == "qwen2":
         return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
@@ -158,6 +179,8 @@ def make_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if family == "gpt_oss":
+        extra_special_tokens = tuple(extra_special_tokens) + GPT_OSS_SPECIAL_TOKENS
     tok = train_bpe_tokenizer(shape.vocab_size, seed, tuple(extra_special_tokens))
     eos_id = tok.token_to_id("<|endoftext|>")
     pad_id = tok.token_to_id("<|pad|>")
@@ -191,6 +214,8 @@ def make_tiny_model(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    if family == "gpt_oss":
+        fast.chat_template = _HARMONY_TEMPLATE
     fast.save_pretrained(out)
     (out / "tinsmith_tiny.json").write_text(json.dumps({"family": family, "seed": seed, **shape.__dict__}))
     return out

@@ -14,11 +14,17 @@ from typing import Any
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10_000.0
-    kind: str = "default"  # "default" | "llama3" | "linear"
+    kind: str = "default"  # "default" | "llama3" | "linear" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (gpt-oss): the ramp between interpolated and extrapolated frequencies, and the
+    # factor cos/sin are scaled by (None: derived from ``factor`` as transformers does).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,15 @@ class MoeConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt-oss: router with a bias and a softmax over the top-k logits only; experts with biases
+    # and the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``.
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    router_name: str = "gate"  # the router's module name in checkpoints ("router" in gpt-oss)
+    expert_bias: bool = False
+    activation: str = "silu"  # "silu" | "clamped_swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
     moe: MoeConfig | None = None  # routed experts (Qwen3-MoE); None for dense families
+    attention_out_bias: bool = False  # o_proj bias (gpt-oss)
+    attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (gpt-oss)
+    sliding_window: int | None = None  # keys a query sees in a "sliding_attention" layer, itself included
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; empty: all full
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None: full causal attention)."""
+        if self.sliding_window is None or layer_idx >= len(self.layer_types):
+            return None
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` routes to experts (transformers' rule for Qwen3-MoE)."""
@@ -103,10 +128,11 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "llama3", "linear"):
+    if kind not in ("default", "llama3", "linear", "yarn"):
         from tinsmith.errors import InvalidInputError
 
-        raise InvalidInputError(f"rope type {kind!r} in config.json is not supported (default, linear, llama3)")
+        raise InvalidInputError(f"rope type {kind!r} in config.json is not supported (default, linear, llama3, yarn)")
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=theta,
         kind=kind,
@@ -114,6 +140,10 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
 
 

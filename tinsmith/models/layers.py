@@ -44,8 +44,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies, including the Llama 3 long-context rescaling when configured."""
+    """Inverse frequencies, including the Llama 3 or YaRN long-context rescaling when configured."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     if rope.kind == "linear":
         return inv / rope.factor
     if rope.kind == "llama3":
@@ -61,10 +63,40 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return inv
 
 
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: interpolated frequencies below the ``beta_slow``..``beta_fast`` rotation band,
+    extrapolated above it, a linear ramp between (transformers' ``_compute_yarn_parameters``)."""
+    base, dim = rope.theta, head_dim
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_scaling(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's ``0.1 ln(factor) + 1`` unless configured; 1 otherwise."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
+
+
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        self.scaling = rope_attention_scaling(rope)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed_sin)`` of shape ``positions.shape + (1, head_dim)`` (computed in fp32).
@@ -75,6 +107,8 @@ class Rotary(nn.Module):
         """
         freqs = positions.float()[..., None] * self.inv_freq.float()
         cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
         return torch.cat((cos, cos), -1)[..., None, :].to(dtype), torch.cat((-sin, sin), -1)[..., None, :].to(dtype)
 
 
@@ -87,17 +121,54 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 class AttentionBackend(Protocol):
-    """How a layer's queries meet keys/values: plain causal for training, cached for sampling."""
+    """How a layer's queries meet keys/values: plain causal for training, cached for sampling.
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    ``sinks`` (one logit per query head, added to every softmax denominator) and ``window``
+    (a sliding-attention layer's span, the query's own position included) come from the layer.
+    """
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor: ...
 
 
-def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal SDPA over right-padded rows (padding sits after real tokens, so no mask is needed).
 
     Grouped-query heads are handled by SDPA itself, so K/V are never copied per query head.
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    if sinks is None and window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    L = q.shape[2]
+    i = torch.arange(L, device=q.device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    return masked_attention(q, k, v, allowed[None], sinks)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention where ``allowed`` (b or 1, Lq, Lk; bool) says which keys each query sees.
+
+    q: (b, Hq, Lq, d); k, v: (b, Hk, Lk, d). With ``sinks`` (Hq,) the softmax runs eagerly over
+    the scores plus one sink logit per head, which is then dropped (transformers' gpt-oss
+    ``eager_attention_forward``: max subtracted over scores and sink together); it costs
+    (Lq x Lk) scores per head in memory. Without sinks SDPA takes the mask.
+    """
+    b, hq, lq, d = q.shape
+    hk = k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=hk != hq)
+    rep = hq // hk
+    qg = q.reshape(b, hk, rep, lq, d)
+    scores = (qg @ k[:, :, None].transpose(-1, -2)) * (d ** -0.5)  # (b, hk, rep, lq, lk)
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, hk, rep, 1, 1).expand(b, hk, rep, lq, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+    return (probs @ v[:, :, None]).reshape(b, hq, lq, d)
 
 
 class Attention(nn.Module):
@@ -109,7 +180,10 @@ class Attention(nn.Module):
         self.q_proj = LoraLinear(h, cfg.num_heads * cfg.head_dim, bias)
         self.k_proj = LoraLinear(h, cfg.num_kv_heads * cfg.head_dim, bias)
         self.v_proj = LoraLinear(h, cfg.num_kv_heads * cfg.head_dim, bias)
-        self.o_proj = LoraLinear(cfg.num_heads * cfg.head_dim, h, False)
+        self.o_proj = LoraLinear(cfg.num_heads * cfg.head_dim, h, cfg.attention_out_bias)
+        # gpt-oss: a frozen per-head sink logit, and a sliding window on some layers.
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
+        self.sliding_window = cfg.window_of(layer_idx)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -140,7 +214,11 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(self.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.sinks is None and self.sliding_window is None:
+            out = attend(self.layer_idx, q, k, v)
+        else:
+            out = attend(self.layer_idx, q, k, v, sinks=self.sinks, window=self.sliding_window)
         return self.o_proj(out.transpose(1, 2).reshape(b, L, -1), segments)
 
 

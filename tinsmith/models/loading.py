@@ -23,7 +23,7 @@ from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM, Rotary
 from tinsmith.models.lora import pack_weights
 from tinsmith.models.moe import expert_tensor_sources
-from tinsmith.models.registry import family_for
+from tinsmith.models.registry import family_for, family_named
 
 _HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                  "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
@@ -111,11 +111,14 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     num_experts = cfg.moe.num_experts if cfg.moe else 0
+    family_sources = family_named(cfg.family).tensor_sources
     # Each tensor we need, as (checkpoint tensors, combine); stacked experts may come from several.
     recipes: dict[str, tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]] = {}
     missing = []
     for name in expected:
-        recipe = ([name], _single) if name in files else expert_tensor_sources(name, num_experts, files)
+        recipe = family_sources(name, cfg, files) if family_sources is not None else None
+        if recipe is None:
+            recipe = ([name], _single) if name in files else expert_tensor_sources(name, num_experts, files)
         if recipe is None:
             missing.append(name)
         else:

@@ -1,0 +1,169 @@
+"""gpt-oss against transformers' GptOssForCausalLM: logits, gradients, decode past the sliding
+window, MXFP4 expert weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tests.sampling.conftest import forward_logprobs, make_sampler, run, task
+from tests.worker.helpers import assert_rel_close, sft_datum
+from tinsmith.models.gpt_oss import dequantize_mxfp4
+from tinsmith.models.layers import CausalLM
+from tinsmith.models.loading import load_model
+from tinsmith.types import ForwardBackwardInput, LoraSpec
+from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+
+VOCAB = 512
+WINDOW = 16  # SMALL's sliding window (layer 0 slides, layer 1 is full attention)
+
+
+def _reference(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                             experts_implementation="eager")
+
+
+def _logits(model, tokens):
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model.logits(model.hidden_states(tokens, pos))
+
+
+def _fb(rt, unit, data):
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", {}, False))])
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+def test_config_reads_gpt_oss_switches(gpt_oss_dir):
+    cfg = load_model(str(gpt_oss_dir)).config
+    assert cfg.family == "gpt_oss" and cfg.attention_sinks and cfg.attention_out_bias
+    assert [cfg.window_of(i) for i in range(2)] == [WINDOW, None]
+    assert cfg.rope.kind == "yarn" and cfg.moe.softmax_after_topk and cfg.moe.activation == "clamped_swiglu"
+
+
+def test_logits_match_transformers(gpt_oss_dir):
+    """Rows four windows long: sinks, the window, YaRN and the clamped experts all take part."""
+    ours = load_model(str(gpt_oss_dir)).model
+    ref = _reference(gpt_oss_dir).eval()
+    tokens = torch.randint(0, VOCAB, (3, 4 * WINDOW), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = _logits(ours, tokens)
+        torch.testing.assert_close(got, ref(tokens).logits, rtol=1e-5, atol=1e-5)
+        # Each gpt-oss part changes the logits (so matching them is not matching a simpler model).
+        for switch in ({"sliding_window": None}, {"attention_sinks": False}):
+            other = CausalLM(dataclasses.replace(ours.config, **switch))
+            other.load_state_dict(ours.state_dict(), strict=False)
+            assert float((_logits(other, tokens) - got).abs().max()) > 1e-3, switch
+
+
+def test_full_finetune_grads_match_transformers(gpt_oss_dir):
+    """Every weight's gradient (sinks, router, expert biases included) equals transformers'."""
+    rt = TrainingRuntime(load_model(str(gpt_oss_dir)).model, full_finetune=True)
+    rng = np.random.default_rng(10)
+    data = [sft_datum(rng, 40, VOCAB, signed=True), sft_datum(rng, 9, VOCAB, signed=True)]
+    res = _fb(rt, 0, data)
+    ref = _reference(gpt_oss_dir)
+    total = 0.0
+    for d in data:
+        lp = torch.log_softmax(ref(torch.from_numpy(d.tokens)[None]).logits[0].float(), -1)
+        lp = lp.gather(-1, torch.from_numpy(d.loss_inputs["target_tokens"])[:, None])[:, 0]
+        loss = -(lp * torch.from_numpy(d.loss_inputs["weights"])).sum()
+        loss.backward()
+        total += float(loss.detach())
+    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    theirs = {n: p.grad for n, p in ref.named_parameters()}
+    for i in range(2):
+        experts = f"model.layers.{i}.mlp.experts"
+        gate_up = theirs.pop(f"{experts}.gate_up_proj").transpose(1, 2)  # experts x 2I x H
+        gate_up_bias = theirs.pop(f"{experts}.gate_up_proj_bias")
+        theirs[f"{experts}.gate_proj.weight"], theirs[f"{experts}.up_proj.weight"] = gate_up[:, 0::2], gate_up[:, 1::2]
+        theirs[f"{experts}.gate_proj.bias"], theirs[f"{experts}.up_proj.bias"] = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
+        theirs[f"{experts}.down_proj.weight"] = theirs.pop(f"{experts}.down_proj").transpose(1, 2)
+        theirs[f"{experts}.down_proj.bias"] = theirs.pop(f"{experts}.down_proj_bias")
+    ours = {n: p.grad for n, p in rt.unit(0).named_params}
+    assert set(ours) == set(theirs)
+    assert ours["model.layers.0.self_attn.sinks"].abs().sum() > 0
+    for n, g in ours.items():
+        assert_rel_close(g, theirs[n], 1e-4, n)
+
+
+def test_lora_targets_attention_and_every_expert(gpt_oss_dir):
+    rt = TrainingRuntime(load_model(str(gpt_oss_dir)).model, max_lora_adapters=1, max_lora_rank=8)
+    u = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    names = dict(rt.unit(u).named_params)
+    assert tuple(names["model.layers.1.mlp.experts.gate_proj.lora_A.weight"].shape) == (4, 4, 64)
+    assert "model.layers.0.self_attn.o_proj.lora_B.weight" in names
+    assert not any("router" in n or "sinks" in n or "bias" in n for n in names)
+    rng = np.random.default_rng(2)
+    res = _fb(rt, u, [sft_datum(rng, 50, VOCAB, signed=True)])
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in names.items() if "lora_B" in n)
+    assert np.isfinite(res.metrics["loss:sum"])
+
+
+def test_greedy_decode_past_the_window_equals_transformers(gpt_oss_dir):
+    """Prompts longer than the window decode through the KV cache (its sliding layer masking
+    positions that left the window) to transformers' own generate, logprobs to our forward."""
+    model = load_model(str(gpt_oss_dir)).model
+    rng = np.random.default_rng(1)
+    ps = [rng.integers(4, VOCAB, n).tolist() for n in (3 * WINDOW + 5, 7)]
+    new = 2 * WINDOW
+    res = run(make_sampler(model, gpt_oss_dir), [task(i, p, max_tokens=new, temperature=0.0, stop=[])
+                                                 for i, p in enumerate(ps)])
+    hf = _reference(gpt_oss_dir).eval()
+    for i, p in enumerate(ps):
+        seq = res[i].sequences[0]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=3)
+        assert seq.tokens.tolist() == out[0, len(p):].tolist(), f"prompt {i}"
+        lp = forward_logprobs(model, list(p) + seq.tokens.tolist())
+        want = lp[len(p) - 1: -1].gather(-1, torch.as_tensor(seq.tokens, dtype=torch.long)[:, None])[:, 0]
+        np.testing.assert_allclose(seq.logprobs, want.numpy(), atol=1e-4, rtol=0)
+
+
+def test_mxfp4_dequantisation_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 2, 16), generator=g, dtype=torch.uint8)  # experts, rows, groups, bytes
+    scales = torch.randint(115, 135, (3, 10, 2), generator=g, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # experts x in x rows
+    assert ours.shape == (3, 10, 64)
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16), ours.bfloat16())
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantised_weights(tmp_path, gpt_oss_dir):
+    """A checkpoint with MXFP4 experts (``*_blocks`` / ``*_scales``, as released) loads to the
+    same model as one holding transformers' dequantisation of them in bf16-free fp32."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state = load_file(gpt_oss_dir / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    quant, plain = dict(state), dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows_in, rows_out = state[name].shape  # experts x in x out
+        blocks = torch.randint(0, 256, (experts, rows_out, rows_in // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(118, 124, (experts, rows_out, rows_in // 32), generator=g, dtype=torch.uint8)
+        del quant[name]
+        quant[f"{name}_blocks"], quant[f"{name}_scales"] = blocks, scales
+        plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+    dirs = {}
+    for kind, tensors in (("mxfp4", quant), ("plain", plain)):
+        d = dirs[kind] = tmp_path / kind
+        shutil.copytree(gpt_oss_dir, d)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=g)
+    with torch.no_grad():
+        a = _logits(load_model(str(dirs["mxfp4"])).model, tokens)
+        b = _logits(load_model(str(dirs["plain"])).model, tokens)
+        torch.testing.assert_close(b, _reference(dirs["plain"]).eval()(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(a, b)
