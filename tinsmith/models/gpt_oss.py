@@ -87,5 +87,74 @@ def _tensor_sources(name: str, cfg: ModelConfig, available: Container[str]
     return None
 
 
+# ----------------------------------------------------------------------------- PEFT layout
+# transformers' gpt-oss experts are parameters, not modules: peft adapts them with
+# ``target_parameters`` (nested ``ParamWrapper``s: gate_up_proj inside, down_proj outside), one
+# A/B pair per parameter whose rows stack the experts (A: experts*r x in, B: out x r*experts with
+# columns ordered (rank, expert)). Our separate gate and up adapters become one of rank 2r whose
+# B is block-diagonal, gate rows on even and up rows on odd outputs (the fused interleaving).
+PEFT_TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+_OURS = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$")
+_PEFTS = re.compile(r"^(.*\.mlp\.experts)\.(base_layer\.)?lora_([AB])\.weight$")
+
+
+def peft_expert_config(spec_rank: int, alpha: float) -> dict[str, Any]:
+    """adapter_config.json entries for the experts: the parameters, and gate_up's doubled rank
+    with a doubled alpha so its scale (alpha / rank) is the adapter's."""
+    return {"target_parameters": PEFT_TARGET_PARAMETERS, "rank_pattern": {"gate_up_proj": 2 * spec_rank},
+            "alpha_pattern": {"gate_up_proj": 2 * alpha}}
+
+
+def to_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our expert LoRA tensors (stacked per expert) under peft's gpt-oss names; others pass through."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _OURS.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m.group(1), {})[f"{m.group(2)}.{m.group(3)}"] = t
+    for prefix, p in experts.items():
+        a_d, b_d = p["down_proj.A"], p["down_proj.B"]  # (E, r, I), (E, H, r)
+        e, r = a_d.shape[0], a_d.shape[1]
+        out[f"{prefix}.lora_A.weight"] = a_d.reshape(e * r, -1)
+        out[f"{prefix}.lora_B.weight"] = b_d.permute(1, 2, 0).reshape(b_d.shape[1], r * e)
+        a_g, a_u, b_g, b_u = p["gate_proj.A"], p["up_proj.A"], p["gate_proj.B"], p["up_proj.B"]
+        out[f"{prefix}.base_layer.lora_A.weight"] = torch.cat((a_g, a_u), dim=1).reshape(e * 2 * r, -1)
+        i = b_g.shape[1]
+        b = b_g.new_zeros(e, 2 * i, 2 * r)
+        b[:, 0::2, :r], b[:, 1::2, r:] = b_g, b_u
+        out[f"{prefix}.base_layer.lora_B.weight"] = b.permute(1, 2, 0).reshape(2 * i, 2 * r * e)
+    return out
+
+
+def from_peft_tensors(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_peft_tensors` for an adapter of rank ``rank``."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _PEFTS.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m.group(1), {})[f"{'gate_up' if m.group(2) else 'down'}.{m.group(3)}"] = t
+    for prefix, p in experts.items():
+        if set(p) != {"gate_up.A", "gate_up.B", "down.A", "down.B"}:
+            raise InvalidInputError(f"adapter experts {prefix!r}: need gate_up_proj and down_proj A/B, have {sorted(p)}")
+        a_d, b_d = p["down.A"], p["down.B"]
+        if a_d.shape[0] % rank:
+            raise InvalidInputError(f"adapter tensor {prefix}.lora_A.weight: {a_d.shape[0]} rows are not experts x rank {rank}")
+        e = a_d.shape[0] // rank
+        out[f"{prefix}.down_proj.lora_A.weight"] = a_d.reshape(e, rank, -1)
+        out[f"{prefix}.down_proj.lora_B.weight"] = b_d.reshape(b_d.shape[0], rank, e).permute(2, 0, 1)
+        a = p["gate_up.A"].reshape(e, 2 * rank, -1)
+        b = p["gate_up.B"].reshape(p["gate_up.B"].shape[0], 2 * rank, e).permute(2, 0, 1)  # (E, 2I, 2r)
+        out[f"{prefix}.gate_proj.lora_A.weight"], out[f"{prefix}.up_proj.lora_A.weight"] = a[:, :rank], a[:, rank:]
+        out[f"{prefix}.gate_proj.lora_B.weight"] = b[:, 0::2, :rank]
+        out[f"{prefix}.up_proj.lora_B.weight"] = b[:, 1::2, rank:]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 GPT_OSS = register(Family(name="gpt_oss", architectures=("GptOssForCausalLM",), attention_bias=True, qk_norm=False,
                           moe=True, custom_config=_config, tensor_sources=_tensor_sources))
