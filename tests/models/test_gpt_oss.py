@@ -219,3 +219,44 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, gpt_os
     assert set(ours) == set(theirs)
     for n, grad in ours.items():
         assert_rel_close(grad, theirs[n], 1e-4, n)
+
+
+def test_full_finetune_export_loads_in_transformers(tmp_path, gpt_oss_dir):
+    """A full fine-tune's weights are written in transformers' fused gpt-oss layout (unquantised):
+    transformers and we load them with the same logits."""
+    from tinsmith.checkpoints.export import save_hf_model
+
+    full = load_model(str(gpt_oss_dir)).model
+    with torch.no_grad():
+        full.model.layers[1].mlp.experts.up_proj.weight[2].mul_(1.5)
+        full.model.layers[0].mlp.experts.gate_proj.bias[1].add_(0.3)
+        full.model.layers[0].self_attn.sinks.mul_(-2.0)
+        tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
+        expected = _logits(full, tokens)
+    save_hf_model(tmp_path / "full", {n: p for n, p in full.named_parameters()}, gpt_oss_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(_reference(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_logits(load_model(str(tmp_path / "full")).model, tokens), expected)
+
+
+def test_cli_exports_keep_the_gpt_oss_adapter_layout(tmp_path, gpt_oss_dir):
+    """``tinsmith export --format peft`` rewrites a gpt-oss adapter in the layout peft loads;
+    ``--format merged`` refuses expert adapters by name instead of writing a wrong model."""
+    from safetensors import safe_open
+
+    from tinsmith.checkpoints.export import export_adapter, export_merged
+    from tinsmith.checkpoints.peft_format import load_peft_adapter, save_peft_adapter
+    from tinsmith.errors import InvalidInputError
+
+    rt = TrainingRuntime(load_model(str(gpt_oss_dir)).model, max_lora_adapters=1, max_lora_rank=8)
+    spec = LoraSpec(rank=4, alpha=8, seed=5)
+    u = rt.create_adapter(spec)
+    tensors = {n: p.detach() for n, p in rt.unit(u).named_params}
+    save_peft_adapter(tmp_path / "adapter", spec, tensors, str(gpt_oss_dir), family="gpt_oss")
+    export_adapter(tmp_path / "adapter", tmp_path / "peft")
+    with safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), "pt") as f:
+        assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in set(f.keys())
+    _, back = load_peft_adapter(tmp_path / "peft")
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+    with pytest.raises(InvalidInputError, match="gpt-oss"):
+        export_merged(tmp_path / "adapter", tmp_path / "merged")

@@ -87,6 +87,30 @@ def _tensor_sources(name: str, cfg: ModelConfig, available: Container[str]
     return None
 
 
+def to_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our weights under transformers' gpt-oss names and layout: each layer's expert gate and up
+    interleaved back into ``gate_up_proj`` (experts x in x 2I), ``down_proj`` as experts x in x out."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m.group(1), {})[f"{m.group(2)}.{m.group(3)}"] = t
+    for prefix, p in experts.items():
+        gate, up = p["gate_proj.weight"], p["up_proj.weight"]  # (E, I, H)
+        fused = gate.new_empty(gate.shape[0], 2 * gate.shape[1], gate.shape[2])
+        fused[:, 0::2], fused[:, 1::2] = gate, up
+        out[f"{prefix}.gate_up_proj"] = fused.transpose(1, 2).contiguous()
+        bias = p["gate_proj.bias"].new_empty(gate.shape[0], 2 * gate.shape[1])
+        bias[:, 0::2], bias[:, 1::2] = p["gate_proj.bias"], p["up_proj.bias"]
+        out[f"{prefix}.gate_up_proj_bias"] = bias
+        out[f"{prefix}.down_proj"] = p["down_proj.weight"].transpose(1, 2).contiguous()
+        out[f"{prefix}.down_proj_bias"] = p["down_proj.bias"]
+    return out
+
+
 # ----------------------------------------------------------------------------- PEFT layout
 # transformers' gpt-oss experts are parameters, not modules: peft adapts them with
 # ``target_parameters`` (nested ``ParamWrapper``s: gate_up_proj inside, down_proj outside), one
