@@ -48,6 +48,26 @@ def test_config_reads_gpt_oss_switches(gpt_oss_dir):
     assert cfg.rope.kind == "yarn" and cfg.moe.softmax_after_topk and cfg.moe.activation == "clamped_swiglu"
 
 
+def test_yarn_at_the_released_settings_equals_transformers():
+    """gpt-oss's own rope settings (factor 32 over 4096 positions, theta 150000, no truncation),
+    as its hub config.json spells them, give transformers' YaRN frequencies and scale."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tinsmith.models.layers import rope_attention_scaling, rope_inv_freq
+    from tinsmith.models.registry import family_for
+
+    hub = {"architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 24, "vocab_size": 201088,
+           "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "rope_theta": 150000,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False}}
+    cfg = family_for(hub).config(hub)
+    assert [cfg.window_of(i) for i in range(3)] == [128, None, 128]
+    theirs, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig())
+    torch.testing.assert_close(rope_inv_freq(cfg.head_dim, cfg.rope), theirs, rtol=1e-6, atol=0)
+    assert rope_attention_scaling(cfg.rope) == pytest.approx(scale)
+
+
 def test_logits_match_transformers(gpt_oss_dir):
     """Rows four windows long: sinks, the window, YaRN and the clamped experts all take part."""
     ours = load_model(str(gpt_oss_dir)).model
@@ -61,6 +81,7 @@ def test_logits_match_transformers(gpt_oss_dir):
             other = CausalLM(dataclasses.replace(ours.config, **switch))
             other.load_state_dict(ours.state_dict(), strict=False)
             assert float((_logits(other, tokens) - got).abs().max()) > 1e-3, switch
+    assert ours.config.num_params == sum(p.numel() for p in ref.parameters())
 
 
 def test_full_finetune_grads_match_transformers(gpt_oss_dir):
@@ -260,3 +281,55 @@ def test_cli_exports_keep_the_gpt_oss_adapter_layout(tmp_path, gpt_oss_dir):
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
     with pytest.raises(InvalidInputError, match="gpt-oss"):
         export_merged(tmp_path / "adapter", tmp_path / "merged")
+
+
+def _two_tenants(model_dir):
+    rt = TrainingRuntime(load_model(str(model_dir)).model, max_lora_adapters=3, max_lora_rank=8)
+    units = []
+    g = torch.Generator().manual_seed(4)
+    for r, s in ((4, 1), (8, 2)):
+        u = rt.create_adapter(LoraSpec(rank=r, seed=s))
+        with torch.no_grad():
+            for n, p in rt.unit(u).named_params:
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        units.append(u)
+    return rt, units
+
+
+def test_packed_gate_up_inference_equals_separate_projections(gpt_oss_dir):
+    """Inference runs gate and up (biases included) as one grouped matmul over a shared buffer."""
+    rt, units = _two_tenants(gpt_oss_dir)
+    model = rt.model
+    assert model.model.layers[0].mlp.experts.packed_gate_up.intact()
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(40).expand_as(tokens)
+    rows = [(rt.unit(units[0]).slot, 0, 40), (rt.unit(units[1]).slot, 40, 80)]
+    with torch.no_grad():
+        packed = model.logits(model.hidden_states(tokens, pos, rows), rows)
+        for layer in model.model.layers:
+            layer.mlp.experts.packed_gate_up = None
+        separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
+def test_grouped_matmul_path_equals_the_expert_loop(gpt_oss_dir, monkeypatch):
+    from tinsmith.models import moe
+
+    rng = np.random.default_rng(3)
+    data = [[sft_datum(rng, n, VOCAB, signed=True) for n in (30, 9)] for _ in range(2)]
+    results = {}
+    for mode in ("loop", "grouped"):
+        monkeypatch.setattr(moe, "GROUPED_MM", mode)
+        rt, units = _two_tenants(gpt_oss_dir)
+        out = rt.forward_backward([TrainRequest(u, ForwardBackwardInput(d, "cross_entropy", {}, False))
+                                   for u, d in zip(units, data)])
+        results[mode] = (out, [{n: p.grad for n, p in rt.unit(u).named_params} for u in units])
+    (loop, loop_g), (grouped, grouped_g) = results["loop"], results["grouped"]
+    for a, b in zip(loop, grouped):
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-5)
+    for ga, gb in zip(loop_g, grouped_g):
+        for n in ga:
+            assert_rel_close(gb[n], ga[n], 1e-4, n)

@@ -91,8 +91,14 @@ class ModelConfig:
         if not self.is_moe_layer(layer_idx):
             return 3 * h * self.intermediate_size
         assert self.moe is not None
-        experts = self.moe.num_experts_per_tok if active else self.moe.num_experts
-        return experts * 3 * h * self.moe.moe_intermediate_size + self.moe.num_experts * h  # experts + router
+        m = self.moe
+        experts = m.num_experts_per_tok if active else m.num_experts
+        matmuls = experts * 3 * h * m.moe_intermediate_size + m.num_experts * h  # experts + router
+        if active:
+            return matmuls
+        biases = (m.num_experts * (2 * m.moe_intermediate_size + h) if m.expert_bias else 0) + \
+            (m.num_experts if m.router_bias else 0)
+        return matmuls + biases
 
     @property
     def num_params(self) -> int:
@@ -102,6 +108,7 @@ class ModelConfig:
         kv = 2 * h * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * h
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        bias += (h if self.attention_out_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         layers = sum(q + kv + o + bias + norms + self._mlp_params(i, active=False) for i in range(self.num_layers))
         embed = v * h * (1 if self.tie_word_embeddings else 2)
