@@ -333,3 +333,26 @@ def test_grouped_matmul_path_equals_the_expert_loop(gpt_oss_dir, monkeypatch):
     for ga, gb in zip(loop_g, grouped_g):
         for n in ga:
             assert_rel_close(gb[n], ga[n], 1e-4, n)
+
+
+def test_sink_attention_through_sdpa_equals_the_eager_softmax():
+    """The SDPA form (the sink as one extra key) equals transformers' eager softmax with sinks,
+    values and gradients (q, k, v and the sinks), under a sliding-window mask with GQA."""
+    from tinsmith.models.layers import _sink_as_key, eager_sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+               for shape in ((2, 4, 30, 16), (2, 2, 30, 16), (2, 2, 30, 16)))
+    sinks = (torch.randn(4, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    i = torch.arange(30)
+    allowed = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 7))[None]
+    outs = []
+    for fn in (eager_sink_attention, _sink_as_key):
+        out = fn(q, k, v, allowed, sinks)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum(),
+                                    (q, k, v, sinks))
+        outs.append((out.detach(), grads))
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+    for x, y in zip(gb, ga):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)

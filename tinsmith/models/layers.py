@@ -151,15 +151,25 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
                      sinks: torch.Tensor | None) -> torch.Tensor:
     """Attention where ``allowed`` (b or 1, Lq, Lk; bool) says which keys each query sees.
 
-    q: (b, Hq, Lq, d); k, v: (b, Hk, Lk, d). With ``sinks`` (Hq,) the softmax runs eagerly over
-    the scores plus one sink logit per head, which is then dropped (transformers' gpt-oss
-    ``eager_attention_forward``: max subtracted over scores and sink together); it costs
-    (Lq x Lk) scores per head in memory. Without sinks SDPA takes the mask.
+    q: (b, Hq, Lq, d); k, v: (b, Hk, Lk, d). ``sinks`` (Hq,) add one logit per head to every
+    softmax denominator (gpt-oss). Single-query steps (decode) compute it eagerly; longer
+    queries go through SDPA with the sink as one extra key (see :func:`_sink_as_key`), so no
+    (Lq x Lk) float score matrix per head is kept for backward by fused kernels.
     """
-    b, hq, lq, d = q.shape
-    hk = k.shape[1]
+    hq, hk = q.shape[1], k.shape[1]
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=hk != hq)
+    if q.shape[2] == 1:
+        return eager_sink_attention(q, k, v, allowed, sinks)
+    return _sink_as_key(q, k, v, allowed, sinks)
+
+
+def eager_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """transformers' gpt-oss ``eager_attention_forward``: softmax over the scores plus one sink
+    logit per head (maximum subtracted over both), the sink's share dropped."""
+    b, hq, lq, d = q.shape
+    hk = k.shape[1]
     rep = hq // hk
     qg = q.reshape(b, hk, rep, lq, d)
     scores = (qg @ k[:, :, None].transpose(-1, -2)) * (d ** -0.5)  # (b, hk, rep, lq, lk)
@@ -169,6 +179,34 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
     return (probs @ v[:, :, None]).reshape(b, hq, lq, d)
+
+
+_SINK_PAD = 8  # extra head dimensions for the sink key (a multiple of 8 keeps fused kernels usable)
+
+
+def _sink_as_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                 sinks: torch.Tensor) -> torch.Tensor:
+    """Sink attention as plain SDPA: one more key, visible to every query, whose logit is the sink.
+
+    Queries get ``_SINK_PAD`` extra dimensions holding ``sink_h / scale`` then zeros; real keys
+    get zeros there, so their logits are unchanged; the extra key is zero but for a 1 in the
+    first extra dimension, so its logit is ``scale * sink_h / scale = sink_h`` for head ``h``,
+    and its value is zero, so it only adds ``exp(sink_h)`` to the denominator. The head
+    dimension's own scale is passed explicitly.
+    """
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    scale = d ** -0.5
+    q_sink = (sinks.to(q.dtype) / scale).reshape(1, hq, 1, 1).expand(b, hq, lq, 1)
+    q_ext = torch.cat((q, q_sink, q.new_zeros(b, hq, lq, _SINK_PAD - 1)), dim=-1)
+    k_ext = torch.cat((k, k.new_zeros(b, hk, lk, _SINK_PAD)), dim=-1)
+    sink_key = k.new_zeros(b, hk, 1, d + _SINK_PAD)
+    sink_key[..., d] = 1.0
+    k_ext = torch.cat((k_ext, sink_key), dim=2)
+    v_ext = torch.cat((v, v.new_zeros(b, hk, 1, v.shape[-1])), dim=2)
+    mask = torch.cat((allowed, allowed.new_ones(*allowed.shape[:-1], 1)), dim=-1)
+    return F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask[:, None], scale=scale,
+                                          enable_gqa=hk != hq)
 
 
 class Attention(nn.Module):
