@@ -84,7 +84,8 @@ class TinyShape:
     head_dim: int = 64
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    # Mixture of experts (qwen3_moe only): every layer routes each token to top-k of the experts.
+    # Mixture of experts (qwen3_moe, gpt_oss): every layer routes each token to top-k of the experts
+    # (gpt_oss: moe_intermediate_size is its intermediate_size).
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
