@@ -356,3 +356,24 @@ def test_sink_attention_through_sdpa_equals_the_eager_softmax():
     torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
     for x, y in zip(gb, ga):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)
+
+
+def test_rms_norm_in_bf16_rounds_as_transformers():
+    """gpt-oss scales by the norm weight in fp32 and rounds once (its norms stay fp32 in
+    transformers); with bf16 activations and weights ours gives the same bits."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from tinsmith.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 64, generator=g) * 3).bfloat16()
+    w = (torch.rand(64, generator=g) + 0.5).bfloat16()
+    theirs = GptOssRMSNorm(64, eps=1e-5)
+    ours = RMSNorm(64, 1e-5, scale_in_fp32=True)
+    with torch.no_grad():
+        theirs.weight.copy_(w.float())
+        ours.weight.data = w
+        assert torch.equal(ours(x), theirs(x))
+        plain = RMSNorm(64, 1e-5)
+        plain.weight.data = w
+        assert not torch.equal(plain(x), theirs(x))  # the other families' order rounds differently here

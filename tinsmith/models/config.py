@@ -72,6 +72,7 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (gpt-oss)
     sliding_window: int | None = None  # keys a query sees in a "sliding_attention" layer, itself included
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; empty: all full
+    norm_scale_in_fp32: bool = False  # RMSNorm weight applied before the cast back (gpt-oss)
 
     def window_of(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (None: full causal attention)."""

@@ -56,6 +56,7 @@ def _config(raw: dict[str, Any]) -> ModelConfig:
         base,
         attention_out_bias=base.attention_bias,
         attention_sinks=True,
+        norm_scale_in_fp32=True,
         sliding_window=int(window) if window else None,
         layer_types=layer_types,
         moe=MoeConfig(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=base.intermediate_size,

@@ -24,12 +24,16 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, scale_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        # gpt-oss scales in fp32 and casts once (its transformers class); others cast, then scale.
+        self.scale_in_fp32 = scale_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale_in_fp32 and x.dtype != torch.float32:
+            return (self.weight.float() * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -285,8 +289,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
 
     def forward(self, h, cos, sin, segments: Segments | None, attend: AttentionBackend) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, segments, attend)
@@ -299,7 +303,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
         self.rotary = Rotary(cfg.head_dim, cfg.rope)
 
 
