@@ -38,3 +38,9 @@ def tied_qwen3_dir(tmp_path_factory):
 def qwen3_moe_dir(tmp_path_factory):
     """A tiny Qwen3-MoE: 4 experts, top-2, every layer routed."""
     return make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe", SMALL, seed=1)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_dir(tmp_path_factory):
+    """A tiny gpt-oss: 4 experts, top-2, sinks, a 16-token window on layer 0 (full attention on layer 1)."""
+    return make_tiny_model(tmp_path_factory.mktemp("gpt_oss") / "gpt_oss", "gpt_oss", SMALL, seed=1)

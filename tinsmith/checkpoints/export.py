@@ -62,16 +62,27 @@ def hf_model_bytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
+def _hf_layout(weights: dict[str, torch.Tensor], base_dir: Path) -> dict[str, torch.Tensor]:
+    """``weights`` as the base model's family stores them (gpt-oss: fused experts; others: one
+    tensor per expert)."""
+    if read_config(base_dir).family == "gpt_oss":
+        from tinsmith.models.gpt_oss import to_hf_weights
+
+        return to_hf_weights(weights)
+    return split_expert_tensors(weights)
+
+
 def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: Path,
                   age_recipients: Sequence[Any] = ()) -> int:
     """Write a full fine-tune as a plain Hugging Face model directory (``model.safetensors`` plus
     the base model's config and tokenizer files), atomically, age-encrypted when recipients are
     given. ``weights`` use the Hugging Face names; a tied unembedding appears once, as the
     embedding, which is what the copied config (``tie_word_embeddings``) expects. Stacked expert
-    weights are written one tensor per expert, as hub checkpoints are."""
+    weights are written one tensor per expert, as hub checkpoints are (gpt-oss: fused, unquantised,
+    as transformers saves it)."""
     tmp = atomic_dir(Path(directory))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in split_expert_tensors(weights).items()},
+        save_file({k: v.detach().contiguous().cpu() for k, v in _hf_layout(weights, Path(base_dir)).items()},
                   str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         for f in _COPY:
@@ -155,6 +166,9 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
     tie = cfg.tie_word_embeddings
     files = weight_files(base_dir)
     out_dtype = config_dtype(raw)
+    if cfg.family == "gpt_oss" and any(".mlp.experts." in k for k in tensors):
+        raise InvalidInputError("merging expert adapters into gpt-oss's fused (MXFP4) experts is not supported; "
+                                "export with --format peft, which peft loads onto the base model")
     pairs = _lora_pairs(split_expert_tensors(tensors))  # routed experts: one pair per expert, as on disk
     untie = tie and "lm_head" in pairs
     sources = {name: name for name in files}  # output tensor -> base tensor it starts from
@@ -247,6 +261,15 @@ def vllm_servable(spec: LoraSpec, tensors: dict[str, torch.Tensor]
     return replace(spec, train_unembed=False), kept, dropped
 
 
+def _family_of(base: str) -> str | None:
+    """The model family of ``base`` when its config.json can be found locally (it decides the
+    PEFT layout of expert adapters), else None (the per-expert layout)."""
+    try:
+        return read_config(resolve_model_dir(base)).family
+    except Exception:
+        return None
+
+
 def export_adapter(checkpoint_dir: Path, out_dir: Path, base_model: str | None = None,
                    vllm: bool = False) -> ExportResult:
     """Write the adapter as a PEFT directory; with ``vllm`` only the modules vLLM serves."""
@@ -262,7 +285,7 @@ def export_adapter(checkpoint_dir: Path, out_dir: Path, base_model: str | None =
                 f"the adapter trained {', '.join(dropped)}, which vLLM's LoRA does not serve: the vLLM adapter "
                 "leaves it out, so it is NOT the trained model (by an amount that depends on the training; "
                 "compare outputs, or serve --format merged, which keeps every trained weight)")
-    save_peft_adapter(out_dir, spec, tensors, base)
+    save_peft_adapter(out_dir, spec, tensors, base, family=_family_of(base))
     (out_dir / "README.md").write_text(_model_card("peft-vllm" if vllm else "peft", base, "float32", warnings))
     modules = sorted({m.rsplit(".", 1)[-1] for m in _lora_pairs(tensors)})
     if vllm:

@@ -151,7 +151,8 @@ def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str,
-                      age_recipients: Sequence[Any] = (), text_prefix: str = "model.") -> int:
+                      age_recipients: Sequence[Any] = (), text_prefix: str = "model.",
+                      family: str | None = None) -> int:
     """Write ``tensors`` (our names: ``model.layers.0.self_attn.q_proj.lora_A.weight``). Returns bytes written.
 
     Routed experts' stacked adapters are written one per expert
@@ -160,13 +161,23 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
     ``text_prefix`` is where the base checkpoint keeps its decoder (``model.language_model.`` in
     an image-text model), so the adapter's names are the ones PEFT finds in the HF model class.
 
+    gpt-oss (``family="gpt_oss"``) has no per-expert modules: its expert adapters are written
+    as peft's ``target_parameters`` adapters of the fused expert parameters instead.
+
     With ``age_recipients`` every file is age-encrypted to them (``NAME.age``) before the
     directory is committed, so no plaintext copy ever sits under the checkpoint's name.
     """
     tmp = atomic_dir(directory)
+    gpt_oss = family == "gpt_oss"
     try:
+        if gpt_oss:
+            from tinsmith.models import gpt_oss as gpt_oss_family
+
+            on_disk = gpt_oss_family.to_peft_tensors(tensors)
+        else:
+            on_disk = split_expert_tensors(tensors)
         save_file({PEFT_PREFIX + _stored_name(k, text_prefix): v.detach().float().contiguous().cpu()
-                   for k, v in split_expert_tensors(tensors).items()},
+                   for k, v in on_disk.items()},
                   str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = {
             "peft_type": "LORA",
@@ -181,6 +192,10 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
             "init_lora_weights": True,
             "inference_mode": True,
         }
+        if gpt_oss:
+            config["target_modules"] = [t for t in config["target_modules"] if t not in MLP]
+            if spec.train_mlp:
+                config.update(gpt_oss_family.peft_expert_config(spec.rank, spec.alpha))
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
         (tmp / SIDECAR).write_text(json.dumps({
             "seed": spec.seed, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp,
@@ -201,12 +216,19 @@ def load_peft_adapter(directory: Path) -> tuple[LoraSpec, dict[str, torch.Tensor
     if extra.get("sha256") and extra["sha256"] != sha256_file(w_path):
         raise InvalidInputError(f"adapter weights at {str(directory)!r} fail their checksum (corrupted)")
     targets = set(cfg.get("target_modules") or [])
+    expert_parameters = bool(cfg.get("target_parameters"))  # gpt-oss: adapters of the fused experts
     spec = LoraSpec(
         rank=int(cfg["r"]), seed=extra.get("seed"), alpha=float(cfg.get("lora_alpha", 32)),
-        train_attn=bool(targets & set(ATTN)), train_mlp=bool(targets & set(MLP)), train_unembed="lm_head" in targets,
+        train_attn=bool(targets & set(ATTN)), train_mlp=bool(targets & set(MLP)) or expert_parameters,
+        train_unembed="lm_head" in targets,
     )
-    tensors = stack_expert_tensors(
-        {_our_name(k.removeprefix(PEFT_PREFIX)): v for k, v in load_file(str(w_path)).items()})
+    raw = {_our_name(k.removeprefix(PEFT_PREFIX)): v for k, v in load_file(str(w_path)).items()}
+    if expert_parameters:
+        from tinsmith.models.gpt_oss import from_peft_tensors
+
+        tensors = from_peft_tensors(raw, spec.rank)
+    else:
+        tensors = stack_expert_tensors(raw)
     for name, t in tensors.items():
         if not bool(torch.isfinite(t).all()):
             raise InvalidInputError(f"adapter tensor {name!r} at {str(directory)!r} contains NaN or infinity")

@@ -84,18 +84,30 @@ class TinyShape:
     head_dim: int = 64
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    # Mixture of experts (qwen3_moe only): every layer routes each token to top-k of the experts.
+    # Mixture of experts (qwen3_moe, gpt_oss): every layer routes each token to top-k of the experts
+    # (gpt_oss: moe_intermediate_size is its intermediate_size).
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
+    # gpt_oss only: the window of its sliding-attention layers (every other layer, as gpt-oss).
+    sliding_window: int = 16
 
 
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_vl")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_vl", "gpt_oss")
 
 # The vision-language family: its tokenizer needs these specials, and images stay small.
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 TINY_IMAGE_MIN_PIXELS = 32 * 32
 TINY_IMAGE_MAX_PIXELS = 128 * 128
+
+# A minimal harmony-style chat template for the tiny gpt_oss tokenizer (the real one needs
+# harmony's special tokens, which the tiny tokenizer carries as GPT_OSS_SPECIAL_TOKENS).
+GPT_OSS_SPECIAL_TOKENS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>")
+_HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}"
+    "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
 
 
 def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int, pad_id: int, tok=None):
@@ -122,6 +134,16 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
             head_dim=shape.head_dim, rope_theta=1_000_000.0, num_experts=shape.num_experts,
             num_experts_per_tok=shape.num_experts_per_tok, moe_intermediate_size=shape.moe_intermediate_size,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common,
+        )
+    if family == "gpt_oss":
+        # YaRN as gpt-oss releases (factor 32 over 4096 there), scaled down so tiny tests reach it.
+        original = max(shape.max_position_embeddings // 4, 1)
+        return transformers.GptOssConfig(
+            head_dim=shape.head_dim, num_local_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+            sliding_window=shape.sliding_window, attention_bias=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": original},
+            **{**common, "intermediate_size": shape.moe_intermediate_size},
         )
     if family == "qwen2":
         return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
@@ -181,6 +203,8 @@ def make_tiny_model(
     if family == "qwen3_vl":
         extra_special_tokens = tuple(extra_special_tokens) + tuple(
             t for t in VISION_SPECIAL_TOKENS if t not in extra_special_tokens)
+    if family == "gpt_oss":
+        extra_special_tokens = tuple(extra_special_tokens) + GPT_OSS_SPECIAL_TOKENS
     tok = train_bpe_tokenizer(shape.vocab_size, seed, tuple(extra_special_tokens))
     eos_id = tok.token_to_id("<|endoftext|>")
     pad_id = tok.token_to_id("<|pad|>")
@@ -217,6 +241,8 @@ def make_tiny_model(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    if family == "gpt_oss":
+        fast.chat_template = _HARMONY_TEMPLATE
     fast.save_pretrained(out)
     if family == "qwen3_vl":
         transformers.Qwen2VLImageProcessor(

@@ -14,7 +14,7 @@ from typing import Any
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10_000.0
-    kind: str = "default"  # "default" | "llama3" | "linear"
+    kind: str = "default"  # "default" | "llama3" | "linear" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -22,6 +22,12 @@ class RopeConfig:
     # Multimodal RoPE (Qwen3-VL): frequencies per axis (temporal, height, width), interleaved;
     # empty for a text-only model. Positions are then (3, b, L); equal axes give plain RoPE.
     mrope_section: tuple[int, ...] = ()
+    # YaRN (gpt-oss): the ramp between interpolated and extrapolated frequencies, and the
+    # factor cos/sin are scaled by (None: derived from ``factor`` as transformers does).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,15 @@ class MoeConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt-oss: router with a bias and a softmax over the top-k logits only; experts with biases
+    # and the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``.
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    router_name: str = "gate"  # the router's module name in checkpoints ("router" in gpt-oss)
+    expert_bias: bool = False
+    activation: str = "silu"  # "silu" | "clamped_swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,17 @@ class ModelConfig:
     moe: MoeConfig | None = None  # routed experts (Qwen3-MoE); None for dense families
     vision: VisionConfig | None = None  # None: a text-only model (image chunks are refused)
     text_prefix: str = "model."  # where the checkpoint keeps the decoder ("model.language_model." in VL models)
+    attention_out_bias: bool = False  # o_proj bias (gpt-oss)
+    attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (gpt-oss)
+    sliding_window: int | None = None  # keys a query sees in a "sliding_attention" layer, itself included
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; empty: all full
+    norm_scale_in_fp32: bool = False  # RMSNorm weight applied before the cast back (gpt-oss)
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None: full causal attention)."""
+        if self.sliding_window is None or layer_idx >= len(self.layer_types):
+            return None
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` routes to experts (transformers' rule for Qwen3-MoE)."""
@@ -88,8 +114,14 @@ class ModelConfig:
         if not self.is_moe_layer(layer_idx):
             return 3 * h * self.intermediate_size
         assert self.moe is not None
-        experts = self.moe.num_experts_per_tok if active else self.moe.num_experts
-        return experts * 3 * h * self.moe.moe_intermediate_size + self.moe.num_experts * h  # experts + router
+        m = self.moe
+        experts = m.num_experts_per_tok if active else m.num_experts
+        matmuls = experts * 3 * h * m.moe_intermediate_size + m.num_experts * h  # experts + router
+        if active:
+            return matmuls
+        biases = (m.num_experts * (2 * m.moe_intermediate_size + h) if m.expert_bias else 0) + \
+            (m.num_experts if m.router_bias else 0)
+        return matmuls + biases
 
     @property
     def num_params(self) -> int:
@@ -99,6 +131,7 @@ class ModelConfig:
         kv = 2 * h * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * h
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        bias += (h if self.attention_out_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         layers = sum(q + kv + o + bias + norms + self._mlp_params(i, active=False) for i in range(self.num_layers))
         embed = v * h * (1 if self.tie_word_embeddings else 2)
@@ -125,10 +158,11 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "llama3", "linear"):
+    if kind not in ("default", "llama3", "linear", "yarn"):
         from tinsmith.errors import InvalidInputError
 
-        raise InvalidInputError(f"rope type {kind!r} in config.json is not supported (default, linear, llama3)")
+        raise InvalidInputError(f"rope type {kind!r} in config.json is not supported (default, linear, llama3, yarn)")
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=theta,
         kind=kind,
@@ -137,6 +171,10 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         mrope_section=tuple(int(x) for x in params.get("mrope_section") or ()),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
 
 

@@ -25,12 +25,16 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, scale_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        # gpt-oss scales in fp32 and casts once (its transformers class); others cast, then scale.
+        self.scale_in_fp32 = scale_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale_in_fp32 and x.dtype != torch.float32:
+            return (self.weight.float() * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -45,8 +49,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies, including the Llama 3 long-context rescaling when configured."""
+    """Inverse frequencies, including the Llama 3 or YaRN long-context rescaling when configured."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     if rope.kind == "linear":
         return inv / rope.factor
     if rope.kind == "llama3":
@@ -62,11 +68,41 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return inv
 
 
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: interpolated frequencies below the ``beta_slow``..``beta_fast`` rotation band,
+    extrapolated above it, a linear ramp between (transformers' ``_compute_yarn_parameters``)."""
+    base, dim = rope.theta, head_dim
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_scaling(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's ``0.1 ln(factor) + 1`` unless configured; 1 otherwise."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
+
+
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
         self.mrope_section = rope.mrope_section
+        self.scaling = rope_attention_scaling(rope)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed_sin)`` of shape ``(b, L, 1, head_dim)`` (computed in fp32).
@@ -91,6 +127,8 @@ class Rotary(nn.Module):
                 mixed[..., pick] = freqs[axis][..., pick]
             freqs = mixed
         cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
         return torch.cat((cos, cos), -1)[..., None, :].to(dtype), torch.cat((-sin, sin), -1)[..., None, :].to(dtype)
 
 
@@ -103,17 +141,92 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 class AttentionBackend(Protocol):
-    """How a layer's queries meet keys/values: plain causal for training, cached for sampling."""
+    """How a layer's queries meet keys/values: plain causal for training, cached for sampling.
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    ``sinks`` (one logit per query head, added to every softmax denominator) and ``window``
+    (a sliding-attention layer's span, the query's own position included) come from the layer.
+    """
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor: ...
 
 
-def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal SDPA over right-padded rows (padding sits after real tokens, so no mask is needed).
 
     Grouped-query heads are handled by SDPA itself, so K/V are never copied per query head.
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    if sinks is None and window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    L = q.shape[2]
+    i = torch.arange(L, device=q.device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    return masked_attention(q, k, v, allowed[None], sinks)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention where ``allowed`` (b or 1, Lq, Lk; bool) says which keys each query sees.
+
+    q: (b, Hq, Lq, d); k, v: (b, Hk, Lk, d). ``sinks`` (Hq,) add one logit per head to every
+    softmax denominator (gpt-oss). Single-query steps (decode) compute it eagerly; longer
+    queries go through SDPA with the sink as one extra key (see :func:`_sink_as_key`), so no
+    (Lq x Lk) float score matrix per head is kept for backward by fused kernels.
+    """
+    hq, hk = q.shape[1], k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=hk != hq)
+    if q.shape[2] == 1:
+        return eager_sink_attention(q, k, v, allowed, sinks)
+    return _sink_as_key(q, k, v, allowed, sinks)
+
+
+def eager_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """transformers' gpt-oss ``eager_attention_forward``: softmax over the scores plus one sink
+    logit per head (maximum subtracted over both), the sink's share dropped."""
+    b, hq, lq, d = q.shape
+    hk = k.shape[1]
+    rep = hq // hk
+    qg = q.reshape(b, hk, rep, lq, d)
+    scores = (qg @ k[:, :, None].transpose(-1, -2)) * (d ** -0.5)  # (b, hk, rep, lq, lk)
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, hk, rep, 1, 1).expand(b, hk, rep, lq, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+    return (probs @ v[:, :, None]).reshape(b, hq, lq, d)
+
+
+_SINK_PAD = 8  # extra head dimensions for the sink key (a multiple of 8 keeps fused kernels usable)
+
+
+def _sink_as_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                 sinks: torch.Tensor) -> torch.Tensor:
+    """Sink attention as plain SDPA: one more key, visible to every query, whose logit is the sink.
+
+    Queries get ``_SINK_PAD`` extra dimensions holding ``sink_h / scale`` then zeros; real keys
+    get zeros there, so their logits are unchanged; the extra key is zero but for a 1 in the
+    first extra dimension, so its logit is ``scale * sink_h / scale = sink_h`` for head ``h``,
+    and its value is zero, so it only adds ``exp(sink_h)`` to the denominator. The head
+    dimension's own scale is passed explicitly.
+    """
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    scale = d ** -0.5
+    q_sink = (sinks.to(q.dtype) / scale).reshape(1, hq, 1, 1).expand(b, hq, lq, 1)
+    q_ext = torch.cat((q, q_sink, q.new_zeros(b, hq, lq, _SINK_PAD - 1)), dim=-1)
+    k_ext = torch.cat((k, k.new_zeros(b, hk, lk, _SINK_PAD)), dim=-1)
+    sink_key = k.new_zeros(b, hk, 1, d + _SINK_PAD)
+    sink_key[..., d] = 1.0
+    k_ext = torch.cat((k_ext, sink_key), dim=2)
+    v_ext = torch.cat((v, v.new_zeros(b, hk, 1, v.shape[-1])), dim=2)
+    mask = torch.cat((allowed, allowed.new_ones(*allowed.shape[:-1], 1)), dim=-1)
+    return F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask[:, None], scale=scale,
+                                          enable_gqa=hk != hq)
 
 
 class Attention(nn.Module):
@@ -125,7 +238,10 @@ class Attention(nn.Module):
         self.q_proj = LoraLinear(h, cfg.num_heads * cfg.head_dim, bias)
         self.k_proj = LoraLinear(h, cfg.num_kv_heads * cfg.head_dim, bias)
         self.v_proj = LoraLinear(h, cfg.num_kv_heads * cfg.head_dim, bias)
-        self.o_proj = LoraLinear(cfg.num_heads * cfg.head_dim, h, False)
+        self.o_proj = LoraLinear(cfg.num_heads * cfg.head_dim, h, cfg.attention_out_bias)
+        # gpt-oss: a frozen per-head sink logit, and a sliding window on some layers.
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
+        self.sliding_window = cfg.window_of(layer_idx)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -156,7 +272,11 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(self.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.sinks is None and self.sliding_window is None:
+            out = attend(self.layer_idx, q, k, v)
+        else:
+            out = attend(self.layer_idx, q, k, v, sinks=self.sinks, window=self.sliding_window)
         return self.o_proj(out.transpose(1, 2).reshape(b, L, -1), segments)
 
 
@@ -185,8 +305,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
 
     def forward(self, h, cos, sin, segments: Segments | None, attend: AttentionBackend) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, segments, attend)
@@ -199,7 +319,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
         self.rotary = Rotary(cfg.head_dim, cfg.rope)
 
 

@@ -23,7 +23,7 @@ from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM, Rotary
 from tinsmith.models.lora import pack_weights
 from tinsmith.models.moe import expert_tensor_sources
-from tinsmith.models.registry import family_for
+from tinsmith.models.registry import family_for, family_named
 from tinsmith.models.vision import VisionTower
 from tinsmith.progress import bar, progress_wanted
 
@@ -116,13 +116,17 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     num_experts = cfg.moe.num_experts if cfg.moe else 0
-    # Each tensor we need, as (checkpoint tensors, combine): a multimodal checkpoint nests the
-    # decoder (model.language_model.*), and stacked experts may come from several tensors.
+    family_sources = family_named(cfg.family).tensor_sources
+    # Each tensor we need, as (checkpoint tensors, combine): a family's own layout first; a
+    # multimodal checkpoint nests the decoder (model.language_model.*); stacked experts may come
+    # from several tensors.
     recipes: dict[str, tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]] = {}
     missing = []
     for name in expected:
         stored = cfg.text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
-        recipe = ([stored], _single) if stored in files else expert_tensor_sources(name, num_experts, files)
+        recipe = family_sources(name, cfg, files) if family_sources is not None else None
+        if recipe is None:
+            recipe = ([stored], _single) if stored in files else expert_tensor_sources(name, num_experts, files)
         if recipe is None:
             missing.append(stored)
         else:

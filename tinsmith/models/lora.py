@@ -199,7 +199,8 @@ def pack_weights(model: nn.Module) -> None:
         if hasattr(mlp, "experts"):  # routed experts: gate and up halves of one stacked buffer
             from tinsmith.models.moe import PackedGateUp
 
-            mlp.experts.packed_gate_up = PackedGateUp(mlp.experts.gate_proj, mlp.experts.up_proj)
+            mlp.experts.packed_gate_up = PackedGateUp(mlp.experts.gate_proj, mlp.experts.up_proj,
+                                                     mlp.experts.activation)
         else:
             mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])
             PackedProjection([mlp.down_proj])

@@ -79,6 +79,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) 
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+def add_expert_bias(y: torch.Tensor, bias: torch.Tensor | None, groups: ExpertGroups) -> torch.Tensor:
+    """``y`` (rows sorted by expert) plus each row's expert's bias."""
+    if bias is None:
+        return y
+    return y + bias.repeat_interleave(groups.counts, dim=0, output_size=y.shape[0])
+
+
 @dataclass
 class AdapterRows:
     """The sorted rows one adapter applies to (``index`` None: all of them), grouped by expert."""
@@ -91,12 +98,14 @@ class AdapterRows:
 class ExpertLinear(nn.Module):
     """``num_experts`` stacked projections (weight: experts x out x in), each with per-adapter LoRA."""
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features), requires_grad=False)
+        # Per-expert biases (gpt-oss): frozen, never an adapter's part.
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features), requires_grad=False) if bias else None
         self.adapters: dict[int, LoraWeights] = {}
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -124,7 +133,7 @@ class ExpertLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows]) -> torch.Tensor:
         """``x``: rows sorted by expert. Adds ``scale * (x A_e^T) B_e^T`` on each adapter's rows."""
-        return self.add_lora(x, grouped_linear(x, self.weight, groups), lora)
+        return self.add_lora(x, add_expert_bias(grouped_linear(x, self.weight, groups), self.bias, groups), lora)
 
     def add_lora(self, x: torch.Tensor, y: torch.Tensor, lora: list[AdapterRows]) -> torch.Tensor:
         """``y`` plus the adapters' deltas; in place when no graph is recorded (``y`` may then be a
@@ -154,8 +163,8 @@ class PackedGateUp:
     link (``intact`` turns false) and the projections then run separately.
     """
 
-    def __init__(self, gate: ExpertLinear, up: ExpertLinear):
-        self.gate, self.up = gate, up
+    def __init__(self, gate: ExpertLinear, up: ExpertLinear, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.gate, self.up, self.activation = gate, up, activation
         n = gate.out_features
         self.weight = torch.cat((gate.weight.detach(), up.weight.detach()), dim=1)
         gate.weight = nn.Parameter(self.weight[:, :n], requires_grad=gate.weight.requires_grad)
@@ -172,10 +181,12 @@ class PackedGateUp:
         """``silu(gate) * up`` of expert-sorted rows (inference only)."""
         n = self.gate.out_features
         y = grouped_linear(x, self.weight, groups)
+        if self.gate.bias is not None:
+            y = add_expert_bias(y, torch.cat((self.gate.bias, self.up.bias), dim=1), groups)
         g, u = y[:, :n], y[:, n:]
         self.gate.add_lora(x, g, lora)
         self.up.add_lora(x, u, lora)
-        return F.silu(g).mul_(u)
+        return self.activation(g, u)
 
 
 class Experts(nn.Module):
@@ -184,26 +195,47 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         assert cfg.moe is not None
-        e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.moe_intermediate_size
-        self.gate_proj = ExpertLinear(e, h, i)
-        self.up_proj = ExpertLinear(e, h, i)
-        self.down_proj = ExpertLinear(e, i, h)
+        e, h, i, bias = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.moe_intermediate_size, cfg.moe.expert_bias
+        self.gate_proj = ExpertLinear(e, h, i, bias)
+        self.up_proj = ExpertLinear(e, h, i, bias)
+        self.down_proj = ExpertLinear(e, i, h, bias)
         self.packed_gate_up: PackedGateUp | None = None  # set by ``pack_weights``
+        m = cfg.moe
+        self.activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            (lambda g, u: clamped_swiglu(g, u, m.swiglu_alpha, m.swiglu_limit)) if m.activation == "clamped_swiglu"
+            else silu_glu)
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class TopKRouter(nn.Module):
-    """transformers' ``Qwen3MoeTopKRouter``: frozen, never trained (no load-balancing loss)."""
+    """transformers' ``Qwen3MoeTopKRouter`` or, with ``softmax_after_topk``, ``GptOssTopKRouter``
+    (biased logits, softmax over the top-k only): frozen, never trained (no load-balancing loss)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         assert cfg.moe is not None
         self.top_k = cfg.moe.num_experts_per_tok
         self.norm_topk_prob = cfg.moe.norm_topk_prob
+        self.softmax_after_topk = cfg.moe.softmax_after_topk
         self.weight = nn.Parameter(torch.empty(cfg.moe.num_experts, cfg.hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(cfg.moe.num_experts), requires_grad=False) if cfg.moe.router_bias else None
 
     def forward(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights in ``x2``'s dtype, expert indices), both (rows, top_k)."""
-        logits = F.linear(x2, self.weight)
+        logits = F.linear(x2, self.weight, self.bias)
+        if self.softmax_after_topk:
+            top_logit, top_index = torch.topk(logits, self.top_k, dim=-1)
+            return F.softmax(top_logit, dim=1, dtype=top_logit.dtype), top_index
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -212,20 +244,24 @@ class TopKRouter(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts, in place of a dense MLP (module names as transformers': ``gate``, ``experts``)."""
+    """Router + experts, in place of a dense MLP (module names as transformers': ``gate`` or
+    ``router`` as the family's checkpoints say, and ``experts``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = TopKRouter(cfg)
+        assert cfg.moe is not None
+        self.router_name = cfg.moe.router_name
+        self.add_module(self.router_name, TopKRouter(cfg))
         self.experts = Experts(cfg)
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.gate(x2)
+        router: TopKRouter = getattr(self, self.router_name)
+        weights, chosen = router(x2)
         flat = chosen.reshape(-1)  # pair p = token * top_k + k
         order = torch.argsort(flat, stable=True)
-        token_of = order // self.gate.top_k
-        num_experts = self.gate.weight.shape[0]
+        token_of = order // router.top_k
+        num_experts = router.weight.shape[0]
         groups = ExpertGroups(torch.bincount(flat, minlength=num_experts))
         lora = _adapter_rows(segments, x2.shape[0], token_of, flat[order], num_experts, groups)
         ex = self.experts
@@ -234,7 +270,7 @@ class SparseMoeBlock(nn.Module):
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
             h = packed.project(rows, groups, lora)
         else:
-            h = F.silu(ex.gate_proj(rows, groups, lora)) * ex.up_proj(rows, groups, lora)
+            h = ex.activation(ex.gate_proj(rows, groups, lora), ex.up_proj(rows, groups, lora))
         out = ex.down_proj(h, groups, lora) * weights.reshape(-1)[order, None]
         # index_add over rows sorted by expert sums each token's experts in ascending expert order.
         return torch.zeros_like(x2).index_add(0, token_of, out).view(x.shape)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.config import ModelConfig, VisionConfig, config_from_hf
@@ -22,9 +24,16 @@ class Family:
     vision: Callable[[dict[str, Any]], VisionConfig] | None = None
     # Where the text decoder's weights sit in the checkpoint ("model.layers.0..." by default).
     text_prefix: str = "model."
+    # A family whose config.json or checkpoint layout the shared readers do not cover supplies its own.
+    custom_config: Callable[[dict[str, Any]], ModelConfig] | None = None
+    # (our tensor name, config, checkpoint names) -> (source names, combine) or None, tried first.
+    tensor_sources: Callable[[str, ModelConfig, Container[str]],
+                             tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]] | None] | None = None
 
     def config(self, raw: dict[str, Any]) -> ModelConfig:
         """The ModelConfig of a parsed config.json (a multimodal one keeps its decoder in ``text_config``)."""
+        if self.custom_config is not None:
+            return self.custom_config(raw)
         text = raw
         if "text_config" in raw and "num_hidden_layers" not in raw:
             text = {**raw["text_config"], "architectures": raw.get("architectures")}
@@ -43,6 +52,12 @@ def register(family: Family) -> Family:
     for arch in family.architectures:
         _BY_ARCH[arch] = family
     return family
+
+
+def family_named(name: str) -> Family:
+    """The registered family called ``name`` (a ModelConfig's ``family``)."""
+    _load_families()
+    return next(f for f in _BY_ARCH.values() if f.name == name)
 
 
 def supported_architectures() -> list[str]:
@@ -65,4 +80,4 @@ def family_for(raw: dict[str, Any]) -> Family:
 
 def _load_families() -> None:
     # Importing the family modules registers them; kept lazy to avoid import cycles.
-    from tinsmith.models import llama, qwen2, qwen3, qwen3_moe, qwen3_vl  # noqa: F401
+    from tinsmith.models import gpt_oss, llama, qwen2, qwen3, qwen3_moe, qwen3_vl  # noqa: F401

@@ -12,6 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from tinsmith.models.config import ModelConfig
+from tinsmith.models.layers import masked_attention
 
 BLOCK = 64
 
@@ -96,11 +97,20 @@ class RowKVCache:
         # faster than a boolean one.
         mask = torch.zeros(future.shape, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
         mask = mask[:, None, None, :]
+        visible: dict[int | None, torch.Tensor] = {}  # window -> (n, 1, span) keys each row sees
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
             K, V = self.K[layer], self.V[layer]
             K[rows, :, pos] = k[:, :, 0]
             V[rows, :, pos] = v[:, :, 0]
+            if sinks is not None or window is not None:
+                # Sliding layers keep every position in the cache and mask the ones out of the window.
+                if window not in visible:
+                    keys = torch.arange(span, device=self.device)[None, :]
+                    seen = ~future if window is None else ~future & (keys > pos[:, None] - window)
+                    visible[window] = seen[:, None]
+                return masked_attention(q, K[:n, :, :span], V[:n, :, :span], visible[window], sinks)
             hq, hk = q.shape[1], k.shape[1]
             rep = hq // hk
             qg = q.reshape(n, hk, rep, q.shape[-1])  # (n, kv_heads, rep, d): rep queries per kv head
@@ -114,8 +124,9 @@ def recording_attention(store: list[tuple[torch.Tensor, torch.Tensor]]):
     """Causal attention for a prefill that also keeps every layer's K/V (after rotary)."""
     from tinsmith.models.layers import causal_attention
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         store.append((k, v))
-        return causal_attention(layer, q, k, v)
+        return causal_attention(layer, q, k, v, sinks=sinks, window=window)
 
     return attend

@@ -348,7 +348,7 @@ class WorkerOperations:
             spec, tensors, base = self.worker.adapter_weights(job.model_id)
             self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
             write = lambda: save_peft_adapter(a.directory, spec, tensors, base.name, recipients,  # noqa: E731
-                                              text_prefix=base.config.text_prefix)
+                                              text_prefix=base.config.text_prefix, family=base.config.family)
         else:
             weights, base = self.worker.full_weights(job.model_id)
             self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
@@ -388,7 +388,8 @@ class WorkerOperations:
         if self.worker.placement(job.model_id).is_lora:
             spec, tensors, base = self.worker.adapter_weights(job.model_id)
             self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
-            size = save_peft_adapter(a.directory, spec, tensors, base.name, text_prefix=base.config.text_prefix)
+            size = save_peft_adapter(a.directory, spec, tensors, base.name, text_prefix=base.config.text_prefix,
+                                     family=base.config.family)
         else:  # a full fine-tune's sampler weights are a whole Hugging Face model
             weights, base = self.worker.full_weights(job.model_id)
             self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
