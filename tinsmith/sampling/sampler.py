@@ -23,7 +23,7 @@ from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
-from tinsmith.sampling.logits import choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
+from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
@@ -279,9 +279,13 @@ class Sampler:
             n = inp.num_samples
             p = inp.params
             logits = last_logits[i : i + 1].expand(n, -1)
-            u = uniforms(torch.full((n,), st.seed, dtype=torch.long), torch.arange(n), torch.zeros(n, dtype=torch.long))
+            dev = self.device
+            u = uniforms(torch.full((n,), st.seed, dtype=torch.long, device=dev), torch.arange(n, device=dev),
+                         torch.zeros(n, dtype=torch.long, device=dev))
+            kinds = RowKinds.of([p.temperature] * n, [p.top_k] * n, [p.top_p] * n, logits.shape[-1], dev)
             tok, lp, full = choose_tokens(
-                logits, torch.full((n,), p.temperature), torch.full((n,), p.top_k), torch.full((n,), p.top_p), u.to(self.device)
+                logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
+                torch.full((n,), float(p.top_p), device=dev), u, kinds,
             )
             layer_kv = [(k[i], v[i]) for k, v in kv]
             toks_l, lps_l = tok.tolist(), lp.tolist()
@@ -336,9 +340,10 @@ class Sampler:
         """
         inp = st.task.input
         k, rows = inp.prompt_alt_tokens_k, lp.shape[0]
-        pos = torch.arange(rows)[:, None].expand(rows, k).reshape(-1)  # the stream's step = position
-        draw = torch.arange(k).repeat(rows)  # the stream's sample index = draw number
-        seeds = torch.full((rows * k,), fold_seed(st.seed ^ _ALT_STREAM), dtype=torch.long)
+        dev = lp.device
+        pos = torch.arange(rows, device=dev)[:, None].expand(rows, k).reshape(-1)  # the stream's step = position
+        draw = torch.arange(k, device=dev).repeat(rows)  # the stream's sample index = draw number
+        seeds = torch.full((rows * k,), fold_seed(st.seed ^ _ALT_STREAM), dtype=torch.long, device=dev)
         u = uniforms(seeds, draw, pos).view(rows, k)
         tok = draw_per_row(lp.float(), inp.params.temperature, u)
         return tok.cpu().numpy().astype(np.int64), lp.gather(-1, tok).float().cpu().numpy()
@@ -354,8 +359,8 @@ class Sampler:
                                           attend=self.cache.decode_attention(n, span))
         logits = self.model.logits(hidden[:, 0], batch.groups)
         self.cache.lengths[:n] += 1
-        u = keyed_uniforms(batch.keys, batch.steps).to(self.device)
-        tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
+        u = keyed_uniforms(batch.keys, batch.steps)
+        tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds)
         batch.last, batch.steps = tok, batch.steps + 1
         self.stats["decode_steps"] += 1
         self.stats["sampled_tokens"] += n
@@ -429,7 +434,7 @@ class Sampler:
     def _batch(self) -> _DecodeBatch:
         """Per-row tensors of the decode batch, rebuilt only when rows join or leave."""
         if self._decode_batch is None:
-            self._decode_batch = _DecodeBatch.of(self.rows, self.device)
+            self._decode_batch = _DecodeBatch.of(self.rows, self.device, self.model.config.vocab_size)
         return self._decode_batch
 
 
@@ -448,9 +453,10 @@ class _DecodeBatch:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    kinds: RowKinds  # which rows are greedy / truncate, known without asking the device
 
     @classmethod
-    def of(cls, rows: list[_Row], device: torch.device) -> _DecodeBatch:
+    def of(cls, rows: list[_Row], device: torch.device, vocab: int) -> _DecodeBatch:
         by_slot: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             if row.state.task.slot is not None:
@@ -464,12 +470,14 @@ class _DecodeBatch:
         return cls(
             groups=groups,
             last=torch.tensor([r.tokens[-1] for r in rows], device=device),
-            keys=row_keys(torch.tensor([r.state.seed for r in rows], dtype=torch.long),
-                          torch.tensor([r.sample_idx for r in rows], dtype=torch.long)),
-            steps=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long),
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
+            keys=row_keys(torch.tensor([r.state.seed for r in rows], dtype=torch.long, device=device),
+                          torch.tensor([r.sample_idx for r in rows], dtype=torch.long, device=device)),
+            steps=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long, device=device),
+            temperature=torch.tensor([float(p.temperature) for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params], device=device),
+            kinds=RowKinds.of([p.temperature for p in params], [p.top_k for p in params],
+                              [p.top_p for p in params], vocab, device),
         )
 
 
