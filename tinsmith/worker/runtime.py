@@ -381,13 +381,14 @@ class TrainingRuntime:
         failed: dict[int, Exception] = {}
         with torch.set_grad_enabled(mb.needs_grad):
             hidden = self.model.hidden_states(mb.tokens, mb.positions, mb.row_segments)
-            h = hidden[mb.valid]  # (T, hidden) real tokens, row-major
+            h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.valid)  # (T, hidden) real tokens, row-major
             rows_idx, cols, elem_bounds = [], [], [0]
             for i, ref in enumerate(mb.rows):
                 tgt = prepared[ref.request].targets[ref.datum]
                 n = tgt.shape[0]
                 k = 1 if tgt.dim() == 1 else tgt.shape[1]
-                rows_idx.append(torch.arange(mb.token_offsets[i], mb.token_offsets[i] + n).repeat_interleave(k))
+                # Built on the host and moved once below (one copy, not one per datum).
+                rows_idx.append(torch.arange(mb.token_offsets[i], mb.token_offsets[i] + n, device="cpu").repeat_interleave(k))
                 cols.append(tgt.reshape(-1))
                 elem_bounds.append(elem_bounds[-1] + n * k)
             lp = self._target_logprobs(h, mb.token_segments, torch.cat(rows_idx).to(self.device), torch.cat(cols).to(self.device))
