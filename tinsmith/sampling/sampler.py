@@ -352,7 +352,9 @@ class Sampler:
     def _decode_step(self, done: list) -> None:
         n = len(self.rows)
         batch = self._batch()
-        span = int(self.cache.lengths[:n].max()) + 1  # the longest row after this step's token
+        # The longest row after this step's token: a row's cache holds its prompt and every
+        # sampled token but the last, so this is known on the host (no read-back per step).
+        span = max(len(row.state.task.input.prompt) + len(row.tokens) for row in self.rows)
         self.cache.ensure(n, span)
         positions = self.cache.lengths[:n][:, None]
         hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
