@@ -133,3 +133,37 @@ def test_bf16_logprobs_are_fp32_and_close_to_an_fp32_run(qwen3_dir):
     assert half.dtype == np.float32 and np.isfinite(half).all()
     assert not np.array_equal(ref, half)  # bf16 really ran
     np.testing.assert_allclose(half, ref, rtol=0.02, atol=0.05)
+
+
+def test_bf16_full_finetune_resumes_exactly_through_a_saved_checkpoint(qwen3_dir, tmp_path):
+    """The worker's save_state/load_state path on disk: fp32 masters written, read, continued."""
+    from tinsmith.checkpoints.state_format import load_training_state, save_training_state
+    from tinsmith.worker.service import RuntimeOptions, Worker
+
+    worker = Worker(RuntimeOptions(dtype="bfloat16"))
+    worker.add_base_model("m", str(qwen3_dir))
+    assert next(worker.bases["m"].loaded.model.parameters()).dtype == torch.bfloat16
+    data, later = _data(5), _data(6)
+
+    def train(model_id: str, batches) -> None:
+        rt = worker.placement(model_id).runtime
+        for batch in batches:
+            _fb(rt, 0, batch)
+            worker.optim_step(model_id, AdamParams(learning_rate=1e-5))
+
+    worker.create_model("a", "m", None)
+    train("a", [data, data])
+    save_training_state(tmp_path / "ckpt", worker.export_training_state("a"))
+    train("a", [later, data])
+    want = worker.export_training_state("a")
+    worker.unload_model("a")
+
+    worker.load_training_state("b", "m", load_training_state(tmp_path / "ckpt", with_optimizer=True), create=True)
+    assert worker.steps("b") == 2
+    train("b", [later, data])
+    got = worker.export_training_state("b")
+    assert got.weights.keys() == want.weights.keys() and got.optimizer.keys() == want.optimizer.keys()
+    for n in want.weights:
+        assert want.weights[n].dtype == torch.float32 and torch.equal(got.weights[n], want.weights[n]), n
+    for n in want.optimizer:
+        assert torch.equal(got.optimizer[n], want.optimizer[n]), n
