@@ -64,7 +64,10 @@ def test_sampler_makes_no_tensor_off_the_model_device(qwen3_dir, dtype):
 
 
 @pytest.mark.parametrize("full", [False, True])
-def test_training_makes_no_tensor_off_the_model_device(qwen3_dir, full):
+def test_training_makes_no_tensor_off_the_model_device(qwen3_dir, full, monkeypatch):
+    from tinsmith.worker import runtime
+
+    monkeypatch.setattr(runtime, "LOGIT_CHUNK_ELEMENTS", 512 * 7)  # the chunked logprob path too
     model = load_model(str(qwen3_dir), dtype=torch.bfloat16).model
     rt = TrainingRuntime(model, full_finetune=full, max_lora_adapters=2, micro_batch_tokens=64)
     unit = 0 if full else rt.create_adapter(LoraSpec(rank=4, seed=1))

@@ -391,7 +391,9 @@ class TrainingRuntime:
                 rows_idx.append(torch.arange(mb.token_offsets[i], mb.token_offsets[i] + n, device="cpu").repeat_interleave(k))
                 cols.append(tgt.reshape(-1))
                 elem_bounds.append(elem_bounds[-1] + n * k)
-            lp = self._target_logprobs(h, mb.token_segments, torch.cat(rows_idx).to(self.device), torch.cat(cols).to(self.device))
+            rows_host = torch.cat(rows_idx)
+            lp = self._target_logprobs(h, mb.token_segments, rows_host.to(self.device), torch.cat(cols).to(self.device),
+                                       rows_host)
             losses = []
             by_request: dict[int, list[int]] = {}
             for i, ref in enumerate(mb.rows):
@@ -415,8 +417,13 @@ class TrainingRuntime:
             lps[(ref.request, ref.datum)] = lps[(ref.request, ref.datum)].detach()
         return failed
 
-    def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """log p(cols[e] | token rows[e]) for each element e, without keeping huge logits around."""
+    def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor,
+                         rows_host: torch.Tensor) -> torch.Tensor:
+        """log p(cols[e] | token rows[e]) for each element e, without keeping huge logits around.
+
+        ``rows_host`` is ``rows`` on the host (ascending): chunk bounds are found there, not read
+        back from the device once per chunk.
+        """
         T, V = h.shape[0], self.config.vocab_size
         if T * V <= LOGIT_CHUNK_ELEMENTS:
             return _gather_logprobs(self.model, h, segs, rows, cols)
@@ -424,7 +431,7 @@ class TrainingRuntime:
         out = []
         for a in range(0, T, chunk):
             b = min(T, a + chunk)
-            ea, eb = torch.searchsorted(rows, torch.tensor([a, b], device=rows.device)).tolist()
+            ea, eb = torch.searchsorted(rows_host, torch.tensor([a, b], device="cpu")).tolist()
             if ea == eb:
                 continue
             fn = _gather_logprobs
