@@ -70,10 +70,10 @@ def test_training_makes_no_tensor_off_the_model_device(qwen3_dir, full, monkeypa
     monkeypatch.setattr(runtime, "LOGIT_CHUNK_ELEMENTS", 512 * 7)  # the chunked logprob path too
     model = load_model(str(qwen3_dir), dtype=torch.bfloat16).model
     rt = TrainingRuntime(model, full_finetune=full, max_lora_adapters=2, micro_batch_tokens=64)
-    unit = 0 if full else rt.create_adapter(LoraSpec(rank=4, seed=1))
     rng = np.random.default_rng(1)
     data = [sft_datum(rng, n, model.config.vocab_size) for n in (9, 30, 17)]
     with torch.device("meta"):
+        unit = 0 if full else rt.create_adapter(LoraSpec(rank=4, seed=1))
         for loss, cfg in (("cross_entropy", {}), ("importance_sampling", {})):
             if loss == "importance_sampling":
                 data = [type(d)(tokens=d.tokens, loss_inputs={
