@@ -9,7 +9,6 @@ import torch
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
-from tinsmith.worker.trainables import full_model_trainable
 from tests.worker.helpers import sft_datum
 
 VOCAB = 512
@@ -36,10 +35,7 @@ def _full_runtime(model_dir, dtype: torch.dtype, master_weights: bool = True) ->
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     model = model.to(dtype)
-    rt = TrainingRuntime(model, full_finetune=True)
-    if not master_weights:
-        rt.units[0] = full_model_trainable(model, master_weights=False)
-    return rt
+    return TrainingRuntime(model, full_finetune=True, master_weights=master_weights)
 
 
 def _train(rt: TrainingRuntime, steps: int, data) -> None:
@@ -75,7 +71,10 @@ def test_bf16_full_finetune_with_master_weights_tracks_fp32_and_without_them_sta
 
     plain = _full_runtime(qwen3_dir, torch.bfloat16, master_weights=False)
     assert plain.unit(0).masters is None
-    _train(plain, STEPS, data)
+    _fb(plain, 0, data)
+    assert all(p.grad is not None for p in plain.unit(0).params)  # it does get gradients...
+    plain.optim_step(0, AdamParams(learning_rate=LR))
+    _train(plain, STEPS - 1, data)  # ...but its updates round away
     stalled = _weights(plain)
 
     with_masters = _relative_error(got, want, start)

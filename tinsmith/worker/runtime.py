@@ -134,6 +134,7 @@ class TrainingRuntime:
         gradient_checkpointing: bool = False,
         full_finetune: bool = False,
         full_optimizer: str = ADAMW,
+        master_weights: bool = True,  # fp32 masters for a half-precision full fine-tune (see trainables)
     ):
         self.model = model
         self.config = model.config
@@ -151,7 +152,7 @@ class TrainingRuntime:
         self._pass_ids = itertools.count()
         self.host = torch.device("cpu")
         if full_finetune:
-            self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer)
+            self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer, master_weights)
 
     # ----------------------------------------------------------------------------- units
     def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
