@@ -289,6 +289,7 @@ class Sampler:
             )
             layer_kv = [(k[i], v[i]) for k, v in kv]
             toks_l, lps_l = tok.tolist(), lp.tolist()
+            tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
             for j in range(n):
                 row = _Row(st, j)
                 if st.stops.strings:
@@ -296,7 +297,7 @@ class Sampler:
                 r = len(self.rows)
                 self.rows.append(row)
                 self.cache.write_prefix(r, layer_kv, lens[i])
-                if self._push(row, toks_l[j], lps_l[j], full[j] if inp.topk_sample_logprobs else None):
+                if self._push(row, toks_l[j], lps_l[j], tops[j]):
                     self._retire(r, "stop", done)
                 elif st.max_tokens <= 1:
                     self._retire(r, "length", done)
@@ -367,9 +368,9 @@ class Sampler:
         self.stats["decode_steps"] += 1
         self.stats["sampled_tokens"] += n
         finished: list[tuple[int, str]] = []
+        tops = _top_logprobs(full, [row.state.task.input.topk_sample_logprobs for row in self.rows])
         for r, (row, t, l) in enumerate(zip(self.rows, tok.tolist(), lp.tolist())):
-            want_topk = row.state.task.input.topk_sample_logprobs
-            if self._push(row, t, l, full[r] if want_topk else None):
+            if self._push(row, t, l, tops[r]):
                 finished.append((r, "stop"))
             elif len(row.tokens) >= row.state.max_tokens:
                 finished.append((r, "length"))
@@ -378,14 +379,13 @@ class Sampler:
         if finished:
             self._rows_changed()
 
-    def _push(self, row: _Row, token: int, logprob: float, full: torch.Tensor | None) -> bool:
-        """Record a sampled token; True if it ends the sequence by a stop condition."""
+    def _push(self, row: _Row, token: int, logprob: float, top: tuple[list[int], list[float]] | None) -> bool:
+        """Record a sampled token (and its row's top-k logprobs when asked); True if it ends the
+        sequence by a stop condition."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
-        if full is not None:
-            k = row.state.task.input.topk_sample_logprobs
-            top = torch.topk(full, min(k, full.shape[-1]))
-            row.topk.append((top.indices.tolist(), top.values.tolist()))
+        if top is not None:
+            row.topk.append(top)
         if token in row.state.stops.token_ids:
             return True
         return row.watcher is not None and row.watcher.push(token)
@@ -481,6 +481,26 @@ class _DecodeBatch:
             kinds=RowKinds.of([p.temperature for p in params], [p.top_k for p in params],
                               [p.top_p for p in params], vocab, device),
         )
+
+
+def _top_logprobs(full: torch.Tensor, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
+    """Each row's ``ks[r]`` largest logprobs (ids, values), None where ``ks[r]`` is 0.
+
+    One ``topk`` over the rows that ask and one read-back, rather than one per row.
+    """
+    out: list[tuple[list[int], list[float]] | None] = [None] * len(ks)
+    asking = [r for r, k in enumerate(ks) if k > 0]
+    if not asking:
+        return out
+    k_max = min(max(ks), full.shape[-1])
+    rows = full if len(asking) == full.shape[0] else full.index_select(
+        0, torch.tensor(asking, dtype=torch.long, device=full.device))
+    top = torch.topk(rows, k_max, dim=-1)
+    ids, vals = top.indices.tolist(), top.values.tolist()
+    for i, r in enumerate(asking):
+        k = min(ks[r], k_max)
+        out[r] = (ids[i][:k], vals[i][:k])
+    return out
 
 
 def _row_segments(slots: list[int | None], width: int):
