@@ -49,6 +49,7 @@ def chunked_target_logprobs(
     bias: torch.Tensor | None = None,
     loras: list[UnembedLora] | tuple[UnembedLora, ...] = (),
     chunk_rows: int | None = None,
+    rows_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``log_softmax(hidden @ weight^T + bias + LoRA)[rows[e], cols[e]]`` for each element ``e``, fp32.
 
@@ -56,6 +57,8 @@ def chunked_target_logprobs(
     (E,) token ids. LoRA row ranges must not overlap. ``chunk_rows`` defaults to
     :func:`rows_per_chunk` of the vocabulary. Differentiable in ``hidden``, ``weight``,
     ``bias`` and every adapter's ``A``/``B``; full-vocabulary logits never exist at once.
+    ``rows_host``: ``rows`` on the host, where the chunks' element bounds are then found without
+    reading the device (otherwise one read per call).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
@@ -64,7 +67,8 @@ def chunked_target_logprobs(
     chunk = chunk_rows or rows_per_chunk(weight.shape[0])
     spans = tuple((w.start, w.end, w.scale) for w in loras)
     factors = [t for w in loras for t in (w.A, w.B)]
-    return _ChunkedTargetLogprobs.apply(hidden, weight, bias, rows, cols, chunk, spans, *factors)
+    bounds = tuple(_element_bounds(rows if rows_host is None else rows_host, hidden.shape[0], chunk))
+    return _ChunkedTargetLogprobs.apply(hidden, weight, bias, rows, cols, chunk, bounds, spans, *factors)
 
 
 def targets_to_elements(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,17 +95,16 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _element_bounds(rows: torch.Tensor, n: int, chunk: int) -> list[int]:
     """Index of the first element of each chunk of rows (plus the end), ``rows`` being sorted."""
-    starts = torch.arange(0, n + chunk, chunk, device=rows.device).clamp(max=n)
+    starts = torch.arange(0, n + chunk, chunk, device=rows.device).clamp(max=n)  # on rows' device
     return torch.searchsorted(rows, starts).tolist()
 
 
 class _ChunkedTargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, cols, chunk, spans, *factors):
+    def forward(ctx, hidden, weight, bias, rows, cols, chunk, bounds, spans, *factors):
         n = hidden.shape[0]
         out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        bounds = _element_bounds(rows, n, chunk)
         # One chunk covers every row: its log-softmax is kept for backward (it is within the
         # memory budget by definition) rather than recomputed by a second unembedding GEMM.
         kept = None
@@ -116,15 +119,15 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
             if n <= chunk and any(ctx.needs_input_grad):
                 kept = logp
         ctx.save_for_backward(hidden, weight, bias, rows, cols, lse, kept, *factors)
-        ctx.chunk, ctx.spans = chunk, spans
+        ctx.chunk, ctx.bounds, ctx.spans = chunk, bounds, spans
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, rows, cols, lse, kept, *factors = ctx.saved_tensors
-        chunk, spans = ctx.chunk, ctx.spans
+        chunk, bounds, spans = ctx.chunk, ctx.bounds, ctx.spans
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_f = ctx.needs_input_grad[7:]
+        need_f = ctx.needs_input_grad[8:]
         n, dtype = hidden.shape[0], hidden.dtype
         grad_out = grad_out.float()
         # Per-row sum of the incoming gradients: d logits = onehot-scatter(g) - softmax * sum(g).
@@ -135,7 +138,6 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         d_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         d_f = [torch.zeros(f.shape, dtype=torch.float32, device=f.device) if need else None
                for f, need in zip(factors, need_f)]
-        bounds = _element_bounds(rows, n, chunk)
         for c, a in enumerate(range(0, n, chunk)):
             b = min(n, a + chunk)
             h = hidden[a:b]
@@ -171,4 +173,4 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                     d_f[2 * i + 1] += (scale * (dy.t() @ F.linear(x, A))).float()
         grads_f = [None if g is None else g.to(f.dtype) for g, f in zip(d_f, factors)]
         return (d_h, None if d_w is None else d_w.to(weight.dtype), None if d_b is None else d_b.to(bias.dtype),
-                None, None, None, None, *grads_f)
+                None, None, None, None, None, *grads_f)

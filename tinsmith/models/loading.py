@@ -95,6 +95,41 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+DTYPE_NAMES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """The weights' dtype for a ``--dtype`` value (``auto``: :func:`default_dtype` of the device)."""
+    if name == "auto":
+        return default_dtype(torch.device(device))
+    try:
+        return DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: expected auto, {', '.join(DTYPE_NAMES)}") from None
+
+
+def probe_dtype(dtype: torch.dtype, device: str | torch.device) -> None:
+    """Run, on tiny tensors, each kind of op the model and sampler use in ``dtype`` on ``device``.
+
+    Raises whatever torch raises when the pair is unsupported (an old GPU without bf16, a CPU
+    build lacking a half-precision kernel), so start-up can refuse it in one line instead of
+    the first request failing.
+    """
+    from torch.nn import functional as F
+
+    dev = torch.device(device)
+    x = torch.randn(2, 3, 8, 4, device=dev).to(dtype)
+    w = torch.randn(4, 4, device=dev).to(dtype)
+    y = torch.addmm(x.reshape(-1, 4), x.reshape(-1, 4), w.t())
+    y = F.silu(F.linear(y, w)) * y
+    a = F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    e = F.embedding(torch.tensor([[0, 1]], device=dev), w)
+    n = F.rms_norm(a.float(), (4,), eps=1e-6).to(dtype)
+    torch.log_softmax((y.sum() + e.sum() + n.sum()).float().reshape(1, 1).expand(1, 4), dim=-1)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 @dataclass
 class LoadedModel:
     model: CausalLM

@@ -48,10 +48,11 @@ class LoraLinear(nn.Module):
 
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         """Create adapter ``slot``: A ~ kaiming-uniform (as peft does), B = 0 so it starts as a no-op."""
-        A = torch.empty(rank, self.in_features, dtype=torch.float32)
+        # On the CPU, drawn by the CPU generator: the same seeded init on any device.
+        A = torch.empty(rank, self.in_features, dtype=torch.float32, device="cpu")
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) bound
         A.uniform_(-bound, bound, generator=generator)
-        B = torch.zeros(self.out_features, rank, dtype=torch.float32)
+        B = torch.zeros(self.out_features, rank, dtype=torch.float32, device="cpu")
         device = self.weight.device
         w = LoraWeights(A.to(device).requires_grad_(), B.to(device).requires_grad_(), alpha / rank)
         self.adapters[slot] = w

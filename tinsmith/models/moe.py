@@ -114,10 +114,11 @@ class ExpertLinear(nn.Module):
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         """Per-expert A ~ kaiming-uniform (as peft does), B = 0 so the adapter starts as a no-op."""
         a_shape, b_shape = self.lora_shapes(rank)
-        A = torch.empty(a_shape, dtype=torch.float32)
+        # On the CPU, drawn by the CPU generator: the same seeded init on any device.
+        A = torch.empty(a_shape, dtype=torch.float32, device="cpu")
         bound = 1.0 / math.sqrt(self.in_features)
         A.uniform_(-bound, bound, generator=generator)
-        B = torch.zeros(b_shape, dtype=torch.float32)
+        B = torch.zeros(b_shape, dtype=torch.float32, device="cpu")
         device = self.weight.device
         w = LoraWeights(A.to(device).requires_grad_(), B.to(device).requires_grad_(), alpha / rank)
         self.adapters[slot] = w

@@ -10,6 +10,8 @@ same tokens gives, which is what RL importance ratios need.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -50,45 +52,75 @@ def fold_seed(seed: int) -> int:
     return s - (1 << 64) if s >= (1 << 63) else s
 
 
+@dataclass(frozen=True)
+class RowKinds:
+    """Which rows of a batch are greedy and which truncate (top-k / top-p), known on the host.
+
+    The sampler builds it from the requests' parameters once per set of rows, so a decode
+    step never asks the device (a host sync that stalls the launch queue) which branch to take.
+    Index tensors, not boolean masks: indexing with a mask needs its count, another sync.
+    """
+
+    all_greedy: bool
+    any_greedy: bool
+    truncating: torch.Tensor | None  # indices of rows that truncate; None: none do
+    plain: torch.Tensor | None  # indices of the other rows; None: none (all truncate)
+
+    @classmethod
+    def of(cls, temperature: list[float], top_k: list[int], top_p: list[float], vocab: int,
+           device: torch.device) -> RowKinds:
+        trunc = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if 0 < k < vocab or p < 1]
+        truncated = set(trunc)
+        plain = [i for i in range(len(temperature)) if i not in truncated]
+        greedy = [t <= 0 for t in temperature]
+        as_index = (lambda ix: torch.tensor(ix, dtype=torch.long, device=device) if ix else None)
+        return cls(all(greedy), any(greedy), as_index(trunc), as_index(plain))
+
+
 def choose_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     u: torch.Tensor,
+    kinds: RowKinds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick one token per row. Returns (tokens, their model logprobs, full model logprobs).
 
     ``temperature`` 0 means greedy; ``top_k`` <= 0 means no limit; ``top_p`` in (0, 1].
+    Logprobs are computed in fp32 whatever the logits' dtype. ``kinds`` (from the same
+    parameters) avoids reading them back from the device; without it they are read back.
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    greedy = temperature <= 0
     V = logits.shape[-1]
-    if bool(greedy.all()):
+    if kinds is None:
+        kinds = RowKinds.of(temperature.tolist(), top_k.tolist(), top_p.tolist(), V, logits.device)
+    if kinds.all_greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
+    greedy = temperature <= 0
     probs = _tempered_probs(logits, torch.where(greedy, torch.ones_like(temperature), temperature)[:, None])
     # Rows that truncate (top-k / top-p) need their distribution sorted; the others draw by
     # inverse CDF in vocabulary order, which skips the sort. Either way a row's token depends
     # only on its own logits and its own uniform, never on the rest of the batch.
-    truncating = ((top_k > 0) & (top_k < V)) | (top_p < 1)
-    plain = ~truncating
-    if bool(plain.all()):  # the common case: no masking or scattering of rows
+    if kinds.truncating is None:  # the common case: no masking or scattering of rows
         sampled = _inverse_cdf(probs.double(), u)
     else:
         sampled = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        if bool(plain.any()):
-            sampled[plain] = _inverse_cdf(probs[plain].double(), u[plain])
-        rows = truncating.nonzero().squeeze(-1)
-        sorted_p, order = torch.sort(probs[rows], dim=-1, descending=True)
+        if kinds.plain is not None:
+            plain = kinds.plain
+            sampled.index_copy_(0, plain, _inverse_cdf(probs.index_select(0, plain).double(), u.index_select(0, plain)))
+        rows = kinds.truncating
+        sorted_p, order = torch.sort(probs.index_select(0, rows), dim=-1, descending=True)
         rank = torch.arange(V, device=logits.device)[None, :]
-        k = torch.where(top_k[rows] > 0, top_k[rows], torch.full_like(top_k[rows], V))
+        k_rows, p_rows = top_k.index_select(0, rows), top_p.index_select(0, rows)
+        k = torch.where(k_rows > 0, k_rows, torch.full_like(k_rows, V))
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each entry
-        keep = (rank < k[:, None]) & ((before < top_p[rows][:, None]) | (rank == 0))
+        keep = (rank < k[:, None]) & ((before < p_rows[:, None]) | (rank == 0))
         kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
-        sampled[rows] = order.gather(-1, _inverse_cdf(kept, u[rows])[:, None]).squeeze(-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
+        sampled.index_copy_(0, rows, order.gather(-1, _inverse_cdf(kept, u.index_select(0, rows))[:, None]).squeeze(-1))
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if kinds.any_greedy else sampled
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
 
 

@@ -24,7 +24,7 @@ from tinsmith.models.layers import CausalLM
 from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
-from tinsmith.sampling.logits import choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
+from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
@@ -292,12 +292,17 @@ class Sampler:
             n = inp.num_samples
             p = inp.params
             logits = last_logits[i : i + 1].expand(n, -1)
-            u = uniforms(torch.full((n,), st.seed, dtype=torch.long), torch.arange(n), torch.zeros(n, dtype=torch.long))
+            dev = self.device
+            u = uniforms(torch.full((n,), st.seed, dtype=torch.long, device=dev), torch.arange(n, device=dev),
+                         torch.zeros(n, dtype=torch.long, device=dev))
+            kinds = RowKinds.of([p.temperature] * n, [p.top_k] * n, [p.top_p] * n, logits.shape[-1], dev)
             tok, lp, full = choose_tokens(
-                logits, torch.full((n,), p.temperature), torch.full((n,), p.top_k), torch.full((n,), p.top_p), u.to(self.device)
+                logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
+                torch.full((n,), float(p.top_p), device=dev), u, kinds,
             )
             layer_kv = [(k[i], v[i]) for k, v in kv]
             toks_l, lps_l = tok.tolist(), lp.tolist()
+            tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
             for j in range(n):
                 row = _Row(st, j)
                 if st.stops.strings:
@@ -305,7 +310,7 @@ class Sampler:
                 r = len(self.rows)
                 self.rows.append(row)
                 self.cache.write_prefix(r, layer_kv, lens[i])
-                if self._push(row, toks_l[j], lps_l[j], full[j] if inp.topk_sample_logprobs else None):
+                if self._push(row, toks_l[j], lps_l[j], tops[j]):
                     self._retire(r, "stop", done)
                 elif st.max_tokens <= 1:
                     self._retire(r, "length", done)
@@ -349,9 +354,10 @@ class Sampler:
         """
         inp = st.task.input
         k, rows = inp.prompt_alt_tokens_k, lp.shape[0]
-        pos = torch.arange(rows)[:, None].expand(rows, k).reshape(-1)  # the stream's step = position
-        draw = torch.arange(k).repeat(rows)  # the stream's sample index = draw number
-        seeds = torch.full((rows * k,), fold_seed(st.seed ^ _ALT_STREAM), dtype=torch.long)
+        dev = lp.device
+        pos = torch.arange(rows, device=dev)[:, None].expand(rows, k).reshape(-1)  # the stream's step = position
+        draw = torch.arange(k, device=dev).repeat(rows)  # the stream's sample index = draw number
+        seeds = torch.full((rows * k,), fold_seed(st.seed ^ _ALT_STREAM), dtype=torch.long, device=dev)
         u = uniforms(seeds, draw, pos).view(rows, k)
         tok = draw_per_row(lp.float(), inp.params.temperature, u)
         return tok.cpu().numpy().astype(np.int64), lp.gather(-1, tok).float().cpu().numpy()
@@ -360,7 +366,9 @@ class Sampler:
     def _decode_step(self, done: list) -> None:
         n = len(self.rows)
         batch = self._batch()
-        span = int(self.cache.lengths[:n].max()) + 1  # the longest row after this step's token
+        # The longest row after this step's token: a row's cache holds its prompt and every
+        # sampled token but the last, so this is known on the host (no read-back per step).
+        span = max(len(row.state.task.input.prompt) + len(row.tokens) for row in self.rows)
         self.cache.ensure(n, span)
         positions = self.cache.lengths[:n][:, None]
         if batch.rope_deltas is not None:
@@ -369,15 +377,15 @@ class Sampler:
                                           attend=self.cache.decode_attention(n, span))
         logits = self.model.logits(hidden[:, 0], batch.groups)
         self.cache.lengths[:n] += 1
-        u = keyed_uniforms(batch.keys, batch.steps).to(self.device)
-        tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
+        u = keyed_uniforms(batch.keys, batch.steps)
+        tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds)
         batch.last, batch.steps = tok, batch.steps + 1
         self.stats["decode_steps"] += 1
         self.stats["sampled_tokens"] += n
         finished: list[tuple[int, str]] = []
+        tops = _top_logprobs(full, [row.state.task.input.topk_sample_logprobs for row in self.rows])
         for r, (row, t, l) in enumerate(zip(self.rows, tok.tolist(), lp.tolist())):
-            want_topk = row.state.task.input.topk_sample_logprobs
-            if self._push(row, t, l, full[r] if want_topk else None):
+            if self._push(row, t, l, tops[r]):
                 finished.append((r, "stop"))
             elif len(row.tokens) >= row.state.max_tokens:
                 finished.append((r, "length"))
@@ -386,14 +394,13 @@ class Sampler:
         if finished:
             self._rows_changed()
 
-    def _push(self, row: _Row, token: int, logprob: float, full: torch.Tensor | None) -> bool:
-        """Record a sampled token; True if it ends the sequence by a stop condition."""
+    def _push(self, row: _Row, token: int, logprob: float, top: tuple[list[int], list[float]] | None) -> bool:
+        """Record a sampled token (and its row's top-k logprobs when asked); True if it ends the
+        sequence by a stop condition."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
-        if full is not None:
-            k = row.state.task.input.topk_sample_logprobs
-            top = torch.topk(full, min(k, full.shape[-1]))
-            row.topk.append((top.indices.tolist(), top.values.tolist()))
+        if top is not None:
+            row.topk.append(top)
         if token in row.state.stops.token_ids:
             return True
         return row.watcher is not None and row.watcher.push(token)
@@ -444,7 +451,7 @@ class Sampler:
     def _batch(self) -> _DecodeBatch:
         """Per-row tensors of the decode batch, rebuilt only when rows join or leave."""
         if self._decode_batch is None:
-            self._decode_batch = _DecodeBatch.of(self.rows, self.device)
+            self._decode_batch = _DecodeBatch.of(self.rows, self.device, self.model.config.vocab_size)
         return self._decode_batch
 
 
@@ -464,9 +471,10 @@ class _DecodeBatch:
     top_k: torch.Tensor
     top_p: torch.Tensor
     rope_deltas: torch.Tensor | None  # (n,) multimodal RoPE offsets; None when every row's is 0
+    kinds: RowKinds  # which rows are greedy / truncate, known without asking the device
 
     @classmethod
-    def of(cls, rows: list[_Row], device: torch.device) -> _DecodeBatch:
+    def of(cls, rows: list[_Row], device: torch.device, vocab: int) -> _DecodeBatch:
         by_slot: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             if row.state.task.slot is not None:
@@ -480,15 +488,37 @@ class _DecodeBatch:
         return cls(
             groups=groups,
             last=torch.tensor([r.tokens[-1] for r in rows], device=device),
-            keys=row_keys(torch.tensor([r.state.seed for r in rows], dtype=torch.long),
-                          torch.tensor([r.sample_idx for r in rows], dtype=torch.long)),
-            steps=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long),
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
+            keys=row_keys(torch.tensor([r.state.seed for r in rows], dtype=torch.long, device=device),
+                          torch.tensor([r.sample_idx for r in rows], dtype=torch.long, device=device)),
+            steps=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long, device=device),
+            temperature=torch.tensor([float(p.temperature) for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params], device=device),
+            kinds=RowKinds.of([p.temperature for p in params], [p.top_k for p in params],
+                              [p.top_p for p in params], vocab, device),
             rope_deltas=(torch.tensor([r.state.rope_delta for r in rows], device=device)
                          if any(r.state.rope_delta for r in rows) else None),
         )
+
+
+def _top_logprobs(full: torch.Tensor, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
+    """Each row's ``ks[r]`` largest logprobs (ids, values), None where ``ks[r]`` is 0.
+
+    One ``topk`` over the rows that ask and one read-back, rather than one per row.
+    """
+    out: list[tuple[list[int], list[float]] | None] = [None] * len(ks)
+    asking = [r for r, k in enumerate(ks) if k > 0]
+    if not asking:
+        return out
+    k_max = min(max(ks), full.shape[-1])
+    rows = full if len(asking) == full.shape[0] else full.index_select(
+        0, torch.tensor(asking, dtype=torch.long, device=full.device))
+    top = torch.topk(rows, k_max, dim=-1)
+    ids, vals = top.indices.tolist(), top.values.tolist()
+    for i, r in enumerate(asking):
+        k = min(ks[r], k_max)
+        out[r] = (ids[i][:k], vals[i][:k])
+    return out
 
 
 def _row_segments(slots: list[int | None], width: int):

@@ -42,6 +42,8 @@ Port = Annotated[int, annotated_types.Ge(1), annotated_types.Le(65535)]
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
 LogLevel = Annotated[Literal["debug", "info", "warning", "error"],
                      BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+Dtype = Annotated[Literal["auto", "bfloat16", "float16", "float32"],
+                  BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 LogFormat = Annotated[Literal["text", "json"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 
 
@@ -70,6 +72,7 @@ class ServerConfig(BaseSettings):
     model_alias: CommaList = []  # NAME=ID_OR_DIR
     api_keys_file: str | None = None
     device: str | None = None  # default: cuda if available, else cpu
+    dtype: Dtype = "auto"  # base weights and activations; auto: bfloat16 on CUDA, float32 on CPU
     max_full_finetunes: AtLeastOne = 1
     max_full_sampler_snapshots: AtLeastOne = 1  # frozen full-model copies that samplers of full fine-tunes read
     max_body_bytes: AtLeastOne = 256 * 1024 * 1024
@@ -110,6 +113,14 @@ class ServerConfig(BaseSettings):
         # Only what the caller passes: ``load_config`` reads the file and the environment itself,
         # so that an error can say which of them a bad value came from.
         return (init_settings,)
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def resolved_database_url(self) -> str:
@@ -160,6 +171,9 @@ _HELP = {
     "api_keys_file": "file of accepted API keys, one per line, '#' comments; re-read when it changes or on "
                      "SIGHUP (default: any tml- key, single-user mode)",
     "device": "torch device (default: cuda when available, else cpu)",
+    "dtype": "precision of the base weights and activations: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, "
+             "float16 or float32; logprobs are computed in float32 either way, and full fine-tunes of "
+             "half-precision weights keep float32 master weights",
     "max_full_finetunes": "full fine-tuning runs held at once (each is a private model copy)",
     "max_full_sampler_snapshots": "sampler snapshots of full fine-tunes held at once (each is a frozen copy of "
                                   "the whole model in device memory; counted in the snapshot limits too)",

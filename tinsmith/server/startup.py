@@ -123,3 +123,30 @@ def _hub_config(repo_id: str, option: str) -> Path:
     except LocalEntryNotFoundError:
         raise StartupError(f"{option} {repo_id}: not in the local Hugging Face cache and the hub cannot be "
                            "reached; download it first or pass a local directory") from None
+
+
+def check_precision(device: str, dtype: str) -> None:
+    """Refuse a ``--device``/``--dtype`` pair that this machine's torch cannot compute with,
+    by running each kind of op the model uses on tiny tensors (a second at most)."""
+    import torch
+
+    from tinsmith.models.loading import probe_dtype, resolve_dtype
+
+    try:
+        probe_dtype(torch.float32, device)
+    except Exception as e:  # noqa: BLE001 - the device itself is unusable
+        raise StartupError(f"--device {device} is not usable here: {_one_line(e)}; use cpu, or cuda / cuda:N "
+                           "on a machine with a CUDA build of torch") from None
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        probe_dtype(torch_dtype, device)
+    except Exception as e:  # noqa: BLE001 - any failure here means the pair cannot serve
+        name = str(torch_dtype).removeprefix("torch.")
+        raise StartupError(f"--dtype {dtype} ({name}) does not work on --device {device} with this torch "
+                           f"({torch.__version__}): {_one_line(e)}; pick another --dtype (float32 works everywhere "
+                           "torch runs)") from None
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

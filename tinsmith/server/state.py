@@ -74,10 +74,10 @@ class ServerState:
         auth = Authenticator(config.api_keys_file)
         limits = KeyLimits.from_config(config, auth.multi_tenant)
         store = Store(config.resolved_database_url)
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         worker = Worker(
             RuntimeOptions(
-                device=device,
+                device=config.resolved_device,
+                dtype=config.dtype,
                 max_lora_adapters=config.max_lora_adapters,
                 max_lora_rank=config.max_lora_rank,
                 max_training_runs=config.max_training_runs,

@@ -42,7 +42,8 @@ class MicroBatch:
     row_segments: Segments  # over the flattened b*L rows
     token_segments: Segments  # over the packed real tokens (row-major)
     token_offsets: list[int]  # start of each row's real tokens in the packed order, len b+1
-    valid: torch.Tensor  # (b, L) bool, True at real tokens
+    valid: torch.Tensor  # (b*L,) int64: flat indices of the real tokens, row-major (an index, not
+    # a boolean mask: selecting with a mask reads its count back from the device, a host sync)
     needs_grad: bool
 
     @property
@@ -103,6 +104,6 @@ def build_micro_batch(rows: list[SequenceRef], token_arrays: list[np.ndarray], d
         row_segments=_segments(slots, row_bounds),
         token_segments=_segments(slots, token_offsets),
         token_offsets=token_offsets,
-        valid=torch.from_numpy(valid).to(device),
+        valid=torch.from_numpy(np.flatnonzero(valid)).to(device),
         needs_grad=rows[0].needs_grad,
     )

@@ -125,6 +125,7 @@ class TrainingRuntime:
         full_optimizer: str = ADAMW,
         vision: VisionTower | None = None,
         logit_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        master_weights: bool = True,  # fp32 masters for a half-precision full fine-tune (see trainables)
     ):
         self.model = model
         self.vision = vision  # image-text models: the frozen vision tower that feeds image tokens
@@ -145,7 +146,7 @@ class TrainingRuntime:
         self._pass_ids = itertools.count()
         self.host = torch.device("cpu")
         if full_finetune:
-            self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer)
+            self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer, master_weights)
 
     # ----------------------------------------------------------------------------- units
     def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
@@ -385,16 +386,19 @@ class TrainingRuntime:
             positions, visual, _ = self.vision.batch_inputs(mb.tokens, [r.length for r in mb.rows], images)
         with torch.set_grad_enabled(mb.needs_grad):
             hidden = self.model.hidden_states(mb.tokens, positions, mb.row_segments, visual=visual)
-            h = hidden[mb.valid]  # (T, hidden) real tokens, row-major
+            h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.valid)  # (T, hidden) real tokens, row-major
             rows_idx, cols, elem_bounds = [], [], [0]
             for i, ref in enumerate(mb.rows):
                 tgt = prepared[ref.request].targets[ref.datum]
                 n = tgt.shape[0]
                 k = 1 if tgt.dim() == 1 else tgt.shape[1]
-                rows_idx.append(torch.arange(mb.token_offsets[i], mb.token_offsets[i] + n).repeat_interleave(k))
+                # Built on the host and moved once below (one copy, not one per datum).
+                rows_idx.append(torch.arange(mb.token_offsets[i], mb.token_offsets[i] + n, device="cpu").repeat_interleave(k))
                 cols.append(tgt.reshape(-1))
                 elem_bounds.append(elem_bounds[-1] + n * k)
-            lp = self._target_logprobs(h, mb.token_segments, torch.cat(rows_idx).to(self.device), torch.cat(cols).to(self.device))
+            rows_host = torch.cat(rows_idx)
+            lp = self._target_logprobs(h, mb.token_segments, rows_host.to(self.device), torch.cat(cols).to(self.device),
+                                       rows_host)
             losses = []
             by_request: dict[int, list[int]] = {}
             for i, ref in enumerate(mb.rows):
@@ -418,14 +422,17 @@ class TrainingRuntime:
             lps[(ref.request, ref.datum)] = lps[(ref.request, ref.datum)].detach()
         return failed
 
-    def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor,
+                         rows_host: torch.Tensor) -> torch.Tensor:
         """log p(cols[e] | token rows[e]) for each element e, with the unembedding and the loss's
-        log-softmax fused over chunks of rows: full (tokens, vocab) logits never exist."""
+        log-softmax fused over chunks of rows: full (tokens, vocab) logits never exist.
+        ``rows_host`` (``rows`` on the host) gives the chunk bounds without a device read."""
         head = self.model.lm_head
         loras = [UnembedLora(w.A, w.B, w.scale, a, b)
                  for slot, a, b in segs if slot is not None and (w := head.adapters.get(slot)) is not None]
         return chunked_target_logprobs(h, head.weight, rows, cols, bias=head.bias, loras=loras,
-                                       chunk_rows=rows_per_chunk(self.config.vocab_size, self.logit_chunk_bytes))
+                                       chunk_rows=rows_per_chunk(self.config.vocab_size, self.logit_chunk_bytes),
+                                       rows_host=rows_host)
 
     def _loss_batch(self, p: _Prepared, datums: list[int], lps: list[torch.Tensor]) -> LossBatch:
         offsets = [0]

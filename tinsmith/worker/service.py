@@ -26,7 +26,7 @@ from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, Ti
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
-from tinsmith.models.loading import LoadedModel, load_model
+from tinsmith.models.loading import LoadedModel, load_model, resolve_dtype
 from tinsmith.models.lora import pack_weights
 from tinsmith.optim import ADAMW, normalize_optimizer_config
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec, OptimParams
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RuntimeOptions:
     device: str = "cpu"
+    dtype: str = "auto"  # a --dtype value: auto, bfloat16, float16, float32
     max_lora_adapters: int = 16
     max_lora_rank: int = 128
     max_training_runs: int = 256
@@ -135,7 +136,7 @@ class Worker:
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
         """Load ``source`` (dir or HF id) and serve it under ``name``."""
         o = self.options
-        loaded = load_model(source or name, device=o.device)
+        loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))
         rt = TrainingRuntime(
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
             max_training_runs=o.max_training_runs,

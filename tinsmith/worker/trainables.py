@@ -3,6 +3,14 @@
 Each unit owns its parameters, its optimizer (AdamW or Dimuon, fixed when the run is created)
 with its state, and its accumulated gradients. Stepping one unit touches only its own tensors,
 so tenants cannot disturb each other.
+
+Full fine-tuning of a bf16/fp16 model keeps fp32 *master weights*: the model computes with its
+half-precision weights, while the optimizer steps an fp32 copy of each (gradients are moved
+into fp32 as each backward produces them, so micro-batches accumulate in fp32) and the result
+is rounded back into the model after every step. Without it an update smaller than half the
+bf16 spacing of a weight (lr 1e-5 on weights of magnitude 0.1) rounds away and training stalls.
+Saved state holds the fp32 masters, so a resume continues exactly. LoRA adapters are fp32
+tensors already (cast to the activations' dtype inside the matmul), so they need no masters.
 """
 
 from __future__ import annotations
@@ -35,17 +43,30 @@ class Trainable:
     # (layer, weights) pairs this adapter occupies while resident; empty for full fine-tuning.
     attachments: list = field(default_factory=list)
     optimizer_type: str = ADAMW
+    # fp32 master copies, one per entry of ``named_params`` (None: the optimizer steps the
+    # parameters themselves, which are fp32 already). See the module docstring.
+    masters: list[torch.Tensor] | None = None
     optimizer: torch.optim.Optimizer = field(init=False)
     steps: int = 0
     resident: bool = True
 
     def __post_init__(self) -> None:
         rank = self.spec.rank if self.spec is not None else None
-        self.optimizer = build_optimizer(self.optimizer_type, [p for _, p in self.named_params], rank)
+        self.optimizer = build_optimizer(self.optimizer_type, self.params, rank)
+
+    @property
+    def model_params(self) -> list[torch.Tensor]:
+        """The tensors the model computes with."""
+        return [p for _, p in self.named_params]
 
     @property
     def params(self) -> list[torch.Tensor]:
-        return [p for _, p in self.named_params]
+        """The tensors the optimizer steps, holding the gradients: the fp32 masters when kept."""
+        return self.masters if self.masters is not None else self.model_params
+
+    @property
+    def named_stepped(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for (n, _), p in zip(self.named_params, self.params)]
 
     @property
     def num_params(self) -> int:
@@ -90,11 +111,11 @@ class Trainable:
             p.grad = None if g is None else g.to(p.device)
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Copies of the weights and of the optimizer state per tensor: AdamW's ``NAME.exp_avg``,
-        ``.exp_avg_sq``, ``.step``; Dimuon's ``NAME.momentum``."""
-        weights = {n: p.detach().clone() for n, p in self.named_params}
+        """Copies of the weights (the fp32 masters when kept) and of the optimizer state per
+        tensor: AdamW's ``NAME.exp_avg``, ``.exp_avg_sq``, ``.step``; Dimuon's ``NAME.momentum``."""
+        weights = {n: p.detach().clone() for n, p in self.named_stepped}
         opt: dict[str, torch.Tensor] = {}
-        for n, p in self.named_params:
+        for n, p in self.named_stepped:
             st = self.optimizer.state.get(p)
             if st:
                 for key in STATE_KEYS[self.optimizer_type]:
@@ -125,9 +146,12 @@ class Trainable:
                         raise InvalidInputError(f"checkpoint optimizer state {n}.{suffix} is missing or misshapen")
         self.optimizer.state.clear()
         with torch.no_grad():
-            for n, p in self.named_params:
+            for (n, p), model_p in zip(self.named_stepped, self.model_params):
                 p.copy_(weights[n].to(p.device, p.dtype))
                 p.grad = None
+                if model_p is not p:
+                    model_p.copy_(p)
+                    model_p.grad = None
                 if self._has_saved_state(optimizer, n):
                     st = {k: optimizer[f"{n}.{k}"].to(p.device, p.dtype).clone() for k in STATE_KEYS[self.optimizer_type]}
                     if f"{n}.step" in optimizer:
@@ -153,6 +177,9 @@ class Trainable:
         apply_hyperparameters(self.optimizer, hp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_params, self.masters)  # round the masters into the model
         self.steps += 1
         return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
 
@@ -176,8 +203,12 @@ def detach_lora(model: CausalLM, slot: int) -> None:
             m.remove_adapter(slot)
 
 
-def full_model_trainable(model: CausalLM, optimizer_type: str = ADAMW) -> Trainable:
-    """Make every base weight trainable (full fine-tuning of this model instance)."""
+def full_model_trainable(model: CausalLM, optimizer_type: str = ADAMW, master_weights: bool = True) -> Trainable:
+    """Make every base weight trainable (full fine-tuning of this model instance).
+
+    Half-precision weights get fp32 masters unless ``master_weights`` is False (which exists
+    to show what they prevent: small updates rounding away).
+    """
     named = []
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -185,10 +216,34 @@ def full_model_trainable(model: CausalLM, optimizer_type: str = ADAMW) -> Traina
             continue
         seen.add(id(p))
         p.requires_grad_(True)
-        if p.dtype != torch.float32 and p.device.type == "cpu":
-            raise InvalidInputError("full fine-tuning on CPU needs fp32 weights")
         named.append((name, p))
-    return Trainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type)
+    masters = None
+    if master_weights and any(p.dtype != torch.float32 for _, p in named):
+        masters = [_master_for(p) for _, p in named]
+    return Trainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type, masters=masters)
+
+
+def _master_for(p: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of ``p`` that receives ``p``'s gradient, in fp32, after every backward.
+
+    The hook adds each backward's gradient into the master's and clears ``p.grad``, so
+    gradient accumulation over micro-batches and requests happens in fp32 and the
+    half-precision gradient never outlives one backward.
+    """
+    master = p.detach().float().clone()
+
+    def move_grad(param: torch.Tensor) -> None:
+        g = param.grad
+        if g is None:
+            return
+        if master.grad is None:
+            master.grad = g.float()
+        else:
+            master.grad.add_(g)
+        param.grad = None
+
+    p.register_post_accumulate_grad_hook(move_grad)
+    return master
 
 
 def lora_tensors(tr: Trainable) -> dict[str, torch.Tensor]:
