@@ -117,3 +117,24 @@ def test_inflight_sessions_follow_the_live_weights_and_hold_nothing(make_worker)
     assert sampler.model is w.placement(run).runtime.model
     w.unload_model(run)
     assert "live-1" not in w.inflight and not any(k.startswith("live:") for k in w.samplers)
+
+
+def test_an_inflight_lora_sample_fails_clearly_when_its_adapter_is_parked(make_worker):
+    from tinsmith.types import LoraSpec
+
+    w = make_worker(max_lora_adapters=1)
+    base = next(iter(w.bases))
+    w.create_model("a:train:0", base, LoraSpec(rank=2, seed=0), owner="key-a")
+    w.create_model("b:train:0", base, LoraSpec(rank=2, seed=1), owner="key-b")  # parks a's adapter
+    w.publish_inflight("a:train:0", "live-a")
+    sampler, slot = w.live_sampler("live-a")  # brings a's adapter back into the model
+    assert slot == w.placement("a:train:0").runtime.unit(w.placement("a:train:0").unit).slot
+    inp = SampleInput(np.array([1, 2, 3], dtype=np.int64), 1, SamplingParams(max_tokens=8))
+    sampler.add(SampleTask("job-a", slot, inp))
+    sampler.step(0.0)  # admitted, decoding
+    # b trains: its adapter needs the one place, so a's (in use) is parked, and a's sample fails
+    # instead of going on with the base weights alone
+    w.placement("b:train:0").runtime.ensure_resident({w.placement("b:train:0").unit})
+    [(key, result)] = sampler.step(1.0)
+    assert key == "job-a" and isinstance(result, CapacityError) and "--max-lora-adapters" in str(result)
+    assert not sampler.has_work()

@@ -158,6 +158,8 @@ class Worker:
             gradient_checkpointing=o.gradient_checkpointing,
         )
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
+        rt.busy_slots = lambda: self._sampler_slots(name)
+        rt.on_park_busy = lambda slot: self._adapter_parked(name, slot)
         self.bases[name] = base
         log.info("serving %s from %s (%s, %.1fM params)", name, loaded.model_dir, loaded.config.family,
                  loaded.config.num_params / 1e6)
@@ -357,6 +359,18 @@ class Worker:
             p.runtime.ensure_resident({p.unit})  # a parked adapter comes back into its slot
             return self.sampler(p.base), p.runtime.unit(p.unit).slot
         return self._sampler_of(_live_sampler_key(model_id), p.base, p.runtime.model), None
+
+    def _sampler_slots(self, base_name: str) -> set[int]:
+        sampler = self.samplers.get(base_name)
+        return set() if sampler is None else sampler.slots_in_use()
+
+    def _adapter_parked(self, base_name: str, slot: int) -> None:
+        """A training run's adapter that inflight samples were reading left the model (more runs
+        train than --max-lora-adapters): fail those samples rather than let them go on with the
+        base weights alone."""
+        self.samplers[base_name].fail_slot(slot, CapacityError(
+            "the LoRA adapter this inflight sampler reads was moved to host memory to make room for other "
+            f"training runs (--max-lora-adapters {self.options.max_lora_adapters}); sample again"))
 
     def drop_idle_live_samplers(self) -> None:
         """Forget the samplers of unloaded runs' live weights once they have nothing left to decode
