@@ -93,6 +93,7 @@ class Sampler:
         self._decode_batch: _DecodeBatch | None = None
         self.cancellations = cancellations
         self._cancel_version = 0  # the board's version last acted on
+        self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
         self.stats = {"decode_steps": 0, "prefills": 0, "sampled_tokens": 0, "cancelled": 0}
 
     # ----------------------------------------------------------------------------- public
@@ -101,7 +102,18 @@ class Sampler:
         self.inbox.append(task)
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.rows)
+        return bool(self.inbox or self.rows or self._failed)
+
+    def fail_slot(self, slot: int, exc: Exception) -> None:
+        """Fail the queued and running requests that read adapter ``slot`` (it is being taken off
+        the model: without this they would go on sampling the base weights); the next
+        :meth:`step` reports them."""
+        for task in [t for t in list(self.inbox) if t.slot == slot]:
+            self.inbox.remove(task)
+            self._failed.append((task.key, exc))
+        states = list({id(r.state): r.state for r in self.rows if r.state.task.slot == slot}.values())
+        if states:
+            self._fail(states, exc, self._failed)
 
     def slots_in_use(self) -> set[int]:
         """Adapter slots that queued or running requests read (must not be unloaded)."""
@@ -123,7 +135,8 @@ class Sampler:
         A request's result is an exception when it failed: a ``TinsmithError`` for bad input,
         anything else (out of memory ...) for the requests that were in the failing step.
         """
-        done: list[tuple[Any, SampleResult | Exception]] = []
+        done: list[tuple[Any, SampleResult | Exception]] = self._failed
+        self._failed = []
         deadline = time.perf_counter() + budget_s
         with torch.inference_mode():
             self._drop_cancelled(done)

@@ -74,7 +74,10 @@ class ServerConfig(BaseSettings):
     device: str | None = None  # default: cuda if available, else cpu
     dtype: Dtype = "auto"  # base weights and activations; auto: bfloat16 on CUDA, float32 on CPU
     max_full_finetunes: AtLeastOne = 1
-    max_full_sampler_snapshots: AtLeastOne = 1  # frozen full-model copies that samplers of full fine-tunes read
+    max_full_sampler_snapshots: AtLeastOne = 4  # frozen full-model copies (host memory) that full fine-tunes' samplers read
+    resident_full_sampler_snapshots: AtLeastOne = 1  # of those, how many are on the device at once
+    max_snapshot_host_bytes: NotNegativeInt | None = None  # host memory of full snapshots, whole server
+    max_snapshot_host_bytes_per_key: NotNegativeInt | None = None  # the same per API key (with --api-keys-file)
     max_body_bytes: AtLeastOne = 256 * 1024 * 1024
     max_num_samples: AtLeastOne | None = None  # default: the sampler's row limit
     max_sample_tokens: AtLeastOne | None = None  # default: the model's context length
@@ -176,7 +179,14 @@ _HELP = {
              "half-precision weights keep float32 master weights",
     "max_full_finetunes": "full fine-tuning runs held at once (each is a private model copy)",
     "max_full_sampler_snapshots": "sampler snapshots of full fine-tunes held at once (each is a frozen copy of "
-                                  "the whole model in device memory; counted in the snapshot limits too)",
+                                  "the whole model in host memory; counted in the snapshot limits too)",
+    "resident_full_sampler_snapshots": "sampler snapshots of full fine-tunes on the device at once (each a whole-model "
+                                       "copy); others wait in host memory and are brought over when sampled, least "
+                                       "recently used offloaded first",
+    "max_snapshot_host_bytes": "host memory all sampler snapshots of full fine-tunes may take together "
+                               "(default: unlimited; --max-full-sampler-snapshots still caps their number)",
+    "max_snapshot_host_bytes_per_key": "host memory one API key's sampler snapshots of full fine-tunes may take "
+                                       "(with --api-keys-file; default: unlimited)",
     "max_body_bytes": "largest request body accepted, before and after decompression",
     "max_num_samples": "largest num_samples of a sampling request, and rows the sampler decodes at once (default: 256)",
     "max_sample_tokens": "largest sampling_params.max_tokens (default: the model's context length)",

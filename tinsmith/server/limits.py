@@ -9,7 +9,8 @@ key waits behind it, or fill the disk. Each limit is enforced where it can be ch
   ``Retry-After``: the SDK backs off and resubmits by itself, and the request goes through as
   soon as some of the key's earlier work has finished.
 * **Training runs and sampler snapshots held** (``--max-runs-per-key``,
-  ``--max-sampler-snapshots-per-key``): the worker alone knows what is held, so it enforces
+  ``--max-sampler-snapshots-per-key``, and ``--max-snapshot-host-bytes-per-key`` for the host
+  memory that full fine-tunes' snapshots take): the worker alone knows what is held, so it enforces
   them (they travel in ``RuntimeOptions``). Only the key can lift a run cap (by freeing a run),
   so a create over it fails its future at once with a message rather than being retried; a new
   snapshot over its cap first evicts the key's own idle snapshots.
@@ -47,6 +48,7 @@ class KeyLimits:
     max_requests_in_flight: int | None = None
     max_runs: int | None = None
     max_sampler_snapshots: int | None = None
+    max_snapshot_host_bytes: int | None = None  # host memory of the key's full fine-tunes' sampler snapshots
     checkpoint_quota_bytes: int | None = None
     retry_after_s: float = RETRY_AFTER_S
 
@@ -59,6 +61,7 @@ class KeyLimits:
             max_requests_in_flight=per_key(config.max_requests_in_flight_per_key),
             max_runs=per_key(config.max_runs_per_key),
             max_sampler_snapshots=per_key(config.max_sampler_snapshots_per_key),
+            max_snapshot_host_bytes=per_key(config.max_snapshot_host_bytes_per_key),
             checkpoint_quota_bytes=config.checkpoint_quota_bytes,
         )
 

@@ -169,8 +169,10 @@ class StateCollector:
         evictions = CounterMetricFamily("tinsmith_sampler_snapshot_evictions", "Sampler snapshots evicted to make "
                                         "room for another")
         sessions = _gauge("tinsmith_active_sessions", "Client sessions not yet finished (closed or timed out)")
+        full_snapshots = _gauge("tinsmith_full_sampler_snapshot_bytes", "Host memory of full fine-tunes' sampler "
+                                "snapshots, and of those resident on the device now", ["where"])
 
-        def fill(runs, adapters, snapshots, evictions, sessions):
+        def fill(runs, adapters, snapshots, evictions, sessions, full_snapshots):
             worker = self.state.worker
             placements = list(worker.placements.values())
             lora = sum(1 for p in placements if p.is_lora)
@@ -184,9 +186,12 @@ class StateCollector:
             snapshots.add_metric(["true"], stored)
             snapshots.add_metric(["false"], len(snaps) - stored)
             evictions.add_metric([], worker.stats["snapshot_evictions"])
+            full = [s for s in snaps if s.is_full]
+            full_snapshots.add_metric(["host"], sum(s.host_bytes for s in full))
+            full_snapshots.add_metric(["device"], sum(s.host_bytes for s in full if s.model is not None))
             sessions.add_metric([], self.state.store.count_live_sessions())
 
-        return [runs, adapters, snapshots, evictions, sessions], fill
+        return [runs, adapters, snapshots, evictions, sessions, full_snapshots], fill
 
     def _sampling(self) -> tuple[list[Metric], Callable]:
         sampled = CounterMetricFamily("tinsmith_sampled_tokens", "Tokens of the sequences sampled for clients")

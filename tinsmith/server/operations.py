@@ -82,6 +82,7 @@ class SamplerSaveArgs:
     expires_at: Any = None
     user_metadata: dict | None = None
     owner: str = ""
+    inflight: bool = False  # kind="inflight": the sampler follows the run's live weights (no copy)
 
 
 @dataclass
@@ -378,6 +379,9 @@ class WorkerOperations:
     # ----------------------------------------------------------------------------- sampler weights
     def _save_weights_for_sampler(self, job: Job) -> Outcome:
         a: SamplerSaveArgs = job.args
+        if a.inflight:
+            self.worker.publish_inflight(job.model_id, a.sampling_session_id)
+            return json_outcome({"sampling_session_id": a.sampling_session_id})
         if a.name is None:
             self.worker.snapshot(job.model_id, a.sampling_session_id, owner=job.owner,
                                  queued=self._queued_snapshot_keys())
@@ -434,12 +438,15 @@ class WorkerOperations:
             jobs += sampler.abort()
         return jobs
 
-    def _resolve_sampler(self, job: Job) -> tuple[Any, int | None]:
-        """The sampler that runs ``job``, and the adapter slot it reads (None: no adapter)."""
+    def _resolve_sampler(self, job: Job) -> tuple[Any, int | None] | None:
+        """The sampler that runs ``job``, and the adapter slot it reads (None: no adapter); None
+        when the job must wait (its full snapshot cannot be made resident while others decode)."""
         a: SampleArgs = job.args
         base = self.worker.resolve_base(a.base_model)
         if a.snapshot_key is None:
             return self.worker.sampler(base), None
+        if a.snapshot_key in self.worker.inflight:
+            return self.worker.live_sampler(a.snapshot_key)
         if a.snapshot_key in self.worker.snapshots:
             snap = self.worker.use_snapshot(a.snapshot_key)
         elif a.storage_path is not None:
@@ -450,6 +457,8 @@ class WorkerOperations:
                 f"the weights of sampler {a.snapshot_key!r} are no longer held (evicted or lost in a restart); "
                 "save them again with save_weights_and_get_sampling_client"
             )
+        if snap.is_full and not self.worker.make_resident(snap):
+            return None
         return self.worker.sampler(snap.base, snap), snap.slot
 
     @staticmethod
@@ -465,6 +474,7 @@ class WorkerOperations:
 
     def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]:
         out: list[tuple[Job, Outcome]] = []
+        waiting: list[Job] = []  # their full snapshots wait for a device place; retried next step
         while self._sample_inbox:
             job = self._sample_inbox.popleft()
             job.started_at = time.monotonic()
@@ -472,11 +482,16 @@ class WorkerOperations:
                 out.append((job, Outcome.failure(SampleCancelled("the request was cancelled by its client"))))
                 continue
             try:
-                sampler, slot = self._resolve_sampler(job)
+                resolved = self._resolve_sampler(job)
+                if resolved is None:
+                    waiting.append(job)
+                    continue
+                sampler, slot = resolved
                 sampler.cancellations = self.cancellations
                 sampler.add(SampleTask(job, slot, job.args.input))
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
+        self._sample_inbox.extendleft(reversed(waiting))
         busy = [s for s in self.worker.samplers.values() if s.has_work()]
         for sampler in busy:
             finished = sampler.step(budget_s / len(busy))
@@ -496,4 +511,5 @@ class WorkerOperations:
                     out.append((job, encode_sample(res, job.wire)))
                 except Exception as exc:
                     out.append((job, Outcome.failure(exc)))
+        self.worker.drop_idle_live_samplers()
         return out

@@ -145,6 +145,10 @@ class TrainingRuntime:
         self._unit_ids = itertools.count()
         self._pass_ids = itertools.count()
         self.host = torch.device("cpu")
+        # Set by the worker: adapter slots that samplers are reading now (inflight samplers read a
+        # training run's own slot), parked last; and what to do when one of those is parked anyway.
+        self.busy_slots: Callable[[], set[int]] = set
+        self.on_park_busy: Callable[[int], None] | None = None
         if full_finetune:
             self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer, master_weights)
 
@@ -172,11 +176,17 @@ class TrainingRuntime:
     def _make_room(self, needed: int, keep: set[int]) -> None:
         """Park least recently used adapters until ``needed`` more can be attached."""
         while len(self.lru) + needed > self.max_lora_adapters:
-            victim = next((u for u in self.lru if u not in keep), None)
+            busy = self.busy_slots()
+            victim = next((u for u in self.lru if u not in keep and self.units[u].slot not in busy), None)
+            if victim is None:
+                victim = next((u for u in self.lru if u not in keep), None)
             if victim is None:
                 raise CapacityError(f"more than {self.max_lora_adapters} adapters needed at once")
+            slot = self.units[victim].slot
             self.units[victim].park(self.host)
             del self.lru[victim]
+            if slot in busy and self.on_park_busy is not None:
+                self.on_park_busy(slot)
 
     def ensure_resident(self, units: set[int]) -> None:
         """Attach every adapter in ``units`` (parking others if needed) and mark them recently used."""

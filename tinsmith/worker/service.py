@@ -50,7 +50,10 @@ class RuntimeOptions:
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
     max_full_finetunes: int = 1
-    max_full_sampler_snapshots: int = 1  # frozen whole-model copies (sampler snapshots of full fine-tunes)
+    max_full_sampler_snapshots: int = 4  # frozen whole-model copies held in host memory (full fine-tunes' snapshots)
+    resident_full_sampler_snapshots: int = 1  # of those, how many may be on the device at once
+    max_snapshot_host_bytes: int | None = None  # host bytes of full snapshots, the whole server (None: no cap)
+    max_snapshot_host_bytes_per_key: int | None = None  # host bytes of full snapshots one owner may hold
     max_sampler_snapshots: int = 64
     max_sampling_rows: int = 256
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
@@ -93,8 +96,18 @@ class Snapshot:
     """Frozen weights that samplers read: never changed by later training.
 
     A LoRA snapshot is an adapter ``slot`` of the shared base model (``spec`` set). A full
-    fine-tune's snapshot is ``model``, a frozen copy of the whole model that its own sampler
-    reads (``slot`` None): a full copy in device memory, so ``max_full_sampler_snapshots`` caps them.
+    fine-tune's snapshot is ``host``: a frozen copy of every weight in host memory (pinned when
+    the device is CUDA), taken when it is saved. Its sampler reads ``model``, a device copy
+    built from ``host`` only while the snapshot is resident (see :meth:`Worker.make_resident`):
+    at most ``resident_full_sampler_snapshots`` are, least recently used offloaded first, so the
+    device holds a bounded number of whole-model copies however many snapshots exist.
+
+    Why offload rather than copy-on-write (sharing the live weights until the next optim_step):
+    the optimizer updates every weight of a full fine-tune in place at each step, so a
+    copy-on-write snapshot becomes a full device copy at the first step after it, unbounded in
+    number; the host copy costs one transfer per save and per residency switch instead, and
+    device memory stays bounded. (A client that samples between steps without needing a frozen
+    copy asks for ``kind="inflight"``, which reads the live weights and copies nothing.)
     """
 
     key: str
@@ -104,11 +117,17 @@ class Snapshot:
     reloadable: bool  # stored on disk, so it can be evicted and loaded again; otherwise eviction loses it
     owner: str = ""
     last_used: float = field(default_factory=time.monotonic)
-    model: CausalLM | None = None
+    model: CausalLM | None = None  # full snapshots: the device copy while resident
+    host: dict[str, torch.Tensor] | None = None  # full snapshots: the frozen weights in host memory
+    host_bytes: int = 0
+
+    @property
+    def is_full(self) -> bool:
+        return self.host is not None
 
     @property
     def sampler_key(self) -> str:
-        return self.base.name if self.model is None else f"snapshot:{self.key}"
+        return self.base.name if not self.is_full else f"snapshot:{self.key}"
 
 
 @dataclass
@@ -129,6 +148,8 @@ class Worker:
         self.placements: dict[str, Placement] = {}
         self.snapshots: dict[str, Snapshot] = {}
         self.samplers: dict[str, Sampler] = {}
+        # sampling session id -> model_id of the run whose live weights it samples (kind="inflight")
+        self.inflight: dict[str, str] = {}
         self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
         self.stats = {"snapshot_evictions": 0}  # read by metrics scrapes
 
@@ -144,6 +165,8 @@ class Worker:
             gradient_checkpointing=o.gradient_checkpointing, vision=loaded.vision,
         )
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
+        rt.busy_slots = lambda: self._sampler_slots(name)
+        rt.on_park_busy = lambda slot: self._adapter_parked(name, slot)
         self.bases[name] = base
         log.info("serving %s from %s (%s, %.1fM params)", name, loaded.model_dir, loaded.config.family,
                  loaded.config.num_params / 1e6)
@@ -226,6 +249,9 @@ class Worker:
             p.runtime.delete_adapter(p.unit)
         else:
             p.base.full.pop(model_id, None)
+        for key in [k for k, m in self.inflight.items() if m == model_id]:
+            del self.inflight[key]
+        self.drop_idle_live_samplers()
 
     # ----------------------------------------------------------------------------- work
     def fb_begin(self, model_id: str, inputs: list[ForwardBackwardInput]) -> FbPass:
@@ -309,13 +335,60 @@ class Worker:
 
     # ----------------------------------------------------------------------------- sampling
     def sampler(self, base: BaseModel, snapshot: Snapshot | None = None) -> Sampler:
-        """The sampler of ``base`` (shared by its LoRA snapshots), or the one of a full snapshot."""
-        key = base.name if snapshot is None else snapshot.sampler_key
+        """The sampler of ``base`` (shared by its LoRA snapshots), or the one of a full snapshot
+        (which must be resident: :meth:`make_resident`)."""
+        if snapshot is not None and snapshot.is_full:
+            if snapshot.model is None:
+                raise RuntimeError(f"sampler snapshot {snapshot.key!r} is not resident")
+            return self._sampler_of(snapshot.sampler_key, base, snapshot.model)
+        return self._sampler_of(base.name, base, base.loaded.model)
+
+    def _sampler_of(self, key: str, base: BaseModel, model: CausalLM) -> Sampler:
         if key not in self.samplers:
-            model = base.loaded.model if snapshot is None or snapshot.model is None else snapshot.model
             self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir),
                                          max_rows=self.options.max_sampling_rows, vision=base.loaded.vision)
         return self.samplers[key]
+
+    # ----------------------------------------------------------------------------- inflight sampling
+    def publish_inflight(self, model_id: str, key: str) -> None:
+        """Make sampling session ``key`` follow run ``model_id``'s live weights (``kind="inflight"``).
+
+        Nothing is copied and no snapshot is counted: each sample request reads the weights as
+        they are when it is admitted and at each decode step after (see docs/sampling.md).
+        """
+        self.placement(model_id)  # the run must be held
+        self.inflight[key] = model_id
+
+    def live_sampler(self, key: str) -> tuple[Sampler, int | None]:
+        """The sampler, and the adapter slot, that read the live weights of inflight session ``key``."""
+        model_id = self.inflight[key]
+        p = self.placements.get(model_id)
+        if p is None:
+            raise StateLostError(f"the training run {model_id!r} that inflight sampler {key!r} follows is no longer "
+                                 "held (unloaded or lost in a restart)")
+        if p.is_lora:
+            p.runtime.ensure_resident({p.unit})  # a parked adapter comes back into its slot
+            return self.sampler(p.base), p.runtime.unit(p.unit).slot
+        return self._sampler_of(_live_sampler_key(model_id), p.base, p.runtime.model), None
+
+    def _sampler_slots(self, base_name: str) -> set[int]:
+        sampler = self.samplers.get(base_name)
+        return set() if sampler is None else sampler.slots_in_use()
+
+    def _adapter_parked(self, base_name: str, slot: int) -> None:
+        """A training run's adapter that inflight samples were reading left the model (more runs
+        train than --max-lora-adapters): fail those samples rather than let them go on with the
+        base weights alone."""
+        self.samplers[base_name].fail_slot(slot, CapacityError(
+            "the LoRA adapter this inflight sampler reads was moved to host memory to make room for other "
+            f"training runs (--max-lora-adapters {self.options.max_lora_adapters}); sample again"))
+
+    def drop_idle_live_samplers(self) -> None:
+        """Forget the samplers of unloaded runs' live weights once they have nothing left to decode
+        (a sampler still decoding keeps its run's model until its requests finish)."""
+        for key in [k for k in self.samplers if k.startswith(_LIVE_PREFIX)]:
+            if key[len(_LIVE_PREFIX):] not in self.placements and not self.samplers[key].has_work():
+                del self.samplers[key]
 
     def adapter_weights(self, model_id: str) -> tuple[LoraSpec, dict[str, torch.Tensor], BaseModel]:
         p = self.placement(model_id)
@@ -340,7 +413,8 @@ class Worker:
         """
         p = self.placement(model_id)
         if not p.is_lora:
-            return self._install_full_snapshot(key, p.base, p.runtime.model, reloadable, owner, queued)
+            return self._install_full_snapshot(key, p.base, p.runtime.unit(p.unit).named_params, reloadable, owner,
+                                               queued)
         spec, tensors, base = self.adapter_weights(model_id)
         return self._install_snapshot(key, base, spec, tensors, reloadable, owner, queued)
 
@@ -351,9 +425,9 @@ class Worker:
 
         if key in self.snapshots:
             return self.use_snapshot(key)
-        self._snapshot_victims(owner, queued)  # refuse before reading the file when there is no room
         if not (directory / "adapter_config.json").is_file() and (directory / "model.safetensors").is_file():
             return self._load_full_snapshot(key, self.resolve_base(base_model), directory, owner, queued)
+        self._snapshot_victims(owner, queued)  # refuse before reading the file when there is no room
         spec, tensors = load_peft_adapter(directory)
         return self._install_snapshot(key, self.resolve_base(base_model), spec, tensors, True, owner, queued)
 
@@ -376,6 +450,14 @@ class Worker:
         victims = [] if old is not None else self._snapshot_victims(owner, queued)
         slot = next(self._snapshot_slots)
         install_lora_weights(base.loaded.model, slot, spec, tensors)
+        self._evict(victims, owner)
+        if old is not None:
+            self._drop_snapshot(old)
+        snap = Snapshot(key, base, slot, spec, reloadable, owner)
+        self.snapshots[key] = snap
+        return snap
+
+    def _evict(self, victims: list[Snapshot], owner: str) -> None:
         for victim in victims:
             del self.snapshots[victim.key]
             self._drop_snapshot(victim)
@@ -387,53 +469,84 @@ class Worker:
                         self.options.max_sampler_snapshots_per_key or "off",
                         "it is reloaded from disk on its next request" if victim.reloadable
                         else "its sampling client must save the weights again")
-        if old is not None:
-            self._drop_snapshot(old)
-        snap = Snapshot(key, base, slot, spec, reloadable, owner)
-        self.snapshots[key] = snap
-        return snap
 
-    def _install_full_snapshot(self, key: str, base: BaseModel, source: CausalLM, reloadable: bool, owner: str,
+    def _install_full_snapshot(self, key: str, base: BaseModel, weights, reloadable: bool, owner: str,
                                queued: Collection[str]) -> Snapshot:
-        """Freeze a copy of a whole model (a full fine-tune's weights now) for its own sampler."""
+        """Freeze a full fine-tune's ``weights`` ((name, tensor) pairs) in host memory for a sampler.
+
+        Room (a place among ``max_full_sampler_snapshots`` and the host-byte caps) is made before
+        anything is copied; the device copy is made only when a request samples it.
+        """
         old = self.snapshots.get(key)
-        victims = [] if old is not None else self._snapshot_victims(owner, queued, full=True)
-        model = _frozen_copy(source)
-        for victim in victims:
-            del self.snapshots[victim.key]
-            self._drop_snapshot(victim)
+        weights = list(weights)
+        incoming = sum(t.numel() * t.element_size() for _, t in weights)
+        victims = [] if old is not None else self._snapshot_victims(owner, queued, full_bytes=incoming)
+        host = _host_copy(weights, pin=torch.device(self.options.device).type == "cuda")
+        self._evict(victims, owner)
         if old is not None:
             self._drop_snapshot(old)
-        snap = Snapshot(key, base, None, None, reloadable, owner, model=model)
+        snap = Snapshot(key, base, None, None, reloadable, owner, host=host, host_bytes=incoming)
         self.snapshots[key] = snap
         return snap
 
     def _load_full_snapshot(self, key: str, base: BaseModel, directory: Path, owner: str,
                             queued: Collection[str]) -> Snapshot:
-        """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in memory."""
-        from safetensors.torch import load_file
+        """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in host memory."""
+        from safetensors import safe_open
 
-        self._snapshot_victims(owner, queued, full=True)  # refuse before copying when there is no room
-        weights = load_file(str(directory / "model.safetensors"))
-        model = _frozen_copy(base.loaded.model)
-        params = dict(model.named_parameters())
-        missing = [n for n in params if n not in weights]
-        if missing or any(tuple(weights[n].shape) != tuple(p.shape) for n, p in params.items()):
-            raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(weights[n].to(p.device, p.dtype))
-        pack_weights(model)
-        return self._install_full_snapshot(key, base, model, True, owner, queued)
+        params = dict(base.loaded.model.named_parameters())
+        incoming = sum(p.numel() * p.element_size() for p in params.values())
+        self._snapshot_victims(owner, queued, full_bytes=incoming)  # refuse before reading when there is no room
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            stored = set(f.keys())
+            if any(n not in stored or tuple(f.get_slice(n).get_shape()) != tuple(p.shape) for n, p in params.items()):
+                raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
+            weights = [(n, f.get_tensor(n).to(p.dtype)) for n, p in params.items()]
+        return self._install_full_snapshot(key, base, weights, True, owner, queued)
+
+    def make_resident(self, snap: Snapshot) -> bool:
+        """Put full snapshot ``snap`` on the device for its sampler, offloading the least recently
+        used resident snapshots that are not decoding if ``resident_full_sampler_snapshots`` are
+        already there. False when every resident one is decoding: the request waits its turn.
+
+        An offloaded snapshot loses only its device copy (and its sampler, with no work left);
+        its host copy stays, so it comes back unchanged.
+        """
+        if snap.model is not None:
+            return True
+        resident = [s for s in self.snapshots.values() if s.is_full and s.model is not None]
+        need = len(resident) + 1 - self.options.resident_full_sampler_snapshots
+        if need > 0:
+            free = sorted((s for s in resident if not self._decoding(s)), key=lambda s: s.last_used)
+            if len(free) < need:
+                return False
+            for s in free[:need]:
+                self._offload(s)
+        snap.model = _device_model(snap.base.loaded.model, snap.host)
+        if snap.model.model.embed_tokens.weight.device.type == "cpu":
+            # The device is host memory: the host copy can be the resident one (no second copy).
+            snap.host = {n: p.detach() for n, p in snap.model.named_parameters()}
+        return True
+
+    def resident_snapshots(self) -> list[str]:
+        return [s.key for s in self.snapshots.values() if s.is_full and s.model is not None]
+
+    def _decoding(self, snap: Snapshot) -> bool:
+        sampler = self.samplers.get(snap.sampler_key)
+        return sampler is not None and sampler.has_work()
+
+    def _offload(self, snap: Snapshot) -> None:
+        self.samplers.pop(snap.sampler_key, None)
+        snap.model = None
 
     def _drop_snapshot(self, snap: Snapshot) -> None:
-        if snap.model is not None:
-            self.samplers.pop(snap.sampler_key, None)
-            snap.model = None
+        if snap.is_full:
+            self._offload(snap)
+            snap.host = None
             return
         detach_lora(snap.base.loaded.model, snap.slot)
 
-    def _snapshot_victims(self, owner: str, queued: Collection[str], full: bool = False) -> list[Snapshot]:
+    def _snapshot_victims(self, owner: str, queued: Collection[str], full_bytes: int | None = None) -> list[Snapshot]:
         """The snapshots to evict so that ``owner`` may hold one more; CapacityError if it cannot.
 
         A snapshot with sample requests queued or running is never evicted. Another owner's
@@ -443,6 +556,10 @@ class Worker:
         ones first, then least recently used), and last the owner's own recently used in-memory
         snapshots. A stored snapshot loses nothing when evicted; an in-memory one (from
         ``save_weights_and_get_sampling_client``) is gone, and its sampler gets a clear error.
+
+        ``full_bytes``: the new snapshot is a full fine-tune's, of that many bytes of host memory;
+        it also needs one of the ``max_full_sampler_snapshots`` places and room under the host-byte
+        caps (``max_snapshot_host_bytes`` for the server, ``max_snapshot_host_bytes_per_key``).
         """
         o = self.options
         now = time.monotonic()
@@ -450,9 +567,8 @@ class Worker:
         queued = set(queued)
 
         def in_use(s: Snapshot) -> bool:
-            if s.model is not None:
-                sampler = self.samplers.get(s.sampler_key)
-                return s.key in queued or (sampler is not None and sampler.has_work())
+            if s.is_full:
+                return s.key in queued or self._decoding(s)
             return s.slot in busy or s.key in queued
 
         def idle(s: Snapshot) -> bool:
@@ -492,21 +608,59 @@ class Worker:
                     f"{o.sampler_snapshot_idle_s:g} s); try again when some are idle"
                 )
             victims += candidates[:need]
-        if full:  # a whole-model copy also needs one of the max_full_sampler_snapshots places
-            chosen = {id(v) for v in victims}
-            held = [s for s in self.snapshots.values() if s.model is not None and id(s) not in chosen]
-            need = len(held) + 1 - o.max_full_sampler_snapshots
-            if need > 0:
-                candidates = sorted((s for s in held if not in_use(s) and (s.owner == owner or idle(s))),
-                                    key=preference)
-                if len(candidates) < need:
-                    raise CapacityError(
-                        f"no room for another sampler snapshot of a full fine-tune: each is a copy of the whole "
-                        f"model, and the {o.max_full_sampler_snapshots} this server holds "
-                        "(--max-full-sampler-snapshots) are in use; try again when one is idle"
-                    )
-                victims += candidates[:need]
+        if full_bytes is not None:
+            victims += self._full_snapshot_victims(owner, full_bytes, victims, in_use, idle, preference)
         return victims
+
+
+    def _full_snapshot_victims(self, owner: str, incoming: int, chosen: list[Snapshot], in_use, idle,
+                               preference) -> list[Snapshot]:
+        """More victims (beyond ``chosen``) so that a full snapshot of ``incoming`` host bytes fits:
+        a place among ``max_full_sampler_snapshots``, and room under the server's and the owner's
+        host-byte caps. Only full snapshots free those; the owner's own first (any not in use),
+        other owners' only when idle."""
+        o = self.options
+        for cap, name in ((o.max_snapshot_host_bytes, "--max-snapshot-host-bytes"),
+                          (o.max_snapshot_host_bytes_per_key, "--max-snapshot-host-bytes-per-key")):
+            if cap is not None and incoming > cap:
+                raise CapacityError(f"a sampler snapshot of this full fine-tune needs {incoming} bytes of host memory, "
+                                    f"more than this server allows ({name} {cap})")
+        gone = {id(v) for v in chosen}
+        held = [s for s in self.snapshots.values() if s.is_full and id(s) not in gone]
+        own = [s for s in held if s.owner == owner]
+        picked: list[Snapshot] = []
+
+        def pick(pool: list[Snapshot], fits) -> bool:
+            for s in sorted(pool, key=preference):
+                if fits():
+                    return True
+                if s not in picked:
+                    picked.append(s)
+            return fits()
+
+        def left(pool: list[Snapshot]) -> list[Snapshot]:
+            return [s for s in pool if s not in picked]
+
+        def bytes_of(pool: list[Snapshot]) -> int:
+            return sum(s.host_bytes for s in pool)
+
+        per_key = o.max_snapshot_host_bytes_per_key
+        if per_key is not None and not pick([s for s in own if not in_use(s)],
+                                            lambda: bytes_of(left(own)) + incoming <= per_key):
+            raise CapacityError(
+                f"this API key's sampler snapshots of full fine-tunes hold {bytes_of(own)} bytes of host memory and "
+                f"are in use; another needs {incoming} more (--max-snapshot-host-bytes-per-key {per_key}); wait for "
+                "some to finish before saving weights for another sampler")
+        server = o.max_snapshot_host_bytes
+        fits = lambda: (len(left(held)) + 1 <= o.max_full_sampler_snapshots  # noqa: E731
+                        and (server is None or bytes_of(left(held)) + incoming <= server))
+        if not pick([s for s in held if not in_use(s) and (s.owner == owner or idle(s))], fits):
+            raise CapacityError(
+                f"no room for another sampler snapshot of a full fine-tune: each is a copy of the whole model in host "
+                f"memory, and the {len(held)} this server holds ({bytes_of(held)} bytes; --max-full-sampler-snapshots "
+                f"{o.max_full_sampler_snapshots}, --max-snapshot-host-bytes {server or 'off'}) are in use; try again "
+                "when one is idle")
+        return picked
 
 
 def _frozen_copy(model: CausalLM) -> CausalLM:
@@ -520,6 +674,33 @@ def _frozen_copy(model: CausalLM) -> CausalLM:
         p.requires_grad_(False)
     pack_weights(copied)
     return copied
+
+
+_LIVE_PREFIX = "live:"
+
+
+def _live_sampler_key(model_id: str) -> str:
+    """The sampler over a full fine-tune's live model (inflight sessions of that run share it)."""
+    return _LIVE_PREFIX + model_id
+
+
+def _host_copy(weights, *, pin: bool) -> dict[str, torch.Tensor]:
+    """Frozen copies of ``weights`` in host memory; pinned when they will be copied to a CUDA
+    device (faster, asynchronous transfers)."""
+    out = {}
+    for name, t in weights:
+        h = t.detach().to("cpu", copy=True)
+        out[name] = h.pin_memory() if pin else h
+    return out
+
+
+def _device_model(template: CausalLM, host: dict[str, torch.Tensor]) -> CausalLM:
+    """A frozen model on ``template``'s device with the weights of ``host``, packed for sampling."""
+    model = _frozen_copy(template)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the parameters are views of the packed buffers
+            p.copy_(host[name].to(p.device, p.dtype, non_blocking=True))
+    return model
 
 
 def _tokenizer_decoder(model_dir: Path):

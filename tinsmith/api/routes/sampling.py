@@ -57,13 +57,18 @@ async def save_weights_for_sampler(body: SaveForSamplerRequest, request: Request
     state = state_of(request)
     m = await owned_model(state, caller, body.model_id)
     payload = body.model_dump_json().encode()
+    if body.kind not in (None, "snapshot", "inflight"):
+        raise InvalidInputError(f"kind must be 'snapshot' or 'inflight', not {body.kind!r}")
+    if body.kind == "inflight" and body.path is not None:
+        raise InvalidInputError("kind 'inflight' follows the live weights and has no stored path: send it without "
+                                "path (save_weights_and_get_sampling_client(kind='inflight'))")
     if body.path is None:
         if body.sampling_session_seq_id is None or m.session_id is None:
             raise InvalidInputError("save_weights_for_sampler needs either path or sampling_session_seq_id")
         sid = sampling_session_id_for(m.session_id, body.sampling_session_seq_id)
         await run_in_threadpool(lambda: state.store.create_sampling_session(
             sid, owner=caller.owner, base_model=m.base_model, session_id=m.session_id, snapshot_of=m.model_id))
-        args = SamplerSaveArgs(sampling_session_id=sid)
+        args = SamplerSaveArgs(sampling_session_id=sid, inflight=body.kind == "inflight")
     else:
         name = check_name(body.path)
         tp = TinkerPath(body.model_id, "sampler_weights", name)
