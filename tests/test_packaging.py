@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from dataclasses import fields
 from email.parser import Parser
 from pathlib import Path
 
@@ -63,7 +62,7 @@ def test_compose_sets_only_real_options_and_builds_the_dockerfile():
     compose = yaml.safe_load(COMPOSE.read_text())
     server = compose["services"]["tinsmith"]
     assert (COMPOSE.parent / server["build"]["context"] / server["build"]["dockerfile"]).resolve() == DOCKERFILE
-    options = {ENV_PREFIX + f.name.upper() for f in fields(ServerConfig)}
+    options = {ENV_PREFIX + name.upper() for name in ServerConfig.model_fields}
     env = server["environment"]
     set_here = [k for k in env if k.startswith(ENV_PREFIX)]
     assert set_here and not set(set_here) - options, set(set_here) - options

@@ -74,15 +74,18 @@ def test_keys_file_reloads(make_server, tmp_path):
         for seq_id in range(1, 5):  # one run's requests execute one after another
             rid = post_fb(http, fb_proto_body(model_id, seq_id, batch)).json()["request_id"]
     answer: dict = {}
+    polling = threading.Event()
 
     def wait_for_result() -> None:
         with raw_client(srv.base_url, KEY_1) as http:
+            polling.set()
             answer["response"] = retrieve(http, rid)
             answer["at"] = time.monotonic()
 
     waiter = threading.Thread(target=wait_for_result)
     waiter.start()
-    time.sleep(0.1)  # the long-poll is in flight
+    polling.wait(10)
+    time.sleep(1.0)  # the long-poll reaches the server (and passes its key check) before the key goes
     _write(keys, f"{KEY_2}\n{KEY_3}  # added\n")
     os.kill(srv.proc.pid, signal.SIGHUP)  # at once, not at the next poll
     removed_at = time.monotonic()
