@@ -25,6 +25,7 @@ from tinker_cookbook.rl import train
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
 from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder
 from tinker_cookbook.tokenizer_utils import get_tokenizer
+from clean_exit import finish  # noqa: E402 - the script's own folder is on sys.path
 
 
 class BoxedBitEnv(ProblemEnv):
@@ -134,3 +135,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -17,6 +17,7 @@ import asyncio
 from tinker_cookbook.supervised import train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+from clean_exit import finish  # noqa: E402 - the script's own folder is on sys.path
 
 
 def main() -> None:
@@ -58,3 +59,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -18,6 +18,7 @@ import tinker
 from tinker_cookbook import model_info, renderers
 from tinker_cookbook.recipes.decisions import Decision, DecisionRenderer, sample_decision
 from tinker_cookbook.tokenizer_utils import get_tokenizer
+from clean_exit import finish  # noqa: E402 - the script's own folder is on sys.path
 
 TEAMS = [  # as in tinker_cookbook.recipes.decisions.demo
     ("billing", "Charges, invoices, credits, payment methods and pricing"),
@@ -48,3 +49,4 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     asyncio.run(main(p.parse_args().model))
+    finish()

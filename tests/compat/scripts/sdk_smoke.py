@@ -10,12 +10,12 @@ usage: python sdk_smoke.py BASE_URL BASE_MODEL
 from __future__ import annotations
 
 import json
-import os
 import sys
 from importlib import metadata
 
 import tinker
 from tinker import types
+from clean_exit import finish  # noqa: E402 - the script's own folder is on sys.path
 
 TIMEOUT = 120
 PATTERN = [17, 101, 33, 250, 7, 64, 199, 42]  # a short cycle the adapter learns in a few steps
@@ -80,8 +80,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Every result is printed. Leave without interpreter finalization: some SDK releases' background
-    # threads (heartbeat, event loop) can abort the process while it tears down, after the script is
-    # done, which is the client's own affair and not what the compatibility test checks.
-    sys.stdout.flush()
-    os._exit(0)
+    finish()

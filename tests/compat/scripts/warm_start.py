@@ -21,6 +21,7 @@ import torch
 import transformers
 from tinker_cookbook import renderers
 from tinker_cookbook.tokenizer_utils import get_tokenizer
+from clean_exit import finish  # noqa: E402 - the script's own folder is on sys.path
 
 WORDS = ("the a and to of in on with from up down small large fast slow red blue green one two three "
          "hello world answer number sum plus what is why how when").split()
@@ -93,3 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

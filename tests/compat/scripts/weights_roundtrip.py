@@ -23,6 +23,7 @@ import torch
 from tinker import types
 from tinker_cookbook import weights
 from transformers import AutoModelForCausalLM
+from clean_exit import finish  # noqa: E402 - the script's own folder is on sys.path
 
 MODEL = "Qwen/Qwen3.5-9B-Base"
 
@@ -63,3 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()
