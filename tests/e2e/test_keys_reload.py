@@ -71,7 +71,7 @@ def test_keys_file_reloads(make_server, tmp_path):
         model_id = r.json()["model_id"]
         json_result(http, r.json()["request_id"])
         batch = sft_batch(seed=3, n_seqs=16, seq_len=500, vocab=VOCAB)
-        for seq_id in range(1, 5):  # one run's requests execute one after another
+        for seq_id in range(1, 13):  # one run's requests execute one after another: seconds of work
             rid = post_fb(http, fb_proto_body(model_id, seq_id, batch)).json()["request_id"]
     answer: dict = {}
     polling = threading.Event()
@@ -85,7 +85,7 @@ def test_keys_file_reloads(make_server, tmp_path):
     waiter = threading.Thread(target=wait_for_result)
     waiter.start()
     polling.wait(10)
-    time.sleep(1.0)  # the long-poll reaches the server (and passes its key check) before the key goes
+    time.sleep(0.5)  # the long-poll reaches the server (and passes its key check) before the key goes
     _write(keys, f"{KEY_2}\n{KEY_3}  # added\n")
     os.kill(srv.proc.pid, signal.SIGHUP)  # at once, not at the next poll
     removed_at = time.monotonic()
