@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.sampling.conftest import forward_logprobs, make_sampler, run, task
+from tests.models.helpers import cross_entropy_step, logits_of, reference_model
 from tests.worker.helpers import assert_rel_close, sft_datum
 from tinsmith.models.gpt_oss import dequantize_mxfp4
 from tinsmith.models.layers import CausalLM
@@ -22,23 +23,6 @@ from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 
 VOCAB = 512
 WINDOW = 16  # SMALL's sliding window (layer 0 slides, layer 1 is full attention)
-
-
-def _reference(model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                             experts_implementation="eager")
-
-
-def _logits(model, tokens):
-    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
-    return model.logits(model.hidden_states(tokens, pos))
-
-
-def _fb(rt, unit, data):
-    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", {}, False))])
-    if isinstance(res, Exception):
-        raise res
-    return res
 
 
 def test_config_reads_gpt_oss_switches(gpt_oss_dir):
@@ -71,16 +55,16 @@ def test_yarn_at_the_released_settings_equals_transformers():
 def test_logits_match_transformers(gpt_oss_dir):
     """Rows four windows long: sinks, the window, YaRN and the clamped experts all take part."""
     ours = load_model(str(gpt_oss_dir)).model
-    ref = _reference(gpt_oss_dir).eval()
+    ref = reference_model(gpt_oss_dir).eval()
     tokens = torch.randint(0, VOCAB, (3, 4 * WINDOW), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        got = _logits(ours, tokens)
+        got = logits_of(ours, tokens)
         torch.testing.assert_close(got, ref(tokens).logits, rtol=1e-5, atol=1e-5)
         # Each gpt-oss part changes the logits (so matching them is not matching a simpler model).
         for switch in ({"sliding_window": None}, {"attention_sinks": False}):
             other = CausalLM(dataclasses.replace(ours.config, **switch))
             other.load_state_dict(ours.state_dict(), strict=False)
-            assert float((_logits(other, tokens) - got).abs().max()) > 1e-3, switch
+            assert float((logits_of(other, tokens) - got).abs().max()) > 1e-3, switch
     assert ours.config.num_params == sum(p.numel() for p in ref.parameters())
 
 
@@ -89,8 +73,8 @@ def test_full_finetune_grads_match_transformers(gpt_oss_dir):
     rt = TrainingRuntime(load_model(str(gpt_oss_dir)).model, full_finetune=True)
     rng = np.random.default_rng(10)
     data = [sft_datum(rng, 40, VOCAB, signed=True), sft_datum(rng, 9, VOCAB, signed=True)]
-    res = _fb(rt, 0, data)
-    ref = _reference(gpt_oss_dir)
+    res = cross_entropy_step(rt, 0, data)
+    ref = reference_model(gpt_oss_dir)
     total = 0.0
     for d in data:
         lp = torch.log_softmax(ref(torch.from_numpy(d.tokens)[None]).logits[0].float(), -1)
@@ -123,7 +107,7 @@ def test_lora_targets_attention_and_every_expert(gpt_oss_dir):
     assert "model.layers.0.self_attn.o_proj.lora_B.weight" in names
     assert not any("router" in n or "sinks" in n or "bias" in n for n in names)
     rng = np.random.default_rng(2)
-    res = _fb(rt, u, [sft_datum(rng, 50, VOCAB, signed=True)])
+    res = cross_entropy_step(rt, u, [sft_datum(rng, 50, VOCAB, signed=True)])
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in names.items() if "lora_B" in n)
     assert np.isfinite(res.metrics["loss:sum"])
 
@@ -137,7 +121,7 @@ def test_greedy_decode_past_the_window_equals_transformers(gpt_oss_dir):
     new = 2 * WINDOW
     res = run(make_sampler(model, gpt_oss_dir), [task(i, p, max_tokens=new, temperature=0.0, stop=[])
                                                  for i, p in enumerate(ps)])
-    hf = _reference(gpt_oss_dir).eval()
+    hf = reference_model(gpt_oss_dir).eval()
     for i, p in enumerate(ps):
         seq = res[i].sequences[0]
         with torch.no_grad():
@@ -184,9 +168,9 @@ def test_mxfp4_checkpoint_loads_as_its_dequantised_weights(tmp_path, gpt_oss_dir
         save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     tokens = torch.randint(0, VOCAB, (2, 40), generator=g)
     with torch.no_grad():
-        a = _logits(load_model(str(dirs["mxfp4"])).model, tokens)
-        b = _logits(load_model(str(dirs["plain"])).model, tokens)
-        torch.testing.assert_close(b, _reference(dirs["plain"]).eval()(tokens).logits, rtol=1e-5, atol=1e-5)
+        a = logits_of(load_model(str(dirs["mxfp4"])).model, tokens)
+        b = logits_of(load_model(str(dirs["plain"])).model, tokens)
+        torch.testing.assert_close(b, reference_model(dirs["plain"]).eval()(tokens).logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(a, b)
 
 
@@ -217,7 +201,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, gpt_os
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     rng = np.random.default_rng(1)
     data = [sft_datum(rng, n, VOCAB, signed=True) for n in (40, 17)]
-    res = _fb(rt, u, data)
+    res = cross_entropy_step(rt, u, data)
     tensors = {n: p.detach() for n, p in rt.unit(u).named_params}
     save_peft_adapter(tmp_path / "adapter", spec, tensors, str(gpt_oss_dir), family="gpt_oss")
     back_spec, back = load_peft_adapter(tmp_path / "adapter")
@@ -225,7 +209,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, gpt_os
     for n, t in tensors.items():
         assert torch.equal(back[n], t), n
 
-    ref = peft.PeftModel.from_pretrained(_reference(gpt_oss_dir), tmp_path / "adapter", is_trainable=True)
+    ref = peft.PeftModel.from_pretrained(reference_model(gpt_oss_dir), tmp_path / "adapter", is_trainable=True)
     total = 0.0
     for d, out in zip(data, res.outputs):
         lp = torch.log_softmax(ref(torch.from_numpy(d.tokens)[None]).logits[0].float(), -1)
@@ -253,11 +237,11 @@ def test_full_finetune_export_loads_in_transformers(tmp_path, gpt_oss_dir):
         full.model.layers[0].mlp.experts.gate_proj.bias[1].add_(0.3)
         full.model.layers[0].self_attn.sinks.mul_(-2.0)
         tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
-        expected = _logits(full, tokens)
+        expected = logits_of(full, tokens)
     save_hf_model(tmp_path / "full", {n: p for n, p in full.named_parameters()}, gpt_oss_dir)
     with torch.no_grad():
-        torch.testing.assert_close(_reference(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(_logits(load_model(str(tmp_path / "full")).model, tokens), expected)
+        torch.testing.assert_close(reference_model(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits_of(load_model(str(tmp_path / "full")).model, tokens), expected)
 
 
 def test_cli_exports_keep_the_gpt_oss_adapter_layout(tmp_path, gpt_oss_dir):

@@ -5,35 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_file
 
 from tinsmith.checkpoints.peft_format import save_peft_adapter
 from tinsmith.models import moe
 from tinsmith.models.loading import load_model
-from tinsmith.types import Datum, ForwardBackwardInput, LoraSpec
+from tinsmith.types import ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+from tests.models.helpers import cross_entropy_step, logits_of, reference_model
 from tests.worker.helpers import assert_rel_close, sft_datum
 
 VOCAB = 512
-
-
-def _reference(model_dir):
-    # The eager experts are transformers' reference loop (the grouped kernels reorder sums).
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                             experts_implementation="eager")
-
-
-def _logits(model, tokens):
-    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
-    return model.logits(model.hidden_states(tokens, pos))
-
-
-def _fb(rt, unit, data):
-    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", {}, False))])
-    if isinstance(res, Exception):
-        raise res
-    return res
 
 
 def _ref_loss(ref, data):
@@ -51,10 +33,10 @@ def _ref_loss(ref, data):
 def test_logits_match_transformers(qwen3_moe_dir):
     ours = load_model(str(qwen3_moe_dir))
     assert ours.config.family == "qwen3_moe" and ours.config.moe.num_experts == 4
-    ref = _reference(qwen3_moe_dir).eval()
+    ref = reference_model(qwen3_moe_dir).eval()
     tokens = torch.randint(0, VOCAB, (3, 200), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.allclose(_logits(ours.model, tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(logits_of(ours.model, tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
     assert ours.config.num_params == sum(p.numel() for p in ref.parameters())
 
 
@@ -62,7 +44,7 @@ def test_fused_expert_layout_loads_the_same(tmp_path, qwen3_moe_dir):
     """transformers 5 keeps experts fused in memory (gate_up_proj); a checkpoint saved that way loads too."""
     import shutil
 
-    ref = _reference(qwen3_moe_dir)
+    ref = reference_model(qwen3_moe_dir)
     fused = {k: v.contiguous() for k, v in ref.state_dict().items()}
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused
     d = tmp_path / "fused"
@@ -70,8 +52,8 @@ def test_fused_expert_layout_loads_the_same(tmp_path, qwen3_moe_dir):
     save_file(fused, d / "model.safetensors", metadata={"format": "pt"})
     tokens = torch.randint(0, VOCAB, (2, 40))
     with torch.no_grad():
-        a = _logits(load_model(str(d)).model, tokens)
-        b = _logits(load_model(str(qwen3_moe_dir)).model, tokens)
+        a = logits_of(load_model(str(d)).model, tokens)
+        b = logits_of(load_model(str(qwen3_moe_dir)).model, tokens)
     assert torch.equal(a, b)
 
 
@@ -80,8 +62,8 @@ def test_full_finetune_grads_match_transformers(qwen3_moe_dir):
     rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, full_finetune=True)
     rng = np.random.default_rng(10)
     data = [sft_datum(rng, 25, VOCAB, signed=True), sft_datum(rng, 9, VOCAB, signed=True)]
-    res = _fb(rt, 0, data)
-    ref = _reference(qwen3_moe_dir)
+    res = cross_entropy_step(rt, 0, data)
+    ref = reference_model(qwen3_moe_dir)
     total, _ = _ref_loss(ref, data)
     assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
     theirs = {n: p.grad for n, p in ref.named_parameters()}
@@ -153,13 +135,13 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, qwen3_
     u = _perturbed_adapter(rt, spec, 11)
     rng = np.random.default_rng(1)
     data = [sft_datum(rng, n, VOCAB, signed=True) for n in (33, 17)]
-    res = _fb(rt, u, data)
+    res = cross_entropy_step(rt, u, data)
     names = dict(rt.unit(u).named_params)
     assert tuple(names["model.layers.0.mlp.experts.gate_proj.lora_A.weight"].shape) == (4, rank, 64)
     assert "model.layers.0.mlp.gate.lora_A.weight" not in names  # the router is not trained
 
     save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in names.items()}, str(qwen3_moe_dir))
-    ref = peft.PeftModel.from_pretrained(_reference(qwen3_moe_dir), tmp_path / "adapter", is_trainable=True)
+    ref = peft.PeftModel.from_pretrained(reference_model(qwen3_moe_dir), tmp_path / "adapter", is_trainable=True)
     total, lps = _ref_loss(ref, data)
     for lp, out in zip(lps, res.outputs):
         np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
@@ -260,17 +242,17 @@ def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, qwen3_moe
     with torch.no_grad():
         rows = [(rt.unit(u).slot, 0, 60)]
         ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
-        torch.testing.assert_close(_reference(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(reference_model(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
 
     full = load_model(str(qwen3_moe_dir)).model
     with torch.no_grad():
         full.model.layers[1].mlp.experts.down_proj.weight[2].mul_(1.5)
         full.model.layers[0].mlp.gate.weight.mul_(-1.0)
-        expected = _logits(full, tokens)
+        expected = logits_of(full, tokens)
     save_hf_model(tmp_path / "full", {n: p for n, p in full.named_parameters()}, qwen3_moe_dir)
     with torch.no_grad():
-        torch.testing.assert_close(_reference(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(_logits(load_model(str(tmp_path / "full")).model, tokens), expected)
+        torch.testing.assert_close(reference_model(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits_of(load_model(str(tmp_path / "full")).model, tokens), expected)
 
 
 def test_incomplete_moe_config_is_a_clear_error(tmp_path, qwen3_moe_dir):
@@ -315,7 +297,7 @@ def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_moe_dir):
     for kwargs in ({}, {"micro_batch_tokens": 64}, {"gradient_checkpointing": True}):
         rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, **kwargs)
         u = _perturbed_adapter(rt, LoraSpec(rank=4, seed=9), 9)
-        results.append((_fb(rt, u, data), {n: p.grad for n, p in rt.unit(u).named_params}))
+        results.append((cross_entropy_step(rt, u, data), {n: p.grad for n, p in rt.unit(u).named_params}))
     (ref, ref_g), rest = results[0], results[1:]
     for res, g in rest:
         for x, y in zip(res.outputs, ref.outputs):
@@ -331,11 +313,11 @@ def test_base_model_rows_beside_adapter_rows_are_the_base_model(qwen3_moe_dir):
     rows = [(None, 0, 16), (rt.unit(units[1]).slot, 16, 32)]
     with torch.no_grad():
         mixed = _logits_with(rt.model, tokens, pos, rows)
-        base = _logits(rt.model, tokens[:1])
+        base = logits_of(rt.model, tokens[:1])
         adapted = _logits_with(rt.model, tokens[1:], pos[1:], [(rt.unit(units[1]).slot, 0, 16)])
     torch.testing.assert_close(mixed[:1], base, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mixed[1:], adapted, rtol=1e-5, atol=1e-5)
-    assert (adapted - _logits(rt.model, tokens[1:])).abs().max() > 1e-3
+    assert (adapted - logits_of(rt.model, tokens[1:])).abs().max() > 1e-3
 
 
 def _logits_with(model, tokens, pos, rows):

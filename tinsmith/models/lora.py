@@ -31,6 +31,18 @@ class LoraWeights:
     scale: float
 
 
+def new_lora_weights(a_shape: tuple[int, ...], b_shape: tuple[int, ...], in_features: int, scale: float,
+                     generator: torch.Generator, device: torch.device) -> LoraWeights:
+    """Fresh adapter weights: A ~ kaiming-uniform over ``in_features`` (as peft does), B = 0 so the
+    adapter starts as a no-op. Drawn on the CPU by the CPU generator, so a seed gives the same
+    adapter on any device, then moved to ``device``."""
+    A = torch.empty(a_shape, dtype=torch.float32, device="cpu")
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) bound
+    A.uniform_(-bound, bound, generator=generator)
+    B = torch.zeros(b_shape, dtype=torch.float32, device="cpu")
+    return LoraWeights(A.to(device).requires_grad_(), B.to(device).requires_grad_(), scale)
+
+
 class LoraLinear(nn.Module):
     """``y = x W^T (+ b) + sum over segments of scale * x A^T B^T`` (LoRA on selected rows)."""
 
@@ -48,13 +60,7 @@ class LoraLinear(nn.Module):
 
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         """Create adapter ``slot``: A ~ kaiming-uniform (as peft does), B = 0 so it starts as a no-op."""
-        # On the CPU, drawn by the CPU generator: the same seeded init on any device.
-        A = torch.empty(rank, self.in_features, dtype=torch.float32, device="cpu")
-        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) bound
-        A.uniform_(-bound, bound, generator=generator)
-        B = torch.zeros(self.out_features, rank, dtype=torch.float32, device="cpu")
-        device = self.weight.device
-        w = LoraWeights(A.to(device).requires_grad_(), B.to(device).requires_grad_(), alpha / rank)
+        w = new_lora_weights(*self.lora_shapes(rank), self.in_features, alpha / rank, generator, self.weight.device)
         self.adapters[slot] = w
         return w
 

@@ -13,7 +13,6 @@ ascending expert order, as transformers' eager experts do.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.models.config import ModelConfig
-from tinsmith.models.lora import LoraWeights, RowGroups, Segments
+from tinsmith.models.lora import LoraWeights, RowGroups, Segments, new_lora_weights
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
@@ -113,14 +112,7 @@ class ExpertLinear(nn.Module):
 
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         """Per-expert A ~ kaiming-uniform (as peft does), B = 0 so the adapter starts as a no-op."""
-        a_shape, b_shape = self.lora_shapes(rank)
-        # On the CPU, drawn by the CPU generator: the same seeded init on any device.
-        A = torch.empty(a_shape, dtype=torch.float32, device="cpu")
-        bound = 1.0 / math.sqrt(self.in_features)
-        A.uniform_(-bound, bound, generator=generator)
-        B = torch.zeros(b_shape, dtype=torch.float32, device="cpu")
-        device = self.weight.device
-        w = LoraWeights(A.to(device).requires_grad_(), B.to(device).requires_grad_(), alpha / rank)
+        w = new_lora_weights(*self.lora_shapes(rank), self.in_features, alpha / rank, generator, self.weight.device)
         self.adapters[slot] = w
         return w
 
