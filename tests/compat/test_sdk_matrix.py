@@ -89,8 +89,11 @@ def test_sdk_version_trains_samples_and_checkpoints(version, sdk_pythons, matrix
     # temperature 0 is greedy: deterministic, and after training it continues the cycle
     g1, g2 = out["greedy"]
     assert g1 == g2
-    want = (PATTERN * 2)[4:12]
-    assert sum(a == b for a, b in zip(g1, want)) >= 6, (g1, want)
+    # Counted as transitions, not positions: one early slip shifts every later position of an
+    # otherwise learned continuation, which a positional comparison would count as all wrong.
+    follows = {a: b for a, b in zip(PATTERN, PATTERN[1:] + PATTERN[:1])}
+    chain = [PATTERN[3]] + g1
+    assert sum(follows.get(a) == b for a, b in zip(chain, chain[1:])) >= 6, (g1, PATTERN)
     # the sampler holds the trained weights: its prompt logprobs equal the trainer's forward
     fwd = np.asarray(out["forward_logprobs"][0])
     prompt_lp = out["sampler_prompt_logprobs"]
