@@ -245,13 +245,11 @@ def test_full_finetune_export_loads_in_transformers(tmp_path, gpt_oss_dir):
 
 
 def test_cli_exports_keep_the_gpt_oss_adapter_layout(tmp_path, gpt_oss_dir):
-    """``tinsmith export --format peft`` rewrites a gpt-oss adapter in the layout peft loads;
-    ``--format merged`` refuses expert adapters by name instead of writing a wrong model."""
+    """``tinsmith export --format peft`` rewrites a gpt-oss adapter in the layout peft loads."""
     from safetensors import safe_open
 
-    from tinsmith.checkpoints.export import export_adapter, export_merged
+    from tinsmith.checkpoints.export import export_adapter
     from tinsmith.checkpoints.peft_format import load_peft_adapter, save_peft_adapter
-    from tinsmith.errors import InvalidInputError
 
     rt = TrainingRuntime(load_model(str(gpt_oss_dir)).model, max_lora_adapters=1, max_lora_rank=8)
     spec = LoraSpec(rank=4, alpha=8, seed=5)
@@ -263,8 +261,50 @@ def test_cli_exports_keep_the_gpt_oss_adapter_layout(tmp_path, gpt_oss_dir):
         assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in set(f.keys())
     _, back = load_peft_adapter(tmp_path / "peft")
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
-    with pytest.raises(InvalidInputError, match="gpt-oss"):
-        export_merged(tmp_path / "adapter", tmp_path / "merged")
+
+
+def _quantised_copy(src, dst, seed: int) -> None:
+    """``src`` with its experts replaced by random MXFP4 blocks and scales, as released."""
+    state = load_file(src / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows_in, rows_out = state.pop(name).shape
+        state[f"{name}_blocks"] = torch.randint(0, 256, (experts, rows_out, rows_in // 32, 16), generator=g,
+                                                dtype=torch.uint8)
+        state[f"{name}_scales"] = torch.randint(118, 124, (experts, rows_out, rows_in // 32), generator=g,
+                                                dtype=torch.uint8)
+    shutil.copytree(src, dst)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("experts", ["plain", "mxfp4"])
+def test_merged_export_of_expert_adapters_loads_in_transformers(tmp_path, gpt_oss_dir, experts):
+    """``--format merged`` folds the per-expert adapters into gpt-oss's fused experts (written
+    unquantised, without a quantization_config): transformers gives our adapted logits."""
+    import json
+
+    from tinsmith.checkpoints.export import export_merged
+    from tinsmith.checkpoints.peft_format import save_peft_adapter
+
+    base = gpt_oss_dir
+    if experts == "mxfp4":
+        base = tmp_path / "mxfp4"
+        _quantised_copy(gpt_oss_dir, base, seed=6)
+        cfg = json.loads((base / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+        (base / "config.json").write_text(json.dumps(cfg))
+    rt, (u, _) = _two_tenants(base)
+    tensors = {n: p.detach() for n, p in rt.unit(u).named_params}
+    assert any(".mlp.experts." in n for n in tensors)
+    save_peft_adapter(tmp_path / "adapter", LoraSpec(rank=4, seed=1), tensors, str(base), family="gpt_oss")
+    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(base)).path
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(30).expand_as(tokens)
+    with torch.no_grad():
+        rows = [(rt.unit(u).slot, 0, 60)]
+        ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
+        torch.testing.assert_close(reference_model(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
 
 
 def _two_tenants(model_dir):

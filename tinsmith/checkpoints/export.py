@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -166,12 +166,16 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
     tie = cfg.tie_word_embeddings
     files = weight_files(base_dir)
     out_dtype = config_dtype(raw)
+    scale = spec.alpha / spec.rank
+    fused: dict[str, tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
     if cfg.family == "gpt_oss" and any(".mlp.experts." in k for k in tensors):
-        raise InvalidInputError("merging expert adapters into gpt-oss's fused (MXFP4) experts is not supported; "
-                                "export with --format peft, which peft loads onto the base model")
-    pairs = _lora_pairs(split_expert_tensors(tensors))  # routed experts: one pair per expert, as on disk
+        fused = _gpt_oss_merged_experts(cfg, files, tensors, scale, out_dtype)
+        tensors = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    pairs = _lora_pairs(split_expert_tensors(tensors)) if tensors else {}  # routed experts: one pair per expert
+    if not pairs and not fused:
+        raise InvalidInputError("the adapter holds no LoRA weights")
     untie = tie and "lm_head" in pairs
-    sources = {name: name for name in files}  # output tensor -> base tensor it starts from
+    sources = {name: name for name in files if not _replaced_by(name, fused)}  # output -> base tensor it starts from
     if tie:
         sources.pop("lm_head.weight", None)  # tied: the embedding alone is written
         if untie:
@@ -179,8 +183,8 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
     for module in pairs:
         if f"{module}.weight" not in sources:
             raise InvalidInputError(f"the adapter adapts {module!r}, which base model {str(base_dir)!r} lacks")
-    plan: dict[str, torch.Tensor] = {}
-    for name in sorted(sources, key=_save_order):
+    plan: dict[str, torch.Tensor] = {name: meta for name, (meta, _) in fused.items()}
+    for name in sources:
         with safe_open(files[sources[name]], framework="pt") as fh:
             sl = fh.get_slice(sources[name])
             shape, stored = sl.get_shape(), _ST_DTYPES.get(sl.get_dtype())
@@ -188,9 +192,11 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
             raise InvalidInputError(f"tensor {name!r} has an unsupported dtype {sl.get_dtype()}")
         dtype = out_dtype if out_dtype is not None and stored.is_floating_point else stored
         plan[name] = torch.empty(shape, dtype=dtype, device="meta")
-    scale = spec.alpha / spec.rank
+    plan = {name: plan[name] for name in sorted(plan, key=_save_order)}
 
     def make(name: str) -> torch.Tensor:
+        if name in fused:
+            return fused[name][1]()
         with safe_open(files[sources[name]], framework="pt", device="cpu") as fh:
             t = fh.get_tensor(sources[name])
         module = name.removesuffix(".weight")
@@ -206,6 +212,62 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
         return t.to(plan[name].dtype)
 
     return plan, make, untie
+
+
+def _replaced_by(name: str, fused: dict[str, Any]) -> bool:
+    """Whether base tensor ``name`` is one of the fused experts rewritten in :data:`fused`
+    (plain, or its MXFP4 ``_blocks`` / ``_scales``)."""
+    return name.removesuffix("_blocks").removesuffix("_scales") in fused
+
+
+def _gpt_oss_merged_experts(cfg, files: dict[str, Path], tensors: dict[str, torch.Tensor], scale: float,
+                            out_dtype: torch.dtype | None) -> dict[str, tuple[torch.Tensor, Callable[[], torch.Tensor]]]:
+    """gpt-oss's fused experts with the adapter merged: ``gate_up_proj`` (experts x in x 2I, gate
+    and up interleaved) and ``down_proj`` (experts x I x out), unquantised, for every layer (a
+    layer the adapter does not reach is dequantised too, so the checkpoint has one layout and
+    needs no ``quantization_config``). Name -> (meta tensor, maker)."""
+    from tinsmith.models.gpt_oss import expert_weight_sources
+
+    dtype = out_dtype or torch.float32
+    prefixes = sorted({n.split(".mlp.experts.")[0] + ".mlp.experts" for n in files if ".mlp.experts." in n})
+
+    def ours(prefix: str, proj: str) -> torch.Tensor:
+        """One projection's stacked weight (experts x out x in) with its adapter merged, fp32."""
+        recipe = expert_weight_sources(f"{prefix}.{proj}.weight", cfg, files)
+        if recipe is None:
+            raise InvalidInputError(f"base model lacks the experts of {prefix!r}")
+        names, build = recipe
+        read = []
+        for n in names:
+            with safe_open(files[n], framework="pt", device="cpu") as fh:
+                read.append(fh.get_tensor(n))
+        w = build(read).float()
+        a, b = tensors.get(f"{prefix}.{proj}.lora_A.weight"), tensors.get(f"{prefix}.{proj}.lora_B.weight")
+        if a is not None and b is not None:
+            if a.shape[0] != w.shape[0] or b.shape[1] != w.shape[1] or a.shape[2] != w.shape[2]:
+                raise InvalidInputError(f"the adapter's {prefix}.{proj} is experts x {tuple(b.shape[1:2])} x "
+                                        f"{tuple(a.shape[2:])}, the base weight {tuple(w.shape)}")
+            w = w + scale * torch.bmm(b.float(), a.float())
+            if not bool(torch.isfinite(w).all()):
+                raise InvalidInputError(f"merging {prefix}.{proj} gives NaN or infinite values")
+        return w
+
+    def gate_up(prefix: str) -> torch.Tensor:
+        gate, up = ours(prefix, "gate_proj"), ours(prefix, "up_proj")  # (E, I, H)
+        both = gate.new_empty(gate.shape[0], 2 * gate.shape[1], gate.shape[2])
+        both[:, 0::2], both[:, 1::2] = gate, up
+        return both.transpose(1, 2).contiguous().to(dtype)
+
+    def down(prefix: str) -> torch.Tensor:
+        return ours(prefix, "down_proj").transpose(1, 2).contiguous().to(dtype)  # (E, I, H)
+
+    e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.moe_intermediate_size
+    out: dict[str, tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
+    for prefix in prefixes:
+        out[f"{prefix}.gate_up_proj"] = (torch.empty(e, h, 2 * i, dtype=dtype, device="meta"),
+                                         lambda p=prefix: gate_up(p))
+        out[f"{prefix}.down_proj"] = (torch.empty(e, i, h, dtype=dtype, device="meta"), lambda p=prefix: down(p))
+    return out
 
 
 def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = None,
@@ -229,11 +291,16 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
         for f in _COPY:
             if (base_dir / f).is_file():
                 shutil.copy(base_dir / f, tmp / f)
-        if untie:
+        dequantised = any(n.endswith("_blocks") for n in weight_files(base_dir)) and not any(
+            n.endswith("_blocks") for n in plan)
+        if untie or dequantised:
             cfg = json.loads((tmp / "config.json").read_text())
-            cfg["tie_word_embeddings"] = False
-            if isinstance(cfg.get("text_config"), dict):
-                cfg["text_config"]["tie_word_embeddings"] = False
+            if untie:
+                cfg["tie_word_embeddings"] = False
+                if isinstance(cfg.get("text_config"), dict):
+                    cfg["text_config"]["tie_word_embeddings"] = False
+            if dequantised:  # merged experts are written unquantised
+                cfg.pop("quantization_config", None)
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         written = write_shards(tmp, plan, make, max_shard_size, show_progress)
         dtype = str(next(iter(plan.values())).dtype).removeprefix("torch.")

@@ -69,9 +69,10 @@ def _config(raw: dict[str, Any]) -> ModelConfig:
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
 
-def _tensor_sources(name: str, cfg: ModelConfig, available: Container[str]
-                    ) -> tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]] | None:
-    """Our per-projection expert tensors from gpt-oss's fused ones (plain or MXFP4)."""
+def expert_weight_sources(name: str, cfg: ModelConfig, available: Container[str]
+                          ) -> tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]] | None:
+    """Our per-projection expert tensors from gpt-oss's fused ones (plain or MXFP4): the stored
+    tensors to read, and how to build ours (experts x out x in) from them; None if not an expert."""
     m = _EXPERT.match(name)
     if m is None:
         return None
@@ -182,4 +183,4 @@ def from_peft_tensors(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
 
 
 GPT_OSS = register(Family(name="gpt_oss", architectures=("GptOssForCausalLM",), attention_bias=True, qk_norm=False,
-                          moe=True, custom_config=_config, tensor_sources=_tensor_sources))
+                          moe=True, custom_config=_config, tensor_sources=expert_weight_sources))
