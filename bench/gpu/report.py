@@ -59,4 +59,12 @@ def markdown(s: dict) -> str:
                          f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
                          f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")
         L.append("")
+    mo = s.get("moe", {}).get("a3b_vs_dense")
+    if mo:
+        L += ["## Mixture of experts (Qwen3-30B-A3B shape, a few layers) vs dense of equal active parameters", "",
+              "| model | LoRA fwd+bwd tok/s | MFU 4NT (active) | decode tok/s | notes |", "|---|---|---|---|---|"]
+        for kind in ("moe", "dense"):
+            L.append(f"| {kind} | {_get(mo, kind, 'train_tokens_per_s')} | {_get(mo, kind, 'train_mfu_4nt', pct=True)} | "
+                     f"{_get(mo, kind, 'decode_tokens_per_s')} | {_status(mo)} |")
+        L += [f"| MoE / dense | {_get(mo, 'train_moe_vs_dense')} | | {_get(mo, 'decode_moe_vs_dense')} | |", ""]
     return "\n".join(L)

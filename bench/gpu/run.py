@@ -4,7 +4,8 @@
 
 Parts: ``peak`` (the machine's measured ceilings), ``train`` (LoRA / full fine-tune / peft
 baseline), ``sample`` (decode vs the HBM bound, 8 adapters, generate baseline, SDK GRPO and
-first-call latency). Each item runs guarded: a failure is recorded and the rest still run. Each
+first-call latency), ``moe`` (a Qwen3-30B-A3B-sized layer stack against the dense model of
+equal active parameters). Each item runs guarded: a failure is recorded and the rest still run. Each
 part has a time budget; items that would start after it are recorded as skipped, so the whole
 stays inside one device call.
 """
@@ -24,12 +25,12 @@ from pathlib import Path
 import torch
 
 from bench.gpu import peak as peak_mod
-from bench.gpu import sample, train
+from bench.gpu import moe, sample, train
 from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
 
 # seconds per part on an H100 (tests take the rest of the 10-minute call)
-BUDGET_S = {"peak": 30, "train": 200, "sample": 200}
+BUDGET_S = {"peak": 30, "train": 200, "sample": 200, "moe": 60}
 
 
 class Part:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shapes", default="0.6B,1.7B", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--quick", action="store_true", help="small batches and lengths (a CPU check of the whole run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--parts", default="peak,train,sample")
+    p.add_argument("--parts", default="peak,train,sample,moe")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TINSMITH_BENCH_CACHE",
                                                                          Path(tempfile.gettempdir()) / "tinsmith-bench")))
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
@@ -111,6 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
         summary["sample"] = sa.results
         (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
+
+    if "moe" in parts:
+        mo = Part("moe", BUDGET_S["moe"] * a.budget_scale)
+        mo.item("a3b_vs_dense", lambda: moe.moe_vs_dense(a.cache_dir, device, peaks, a.quick, layers=2 if a.quick else 4))
+        summary["moe"] = mo.results
+        (a.out / "moe.json").write_text(json.dumps(mo.results, indent=2))
 
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=2))

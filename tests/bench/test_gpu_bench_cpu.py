@@ -14,10 +14,11 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "bench"
     summary = main(["--out", str(out), "--device", "cpu", "--quick", "--shapes", "tiny",
                     "--cache-dir", str(tmp_path / "cache"), "--budget-scale", "100"])
-    assert {p.name for p in out.iterdir()} == {"peak.json", "train.json", "sample.json", "summary.json", "summary.md"}
+    assert {p.name for p in out.iterdir()} == {"peak.json", "train.json", "sample.json", "moe.json", "summary.json", "summary.md"}
     assert json.loads((out / "summary.json").read_text())["shapes"] == ["tiny"]
-    for part in ("train", "sample"):
+    for part in ("train", "sample", "moe"):
         for key, result in summary[part].items():
             assert "error" not in result and "skipped" not in result, (key, result)
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["tokens_per_s"] > 0
     assert 0 < summary["sample"]["tiny/decode"]["rows_4"]["of_hbm_bound"]
+    assert summary["moe"]["a3b_vs_dense"]["train_moe_vs_dense"] > 0
