@@ -36,8 +36,9 @@ BUDGET_S = {"peak": 30, "train": 200, "sample": 200, "moe": 60}
 class Part:
     """Collects one part's items; ``item`` runs a measurement unless the part's budget is spent."""
 
-    def __init__(self, name: str, budget_s: float):
-        self.name, self.deadline, self.results = name, time.monotonic() + budget_s, {}
+    def __init__(self, name: str, budget_s: float, run_deadline: float = float("inf")):
+        self.name, self.results = name, {}
+        self.deadline = min(time.monotonic() + budget_s, run_deadline)
 
     def item(self, key: str, fn: Callable[[], dict]) -> None:
         if time.monotonic() > self.deadline:
@@ -65,7 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TINSMITH_BENCH_CACHE",
                                                                          Path(tempfile.gettempdir()) / "tinsmith-bench")))
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
+    p.add_argument("--max-wall-s", type=float, default=float("inf"),
+                   help="no item starts after this many seconds (so a run under an outer timeout still writes its summary)")
     a = p.parse_args(argv)
+    run_deadline = time.monotonic() + a.max_wall_s
     shapes = [s for s in a.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes, "torch": torch.__version__}
 
-    pk = Part("peak", BUDGET_S["peak"] * a.budget_scale)
+    pk = Part("peak", BUDGET_S["peak"] * a.budget_scale)  # always: every figure needs it
     pk.item("machine", lambda: peak_mod.measure(device, a.quick))
     peaks = pk.results["machine"]
     summary["peak"] = peaks
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["params"] = counts
 
     if "train" in parts:
-        tr = Part("train", BUDGET_S["train"] * a.budget_scale)
+        tr = Part("train", BUDGET_S["train"] * a.budget_scale, run_deadline)
         for name in shapes:
             n = counts[name]["matmul"]
             tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         (a.out / "train.json").write_text(json.dumps(tr.results, indent=2))
 
     if "sample" in parts:
-        sa = Part("sample", BUDGET_S["sample"] * a.budget_scale)
+        sa = Part("sample", BUDGET_S["sample"] * a.budget_scale, run_deadline)
         for name in shapes:
             sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
 
     if "moe" in parts:
-        mo = Part("moe", BUDGET_S["moe"] * a.budget_scale)
+        mo = Part("moe", BUDGET_S["moe"] * a.budget_scale, run_deadline)
         mo.item("a3b_vs_dense", lambda: moe.moe_vs_dense(a.cache_dir, device, peaks, a.quick, layers=2 if a.quick else 4))
         summary["moe"] = mo.results
         (a.out / "moe.json").write_text(json.dumps(mo.results, indent=2))
