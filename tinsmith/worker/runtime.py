@@ -8,7 +8,9 @@ tensors until that unit's ``optim_step``.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,8 @@ from tinsmith.optim import ADAMW
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
 from tinsmith.worker.batching import MicroBatch, SequenceRef, build_micro_batch, plan_micro_batches
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable
+
+log = logging.getLogger(__name__)
 
 FULL_UNIT = 0  # unit id of the whole-model trainable in full fine-tuning mode
 
@@ -136,6 +140,10 @@ class TrainingRuntime:
         self.max_lora_rank = max_lora_rank
         self.micro_batch_tokens = micro_batch_tokens
         self.micro_batch_seqs = micro_batch_seqs
+        # Out of device memory in a micro-batch: split it and run the halves (LoRA gradients are
+        # copied before each backward so a half-done one can be undone). Only devices that report
+        # running out (CUDA) need it; a CPU's allocator does not fail this way.
+        self.oom_retry = self.device.type == "cuda"
         # fp32 logits of at most this many bytes exist at once (forward and backward alike)
         self.logit_chunk_bytes = logit_chunk_bytes
         model.gradient_checkpointing = gradient_checkpointing
@@ -358,16 +366,28 @@ class TrainingRuntime:
         left = Counter(ref.request[0] for ref in chosen)  # datums of this call still to run, per pass
         groups = plan_micro_batches(chosen, self.micro_batch_tokens, self.micro_batch_seqs)
         groups.sort(key=lambda rows: len(rows) * max(r.length for r in rows))
+        pending = deque(groups)
         try:
             self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
-            for rows in groups:
-                rows = [s for s in rows if not by_id[s.request[0]].done]  # a pass failed earlier in this call
+            while pending:
+                rows = [s for s in pending.popleft() if not by_id[s.request[0]].done]  # a pass may have failed
                 if not rows:
                     continue
                 mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device)
                 lps: dict = {}
                 images = [prepared[s.request].images[s.datum] for s in mb.rows]
-                for pid, exc in self._run_micro_batch(mb, prepared, lps, images).items():
+                out_of_memory = None
+                try:
+                    failed = self._run_micro_batch(mb, prepared, lps, images)
+                except torch.OutOfMemoryError as exc:
+                    if not self.oom_retry:
+                        raise
+                    out_of_memory = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+                if out_of_memory is not None:  # outside the handler: its traceback no longer holds the tensors
+                    del mb, lps
+                    self._after_out_of_memory(rows, out_of_memory, pending, by_id)
+                    continue
+                for pid, exc in failed.items():
                     by_id[pid].fail(exc)
                 for ((pid, r), d), lp in lps.items():
                     if not by_id[pid].done:
@@ -383,6 +403,40 @@ class TrainingRuntime:
             for p in involved:
                 if not p.done:
                     p.fail(exc)
+
+    def _after_out_of_memory(self, rows: list[SequenceRef], message: str, pending: deque,
+                             by_id: dict[int, FbPass]) -> None:
+        """A micro-batch ran out of device memory (nothing of it was kept): free the memory, make
+        later micro-batches smaller, and run its rows again in two halves; a single sequence that
+        does not fit alone fails its own request, with the size and what is free."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        padded = len(rows) * max(r.length for r in rows)
+        self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, padded // 2))
+        log.warning("a training micro-batch of %d sequences (%d padded tokens) ran out of device memory (%s); "
+                    "running it in smaller pieces, and micro-batches of at most %d tokens from now on",
+                    len(rows), padded, message, self.micro_batch_tokens)
+        if len(rows) > 1:
+            half = len(rows) // 2
+            pending.appendleft(rows[half:])
+            pending.appendleft(rows[:half])
+            return
+        ref = rows[0]
+        by_id[ref.request[0]].fail(CapacityError(
+            f"a sequence of {ref.length:,} tokens does not fit in device memory on its own ({message}; "
+            f"{_free_memory(self.device)}): send shorter sequences, or serve with --gradient-checkpointing"))
+
+    def _grads_before_backward(self, mb: MicroBatch, prepared: dict) -> list[tuple[Trainable, list]] | None:
+        """Copies of the LoRA gradients the micro-batch's backward adds to, so that a backward that
+        runs out of memory halfway can be undone (None when not retrying, or for the full model,
+        whose gradient copy would itself take the memory of the model)."""
+        if not self.oom_retry:
+            return None
+        units = {id(prepared[r.request].unit): prepared[r.request].unit for r in mb.rows}
+        if any(u.slot is None for u in units.values()):
+            return None
+        return [(u, u.snapshot_grads()) for u in units.values()]
 
     def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict,
                          images: list[list[ImageInput]]) -> dict[int, Exception]:
@@ -427,7 +481,15 @@ class TrainingRuntime:
                     except TinsmithError as exc:
                         failed[r[0]] = exc
                 if losses:
-                    torch.stack(losses).sum().backward()
+                    before = self._grads_before_backward(mb, prepared)
+                    try:
+                        torch.stack(losses).sum().backward()
+                    except torch.OutOfMemoryError:
+                        if before is None:
+                            raise
+                        for unit, saved in before:
+                            unit.restore_grads(saved)
+                        raise
         for i, ref in enumerate(mb.rows):
             lps[(ref.request, ref.datum)] = lps[(ref.request, ref.datum)].detach()
         return failed
@@ -482,3 +544,10 @@ class TrainingRuntime:
     def has_pending_grads(self, unit: int) -> bool:
         return self.unit(unit).has_grads()
 
+
+def _free_memory(device: torch.device) -> str:
+    """What the device has free, for messages."""
+    if device.type != "cuda":
+        return f"device {device}"
+    free, total = torch.cuda.mem_get_info(device)
+    return f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {device}"
