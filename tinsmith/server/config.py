@@ -69,6 +69,7 @@ class ServerConfig(BaseSettings):
     train_micro_batch_tokens: AtLeastOne | None = None  # None: automatic
     train_chunk_tokens: AtLeastOne | None = None  # None: a micro-batch for one key, half of one when keys share
     gradient_checkpointing: bool = False
+    warm_up: bool = True  # sample and train each base model once before reporting ready
     model_alias: CommaList = []  # NAME=ID_OR_DIR
     api_keys_file: str | None = None
     device: str | None = None  # default: cuda if available, else cpu
@@ -170,6 +171,7 @@ _HELP = {
                           "(default: one micro-batch while one key has work, half of one while several do); "
                           "smaller answers other keys sooner, larger switches less",
     "gradient_checkpointing": "recompute layer activations in backward to save memory",
+    "warm_up": "sample and train each base model once at start-up, so the first request is not the slow one",
     "model_alias": "NAME=ID_OR_DIR: serve a hub name from a local model (repeatable)",
     "api_keys_file": "file of accepted API keys, one per line, '#' comments; re-read when it changes or on "
                      "SIGHUP (default: any tml- key, single-user mode)",

@@ -33,6 +33,7 @@ from tinsmith.server.usage import UsageMeter
 from tinsmith.server.startup import StartupError
 from tinsmith.store import LeaseRecord, Store
 from tinsmith.worker.service import RuntimeOptions, Worker
+from tinsmith.worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,10 @@ class ServerState:
                 self.worker.add_alias(alias, target)
             else:
                 _load_or_explain(lambda: self.worker.add_base_model(alias, target), target)
+        if self.config.warm_up:
+            for name, base in self.worker.bases.items():
+                _load_or_explain(lambda: log.info("warm-up of %s: sampling and training ran once in %.2f s", name,
+                                                  warm_up(self.worker, base)), name)
 
     def prepare(self) -> None:
         """The slow, blocking part of start-up: claim, recover, load the models. Once only.

@@ -34,6 +34,7 @@ from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
 from tinsmith.worker.trainables import detach_lora, install_lora_weights, lora_tensors
+from tinsmith.worker.warm_up import configure_device
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class Worker:
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
         """Load ``source`` (dir or HF id) and serve it under ``name``."""
         o = self.options
+        configure_device(torch.device(o.device))
         loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))
         rt = TrainingRuntime(
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
