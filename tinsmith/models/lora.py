@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tinsmith.models.grouped_lora import grouped_lora_delta, grouped_lora_usable
+
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
 Segments = list[tuple[int | None, int, int]]
 # Inference-only alternative: (adapter slot, LongTensor of row indices) for rows that are not
@@ -83,7 +85,13 @@ class LoraLinear(nn.Module):
             w, _, _ = active[0]
             return self._add_delta(y2, x2, w).reshape(shape)
         starts, ends = [a for _, a, _ in active], [b for _, _, b in active]
-        if starts[0] == 0 and ends[-1] == y2.shape[0] and starts[1:] == ends[:-1]:
+        tiled = starts[0] == 0 and ends[-1] == y2.shape[0] and starts[1:] == ends[:-1]
+        weights = [w for w, _, _ in active]
+        if tiled and grouped_lora_usable(x2, weights, self.out_features):
+            # every tenant's shrink and expand as one grouped matmul each (GPUs; see grouped_lora)
+            sizes = [b - a for a, b in zip(starts, ends)]
+            return (y2 + grouped_lora_delta(x2, weights, sizes, self.out_features)).reshape(shape)
+        if tiled:
             # Segments tile the rows: ``split`` rather than slicing. The backward of a slice
             # writes its gradient into a zero-filled tensor of the full size, once per segment
             # (k tenants = k full-size fills and adds per layer); split's backward is one cat.

@@ -26,8 +26,9 @@ from tinsmith.models.lora import LoraWeights, RowGroups, Segments, new_lora_weig
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
-# How expert matmuls run: "auto" (grouped on GPUs that support it, a loop elsewhere), "loop" or
-# "grouped" (forced; tests compare the two).
+# How per-group matmuls run (routed experts; several tenants' LoRA in a training micro-batch):
+# "auto" (grouped on GPUs that support it, a loop elsewhere), "loop" or "grouped" (forced; tests
+# compare the two).
 GROUPED_MM = "auto"
 
 
@@ -53,7 +54,8 @@ class ExpertGroups:
         return self._offsets
 
 
-def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` of ``x`` with stacked ``weight`` (groups x out x in) is the fast path here."""
     if GROUPED_MM != "auto":
         return GROUPED_MM == "grouped"
     if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
@@ -69,7 +71,7 @@ def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     """``x[rows of e] @ weight[e].T`` for every expert ``e``, rows sorted by expert; (rows, out)."""
-    if _grouped_mm_usable(x, weight):
+    if grouped_mm_usable(x, weight):
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=groups.offsets)
     counts = groups.host_counts
     pieces = [F.linear(xe, weight[e]) for e, xe in enumerate(x.split(counts)) if counts[e]]

@@ -1,0 +1,66 @@
+"""Every tenant's LoRA in a training micro-batch as one grouped shrink and one grouped expand.
+
+A multi-tenant micro-batch lays each adapter's rows out contiguously. Run adapter by adapter,
+each projection costs two small matmuls per tenant, forward and backward, launched one by one
+(measured on an H100: 4,657 matmul launches in a four-tenant step, the CPU issuing them for 815
+ms against 335 ms of GPU work, 0.54x the speed of one tenant). Here the adapters' ``A`` and ``B``
+are stacked for the step (ranks zero-padded to a common width, the scale folded into ``B``) and
+``torch._grouped_mm`` runs each half for all adapters at once; autograd carries the gradients
+back through the stack to each adapter's own tensors, so optimizer state and isolation are as
+before. Padding adds nothing: padded rows of ``A`` and columns of ``B`` are zero, so they get
+zero outputs and their gradients are dropped by the slicing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from tinsmith.models.lora import LoraWeights
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def grouped_lora_usable(x: torch.Tensor, weights: list[LoraWeights | None], out_features: int) -> bool:
+    """Whether the grouped path runs for these rows: at least two adapters, on a device whose
+    grouped matmul kernel is fast (see :func:`tinsmith.models.moe.grouped_mm_usable`)."""
+    from tinsmith.models import moe  # late: moe imports the LoRA layers that import this module
+
+    present = [w for w in weights if w is not None]
+    if len(present) < 2:
+        return False
+    rank = _round_up(max(w.A.shape[0] for w in present), 8)
+    probe_a = torch.empty(0, rank, x.shape[-1], dtype=x.dtype, device=x.device)
+    probe_b = torch.empty(0, out_features, rank, dtype=x.dtype, device=x.device)
+    return moe.grouped_mm_usable(x, probe_a) and moe.grouped_mm_usable(x, probe_b)
+
+
+def grouped_lora_delta(x: torch.Tensor, weights: list[LoraWeights | None], sizes: list[int],
+                       out_features: int) -> torch.Tensor:
+    """``scale_i * x_i A_i^T B_i^T`` for consecutive row groups ``x_i`` of ``sizes`` (a group with
+    no adapter gets zeros), as one (rows, out) tensor."""
+    present = [w for w in weights if w is not None]
+    rank = _round_up(max(w.A.shape[0] for w in present), 8)
+    zeros_a = x.new_zeros(rank, x.shape[-1])
+    zeros_b = x.new_zeros(out_features, rank)
+    a_stack, b_stack = [], []
+    for w in weights:
+        if w is None:
+            a_stack.append(zeros_a)
+            b_stack.append(zeros_b)
+            continue
+        a, b = w.A.to(x.dtype), (w.B * w.scale).to(x.dtype)
+        pad = rank - a.shape[0]
+        a_stack.append(F.pad(a, (0, 0, 0, pad)) if pad else a)
+        b_stack.append(F.pad(b, (0, pad)) if pad else b)
+    A = torch.stack(a_stack)  # (groups, rank, in)
+    B = torch.stack(b_stack)  # (groups, out, rank)
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    offs = ends.to(x.device, non_blocking=True)
+    h = torch._grouped_mm(x, A.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(h, B.transpose(1, 2), offs=offs)
