@@ -321,3 +321,56 @@ def test_queue_view_lists_queued_and_running_jobs_without_payloads():
         assert [e["request_id"] for e in engine.queue_view()] == ["r2"]
 
     run(go())
+
+
+class _DeviceLost(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("error", [
+    _DeviceLost("CUDA error: an illegal memory access was encountered"),
+    type("AcceleratorError", (RuntimeError,), {})("device-side failure"),
+])
+def test_a_failed_device_stops_the_work_and_every_request_says_why(error):
+    """The device fails in one model's step: that request fails with the device's error, queued
+    work and later submissions fail at once naming the fault, and the engine reports it."""
+    class Failing(FakeOps):
+        def train_begin(self, jobs):
+            if jobs[0].model_id == "dies":
+                raise error
+            return super().train_begin(jobs)
+
+    class Recording(NullSink):
+        failed: dict[str, str] = {}
+
+        def fail_request(self, request_id, error, category="server"):
+            self.failed[request_id] = error
+            return True
+
+    async def scenario():
+        ops, sink = Failing(chunk_delay_s=0.01), Recording()
+        engine = Engine(ops, sink)
+        await engine.start()
+        engine.submit(fb("first", "dies", 1, [10]))
+        first = await waiting(engine, "first")[0]
+        engine.submit(fb("later", "fine", 1, [10], owner="b"))  # answered at once: no waiter is left
+        engine.submit(Job("single", "optim_step", "fine", 2, None, owner="b"))
+        await asyncio.sleep(0.05)
+        await engine.stop()
+        return engine, first, sink.failed, ops
+
+    engine, first, failed, ops = run(scenario())
+    assert engine.fault is not None and type(error).__name__ in engine.fault
+    assert "internal error" in first.error and first.device_fault and "first" in failed
+    for rid in ("later", "single"):
+        assert "device failed" in failed[rid] and "restarted" in failed[rid]
+    assert not engine.jobs and not engine.queues and not engine.in_flight_total()
+    assert not [e for e in ops.log if e[0] in ("chunk", "single") and "fine" in str(e)]
+
+
+def test_out_of_memory_and_other_errors_are_not_device_faults():
+    from tinsmith.engine.device_faults import device_fault
+
+    assert device_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
+    assert device_fault(ValueError("bad shape")) is None
+    assert device_fault(RuntimeError("CUDA error: unspecified launch failure")).startswith("RuntimeError: CUDA error")

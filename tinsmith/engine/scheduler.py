@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tinsmith.engine.device_faults import device_fault
 from tinsmith.errors import TinsmithError
 from tinsmith.tenants import key_id
 
@@ -72,6 +73,7 @@ class Outcome:
     content_type: str = "application/json"
     error: str | None = None
     category: str = "server"
+    device_fault: str | None = None  # the error means the device itself failed (see device_faults)
     # What the run's history records with the result (a store ``MetricPoint``), written in the
     # same transaction; None for results that report no metrics.
     metric_point: Any = None
@@ -80,7 +82,8 @@ class Outcome:
     def failure(cls, exc: BaseException) -> "Outcome":
         if isinstance(exc, TinsmithError):
             return cls(error=exc.message, category=exc.category)
-        return cls(error=f"internal error: {type(exc).__name__}: {exc}", category="server")
+        return cls(error=f"internal error: {type(exc).__name__}: {exc}", category="server",
+                   device_fault=device_fault(exc))
 
 
 class Operations(Protocol):
@@ -160,6 +163,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.stats = {"chunks": 0, "singles": 0, "jobs": 0, "max_chunk_owners": 0, "seq_gaps_skipped": 0}
+        # Set once the device has failed (see device_faults): no more work runs; /healthz says why.
+        self.fault: str | None = None
         # Called on the event loop with every finished job and its outcome (metrics); must be cheap.
         self.observers: list[Callable[[Job, Outcome], None]] = []
 
@@ -185,6 +190,11 @@ class Engine:
         self.owners[job.request_id] = job.owner
         if not job.internal:
             self.jobs[job.request_id] = job
+        if self.fault is not None:  # nothing can run any more: answer at once
+            out = self._fault_outcome()
+            self._persist([job], [out])
+            self._finish([job], [out])
+            return
         if job.kind == "sample":
             self.ops.sample_submit(job)
         else:  # every other kind belongs to a training run
@@ -316,6 +326,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         sampling_turn = False
         while True:
+            if self.fault is not None and (self.queues or self.passes or self.ops.sample_has_work()):
+                pairs = self._fail_everything_queued()
+                await loop.run_in_executor(None, self._persist, [j for j, _ in pairs], [o for _, o in pairs])
+                self._finish([j for j, _ in pairs], [o for _, o in pairs])
+                continue
             training = self._has_training_work()
             sampling = self.ops.sample_has_work()
             if not training and not sampling:
@@ -450,7 +465,9 @@ class Engine:
                 except Exception as exc:
                     if not isinstance(exc, TinsmithError):
                         log.exception("forward_backward failed to start")
-                    finished.append((p, [Outcome.failure(exc) for _ in p.jobs]))
+                    outcomes = [Outcome.failure(exc) for _ in p.jobs]
+                    self._persist(p.jobs, outcomes)
+                    finished.append((p, outcomes))
                     continue
             live.append(p)
         quotas, budget = self._quotas([p for p in live if not self.ops.train_done(p.handle)])
@@ -552,10 +569,35 @@ class Engine:
             alloc[id(p)] += taken
         return [(p, alloc[id(p)]) for p in order], budget
 
+    def _fault_outcome(self) -> Outcome:
+        return Outcome(error=f"the server's device failed ({self.fault}) and can run no more work until the "
+                             "server is restarted; saved checkpoints and the database are intact, state held "
+                             "only in memory is lost", category="server")
+
+    def _note_device_fault(self, fault: str) -> None:
+        if self.fault is None:
+            self.fault = fault
+            log.error("the device failed: %s. No more work will run; restart the server (saved checkpoints "
+                      "and the database are intact). /healthz now reports it.", fault)
+
+    def _fail_everything_queued(self) -> list[tuple[Job, Outcome]]:
+        """After a device fault: every queued job, pass and sample, failed with the reason."""
+        jobs = [j for q in self.queues.values() for j in q]
+        self.queues.clear()
+        jobs += [j for p in self.passes for j in p.jobs]
+        self.passes.clear()
+        try:
+            jobs += self.ops.sample_abort()
+        except Exception:  # the sampler's own clean-up may touch the dead device
+            log.exception("dropping the sampler's work after the device failed")
+        return [(j, self._fault_outcome()) for j in jobs]
+
     def _persist(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
         now = time.monotonic()
         for job, out in zip(jobs, outcomes):
             job.finished_at = now
+            if out.device_fault is not None:
+                self._note_device_fault(out.device_fault)
             if job.internal:
                 if out.error is not None:
                     log.warning("internal %s for %s failed: %s", job.kind, job.model_id, out.error)

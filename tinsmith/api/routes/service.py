@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
 from tinsmith.api.common import caller_of, state_of
 from tinsmith.api.limits import limits_of
@@ -37,7 +38,12 @@ async def dynamic_config(_=Depends(caller_of)) -> dict:
 
 
 @router.get("/healthz")
-async def healthz() -> dict:
+async def healthz(request: Request):
+    """200 while the server can run work; 503 with the reason once its device has failed."""
+    fault = state_of(request).engine.fault
+    if fault is not None:
+        return JSONResponse({"status": "unhealthy", "reason": f"device failed: {fault}; restart the server"},
+                            status_code=503)
     return {"status": "ok"}
 
 
