@@ -47,15 +47,17 @@ def _step(rt: TrainingRuntime, units: list[int], requests: list[TrainRequest]):
     return results, grads
 
 
-def _device_limit(rt: TrainingRuntime, max_padded_tokens: int, where: str) -> list[int]:
+def _device_limit(rt: TrainingRuntime, max_padded_tokens: int, where: str, checkpointing_fits: bool = False
+                  ) -> list[int]:
     """Micro-batches above ``max_padded_tokens`` run out of memory: at once in the forward, or in
     the backward when it reaches the first layer (the later layers' and the unembedding's LoRA
-    gradients are added by then). Returns the padded sizes of the micro-batches tried."""
+    gradients are added by then); with ``checkpointing_fits``, not when they recompute their
+    activations. Returns the padded sizes of the micro-batches tried."""
     real, calls, armed = rt.model.hidden_states, [], [False]
 
     def hidden_states(tokens, *args, **kwargs):
         calls.append(tokens.numel())
-        too_big = tokens.numel() > max_padded_tokens
+        too_big = tokens.numel() > max_padded_tokens and not (checkpointing_fits and rt.model.gradient_checkpointing)
         if too_big and where == "forward":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         armed[0] = too_big and torch.is_grad_enabled()
@@ -91,6 +93,41 @@ def test_split_micro_batches_give_the_results_of_one_that_fits(qwen3_dir, where)
         assert_rel_close(grads[key], g, 1e-5, str(key))
 
 
+def test_a_sequence_that_fits_only_with_checkpointing_is_run_again_with_it(qwen3_dir):
+    rt, units = _runtime(qwen3_dir)
+    expected, expected_grads = _step(rt, units, _requests(units, lengths=((40,), (12, 9))))
+    rt2, _ = _runtime(qwen3_dir)
+    calls = _device_limit(rt2, 35, "forward", checkpointing_fits=True)
+    results, grads = _step(rt2, units, _requests(units, lengths=((40,), (12, 9))))
+    assert calls.count(40) == 2  # out of memory once, then recomputing activations
+    assert not rt2.model.gradient_checkpointing and not rt2._checkpoint_rows
+    for a, b in zip(results, expected):
+        assert not isinstance(a, Exception), a
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
+    for key, g in expected_grads.items():
+        assert_rel_close(grads[key], g, 1e-5, str(key))
+
+
+def test_micro_batches_above_the_planned_size_recompute_activations(qwen3_dir):
+    """A single sequence longer than a planned micro-batch runs with gradient checkpointing (the
+    planner sized micro-batches for activations kept whole); the others do not."""
+    rt, units = _runtime(qwen3_dir)
+    rt.micro_batch_tokens, rt.checkpoint_above_tokens = 32, 32
+    seen: list[tuple[int, bool]] = []
+    real = rt.model.hidden_states
+
+    def hidden_states(tokens, *args, **kwargs):
+        seen.append((tokens.numel(), rt.model.gradient_checkpointing))
+        return real(tokens, *args, **kwargs)
+
+    rt.model.hidden_states = hidden_states
+    results = rt.forward_backward(_requests(units, lengths=((40,), (12, 9))))
+    assert all(not isinstance(r, Exception) for r in results)
+    assert (40, True) in seen and all(ckpt == (n > 32) for n, ckpt in seen), seen
+    assert not rt.model.gradient_checkpointing
+
+
 def test_a_sequence_too_large_alone_fails_its_request_only(qwen3_dir):
     rt, units = _runtime(qwen3_dir)
     expected, _ = _step(rt, units, _requests(units, lengths=((20,), (12, 9))))
@@ -98,7 +135,8 @@ def test_a_sequence_too_large_alone_fails_its_request_only(qwen3_dir):
     _device_limit(rt2, 35, "forward")
     res_big, res_small = rt2.forward_backward(_requests(units, lengths=((40,), (12, 9))))
     assert isinstance(res_big, CapacityError)
-    assert "a sequence of 40 tokens does not fit in device memory on its own" in res_big.message
+    assert "a sequence of 40 tokens does not fit in device memory on its own even with its activations " \
+        "recomputed" in res_big.message
     assert all(p.grad is None or not p.grad.any() for p in rt2.unit(units[0]).params)
     assert not isinstance(res_small, Exception)
     for x, y in zip(res_small.outputs, expected[1].outputs):

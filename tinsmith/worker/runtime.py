@@ -130,6 +130,7 @@ class TrainingRuntime:
         vision: VisionTower | None = None,
         logit_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         master_weights: bool = True,  # fp32 masters for a half-precision full fine-tune (see trainables)
+        checkpoint_above_tokens: int | None = None,
     ):
         self.model = model
         self.vision = vision  # image-text models: the frozen vision tower that feeds image tokens
@@ -144,6 +145,13 @@ class TrainingRuntime:
         # copied before each backward so a half-done one can be undone). Only devices that report
         # running out (CUDA) need it; a CPU's allocator does not fail this way.
         self.oom_retry = self.device.type == "cuda"
+        # Micro-batches with more padded tokens than this recompute their activations in backward
+        # even when gradient checkpointing is off: the memory planner sizes micro-batches for
+        # activations kept whole, so a single sequence longer than a micro-batch would not fit
+        # otherwise (None: only as configured). A sequence that runs out of memory is tried once
+        # more with checkpointing before it is refused.
+        self.checkpoint_above_tokens = checkpoint_above_tokens
+        self._checkpoint_rows: set[SequenceRef] = set()
         # fp32 logits of at most this many bytes exist at once (forward and backward alike)
         self.logit_chunk_bytes = logit_chunk_bytes
         model.gradient_checkpointing = gradient_checkpointing
@@ -412,20 +420,30 @@ class TrainingRuntime:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        padded = len(rows) * max(r.length for r in rows)
-        self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, padded // 2))
-        log.warning("a training micro-batch of %d sequences (%d padded tokens) ran out of device memory (%s); "
-                    "running it in smaller pieces, and micro-batches of at most %d tokens from now on",
-                    len(rows), padded, message, self.micro_batch_tokens)
         if len(rows) > 1:
+            padded = len(rows) * max(r.length for r in rows)
+            self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, padded // 2))
+            log.warning("a training micro-batch of %d sequences (%d padded tokens) ran out of device memory (%s); "
+                        "running it in smaller pieces, and micro-batches of at most %d tokens from now on",
+                        len(rows), padded, message, self.micro_batch_tokens)
             half = len(rows) // 2
             pending.appendleft(rows[half:])
             pending.appendleft(rows[:half])
             return
         ref = rows[0]
+        checkpointed = self.model.gradient_checkpointing or ref in self._checkpoint_rows or (
+            self.checkpoint_above_tokens is not None and ref.length > self.checkpoint_above_tokens)
+        if ref.needs_grad and not checkpointed:
+            log.warning("a sequence of %d tokens ran out of device memory (%s); running it again with its "
+                        "activations recomputed in backward", ref.length, message)
+            self._checkpoint_rows.add(ref)
+            pending.appendleft(rows)
+            return
+        self._checkpoint_rows.discard(ref)
+        tried = " even with its activations recomputed in backward" if ref.needs_grad else ""
         by_id[ref.request[0]].fail(CapacityError(
-            f"a sequence of {ref.length:,} tokens does not fit in device memory on its own ({message}; "
-            f"{_free_memory(self.device)}): send shorter sequences, or serve with --gradient-checkpointing"))
+            f"a sequence of {ref.length:,} tokens does not fit in device memory on its own{tried} ({message}; "
+            f"{_free_memory(self.device)}): send shorter sequences"))
 
     def _grads_before_backward(self, mb: MicroBatch, prepared: dict) -> list[tuple[Trainable, list]] | None:
         """Copies of the LoRA gradients the micro-batch's backward adds to, so that a backward that
@@ -443,6 +461,20 @@ class TrainingRuntime:
         """Forward (and backward) one micro-batch; fills ``lps``. Returns the passes (by id) whose
         custom loss was refused here: their loss is left out of the backward and they fail alone,
         while every other request of the micro-batch trains."""
+        always = self.model.gradient_checkpointing
+        big = self.checkpoint_above_tokens is not None and mb.padded_tokens > self.checkpoint_above_tokens
+        forced = any(r in self._checkpoint_rows for r in mb.rows)
+        self.model.gradient_checkpointing = always or (mb.needs_grad and (big or forced))
+        try:
+            failed = self._forward_backward(mb, prepared, lps, images)
+        finally:
+            self.model.gradient_checkpointing = always
+        if forced:  # done with (a failure leaves the mark, so the row is not tried a third time)
+            self._checkpoint_rows.difference_update(mb.rows)
+        return failed
+
+    def _forward_backward(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict,
+                          images: list[list[ImageInput]]) -> dict[int, Exception]:
         failed: dict[int, Exception] = {}
         positions, visual = mb.positions, None
         if any(images):

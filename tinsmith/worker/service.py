@@ -160,11 +160,12 @@ class Worker:
         o = self.options
         configure_device(torch.device(o.device))
         loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))
+        micro = o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o)
         rt = TrainingRuntime(
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
-            max_training_runs=o.max_training_runs,
-            micro_batch_tokens=o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o), micro_batch_seqs=o.micro_batch_seqs,
+            max_training_runs=o.max_training_runs, micro_batch_tokens=micro, micro_batch_seqs=o.micro_batch_seqs,
             gradient_checkpointing=o.gradient_checkpointing, vision=loaded.vision,
+            checkpoint_above_tokens=auto_checkpoint_above(micro, loaded.model, o),
         )
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
         rt.busy_slots = lambda: self._sampler_slots(name)
@@ -211,6 +212,7 @@ class Worker:
             pack_weights(model)  # a deep copy does not keep the packed views linked
             rt = TrainingRuntime(model, full_finetune=True, full_optimizer=optimizer_type,
                                  micro_batch_tokens=base.lora.micro_batch_tokens,
+                                 checkpoint_above_tokens=base.lora.checkpoint_above_tokens,
                                  micro_batch_seqs=self.options.micro_batch_seqs,
                                  gradient_checkpointing=self.options.gradient_checkpointing,
                                  vision=base.loaded.vision)
@@ -717,6 +719,15 @@ def _tokenizer_decoder(model_dir: Path):
 
     hf = AutoTokenizer.from_pretrained(str(model_dir))
     return lambda ids: hf.decode(ids, skip_special_tokens=False)
+
+
+def auto_checkpoint_above(micro_batch_tokens: int, model, o: RuntimeOptions) -> int | None:
+    """On a GPU without ``--gradient-checkpointing``: micro-batches larger than a planned one (a
+    single sequence longer than the budget) recompute their activations in backward, so that a
+    long sequence fits without the user setting anything. Elsewhere: only as configured."""
+    if o.gradient_checkpointing or next(model.parameters()).device.type != "cuda":
+        return None
+    return micro_batch_tokens
 
 
 def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
