@@ -17,6 +17,7 @@ from bench.gpu.peak import sync, timed
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
+from tinsmith.worker.service import RuntimeOptions, auto_checkpoint_above, auto_micro_batch_tokens
 
 RANK = 32
 
@@ -90,14 +91,21 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     out["tenants"] = {"rows_per_tenant": per_tenant, "seq_len": L, **tenants}
     long_len = 128 if quick else 32_768
     out["long_context"] = {"seq_len": long_len}
-    for ckpt in (False, True):
-        lm.model.gradient_checkpointing = ckpt
+    # plain: activations kept whole; auto: the server's defaults (micro-batches sized from free
+    # memory, recomputation for a micro-batch above that size); checkpointing: always recompute.
+    planned = auto_micro_batch_tokens(lm.config, lm.model, RuntimeOptions())
+    for mode in ("plain", "auto", "checkpointing"):
+        lm.model.gradient_checkpointing = mode == "checkpointing"
+        rt.micro_batch_tokens = planned if mode == "auto" else 16384
+        rt.checkpoint_above_tokens = auto_checkpoint_above(planned, lm.model, RuntimeOptions()) if mode == "auto" else None
+        rt.oom_retry = mode != "plain"
         try:
-            r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1 if not quick else 1)
+            r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1)
             r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
+            r["micro_batch_tokens"] = rt.micro_batch_tokens
         except torch.OutOfMemoryError as e:
             r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
-        out["long_context"]["checkpointing" if ckpt else "plain"] = r
+        out["long_context"][mode] = r
     lm.model.gradient_checkpointing = False
     del rt, lm
     return out
