@@ -200,9 +200,14 @@ def pack_weights(model: nn.Module) -> None:
     (e.g. on a deep copy, which does not keep the views linked).
     """
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
-        PackedProjection([attn.o_proj])
+        mlp = layer.mlp
+        attn = getattr(layer, "self_attn", None)  # Gated DeltaNet layers keep their projections as they are
+        if attn is not None:
+            if not attn.output_gate:  # gated queries interleave with their gates: left unpacked
+                attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
+            PackedProjection([attn.o_proj])
+        if hasattr(mlp, "shared_expert"):
+            mlp.shared_expert.packed_gate_up = PackedProjection([mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj])
         if hasattr(mlp, "experts"):  # routed experts: gate and up halves of one stacked buffer
             from tinsmith.models.moe import PackedGateUp
 
