@@ -136,6 +136,12 @@ class ModelConfig:
         cannot be reused from its key/value entries alone."""
         return self.linear_attn is not None and "linear_attention" in self.layer_types
 
+    @property
+    def supports_prefix_cache(self) -> bool:
+        """Whether a sampler may reuse a cached prompt prefix: not on hybrid models, whose
+        recurrent state after the prefix is not kept (K/V entries alone cannot restore it)."""
+        return not self.has_recurrent_state
+
     def window_of(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (None: full causal attention)."""
         if self.sliding_window is None or layer_idx >= len(self.layer_types):
