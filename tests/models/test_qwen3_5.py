@@ -131,21 +131,34 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, model_
         assert_rel_close(g, theirs[n], 1e-4, n)
 
 
-def test_merged_export_loads_in_transformers(tmp_path, qwen3_5_dir):
-    from tinsmith.checkpoints.export import export_merged
+@pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
+def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, model_dir):
+    """Merged adapters (DeltaNet projections and per-expert weights included) and a full
+    fine-tune's weights load in transformers with our logits."""
+    from tinsmith.checkpoints.export import export_merged, save_hf_model
 
-    rt = TrainingRuntime(load_model(str(qwen3_5_dir)).model, max_lora_adapters=1, max_lora_rank=8)
+    loaded = load_model(str(model_dir))
+    rt = TrainingRuntime(loaded.model, max_lora_adapters=1, max_lora_rank=8)
     spec = LoraSpec(rank=4, alpha=8, seed=5)
     u = _perturbed_adapter(rt, spec, 12)
     save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in rt.unit(u).named_params},
-                      str(qwen3_5_dir), family="qwen3_5")
-    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(qwen3_5_dir)).path
+                      str(model_dir), family=loaded.config.family)
+    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(model_dir)).path
     tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(30).expand_as(tokens)
     with torch.no_grad():
         rows = [(rt.unit(u).slot, 0, 60)]
         ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
         torch.testing.assert_close(reference_model(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+
+    full = load_model(str(model_dir)).model
+    with torch.no_grad():
+        full.model.layers[0].linear_attn.A_log.mul_(0.5)
+        full.model.layers[0].linear_attn.conv1d.weight.mul_(-1.0)
+        expected = logits_of(full, tokens)
+    save_hf_model(tmp_path / "full", {n: p for n, p in full.named_parameters()}, model_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(reference_model(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, caplog):
