@@ -245,3 +245,20 @@ def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_5_dir):
             np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
         for n in ref_g:
             assert_rel_close(g[n], ref_g[n], 1e-5, n)
+
+
+def test_a_prompt_admitted_while_others_decode_keeps_their_states(qwen3_5_dir):
+    """A new prompt's prefill writes its own rows' states; rows already decoding keep theirs."""
+    model = load_model(str(qwen3_5_dir)).model
+    sampler = make_sampler(model, qwen3_5_dir)
+    rng = np.random.default_rng(8)
+    first, second = rng.integers(4, VOCAB, 9).tolist(), rng.integers(4, VOCAB, 70).tolist()
+    sampler.add(task("first", first, max_tokens=30, temperature=0.0, stop=[], n=2))
+    done = dict(sampler.step(0.0))  # the prefill and one decode step
+    assert not done and sampler.rows and len(sampler.rows[0].tokens) < 30
+    res = {**done, **run(sampler, [task("second", second, max_tokens=12, temperature=1.0, seed=3, stop=[])])}
+    for key, prompt in (("first", first), ("second", second)):
+        for seq in res[key].sequences:
+            lp = forward_logprobs(model, list(prompt) + seq.tokens.tolist())
+            want = lp[len(prompt) - 1: -1].gather(-1, torch.as_tensor(seq.tokens, dtype=torch.long)[:, None])[:, 0]
+            np.testing.assert_allclose(seq.logprobs, want.numpy(), atol=1e-4, rtol=0)
