@@ -262,3 +262,25 @@ def test_a_prompt_admitted_while_others_decode_keeps_their_states(qwen3_5_dir):
             lp = forward_logprobs(model, list(prompt) + seq.tokens.tolist())
             want = lp[len(prompt) - 1: -1].gather(-1, torch.as_tensor(seq.tokens, dtype=torch.long)[:, None])[:, 0]
             np.testing.assert_allclose(seq.logprobs, want.numpy(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
+def test_packed_input_projections_equal_separate_ones(model_dir):
+    """Inference runs DeltaNet's four input projections (and the shared expert's gate/up) as one
+    GEMM over a shared buffer, adapters of two tenants included."""
+    rt = TrainingRuntime(load_model(str(model_dir)).model, max_lora_adapters=3, max_lora_rank=8)
+    units = [_perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
+    model = rt.model
+    assert model.model.layers[0].linear_attn.packed_in.intact()
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(20).expand_as(tokens)
+    rows = [(rt.unit(units[0]).slot, 0, 20), (rt.unit(units[1]).slot, 20, 40)]
+    with torch.no_grad():
+        packed = model.logits(model.hidden_states(tokens, pos, rows), rows)
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.packed_in = None
+            if hasattr(layer.mlp, "shared_expert"):
+                layer.mlp.shared_expert.packed_gate_up = None
+        separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)

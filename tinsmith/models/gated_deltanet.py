@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.models.config import ModelConfig
-from tinsmith.models.lora import LoraLinear, RowGroups, Segments
+from tinsmith.models.lora import LoraLinear, PackedProjection, RowGroups, Segments
 
 CHUNK = 64
 LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -145,13 +145,22 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.nv), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.nv), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        # Set by ``pack_weights``: the four input projections as views of one buffer (one GEMM at inference).
+        self.packed_in: PackedProjection | None = None
+
+    def _project(self, x: torch.Tensor, segments: Segments | RowGroups | None):
+        """(qkv before the convolution, z, b, a) of ``x`` (b, L, hidden)."""
+        packed = self.packed_in
+        if packed is not None and not torch.is_grad_enabled() and packed.intact():
+            y = packed.project(x.reshape(-1, x.shape[-1]), segments).view(*x.shape[:-1], -1)
+            return tuple(y[..., a:b] for a, b in packed.columns)
+        return tuple(p(x, segments) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None, attend: object) -> torch.Tensor:
         b, L, _ = x.shape
-        mixed = self.in_proj_qkv(x, segments)  # (b, L, conv_dim), before the convolution
-        z = self.in_proj_z(x, segments)
-        beta = self.in_proj_b(x, segments).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x, segments).float() + self.dt_bias)
+        mixed, z, b_in, a_in = self._project(x, segments)  # mixed: (b, L, conv_dim), before the convolution
+        beta = b_in.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a_in.float() + self.dt_bias)
         states: RecurrentStates | None = getattr(attend, "recurrent", None)
         weight = self.conv1d.weight
         if states is not None and states.decoding:
