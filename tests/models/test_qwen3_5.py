@@ -284,3 +284,17 @@ def test_packed_input_projections_equal_separate_ones(model_dir):
                 layer.mlp.shared_expert.packed_gate_up = None
         separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
     torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
+def test_bfloat16_logits_follow_transformers(model_dir):
+    """In bf16 (the GPU default) the fp32 islands (norms, decay, delta rule) sit where transformers'
+    are, so logits agree to bf16 rounding."""
+    import transformers
+
+    ours = load_model(str(model_dir), dtype=torch.bfloat16).model
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                            experts_implementation="eager").eval()
+    tokens = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(ours, tokens), ref(tokens).logits.float(), rtol=0, atol=2e-2)
