@@ -161,30 +161,57 @@ def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, model_dir
         torch.testing.assert_close(reference_model(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, caplog):
-    """A released-style checkpoint (``Qwen3_5ForConditionalGeneration``: decoder under
-    ``model.language_model.``, a vision tower and MTP weights beside it) loads its decoder only."""
+def _image_text_checkpoint(tmp_path, text_dir):
+    """transformers' own ``Qwen3_5ForConditionalGeneration`` around the text model of ``text_dir``
+    (its weights under ``model.language_model.``), a small vision tower and an MTP tensor beside."""
+    import transformers
     from safetensors.torch import load_file, save_file
 
+    text = json.loads((text_dir / "config.json").read_text())
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=64)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False))
+    weights = {("model.language_model." + k.removeprefix("model.")) if k.startswith("model.") else k: v
+               for k, v in load_file(text_dir / "model.safetensors").items()}
+    missing, _ = model.load_state_dict(weights, strict=False)
+    assert all(k.startswith("model.visual.") for k in missing)
     d = tmp_path / "vl"
-    shutil.copytree(qwen3_5_dir, d)
-    flat = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "tie_word_embeddings": flat["tie_word_embeddings"], "text_config": flat,
-        "vision_config": {"depth": 1}}))
-    weights = load_file(d / "model.safetensors")
-    nested = {("model.language_model." + k.removeprefix("model.")) if k.startswith("model.") else k: v
-              for k, v in weights.items()}
-    nested["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
-    nested["mtp.fc.weight"] = torch.zeros(2, 2)
-    save_file(nested, d / "model.safetensors", metadata={"format": "pt"})
-    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
-    with caplog.at_level("INFO", logger="tinsmith.models.loading"), torch.no_grad():
+    model.save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(text_dir / f, d / f)
+    saved = load_file(d / "model.safetensors")
+    saved["mtp.fc.weight"] = torch.zeros(2, 2)  # released checkpoints carry multi-token-prediction weights
+    save_file(saved, d / "model.safetensors", metadata={"format": "pt"})
+    return d, model.eval()
+
+
+def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, caplog):
+    """A released-style checkpoint (``Qwen3_5ForConditionalGeneration``) loads its decoder only, with
+    transformers' text logits; an adapter's PEFT export loads onto that class with our logprobs."""
+    import peft
+
+    d, ref = _image_text_checkpoint(tmp_path, qwen3_5_dir)
+    with caplog.at_level("INFO", logger="tinsmith.models.loading"):
         vl = load_model(str(d))
-        assert vl.config.text_prefix == "model.language_model." and vl.vision is None
-        torch.testing.assert_close(logits_of(vl.model, tokens), logits_of(load_model(str(qwen3_5_dir)).model, tokens))
     assert "vision-tower / multi-token-prediction tensors are not loaded" in caplog.text
+    assert vl.config.text_prefix == "model.language_model." and vl.vision is None
+    tokens = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(vl.model, tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+
+    rt = TrainingRuntime(vl.model, max_lora_adapters=1, max_lora_rank=8)
+    spec = LoraSpec(rank=4, alpha=8, seed=5)
+    u = _perturbed_adapter(rt, spec, 13)
+    rng = np.random.default_rng(2)
+    data = [sft_datum(rng, n, VOCAB, signed=True) for n in (40, 11)]
+    res = cross_entropy_step(rt, u, data)
+    save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in rt.unit(u).named_params}, str(d),
+                      text_prefix=vl.config.text_prefix, family=vl.config.family)
+    adapted = peft.PeftModel.from_pretrained(ref, tmp_path / "adapter", is_trainable=True)
+    _, lps = _ref_loss(adapted, data)
+    for lp, out in zip(lps, res.outputs):
+        np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
