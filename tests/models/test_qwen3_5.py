@@ -158,7 +158,8 @@ def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, model_dir
         expected = logits_of(full, tokens)
     save_hf_model(tmp_path / "full", {n: p for n, p in full.named_parameters()}, model_dir)
     with torch.no_grad():
-        torch.testing.assert_close(reference_model(tmp_path / "full").eval()(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        theirs = reference_model(tmp_path / "full").eval()(tokens).logits
+        torch.testing.assert_close(theirs, expected, rtol=1e-5, atol=1e-5)
 
 
 def _image_text_checkpoint(tmp_path, text_dir):

@@ -44,7 +44,8 @@ FUSED_EXPERT_FAMILIES = ("gpt_oss", "qwen3_5_moe")  # Gated DeltaNet layers: the
 
 def _targets(spec: LoraSpec, family: str | None = None) -> list[str]:
     attn = ATTN + (LINEAR_TARGETS if family in HYBRID_FAMILIES else ())
-    return [*(attn if spec.train_attn else ()), *(MLP if spec.train_mlp else ()), *(("lm_head",) if spec.train_unembed else ())]
+    return [*(attn if spec.train_attn else ()), *(MLP if spec.train_mlp else ()),
+            *(("lm_head",) if spec.train_unembed else ())]
 
 
 def sha256_file(path: Path) -> str:
@@ -238,7 +239,8 @@ def load_peft_adapter(directory: Path) -> tuple[LoraSpec, dict[str, torch.Tensor
     if expert_parameters:
         from tinsmith.models.gpt_oss import from_peft_tensors
 
-        tensors = from_peft_tensors(raw, spec.rank, interleaved=extra.get("fused_gate_up", "interleaved") == "interleaved")
+        interleaved = extra.get("fused_gate_up", "interleaved") == "interleaved"
+        tensors = from_peft_tensors(raw, spec.rank, interleaved=interleaved)
     else:
         tensors = stack_expert_tensors(raw)
     for name, t in tensors.items():

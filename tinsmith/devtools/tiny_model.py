@@ -165,7 +165,8 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
         hybrid.pop("intermediate_size")
         return transformers.Qwen3_5MoeTextConfig(
             num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-            moe_intermediate_size=shape.moe_intermediate_size, shared_expert_intermediate_size=shape.moe_intermediate_size,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            shared_expert_intermediate_size=shape.moe_intermediate_size,
             **hybrid)
     if family == "qwen2":
         return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)

@@ -146,7 +146,8 @@ class RowKVCache:
             out = F.scaled_dot_product_attention(qg, K[:n, :, :span], V[:n, :, :span], attn_mask=mask)
             return out.reshape(n, hq, 1, q.shape[-1])
 
-        attend.recurrent = None if self.recurrent is None else DecodeStates(self.recurrent, n)  # type: ignore[attr-defined]
+        states = None if self.recurrent is None else DecodeStates(self.recurrent, n)
+        attend.recurrent = states  # type: ignore[attr-defined]
         return attend
 
 

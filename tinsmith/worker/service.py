@@ -744,6 +744,7 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
         # head and the q/k/v/output rows of every token.
         la = cfg.linear_attn
         rows = 2 * la.num_value_heads * la.key_head_dim + 2 * la.num_value_heads * la.value_head_dim
-        per_token += sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers)) * (3 * la.num_value_heads * 64 + 2 * rows) * 4
+        linear_layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+        per_token += linear_layers * (3 * la.num_value_heads * 64 + 2 * rows) * 4
     free -= 4 * DEFAULT_CHUNK_BYTES
     return int(min(65536, max(1024, 0.5 * free / per_token)))
