@@ -44,3 +44,15 @@ def qwen3_moe_dir(tmp_path_factory):
 def gpt_oss_dir(tmp_path_factory):
     """A tiny gpt-oss: 4 experts, top-2, sinks, a 16-token window on layer 0 (full attention on layer 1)."""
     return make_tiny_model(tmp_path_factory.mktemp("gpt_oss") / "gpt_oss", "gpt_oss", SMALL, seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir(tmp_path_factory):
+    """A tiny Qwen3.5: layer 0 Gated DeltaNet (2 key heads, 4 value heads), layer 1 gated attention."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5") / "qwen3_5", "qwen3_5", SMALL, seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory):
+    """A tiny Qwen3.5-MoE: the layers of ``qwen3_5_dir``, 4 experts (top-2) and a shared expert each."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe") / "qwen3_5_moe", "qwen3_5_moe", SMALL, seed=1)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from tinsmith.checkpoints.age_encryption import encrypt_files
 from tinsmith.errors import InvalidInputError
+from tinsmith.models.gated_deltanet import LINEAR_TARGETS
 from tinsmith.models.moe import split_expert_tensors, stack_expert_tensors
 from tinsmith.types import LoraSpec
 
@@ -36,8 +37,15 @@ CONFIG = "adapter_config.json"
 SIDECAR = "tinsmith_adapter.json"  # our extras (seed, switches, checksum); peft ignores the file
 
 
-def _targets(spec: LoraSpec) -> list[str]:
-    return [*(ATTN if spec.train_attn else ()), *(MLP if spec.train_mlp else ()), *(("lm_head",) if spec.train_unembed else ())]
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+# Families whose transformers experts are fused parameters that peft adapts as ``target_parameters``.
+FUSED_EXPERT_FAMILIES = ("gpt_oss", "qwen3_5_moe")  # Gated DeltaNet layers: their projections are attention targets
+
+
+def _targets(spec: LoraSpec, family: str | None = None) -> list[str]:
+    attn = ATTN + (LINEAR_TARGETS if family in HYBRID_FAMILIES else ())
+    return [*(attn if spec.train_attn else ()), *(MLP if spec.train_mlp else ()),
+            *(("lm_head",) if spec.train_unembed else ())]
 
 
 def sha256_file(path: Path) -> str:
@@ -162,18 +170,21 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
     an image-text model), so the adapter's names are the ones PEFT finds in the HF model class.
 
     gpt-oss (``family="gpt_oss"``) has no per-expert modules: its expert adapters are written
-    as peft's ``target_parameters`` adapters of the fused expert parameters instead.
+    as peft's ``target_parameters`` adapters of the fused expert parameters instead. So is
+    Qwen3.5-MoE's (peft converts per-expert adapters only for the model types transformers maps
+    to its qwen2_moe conversion), with gate and up as the halves of ``gate_up_proj``.
 
     With ``age_recipients`` every file is age-encrypted to them (``NAME.age``) before the
     directory is committed, so no plaintext copy ever sits under the checkpoint's name.
     """
     tmp = atomic_dir(directory)
-    gpt_oss = family == "gpt_oss"
+    fused = family in FUSED_EXPERT_FAMILIES
+    interleaved = family == "gpt_oss"  # gate/up alternate in gpt-oss's gate_up_proj; halves in Qwen3.5-MoE's
     try:
-        if gpt_oss:
+        if fused:
             from tinsmith.models import gpt_oss as gpt_oss_family
 
-            on_disk = gpt_oss_family.to_peft_tensors(tensors)
+            on_disk = gpt_oss_family.to_peft_tensors(tensors, interleaved)
         else:
             on_disk = split_expert_tensors(tensors)
         save_file({PEFT_PREFIX + _stored_name(k, text_prefix): v.detach().float().contiguous().cpu()
@@ -187,19 +198,21 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
             "lora_alpha": spec.alpha,
             "lora_dropout": 0.0,
             "bias": "none",
-            "target_modules": _targets(spec),
+            "target_modules": _targets(spec, family),
             "fan_in_fan_out": False,
             "init_lora_weights": True,
             "inference_mode": True,
         }
-        if gpt_oss:
-            config["target_modules"] = [t for t in config["target_modules"] if t not in MLP]
+        if fused:
+            # Routed experts are parameters; a shared expert's gate/up/down stay module targets.
+            config["target_modules"] = [t for t in config["target_modules"] if t not in MLP or family != "gpt_oss"]
             if spec.train_mlp:
                 config.update(gpt_oss_family.peft_expert_config(spec.rank, spec.alpha))
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
         (tmp / SIDECAR).write_text(json.dumps({
             "seed": spec.seed, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp,
-            "train_unembed": spec.train_unembed, "sha256": sha256_file(tmp / WEIGHTS)}, indent=2))
+            "train_unembed": spec.train_unembed, "sha256": sha256_file(tmp / WEIGHTS),
+            **({"fused_gate_up": "interleaved" if interleaved else "halves"} if fused else {})}, indent=2))
         return seal_and_commit(tmp, directory, age_recipients)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -219,14 +232,15 @@ def load_peft_adapter(directory: Path) -> tuple[LoraSpec, dict[str, torch.Tensor
     expert_parameters = bool(cfg.get("target_parameters"))  # gpt-oss: adapters of the fused experts
     spec = LoraSpec(
         rank=int(cfg["r"]), seed=extra.get("seed"), alpha=float(cfg.get("lora_alpha", 32)),
-        train_attn=bool(targets & set(ATTN)), train_mlp=bool(targets & set(MLP)) or expert_parameters,
+        train_attn=bool(targets & set(ATTN + LINEAR_TARGETS)), train_mlp=bool(targets & set(MLP)) or expert_parameters,
         train_unembed="lm_head" in targets,
     )
     raw = {_our_name(k.removeprefix(PEFT_PREFIX)): v for k, v in load_file(str(w_path)).items()}
     if expert_parameters:
         from tinsmith.models.gpt_oss import from_peft_tensors
 
-        tensors = from_peft_tensors(raw, spec.rank)
+        interleaved = extra.get("fused_gate_up", "interleaved") == "interleaved"
+        tensors = from_peft_tensors(raw, spec.rank, interleaved=interleaved)
     else:
         tensors = stack_expert_tensors(raw)
     for name, t in tensors.items():

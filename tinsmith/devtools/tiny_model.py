@@ -91,9 +91,16 @@ class TinyShape:
     moe_intermediate_size: int = 64
     # gpt_oss only: the window of its sliding-attention layers (every other layer, as gpt-oss).
     sliding_window: int = 16
+    # qwen3_5 / qwen3_5_moe: Gated DeltaNet layers, with full attention on every
+    # ``full_attention_interval``-th layer (as the releases: 4).
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    full_attention_interval: int = 2
 
 
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_vl", "gpt_oss")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_vl", "gpt_oss", "qwen3_5", "qwen3_5_moe")
 
 # The vision-language family: its tokenizer needs these specials, and images stay small.
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -145,6 +152,22 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": original},
             **{**common, "intermediate_size": shape.moe_intermediate_size},
         )
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        hybrid = dict(
+            common, head_dim=shape.head_dim, linear_conv_kernel_dim=4,
+            linear_num_key_heads=shape.linear_num_key_heads, linear_num_value_heads=shape.linear_num_value_heads,
+            linear_key_head_dim=shape.linear_key_head_dim, linear_value_head_dim=shape.linear_value_head_dim,
+            layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
+                         for i in range(shape.num_hidden_layers)],
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25})
+        if family == "qwen3_5":
+            return transformers.Qwen3_5TextConfig(**hybrid)
+        hybrid.pop("intermediate_size")
+        return transformers.Qwen3_5MoeTextConfig(
+            num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            shared_expert_intermediate_size=shape.moe_intermediate_size,
+            **hybrid)
     if family == "qwen2":
         return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
     if family == "llama":

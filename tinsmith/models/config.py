@@ -66,6 +66,24 @@ class MoeConfig:
     activation: str = "silu"  # "silu" | "clamped_swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Qwen3.5-MoE: a dense shared expert beside the routed ones, scaled by sigmoid(gate(x)) (0: none).
+    shared_expert_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """Gated DeltaNet layers (Qwen3.5's ``linear_attention`` layers), named as in its config.json."""
+
+    conv_kernel: int  # linear_conv_kernel_dim: the short causal conv over q/k/v
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads (each q/k head serves several value heads)
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolved q/k/v projection."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,34 @@ class ModelConfig:
     sliding_window: int | None = None  # keys a query sees in a "sliding_attention" layer, itself included
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; empty: all full
     norm_scale_in_fp32: bool = False  # RMSNorm weight applied before the cast back (gpt-oss)
+    # Qwen3.5: RMSNorm scales by (1 + weight) in fp32; attention has a sigmoid output gate (q_proj
+    # doubles its width), rotates only the first ``partial_rotary_factor`` of each head, and the
+    # layers that ``layer_types`` marks "linear_attention" are Gated DeltaNet layers.
+    norm_offset: bool = False
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    linear_attn: LinearAttnConfig | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head rotary embeddings turn."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` mixes tokens by Gated DeltaNet (no KV cache) rather than attention."""
+        return self.linear_attn is not None and self.layer_types[layer_idx] == "linear_attention"
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """True for hybrid models: sampling keeps a fixed-size state per row, and a prompt prefix
+        cannot be reused from its key/value entries alone."""
+        return self.linear_attn is not None and "linear_attention" in self.layer_types
+
+    @property
+    def supports_prefix_cache(self) -> bool:
+        """Whether a sampler may reuse a cached prompt prefix: not on hybrid models, whose
+        recurrent state after the prefix is not kept (K/V entries alone cannot restore it)."""
+        return not self.has_recurrent_state
 
     def window_of(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (None: full causal attention)."""
@@ -117,23 +163,43 @@ class ModelConfig:
         m = self.moe
         experts = m.num_experts_per_tok if active else m.num_experts
         matmuls = experts * 3 * h * m.moe_intermediate_size + m.num_experts * h  # experts + router
+        if m.shared_expert_intermediate_size:
+            matmuls += 3 * h * m.shared_expert_intermediate_size + h  # shared expert and its gate
         if active:
             return matmuls
         biases = (m.num_experts * (2 * m.moe_intermediate_size + h) if m.expert_bias else 0) + \
             (m.num_experts if m.router_bias else 0)
         return matmuls + biases
 
+    def _mixer_matmul_params(self, layer_idx: int) -> int:
+        """Matmul parameters of one layer's attention or Gated DeltaNet projections."""
+        h = self.hidden_size
+        if self.is_linear_layer(layer_idx):
+            la = self.linear_attn
+            assert la is not None
+            value = la.num_value_heads * la.value_head_dim
+            return h * (la.conv_dim + value + 2 * la.num_value_heads) + value * h
+        q = h * self.num_heads * self.head_dim * (2 if self.attn_output_gate else 1)
+        kv = 2 * h * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * h
+        return q + kv + o
+
+    def _mixer_other_params(self, layer_idx: int) -> int:
+        """One layer's mixer parameters outside its matmuls (biases, norms, sinks, conv, decay)."""
+        if self.is_linear_layer(layer_idx):
+            la = self.linear_attn
+            assert la is not None
+            return la.conv_dim * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim
+        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        bias += (self.hidden_size if self.attention_out_bias else 0) + (self.num_heads if self.attention_sinks else 0)
+        return bias + (2 * self.head_dim if self.qk_norm else 0)
+
     @property
     def num_params(self) -> int:
         """Parameter count of the base model (embedding counted once when tied)."""
         h, v = self.hidden_size, self.vocab_size
-        q = h * self.num_heads * self.head_dim
-        kv = 2 * h * self.num_kv_heads * self.head_dim
-        o = self.num_heads * self.head_dim * h
-        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
-        bias += (h if self.attention_out_bias else 0) + (self.num_heads if self.attention_sinks else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        layers = sum(q + kv + o + bias + norms + self._mlp_params(i, active=False) for i in range(self.num_layers))
+        layers = sum(self._mixer_matmul_params(i) + self._mixer_other_params(i) + 2 * h
+                     + self._mlp_params(i, active=False) for i in range(self.num_layers))
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return layers + embed + h
 
@@ -144,12 +210,8 @@ class ModelConfig:
 
         This is the N of the usual ``2 * N * tokens`` forward FLOP estimate.
         """
-        h = self.hidden_size
-        q = h * self.num_heads * self.head_dim
-        kv = 2 * h * self.num_kv_heads * self.head_dim
-        o = self.num_heads * self.head_dim * h
-        layers = sum(q + kv + o + self._mlp_params(i, active=True) for i in range(self.num_layers))
-        return layers + self.vocab_size * h
+        layers = sum(self._mixer_matmul_params(i) + self._mlp_params(i, active=True) for i in range(self.num_layers))
+        return layers + self.vocab_size * self.hidden_size
 
 
 def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:

@@ -118,7 +118,8 @@ def to_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ``target_parameters`` (nested ``ParamWrapper``s: gate_up_proj inside, down_proj outside), one
 # A/B pair per parameter whose rows stack the experts (A: experts*r x in, B: out x r*experts with
 # columns ordered (rank, expert)). Our separate gate and up adapters become one of rank 2r whose
-# B is block-diagonal, gate rows on even and up rows on odd outputs (the fused interleaving).
+# B is block-diagonal, gate rows on even and up rows on odd outputs (the fused interleaving), or
+# gate rows first and up rows after them (``interleaved=False``: Qwen3.5-MoE's fused experts).
 PEFT_TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 _OURS = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$")
 _PEFTS = re.compile(r"^(.*\.mlp\.experts)\.(base_layer\.)?lora_([AB])\.weight$")
@@ -131,7 +132,7 @@ def peft_expert_config(spec_rank: int, alpha: float) -> dict[str, Any]:
             "alpha_pattern": {"gate_up_proj": 2 * alpha}}
 
 
-def to_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_peft_tensors(tensors: dict[str, torch.Tensor], interleaved: bool = True) -> dict[str, torch.Tensor]:
     """Our expert LoRA tensors (stacked per expert) under peft's gpt-oss names; others pass through."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, torch.Tensor]] = {}
@@ -150,12 +151,13 @@ def to_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         out[f"{prefix}.base_layer.lora_A.weight"] = torch.cat((a_g, a_u), dim=1).reshape(e * 2 * r, -1)
         i = b_g.shape[1]
         b = b_g.new_zeros(e, 2 * i, 2 * r)
-        b[:, 0::2, :r], b[:, 1::2, r:] = b_g, b_u
+        gate_rows, up_rows = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, i), slice(i, None))
+        b[:, gate_rows, :r], b[:, up_rows, r:] = b_g, b_u
         out[f"{prefix}.base_layer.lora_B.weight"] = b.permute(1, 2, 0).reshape(2 * i, 2 * r * e)
     return out
 
 
-def from_peft_tensors(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+def from_peft_tensors(tensors: dict[str, torch.Tensor], rank: int, interleaved: bool = True) -> dict[str, torch.Tensor]:
     """The inverse of :func:`to_peft_tensors` for an adapter of rank ``rank``."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, torch.Tensor]] = {}
@@ -177,8 +179,10 @@ def from_peft_tensors(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
         a = p["gate_up.A"].reshape(e, 2 * rank, -1)
         b = p["gate_up.B"].reshape(p["gate_up.B"].shape[0], 2 * rank, e).permute(2, 0, 1)  # (E, 2I, 2r)
         out[f"{prefix}.gate_proj.lora_A.weight"], out[f"{prefix}.up_proj.lora_A.weight"] = a[:, :rank], a[:, rank:]
-        out[f"{prefix}.gate_proj.lora_B.weight"] = b[:, 0::2, :rank]
-        out[f"{prefix}.up_proj.lora_B.weight"] = b[:, 1::2, rank:]
+        i = b.shape[1] // 2
+        gate_rows, up_rows = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, i), slice(i, None))
+        out[f"{prefix}.gate_proj.lora_B.weight"] = b[:, gate_rows, :rank]
+        out[f"{prefix}.up_proj.lora_B.weight"] = b[:, up_rows, rank:]
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinsmith.models.config import ModelConfig, RopeConfig
+from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
@@ -25,14 +26,18 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, scale_in_fp32: bool = False):
+    def __init__(self, dim: int, eps: float, scale_in_fp32: bool = False, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         # gpt-oss scales in fp32 and casts once (its transformers class); others cast, then scale.
         self.scale_in_fp32 = scale_in_fp32
+        # Qwen3.5 stores the weight centred on zero: it scales by (1 + weight), in fp32.
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         if self.scale_in_fp32 and x.dtype != torch.float32:
             return (self.weight.float() * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
@@ -135,8 +140,12 @@ class Rotary(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` of shape (b, L, heads, d): ``x cos + rotate_half(x) sin``.
 
-    ``rotate_half(x) * sin`` equals ``roll(x, d/2) * [-sin, sin]`` exactly.
+    ``rotate_half(x) * sin`` equals ``roll(x, d/2) * [-sin, sin]`` exactly. When cos/sin are
+    narrower than ``x`` (partial rotary, Qwen3.5), only the leading dimensions turn.
     """
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :r], cos, signed_sin), x[..., r:]), dim=-1)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
@@ -235,7 +244,9 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = LoraLinear(h, cfg.num_heads * cfg.head_dim, bias)
+        # Qwen3.5: q_proj also yields a per-head output gate (each head's query, then its gate).
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = LoraLinear(h, cfg.num_heads * cfg.head_dim * (2 if self.output_gate else 1), bias)
         self.k_proj = LoraLinear(h, cfg.num_kv_heads * cfg.head_dim, bias)
         self.v_proj = LoraLinear(h, cfg.num_kv_heads * cfg.head_dim, bias)
         self.o_proj = LoraLinear(cfg.num_heads * cfg.head_dim, h, cfg.attention_out_bias)
@@ -243,8 +254,8 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
         self.sliding_window = cfg.window_of(layer_idx)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -266,7 +277,12 @@ class Attention(nn.Module):
             qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
-            q = self.q_proj(x, segments).view(b, L, H, d)
+            gate = None
+            if self.output_gate:
+                q, gate = self.q_proj(x, segments).view(b, L, H, 2 * d).chunk(2, dim=-1)
+                gate = gate.reshape(b, L, H * d)
+            else:
+                q = self.q_proj(x, segments).view(b, L, H, d)
             k = self.k_proj(x, segments).view(b, L, Hk, d)
             v = self.v_proj(x, segments).view(b, L, Hk, d)
             if self.q_norm is not None:
@@ -277,13 +293,16 @@ class Attention(nn.Module):
             out = attend(self.layer_idx, q, k, v)
         else:
             out = attend(self.layer_idx, q, k, v, sinks=self.sinks, window=self.sliding_window)
-        return self.o_proj(out.transpose(1, 2).reshape(b, L, -1), segments)
+        out = out.transpose(1, 2).reshape(b, L, -1)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out, segments)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj = LoraLinear(h, i)
         self.up_proj = LoraLinear(h, i)
         self.down_proj = LoraLinear(i, h)
@@ -300,16 +319,50 @@ class MLP(nn.Module):
         return self.down_proj(h, segments)
 
 
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts plus one dense shared expert weighted by ``sigmoid(shared_expert_gate(x))``
+    (Qwen3.5-MoE). The shared expert's projections are MLP LoRA targets; its gate is frozen."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        assert cfg.moe is not None
+        self.shared_expert = MLP(cfg, cfg.moe.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        routed = super().forward(x, segments)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, segments)
+
+
+def _feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    if not cfg.is_moe_layer(layer_idx):
+        return MLP(cfg)
+    assert cfg.moe is not None
+    return SharedExpertMoeBlock(cfg) if cfg.moe.shared_expert_intermediate_size else SparseMoeBlock(cfg)
+
+
 class DecoderLayer(nn.Module):
+    """Attention (``self_attn``) or, on a hybrid model's linear layers, Gated DeltaNet
+    (``linear_attn``), then the feed-forward block."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
+        if cfg.is_linear_layer(layer_idx):
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = Attention(cfg, layer_idx)
+        self.mlp: nn.Module = _feed_forward(cfg, layer_idx)
+        norm = dict(scale_in_fp32=cfg.norm_scale_in_fp32, offset=cfg.norm_offset)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
 
     def forward(self, h, cos, sin, segments: Segments | None, attend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, segments, attend)
+        x = self.input_layernorm(h)
+        if hasattr(self, "linear_attn"):
+            h = h + self.linear_attn(x, segments, attend)
+        else:
+            h = h + self.self_attn(x, cos, sin, segments, attend)
         return h + self.mlp(self.post_attention_layernorm(h), segments)
 
 
@@ -319,8 +372,8 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32, cfg.norm_offset)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope)
 
 
 @dataclass
@@ -393,10 +446,15 @@ class CausalLM(nn.Module):
         """
         out: list[tuple[str, LoraLinear | ExpertLinear]] = []
         for i, layer in enumerate(self.model.layers):
-            if attn:
+            if attn and hasattr(layer, "linear_attn"):
+                out += [(f"model.layers.{i}.linear_attn.{n}", getattr(layer.linear_attn, n)) for n in LINEAR_TARGETS]
+            elif attn:
                 out += [(f"model.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n)) for n in ATTN_TARGETS]
             if mlp and isinstance(layer.mlp, SparseMoeBlock):
                 out += [(f"model.layers.{i}.mlp.experts.{n}", getattr(layer.mlp.experts, n)) for n in EXPERT_TARGETS]
+                if isinstance(layer.mlp, SharedExpertMoeBlock):
+                    out += [(f"model.layers.{i}.mlp.shared_expert.{n}", getattr(layer.mlp.shared_expert, n))
+                            for n in MLP_TARGETS]
             elif mlp:
                 out += [(f"model.layers.{i}.mlp.{n}", getattr(layer.mlp, n)) for n in MLP_TARGETS]
         if unembed:

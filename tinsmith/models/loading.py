@@ -8,6 +8,7 @@ touched once; every tensor is checked for shape and finiteness before the model 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -26,6 +27,8 @@ from tinsmith.models.moe import expert_tensor_sources
 from tinsmith.models.registry import family_for, family_named
 from tinsmith.models.vision import VisionTower
 from tinsmith.progress import bar, progress_wanted
+
+log = logging.getLogger(__name__)
 
 _HUB_PATTERNS = ["config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json",
                  "*.safetensors", "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
@@ -166,6 +169,11 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
             missing.append(stored)
         else:
             recipes[name] = recipe
+    if cfg.vision is None:
+        skipped = [n for n in files if n.startswith((VISION_PREFIX, "model.visual.", "mtp."))]
+        if skipped:
+            log.info("%s: serving the text decoder only; %d vision-tower / multi-token-prediction tensors "
+                     "are not loaded (%s...)", model_dir.name, len(skipped), skipped[0])
     if missing:
         raise InvalidInputError(f"checkpoint {str(model_dir)!r} lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     state: dict[str, torch.Tensor] = {}
@@ -189,7 +197,7 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = Rotary(cfg.head_dim, cfg.rope).to(device)
+    model.model.rotary = Rotary(cfg.rotary_dim, cfg.rope).to(device)
     pack_weights(model)
     for p in model.parameters():
         p.requires_grad_(False)

@@ -208,9 +208,20 @@ def pack_weights(model: nn.Module) -> None:
     (e.g. on a deep copy, which does not keep the views linked).
     """
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
-        PackedProjection([attn.o_proj])
+        mlp = layer.mlp
+        attn = getattr(layer, "self_attn", None)
+        linear = getattr(layer, "linear_attn", None)  # Gated DeltaNet: its four input projections share one buffer
+        if linear is not None:
+            linear.packed_in = PackedProjection([linear.in_proj_qkv, linear.in_proj_z, linear.in_proj_b,
+                                                 linear.in_proj_a])
+            PackedProjection([linear.out_proj])
+        if attn is not None:
+            if not attn.output_gate:  # gated queries interleave with their gates: left unpacked
+                attn.packed_qkv = PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
+            PackedProjection([attn.o_proj])
+        if hasattr(mlp, "shared_expert"):
+            shared = mlp.shared_expert
+            shared.packed_gate_up = PackedProjection([shared.gate_proj, shared.up_proj])
         if hasattr(mlp, "experts"):  # routed experts: gate and up halves of one stacked buffer
             from tinsmith.models.moe import PackedGateUp
 

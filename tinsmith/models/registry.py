@@ -80,4 +80,4 @@ def family_for(raw: dict[str, Any]) -> Family:
 
 def _load_families() -> None:
     # Importing the family modules registers them; kept lazy to avoid import cycles.
-    from tinsmith.models import gpt_oss, llama, qwen2, qwen3, qwen3_moe, qwen3_vl  # noqa: F401
+    from tinsmith.models import gpt_oss, llama, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_vl  # noqa: F401

@@ -4,6 +4,10 @@ Each layer keeps ``K, V`` of shape ``(rows, kv_heads, capacity, head_dim)``. Cap
 blocks of ``BLOCK`` positions as the longest live sequence grows (never reserved for the
 maximum length up front), and rows are kept dense: when a sequence finishes, the last live row
 moves into its place, so a decode step always runs over rows ``[0, n)``.
+
+Hybrid models (Qwen3.5) hold K/V only for their attention layers (the Gated DeltaNet layers'
+buffers have zero heads) and keep each row's fixed-size recurrent state beside them in
+:class:`tinsmith.sampling.recurrent_state.RowRecurrentState`, which moves with the row.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch.nn import functional as F
 
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import masked_attention
+from tinsmith.sampling.recurrent_state import DecodeStates, PrefillStates, RowRecurrentState
 
 BLOCK = 64
 
@@ -27,14 +32,21 @@ class RowKVCache:
         self.device, self.dtype = device, dtype
         self.capacity = BLOCK
         self.row_capacity = rows
-        shape = (rows, cfg.num_kv_heads, self.capacity, cfg.head_dim)
-        self.K = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.V = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.K = [torch.zeros(self._shape(i, rows, self.capacity), device=device, dtype=dtype)
+                  for i in range(cfg.num_layers)]
+        self.V = [torch.zeros(self._shape(i, rows, self.capacity), device=device, dtype=dtype)
+                  for i in range(cfg.num_layers)]
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens held per row
+        self.recurrent = RowRecurrentState(cfg, device, dtype, rows) if cfg.has_recurrent_state else None
+
+    def _shape(self, layer: int, rows: int, capacity: int) -> tuple[int, int, int, int]:
+        heads = 0 if self.cfg.is_linear_layer(layer) else self.cfg.num_kv_heads  # no K/V in DeltaNet layers
+        return (rows, heads, capacity, self.cfg.head_dim)
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers take (for metrics; its lists may be swapped meanwhile, a copy is read)."""
-        return sum(t.numel() * t.element_size() for t in list(self.K) + list(self.V))
+        recurrent = self.recurrent.nbytes() if self.recurrent is not None else 0
+        return sum(t.numel() * t.element_size() for t in list(self.K) + list(self.V)) + recurrent
 
     # ----------------------------------------------------------------------------- sizing
     def ensure(self, rows: int, length: int) -> None:
@@ -43,34 +55,49 @@ class RowKVCache:
         new_cap = self.capacity if length <= self.capacity else _round_up(max(length, self.capacity + BLOCK), BLOCK)
         if new_rows == self.row_capacity and new_cap == self.capacity:
             return
-        shape = (new_rows, self.cfg.num_kv_heads, new_cap, self.cfg.head_dim)
         for store in (self.K, self.V):
             for i, old in enumerate(store):
-                new = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                new = torch.zeros(self._shape(i, new_rows, new_cap), device=self.device, dtype=self.dtype)
                 new[: self.row_capacity, :, : self.capacity] = old
                 store[i] = new
         lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
         lengths[: self.row_capacity] = self.lengths
         self.lengths = lengths
+        if self.recurrent is not None and new_rows != self.row_capacity:
+            self.recurrent.resize(new_rows)
         self.row_capacity, self.capacity = new_rows, new_cap
 
     def shrink(self, live_rows: int, max_len: int) -> None:
         """Give memory back when the batch has become much smaller than the buffers."""
         if self.capacity > 4 * _round_up(max_len, BLOCK) or self.row_capacity > 4 * max(live_rows, 8):
-            rows, cap = max(8, 2 * live_rows), _round_up(max(max_len, 1), BLOCK)
+            rows, cap = min(max(8, 2 * live_rows), self.row_capacity), _round_up(max(max_len, 1), BLOCK)
             for store in (self.K, self.V):
                 for i, old in enumerate(store):
                     store[i] = old[:rows, :, :cap].clone()
             self.lengths = self.lengths[:rows].clone()
+            if self.recurrent is not None:
+                self.recurrent.resize(rows)
             self.row_capacity, self.capacity = rows, cap
 
     # ----------------------------------------------------------------------------- rows
-    def write_prefix(self, row: int, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Copy a prefilled prompt's K/V ``(kv_heads, length, head_dim)`` per layer into ``row``."""
-        for i, (k, v) in enumerate(layer_kv):
+    def write_prefix(self, row: int, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int,
+                     states: PrefillStates | None = None, prompt: int = 0) -> None:
+        """Copy a prefilled prompt's K/V ``(kv_heads, length, head_dim)`` per attention layer into
+        ``row``, and on hybrid models prompt ``prompt``'s recurrent states of the prefill."""
+        for i, (k, v) in layer_kv.items():
             self.K[i][row, :, :length] = k[:, :length]
             self.V[i][row, :, :length] = v[:, :length]
+        if self.recurrent is not None:
+            assert states is not None, "a hybrid model's prefill records its recurrent states"
+            self.recurrent.write_row(row, states, prompt)
         self.lengths[row] = length
+
+    def prefill_states(self, lengths: torch.Tensor, width: int) -> PrefillStates | None:
+        """Where a prefill of prompts of ``lengths`` (right-padded to ``width``) records its
+        recurrent states (None: the model has none)."""
+        if self.recurrent is None:
+            return None
+        return PrefillStates(lengths, width, self.recurrent.kernel)
 
     def move_row(self, src: int, dst: int) -> None:
         if src == dst:
@@ -79,6 +106,8 @@ class RowKVCache:
         for store in (self.K, self.V):
             for t in store:
                 t[dst, :, :n] = t[src, :, :n]
+        if self.recurrent is not None:
+            self.recurrent.move_row(src, dst)
         self.lengths[dst] = n
 
     # ----------------------------------------------------------------------------- attention
@@ -117,16 +146,20 @@ class RowKVCache:
             out = F.scaled_dot_product_attention(qg, K[:n, :, :span], V[:n, :, :span], attn_mask=mask)
             return out.reshape(n, hq, 1, q.shape[-1])
 
+        states = None if self.recurrent is None else DecodeStates(self.recurrent, n)
+        attend.recurrent = states  # type: ignore[attr-defined]
         return attend
 
 
-def recording_attention(store: list[tuple[torch.Tensor, torch.Tensor]]):
-    """Causal attention for a prefill that also keeps every layer's K/V (after rotary)."""
+def recording_attention(store: dict[int, tuple[torch.Tensor, torch.Tensor]], states: PrefillStates | None = None):
+    """Causal attention for a prefill that also keeps every attention layer's K/V (after rotary)
+    and, on hybrid models, every Gated DeltaNet layer's final states in ``states``."""
     from tinsmith.models.layers import causal_attention
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        store.append((k, v))
+        store[layer] = (k, v)
         return causal_attention(layer, q, k, v, sinks=sinks, window=window)
 
+    attend.recurrent = states  # type: ignore[attr-defined]
     return attend

@@ -289,9 +289,12 @@ class Sampler:
             for st, delta in zip(batch, deltas):
                 st.rope_delta = delta
         segments = _row_segments([s.task.slot for s in batch], L)
-        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv), visual=visual)
-        last = hidden[torch.arange(b, device=self.device), torch.tensor(lens, device=self.device) - 1]
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        lengths = torch.tensor(lens, device=self.device)
+        states = self.cache.prefill_states(lengths, L)  # hybrid models: each prompt's recurrent state
+        hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv, states),
+                                          visual=visual)
+        last = hidden[torch.arange(b, device=self.device), lengths - 1]
         last_logits = self.model.logits(last, _row_segments([s.task.slot for s in batch], 1))
         self.stats["prefills"] += b
 
@@ -313,7 +316,7 @@ class Sampler:
                 logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
                 torch.full((n,), float(p.top_p), device=dev), u, kinds,
             )
-            layer_kv = [(k[i], v[i]) for k, v in kv]
+            layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}
             toks_l, lps_l = tok.tolist(), lp.tolist()
             tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
             for j in range(n):
@@ -322,7 +325,7 @@ class Sampler:
                     row.watcher = StringStopWatcher(st.stops.strings, self.decode)
                 r = len(self.rows)
                 self.rows.append(row)
-                self.cache.write_prefix(r, layer_kv, lens[i])
+                self.cache.write_prefix(r, layer_kv, lens[i], states, i)
                 if self._push(row, toks_l[j], lps_l[j], tops[j]):
                     self._retire(r, "stop", done)
                 elif st.max_tokens <= 1:

@@ -737,7 +737,8 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
     slower per token than 4096, and 4096 ~12% slower than 2048 when four tenants' 8 x 128 steps
     share one call, while 32 x 512 ran alike at 1024-4096). On a GPU, as many as half the free memory holds, at a rough
     activation cost per token (about 20 hidden-sized values per layer kept for backward, a few
-    with checkpointing, plus the routed experts' rows of a mixture of experts), within [1024, 65536].
+    with checkpointing, plus the routed experts' rows of a mixture of experts and the chunked
+    delta-rule intermediates of Gated DeltaNet layers), within [1024, 65536].
     Logits cost nothing per token: they are computed in fixed-size chunks (``logit_chunk_bytes``,
     a few such buffers at once), set aside from the free memory first.
     """
@@ -751,5 +752,12 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
         # each routed copy of a token keeps its input, gate, up, product and output rows
         per_layer += cfg.moe.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe.moe_intermediate_size) * width
     per_token = cfg.num_layers * per_layer
+    if cfg.linear_attn is not None:
+        # Gated DeltaNet layers keep, in fp32, three chunk-wide (64) decay/system matrices per value
+        # head and the q/k/v/output rows of every token.
+        la = cfg.linear_attn
+        rows = 2 * la.num_value_heads * la.key_head_dim + 2 * la.num_value_heads * la.value_head_dim
+        linear_layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+        per_token += linear_layers * (3 * la.num_value_heads * 64 + 2 * rows) * 4
     free -= 4 * DEFAULT_CHUNK_BYTES
     return int(min(65536, max(1024, 0.5 * free / per_token)))

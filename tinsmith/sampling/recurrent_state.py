@@ -1,0 +1,101 @@
+"""Per-row recurrent state of hybrid models' Gated DeltaNet layers, kept beside the KV cache.
+
+Each linear layer holds, per sampler row, the last ``kernel - 1`` inputs of its causal
+convolution (rows x conv_dim x (kernel - 1), the model's dtype) and its delta-rule state
+(rows x value_heads x key_dim x value_dim, fp32 as transformers keeps it). Unlike K/V, the size
+does not grow with the sequence. Rows stay dense exactly as the KV cache's: a prefill writes a
+row, a finished row is overwritten by the last one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from tinsmith.models.config import ModelConfig
+
+
+class RowRecurrentState:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int):
+        la = cfg.linear_attn
+        assert la is not None
+        self.layers = [i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)]
+        self.kernel = la.conv_kernel
+        self.conv_shape = (la.conv_dim, la.conv_kernel - 1)
+        self.state_shape = (la.num_value_heads, la.key_head_dim, la.value_head_dim)
+        self.device, self.dtype = device, dtype
+        self.conv: dict[int, torch.Tensor] = {}
+        self.state: dict[int, torch.Tensor] = {}
+        self.rows = 0
+        self.resize(rows)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.conv.values()) + list(self.state.values()))
+
+    def resize(self, rows: int) -> None:
+        """Grow or shrink to ``rows`` rows, keeping the first ones."""
+        keep = min(rows, self.rows)
+        for i in self.layers:
+            conv = torch.zeros((rows, *self.conv_shape), device=self.device, dtype=self.dtype)
+            state = torch.zeros((rows, *self.state_shape), device=self.device, dtype=torch.float32)
+            if keep:
+                conv[:keep], state[:keep] = self.conv[i][:keep], self.state[i][:keep]
+            self.conv[i], self.state[i] = conv, state
+        self.rows = rows
+
+    def write_row(self, row: int, prefill: PrefillStates, i: int) -> None:
+        """Row ``row`` takes prompt ``i`` of a recorded prefill."""
+        for layer in self.layers:
+            self.conv[layer][row] = prefill.conv[layer][i]
+            self.state[layer][row] = prefill.state[layer][i]
+
+    def move_row(self, src: int, dst: int) -> None:
+        for layer in self.layers:
+            self.conv[layer][dst] = self.conv[layer][src]
+            self.state[layer][dst] = self.state[layer][src]
+
+
+class PrefillStates:
+    """What a prefill of right-padded prompts leaves per Gated DeltaNet layer (see
+    :class:`tinsmith.models.gated_deltanet.RecurrentStates`)."""
+
+    decoding = False
+
+    def __init__(self, lengths: torch.Tensor, width: int, kernel: int):
+        self.lengths, self.kernel = lengths, kernel
+        self.valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+        self.conv: dict[int, torch.Tensor] = {}
+        self.state: dict[int, torch.Tensor] = {}
+
+    def record(self, layer_idx: int, conv_inputs: torch.Tensor, state: torch.Tensor) -> None:
+        """Keep each prompt's last ``kernel - 1`` convolution inputs (zeros before its start) and state."""
+        x = F.pad(conv_inputs.transpose(1, 2), (self.kernel - 1, 0))  # (b, C, kernel - 1 + L)
+        index = self.lengths[:, None] + torch.arange(self.kernel - 1, device=x.device)[None, :]
+        self.conv[layer_idx] = x.gather(2, index[:, None, :].expand(-1, x.shape[1], -1))
+        self.state[layer_idx] = state
+
+    def get(self, layer_idx: int):
+        raise RuntimeError("a prefill has no states to read")
+
+    def put(self, layer_idx: int, conv_state: torch.Tensor, state: torch.Tensor) -> None:
+        raise RuntimeError("a prefill records its states")
+
+
+class DecodeStates:
+    """The recurrent states of rows ``[0, n)`` for one decode step."""
+
+    decoding = True
+    valid = None
+
+    def __init__(self, store: RowRecurrentState, n: int):
+        self.store, self.n = store, n
+
+    def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.conv[layer_idx][: self.n], self.store.state[layer_idx][: self.n]
+
+    def put(self, layer_idx: int, conv_state: torch.Tensor, state: torch.Tensor) -> None:
+        self.store.conv[layer_idx][: self.n] = conv_state
+        self.store.state[layer_idx][: self.n] = state
+
+    def record(self, layer_idx: int, conv_inputs: torch.Tensor, state: torch.Tensor) -> None:
+        raise RuntimeError("a decode step updates states in place")
