@@ -1,0 +1,83 @@
+"""Collectives of the tensor-parallel group, as autograd functions where gradients flow through.
+
+Megatron's pair: :func:`copy_to_tp` marks where a replicated activation enters sharded compute
+(identity forward; backward sums the ranks' partial input gradients) and :func:`reduce_from_tp`
+where sharded partial results leave it (forward sums them; backward passes the replicated
+gradient through). :func:`sum_grad_over_tp` gives a replicated leaf (a LoRA factor every rank
+holds whole) the sum of the ranks' partial gradients, as data parallelism does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tinsmith.parallel.group import TPGroup, guarded
+
+
+def all_reduce_(t: torch.Tensor, tp: TPGroup, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "all_reduce") -> torch.Tensor:
+    """Reduce ``t`` over the group in place (nothing to do in a group of one)."""
+    if tp.size > 1:
+        guarded(tp, what, lambda: dist.all_reduce(t, op=op, group=tp.group))
+    return t
+
+
+def all_gather_cat(t: torch.Tensor, tp: TPGroup, dim: int, what: str = "all_gather") -> torch.Tensor:
+    """Every rank's ``t`` (equal shapes), concatenated along ``dim`` in rank order."""
+    if tp.size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp.size)]
+    guarded(tp, what, lambda: dist.all_gather(parts, t.contiguous(), group=tp.group))
+    return torch.cat(parts, dim=dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce_(grad.contiguous().clone(), ctx.tp, what="input-gradient all_reduce"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        return all_reduce_(x.contiguous().clone(), tp, what="output all_reduce")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient (a replicated input of sharded work)."""
+    if tp.size == 1:
+        return x
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return x
+    return _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sum of every rank's ``x`` forward; the gradient passes through unchanged."""
+    if tp.size == 1:
+        return x
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return all_reduce_(x.contiguous(), tp, what="output all_reduce")
+    return _ReduceFromTP.apply(x, tp)
+
+
+def sum_grad_over_tp(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Mark ``t`` (a leaf every rank holds whole) as replicated: each backward's gradient for it is
+    summed over the ranks before it accumulates, so every rank steps it identically."""
+    t._tp_replicated = True  # read by the gradient norm and the checkpoint helpers
+    if tp.size > 1:
+        t.register_hook(lambda g: all_reduce_(g.contiguous().clone(), tp, what="replicated-gradient all_reduce"))
+    return t
+
+
+def is_replicated(t: torch.Tensor) -> bool:
+    return bool(getattr(t, "_tp_replicated", False))
