@@ -6,9 +6,12 @@ test process for the single-process reference; both return the same dictionary o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from tinsmith.checkpoints.state_format import TrainingState, load_training_state, save_training_state
 from tinsmith.models.loading import load_model
 from tinsmith.parallel.decode import greedy_decode
 from tinsmith.parallel.group import TPGroup
@@ -43,9 +46,13 @@ def _random_like(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     return {k: 0.05 * torch.randn(v.shape, generator=g) for k, v in sorted(state.items())}
 
 
-def run_scenario(rt: TrainingRuntime, sharded: bool) -> dict:
+def run_scenario(rt: TrainingRuntime, sharded: bool, save_to: str | None = None, load_from: str | None = None) -> dict:
     """Two adapters: seeded creation, a loaded nonzero state, one shared forward/backward, one
-    clipped AdamW step each, logprobs after it, and greedy decoding with and without an adapter."""
+    clipped AdamW step each, logprobs after it, and greedy decoding with and without an adapter.
+
+    ``save_to``: write adapter 0's state after the step there as a checkpoint (rank 0 writes).
+    ``load_from``: load such a checkpoint into a fresh adapter; report its state and logprobs.
+    """
     def export(u):
         return rt.export_full_state(u) if sharded else rt.unit(u).export_state()
 
@@ -61,7 +68,7 @@ def run_scenario(rt: TrainingRuntime, sharded: bool) -> dict:
     out: dict = {"init": export(units[0])[0]}
     for i, u in enumerate(units):
         load(u, _random_like(export(u)[0], seed=100 + i), None)
-    data = [_data(1, [9, 5], vocab), _data(2, [7], vocab)]
+    data = [_data(1, [9, 5], vocab), _data(2, [7], vocab)]  # load_and_score reads data[0] again
     reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in zip(units, data)]
     res = rt.forward_backward(reqs)
     for r in res:
@@ -74,6 +81,12 @@ def run_scenario(rt: TrainingRuntime, sharded: bool) -> dict:
     out["after"] = [export(u) for u in units]
     again = rt.forward_backward([TrainRequest(units[0], ForwardBackwardInput(data[0], "cross_entropy", forward_only=True))])
     out["logprobs_after"] = [o["logprobs"] for o in again[0].outputs]
+    spec0 = LoraSpec(rank=4, seed=7)
+    if save_to is not None and (not sharded or rt.tp.rank == 0):
+        w, o = out["after"][0]
+        save_training_state(Path(save_to), TrainingState("tiny", spec0, w, o, steps=1))
+    if load_from is not None:
+        out.update(load_and_score(rt, sharded, load_from))
     prompts = torch.from_numpy(np.random.default_rng(3).integers(0, vocab, (2, 6)))
     out["greedy_base"] = greedy_decode(rt.model, prompts, 6)
     out["greedy_lora"] = greedy_decode(rt.model, prompts, 6, slot=rt.unit(units[0]).slot)
@@ -81,6 +94,41 @@ def run_scenario(rt: TrainingRuntime, sharded: bool) -> dict:
     return out
 
 
-def rank_main(tp: TPGroup, model_dirs: list[str]) -> list[dict]:
-    """Each rank: the scenario on every model, sharded."""
-    return [run_scenario(build_runtime(d, tp), sharded=True) for d in model_dirs]
+def load_and_score(rt: TrainingRuntime, sharded: bool, load_from: str) -> dict:
+    """A fresh adapter loaded from the checkpoint at ``load_from``: its state and logprobs."""
+    state = load_training_state(Path(load_from), with_optimizer=True)
+    unit = rt.create_adapter(state.lora)
+    if sharded:
+        rt.import_full_state(unit, state.weights, state.optimizer)
+    else:
+        rt.unit(unit).import_state(state.weights, state.optimizer)
+    data = _data(1, [9, 5], rt.config.vocab_size)
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", forward_only=True))])
+    return {"loaded_state": rt.export_full_state(unit) if sharded else rt.unit(unit).export_state(),
+            "loaded_logprobs": [o["logprobs"] for o in res.outputs]}
+
+
+def rank_main(tp: TPGroup, cases: list[tuple[str, str, str]]) -> list[dict]:
+    """Each rank: the scenario on every (model, save_to, load_from), sharded."""
+    return [run_scenario(build_runtime(d, tp), sharded=True, save_to=s, load_from=l) for d, s, l in cases]
+
+
+def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
+    """Both ranks load and shard the model; rank 1 then ``fault``s ("raise", "exit" or "stall")
+    instead of joining the forward pass, and rank 0 reports what its forward pass came to."""
+    import os
+    import time
+
+    rt = build_runtime(model_dir, tp)
+    unit = rt.create_adapter(LoraSpec(rank=2, seed=0))
+    if tp.rank == 1:
+        if fault == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        if fault == "exit":
+            os._exit(3)
+        time.sleep(stall_s)
+        return None
+    t0 = time.monotonic()
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(_data(1, [8], rt.config.vocab_size),
+                                                                          "cross_entropy"))])
+    return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}

@@ -1,6 +1,6 @@
 """Start the ranks of a tensor-parallel group as local processes (tests, and later the worker).
 
-Each rank runs ``fn(tp, *args)`` in a fresh ``spawn``ed process after joining the group; what it
+Each rank runs ``fn(tp, *args)`` in a fresh process (forked from a clean fork server) after joining the group; what it
 returns (or the error it raised, as text) is written to ``out_dir/rank{r}.pt`` for the parent.
 A rank still running at the deadline is killed and reported, so a hung group cannot hang the
 caller.
@@ -54,7 +54,10 @@ def run_ranks(fn: Callable, world_size: int, out_dir: Path, args: tuple = (), *,
     """Run ``fn`` on ``world_size`` gloo ranks; ``timeout_s`` is the group's collective timeout,
     ``deadline_s`` how long the caller waits for all of them."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # The fork server imports torch (and ``fn``'s module) once; each rank is then forked from it,
+    # not started from scratch, which saves seconds per group (nothing runs there before a fork).
+    ctx.set_forkserver_preload(["torch", __name__, fn.__module__])
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(out_dir), timeout_s, threads, args))
              for r in range(world_size)]
