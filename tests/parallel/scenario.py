@@ -20,15 +20,36 @@ from tinsmith.parallel.shard import shard_causal_lm
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def assert_same(ref, got, where: str = "") -> None:
+    """Equal structure, equal integers and strings, floats within 1e-5 (relative and absolute)."""
+    if isinstance(ref, dict):
+        assert sorted(ref) == sorted(got), where
+        for k in ref:
+            assert_same(ref[k], got[k], f"{where}.{k}")
+    elif isinstance(ref, (list, tuple)):
+        assert len(ref) == len(got), where
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(ref, str):
+        assert ref == got, f"{where}: {ref!r} != {got!r}"
+    elif isinstance(ref, torch.Tensor) and not ref.is_floating_point():
+        assert torch.equal(ref, got), f"{where}: {ref} != {got}"
+    else:
+        torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **TOL, msg=lambda m: f"{where}: {m}")
+
 
 def build_runtime(model_dir: str, tp: TPGroup | None) -> TrainingRuntime:
     """A plain runtime on the whole model (``tp`` None), or this rank's sharded runtime. Logits
     go 5 rows at a time, so a batch spans several chunks."""
     model = load_model(model_dir, "cpu", torch.float32).model
-    chunk_bytes = 4 * model.config.vocab_size * 5
+    # Qwen2 also runs with gradient checkpointing: recomputed layers redo their collectives.
+    kw = dict(logit_chunk_bytes=4 * model.config.vocab_size * 5, gradient_checkpointing=model.config.family == "qwen2")
     if tp is None:
-        return TrainingRuntime(model, logit_chunk_bytes=chunk_bytes)
-    return TPTrainingRuntime(shard_causal_lm(model, tp), logit_chunk_bytes=chunk_bytes)
+        return TrainingRuntime(model, **kw)
+    return TPTrainingRuntime(shard_causal_lm(model, tp), **kw)
 
 
 def _data(seed: int, lengths: list[int], vocab: int) -> list[Datum]:
@@ -132,3 +153,51 @@ def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) ->
     (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(_data(1, [8], rt.config.vocab_size),
                                                                           "cross_entropy"))])
     return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}
+
+
+class _FaultInjectingRuntime(TPTrainingRuntime):
+    """The sharded runtime plus one call that fails on a single rank (to see the group notice)."""
+
+    def fail_on_rank(self, rank: int) -> None:
+        if self.tp.rank == rank:
+            raise RuntimeError(f"injected failure on rank {rank}")
+
+
+def spmd_calls(call, vocab: int) -> dict:
+    """The calls a driver makes: create, load a state, a forward/backward with one refused request,
+    a step, export; then a call every rank refuses alike."""
+    out: dict = {}
+    unit = call("create_adapter", LoraSpec(rank=4, seed=7))
+    full, _ = call("export_full_state", unit)
+    call("import_full_state", unit, _random_like(full, seed=100), None)
+    bad = _data(3, [4], vocab)
+    bad[0].tokens[0] = vocab  # outside the vocabulary: refused alone, on every rank alike
+    res = call("forward_backward", [TrainRequest(unit, ForwardBackwardInput(_data(1, [9, 5], vocab), "cross_entropy")),
+                                    TrainRequest(unit, ForwardBackwardInput(bad, "cross_entropy"))])
+    out["logprobs"] = [o["logprobs"] for o in res[0].outputs]
+    out["loss"] = res[0].metrics["loss:sum"]
+    out["refused"] = type(res[1]).__name__
+    out["step"] = call("optim_step", unit, AdamParams(learning_rate=1e-2, grad_clip_norm=0.05))
+    out["after"] = call("export_full_state", unit)
+    try:
+        call("unit", 12345)
+    except Exception as exc:  # noqa: BLE001 (which error is the point)
+        out["missing_unit"] = type(exc).__name__
+    return out
+
+
+def spmd_main(tp: TPGroup, model_dir: str) -> dict:
+    """Rank 0 drives through :class:`SpmdExecutor`; the other ranks follow."""
+    from tinsmith.parallel.spmd import SpmdExecutor
+
+    model = load_model(model_dir, "cpu", torch.float32).model
+    rt = _FaultInjectingRuntime(shard_causal_lm(model, tp), logit_chunk_bytes=4 * model.config.vocab_size * 5)
+    ex = SpmdExecutor(rt, tp)
+    if not ex.is_driver:
+        return {"calls": ex.follow()}
+    out = spmd_calls(ex.call, rt.config.vocab_size)
+    try:
+        ex.call("fail_on_rank", 1)
+    except Exception as exc:  # noqa: BLE001
+        out["divergent"] = f"{type(exc).__name__}: {exc}"
+    return out
