@@ -33,6 +33,8 @@ def assert_same(ref, got, where: str = "") -> None:
         assert len(ref) == len(got), where
         for i, (a, b) in enumerate(zip(ref, got)):
             assert_same(a, b, f"{where}[{i}]")
+    elif ref is None:
+        assert got is None, where
     elif isinstance(ref, str):
         assert ref == got, f"{where}: {ref!r} != {got!r}"
     elif isinstance(ref, torch.Tensor) and not ref.is_floating_point():
@@ -201,3 +203,59 @@ def spmd_main(tp: TPGroup, model_dir: str) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["divergent"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _full_lora(model, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Random adapter tensors at full size for ``model`` (sharded or not), in a fixed order."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
+        fin, fout = getattr(layer, "full_in", layer.in_features), getattr(layer, "full_out", layer.out_features)
+        out[f"{name}.lora_A.weight"] = 0.1 * torch.randn(spec.rank, fin, generator=g)
+        out[f"{name}.lora_B.weight"] = 0.1 * torch.randn(fout, spec.rank, generator=g)
+    return out
+
+
+def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
+    """The serving sampler, whole or sharded: a greedy base-model request with prompt logprobs
+    and a seeded, nucleus-sampled adapter request with two samples and top-k logprobs."""
+    from tinsmith.parallel.sampling import ShardedSampler, install_full_lora_weights
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+    from tinsmith.worker.trainables import install_lora_weights
+
+    model = load_model(model_dir, "cpu", torch.float32).model
+    spec = LoraSpec(rank=4, seed=0)
+    if tp is not None:
+        shard_causal_lm(model, tp)
+        install_full_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
+        sampler = ShardedSampler(model, lambda ids: "")
+    else:
+        install_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
+        sampler = Sampler(model, lambda ids: "")
+    g = np.random.default_rng(4)
+    vocab = model.config.vocab_size
+    sampler.add(SampleTask("base", None, SampleInput(g.integers(0, vocab, 7), 1,
+                                                     SamplingParams(max_tokens=6, temperature=0.0, stop=[]),
+                                                     prompt_logprobs=True, topk_prompt_logprobs=3)))
+    sampler.add(SampleTask("lora", 1, SampleInput(g.integers(0, vocab, 5), 2,
+                                                  SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3, stop=[]),
+                                                  topk_sample_logprobs=2)))
+    results = {}
+    while sampler.has_work():
+        for key, res in sampler.step(budget_s=3600.0):  # no time budget: every rank runs the same steps
+            if isinstance(res, Exception):
+                raise res
+            results[key] = res
+    out = []
+    for key in ("base", "lora"):
+        r = results[key]
+        out.append({"prompt_logprobs": None if r.prompt_logprobs is None else torch.from_numpy(r.prompt_logprobs[1:]),
+                    "topk_prompt_ids": None if r.topk_prompt_token_ids is None else torch.from_numpy(r.topk_prompt_token_ids[1:]),
+                    "sequences": [(torch.from_numpy(s.tokens.astype(np.int64)), torch.from_numpy(s.logprobs))
+                                  for s in r.sequences]})
+    return out
+
+
+def sample_rank_main(tp: TPGroup, model_dir: str) -> list:
+    return sample_scenario(model_dir, tp)

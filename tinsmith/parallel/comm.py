@@ -52,6 +52,26 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp, ctx.width = tp, x.shape[-1]
+        return all_gather_cat(x, tp, dim=-1, what="output all_gather")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a = ctx.tp.rank * ctx.width
+        return grad[..., a : a + ctx.width].contiguous(), None
+
+
+def gather_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Every rank's ``x`` side by side along the last dimension; the gradient of this rank's part
+    is its slice of the (replicated) output gradient."""
+    if tp.size == 1:
+        return x
+    return _GatherFromTP.apply(x, tp)
+
+
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient (a replicated input of sharded work)."""
     if tp.size == 1:

@@ -1,8 +1,8 @@
 """Greedy decoding with a (possibly sharded) model: a plain KV cache, split by heads like the model.
 
 Each rank caches the keys and values of its own attention heads only, so the cache shrinks with
-the tensor-parallel size as the weights do. The next token is the argmax of the full logits,
-gathered from the ranks' vocabulary blocks, so every rank picks the same token. This is the
+the tensor-parallel size as the weights do. The next token is the argmax of the full logits
+(the sharded LM head gathers the ranks' vocabulary blocks), so every rank picks the same token. This is the
 reference decode loop for tensor parallelism (and its tests); the serving sampler with paged
 cache and many rows is not sharded yet.
 """
@@ -13,8 +13,6 @@ import torch
 from torch.nn import functional as F
 
 from tinsmith.models.layers import CausalLM
-from tinsmith.parallel.comm import all_gather_cat
-from tinsmith.parallel.shard import tp_of
 
 
 class HeadShardedKVCache:
@@ -41,11 +39,6 @@ class HeadShardedKVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
 
 
-def full_logits(model: CausalLM, hidden: torch.Tensor, segments=None) -> torch.Tensor:
-    """Logits over the whole vocabulary (fp32), the ranks' blocks gathered in vocabulary order."""
-    return all_gather_cat(model.logits(hidden, segments), tp_of(model), dim=-1, what="logits all_gather")
-
-
 @torch.no_grad()
 def greedy_decode(model: CausalLM, prompts: torch.Tensor, max_new_tokens: int, slot: int | None = None) -> torch.Tensor:
     """``max_new_tokens`` greedy tokens after each row of ``prompts`` (b, L), equal-length rows;
@@ -58,7 +51,7 @@ def greedy_decode(model: CausalLM, prompts: torch.Tensor, max_new_tokens: int, s
         positions = torch.arange(start, start + n, device=prompts.device).expand(b, n)
         segments = None if slot is None else [(slot, 0, b * n)]
         h = model.hidden_states(tokens, positions, segments, attend=cache)[:, -1]
-        nxt = full_logits(model, h, None if slot is None else [(slot, 0, b)]).argmax(-1)
+        nxt = model.logits(h, None if slot is None else [(slot, 0, b)]).argmax(-1)  # whole vocabulary
         out.append(nxt)
         tokens, start = nxt[:, None], start + n
     return torch.stack(out, dim=1)

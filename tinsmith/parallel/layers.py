@@ -21,16 +21,20 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.models.lora import LoraLinear, LoraWeights, Segments, RowGroups, new_lora_weights
-from tinsmith.parallel.comm import copy_to_tp, reduce_from_tp, sum_grad_over_tp
+from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, sum_grad_over_tp
 from tinsmith.parallel.group import TPGroup
 
 
 class ColumnParallelLoraLinear(LoraLinear):
     """Output rows ``rows`` of a full ``(full_out, in)`` projection."""
 
-    def __init__(self, full: LoraLinear, rows: slice, tp: TPGroup, weight: nn.Parameter | None = None):
+    def __init__(self, full: LoraLinear, rows: slice, tp: TPGroup, weight: nn.Parameter | None = None,
+                 gather_output: bool = False):
         super().__init__(full.in_features, rows.stop - rows.start, bias=False)
         self.tp, self.rows = tp, rows
+        # Megatron's option: return the full output (all ranks' rows), for an LM head whose
+        # logits callers (the sampler) read whole. Training reads the shard via ``weight``.
+        self.gather_output = gather_output
         self.full_in, self.full_out = full.in_features, full.out_features
         # ``weight`` is given when it is shared (an LM head tied to the embedding's shard).
         self.weight = weight if weight is not None else nn.Parameter(
@@ -39,7 +43,8 @@ class ColumnParallelLoraLinear(LoraLinear):
             self.bias = nn.Parameter(full.bias.detach()[rows].clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None = None) -> torch.Tensor:
-        return super().forward(copy_to_tp(x, self.tp), segments)
+        y = super().forward(copy_to_tp(x, self.tp), segments)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         w = new_lora_weights((rank, self.full_in), (self.full_out, rank), self.full_in, alpha / rank, generator,

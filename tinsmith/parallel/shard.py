@@ -52,7 +52,10 @@ def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     embed = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp)
     model.model.embed_tokens = embed
-    model.lm_head = ColumnParallelLoraLinear(model.lm_head, vocab, tp, weight=embed.weight if tied else None)
+    # The head's forward gathers full logits (``model.logits`` stays whole for the sampler);
+    # training reads its shard directly (:mod:`tinsmith.parallel.logprobs`).
+    model.lm_head = ColumnParallelLoraLinear(model.lm_head, vocab, tp, weight=embed.weight if tied else None,
+                                             gather_output=True)
     model.tp = tp  # type: ignore[assignment]  (read by the runtime and the decode loop)
     return model
 
