@@ -29,9 +29,12 @@ class ColumnParallelLoraLinear(LoraLinear):
     """Output rows ``rows`` of a full ``(full_out, in)`` projection."""
 
     def __init__(self, full: LoraLinear, rows: slice, tp: TPGroup, weight: nn.Parameter | None = None,
-                 gather_output: bool = False):
+                 gather_output: bool = False, copy_input: bool = True):
         super().__init__(full.in_features, rows.stop - rows.start, bias=False)
         self.tp, self.rows = tp, rows
+        # False where the input already passed :func:`copy_to_tp` (:class:`CopyToTP` after a norm
+        # that feeds several projections: one gradient all-reduce for q, k and v together).
+        self.copy_input = copy_input
         # Megatron's option: return the full output (all ranks' rows), for an LM head whose
         # logits callers (the sampler) read whole. Training reads the shard via ``weight``.
         self.gather_output = gather_output
@@ -43,7 +46,7 @@ class ColumnParallelLoraLinear(LoraLinear):
             self.bias = nn.Parameter(full.bias.detach()[rows].clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None = None) -> torch.Tensor:
-        y = super().forward(copy_to_tp(x, self.tp), segments)
+        y = super().forward(copy_to_tp(x, self.tp) if self.copy_input else x, segments)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
@@ -100,3 +103,15 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.weight.shape[0])
         h = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
         return reduce_from_tp(h * mine[..., None].to(h.dtype), self.tp)
+
+
+class CopyToTP(nn.Module):
+    """``inner`` (a norm), then :func:`copy_to_tp`: the replicated input of the sharded projections
+    after it enters them once, so their partial input gradients are summed in one all-reduce."""
+
+    def __init__(self, inner: nn.Module, tp: TPGroup):
+        super().__init__()
+        self.inner, self.tp = inner, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(self.inner(x), self.tp)

@@ -12,7 +12,7 @@ from torch import nn
 
 from tinsmith.models.layers import MLP, CausalLM
 from tinsmith.parallel.group import TPGroup
-from tinsmith.parallel.layers import ColumnParallelLoraLinear, RowParallelLoraLinear, VocabParallelEmbedding
+from tinsmith.parallel.layers import ColumnParallelLoraLinear, CopyToTP, RowParallelLoraLinear, VocabParallelEmbedding
 
 
 def check_shardable(model: CausalLM, tp: TPGroup) -> None:
@@ -38,14 +38,18 @@ def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:
     inter = tp.shard(cfg.intermediate_size, "MLP intermediate size")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = ColumnParallelLoraLinear(attn.q_proj, q_rows, tp)
-        attn.k_proj = ColumnParallelLoraLinear(attn.k_proj, kv_rows, tp)
-        attn.v_proj = ColumnParallelLoraLinear(attn.v_proj, kv_rows, tp)
+        # The norms before attention and the MLP mark where the replicated stream enters sharded
+        # work (one gradient all-reduce each), so their projections do not each do it again.
+        layer.input_layernorm = CopyToTP(layer.input_layernorm, tp)
+        layer.post_attention_layernorm = CopyToTP(layer.post_attention_layernorm, tp)
+        attn.q_proj = ColumnParallelLoraLinear(attn.q_proj, q_rows, tp, copy_input=False)
+        attn.k_proj = ColumnParallelLoraLinear(attn.k_proj, kv_rows, tp, copy_input=False)
+        attn.v_proj = ColumnParallelLoraLinear(attn.v_proj, kv_rows, tp, copy_input=False)
         attn.o_proj = RowParallelLoraLinear(attn.o_proj, q_rows, tp)
         attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
         attn.packed_qkv = None  # packed buffers hold full weights; the shards run separately
-        mlp.gate_proj = ColumnParallelLoraLinear(mlp.gate_proj, inter, tp)
-        mlp.up_proj = ColumnParallelLoraLinear(mlp.up_proj, inter, tp)
+        mlp.gate_proj = ColumnParallelLoraLinear(mlp.gate_proj, inter, tp, copy_input=False)
+        mlp.up_proj = ColumnParallelLoraLinear(mlp.up_proj, inter, tp, copy_input=False)
         mlp.down_proj = RowParallelLoraLinear(mlp.down_proj, inter, tp)
         mlp.packed_gate_up = None
     vocab = tp.shard(cfg.vocab_size, "vocabulary size")
