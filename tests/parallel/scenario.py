@@ -54,7 +54,7 @@ def build_runtime(model_dir: str, tp: TPGroup | None) -> TrainingRuntime:
     return TPTrainingRuntime(shard_causal_lm(model, tp), **kw)
 
 
-def _data(seed: int, lengths: list[int], vocab: int) -> list[Datum]:
+def make_data(seed: int, lengths: list[int], vocab: int) -> list[Datum]:
     g = np.random.default_rng(seed)
     out = []
     for n in lengths:
@@ -91,7 +91,7 @@ def run_scenario(rt: TrainingRuntime, sharded: bool, save_to: str | None = None,
     out: dict = {"init": export(units[0])[0]}
     for i, u in enumerate(units):
         load(u, _random_like(export(u)[0], seed=100 + i), None)
-    data = [_data(1, [9, 5], vocab), _data(2, [7], vocab)]  # load_and_score reads data[0] again
+    data = [make_data(1, [9, 5], vocab), make_data(2, [7], vocab)]  # load_and_score reads data[0] again
     reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in zip(units, data)]
     res = rt.forward_backward(reqs)
     for r in res:
@@ -125,7 +125,7 @@ def load_and_score(rt: TrainingRuntime, sharded: bool, load_from: str) -> dict:
         rt.import_full_state(unit, state.weights, state.optimizer)
     else:
         rt.unit(unit).import_state(state.weights, state.optimizer)
-    data = _data(1, [9, 5], rt.config.vocab_size)
+    data = make_data(1, [9, 5], rt.config.vocab_size)
     (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", forward_only=True))])
     return {"loaded_state": rt.export_full_state(unit) if sharded else rt.unit(unit).export_state(),
             "loaded_logprobs": [o["logprobs"] for o in res.outputs]}
@@ -152,7 +152,7 @@ def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) ->
         time.sleep(stall_s)
         return None
     t0 = time.monotonic()
-    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(_data(1, [8], rt.config.vocab_size),
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(make_data(1, [8], rt.config.vocab_size),
                                                                           "cross_entropy"))])
     return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}
 
@@ -172,9 +172,9 @@ def spmd_calls(call, vocab: int) -> dict:
     unit = call("create_adapter", LoraSpec(rank=4, seed=7))
     full, _ = call("export_full_state", unit)
     call("import_full_state", unit, _random_like(full, seed=100), None)
-    bad = _data(3, [4], vocab)
+    bad = make_data(3, [4], vocab)
     bad[0].tokens[0] = vocab  # outside the vocabulary: refused alone, on every rank alike
-    res = call("forward_backward", [TrainRequest(unit, ForwardBackwardInput(_data(1, [9, 5], vocab), "cross_entropy")),
+    res = call("forward_backward", [TrainRequest(unit, ForwardBackwardInput(make_data(1, [9, 5], vocab), "cross_entropy")),
                                     TrainRequest(unit, ForwardBackwardInput(bad, "cross_entropy"))])
     out["logprobs"] = [o["logprobs"] for o in res[0].outputs]
     out["loss"] = res[0].metrics["loss:sum"]

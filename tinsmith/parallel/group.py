@@ -71,11 +71,13 @@ def free_port() -> int:
 
 
 def init_tp_group(rank: int | None = None, world_size: int | None = None, *, backend: str | None = None,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None) -> TPGroup:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None,
+                  init_method: str | None = None) -> TPGroup:
     """Join (creating if needed) the default process group and return this rank's :class:`TPGroup`.
 
     ``rank`` and ``world_size`` default to the ``RANK`` / ``WORLD_SIZE`` environment variables
-    (as torchrun sets them); the rendezvous reads ``MASTER_ADDR`` / ``MASTER_PORT``. The backend
+    (as torchrun sets them); the rendezvous reads ``MASTER_ADDR`` / ``MASTER_PORT`` unless
+    ``init_method`` (``tcp://host:port``) names it. The backend
     is NCCL for a CUDA ``device`` and gloo otherwise. ``timeout_s`` bounds the rendezvous and
     every collective, so a rank that dies or hangs makes the others fail rather than wait forever.
     """
@@ -88,6 +90,6 @@ def init_tp_group(rank: int | None = None, world_size: int | None = None, *, bac
         if backend == "nccl" and device is not None:
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
     return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), timeout_s=timeout_s)
