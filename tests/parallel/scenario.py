@@ -1,7 +1,7 @@
-"""One LoRA training-and-decoding scenario, run alike on a plain runtime and on each TP rank.
+"""Scenarios run alike on one process and on each tensor-parallel rank, and their comparison.
 
-Run in spawned rank processes (so it lives in an importable module, not a test file) and in the
-test process for the single-process reference; both return the same dictionary of results.
+They run in the rank processes (so they live in an importable module, not a test file) and in
+the test process for the single-process reference; both return the same structure of results.
 """
 
 from __future__ import annotations
@@ -113,7 +113,6 @@ def run_scenario(rt: TrainingRuntime, sharded: bool, save_to: str | None = None,
     prompts = torch.from_numpy(np.random.default_rng(3).integers(0, vocab, (2, 6)))
     out["greedy_base"] = greedy_decode(rt.model, prompts, 6)
     out["greedy_lora"] = greedy_decode(rt.model, prompts, 6, slot=rt.unit(units[0]).slot)
-    # Logits of the adapter's decode differ from the base's, so the adapter is really in the loop.
     return out
 
 
