@@ -3,8 +3,8 @@
 Megatron's pair: :func:`copy_to_tp` marks where a replicated activation enters sharded compute
 (identity forward; backward sums the ranks' partial input gradients) and :func:`reduce_from_tp`
 where sharded partial results leave it (forward sums them; backward passes the replicated
-gradient through). :func:`sum_grad_over_tp` gives a replicated leaf (a LoRA factor every rank
-holds whole) the sum of the ranks' partial gradients, as data parallelism does.
+gradient through). :func:`sum_replicated_grads` gives the tensors every rank holds whole (LoRA
+factors that are not split) the sum of the ranks' partial gradients, as data parallelism does.
 """
 
 from __future__ import annotations
@@ -90,14 +90,26 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, tp)
 
 
-def sum_grad_over_tp(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Mark ``t`` (a leaf every rank holds whole) as replicated: each backward's gradient for it is
-    summed over the ranks before it accumulates, so every rank steps it identically."""
-    t._tp_replicated = True  # read by the gradient norm and the checkpoint helpers
-    if tp.size > 1:
-        t.register_hook(lambda g: all_reduce_(g.contiguous().clone(), tp, what="replicated-gradient all_reduce"))
+def mark_replicated(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a trainable tensor every rank holds whole (a LoRA factor that is not split).
+
+    Each rank's backward leaves only its partial gradient in it; :func:`sum_replicated_grads`
+    adds them up over the ranks once, before the optimizer step, rather than one collective per
+    tensor per backward (summing is linear, so the result is the same).
+    """
+    t._tp_replicated = True
     return t
 
 
 def is_replicated(t: torch.Tensor) -> bool:
     return bool(getattr(t, "_tp_replicated", False))
+
+
+def sum_replicated_grads(params: list[torch.Tensor], tp: TPGroup) -> None:
+    """Sum the gradients of the replicated tensors among ``params`` over the ranks, in place, in
+    one all-reduce of a flat buffer (every rank must pass the same tensors in the same order)."""
+    grads = [p.grad for p in params if is_replicated(p) and p.grad is not None]
+    if tp.size == 1 or not grads:
+        return
+    flat = all_reduce_(torch.cat([g.reshape(-1) for g in grads]), tp, what="replicated-gradient all_reduce")
+    torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])

@@ -3,7 +3,8 @@ takes a :class:`LoraLinear` takes them).
 
 * :class:`ColumnParallelLoraLinear` keeps a contiguous block of output rows (attention heads,
   MLP columns, vocabulary rows); its input is replicated. LoRA: ``A`` whole on every rank
-  (its gradient summed over ranks), ``B`` sharded by output like the weight.
+  (its partial gradients summed over ranks before each step), ``B`` sharded by output like the
+  weight.
 * :class:`RowParallelLoraLinear` keeps the matching block of input columns and sums the ranks'
   partial outputs with one all-reduce. LoRA: ``A`` sharded by input, ``B`` whole; the partial
   ``x A_r^T B^T`` joins the layer's all-reduce, so the adapter costs no extra collective forward.
@@ -21,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.models.lora import LoraLinear, LoraWeights, Segments, RowGroups, new_lora_weights
-from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, sum_grad_over_tp
+from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, mark_replicated, reduce_from_tp
 from tinsmith.parallel.group import TPGroup
 
 
@@ -52,7 +53,7 @@ class ColumnParallelLoraLinear(LoraLinear):
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
         w = new_lora_weights((rank, self.full_in), (self.full_out, rank), self.full_in, alpha / rank, generator,
                              self.weight.device)
-        A = sum_grad_over_tp(w.A, self.tp)
+        A = mark_replicated(w.A)
         B = w.B.detach()[self.rows].clone().requires_grad_()
         self.adapters[slot] = out = LoraWeights(A, B, w.scale)
         return out
@@ -82,7 +83,7 @@ class RowParallelLoraLinear(LoraLinear):
         w = new_lora_weights((rank, self.full_in), (self.full_out, rank), self.full_in, alpha / rank, generator,
                              self.weight.device)
         A = w.A.detach()[:, self.cols].clone().requires_grad_()
-        B = sum_grad_over_tp(w.B, self.tp)
+        B = mark_replicated(w.B)
         self.adapters[slot] = out = LoraWeights(A, B, w.scale)
         return out
 

@@ -10,8 +10,8 @@ share of them for all rows.
 
 Backward: ``d logits = onehot(g) - softmax * sum(g)`` restricted to this rank's columns gives
 this rank's shard gradients (weight, bias, LoRA ``B``) and a partial hidden-state gradient; the
-caller's :func:`copy_to_tp` on the hidden states sums those over ranks, and the replicated LoRA
-``A`` sums its own through its gradient hook.
+caller's :func:`copy_to_tp` on the hidden states sums those over ranks; the replicated LoRA
+``A`` keeps its partial gradient until the step sums it (:func:`sum_replicated_grads`).
 """
 
 from __future__ import annotations

@@ -16,22 +16,28 @@ import torch
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.chunked_logprobs import UnembedLora, rows_per_chunk
 from tinsmith.models.lora import Segments
-from tinsmith.optim import ADAMW
-from tinsmith.parallel.comm import all_reduce_, is_replicated
+from tinsmith.optim import ADAMW, check_params_match
+from tinsmith.parallel.comm import all_reduce_, is_replicated, sum_replicated_grads
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.logprobs import vocab_parallel_target_logprobs
 from tinsmith.parallel.shard import tp_of
 from tinsmith.parallel.state import gather_full, lora_shard_dims, scatter_full
-from tinsmith.types import LoraSpec
+from tinsmith.types import LoraSpec, OptimParams
 from tinsmith.worker.runtime import TrainingRuntime
 from tinsmith.worker.trainables import Trainable
 
 
 @dataclass
 class ShardedTrainable(Trainable):
-    """A LoRA unit whose tensors are partly sharded: its gradient norm counts every shard once."""
+    """A LoRA unit whose tensors are partly sharded: the whole tensors' partial gradients are
+    summed over ranks when it steps, and its gradient norm counts every shard once."""
 
     tp: TPGroup = TPGroup.single()
+
+    def step(self, hp: OptimParams) -> dict[str, float]:
+        check_params_match(self.optimizer_type, hp)  # before the collective: refused alike on every rank
+        sum_replicated_grads(self.params, self.tp)
+        return super().step(hp)
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         sharded = [p.grad.float().pow(2).sum() for p in params if not is_replicated(p)]
@@ -87,5 +93,9 @@ class TPTrainingRuntime(TrainingRuntime):
 
     def full_grads(self, unit: int) -> dict[str, torch.Tensor]:
         """The unit's accumulated gradients at full size (for checks; every rank gets them)."""
-        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.unit(unit).named_stepped}
+        named = self.unit(unit).named_stepped
+        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in named}
+        for n, p in named:  # whole tensors hold partial gradients until the step sums them
+            if is_replicated(p):
+                all_reduce_(grads[n], self.tp, what="gradient all_reduce")
         return gather_full(grads, self.shard_dims, self.tp)
