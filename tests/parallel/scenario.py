@@ -258,3 +258,30 @@ def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
 
 def sample_rank_main(tp: TPGroup, model_dir: str) -> list:
     return sample_scenario(model_dir, tp)
+
+
+def collective_counts(tp: TPGroup, model_dir: str) -> dict:
+    """How many all-reduces / all-gathers a forward, a forward+backward and a step issue."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    for name in ("all_reduce", "all_gather", "broadcast"):
+        original = getattr(dist, name)
+
+        def counted(*a, _original=original, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*a, **k)
+
+        setattr(dist, name, counted)  # this rank process only
+    rt = build_runtime(model_dir, tp)
+    unit = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    data = make_data(1, [64], rt.config.vocab_size)
+    out = {}
+    for what, forward_only in (("forward", True), ("forward+backward", False)):
+        counts.clear()
+        rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", forward_only=forward_only))])
+        out[what] = dict(counts)
+    counts.clear()
+    rt.optim_step(unit, AdamParams(learning_rate=1e-3))
+    out["step"] = dict(counts)
+    return out
