@@ -158,14 +158,17 @@ class Trainable:
                         st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
                     self.optimizer.state[p] = st
 
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of ``params``' gradients (a sharded unit sums its shards' squares)."""
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+
     def step(self, hp: OptimParams) -> dict[str, float]:
         """One optimizer step over this unit only; clip by its own global grad norm when asked."""
         check_params_match(self.optimizer_type, hp)
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return {"grad_norm": 0.0, "skipped_no_grad": 1.0}
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
-        norm_f = float(norm)
+        norm_f = float(self.grad_norm(params))
         if not math.isfinite(norm_f):
             raise InvalidInputError(
                 "accumulated gradients contain NaN or infinity; the optimizer step was not applied "

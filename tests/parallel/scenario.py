@@ -1,0 +1,287 @@
+"""Scenarios run alike on one process and on each tensor-parallel rank, and their comparison.
+
+They run in the rank processes (so they live in an importable module, not a test file) and in
+the test process for the single-process reference; both return the same structure of results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tinsmith.checkpoints.state_format import TrainingState, load_training_state, save_training_state
+from tinsmith.models.loading import load_model
+from tinsmith.parallel.decode import greedy_decode
+from tinsmith.parallel.group import TPGroup
+from tinsmith.parallel.runtime import TPTrainingRuntime
+from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
+from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def assert_same(ref, got, where: str = "") -> None:
+    """Equal structure, equal integers and strings, floats within 1e-5 (relative and absolute)."""
+    if isinstance(ref, dict):
+        assert sorted(ref) == sorted(got), where
+        for k in ref:
+            assert_same(ref[k], got[k], f"{where}.{k}")
+    elif isinstance(ref, (list, tuple)):
+        assert len(ref) == len(got), where
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif ref is None:
+        assert got is None, where
+    elif isinstance(ref, str):
+        assert ref == got, f"{where}: {ref!r} != {got!r}"
+    elif isinstance(ref, torch.Tensor) and not ref.is_floating_point():
+        assert torch.equal(ref, got), f"{where}: {ref} != {got}"
+    else:
+        torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **TOL, msg=lambda m: f"{where}: {m}")
+
+
+def build_runtime(model_dir: str, tp: TPGroup | None) -> TrainingRuntime:
+    """A plain runtime on the whole model (``tp`` None), or this rank's sharded runtime. Logits
+    go 5 rows at a time, so a batch spans several chunks."""
+    model = load_model(model_dir, "cpu", torch.float32).model
+    # Qwen2 also runs with gradient checkpointing: recomputed layers redo their collectives.
+    kw = dict(logit_chunk_bytes=4 * model.config.vocab_size * 5, gradient_checkpointing=model.config.family == "qwen2")
+    if tp is None:
+        return TrainingRuntime(model, **kw)
+    return TPTrainingRuntime(shard_causal_lm(model, tp), **kw)
+
+
+def make_data(seed: int, lengths: list[int], vocab: int) -> list[Datum]:
+    g = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        toks = g.integers(0, vocab, n).astype(np.int64)
+        out.append(Datum(tokens=toks, loss_inputs={"target_tokens": np.roll(toks, -1),
+                                                   "weights": g.uniform(0.2, 1.0, n).astype(np.float32)}))
+    return out
+
+
+def _random_like(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: 0.05 * torch.randn(v.shape, generator=g) for k, v in sorted(state.items())}
+
+
+def run_scenario(rt: TrainingRuntime, sharded: bool, save_to: str | None = None, load_from: str | None = None) -> dict:
+    """Two adapters: seeded creation, a loaded nonzero state, one shared forward/backward, one
+    clipped AdamW step each, logprobs after it, and greedy decoding with and without an adapter.
+
+    ``save_to``: write adapter 0's state after the step there as a checkpoint (rank 0 writes).
+    ``load_from``: load such a checkpoint into a fresh adapter; report its state and logprobs.
+    """
+    def export(u):
+        return rt.export_full_state(u) if sharded else rt.unit(u).export_state()
+
+    def load(u, w, o):
+        rt.import_full_state(u, w, o) if sharded else rt.unit(u).import_state(w, o)
+
+    def grads(u):
+        return rt.full_grads(u) if sharded else {n: p.grad.clone() for n, p in rt.unit(u).named_stepped}
+
+    vocab = rt.config.vocab_size
+    units = [rt.create_adapter(LoraSpec(rank=4, seed=7)),
+             rt.create_adapter(LoraSpec(rank=2, seed=8, train_unembed=False))]
+    out: dict = {"init": export(units[0])[0]}
+    for i, u in enumerate(units):
+        load(u, _random_like(export(u)[0], seed=100 + i), None)
+    data = [make_data(1, [9, 5], vocab), make_data(2, [7], vocab)]  # load_and_score reads data[0] again
+    reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in zip(units, data)]
+    res = rt.forward_backward(reqs)
+    for r in res:
+        if isinstance(r, Exception):
+            raise r
+    out["logprobs"] = [o["logprobs"] for r in res for o in r.outputs]
+    out["loss"] = [r.metrics["loss:sum"] for r in res]
+    out["grads"] = [grads(u) for u in units]
+    out["step"] = [rt.optim_step(u, AdamParams(learning_rate=1e-2, grad_clip_norm=0.05)) for u in units]
+    out["after"] = [export(u) for u in units]
+    again = rt.forward_backward([TrainRequest(units[0], ForwardBackwardInput(data[0], "cross_entropy", forward_only=True))])
+    out["logprobs_after"] = [o["logprobs"] for o in again[0].outputs]
+    spec0 = LoraSpec(rank=4, seed=7)
+    if save_to is not None and (not sharded or rt.tp.rank == 0):
+        w, o = out["after"][0]
+        save_training_state(Path(save_to), TrainingState("tiny", spec0, w, o, steps=1))
+    if load_from is not None:
+        out.update(load_and_score(rt, sharded, load_from))
+    prompts = torch.from_numpy(np.random.default_rng(3).integers(0, vocab, (2, 6)))
+    out["greedy_base"] = greedy_decode(rt.model, prompts, 6)
+    out["greedy_lora"] = greedy_decode(rt.model, prompts, 6, slot=rt.unit(units[0]).slot)
+    return out
+
+
+def load_and_score(rt: TrainingRuntime, sharded: bool, load_from: str) -> dict:
+    """A fresh adapter loaded from the checkpoint at ``load_from``: its state and logprobs."""
+    state = load_training_state(Path(load_from), with_optimizer=True)
+    unit = rt.create_adapter(state.lora)
+    if sharded:
+        rt.import_full_state(unit, state.weights, state.optimizer)
+    else:
+        rt.unit(unit).import_state(state.weights, state.optimizer)
+    data = make_data(1, [9, 5], rt.config.vocab_size)
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", forward_only=True))])
+    return {"loaded_state": rt.export_full_state(unit) if sharded else rt.unit(unit).export_state(),
+            "loaded_logprobs": [o["logprobs"] for o in res.outputs]}
+
+
+def rank_main(tp: TPGroup, cases: list[tuple[str, str, str]]) -> list[dict]:
+    """Each rank: the scenario on every (model, save_to, load_from), sharded."""
+    return [run_scenario(build_runtime(d, tp), sharded=True, save_to=s, load_from=l) for d, s, l in cases]
+
+
+def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
+    """Both ranks load and shard the model; rank 1 then ``fault``s ("raise", "exit" or "stall")
+    instead of joining the forward pass, and rank 0 reports what its forward pass came to."""
+    import os
+    import time
+
+    rt = build_runtime(model_dir, tp)
+    unit = rt.create_adapter(LoraSpec(rank=2, seed=0))
+    if tp.rank == 1:
+        if fault == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        if fault == "exit":
+            os._exit(3)
+        time.sleep(stall_s)
+        return None
+    t0 = time.monotonic()
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(make_data(1, [8], rt.config.vocab_size),
+                                                                          "cross_entropy"))])
+    return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}
+
+
+class _FaultInjectingRuntime(TPTrainingRuntime):
+    """The sharded runtime plus one call that fails on a single rank (to see the group notice)."""
+
+    def fail_on_rank(self, rank: int) -> None:
+        if self.tp.rank == rank:
+            raise RuntimeError(f"injected failure on rank {rank}")
+
+
+def spmd_calls(call, vocab: int) -> dict:
+    """The calls a driver makes: create, load a state, a forward/backward with one refused request,
+    a step, export; then a call every rank refuses alike."""
+    out: dict = {}
+    unit = call("create_adapter", LoraSpec(rank=4, seed=7))
+    full, _ = call("export_full_state", unit)
+    call("import_full_state", unit, _random_like(full, seed=100), None)
+    bad = make_data(3, [4], vocab)
+    bad[0].tokens[0] = vocab  # outside the vocabulary: refused alone, on every rank alike
+    res = call("forward_backward", [TrainRequest(unit, ForwardBackwardInput(make_data(1, [9, 5], vocab), "cross_entropy")),
+                                    TrainRequest(unit, ForwardBackwardInput(bad, "cross_entropy"))])
+    out["logprobs"] = [o["logprobs"] for o in res[0].outputs]
+    out["loss"] = res[0].metrics["loss:sum"]
+    out["refused"] = type(res[1]).__name__
+    out["step"] = call("optim_step", unit, AdamParams(learning_rate=1e-2, grad_clip_norm=0.05))
+    out["after"] = call("export_full_state", unit)
+    try:
+        call("unit", 12345)
+    except Exception as exc:  # noqa: BLE001 (which error is the point)
+        out["missing_unit"] = type(exc).__name__
+    return out
+
+
+def spmd_main(tp: TPGroup, model_dir: str) -> dict:
+    """Rank 0 drives through :class:`SpmdExecutor`; the other ranks follow."""
+    from tinsmith.parallel.spmd import SpmdExecutor
+
+    model = load_model(model_dir, "cpu", torch.float32).model
+    rt = _FaultInjectingRuntime(shard_causal_lm(model, tp), logit_chunk_bytes=4 * model.config.vocab_size * 5)
+    ex = SpmdExecutor(rt, tp)
+    if not ex.is_driver:
+        return {"calls": ex.follow()}
+    out = spmd_calls(ex.call, rt.config.vocab_size)
+    try:
+        ex.call("fail_on_rank", 1)
+    except Exception as exc:  # noqa: BLE001
+        out["divergent"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _full_lora(model, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Random adapter tensors at full size for ``model`` (sharded or not), in a fixed order."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
+        fin, fout = getattr(layer, "full_in", layer.in_features), getattr(layer, "full_out", layer.out_features)
+        out[f"{name}.lora_A.weight"] = 0.1 * torch.randn(spec.rank, fin, generator=g)
+        out[f"{name}.lora_B.weight"] = 0.1 * torch.randn(fout, spec.rank, generator=g)
+    return out
+
+
+def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
+    """The serving sampler, whole or sharded: a greedy base-model request with prompt logprobs
+    and a seeded, nucleus-sampled adapter request with two samples and top-k logprobs."""
+    from tinsmith.parallel.sampling import ShardedSampler, install_full_lora_weights
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+    from tinsmith.worker.trainables import install_lora_weights
+
+    model = load_model(model_dir, "cpu", torch.float32).model
+    spec = LoraSpec(rank=4, seed=0)
+    if tp is not None:
+        shard_causal_lm(model, tp)
+        install_full_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
+        sampler = ShardedSampler(model, lambda ids: "")
+    else:
+        install_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
+        sampler = Sampler(model, lambda ids: "")
+    g = np.random.default_rng(4)
+    vocab = model.config.vocab_size
+    sampler.add(SampleTask("base", None, SampleInput(g.integers(0, vocab, 7), 1,
+                                                     SamplingParams(max_tokens=6, temperature=0.0, stop=[]),
+                                                     prompt_logprobs=True, topk_prompt_logprobs=3)))
+    sampler.add(SampleTask("lora", 1, SampleInput(g.integers(0, vocab, 5), 2,
+                                                  SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3, stop=[]),
+                                                  topk_sample_logprobs=2)))
+    results = {}
+    while sampler.has_work():
+        for key, res in sampler.step(budget_s=3600.0):  # no time budget: every rank runs the same steps
+            if isinstance(res, Exception):
+                raise res
+            results[key] = res
+    out = []
+    for key in ("base", "lora"):
+        r = results[key]
+        out.append({"prompt_logprobs": None if r.prompt_logprobs is None else torch.from_numpy(r.prompt_logprobs[1:]),
+                    "topk_prompt_ids": None if r.topk_prompt_token_ids is None else torch.from_numpy(r.topk_prompt_token_ids[1:]),
+                    "sequences": [(torch.from_numpy(s.tokens.astype(np.int64)), torch.from_numpy(s.logprobs))
+                                  for s in r.sequences]})
+    return out
+
+
+def sample_rank_main(tp: TPGroup, model_dir: str) -> list:
+    return sample_scenario(model_dir, tp)
+
+
+def collective_counts(tp: TPGroup, model_dir: str) -> dict:
+    """How many all-reduces / all-gathers a forward, a forward+backward and a step issue."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    for name in ("all_reduce", "all_gather", "broadcast"):
+        original = getattr(dist, name)
+
+        def counted(*a, _original=original, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*a, **k)
+
+        setattr(dist, name, counted)  # this rank process only
+    rt = build_runtime(model_dir, tp)
+    unit = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    data = make_data(1, [64], rt.config.vocab_size)
+    out = {}
+    for what, forward_only in (("forward", True), ("forward+backward", False)):
+        counts.clear()
+        rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy", forward_only=forward_only))])
+        out[what] = dict(counts)
+    counts.clear()
+    rt.optim_step(unit, AdamParams(learning_rate=1e-3))
+    out["step"] = dict(counts)
+    return out

@@ -1,0 +1,63 @@
+"""In one process (no collective runs): how a model and its adapters are cut into shards, and
+how full-size adapter state is cut and reassembled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinsmith.models.loading import load_model
+from tinsmith.parallel.group import TPGroup
+from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.parallel.state import lora_shard_dims, scatter_full
+from tinsmith.types import LoraSpec
+from tinsmith.worker.trainables import attach_lora
+
+
+def _adapter(model_dir, tp: TPGroup | None) -> tuple[dict[str, torch.Tensor], dict]:
+    model = load_model(str(model_dir), "cpu", torch.float32).model
+    if tp is not None:
+        shard_causal_lm(model, tp)
+    tr = attach_lora(model, 0, LoraSpec(rank=4, seed=11))
+    return {n: p.detach() for n, p in tr.named_params}, lora_shard_dims(model)
+
+
+def test_seeded_adapter_shards_are_slices_of_the_full_adapter(qwen3_dir):
+    full, _ = _adapter(qwen3_dir, None)
+    shards = [_adapter(qwen3_dir, TPGroup(rank=r, size=2)) for r in range(2)]
+    dims = shards[0][1]
+    assert dims["model.layers.0.self_attn.q_proj.lora_B.weight"] == 0  # column: B split by output
+    assert dims["model.layers.0.self_attn.q_proj.lora_A.weight"] is None
+    assert dims["model.layers.1.mlp.down_proj.lora_A.weight"] == 1  # row: A split by input
+    assert dims["lm_head.lora_B.weight"] == 0  # vocabulary rows
+    for name, t in full.items():
+        d = dims[name]
+        parts = [s[0][name] for s in shards]
+        if d is None:
+            assert all(torch.equal(p, t) for p in parts), name
+        else:
+            assert torch.equal(torch.cat(parts, dim=d), t), name
+        # Cutting the full tensor gives exactly what each rank drew for itself.
+        for r in range(2):
+            assert torch.equal(scatter_full({name: t}, dims, TPGroup(rank=r, size=2))[name], parts[r]), name
+
+
+def test_optimizer_state_is_cut_like_its_tensor_and_steps_stay_whole():
+    dims = {"x.lora_A.weight": 1, "x.lora_B.weight": None}
+    full = {"x.lora_A.weight.exp_avg": torch.arange(8.0).reshape(2, 4), "x.lora_A.weight.step": torch.ones(1),
+            "x.lora_B.weight.exp_avg": torch.arange(6.0).reshape(3, 2)}
+    r1 = scatter_full(full, dims, TPGroup(rank=1, size=2))
+    assert torch.equal(r1["x.lora_A.weight.exp_avg"], torch.tensor([[2.0, 3.0], [6.0, 7.0]]))
+    assert torch.equal(r1["x.lora_A.weight.step"], torch.ones(1))
+    assert torch.equal(r1["x.lora_B.weight.exp_avg"], full["x.lora_B.weight.exp_avg"])
+    with pytest.raises(ValueError, match="not divisible"):
+        scatter_full({"x.lora_A.weight": torch.zeros(2, 5)}, dims, TPGroup(rank=0, size=2))
+
+
+def test_refuses_what_it_cannot_shard(qwen3_dir, qwen3_moe_dir):
+    model = load_model(str(qwen3_dir), "cpu", torch.float32).model
+    with pytest.raises(ValueError, match="attention heads .4. is not divisible by the tensor-parallel size 3"):
+        shard_causal_lm(model, TPGroup(rank=0, size=3))
+    moe = load_model(str(qwen3_moe_dir), "cpu", torch.float32).model
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        shard_causal_lm(moe, TPGroup(rank=0, size=2))

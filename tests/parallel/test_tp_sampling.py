@@ -1,0 +1,20 @@
+"""The serving sampler over a model sharded on 2 gloo ranks draws what one process draws: greedy
+base-model tokens with prompt logprobs, and seeded nucleus samples through a LoRA adapter."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.parallel.scenario import assert_same, sample_rank_main, sample_scenario
+from tinsmith.parallel.launch import run_ranks
+
+
+def test_sharded_sampler_matches_one_process(qwen3_dir, tmp_path):
+    ref = sample_scenario(str(qwen3_dir), None)
+    outcomes = run_ranks(sample_rank_main, 2, tmp_path, (str(qwen3_dir),), timeout_s=30, deadline_s=90)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+    a, b = ref[1]["sequences"]
+    assert not torch.equal(a[0], b[0])  # the two samples differ: really sampled, not greedy
+    for o in outcomes:
+        assert_same(ref, o.result, f"rank {o.rank}")

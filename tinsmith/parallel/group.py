@@ -1,0 +1,95 @@
+"""Setting up the tensor-parallel process group, with a timeout so a lost rank fails the others.
+
+Every collective of the group goes through :func:`guarded`, which turns a backend error (a peer
+that exited, raised and closed its sockets, or stalled past the timeout) into one
+:class:`ParallelError` naming the operation and the rank, instead of an opaque backend message
+or a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0
+
+T = TypeVar("T")
+
+
+class ParallelError(RuntimeError):
+    """A collective of the tensor-parallel group failed: a peer rank died, raised or stalled."""
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group.
+
+    ``group`` is the torch.distributed group the collectives run on (None: the default group).
+    A group of size 1 runs no collective at all, so sharded code also runs in one process.
+    """
+
+    rank: int
+    size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        return cls(rank=0, size=1)
+
+    def shard(self, n: int, what: str) -> slice:
+        """This rank's contiguous share of ``n`` items (heads, columns, vocabulary rows)."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {self.size}")
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+
+def guarded(group: TPGroup, what: str, fn: Callable[[], T]) -> T:
+    """Run one collective; a backend failure becomes a :class:`ParallelError` that says which."""
+    try:
+        return fn()
+    except RuntimeError as exc:  # DistBackendError, DistNetworkError and gloo's timeouts are RuntimeErrors
+        raise ParallelError(
+            f"tensor-parallel {what} failed on rank {group.rank} of {group.size}: another rank exited, "
+            f"raised or did not join within {group.timeout_s:g} s ({type(exc).__name__}: {str(exc)[:300]})"
+        ) from exc
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tp_group(rank: int | None = None, world_size: int | None = None, *, backend: str | None = None,
+                  timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None,
+                  init_method: str | None = None) -> TPGroup:
+    """Join (creating if needed) the default process group and return this rank's :class:`TPGroup`.
+
+    ``rank`` and ``world_size`` default to the ``RANK`` / ``WORLD_SIZE`` environment variables
+    (as torchrun sets them); the rendezvous reads ``MASTER_ADDR`` / ``MASTER_PORT`` unless
+    ``init_method`` (``tcp://host:port``) names it. The backend
+    is NCCL for a CUDA ``device`` and gloo otherwise. ``timeout_s`` bounds the rendezvous and
+    every collective, so a rank that dies or hangs makes the others fail rather than wait forever.
+    """
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    if backend is None:
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs = {}
+        if backend == "nccl" and device is not None:
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
+    return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), timeout_s=timeout_s)

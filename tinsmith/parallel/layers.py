@@ -1,0 +1,118 @@
+"""Sharded versions of tinsmith's projections and embedding (subclasses, so every caller that
+takes a :class:`LoraLinear` takes them).
+
+* :class:`ColumnParallelLoraLinear` keeps a contiguous block of output rows (attention heads,
+  MLP columns, vocabulary rows); its input is replicated. LoRA: ``A`` whole on every rank
+  (its partial gradients summed over ranks before each step), ``B`` sharded by output like the
+  weight.
+* :class:`RowParallelLoraLinear` keeps the matching block of input columns and sums the ranks'
+  partial outputs with one all-reduce. LoRA: ``A`` sharded by input, ``B`` whole; the partial
+  ``x A_r^T B^T`` joins the layer's all-reduce, so the adapter costs no extra collective forward.
+* :class:`VocabParallelEmbedding` keeps a block of vocabulary rows; a token another rank owns
+  reads zeros here, and the all-reduce assembles every row.
+
+Adapters are drawn at full size with the caller's generator and then sliced, so a seed gives
+the same adapter under any tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tinsmith.models.lora import LoraLinear, LoraWeights, Segments, RowGroups, new_lora_weights
+from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, mark_replicated, reduce_from_tp
+from tinsmith.parallel.group import TPGroup
+
+
+class ColumnParallelLoraLinear(LoraLinear):
+    """Output rows ``rows`` of a full ``(full_out, in)`` projection."""
+
+    def __init__(self, full: LoraLinear, rows: slice, tp: TPGroup, weight: nn.Parameter | None = None,
+                 gather_output: bool = False, copy_input: bool = True):
+        super().__init__(full.in_features, rows.stop - rows.start, bias=False)
+        self.tp, self.rows = tp, rows
+        # False where the input already passed :func:`copy_to_tp` (:class:`CopyToTP` after a norm
+        # that feeds several projections: one gradient all-reduce for q, k and v together).
+        self.copy_input = copy_input
+        # Megatron's option: return the full output (all ranks' rows), for an LM head whose
+        # logits callers (the sampler) read whole. Training reads the shard via ``weight``.
+        self.gather_output = gather_output
+        self.full_in, self.full_out = full.in_features, full.out_features
+        # ``weight`` is given when it is shared (an LM head tied to the embedding's shard).
+        self.weight = weight if weight is not None else nn.Parameter(
+            full.weight.detach()[rows].clone(), requires_grad=False)
+        if full.bias is not None:
+            self.bias = nn.Parameter(full.bias.detach()[rows].clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None = None) -> torch.Tensor:
+        y = super().forward(copy_to_tp(x, self.tp) if self.copy_input else x, segments)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+    def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
+        w = new_lora_weights((rank, self.full_in), (self.full_out, rank), self.full_in, alpha / rank, generator,
+                             self.weight.device)
+        A = mark_replicated(w.A)
+        B = w.B.detach()[self.rows].clone().requires_grad_()
+        self.adapters[slot] = out = LoraWeights(A, B, w.scale)
+        return out
+
+    def shard_dims(self) -> tuple[int | None, int | None]:
+        """Which dimension of (A, B) is split over the ranks (None: held whole)."""
+        return None, 0
+
+
+class RowParallelLoraLinear(LoraLinear):
+    """Input columns ``cols`` of a full ``(out, full_in)`` projection; outputs summed over ranks."""
+
+    def __init__(self, full: LoraLinear, cols: slice, tp: TPGroup):
+        super().__init__(cols.stop - cols.start, full.out_features, bias=False)
+        self.tp, self.cols = tp, cols
+        self.full_in, self.full_out = full.in_features, full.out_features
+        self.weight = nn.Parameter(full.weight.detach()[:, cols].clone(), requires_grad=False)
+        # The bias is added once, after the sum (inside F.linear it would be added once per rank).
+        self.bias_after = (nn.Parameter(full.bias.detach().clone(), requires_grad=False)
+                           if full.bias is not None else None)
+
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None = None) -> torch.Tensor:
+        y = reduce_from_tp(super().forward(x, segments), self.tp)
+        return y if self.bias_after is None else y + self.bias_after
+
+    def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
+        w = new_lora_weights((rank, self.full_in), (self.full_out, rank), self.full_in, alpha / rank, generator,
+                             self.weight.device)
+        A = w.A.detach()[:, self.cols].clone().requires_grad_()
+        B = mark_replicated(w.B)
+        self.adapters[slot] = out = LoraWeights(A, B, w.scale)
+        return out
+
+    def shard_dims(self) -> tuple[int | None, int | None]:
+        return 1, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows ``rows`` of a frozen ``(vocab, hidden)`` embedding."""
+
+    def __init__(self, full: nn.Embedding, rows: slice, tp: TPGroup):
+        super().__init__()
+        self.tp, self.rows = tp, rows
+        self.weight = nn.Parameter(full.weight.detach()[rows].clone(), requires_grad=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.rows.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        h = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return reduce_from_tp(h * mine[..., None].to(h.dtype), self.tp)
+
+
+class CopyToTP(nn.Module):
+    """``inner`` (a norm), then :func:`copy_to_tp`: the replicated input of the sharded projections
+    after it enters them once, so their partial input gradients are summed in one all-reduce."""
+
+    def __init__(self, inner: nn.Module, tp: TPGroup):
+        super().__init__()
+        self.inner, self.tp = inner, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(self.inner(x), self.tp)

@@ -1,0 +1,101 @@
+"""The training runtime on one rank of a tensor-parallel group.
+
+Every rank runs the same calls with the same requests (see :mod:`tinsmith.parallel.spmd`);
+each computes with its shards, and results (logprobs, losses, metrics) come out the same on all
+ranks. What differs from :class:`TrainingRuntime`: target logprobs come from the
+vocabulary-parallel head, the gradient norm of a unit sums its shards over ranks, and state
+moves in and out at full size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinsmith.errors import InvalidInputError
+from tinsmith.models.chunked_logprobs import UnembedLora, rows_per_chunk
+from tinsmith.models.lora import Segments
+from tinsmith.optim import ADAMW, check_params_match
+from tinsmith.parallel.comm import all_reduce_, is_replicated, sum_replicated_grads
+from tinsmith.parallel.group import TPGroup
+from tinsmith.parallel.logprobs import vocab_parallel_target_logprobs
+from tinsmith.parallel.shard import tp_of
+from tinsmith.parallel.state import gather_full, lora_shard_dims, scatter_full
+from tinsmith.types import LoraSpec, OptimParams
+from tinsmith.worker.runtime import TrainingRuntime
+from tinsmith.worker.trainables import Trainable
+
+
+@dataclass
+class ShardedTrainable(Trainable):
+    """A LoRA unit whose tensors are partly sharded: the whole tensors' partial gradients are
+    summed over ranks when it steps, and its gradient norm counts every shard once."""
+
+    tp: TPGroup = TPGroup.single()
+
+    def step(self, hp: OptimParams) -> dict[str, float]:
+        check_params_match(self.optimizer_type, hp)  # before the collective: refused alike on every rank
+        sum_replicated_grads(self.params, self.tp)
+        return super().step(hp)
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        sharded = [p.grad.float().pow(2).sum() for p in params if not is_replicated(p)]
+        whole = [p.grad.float().pow(2).sum() for p in params if is_replicated(p)]
+        zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        sq = all_reduce_(torch.stack(sharded).sum() if sharded else zero, self.tp, what="gradient-norm all_reduce")
+        return (sq + (torch.stack(whole).sum() if whole else zero)).sqrt()
+
+
+class TPTrainingRuntime(TrainingRuntime):
+    """:class:`TrainingRuntime` over a model sharded by :func:`shard_causal_lm`."""
+
+    def __init__(self, model, **kwargs):
+        if kwargs.get("full_finetune"):
+            raise InvalidInputError("full fine-tuning under tensor parallelism is not supported yet (FSDP2 is planned)")
+        super().__init__(model, **kwargs)
+        self.tp = tp_of(model)
+        self.shard_dims = lora_shard_dims(model)
+
+    def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
+        if optimizer_type != ADAMW and self.tp.size > 1:
+            # Dimuon orthogonalises whole matrices: on shards it would step differently.
+            raise InvalidInputError(f"optimizer {optimizer_type!r} is not supported under tensor parallelism yet; use adamw")
+        unit = super().create_adapter(spec, optimizer_type)
+        t = self.units[unit]
+        self.units[unit] = ShardedTrainable(slot=t.slot, spec=t.spec, named_params=t.named_params,
+                                            attachments=t.attachments, optimizer_type=t.optimizer_type, tp=self.tp)
+        return unit
+
+    def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor,
+                         rows_host: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        loras = [UnembedLora(w.A, w.B, w.scale, a, b)
+                 for slot, a, b in segs if slot is not None and (w := head.adapters.get(slot)) is not None]
+        return vocab_parallel_target_logprobs(
+            h, head.weight, rows, cols, self.tp, head.rows.start, bias=head.bias, loras=loras,
+            chunk_rows=rows_per_chunk(self.config.vocab_size, self.logit_chunk_bytes), rows_host=rows_host)
+
+    # ----------------------------------------------------------------------------- full-size state
+    def export_full_state(self, unit: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The unit's weights and optimizer state at full size, as one process would export them."""
+        weights, opt = self.unit(unit).export_state()
+        return gather_full(weights, self.shard_dims, self.tp), gather_full(opt, self.shard_dims, self.tp)
+
+    def import_full_state(self, unit: int, weights: dict[str, torch.Tensor],
+                          optimizer: dict[str, torch.Tensor] | None) -> None:
+        """Load full-size weights (and optimizer state) saved under any tensor-parallel size."""
+        tr = self.unit(unit)
+        if tr.slot is not None:
+            self.ensure_resident({unit})
+        tr.import_state(scatter_full(weights, self.shard_dims, self.tp),
+                        None if optimizer is None else scatter_full(optimizer, self.shard_dims, self.tp))
+
+    def full_grads(self, unit: int) -> dict[str, torch.Tensor]:
+        """The unit's accumulated gradients at full size (for checks; every rank gets them)."""
+        named = self.unit(unit).named_stepped
+        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in named}
+        for n, p in named:  # whole tensors hold partial gradients until the step sums them
+            if is_replicated(p):
+                all_reduce_(grads[n], self.tp, what="gradient all_reduce")
+        return gather_full(grads, self.shard_dims, self.tp)

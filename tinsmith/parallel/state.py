@@ -1,0 +1,58 @@
+"""Adapter state between sharded ranks and full-size tensors, so checkpoints do not depend on
+the tensor-parallel size.
+
+A checkpoint always holds full shapes (as one process would save them): :func:`gather_full`
+assembles them from every rank's shards (all ranks call it; each gets the full tensors), and
+:func:`scatter_full` cuts full tensors back into this rank's shards (no communication: every
+rank holds the full checkpoint). A state saved under TP=2 thus loads under TP=1 and the reverse.
+Optimizer state tensors (``NAME.exp_avg``...) are sharded like the tensor ``NAME`` they belong
+to; per-tensor step counts are held whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tinsmith.parallel.comm import all_gather_cat
+from tinsmith.parallel.group import TPGroup
+
+ShardDims = dict[str, int | None]  # tensor name -> the dimension split over ranks (None: whole)
+
+
+def lora_shard_dims(model: nn.Module) -> ShardDims:
+    """For every LoRA tensor name the model can carry, which dimension its shards split."""
+    out: ShardDims = {}
+    for name, layer in model.lora_targets(True, True, True):
+        dims = layer.shard_dims() if hasattr(layer, "shard_dims") else (None, None)
+        out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = dims
+    return out
+
+
+def _dim(key: str, dims: ShardDims) -> int | None:
+    if key in dims:
+        return dims[key]
+    base, _, suffix = key.rpartition(".")
+    if suffix == "step" or base not in dims:
+        return None
+    return dims[base]
+
+
+def gather_full(tensors: dict[str, torch.Tensor], dims: ShardDims, tp: TPGroup) -> dict[str, torch.Tensor]:
+    """Full-size copies of this rank's shards (every rank must call it with the same names)."""
+    return {k: t.detach().clone() if (d := _dim(k, dims)) is None else all_gather_cat(t.detach(), tp, d, f"gather of {k}")
+            for k, t in tensors.items()}
+
+
+def scatter_full(tensors: dict[str, torch.Tensor], dims: ShardDims, tp: TPGroup) -> dict[str, torch.Tensor]:
+    """This rank's shards of full-size tensors."""
+    out = {}
+    for k, t in tensors.items():
+        d = _dim(k, dims)
+        if d is None or tp.size == 1:
+            out[k] = t
+            continue
+        if t.shape[d] % tp.size:
+            raise ValueError(f"{k} has {t.shape[d]} entries along dimension {d}, not divisible by {tp.size} ranks")
+        out[k] = t.chunk(tp.size, dim=d)[tp.rank].clone()
+    return out

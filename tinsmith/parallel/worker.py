@@ -1,0 +1,126 @@
+"""A tensor-parallel worker group on one host: rank 0 in the caller's process, the other ranks
+in child processes that follow it.
+
+The engine keeps talking to one object in its own process: :class:`LocalTPGroup` ``.call`` runs
+a method of every rank's :class:`RankWorker` (its sharded training runtime and sampler) through
+the :class:`SpmdExecutor`. A follower that dies, or any collective that fails, marks the group
+unhealthy (:attr:`LocalTPGroup.healthy`); it must then be closed and started again, which is
+what a server's health check would report and act on.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tinsmith.models.loading import load_model
+from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup, free_port, init_tp_group
+from tinsmith.parallel.runtime import TPTrainingRuntime
+from tinsmith.parallel.sampling import ShardedSampler
+from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.parallel.spmd import SpmdExecutor
+from tinsmith.sampling.sampler import SampleTask
+
+
+class RankWorker:
+    """What every rank holds: its shard of the model, the training runtime and the sampler over it."""
+
+    def __init__(self, model_dir: str, tp: TPGroup, dtype: torch.dtype, runtime_kwargs: dict):
+        model = load_model(model_dir, "cpu", dtype).model
+        shard_causal_lm(model, tp)
+        self.runtime = TPTrainingRuntime(model, **runtime_kwargs)
+        self.sampler = ShardedSampler(model, _decoder(model_dir))
+
+    def train(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A :class:`TPTrainingRuntime` method (forward_backward, optim_step, create_adapter...)."""
+        return getattr(self.runtime, method)(*args, **kwargs)
+
+    def sample(self, tasks: list[SampleTask]) -> list:
+        """Run ``tasks`` to completion; ``(key, result or error)`` in finishing order. Each sampler
+        step runs to completion, so every rank runs the same decode steps (no time budget)."""
+        for t in tasks:
+            self.sampler.add(t)
+        done: list = []
+        while self.sampler.has_work():
+            done += self.sampler.step(budget_s=float("inf"))
+        return done
+
+
+def _decoder(model_dir: str):
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return lambda ids: ""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _follower(rank: int, world: int, init_method: str, timeout_s: float, model_dir: str, dtype: torch.dtype,
+              runtime_kwargs: dict, threads: int) -> None:
+    torch.set_num_threads(threads)
+    tp = init_tp_group(rank, world, timeout_s=timeout_s, init_method=init_method)
+    try:
+        SpmdExecutor(RankWorker(model_dir, tp, dtype, runtime_kwargs), tp).follow()
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalTPGroup:
+    """``world_size`` ranks on this host; this process is rank 0 (the driver)."""
+
+    def __init__(self, model_dir: str, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 dtype: torch.dtype = torch.float32, runtime_kwargs: dict | None = None, follower_threads: int = 1):
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a process group")
+        self.timeout_s = timeout_s
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", __name__])
+        kwargs = runtime_kwargs or {}
+        self.procs = [ctx.Process(target=_follower, daemon=True,
+                                  args=(r, world_size, init_method, timeout_s, str(model_dir), dtype, kwargs,
+                                        follower_threads))
+                      for r in range(1, world_size)]
+        for p in self.procs:
+            p.start()
+        self.tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method)
+        self.worker = RankWorker(str(model_dir), self.tp, dtype, kwargs)
+        self.executor = SpmdExecutor(self.worker, self.tp)
+        self._failed: ParallelError | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """False once a collective failed or a follower process is gone."""
+        return self._failed is None and all(p.is_alive() for p in self.procs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``RankWorker.method`` on every rank; rank 0's result (its error re-raised)."""
+        if self._failed is not None:
+            raise ParallelError(f"the tensor-parallel group is down ({self._failed}); restart it")
+        try:
+            return self.executor.call(method, *args, **kwargs)
+        except ParallelError as exc:
+            self._failed = exc
+            raise
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Release the followers (when they can still hear it) and leave the group."""
+        if self.healthy:
+            try:
+                self.executor.stop()
+            except ParallelError:
+                pass
+        end = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
