@@ -24,6 +24,7 @@ import torch
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear
+from tinsmith.models.lora_bank import adapters_changed
 from tinsmith.models.moe import ExpertLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match
 from tinsmith.types import LoraSpec, OptimParams
@@ -157,6 +158,7 @@ class Trainable:
                     if f"{n}.step" in optimizer:
                         st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
                     self.optimizer.state[p] = st
+        adapters_changed()  # weights written in place: inference banks copy them again
 
     def step(self, hp: OptimParams) -> dict[str, float]:
         """One optimizer step over this unit only; clip by its own global grad norm when asked."""
@@ -177,6 +179,7 @@ class Trainable:
         apply_hyperparameters(self.optimizer, hp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        adapters_changed()  # weights stepped in place: inference banks copy them again
         if self.masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)  # round the masters into the model
