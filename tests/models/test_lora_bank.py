@@ -95,6 +95,9 @@ def test_decode_rows_layouts(monkeypatch):
     owner = Holder()
     assert decode_rows(owner, [None, None], torch.device("cpu")) is None
     assert decode_rows(owner, [5, 5, 5], torch.device("cpu")) == [(5, 0, 3)]
+    monkeypatch.setattr(lora_mod, "CPU_BANK_MIN_ADAPTERS", 3)
+    assert isinstance(decode_rows(owner, [5, None, 7], torch.device("cpu")), list)  # auto, 2 adapters: grouped
+    assert isinstance(decode_rows(owner, [5, 6, 7], torch.device("cpu")), RowSlots)  # auto, 3: bank
     monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
     rows = decode_rows(owner, [5, None, 7], torch.device("cpu"))
     assert isinstance(rows, RowSlots) and rows.idx.tolist()[1] == -1

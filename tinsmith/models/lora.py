@@ -33,8 +33,11 @@ RowGroups = list[tuple[int, torch.Tensor]]
 
 # How decode batches that mix adapters apply them: "bank" (gathered ops over stacked banks, the
 # Triton kernels on CUDA), "grouped" (RowGroups: one small matmul pair per adapter), or "auto":
-# bank on CUDA, grouped on CPU, where bench/lora_decode_micro.py measures it faster.
+# bank on CUDA; on CPU bank from CPU_BANK_MIN_ADAPTERS adapters in the batch, grouped below,
+# where bench/lora_decode_micro.py measures the grouped path faster (the torch gather copies
+# every row's A and B; a few adapters' matmuls cost less).
 DECODE_LORA = "auto"
+CPU_BANK_MIN_ADAPTERS = 16
 
 
 def decode_rows(model: nn.Module, slots: list[int | None], device: torch.device) -> Segments | RowGroups | RowSlots | None:
@@ -51,7 +54,10 @@ def decode_rows(model: nn.Module, slots: list[int | None], device: torch.device)
         return None
     if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(slots):
         return [(next(iter(by_slot)), 0, len(slots))]
-    mode = DECODE_LORA if DECODE_LORA != "auto" else ("bank" if torch.device(device).type == "cuda" else "grouped")
+    mode = DECODE_LORA
+    if mode == "auto":
+        cuda = torch.device(device).type == "cuda"
+        mode = "bank" if cuda or len(by_slot) >= CPU_BANK_MIN_ADAPTERS else "grouped"
     if mode == "bank":
         return RowSlots.of(model, slots, device)
     return [(s, torch.tensor(ix, device=device)) for s, ix in by_slot.items()]
