@@ -37,7 +37,7 @@ RowGroups = list[tuple[int, torch.Tensor]]
 # where bench/lora_decode_micro.py measures the grouped path faster (the torch gather copies
 # every row's A and B; a few adapters' matmuls cost less).
 DECODE_LORA = "auto"
-CPU_BANK_MIN_ADAPTERS = 16
+CPU_BANK_MIN_ADAPTERS = 32
 
 
 def decode_rows(model: nn.Module, slots: list[int | None], device: torch.device) -> Segments | RowGroups | RowSlots | None:
