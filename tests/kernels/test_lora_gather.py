@@ -95,3 +95,43 @@ def test_dispatch_follows_backend(monkeypatch):
     assert not lg.triton_usable(x)
     monkeypatch.setattr(lg, "BACKEND", "auto")
     assert lg.triton_usable(x) == (lg.triton_available() and x.is_cuda)
+
+
+_COMPILE = '''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tinsmith.kernels import lora_gather as lg
+
+target = GPUTarget("cuda", 90, 32)
+for dt in sys.argv[1:]:
+    common = {"idx_ptr": "*i64", "R": "constexpr", **{f"stride_{s}": "i32" for s in ("hn", "hr")}}
+    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "h_ptr": "*fp32", "K": "constexpr", "BLOCK_R": "constexpr",
+              "BLOCK_K": "constexpr", **{f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak")}, **common}
+    expand = {"h_ptr": "*fp32", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", "N": "constexpr", "BLOCK_N": "constexpr",
+              "BLOCK_R": "constexpr", **{f"stride_{s}": "i32" for s in ("bs", "bn", "br", "yn", "yo")}, **common}
+    for fn, sig, const in ((lg._shrink_kernel, shrink, {"K": 4096, "R": 40, "BLOCK_R": 64, "BLOCK_K": 128}),
+                           (lg._expand_kernel, expand, {"N": 151936, "R": 40, "BLOCK_N": 128, "BLOCK_R": 64})):
+        sig = {name: sig[name] for name in fn.arg_names}
+        assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
+'''
+
+
+def test_triton_kernels_compile_for_hopper(tmp_path):
+    """The interpreter does not compile: build the kernels for sm_90 (no GPU needed), in a process
+    of its own, since this one may have Triton in interpreter mode."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not lg.triton_available():
+        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, "bf16", "fp16", "fp32"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
