@@ -9,6 +9,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch  # noqa: E402
+
+# Without a GPU, Triton kernels (tinsmith/kernels) are checked in Triton's interpreter, which is
+# chosen when triton is first imported; the kernels still run only where a test asks for them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 
 # Small enough for fast reference checks, with GQA (4 query heads over 2 kv heads).

@@ -39,7 +39,7 @@ def test_wheel_declares_the_extras_and_keeps_optional_packages_out_of_core(wheel
     extras = set(meta.get_all("Provides-Extra"))
     assert {"postgres", "gpu", "demo", "test"} <= extras
     core = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
-    for optional in ("matplotlib", "psycopg", "nvidia-ml-py", "pytest"):
+    for optional in ("matplotlib", "psycopg", "nvidia-ml-py", "pytest", "triton"):
         assert not any(r.startswith(optional) for r in core), (optional, core)
 
 

@@ -6,6 +6,11 @@ and each layer runs one big base matmul plus one small ``x @ A.T @ B.T`` per seg
 Each adapter owns its own ``A`` (rank x in) and ``B`` (out x rank) tensors, sized to its own
 rank, so optimizer state is sized to that rank and one adapter's update can never touch
 another's weights.
+
+Decode batches, whose rows each read their own adapter, pass :class:`RowSlots` instead: the
+layer then runs one gathered shrink/expand over a stacked copy of its adapters
+(:mod:`tinsmith.models.lora_bank`, :mod:`tinsmith.kernels.lora_gather`), whatever the number
+of adapters in the batch.
 """
 
 from __future__ import annotations
@@ -17,13 +22,46 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tinsmith.kernels.lora_gather import expand, shrink
 from tinsmith.models.grouped_lora import grouped_lora_delta, grouped_lora_usable
+from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
 Segments = list[tuple[int | None, int, int]]
 # Inference-only alternative: (adapter slot, LongTensor of row indices) for rows that are not
 # contiguous (a decode batch whose rows come and go); applied with an in-place index_add.
 RowGroups = list[tuple[int, torch.Tensor]]
+
+# How decode batches that mix adapters apply them: "bank" (gathered ops over stacked banks, the
+# Triton kernels on CUDA), "grouped" (RowGroups: one small matmul pair per adapter), or "auto":
+# bank on CUDA; on CPU bank from CPU_BANK_MIN_ADAPTERS adapters in the batch, grouped below,
+# where bench/lora_decode_micro.py measures the grouped path faster (the torch gather copies
+# every row's A and B; a few adapters' matmuls cost less).
+DECODE_LORA = "auto"
+CPU_BANK_MIN_ADAPTERS = 32
+
+
+def decode_rows(model: nn.Module, slots: list[int | None], device: torch.device) -> Segments | RowGroups | RowSlots | None:
+    """How a decode batch whose row ``i`` reads adapter ``slots[i]`` (None: none) is passed to the model.
+
+    Rows of a single adapter make one plain segment (a dense GEMM beats any gather); rows of
+    several go as :class:`RowSlots` (bank path) or :data:`RowGroups`, as :data:`DECODE_LORA` says.
+    """
+    by_slot: dict[int, list[int]] = {}
+    for i, s in enumerate(slots):
+        if s is not None:
+            by_slot.setdefault(s, []).append(i)
+    if not by_slot:
+        return None
+    if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(slots):
+        return [(next(iter(by_slot)), 0, len(slots))]
+    mode = DECODE_LORA
+    if mode == "auto":
+        cuda = torch.device(device).type == "cuda"
+        mode = "bank" if cuda or len(by_slot) >= CPU_BANK_MIN_ADAPTERS else "grouped"
+    if mode == "bank":
+        return RowSlots.of(model, slots, device)
+    return [(s, torch.tensor(ix, device=device)) for s, ix in by_slot.items()]
 
 
 @dataclass
@@ -54,7 +92,8 @@ class LoraLinear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.adapters: dict[int, LoraWeights] = {}
+        self.adapters: dict[int, LoraWeights] = AdapterSlots()
+        self._bank: LoraBank | None = None
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of an adapter's (A, B) at ``rank``."""
@@ -69,11 +108,20 @@ class LoraLinear(nn.Module):
     def remove_adapter(self, slot: int) -> None:
         self.adapters.pop(slot, None)
 
-    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None = None) -> torch.Tensor:
+    def bank(self, rows: RowSlots) -> LoraBank:
+        """This layer's adapters stacked at ``rows.table``'s positions, brought up to date."""
+        bank = self._bank
+        w = self.weight
+        if bank is None or bank.device != w.device or bank.dtype != w.dtype:
+            bank = self._bank = LoraBank(1, self.in_features, self.out_features, w.device, w.dtype)
+        bank.sync(self.adapters, rows.table)
+        return bank
+
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if not segments or not self.adapters:
             return y
-        if len(segments[0]) == 2:
+        if isinstance(segments, RowSlots) or len(segments[0]) == 2:
             return self._forward_groups(x, y, segments)  # type: ignore[arg-type]
         shape = y.shape
         x2 = x.reshape(-1, x.shape[-1])
@@ -102,12 +150,12 @@ class LoraLinear(nn.Module):
         pieces = [yp if w is None else self._add_delta(yp, xp, w) for (w, _, _), xp, yp in zip(active, xs, ys)]
         return torch.cat(pieces, dim=0).reshape(shape)
 
-    def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+    def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups | RowSlots) -> torch.Tensor:
         shape = y.shape
         self.add_lora_(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), groups)
         return y
 
-    def add_lora_(self, x2: torch.Tensor, y2: torch.Tensor, segments: Segments | RowGroups | None) -> None:
+    def add_lora_(self, x2: torch.Tensor, y2: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> None:
         """Add the adapters' deltas into ``y2`` in place (inference only: no autograd graph).
 
         ``x2`` (rows, in) and ``y2`` (rows, out) may be views, e.g. one projection's columns of
@@ -115,6 +163,11 @@ class LoraLinear(nn.Module):
         MLP-only, no unembedding) adds nothing here.
         """
         if not segments or not self.adapters:
+            return
+        if isinstance(segments, RowSlots):
+            bank = self.bank(segments)
+            if bank.rank:
+                expand(y2, shrink(x2, bank.A, segments.idx), bank.B, segments.idx)
             return
         if len(segments[0]) == 2:
             for slot, rows in segments:  # type: ignore[misc]
@@ -191,7 +244,7 @@ class PackedProjection:
         """
         return self._current_pointers() == self._pointers
 
-    def project(self, x2: torch.Tensor, segments: Segments | RowGroups | None) -> torch.Tensor:
+    def project(self, x2: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> torch.Tensor:
         """All projections of ``x2`` (rows, in) side by side, adapters included (inference only)."""
         y = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
         if segments:

@@ -22,7 +22,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.models.config import ModelConfig
+from tinsmith.kernels.lora_gather import expand, shrink
 from tinsmith.models.lora import LoraWeights, RowGroups, Segments, new_lora_weights
+from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
@@ -96,6 +98,14 @@ class AdapterRows:
     groups: ExpertGroups
 
 
+@dataclass
+class BankRows:
+    """The decode path: each sorted row's bank row (``position * experts + expert``; -1: no adapter)."""
+
+    rows: RowSlots
+    index: torch.Tensor
+
+
 class ExpertLinear(nn.Module):
     """``num_experts`` stacked projections (weight: experts x out x in), each with per-adapter LoRA."""
 
@@ -107,7 +117,8 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features), requires_grad=False)
         # Per-expert biases (gpt-oss): frozen, never an adapter's part.
         self.bias = nn.Parameter(torch.empty(num_experts, out_features), requires_grad=False) if bias else None
-        self.adapters: dict[int, LoraWeights] = {}
+        self.adapters: dict[int, LoraWeights] = AdapterSlots()
+        self._bank: LoraBank | None = None
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.num_experts, rank, self.in_features), (self.num_experts, self.out_features, rank)
@@ -126,14 +137,31 @@ class ExpertLinear(nn.Module):
         w = self.adapters[slot]
         return self.weight.float() + w.scale * torch.bmm(w.B.detach().float(), w.A.detach().float())
 
-    def forward(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows]) -> torch.Tensor:
+    def bank(self, rows: RowSlots) -> LoraBank:
+        """Every adapter's per-expert A/B stacked at ``rows.table``'s positions, brought up to date."""
+        bank = self._bank
+        w = self.weight
+        if bank is None or bank.device != w.device or bank.dtype != w.dtype:
+            bank = self._bank = LoraBank(self.num_experts, self.in_features, self.out_features, w.device, w.dtype)
+        bank.sync(self.adapters, rows.table)
+        return bank
+
+    def forward(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows] | list[BankRows]) -> torch.Tensor:
         """``x``: rows sorted by expert. Adds ``scale * (x A_e^T) B_e^T`` on each adapter's rows."""
         return self.add_lora(x, add_expert_bias(grouped_linear(x, self.weight, groups), self.bias, groups), lora)
 
-    def add_lora(self, x: torch.Tensor, y: torch.Tensor, lora: list[AdapterRows]) -> torch.Tensor:
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor, lora: list[AdapterRows] | list[BankRows]) -> torch.Tensor:
         """``y`` plus the adapters' deltas; in place when no graph is recorded (``y`` may then be a
         view, e.g. this projection's columns of a packed gate/up output)."""
         for rows in lora:
+            if isinstance(rows, BankRows):
+                if not self.adapters:
+                    continue
+                bank = self.bank(rows.rows)
+                if bank.rank:
+                    y = y.clone() if torch.is_grad_enabled() else y
+                    expand(y, shrink(x, bank.A, rows.index), bank.B, rows.index)
+                continue
             w = self.adapters.get(rows.slot)
             if w is None:
                 continue
@@ -172,7 +200,7 @@ class PackedGateUp:
     def intact(self) -> bool:
         return self._current_pointers() == self._pointers
 
-    def project(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows]) -> torch.Tensor:
+    def project(self, x: torch.Tensor, groups: ExpertGroups, lora: list[AdapterRows] | list[BankRows]) -> torch.Tensor:
         """``silu(gate) * up`` of expert-sorted rows (inference only)."""
         n = self.gate.out_features
         y = grouped_linear(x, self.weight, groups)
@@ -249,7 +277,7 @@ class SparseMoeBlock(nn.Module):
         self.add_module(self.router_name, TopKRouter(cfg))
         self.experts = Experts(cfg)
 
-    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         router: TopKRouter = getattr(self, self.router_name)
         weights, chosen = router(x2)
@@ -271,11 +299,15 @@ class SparseMoeBlock(nn.Module):
         return torch.zeros_like(x2).index_add(0, token_of, out).view(x.shape)
 
 
-def _adapter_rows(segments: Segments | RowGroups | None, num_tokens: int, token_of: torch.Tensor,
-                  sorted_experts: torch.Tensor, num_experts: int, all_groups: ExpertGroups) -> list[AdapterRows]:
+def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: int, token_of: torch.Tensor,
+                  sorted_experts: torch.Tensor, num_experts: int,
+                  all_groups: ExpertGroups) -> list[AdapterRows] | list[BankRows]:
     """Which sorted rows each adapter in ``segments`` owns (rows stay sorted by expert)."""
     if not segments:
         return []
+    if isinstance(segments, RowSlots):  # no host read: every row's bank row, as a tensor
+        pos = segments.idx.index_select(0, token_of)
+        return [BankRows(segments, torch.where(pos >= 0, pos * num_experts + sorted_experts, -1))]
     if len(segments[0]) == 3 and len(segments) == 1:
         slot, a, b = segments[0]  # type: ignore[misc]
         if slot is None:

@@ -21,6 +21,8 @@ import torch
 
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
+from tinsmith.models.lora import RowGroups, Segments, decode_rows
+from tinsmith.models.lora_bank import RowSlots
 from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
@@ -467,7 +469,7 @@ class Sampler:
     def _batch(self) -> _DecodeBatch:
         """Per-row tensors of the decode batch, rebuilt only when rows join or leave."""
         if self._decode_batch is None:
-            self._decode_batch = _DecodeBatch.of(self.rows, self.device, self.model.config.vocab_size)
+            self._decode_batch = _DecodeBatch.of(self.rows, self.device, self.model)
         return self._decode_batch
 
 
@@ -479,7 +481,7 @@ class _DecodeBatch:
     the step counters: no per-step tensors are built from Python lists.
     """
 
-    groups: list[tuple[int, torch.Tensor]] | list[tuple[int, int, int]] | None
+    groups: Segments | RowGroups | RowSlots | None  # each row's adapter, as ``decode_rows`` lays it out
     last: torch.Tensor  # (n,) last token of each row: the next step's input
     keys: torch.Tensor  # (n,) int64 random-stream key of each row (seed, sample index)
     steps: torch.Tensor  # (n,) int64 tokens sampled so far (the stream position)
@@ -490,16 +492,9 @@ class _DecodeBatch:
     kinds: RowKinds  # which rows are greedy / truncate, known without asking the device
 
     @classmethod
-    def of(cls, rows: list[_Row], device: torch.device, vocab: int) -> _DecodeBatch:
-        by_slot: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            if row.state.task.slot is not None:
-                by_slot.setdefault(row.state.task.slot, []).append(i)
-        groups: list | None
-        if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(rows):
-            groups = [(next(iter(by_slot)), 0, len(rows))]  # one adapter for all: a plain segment
-        else:
-            groups = [(s, torch.tensor(ix, device=device)) for s, ix in by_slot.items()] or None
+    def of(cls, rows: list[_Row], device: torch.device, model: CausalLM) -> _DecodeBatch:
+        vocab = model.config.vocab_size
+        groups = decode_rows(model, [row.state.task.slot for row in rows], device)
         params = [r.state.task.input.params for r in rows]
         return cls(
             groups=groups,

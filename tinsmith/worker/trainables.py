@@ -24,6 +24,7 @@ import torch
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear
+from tinsmith.models.lora_bank import adapters_changed
 from tinsmith.models.moe import ExpertLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match
 from tinsmith.types import LoraSpec, OptimParams
@@ -157,6 +158,7 @@ class Trainable:
                     if f"{n}.step" in optimizer:
                         st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
                     self.optimizer.state[p] = st
+        adapters_changed()  # weights written in place: inference banks copy them again
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of ``params``' gradients (a sharded unit sums its shards' squares)."""
@@ -180,6 +182,7 @@ class Trainable:
         apply_hyperparameters(self.optimizer, hp)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        adapters_changed()  # weights stepped in place: inference banks copy them again
         if self.masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)  # round the masters into the model

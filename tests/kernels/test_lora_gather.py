@@ -1,0 +1,137 @@
+"""Gathered LoRA ops: the torch path against a per-row float64 product, the Triton kernels
+(interpreted on a CPU, compiled on a GPU) against the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinsmith.kernels import lora_gather as lg
+
+
+def per_row(x, A_bank, B_bank, idx):
+    """y[i] = B[idx i] @ (A[idx i] @ x[i]) in float64, zero for idx -1 (and h as well)."""
+    h = torch.zeros(x.shape[0], A_bank.shape[1], dtype=torch.float64)
+    d = torch.zeros(x.shape[0], B_bank.shape[1], dtype=torch.float64)
+    for i, s in enumerate(idx.tolist()):
+        if s >= 0:
+            h[i] = A_bank[s].double() @ x[i].double()
+            d[i] = B_bank[s].double() @ h[i]
+    return h, d
+
+
+def case(dtype, device="cpu", n=7, k=96, r=12, slots=5, out=70, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g).to(device, dtype)
+    A = (torch.randn(slots, r, k, generator=g) / k**0.5).to(device, dtype)
+    B = torch.randn(slots, out, r, generator=g).to(device, dtype)
+    idx = torch.tensor([0, -1, 4, 2, 2, -1, 1, 3, 0][:n], device=device)
+    return x, A, B, idx
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_ops_equal_per_row_products(dtype):
+    x, A, B, idx = case(dtype)
+    h_ref, d_ref = per_row(x, A, B, idx)
+    h = lg.shrink_torch(x, A, idx)
+    assert h.dtype == torch.float32
+    torch.testing.assert_close(h.double(), h_ref, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+    # expand adds into a column view of a wider output (a packed projection) and nothing else.
+    base = torch.randn(x.shape[0], 3 * B.shape[1]).to(dtype)
+    y = base.clone()
+    cols = slice(B.shape[1], 2 * B.shape[1])
+    lg.expand_torch(y[:, cols], h, B, idx)
+    expected = base[:, cols].double() + d_ref
+    torch.testing.assert_close(y[:, cols].double(), expected, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 40)
+    assert torch.equal(y[:, : B.shape[1]], base[:, : B.shape[1]]) and torch.equal(y[:, 2 * B.shape[1]:], base[:, 2 * B.shape[1]:])
+    assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])  # rows with no adapter untouched
+
+
+def _triton_device() -> str:
+    if not lg.triton_available():
+        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
+    if torch.cuda.is_available():
+        return "cuda"
+    if not lg.triton_interpreting():
+        pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before triton was imported")
+    return "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [dict(n=7, k=96, r=12, slots=5, out=70), dict(n=9, k=2100, r=40, slots=6, out=1030)])
+def test_triton_kernels_equal_torch_path(dtype, shape):
+    """Ranks and sizes that are not powers of two nor block multiples, -1 rows, a column view."""
+    device = _triton_device()
+    x, A, B, idx = case(dtype, device, **shape)
+    h = lg.shrink_triton(x, A, idx)
+    h_ref, d_ref = per_row(x.cpu(), A.cpu(), B.cpu(), idx.cpu())
+    # The kernels accumulate in fp32 from the stored inputs: compare with float64 products.
+    torch.testing.assert_close(h.cpu().double(), h_ref, rtol=1e-4, atol=1e-4)
+    out = B.shape[1]
+    base = torch.randn(x.shape[0], 2 * out + 3).to(device, dtype)
+    y = base.clone()
+    lg.expand_triton(y[:, out: 2 * out], h, B, idx)
+    want = (base[:, out: 2 * out].double().cpu() + per_row_expand(h.cpu(), B.cpu(), idx.cpu())).to(dtype)
+    torch.testing.assert_close(y[:, out: 2 * out].cpu(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(y[:, :out], base[:, :out]) and torch.equal(y[:, 2 * out:], base[:, 2 * out:])
+    dead = (idx < 0).nonzero().squeeze(1)
+    assert torch.equal(y[dead], base[dead])
+
+
+def per_row_expand(h, B_bank, idx):
+    d = torch.zeros(h.shape[0], B_bank.shape[1], dtype=torch.float64)
+    for i, s in enumerate(idx.tolist()):
+        if s >= 0:
+            d[i] = B_bank[s].double() @ h[i].double()
+    return d
+
+
+def test_dispatch_follows_backend(monkeypatch):
+    x = torch.zeros(2, 4)
+    monkeypatch.setattr(lg, "BACKEND", "torch")
+    assert not lg.triton_usable(x)
+    monkeypatch.setattr(lg, "BACKEND", "auto")
+    assert lg.triton_usable(x) == (lg.triton_available() and x.is_cuda)
+
+
+_COMPILE = '''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tinsmith.kernels import lora_gather as lg
+
+target = GPUTarget("cuda", 90, 32)
+for dt in sys.argv[1:]:
+    common = {"idx_ptr": "*i64", "R": "constexpr", **{f"stride_{s}": "i32" for s in ("hn", "hr")}}
+    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "h_ptr": "*fp32", "K": "constexpr", "BLOCK_R": "constexpr",
+              "BLOCK_K": "constexpr", **{f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak")}, **common}
+    expand = {"h_ptr": "*fp32", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", "N": "constexpr", "BLOCK_N": "constexpr",
+              "BLOCK_R": "constexpr", **{f"stride_{s}": "i32" for s in ("bs", "bn", "br", "yn", "yo")}, **common}
+    for fn, sig, const in ((lg._shrink_kernel, shrink, {"K": 4096, "R": 40, "BLOCK_R": 64, "BLOCK_K": 128}),
+                           (lg._expand_kernel, expand, {"N": 151936, "R": 40, "BLOCK_N": 128, "BLOCK_R": 64})):
+        sig = {name: sig[name] for name in fn.arg_names}
+        assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
+'''
+
+
+def test_triton_kernels_compile_for_hopper(tmp_path):
+    """The interpreter does not compile: build the kernels for sm_90 (no GPU needed), in a process
+    of its own, since this one may have Triton in interpreter mode."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not lg.triton_available():
+        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, "bf16", "fp16", "fp32"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

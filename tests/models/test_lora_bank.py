@@ -1,0 +1,167 @@
+"""Adapter banks: the decode path over stacked adapters equals the per-adapter path, and the
+banks follow every change of the adapters (steps, loads, removal, rank growth, new slots)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinsmith.kernels import lora_gather
+from tinsmith.models import lora as lora_mod
+from tinsmith.models.lora import LoraLinear, decode_rows
+from tinsmith.models.lora_bank import RowSlots, SlotTable, adapters_changed
+from tinsmith.types import AdamParams, LoraSpec
+from tinsmith.worker.runtime import TrainingRuntime
+
+from tinsmith.worker.trainables import install_lora_weights
+
+from tests.sampling.conftest import fresh_model, make_sampler, run, task
+from tests.sampling.test_sampler import prompts
+
+
+def random_adapter(model, slot: int, rank: int, seed: int) -> None:
+    """A frozen adapter with random A and B (dense and expert layers), as sampler snapshots are."""
+    spec = LoraSpec(rank=rank, alpha=2.0 * rank)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
+        a_shape, b_shape = layer.lora_shapes(rank)
+        tensors[f"{name}.lora_A.weight"] = torch.randn(a_shape, generator=g) * 0.1
+        tensors[f"{name}.lora_B.weight"] = torch.randn(b_shape, generator=g) * 0.1
+    install_lora_weights(model, slot, spec, tensors)
+
+
+class Holder(torch.nn.Module):
+    """Stands for the model that owns the slot table."""
+
+
+def grouped(layer, x, slots):
+    groups = [(s, torch.tensor([i for i, t in enumerate(slots) if t == s])) for s in {s for s in slots if s is not None}]
+    with torch.inference_mode():
+        return layer(x, groups)
+
+
+def banked(layer, owner, x, slots):
+    with torch.inference_mode():
+        return layer(x, RowSlots.of(owner, slots, x.device))
+
+
+def test_bank_layer_equals_grouped_layer_through_changes():
+    g = torch.Generator().manual_seed(0)
+    layer = LoraLinear(24, 40)
+    torch.nn.init.normal_(layer.weight, generator=g)
+    for slot, rank in ((1, 4), (2, 8), (3, 2)):
+        w = layer.add_adapter(slot, rank, 2.0 * rank, g)
+        with torch.no_grad():
+            w.B.normal_(generator=g)
+    owner = Holder()
+    x = torch.randn(9, 24, generator=g)
+    slots = [1, None, 2, 3, 1, 2, None, 3, 1]
+    torch.testing.assert_close(banked(layer, owner, x, slots), grouped(layer, x, slots), rtol=1e-5, atol=1e-5)
+    bank = layer._bank
+    assert bank.rank == 8 and tuple(bank.A.shape[1:]) == (8, 24)
+
+    # A weight written in place (as optimizer steps and loads do, who announce it) is seen.
+    with torch.no_grad():
+        layer.adapters[2].B.mul_(3.0)
+    adapters_changed()
+    torch.testing.assert_close(banked(layer, owner, x, slots), grouped(layer, x, slots), rtol=1e-5, atol=1e-5)
+
+    # Removal: its rows read the base model. A larger rank: the bank grows.
+    layer.remove_adapter(3)
+    w = layer.add_adapter(4, 16, 8.0, g)
+    with torch.no_grad():
+        w.B.normal_(generator=g)
+    slots2 = [1, 3, 4, None, 4, 2, 3, 1, 4]
+    torch.testing.assert_close(banked(layer, owner, x, slots2), grouped(layer, x, slots2), rtol=1e-5, atol=1e-5)
+    assert layer._bank.rank == 16
+    base = torch.nn.functional.linear(x, layer.weight)
+    out = banked(layer, owner, x, slots2)
+    torch.testing.assert_close(out[[1, 3, 6]], base[[1, 3, 6]])  # slot 3 is gone, row 3 has none
+
+
+def test_slot_table_reuses_positions_and_grows():
+    t = SlotTable(capacity=2)
+    t.assign({10, 11})
+    p10 = t.positions[10]
+    t.assign({10, 12})  # 11 is not read: its position goes to 12
+    assert t.positions[10] == p10 and t.capacity == 2 and set(t.positions) == {10, 12}
+    t.assign({10, 12, 13})
+    assert t.capacity == 4 and set(t.positions) == {10, 12, 13}
+    assert len(set(t.positions.values())) == 3
+
+
+def test_decode_rows_layouts(monkeypatch):
+    owner = Holder()
+    assert decode_rows(owner, [None, None], torch.device("cpu")) is None
+    assert decode_rows(owner, [5, 5, 5], torch.device("cpu")) == [(5, 0, 3)]
+    monkeypatch.setattr(lora_mod, "CPU_BANK_MIN_ADAPTERS", 3)
+    assert isinstance(decode_rows(owner, [5, None, 7], torch.device("cpu")), list)  # auto, 2 adapters: grouped
+    assert isinstance(decode_rows(owner, [5, 6, 7], torch.device("cpu")), RowSlots)  # auto, 3: bank
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
+    rows = decode_rows(owner, [5, None, 7], torch.device("cpu"))
+    assert isinstance(rows, RowSlots) and rows.idx.tolist()[1] == -1
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", "grouped")
+    rows = decode_rows(owner, [5, None, 7], torch.device("cpu"))
+    assert [(s, ix.tolist()) for s, ix in rows] == [(5, [0]), (7, [2])]
+
+
+def _mixed_run(model, model_dir, slots, mode, monkeypatch, backend="torch", n=2, max_tokens=8):
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", mode)
+    monkeypatch.setattr(lora_gather, "BACKEND", backend)
+    V = model.config.vocab_size
+    ps = prompts(3, (5, 9, 3), V)
+    tasks = [task((i, s), ps[i % 3], slot=s, n=n, max_tokens=max_tokens, stop=[], temperature=0.9, seed=i)
+             for i, s in enumerate(slots)]
+    return run(make_sampler(model, model_dir), tasks)
+
+
+def _same(a, b):
+    for key in a:
+        for sa, sb in zip(a[key].sequences, b[key].sequences):
+            assert sa.tokens.tolist() == sb.tokens.tolist(), key
+            assert abs(sa.logprobs - sb.logprobs).max() < 1e-4, key
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_dir", "qwen3_moe_dir"])
+def test_sampler_bank_path_equals_grouped_path(fixture, request, monkeypatch):
+    """Mixed adapters (a snapshot, a training run targeting only MLPs, a stepped run, the base)
+    decode to the same tokens on both paths, also after the run takes an optimizer step."""
+    model_dir = request.getfixturevalue(fixture)
+    model = fresh_model(model_dir)
+    random_adapter(model, 1_000_001, rank=4, seed=1)
+    rt = TrainingRuntime(model, max_lora_adapters=4, max_lora_rank=16)
+    unit = rt.create_adapter(LoraSpec(rank=8, alpha=16, seed=3))
+    mlp_only = rt.create_adapter(LoraSpec(rank=4, alpha=8, seed=4, train_attn=False, train_unembed=False))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for u in (unit, mlp_only):
+            for name, p in rt.unit(u).named_params:
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    adapters_changed()
+    slots = [1_000_001, None, rt.unit(unit).slot, rt.unit(mlp_only).slot]
+    ref = _mixed_run(model, model_dir, slots, "grouped", monkeypatch)
+    _same(ref, _mixed_run(model, model_dir, slots, "bank", monkeypatch))
+
+    # An optimizer step changes the run's weights in place: the bank must follow.
+    tr = rt.unit(unit)
+    for p in tr.params:
+        p.grad = torch.randn(p.shape, generator=g)
+    tr.step(AdamParams(learning_rate=0.05))
+    ref2 = _mixed_run(model, model_dir, slots, "grouped", monkeypatch)
+    assert any(ref2[k].sequences[0].tokens.tolist() != ref[k].sequences[0].tokens.tolist() for k in ref)
+    _same(ref2, _mixed_run(model, model_dir, slots, "bank", monkeypatch))
+
+
+def test_sampler_bank_path_with_triton_kernels(qwen3_dir, monkeypatch):
+    if not lora_gather.triton_available():
+        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
+    if not lora_gather.triton_interpreting():
+        pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported")
+    model = fresh_model(qwen3_dir)
+    random_adapter(model, 1_000_001, rank=4, seed=1)
+    random_adapter(model, 1_000_002, rank=8, seed=2)
+    slots = [1_000_001, None, 1_000_002]
+    ref = _mixed_run(model, qwen3_dir, slots, "grouped", monkeypatch, n=1, max_tokens=3)
+    _same(ref, _mixed_run(model, qwen3_dir, slots, "bank", monkeypatch, backend="triton", n=1, max_tokens=3))

@@ -1,0 +1,174 @@
+"""Gathered LoRA ops: every row of a batch through its own adapter, in one call per projection.
+
+A decode batch mixes adapters row by row. Rather than one small matmul pair per adapter, the
+adapters of a layer sit in stacked banks (``A_bank[slots, r, in]``, ``B_bank[slots, out, r]``
+with the scale folded into B, ranks zero-padded to the bank's) and each row carries the bank
+slot it reads (``idx[row]``, -1 for no adapter):
+
+- ``shrink(x, A_bank, idx) -> h``: ``h[i] = A_bank[idx[i]] @ x[i]``, (rows, r) in fp32;
+- ``expand(y, h, B_bank, idx)``: ``y[i] += B_bank[idx[i]] @ h[i]`` in place (``y`` may be a view,
+  e.g. one projection's columns of a packed q/k/v output).
+
+Shapes depend only on the number of rows, and nothing reads back to the host, so a decode step
+built on them can be captured in a CUDA graph. The Triton kernels are the BGMV scheme of
+Punica/S-LoRA (one program per row and block of output columns, a loop over the reduced
+dimension, fp32 accumulation): at decode sizes the work is reading each row's adapter, which a
+per-row matrix-vector product does once. The torch functions are the CPU path and the
+reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # optional: ``pip install 'tinsmith[gpu]'``
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+
+# "auto": the Triton kernels for CUDA tensors, torch for the rest; "torch"; "triton": the kernels
+# for every tensor (CPU ones need TRITON_INTERPRET=1 set before triton is imported: tests do).
+BACKEND = "auto"
+
+
+def triton_available() -> bool:
+    """True when Triton is installed."""
+    return triton is not None
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (on CPU tensors), as tests have it."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Whether :func:`shrink`/:func:`expand` take the Triton path for tensors like ``x``."""
+    if triton is None or BACKEND == "torch":
+        return False
+    return BACKEND == "triton" or x.device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- torch (reference, CPU)
+def shrink_torch(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``A_bank[idx[i]] @ x[i]`` per row, zeros where ``idx`` is -1; (rows, r) fp32."""
+    live = idx >= 0
+    A = A_bank.index_select(0, idx.clamp(min=0))  # (rows, r, in)
+    h = torch.bmm(A, x.to(A.dtype).unsqueeze(-1)).squeeze(-1).float()
+    return torch.where(live[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+
+
+def expand_torch(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: torch.Tensor) -> None:
+    """``y[i] += B_bank[idx[i]] @ h[i]`` in place, nothing where ``idx`` is -1."""
+    live = idx >= 0
+    B = B_bank.index_select(0, idx.clamp(min=0))  # (rows, out, r)
+    d = torch.bmm(B, h.to(B.dtype).unsqueeze(-1)).squeeze(-1)
+    y.add_(torch.where(live[:, None], d, torch.zeros((), dtype=d.dtype, device=d.device)).to(y.dtype))
+
+
+# ----------------------------------------------------------------------------- Triton (BGMV)
+# The reduced and output sizes are compile-time constants: each layer has fixed ones, so a model
+# compiles a handful of variants, and loop bounds are known to the compiler (Triton's
+# interpreter, which tests run the kernels in on a CPU, needs them so too).
+if triton is not None:
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, idx_ptr, h_ptr, K: tl.constexpr, R: tl.constexpr,
+                       stride_xn, stride_xk, stride_as, stride_ar, stride_ak, stride_hn, stride_hr,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        slot = tl.load(idx_ptr + row).to(tl.int64)
+        live = slot >= 0
+        a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + offs_r[:, None] * stride_ar
+        x_row = x_ptr + row.to(tl.int64) * stride_xn
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = (offs_k < K) & live
+            xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
+            av = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :],
+                         other=0.0).to(tl.float32)
+            acc += tl.sum(av * xv[None, :], axis=1)
+        tl.store(h_ptr + row.to(tl.int64) * stride_hn + offs_r * stride_hr, acc, mask=r_mask)
+
+    @triton.jit
+    def _expand_kernel(h_ptr, b_ptr, idx_ptr, y_ptr, N: tl.constexpr, R: tl.constexpr,
+                       stride_hn, stride_hr, stride_bs, stride_bn, stride_br, stride_yn, stride_yo,
+                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+        row = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_ptr + row).to(tl.int64)
+        live = slot >= 0
+        n_mask = (offs_n < N) & live
+        b_rows = b_ptr + tl.maximum(slot, 0) * stride_bs + offs_n[:, None] * stride_bn
+        h_row = h_ptr + row.to(tl.int64) * stride_hn
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = (offs_r < R) & live
+            hv = tl.load(h_row + offs_r * stride_hr, mask=r_mask, other=0.0).to(tl.float32)
+            bv = tl.load(b_rows + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :],
+                         other=0.0).to(tl.float32)
+            acc += tl.sum(bv * hv[None, :], axis=1)
+        y_cols = y_ptr + row.to(tl.int64) * stride_yn + offs_n * stride_yo
+        yv = tl.load(y_cols, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_cols, (yv + acc).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+
+
+def shrink_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """:func:`shrink_torch` as one BGMV kernel (CUDA; interpreted for CPU tensors)."""
+    n, K = x.shape
+    R = A_bank.shape[1]
+    h = torch.empty(n, R, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return h
+    cpu = x.device.type == "cpu"
+    block_r = _pow2(R, 16, 64)
+    # Wide K blocks on CPU: the interpreter runs one NumPy pass per loop trip.
+    block_k = _pow2(K, 16, 1024 if cpu else 128)
+    grid = (n, triton.cdiv(R, block_r))
+    _shrink_kernel[grid](x, A_bank, idx, h, K, R, x.stride(0), x.stride(1), A_bank.stride(0),
+                         A_bank.stride(1), A_bank.stride(2), h.stride(0), h.stride(1),
+                         BLOCK_R=block_r, BLOCK_K=block_k)
+    return h
+
+
+def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: torch.Tensor) -> None:
+    """:func:`expand_torch` as one BGMV kernel (CUDA; interpreted for CPU tensors)."""
+    n, N = y.shape
+    R = B_bank.shape[2]
+    if n == 0:
+        return
+    cpu = y.device.type == "cpu"
+    block_r = _pow2(R, 16, 64)
+    block_n = _pow2(N, 16, 1024 if cpu else 128)
+    grid = (n, triton.cdiv(N, block_n))
+    _expand_kernel[grid](h, B_bank, idx, y, N, R, h.stride(0), h.stride(1), B_bank.stride(0),
+                         B_bank.stride(1), B_bank.stride(2), y.stride(0), y.stride(1),
+                         BLOCK_N=block_n, BLOCK_R=block_r)
+
+
+# ----------------------------------------------------------------------------- dispatch
+def shrink(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(rows, r) fp32: each row's ``x`` through its slot's A (zeros for slot -1). Triton where usable."""
+    return shrink_triton(x, A_bank, idx) if triton_usable(x) else shrink_torch(x, A_bank, idx)
+
+
+def expand(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: torch.Tensor) -> None:
+    """Add each row's ``B_bank[slot] @ h`` into ``y`` in place (nothing for slot -1). Triton where usable."""
+    if triton_usable(y):
+        expand_triton(y, h, B_bank, idx)
+    else:
+        expand_torch(y, h, B_bank, idx)

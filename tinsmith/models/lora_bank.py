@@ -1,0 +1,216 @@
+"""Stacked adapter banks: the inference copy of a layer's adapters that gathered LoRA ops read.
+
+Training keeps each adapter's own leaf tensors (:class:`tinsmith.models.lora.LoraWeights`,
+sized to its rank, so optimizer state is too). A decode batch that mixes adapters instead reads
+one bank per layer, ``A[positions, r_max, in]`` and ``B[positions, out, r_max]`` (scale folded
+into B, ranks zero-padded), so each projection runs one gathered shrink/expand for every
+adapter in the batch (:mod:`tinsmith.kernels.lora_gather`).
+
+Positions are shared by all layers of a model (a :class:`SlotTable`), so one per-row index
+tensor serves every layer; a layer that an adapter does not target holds zeros at its position.
+
+A bank is refreshed lazily, when a layer is used by a decode batch after something changed.
+"Something changed" is one process-wide counter, :func:`adapters_changed`, bumped by every
+mutation of a layer's ``adapters`` dict (add, remove, park, unpark, snapshot install) and by
+whatever writes adapter weights in place (optimizer steps, state loads); when it moved, a layer
+compares each position's weights with what it copied (same tensors, same storage, same
+in-place version) and rewrites only the positions that differ. Code that writes adapter
+weights in place elsewhere must call :func:`adapters_changed` too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tinsmith.models.lora import LoraWeights
+
+_epoch = 0
+
+
+def adapters_changed() -> None:
+    """Note that some adapter's weights or some layer's adapter set changed (banks re-check)."""
+    global _epoch
+    _epoch += 1
+
+
+def adapters_epoch() -> int:
+    return _epoch
+
+
+class AdapterSlots(dict):
+    """A layer's ``{slot: LoraWeights}``; every mutation calls :func:`adapters_changed`."""
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        adapters_changed()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        adapters_changed()
+
+    def pop(self, *args):  # type: ignore[override]
+        adapters_changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        adapters_changed()
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        adapters_changed()
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        adapters_changed()
+
+    def setdefault(self, key, default=None):
+        adapters_changed()
+        return super().setdefault(key, default)
+
+
+@dataclass
+class SlotTable:
+    """Bank position of each adapter slot, for all the layers of one model.
+
+    A position is taken when a slot first appears in a decode batch. When every position is
+    held, those of slots absent from the new batch are handed out again; when the batch itself
+    has more slots than positions, the table doubles (every bank grows at its next use).
+    """
+
+    capacity: int = 4
+    positions: dict[int, int] = field(default_factory=dict)
+    version: int = 0  # bumped whenever a position changes hands or the capacity grows
+
+    @classmethod
+    def of(cls, model: Any) -> SlotTable:
+        table = getattr(model, "_lora_slot_table", None)
+        if table is None:
+            table = cls()
+            model._lora_slot_table = table
+        return table
+
+    def assign(self, slots: set[int]) -> None:
+        new = [s for s in slots if s not in self.positions]
+        if not new:
+            return
+        self.version += 1
+        while len(slots) > self.capacity:
+            self.capacity *= 2
+        free = sorted(set(range(self.capacity)) - set(self.positions.values()))
+        if len(free) < len(new):  # hand back the positions of slots this batch does not read
+            for s in [s for s in self.positions if s not in slots][: len(new) - len(free)]:
+                free.append(self.positions.pop(s))
+        for s, p in zip(new, free):
+            self.positions[s] = p
+
+
+@dataclass
+class RowSlots:
+    """Inference rows that each read one adapter: the bank position per row (-1: base model).
+
+    Passed down the model where training passes segments. ``idx`` is built once per row set, so
+    a decode step reads no host state per layer beyond the banks' freshness check.
+    """
+
+    table: SlotTable
+    idx: torch.Tensor  # (rows,) int64 bank position of each row, -1 for none
+    slots: tuple[int | None, ...]  # each row's adapter slot, on the host
+
+    @classmethod
+    def of(cls, model: Any, slots: list[int | None], device: torch.device) -> RowSlots:
+        table = SlotTable.of(model)
+        table.assign({s for s in slots if s is not None})
+        idx = torch.tensor([-1 if s is None else table.positions[s] for s in slots], dtype=torch.long)
+        return cls(table, idx.to(device), tuple(slots))
+
+    def __bool__(self) -> bool:
+        return any(s is not None for s in self.slots)
+
+
+def _version(t: torch.Tensor) -> int:
+    # Inference tensors keep no version counter; they cannot change outside inference mode and
+    # the only ones adapters hold are frozen sampler snapshots.
+    return -1 if t.is_inference() else t._version
+
+
+class _Copied:
+    """What a bank position was copied from: it is current while all of these still hold."""
+
+    __slots__ = ("slot", "A", "B", "a_ptr", "b_ptr", "a_ver", "b_ver", "scale")
+
+    def __init__(self, slot: int, w: LoraWeights):
+        self.slot, self.scale = slot, w.scale
+        self.A, self.B = weakref.ref(w.A), weakref.ref(w.B)
+        self.a_ptr, self.b_ptr = w.A.data_ptr(), w.B.data_ptr()
+        self.a_ver, self.b_ver = _version(w.A), _version(w.B)
+
+    def matches(self, slot: int, w: LoraWeights) -> bool:
+        return (self.slot == slot and self.A() is w.A and self.B() is w.B and self.scale == w.scale
+                and self.a_ptr == w.A.data_ptr() and self.b_ptr == w.B.data_ptr()
+                and self.a_ver == _version(w.A) and self.b_ver == _version(w.B))
+
+
+class LoraBank:
+    """One layer's adapters stacked by position: ``A (positions*experts, r, in)``, ``B (positions*experts, out, r)``.
+
+    Dense layers have one "expert". Row ``p * experts + e`` is expert ``e`` of the adapter at
+    position ``p``, so expert layers index it with ``position * experts + expert``.
+    """
+
+    def __init__(self, experts: int, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype):
+        self.experts, self.in_features, self.out_features = experts, in_features, out_features
+        self.device, self.dtype = device, dtype
+        self.rank = 0
+        self.positions = 0
+        self.A = torch.zeros(0, 0, in_features, device=device, dtype=dtype)
+        self.B = torch.zeros(0, out_features, 0, device=device, dtype=dtype)
+        self.copied: list[_Copied | None] = []
+        self.epoch = -1
+        self.table_version = -1
+        self.adapters_ref: Any = None
+
+    def sync(self, adapters: dict[int, LoraWeights], table: SlotTable) -> None:
+        """Bring every position of ``table`` up to date with ``adapters`` (cheap when nothing changed)."""
+        if self.epoch == _epoch and self.table_version == table.version and self.adapters_ref is adapters:
+            return
+        held = {s: adapters[s] for s in table.positions if s in adapters}
+        rank = max((w.A.shape[-2] for w in held.values()), default=0)
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: usable in any mode
+            if table.capacity > self.positions or rank > self.rank:
+                self._grow(max(table.capacity, self.positions), max(rank, self.rank))
+            for slot, p in table.positions.items():
+                w = held.get(slot)
+                c = self.copied[p]
+                if w is None:
+                    if c is not None:
+                        self._write(p, None)
+                elif c is None or not c.matches(slot, w):
+                    self._write(p, w)
+                    self.copied[p] = _Copied(slot, w)
+        self.epoch, self.table_version, self.adapters_ref = _epoch, table.version, adapters
+
+    def _grow(self, positions: int, rank: int) -> None:
+        e = self.experts
+        self.A = torch.zeros(positions * e, rank, self.in_features, device=self.device, dtype=self.dtype)
+        self.B = torch.zeros(positions * e, self.out_features, rank, device=self.device, dtype=self.dtype)
+        self.positions, self.rank = positions, rank
+        self.copied = [None] * positions  # everything is copied again
+
+    def _write(self, p: int, w: LoraWeights | None) -> None:
+        e = self.experts
+        A = self.A.view(self.positions, e, self.rank, self.in_features)[p]
+        B = self.B.view(self.positions, e, self.out_features, self.rank)[p]
+        A.zero_()
+        B.zero_()
+        self.copied[p] = None
+        if w is None:
+            return
+        r = w.A.shape[-2]
+        A[:, :r].copy_(w.A.detach().reshape(e, r, self.in_features))
+        B[:, :, :r].copy_((w.B.detach().float() * w.scale).reshape(e, self.out_features, r))
