@@ -31,6 +31,7 @@ from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
 TOPK_SENTINEL = -99999.0
+DEVICE_DECODE_BURST = 4  # decode steps per host read-back on a GPU
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Sampler:
         prefill_tokens: int = 8192,
         cancellations: CancelBoard | None = None,
         vision: VisionTower | None = None,
+        decode_burst: int | None = None,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -89,6 +91,10 @@ class Sampler:
         self.prefill_tokens = prefill_tokens
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # Decode steps per read-back of the sampled tokens (see _decode_step). On a CPU every
+        # operation has finished when it returns, so reading back each step costs nothing and a
+        # burst would only decode past stops; on a GPU a burst keeps the launch queue full.
+        self.decode_burst = decode_burst or (DEVICE_DECODE_BURST if self.device.type == "cuda" else 1)
         self.cache = RowKVCache(self.cfg, self.device, self.dtype)
         self.inbox: deque[SampleTask] = deque()
         self.rows: list[_Row] = []
@@ -96,7 +102,7 @@ class Sampler:
         self.cancellations = cancellations
         self._cancel_version = 0  # the board's version last acted on
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
-        self.stats = {"decode_steps": 0, "prefills": 0, "sampled_tokens": 0, "cancelled": 0}
+        self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "sampled_tokens": 0, "cancelled": 0}
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -382,31 +388,54 @@ class Sampler:
 
     # ----------------------------------------------------------------------------- decoding
     def _decode_step(self, done: list) -> None:
+        """Decode a burst of steps for every row, then read the tokens back once.
+
+        The host needs the sampled tokens only to check stop conditions and to record results,
+        so a burst of ``k`` steps runs back to back on the device (each step's tokens feed the
+        next without leaving it) and pays one read-back instead of ``k``: on a GPU the launch
+        queue never drains waiting for the host. A row that stops inside a burst has decoded a
+        few tokens past its stop into its own cache; they are dropped, and no other row sees
+        them. ``k`` never takes a row past its ``max_tokens``. Tokens are identical whatever
+        ``k`` is: a row's draws depend only on its seed, sample index and step.
+        """
         n = len(self.rows)
         batch = self._batch()
-        # The longest row after this step's token: a row's cache holds its prompt and every
-        # sampled token but the last, so this is known on the host (no read-back per step).
-        span = max(len(row.state.task.input.prompt) + len(row.tokens) for row in self.rows)
+        k = max(1, min(self.decode_burst, min(row.state.max_tokens - len(row.tokens) for row in self.rows)))
+        # The longest row after this burst: a row's cache holds its prompt and every sampled
+        # token but the last, so this is known on the host (no read-back per step).
+        span = max(len(row.state.task.input.prompt) + len(row.tokens) for row in self.rows) + k - 1
         self.cache.ensure(n, span)
-        positions = self.cache.lengths[:n][:, None]
-        if batch.rope_deltas is not None:
-            positions = positions + batch.rope_deltas[:, None]
-        hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
-                                          attend=self.cache.decode_attention(n, span))
-        logits = self.model.logits(hidden[:, 0], batch.groups)
-        self.cache.lengths[:n] += 1
-        u = keyed_uniforms(batch.keys, batch.steps)
-        tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds)
-        batch.last, batch.steps = tok, batch.steps + 1
-        self.stats["decode_steps"] += 1
-        self.stats["sampled_tokens"] += n
+        asks = [row.state.task.input.topk_sample_logprobs for row in self.rows]
+        toks, lps, tops = [], [], []
+        for i in range(k):
+            positions = self.cache.lengths[:n][:, None]
+            if batch.rope_deltas is not None:
+                positions = positions + batch.rope_deltas[:, None]
+            hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
+                                              attend=self.cache.decode_attention(n, span - (k - 1 - i)))
+            logits = self.model.logits(hidden[:, 0], batch.groups)
+            self.cache.lengths[:n] += 1
+            u = keyed_uniforms(batch.keys, batch.steps)
+            tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds)
+            batch.last, batch.steps = tok, batch.steps + 1
+            toks.append(tok)
+            lps.append(lp)
+            tops.append(_device_top_logprobs(full, asks))
+        self.stats["decode_steps"] += k
+        self.stats["decode_reads"] += 1
+        self.stats["sampled_tokens"] += n * k
+        tok_host = torch.stack(toks, 1).tolist()  # (n, k): the burst's one read-back
+        lp_host = torch.stack(lps, 1).tolist()
+        top_host = [_host_top_logprobs(t, asks) for t in tops]
         finished: list[tuple[int, str]] = []
-        tops = _top_logprobs(full, [row.state.task.input.topk_sample_logprobs for row in self.rows])
-        for r, (row, t, l) in enumerate(zip(self.rows, tok.tolist(), lp.tolist())):
-            if self._push(row, t, l, tops[r]):
-                finished.append((r, "stop"))
-            elif len(row.tokens) >= row.state.max_tokens:
-                finished.append((r, "length"))
+        for r, row in enumerate(self.rows):
+            for i in range(k):
+                if self._push(row, tok_host[r][i], lp_host[r][i], top_host[i][r]):
+                    finished.append((r, "stop"))
+                    break
+                if len(row.tokens) >= row.state.max_tokens:
+                    finished.append((r, "length"))
+                    break
         for r, reason in sorted(finished, reverse=True):
             self._retire(r, reason, done)
         if finished:
@@ -517,17 +546,29 @@ def _top_logprobs(full: torch.Tensor, ks: list[int]) -> list[tuple[list[int], li
 
     One ``topk`` over the rows that ask and one read-back, rather than one per row.
     """
-    out: list[tuple[list[int], list[float]] | None] = [None] * len(ks)
+    return _host_top_logprobs(_device_top_logprobs(full, ks), ks)
+
+
+def _device_top_logprobs(full: torch.Tensor, ks: list[int]):
+    """The device half of :func:`_top_logprobs`: ``topk`` over the rows that ask (None if none)."""
     asking = [r for r, k in enumerate(ks) if k > 0]
     if not asking:
-        return out
+        return None
     k_max = min(max(ks), full.shape[-1])
     rows = full if len(asking) == full.shape[0] else full.index_select(
         0, torch.tensor(asking, dtype=torch.long, device=full.device))
-    top = torch.topk(rows, k_max, dim=-1)
-    ids, vals = top.indices.tolist(), top.values.tolist()
+    return asking, torch.topk(rows, k_max, dim=-1)
+
+
+def _host_top_logprobs(top, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
+    """The host half of :func:`_top_logprobs`: read back, cut to each row's own k."""
+    out: list[tuple[list[int], list[float]] | None] = [None] * len(ks)
+    if top is None:
+        return out
+    asking, found = top
+    ids, vals = found.indices.tolist(), found.values.tolist()
     for i, r in enumerate(asking):
-        k = min(ks[r], k_max)
+        k = min(ks[r], len(ids[i]))
         out[r] = (ids[i][:k], vals[i][:k])
     return out
 
