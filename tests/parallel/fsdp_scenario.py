@@ -35,8 +35,29 @@ def build_full_runtime(model_dir: str, dp: TPGroup | None) -> TrainingRuntime:
     return FsdpTrainingRuntime(shard_full_model(model, dp), **kw)
 
 
-def _state(rt: TrainingRuntime) -> tuple[dict, dict]:
-    return rt.unit(FULL_UNIT).export_state()  # full size under data parallelism too
+def _state(rt) -> tuple[dict, dict]:
+    if hasattr(rt, "export_full_state"):
+        return rt.export_full_state(FULL_UNIT)
+    return rt.unit(FULL_UNIT).export_state()
+
+
+def _load(rt, weights: dict, optimizer: dict | None) -> None:
+    if hasattr(rt, "import_full_state"):
+        rt.import_full_state(FULL_UNIT, weights, optimizer)
+    else:
+        rt.unit(FULL_UNIT).import_state(weights, optimizer)
+
+
+class Driven:
+    """The runtime's calls as rank 0 issues them through :class:`SpmdExecutor` (every rank runs them)."""
+
+    def __init__(self, executor, config):
+        self.executor, self.config, self.dp = executor, config, executor.tp
+
+    def __getattr__(self, method: str):
+        if method not in ("forward_backward", "optim_step", "export_full_state", "import_full_state"):
+            raise AttributeError(method)
+        return lambda *args, **kwargs: self.executor.call(method, *args, **kwargs)
 
 
 def _check(results: list) -> list:
@@ -46,7 +67,7 @@ def _check(results: list) -> list:
     return results
 
 
-def train_scenario(rt: TrainingRuntime, save_to: str | None = None, load_from: str | None = None) -> dict:
+def train_scenario(rt, save_to: str | None = None, load_from: str | None = None) -> dict:
     """Two clipped AdamW steps, each after a call of two training requests and one forward-only
     request (datums of uneven lengths); what they return, the state after them, logprobs after.
 
@@ -78,11 +99,11 @@ def train_scenario(rt: TrainingRuntime, save_to: str | None = None, load_from: s
     return out
 
 
-def load_and_score(rt: TrainingRuntime, load_from: str) -> dict:
+def load_and_score(rt, load_from: str) -> dict:
     """Load a full fine-tune's checkpoint into ``rt``: the state it then holds, logprobs, and the
     state after one more step (which reads the loaded optimizer state)."""
     state = load_training_state(Path(load_from), with_optimizer=True)
-    rt.unit(FULL_UNIT).import_state(state.weights, state.optimizer)
+    _load(rt, state.weights, state.optimizer)
     out: dict = {"state": _state(rt)}
     data = make_data(5, [8, 6, 3], rt.config.vocab_size)
     (res,) = _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))]))
@@ -92,13 +113,26 @@ def load_and_score(rt: TrainingRuntime, load_from: str) -> dict:
     return out
 
 
-def train_rank_main(dp: TPGroup, model_dir: str, save_to: str, load_from: str) -> dict:
-    return train_scenario(build_full_runtime(model_dir, dp), save_to=save_to, load_from=load_from)
+def train_rank_main(dp: TPGroup, model_dir: str, save_to: str, load_from: str, driven: bool = False) -> dict | int:
+    """Each rank: the scenario on its sharded runtime, every rank calling it (``driven`` False),
+    or rank 0 issuing the calls through the executor while the others follow (they return the
+    number of calls they ran)."""
+    from tinsmith.parallel.spmd import SpmdExecutor
+
+    rt = build_full_runtime(model_dir, dp)
+    if not driven:
+        return train_scenario(rt, save_to=save_to, load_from=load_from)
+    ex = SpmdExecutor(rt, dp)
+    if not ex.is_driver:
+        return ex.follow()
+    out = train_scenario(Driven(ex, rt.config), save_to=save_to, load_from=load_from)
+    ex.stop()
+    return out
 
 
-def faulty_rank_main(dp: TPGroup, model_dir: str, fault: str) -> dict | None:
-    """Both ranks shard the model; rank 1 then raises or exits instead of joining the forward
-    pass, and rank 0 reports what its call came to."""
+def faulty_rank_main(dp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
+    """Both ranks shard the model; rank 1 then raises, exits or stalls instead of joining the
+    forward pass, and rank 0 reports what its call came to."""
     import os
     import time
 
@@ -106,7 +140,10 @@ def faulty_rank_main(dp: TPGroup, model_dir: str, fault: str) -> dict | None:
     if dp.rank == 1:
         if fault == "raise":
             raise RuntimeError("rank 1 fails on purpose")
-        os._exit(3)
+        if fault == "exit":
+            os._exit(3)
+        time.sleep(stall_s)
+        return None
     t0 = time.monotonic()
     data = make_data(1, [8, 5], rt.config.vocab_size)
     (res,) = rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))])
