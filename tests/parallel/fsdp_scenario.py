@@ -121,7 +121,11 @@ def train_rank_main(dp: TPGroup, model_dir: str, save_to: str, load_from: str, d
 
     rt = build_full_runtime(model_dir, dp)
     if not driven:
-        return train_scenario(rt, save_to=save_to, load_from=load_from)
+        out = train_scenario(rt, save_to=save_to, load_from=load_from)
+        rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(9, [4], rt.config.vocab_size),
+                                                                          "cross_entropy"))])
+        out["held"] = rt.held_elements()  # with gradients and optimizer state present
+        return out
     ex = SpmdExecutor(rt, dp)
     if not ex.is_driver:
         return ex.follow()

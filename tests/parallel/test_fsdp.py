@@ -50,6 +50,11 @@ def test_two_ranks_match_one_process(qwen3_dir, tied_qwen3_dir, tmp_path, tied):
     assert ("lm_head.weight" in weights) != tied
     assert all(not torch.equal(weights[n], before[n]) for n in ("model.layers.0.self_attn.q_proj.weight",
                                                                 "model.norm.weight", "model.embed_tokens.weight"))
+    held = [o.result.pop("held") for o in outcomes]
+    for what in ("weights", "grads", "optimizer"):  # each rank holds its half (AdamW: two moments)
+        per_model = 2 if what == "optimizer" else 1
+        assert sum(h[what] for h in held) == per_model * held[0]["model"], (what, held)
+        assert max(h[what] for h in held) <= 0.55 * per_model * held[0]["model"], (what, held)
     for o in outcomes:
         assert_same(ref, o.result, f"rank {o.rank}")
     # The group's checkpoint in one process holds one process's state after the two steps.

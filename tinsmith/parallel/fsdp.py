@@ -353,6 +353,17 @@ class FsdpTrainingRuntime(TrainingRuntime):
         reshard_all(self.model)
         return super().optim_step(unit, params)
 
+    def held_elements(self) -> dict[str, int]:
+        """Elements this rank holds of the weights, their gradients and the optimizer state, and
+        of the whole model (every rank holds about ``1/world`` of each)."""
+        tr = self.unit(FULL_UNIT)
+        params = [_local(p) for p in tr.params]
+        state = [_local(v) for st in tr.optimizer.state.values() for k, v in st.items() if k != "step"]
+        return {"weights": sum(p.numel() for p in params),
+                "grads": sum(_local(p.grad).numel() for p in tr.params if p.grad is not None),
+                "optimizer": sum(t.numel() for t in state),
+                "model": sum(p.numel() for p in tr.params)}
+
     def export_full_state(self, unit: int = FULL_UNIT) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Full-size weights and optimizer state (all ranks call it; each gets them)."""
         return self.unit(unit).export_state()
