@@ -152,3 +152,20 @@ def faulty_rank_main(dp: TPGroup, model_dir: str, fault: str, stall_s: float) ->
     data = make_data(1, [8, 5], rt.config.vocab_size)
     (res,) = rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))])
     return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}
+
+
+def bf16_call(rt) -> dict:
+    """One training call and one AdamW step computing in bf16; the fp32 state after it."""
+    data = make_data(1, [9, 5, 13], rt.config.vocab_size)
+    (res,) = _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))]))
+    step = rt.optim_step(FULL_UNIT, AdamParams(learning_rate=1e-3))
+    return {"logprobs": [torch.from_numpy(o["logprobs"]) for o in res.outputs], "loss": res.metrics["loss:sum"],
+            "grad_norm": step["grad_norm"], "weights": _state(rt)[0]}
+
+
+def bf16_rank_main(dp: TPGroup, model_dir: str) -> dict:
+    """This rank's share of a bf16 model's full fine-tune, computing in bf16 as on a GPU."""
+    model = load_model(model_dir, "cpu", torch.bfloat16).model
+    rt = FsdpTrainingRuntime(shard_full_model(model, dp, compute_dtype=torch.bfloat16),
+                             micro_batch_tokens=MICRO_BATCH_TOKENS)
+    return bf16_call(rt)

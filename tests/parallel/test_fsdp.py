@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, build_full_runtime, faulty_rank_main,
-                                          load_and_score, train_rank_main, train_scenario)
+from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, bf16_call, bf16_rank_main, build_full_runtime,
+                                          faulty_rank_main, load_and_score, train_rank_main, train_scenario)
 from tests.parallel.scenario import assert_same
 from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
+from tinsmith.models.loading import load_model
 from tinsmith.parallel.launch import run_ranks
+from tinsmith.worker.runtime import TrainingRuntime
 from tinsmith.worker.batching import SequenceRef
 
 
@@ -75,6 +77,29 @@ def test_rank_zero_drives_the_group(qwen3_dir, tmp_path):
         assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
     assert_same(ref, outcomes[0].result, "driver")
     assert outcomes[1].result >= 10  # calls it followed: forward/backward, steps, exports, a load
+
+
+def test_bf16_compute_matches_one_process_with_fp32_masters(qwen3_dir, tmp_path):
+    """The GPU precision policy, on CPU: a bf16 model sharded as fp32 masters and computing in
+    bf16 gives one process's bf16 full fine-tune (which keeps fp32 masters): the same logprobs
+    (the gathered bf16 weights are the masters rounded alike), the gradient norm within 1e-3, and
+    the same fp32 weights after a step except where bf16 gradient rounding tips Adam's first
+    update (under 1% of the weights)."""
+    model = load_model(str(qwen3_dir), "cpu", torch.bfloat16).model
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    ref = bf16_call(TrainingRuntime(model, full_finetune=True, micro_batch_tokens=MICRO_BATCH_TOKENS))
+    outcomes = run_ranks(bf16_rank_main, 2, tmp_path, (str(qwen3_dir),), timeout_s=30, deadline_s=120)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        got = o.result
+        assert_same(ref["logprobs"], got["logprobs"], f"rank {o.rank} logprobs")
+        assert_same(ref["loss"], got["loss"], f"rank {o.rank} loss")
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+        assert all(w.dtype == torch.float32 for w in got["weights"].values())
+        moved = torch.cat([(ref["weights"][n] - before[n]).flatten() for n in before])
+        differ = torch.cat([(got["weights"][n] - ref["weights"][n]).abs().flatten() for n in before]) > 1e-6
+        assert moved.abs().gt(0).float().mean() > 0.5  # the step moved most weights
+        assert differ.float().mean() < 0.01, float(differ.float().mean())
 
 
 @pytest.mark.parametrize("fault", ["raise", "exit", "stall"])
