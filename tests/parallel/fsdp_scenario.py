@@ -70,6 +70,8 @@ def _check(results: list) -> list:
 def train_scenario(rt, save_to: str | None = None, load_from: str | None = None) -> dict:
     """Two clipped AdamW steps, each after a call of two training requests and one forward-only
     request (datums of uneven lengths); what they return, the state after them, logprobs after.
+    Before the first step a second call adds its gradients to the first's, and a request with a
+    token outside the vocabulary is refused alone.
 
     ``save_to``: write the state after the steps there (rank 0 writes under data parallelism).
     ``load_from``: then load that checkpoint and report the state and logprobs it gives.
@@ -85,6 +87,14 @@ def train_scenario(rt, save_to: str | None = None, load_from: str | None = None)
                                                                                        forward_only=True))]))
         out["logprobs"].append([torch.from_numpy(o["logprobs"]) for r in res for o in r.outputs])
         out["loss"].append([r.metrics["loss:sum"] for r in res])
+        if step == 0:
+            bad = make_data(7, [4], vocab)
+            bad[0].tokens[1] = vocab
+            more, refused = rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(8, [6], vocab),
+                                                                                              "cross_entropy")),
+                                                 TrainRequest(FULL_UNIT, ForwardBackwardInput(bad, "cross_entropy"))])
+            out["loss"][-1].append(_check([more])[0].metrics["loss:sum"])
+            out["refused"] = f"{type(refused).__name__}: {refused}"
         out["step"].append(rt.optim_step(FULL_UNIT, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)))
     out["after"] = _state(rt)
     again = make_data(1, [9, 5, 13], vocab)
