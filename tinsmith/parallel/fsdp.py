@@ -159,7 +159,8 @@ class ShardedFullTrainable(Trainable):
     """The whole model as one unit whose tensors are FSDP shards (DTensors).
 
     ``export_state`` / ``import_state`` speak full-size tensors (every rank must call them), so
-    checkpoints are those of a one-process full fine-tune, whatever the group size.
+    checkpoints are those of a one-process full fine-tune, whatever the group size. Exported
+    tensors are in host memory, gathered one at a time.
     """
 
     dp: TPGroup = TPGroup.single()
@@ -225,9 +226,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _full(t: torch.Tensor, dp: TPGroup, what: str) -> torch.Tensor:
+    """The whole tensor in host memory: one gathered tensor at a time is on the device."""
     if not isinstance(t, DTensor):
-        return t.detach().clone()
-    return guarded(dp, f"gather of {what}", lambda: t.detach().full_tensor().clone())
+        return t.detach().to("cpu", copy=True)
+    return guarded(dp, f"gather of {what}", lambda: t.detach().full_tensor().to("cpu", copy=True))
 
 
 def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
