@@ -51,10 +51,10 @@ PAD_KEY = ("pad", 0)  # the request key of padding micro-batches
 def unpack_weights(model: CausalLM) -> None:
     """Undo :func:`~tinsmith.models.lora.pack_weights` before sharding.
 
-    ``fully_shard`` replaces every parameter with a sharded copy, which breaks the packed
-    buffers' views (their ``intact()`` turns False and the layers would run unpacked anyway),
-    but the buffers themselves would stay alive and hold a whole copy of the weights on every
-    rank. They are dropped, and each weight becomes a contiguous tensor of its own.
+    The packed q/k/v and gate/up weights are transposed column views of one buffer, and
+    ``fully_shard`` refuses non-contiguous parameters. Each weight becomes a contiguous tensor
+    of its own and the packed buffers are dropped (kept, they would hold a whole copy of the
+    weights on every rank next to the shards). Training runs the layers unpacked anyway.
     """
     for m in model.modules():
         for attr in ("packed_qkv", "packed_gate_up", "packed_in"):
@@ -63,8 +63,8 @@ def unpack_weights(model: CausalLM) -> None:
         if isinstance(m, LoraLinear):
             for name in ("weight", "bias"):
                 p = getattr(m, name)
-                if p is not None and not (p.is_contiguous() and p.data_ptr() == p.untyped_storage().data_ptr()
-                                          and p.untyped_storage().nbytes() == p.numel() * p.element_size()):
+                if p is not None and (not p.is_contiguous()
+                                      or p.untyped_storage().nbytes() != p.numel() * p.element_size()):
                     setattr(m, name, nn.Parameter(p.detach().contiguous().clone(), requires_grad=p.requires_grad))
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -109,10 +109,11 @@ def shard_full_model(model: CausalLM, dp: TPGroup, compute_dtype: torch.dtype | 
         _trainable_fp32(layer)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     _trainable_fp32(model)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    # The runtime calls ``hidden_states`` rather than ``forward``. The root is not resharded after
-    # it (FSDP's default for the root), so the LM head's weight is the gathered one while the
-    # chunked logprobs read it; the runtime reshards everything at the end of each call.
+    # The runtime calls ``hidden_states`` rather than ``forward``, then reads the LM head's weight
+    # for the chunked logprobs: the root stays gathered after its forward so that it reads the
+    # gathered weight (and its gradient reaches the root's reduce-scatter); the runtime reshards
+    # everything at the end of each call.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     register_fsdp_forward_method(model, "hidden_states")
     for m in model.modules():
         if isinstance(m, FSDPModule):
