@@ -38,7 +38,8 @@ def test_the_scenario_pads_each_phase():
 def test_two_ranks_match_one_process(qwen3_dir, tied_qwen3_dir, tmp_path, tied):
     """Also: the group's checkpoint loads in one process, and one process's loads in the group,
     each with the state and logprobs of the process that saved it. (The tied model's embedding
-    and LM head are one tensor, trained from both uses; it runs with gradient checkpointing.)"""
+    and LM head are one tensor, trained from both uses; it runs with gradient checkpointing, and
+    the untied one recomputes activations in some micro-batches only, different on each rank.)"""
     model_dir = tied_qwen3_dir if tied else qwen3_dir
     one, two = tmp_path / "dp1", tmp_path / "dp2"
     ref = train_scenario(build_full_runtime(str(model_dir), None), save_to=str(one), load_from=str(one))
