@@ -1,7 +1,8 @@
 """Sharded full fine-tuning (FSDP2) over 2 gloo ranks on CPU gives what one process gives, within
-1e-5: per-datum logprobs and losses of two calls, two clipped AdamW steps (weights and optimizer
-state), logprobs after them; checkpoints move between one process and the group both ways; a rank
-that fails makes the other fail within the group's timeout."""
+1e-5: per-datum logprobs and losses of several calls, two clipped AdamW steps (weights and
+optimizer state), logprobs after them; checkpoints move between one process and the group both
+ways; bf16 compute over fp32 shards matches one process's bf16 full fine-tune; a rank that fails
+makes the other fail within the group's timeout."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, bf16_call, bf16_rank_main, build_full_runtime,
                                           faulty_rank_main, load_and_score, train_rank_main, train_scenario)
 from tests.parallel.scenario import assert_same
-from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
 from tinsmith.models.loading import load_model
+from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
 from tinsmith.parallel.launch import run_ranks
-from tinsmith.worker.runtime import TrainingRuntime
 from tinsmith.worker.batching import SequenceRef
+from tinsmith.worker.runtime import TrainingRuntime
 
 
 def test_split_datums_balances_tokens_deterministically():
