@@ -1,0 +1,183 @@
+"""Sharded full fine-tuning scenarios, run alike in one process and on each data-parallel rank.
+
+They live in an importable module (not a test file) because the rank processes import them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.parallel.scenario import make_data
+from tinsmith.checkpoints.state_format import TrainingState, load_training_state, save_training_state
+from tinsmith.models.loading import load_model
+from tinsmith.parallel.fsdp import FsdpTrainingRuntime, shard_full_model
+from tinsmith.parallel.group import TPGroup
+from tinsmith.types import AdamParams, ForwardBackwardInput
+from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
+
+# Small micro-batches, so that a call runs several and the ranks' counts differ (padding runs).
+MICRO_BATCH_TOKENS = 16
+# Datum lengths of the two calls: two training requests and a forward-only one each. Under DP=2
+# the second call pads a rank in each phase (see the test).
+CALLS = [([9, 5, 13], [7, 4], [6, 11]), ([14, 9], [5], [9, 5, 13])]
+
+
+def build_full_runtime(model_dir: str, dp: TPGroup | None) -> TrainingRuntime:
+    """One process's full fine-tune (``dp`` None), or this rank's sharded one; fp32. The tied
+    model recomputes every layer in backward (gradient checkpointing); the untied one only in
+    micro-batches above 12 tokens, so the two ranks recompute in different micro-batches."""
+    model = load_model(model_dir, "cpu", torch.float32).model
+    tied = model.config.tie_word_embeddings
+    kw = dict(micro_batch_tokens=MICRO_BATCH_TOKENS, logit_chunk_bytes=4 * model.config.vocab_size * 5,
+              gradient_checkpointing=tied, checkpoint_above_tokens=None if tied else 12)
+    if dp is None:
+        return TrainingRuntime(model, full_finetune=True, **kw)
+    return FsdpTrainingRuntime(shard_full_model(model, dp), **kw)
+
+
+def _state(rt) -> tuple[dict, dict]:
+    if hasattr(rt, "export_full_state"):
+        return rt.export_full_state(FULL_UNIT)
+    return rt.unit(FULL_UNIT).export_state()
+
+
+def _load(rt, weights: dict, optimizer: dict | None) -> None:
+    if hasattr(rt, "import_full_state"):
+        rt.import_full_state(FULL_UNIT, weights, optimizer)
+    else:
+        rt.unit(FULL_UNIT).import_state(weights, optimizer)
+
+
+class Driven:
+    """The runtime's calls as rank 0 issues them through :class:`SpmdExecutor` (every rank runs them)."""
+
+    def __init__(self, executor, config):
+        self.executor, self.config, self.dp = executor, config, executor.tp
+
+    def __getattr__(self, method: str):
+        if method not in ("forward_backward", "optim_step", "export_full_state", "import_full_state"):
+            raise AttributeError(method)
+        return lambda *args, **kwargs: self.executor.call(method, *args, **kwargs)
+
+
+def _check(results: list) -> list:
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
+def train_scenario(rt, save_to: str | None = None, load_from: str | None = None) -> dict:
+    """Two clipped AdamW steps, each after a call of two training requests and one forward-only
+    request (datums of uneven lengths); what they return, the state after them, logprobs after.
+    Before the first step a second call adds its gradients to the first's, and a request with a
+    token outside the vocabulary is refused alone.
+
+    ``save_to``: write the state after the steps there (rank 0 writes under data parallelism).
+    ``load_from``: then load that checkpoint and report the state and logprobs it gives.
+    """
+    vocab = rt.config.vocab_size
+    rank = getattr(getattr(rt, "dp", None), "rank", 0)
+    out: dict = {"logprobs": [], "loss": [], "step": []}
+    for step, lengths in enumerate(CALLS):
+        a, b, c = (make_data(10 * step + i, n, vocab) for i, n in enumerate(lengths))
+        res = _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(a, "cross_entropy")),
+                                          TrainRequest(FULL_UNIT, ForwardBackwardInput(b, "cross_entropy")),
+                                          TrainRequest(FULL_UNIT, ForwardBackwardInput(c, "cross_entropy",
+                                                                                       forward_only=True))]))
+        out["logprobs"].append([torch.from_numpy(o["logprobs"]) for r in res for o in r.outputs])
+        out["loss"].append([r.metrics["loss:sum"] for r in res])
+        if step == 0:
+            bad = make_data(7, [4], vocab)
+            bad[0].tokens[1] = vocab
+            more, refused = rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(8, [6], vocab),
+                                                                                              "cross_entropy")),
+                                                 TrainRequest(FULL_UNIT, ForwardBackwardInput(bad, "cross_entropy"))])
+            out["loss"][-1].append(_check([more])[0].metrics["loss:sum"])
+            out["refused"] = f"{type(refused).__name__}: {refused}"
+        out["step"].append(rt.optim_step(FULL_UNIT, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)))
+    out["after"] = _state(rt)
+    again = make_data(1, [9, 5, 13], vocab)
+    (res,) = _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(again, "cross_entropy",
+                                                                                      forward_only=True))]))
+    out["logprobs_after"] = [torch.from_numpy(o["logprobs"]) for o in res.outputs]
+    if save_to is not None and rank == 0:
+        w, o = out["after"]
+        save_training_state(Path(save_to), TrainingState("tiny", None, w, o, steps=2))
+    if load_from is not None:
+        out["loaded"] = load_and_score(rt, load_from)
+    return out
+
+
+def load_and_score(rt, load_from: str) -> dict:
+    """Load a full fine-tune's checkpoint into ``rt``: the state it then holds, logprobs, and the
+    state after one more step (which reads the loaded optimizer state)."""
+    state = load_training_state(Path(load_from), with_optimizer=True)
+    _load(rt, state.weights, state.optimizer)
+    out: dict = {"state": _state(rt)}
+    data = make_data(5, [8, 6, 3], rt.config.vocab_size)
+    (res,) = _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))]))
+    out["logprobs"] = [torch.from_numpy(o["logprobs"]) for o in res.outputs]
+    rt.optim_step(FULL_UNIT, AdamParams(learning_rate=1e-2))
+    out["stepped"] = _state(rt)
+    return out
+
+
+def train_rank_main(dp: TPGroup, model_dir: str, save_to: str, load_from: str, driven: bool = False) -> dict | int:
+    """Each rank: the scenario on its sharded runtime, every rank calling it (``driven`` False),
+    or rank 0 issuing the calls through the executor while the others follow (they return the
+    number of calls they ran)."""
+    from tinsmith.parallel.spmd import SpmdExecutor
+
+    rt = build_full_runtime(model_dir, dp)
+    if not driven:
+        out = train_scenario(rt, save_to=save_to, load_from=load_from)
+        rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(9, [4], rt.config.vocab_size),
+                                                                          "cross_entropy"))])
+        out["held"] = rt.held_elements()  # with gradients and optimizer state present
+        return out
+    ex = SpmdExecutor(rt, dp)
+    if not ex.is_driver:
+        return ex.follow()
+    out = train_scenario(Driven(ex, rt.config), save_to=save_to, load_from=load_from)
+    ex.stop()
+    return out
+
+
+def faulty_rank_main(dp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
+    """Both ranks shard the model; rank 1 then raises, exits or stalls instead of joining the
+    forward pass, and rank 0 reports what its call came to."""
+    import os
+    import time
+
+    rt = build_full_runtime(model_dir, dp)
+    if dp.rank == 1:
+        if fault == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        if fault == "exit":
+            os._exit(3)
+        time.sleep(stall_s)
+        return None
+    t0 = time.monotonic()
+    data = make_data(1, [8, 5], rt.config.vocab_size)
+    (res,) = rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))])
+    return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}
+
+
+def bf16_call(rt) -> dict:
+    """One training call and one AdamW step computing in bf16; the fp32 state after it."""
+    data = make_data(1, [9, 5, 13], rt.config.vocab_size)
+    (res,) = _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))]))
+    step = rt.optim_step(FULL_UNIT, AdamParams(learning_rate=1e-3))
+    return {"logprobs": [torch.from_numpy(o["logprobs"]) for o in res.outputs], "loss": res.metrics["loss:sum"],
+            "grad_norm": step["grad_norm"], "weights": _state(rt)[0]}
+
+
+def bf16_rank_main(dp: TPGroup, model_dir: str) -> dict:
+    """This rank's share of a bf16 model's full fine-tune, computing in bf16 as on a GPU."""
+    model = load_model(model_dir, "cpu", torch.bfloat16).model
+    rt = FsdpTrainingRuntime(shard_full_model(model, dp, compute_dtype=torch.bfloat16),
+                             micro_batch_tokens=MICRO_BATCH_TOKENS)
+    return bf16_call(rt)

@@ -1,0 +1,122 @@
+"""Sharded full fine-tuning (FSDP2) over 2 gloo ranks on CPU gives what one process gives, within
+1e-5: per-datum logprobs and losses of several calls, two clipped AdamW steps (weights and
+optimizer state), logprobs after them; checkpoints move between one process and the group both
+ways; bf16 compute over fp32 shards matches one process's bf16 full fine-tune; a rank that fails
+makes the other fail within the group's timeout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, bf16_call, bf16_rank_main, build_full_runtime,
+                                          faulty_rank_main, load_and_score, train_rank_main, train_scenario)
+from tests.parallel.scenario import assert_same
+from tinsmith.models.loading import load_model
+from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
+from tinsmith.parallel.launch import run_ranks
+from tinsmith.worker.batching import SequenceRef
+from tinsmith.worker.runtime import TrainingRuntime
+
+
+def test_split_datums_balances_tokens_deterministically():
+    shares = split_datums([9, 5, 13, 7, 4], 2)
+    assert shares == [[1, 2], [0, 3, 4]]  # 13+5 tokens and 9+7+4 tokens
+    assert sorted(i for s in shares for i in s) == list(range(5))
+    assert split_datums([3], 2) == [[0], []]
+
+
+def test_the_scenario_pads_each_phase():
+    """The second call of the scenario leaves a rank with fewer micro-batches with backward, and
+    the other with fewer forward-only ones: both padding paths run in the test below."""
+    refs = [SequenceRef(r, d, None, n, needs_grad=r < 2) for r, lengths in enumerate(CALLS[1])
+            for d, n in enumerate(lengths)]
+    counts = [phase_counts(plan) for plan in plan_ranks(refs, 2, MICRO_BATCH_TOKENS, 1 << 30)]
+    assert counts[0][True] != counts[1][True] and counts[0][False] != counts[1][False], counts
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["qwen3", "tied_qwen3"])
+def test_two_ranks_match_one_process(qwen3_dir, tied_qwen3_dir, tmp_path, tied):
+    """Also: the group's checkpoint loads in one process, and one process's loads in the group,
+    each with the state and logprobs of the process that saved it. (The tied model's embedding
+    and LM head are one tensor, trained from both uses; it runs with gradient checkpointing, and
+    the untied one recomputes activations in some micro-batches only, different on each rank.)"""
+    model_dir = tied_qwen3_dir if tied else qwen3_dir
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    ref = train_scenario(build_full_runtime(str(model_dir), None), save_to=str(one), load_from=str(one))
+    outcomes = run_ranks(train_rank_main, 2, tmp_path / "ranks", (str(model_dir), str(two), str(one)),
+                         timeout_s=30, deadline_s=120)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+    assert all(s["grad_norm"] > 1.0 for s in ref["step"])  # clipping applied: the norm had to be exact
+    assert ref["refused"].startswith("InvalidInputError"), ref["refused"]
+    weights, _ = ref["after"]
+    before = build_full_runtime(str(model_dir), None).unit(0).export_state()[0]
+    assert ("lm_head.weight" in weights) != tied
+    assert all(not torch.equal(weights[n], before[n]) for n in ("model.layers.0.self_attn.q_proj.weight",
+                                                                "model.norm.weight", "model.embed_tokens.weight"))
+    held = [o.result.pop("held") for o in outcomes]
+    for what in ("weights", "grads", "optimizer"):  # each rank holds its half (AdamW: two moments)
+        per_model = 2 if what == "optimizer" else 1
+        assert sum(h[what] for h in held) == per_model * held[0]["model"], (what, held)
+        assert max(h[what] for h in held) <= 0.55 * per_model * held[0]["model"], (what, held)
+    for o in outcomes:
+        assert_same(ref, o.result, f"rank {o.rank}")
+    # The group's checkpoint in one process holds one process's state after the two steps.
+    back = load_and_score(build_full_runtime(str(model_dir), None), str(two))
+    assert_same(ref["after"], back["state"], "saved under DP=2, loaded in one process")
+    assert_same(ref["loaded"]["logprobs"], back["logprobs"], "saved under DP=2, loaded in one process")
+    assert_same(ref["loaded"]["stepped"], back["stepped"], "saved under DP=2, loaded in one process")
+
+
+def test_rank_zero_drives_the_group(qwen3_dir, tmp_path):
+    """The same scenario issued by rank 0 alone through the executor (as a server would) while
+    rank 1 follows: the same results as one process."""
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    ref = train_scenario(build_full_runtime(str(qwen3_dir), None), save_to=str(one), load_from=str(one))
+    outcomes = run_ranks(train_rank_main, 2, tmp_path / "ranks", (str(qwen3_dir), str(two), str(one), True),
+                         timeout_s=30, deadline_s=120)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+    assert_same(ref, outcomes[0].result, "driver")
+    assert outcomes[1].result >= 10  # calls it followed: forward/backward, steps, exports, a load
+
+
+def test_bf16_compute_matches_one_process_with_fp32_masters(qwen3_dir, tmp_path):
+    """The GPU precision policy, on CPU: a bf16 model sharded as fp32 masters and computing in
+    bf16 gives one process's bf16 full fine-tune (which keeps fp32 masters): the same logprobs
+    (the gathered bf16 weights are the masters rounded alike), the gradient norm within 1e-3, and
+    the same fp32 weights after a step except where bf16 gradient rounding tips Adam's first
+    update (under 1% of the weights)."""
+    model = load_model(str(qwen3_dir), "cpu", torch.bfloat16).model
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    ref = bf16_call(TrainingRuntime(model, full_finetune=True, micro_batch_tokens=MICRO_BATCH_TOKENS))
+    outcomes = run_ranks(bf16_rank_main, 2, tmp_path, (str(qwen3_dir),), timeout_s=30, deadline_s=120)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        got = o.result
+        assert_same(ref["logprobs"], got["logprobs"], f"rank {o.rank} logprobs")
+        assert_same(ref["loss"], got["loss"], f"rank {o.rank} loss")
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+        assert all(w.dtype == torch.float32 for w in got["weights"].values())
+        moved = torch.cat([(ref["weights"][n] - before[n]).flatten() for n in before])
+        differ = torch.cat([(got["weights"][n] - ref["weights"][n]).abs().flatten() for n in before]) > 1e-6
+        assert moved.abs().gt(0).float().mean() > 0.5  # the step moved most weights
+        assert differ.float().mean() < 0.01, float(differ.float().mean())
+
+
+@pytest.mark.parametrize("fault", ["raise", "exit", "stall"])
+def test_peer_fault_fails_the_other_rank(qwen3_dir, tmp_path, fault):
+    timeout_s = 3.0
+    outcomes = run_ranks(faulty_rank_main, 2, tmp_path, (str(qwen3_dir), fault, 1.5 * timeout_s),
+                         timeout_s=timeout_s, deadline_s=60)
+    rank0, rank1 = outcomes
+    assert rank0.exitcode == 0, rank0.error
+    got = rank0.result
+    assert got["type"] == "ParallelError", got
+    assert "rank 0 of 2" in got["message"], got
+    assert got["elapsed"] < timeout_s + 4.0, got  # slack for a loaded machine
+    if fault == "raise":
+        assert "rank 1 fails on purpose" in rank1.error
+    elif fault == "exit":
+        assert rank1.exitcode == 3

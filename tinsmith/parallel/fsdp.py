@@ -1,0 +1,377 @@
+"""Sharded full fine-tuning: data parallelism over FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+A full fine-tune in one process keeps the whole model, its fp32 master weights and AdamW's two
+moments on one device: 16 bytes per parameter before activations. Here every rank of a
+data-parallel group keeps ``1/world`` of each (parameters, gradients and optimizer state are
+sharded along their first dimension), all-gathers one decoder layer's weights just before it
+runs, and reduce-scatters its gradients after its backward.
+
+Every rank receives the same requests (as under tensor parallelism, see
+:mod:`tinsmith.parallel.spmd`); each validates them alike, runs its own share of the datums
+(:func:`split_datums`), and the per-datum logprobs are all-gathered so that every rank finishes
+every request exactly as one process would (loss, metrics, outputs in datum order). Tinker losses
+are sums over datums, so the gradient of a request is the sum of the ranks' gradients: the
+reduce-scatter sums (FSDP's default divides by the world size, which would be a mean).
+
+FSDP runs a collective per sharded module per forward and backward, so every rank must run the
+same number of micro-batches, with and without backward alike: a rank with fewer datums runs
+padding micro-batches (one token, zero loss weight) whose gradients are exactly zero.
+
+Parameters stay fp32 (the sharded masters); on a GPU the forward and backward compute in bf16
+(``MixedPrecisionPolicy``: bf16 all-gathers, fp32 gradient reduction), on a CPU in fp32.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tinsmith.errors import InvalidInputError, TinsmithError
+from tinsmith.models.layers import CausalLM
+from tinsmith.models.lora import LoraLinear
+from tinsmith.optim import ADAMW, STATE_KEYS, check_params_match
+from tinsmith.parallel.group import ParallelError, TPGroup, guarded
+from tinsmith.types import OptimParams
+from tinsmith.worker.batching import SequenceRef, build_micro_batch, plan_micro_batches
+from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest, _Prepared
+from tinsmith.worker.trainables import Trainable
+
+PAD_KEY = ("pad", 0)  # the request key of padding micro-batches
+
+
+# ----------------------------------------------------------------------------- sharding the model
+def unpack_weights(model: CausalLM) -> None:
+    """Undo :func:`~tinsmith.models.lora.pack_weights` before sharding.
+
+    The packed q/k/v and gate/up weights are transposed column views of one buffer, and
+    ``fully_shard`` refuses non-contiguous parameters. Each weight becomes a contiguous tensor
+    of its own and the packed buffers are dropped (kept, they would hold a whole copy of the
+    weights on every rank next to the shards). Training runs the layers unpacked anyway.
+    """
+    for m in model.modules():
+        for attr in ("packed_qkv", "packed_gate_up", "packed_in"):
+            if getattr(m, attr, None) is not None:
+                setattr(m, attr, None)
+        if isinstance(m, LoraLinear):
+            for name in ("weight", "bias"):
+                p = getattr(m, name)
+                if p is not None and (not p.is_contiguous()
+                                      or p.untyped_storage().nbytes() != p.numel() * p.element_size()):
+                    setattr(m, name, nn.Parameter(p.detach().contiguous().clone(), requires_grad=p.requires_grad))
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _trainable_fp32(module: nn.Module) -> None:
+    """Make ``module``'s parameters not sharded yet fp32 and trainable, in place (ties kept)."""
+    for p in module.parameters():
+        if not isinstance(p, DTensor):
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+            p.requires_grad_(True)
+
+
+def _sum_gradients(module: FSDPModule) -> None:
+    """Reduce gradients as sums over ranks, not FSDP's default mean."""
+    if hasattr(module, "set_gradient_divide_factor"):
+        module.set_gradient_divide_factor(1.0)
+    else:  # its older name
+        module.set_reduce_scatter_divide_factor(1.0)
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        # a plain SUM collective (gloo has no pre-multiplied sum; with NCCL it avoids a scaling kernel)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_full_model(model: CausalLM, dp: TPGroup, compute_dtype: torch.dtype | None = None) -> CausalLM:
+    """Shard ``model`` (in place) over the data-parallel group: one FSDP unit per decoder layer,
+    and the root (embedding, final norm, LM head) as one more. Weights become fp32 trainable
+    shards; ``compute_dtype`` (default: bf16 on CUDA, fp32 otherwise) is what forward and
+    backward compute in. Every rank must hold the same whole model beforehand."""
+    if model.config.moe is not None or model.config.vision is not None:
+        raise InvalidInputError("sharded full fine-tuning supports dense text models only")
+    unpack_weights(model)
+    device = next(model.parameters()).device
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mesh = init_device_mesh(device.type, (dp.size,))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # One layer at a time becomes fp32 and is sharded (its whole fp32 copy freed), so a half
+    # precision model never exists whole in fp32.
+    for layer in model.model.layers:
+        _trainable_fp32(layer)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    _trainable_fp32(model)
+    # The runtime calls ``hidden_states`` rather than ``forward``, then reads the LM head's weight
+    # for the chunked logprobs: the root stays gathered after its forward so that it reads the
+    # gathered weight (and its gradient reaches the root's reduce-scatter); the runtime reshards
+    # everything at the end of each call.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(model, "hidden_states")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            _sum_gradients(m)
+    model.fsdp_group = dp  # type: ignore[attr-defined]
+    return model
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered weight, so the next forward gathers the current shards."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+# ----------------------------------------------------------------------------- splitting the work
+def split_datums(lengths: list[int], world: int) -> list[list[int]]:
+    """Which datums (indices into ``lengths``) each rank runs: longest first onto the rank with
+    the fewest tokens so far (ties: the lower rank). Deterministic, so every rank computes the
+    same split without communicating."""
+    heap = [(0, r) for r in range(world)]
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        tokens, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], r))
+    return [sorted(x) for x in out]
+
+
+def plan_ranks(refs: list[SequenceRef], world: int, max_tokens: int, max_seqs: int) -> list[list[list[SequenceRef]]]:
+    """Every rank's micro-batches for ``refs`` (each rank computes all of them, alike)."""
+    shares = split_datums([ref.length for ref in refs], world)
+    return [plan_micro_batches([refs[i] for i in share], max_tokens, max_seqs) for share in shares]
+
+
+def phase_counts(plan: list[list[SequenceRef]]) -> dict[bool, int]:
+    """How many of a rank's micro-batches run backward (True) and forward only (False)."""
+    return {g: sum(1 for mb in plan if mb[0].needs_grad == g) for g in (True, False)}
+
+
+# ----------------------------------------------------------------------------- the trainable
+@dataclass
+class ShardedFullTrainable(Trainable):
+    """The whole model as one unit whose tensors are FSDP shards (DTensors).
+
+    ``export_state`` / ``import_state`` speak full-size tensors (every rank must call them), so
+    checkpoints are those of a one-process full fine-tune, whatever the group size. Exported
+    tensors are in host memory, gathered one at a time.
+    """
+
+    dp: TPGroup = TPGroup.single()
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        for p in params:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq += g.float().pow(2).sum()
+        if self.dp.size > 1:
+            guarded(self.dp, "gradient-norm all_reduce", lambda: dist.all_reduce(sq))
+        return sq.sqrt()
+
+    def step(self, hp: OptimParams) -> dict[str, float]:
+        check_params_match(self.optimizer_type, hp)
+        if self.optimizer_type != ADAMW:
+            raise InvalidInputError("sharded full fine-tuning steps with AdamW only")
+        try:
+            return super().step(hp)
+        except RuntimeError as exc:
+            if isinstance(exc, (ParallelError, TinsmithError)):
+                raise
+            raise ParallelError(f"data-parallel optimizer step failed on rank {self.dp.rank}: {exc}") from exc
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        weights: dict[str, torch.Tensor] = {}
+        opt: dict[str, torch.Tensor] = {}
+        for n, p in self.named_stepped:
+            weights[n] = _full(p, self.dp, n)
+            st = self.optimizer.state.get(p)
+            if st:
+                for key in STATE_KEYS[self.optimizer_type]:
+                    opt[f"{n}.{key}"] = _full(st[key], self.dp, f"{n}.{key}")
+                if "step" in st:
+                    opt[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()
+        return weights, opt
+
+    def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+        for n, p in self.named_params:  # validate everything first: full shapes (a DTensor's shape is global)
+            w = weights.get(n)
+            if w is None or tuple(w.shape) != tuple(p.shape):
+                raise InvalidInputError(f"checkpoint tensor {n!r} has shape {None if w is None else tuple(w.shape)}, "
+                                        f"this run needs {tuple(p.shape)}")
+            if self._has_saved_state(optimizer, n):
+                for key in STATE_KEYS[self.optimizer_type]:
+                    t = optimizer.get(f"{n}.{key}")
+                    if t is None or tuple(t.shape) != tuple(p.shape):
+                        raise InvalidInputError(f"checkpoint optimizer state {n}.{key} is missing or misshapen")
+        self.optimizer.state.clear()
+        with torch.no_grad():
+            for n, p in self.named_params:
+                _local(p).copy_(_local(_shard_like(weights[n], p)))
+                p.grad = None
+                if self._has_saved_state(optimizer, n):
+                    st = {k: _shard_like(optimizer[f"{n}.{k}"], p) for k in STATE_KEYS[self.optimizer_type]}
+                    if f"{n}.step" in optimizer:
+                        st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
+                    self.optimizer.state[p] = st
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor, dp: TPGroup, what: str) -> torch.Tensor:
+    """The whole tensor in host memory: one gathered tensor at a time is on the device."""
+    if not isinstance(t, DTensor):
+        return t.detach().to("cpu", copy=True)
+    return guarded(dp, f"gather of {what}", lambda: t.detach().full_tensor().to("cpu", copy=True))
+
+
+def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full`` laid out as ``like`` (every rank holds ``full``: no communication)."""
+    full = full.detach().to(like.device, like.dtype)
+    if not isinstance(like, DTensor):
+        return full.clone()
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def sharded_full_trainable(model: CausalLM, dp: TPGroup) -> ShardedFullTrainable:
+    named, seen = [], set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:  # tied embeddings appear twice
+            seen.add(id(p))
+            named.append((name, p))
+    return ShardedFullTrainable(slot=None, spec=None, named_params=named, optimizer_type=ADAMW, dp=dp)
+
+
+# ----------------------------------------------------------------------------- the runtime
+class FsdpTrainingRuntime(TrainingRuntime):
+    """The training runtime of one data-parallel rank of a sharded full fine-tune.
+
+    Every rank is called with the same requests; results come out the same on every rank.
+    Only :meth:`forward_backward` runs requests (the engine's ``begin``/``advance`` interleaving
+    is not wired to it). Custom losses are refused: a loss that is not a sum over datums cannot
+    be split across ranks.
+    """
+
+    def __init__(self, model: CausalLM, **kwargs):
+        if kwargs.pop("full_finetune", True) is False:
+            raise InvalidInputError("the data-parallel runtime trains the whole model")
+        if kwargs.get("full_optimizer", ADAMW) != ADAMW:
+            raise InvalidInputError("sharded full fine-tuning steps with AdamW only")
+        kwargs.pop("full_optimizer", None)
+        kwargs.pop("master_weights", None)
+        super().__init__(model, full_finetune=False, **kwargs)
+        self.dp: TPGroup = model.fsdp_group  # type: ignore[attr-defined]
+        self.full_finetune = True
+        self.oom_retry = False  # a retried half micro-batch would run collectives the other ranks do not
+        self.units[FULL_UNIT] = sharded_full_trainable(model, self.dp)
+
+    def _prepare(self, req: TrainRequest) -> _Prepared:
+        if req.input.loss_fn == "custom":
+            raise InvalidInputError("custom losses are not supported by sharded full fine-tuning yet")
+        return super()._prepare(req)
+
+    def begin(self, requests):  # noqa: D102 (the engine's path; see the class docstring)
+        raise NotImplementedError("the data-parallel runtime runs whole calls: use forward_backward")
+
+    def forward_backward(self, requests: list[TrainRequest]) -> list:
+        """Run the requests (every rank its share of their datums) and return, per request, its
+        result (the same on every rank) or the error that refused it. A failed collective fails
+        every valid request with :class:`ParallelError`; the group is then unusable."""
+        results: list = [None] * len(requests)
+        prepared: dict = {}
+        for r, req in enumerate(requests):
+            try:
+                prepared[("req", r)] = self._prepare(req)
+            except TinsmithError as exc:  # every rank refuses alike: the same requests, the same checks
+                results[r] = exc
+        try:
+            lps = self._run_share(prepared)
+        except Exception as exc:
+            reshard_all(self.model)
+            if not isinstance(exc, (ParallelError, TinsmithError)) and isinstance(exc, RuntimeError):
+                # FSDP's collectives raise backend errors (gloo) when a peer is gone or late
+                exc = ParallelError(f"data-parallel forward/backward failed on rank {self.dp.rank} of {self.dp.size} "
+                                    f"({type(exc).__name__}: {str(exc)[:300]}); when another rank exits, raises or "
+                                    f"does not join within {self.dp.timeout_s:g} s, the collectives fail so")
+            for key in prepared:
+                results[key[1]] = exc
+            return results
+        reshard_all(self.model)
+        for key, prep in prepared.items():
+            try:
+                results[key[1]] = self._finish(prep, [lps[(key, d)] for d in range(len(prep.tokens))])
+            except TinsmithError as exc:
+                results[key[1]] = exc
+        return results
+
+    def _run_share(self, prepared: dict) -> dict:
+        """Run this rank's datums (padded to the group's micro-batch counts) and all-gather every
+        datum's logprobs. Returns ``{(request key, datum): logprobs}`` for all datums."""
+        refs = [SequenceRef(key, d, None, len(t), needs_grad=not prep.forward_only)
+                for key, prep in prepared.items() for d, t in enumerate(prep.tokens)]
+        plans = plan_ranks(refs, self.dp.size, self.micro_batch_tokens, self.micro_batch_seqs)
+        # every rank pads each phase (with backward, then forward only) to the most micro-batches of any rank
+        counts = {g: max(phase_counts(plan)[g] for plan in plans) for g in (True, False)}
+        mine = plans[self.dp.rank]
+        pad_prep = self._pad_prepared()
+        local: dict = {}
+        all_prepared = {**prepared, PAD_KEY: pad_prep}
+        for g in (True, False):
+            groups = [mb for mb in mine if mb[0].needs_grad == g]
+            groups += [[SequenceRef(PAD_KEY, 0, None, 1, needs_grad=g)]] * (counts[g] - len(groups))
+            for rows in groups:
+                mb = build_micro_batch(rows, [all_prepared[s.request].tokens[s.datum] for s in rows], self.device)
+                images = [[] for _ in mb.rows]
+                out: dict = {}
+                self._run_micro_batch(mb, all_prepared, out, images)
+                local.update({k: v.float().cpu() for k, v in out.items() if k[0] != PAD_KEY})
+        gathered: list = [None] * self.dp.size
+        if self.dp.size > 1:
+            guarded(self.dp, "logprobs all_gather_object", lambda: dist.all_gather_object(gathered, local))
+        else:
+            gathered = [local]
+        merged: dict = {}
+        for part in gathered:
+            merged.update({k: v.to(self.device) for k, v in part.items()})
+        return merged
+
+    def _pad_prepared(self) -> _Prepared:
+        """A one-token cross-entropy datum with zero weight: its gradient is exactly zero."""
+        from tinsmith.losses import resolve_loss
+
+        spec, config = resolve_loss("cross_entropy", {})
+        one = torch.zeros(1, dtype=torch.float32, device=self.device)
+        return _Prepared(self.units[FULL_UNIT], FULL_UNIT, spec, config, False, [np.zeros(1, dtype=np.int64)],
+                         [torch.zeros(1, dtype=torch.int64)], [{"weights": one}], [[]], False)
+
+    def optim_step(self, unit: int, params: OptimParams) -> dict[str, float]:
+        reshard_all(self.model)
+        return super().optim_step(unit, params)
+
+    def held_elements(self) -> dict[str, int]:
+        """Elements this rank holds of the weights, their gradients and the optimizer state, and
+        of the whole model (every rank holds about ``1/world`` of each)."""
+        tr = self.unit(FULL_UNIT)
+        params = [_local(p) for p in tr.params]
+        state = [_local(v) for st in tr.optimizer.state.values() for k, v in st.items() if k != "step"]
+        return {"weights": sum(p.numel() for p in params),
+                "grads": sum(_local(p.grad).numel() for p in tr.params if p.grad is not None),
+                "optimizer": sum(t.numel() for t in state),
+                "model": sum(p.numel() for p in tr.params)}
+
+    def export_full_state(self, unit: int = FULL_UNIT) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Full-size weights and optimizer state (all ranks call it; each gets them)."""
+        return self.unit(unit).export_state()
+
+    def import_full_state(self, unit: int, weights: dict[str, torch.Tensor],
+                          optimizer: dict[str, torch.Tensor] | None) -> None:
+        self.unit(unit).import_state(weights, optimizer)
+        reshard_all(self.model)
