@@ -208,3 +208,32 @@ def test_lru_keeps_the_first_blocks_of_a_chain_longest():
     cache.insert("w", b, kv[:, :, :, BLOCK: 2 * BLOCK], start=BLOCK)
     # a's third block was least recently used; its first block (shared) stays
     assert len(cache.lookup("w", a, len(a))) == 2 and len(cache.lookup("w", b, len(b))) == 2
+
+
+def test_admission_waits_for_kv_room_and_never_overruns_it(qwen3_dir):
+    """With a K/V budget of two rows at their longest, requests queue (none fails) until rows
+    finish; the buffers never outgrow the budget; results equal those of an unbounded sampler;
+    a request that could never fit fails alone with a message."""
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * 64 * cfg.head_dim * 4  # one row of 64 positions
+    budget = 2 * row_bytes
+    bounded = make_sampler(model, qwen3_dir, kv_cache_bytes=budget)
+    free = make_sampler(model, qwen3_dir, kv_cache_bytes=0)
+    make = lambda: [task(f"k{i}", tokens(i, 10 + i), max_tokens=20 + i, seed=i) for i in range(6)] + [
+        task("too-big", tokens(9, 10), n=3, max_tokens=20, seed=9)]
+    tasks = make()
+    for t in tasks:
+        bounded.add(t)
+    out: dict = {}
+    peak = 0
+    while bounded.has_work():
+        for key, res in bounded.step(0.05):
+            out[key] = res
+        peak = max(peak, len(bounded.rows))
+        assert bounded.cache.nbytes() <= budget
+    assert peak == 2
+    assert "sequences of up to 30 tokens need" in str(out.pop("too-big"))
+    want = run(free, make()[:-1])
+    assert_same(out, want)
+    assert len(free.rows) == 0 and free.stats["decode_steps"] < bounded.stats["decode_steps"]

@@ -19,10 +19,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tinsmith.errors import InvalidInputError, TinsmithError
+from tinsmith.errors import CapacityError, InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM, masked_attention
 from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
+from tinsmith.sampling.kv_cache import BLOCK as KV_BLOCK
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
 from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
@@ -81,6 +82,7 @@ class Sampler:
         cancellations: CancelBoard | None = None,
         vision: VisionTower | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        kv_cache_bytes: int | None = None,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -90,7 +92,8 @@ class Sampler:
         self.prefill_tokens = prefill_tokens
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.cache = RowKVCache(self.cfg, self.device, self.dtype)
+        self.kv_cache_bytes = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_bytes(self.device)
+        self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
         self.prefix = PrefixCache(prefix_cache_bytes if model.supports_prefix_reuse else 0)
         self.inbox: deque[SampleTask] = deque()
         self.rows: list[_Row] = []
@@ -203,10 +206,22 @@ class Sampler:
             raise InvalidInputError(f"sampling_params.stop has token ids outside [0, {V})")
         return _TaskState(task, stops, max_tokens, seed, [None] * inp.num_samples, remaining=inp.num_samples)
 
+    def _longest(self, inp: SampleInput) -> int:
+        """Positions a request's rows may reach: prompt + max_tokens (at most the context)."""
+        ctx, P = self.cfg.max_position_embeddings, len(inp.prompt)
+        return min(ctx, P + (inp.params.max_tokens if inp.params.max_tokens is not None else ctx - P))
+
+    def _kv_bytes(self, rows: int, span: int) -> int:
+        """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache."""
+        per_position = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.cache.K[0].element_size()
+        return rows * -(-span // KV_BLOCK) * KV_BLOCK * per_position
+
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
         tokens = 0
         rows = len(self.rows)
+        # Every row is counted at its longest, so admitted rows can always decode to their end.
+        span = max((self._longest(r.state.task.input) for r in self.rows), default=0)
         while self.inbox:
             task = self.inbox[0]
             n, P = task.input.num_samples, len(task.input.prompt)
@@ -217,6 +232,21 @@ class Sampler:
                 break
             if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
+            longest = max(span, self._longest(task.input))
+            if fits and self.kv_cache_bytes and self._kv_bytes(rows + n, longest) > self.kv_cache_bytes:
+                if batch or rows:
+                    break  # wait for running sequences to finish and give their K/V back
+                self.inbox.popleft()
+                try:
+                    self._validate(task)  # bad input gets its own error first
+                except TinsmithError as e:
+                    done.append((task.key, e))
+                    continue
+                done.append((task.key, CapacityError(
+                    f"this request's {n} sequences of up to {self._longest(task.input)} tokens need "
+                    f"{self._kv_bytes(n, self._longest(task.input))} bytes of K/V cache, more than the sampler's "
+                    f"{self.kv_cache_bytes} (--sampler-kv-cache-bytes); lower num_samples or max_tokens")))
+                continue
             self.inbox.popleft()
             try:
                 st = self._validate(task)
@@ -226,6 +256,7 @@ class Sampler:
             batch.append(st)
             tokens += P
             rows += n
+            span = max(span, self._longest(task.input))
         if batch:
             try:
                 before = len(self.rows)
@@ -661,6 +692,15 @@ class _DecodeBatch:
             rope_deltas=(torch.tensor([r.state.rope_delta for r in rows], device=device)
                          if any(r.state.rope_delta for r in rows) else None),
         )
+
+
+def _default_kv_bytes(device: torch.device) -> int:
+    """K/V budget when none is configured: unlimited (0) on CPU; on CUDA 40% of the memory free now
+    (the rest for prefill activations, the prefix cache and training)."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(0.4 * free)
 
 
 def _top_logprobs(full: torch.Tensor, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
