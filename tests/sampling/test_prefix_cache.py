@@ -53,12 +53,12 @@ def requests(prompts, prefix: str, **kw) -> list:
     return [task(f"{prefix}{i}", p, max_tokens=6, seed=100 + i, **kw) for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cache_hit_equals_whole_prefill(family, temperature, model_dirs, gpt_oss_dir):
+def test_cache_hit_equals_whole_prefill(family, temperature, model_dirs, gpt_oss_dir, qwen3_moe_dir):
     """Greedy and sampled tokens and their logprobs are those of a whole prefill; gpt-oss has
     sinks and a sliding window shorter than the cached prefix."""
-    model_dir = gpt_oss_dir if family == "gpt_oss" else model_dirs[family]
+    model_dir = {"gpt_oss": gpt_oss_dir, "qwen3_moe": qwen3_moe_dir}.get(family) or model_dirs[family]
     model = fresh_model(model_dir)
     plain = make_sampler(model, model_dir, prefix_cache_bytes=0)
     cached = make_sampler(model, model_dir)
@@ -237,3 +237,41 @@ def test_admission_waits_for_kv_room_and_never_overruns_it(qwen3_dir):
     want = run(free, make()[:-1])
     assert_same(out, want)
     assert len(free.rows) == 0 and free.stats["decode_steps"] < bounded.stats["decode_steps"]
+
+
+def test_image_prompts_neither_read_nor_fill_the_cache(tmp_path_factory):
+    """On Qwen3-VL, text prompts reuse blocks; a prompt with an image computes itself whole (its
+    K/V depend on the image and its positions on the image's grid), equal to a sampler without
+    a cache, even when its text before the image is cached."""
+    from tests.conftest import SMALL
+    from tests.models.test_qwen3_vl import image
+    from tinsmith.devtools.tiny_model import make_tiny_model
+    from tinsmith.models.loading import load_model
+    from tinsmith.models.vision import expand_tokens
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import ImageInput, SampleInput, SamplingParams
+
+    vl_dir = make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
+    loaded = load_model(str(vl_dir))
+    vt, vcfg = loaded.vision, loaded.config.vision
+    head = tokens(21, 2 * BLOCK + 4)
+    text = np.array(head + [vcfg.vision_start_token_id] + tokens(22, 5), dtype=np.int64)
+    im = image(70, 50, position=len(head) + 1, seed=1)
+    expanded, starts = expand_tokens(text, [im], [vt.num_tokens(im.width, im.height)], vcfg.image_token_id)
+    placed = [ImageInput(**{**im.__dict__, "position": starts[0]})]
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+
+    def go(sampler):
+        out = {}
+        for key, inp in [("text", SampleInput(np.asarray(head + tokens(23, 9)), 1, params)),
+                         ("text again", SampleInput(np.asarray(head + tokens(24, 3)), 1, params)),
+                         ("image", SampleInput(np.asarray(expanded), 2, params, prompt_images=placed))]:
+            out.update(results(sampler, [SampleTask(key, None, inp)]))
+        return out
+
+    plain = go(Sampler(loaded.model, lambda t: "", vision=vt, prefix_cache_bytes=0))
+    cached_sampler = Sampler(loaded.model, lambda t: "", vision=vt)
+    got = go(cached_sampler)
+    assert_same(got, plain)
+    assert got["text again"].prompt_cache_hit_tokens == 2 * BLOCK
+    assert got["image"].prompt_cache_hit_tokens == 0
