@@ -96,16 +96,20 @@ def measure_once(model, workload, cache_bytes: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--prompt-length", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=128)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (default: torch's own; 1 suffers least from busy neighbours)")
     p.add_argument("--json", help="write the results here too")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     tmp = tempfile.TemporaryDirectory()
     model = load_model(str(make_tiny_model(Path(tmp.name) / "model", shape=SHAPES[a.shape]))).model
     rng = np.random.default_rng(0)
