@@ -77,7 +77,8 @@ def multi_turn(sampler: Sampler, prompts: list[np.ndarray], turns: int, turn_tok
                                 for i, c in enumerate(convs)])
         out.update(res)
         for i, c in enumerate(convs):
-            c += res[(i, t)].sequences[0].tokens.tolist() + rng.integers(4, sampler.cfg.vocab_size, turn_tokens).tolist()
+            reply = res[(i, t)].sequences[0].tokens.tolist()
+            c += reply + rng.integers(4, sampler.cfg.vocab_size, turn_tokens).tolist()
     return out
 
 

@@ -144,7 +144,8 @@ def test_tenants_never_share_entries(qwen3_dir):
     # together in one batch: no sharing of the prefill across adapters either
     mixed = [task(f"m{s}", prompt, slot=s, max_tokens=4, seed=5) for s in (None, SNAP_A, SNAP_B)]
     got = results(cached, mixed)
-    assert_same(got, results(plain, [task(f"m{s}", prompt, slot=s, max_tokens=4, seed=5) for s in (None, SNAP_A, SNAP_B)]))
+    slots = (None, SNAP_A, SNAP_B)
+    assert_same(got, results(plain, [task(f"m{s}", prompt, slot=s, max_tokens=4, seed=5) for s in slots]))
     assert all(r.prompt_cache_hit_tokens == 3 * BLOCK for r in got.values())  # each its own earlier entries
 
 

@@ -213,7 +213,8 @@ class Sampler:
 
     def _kv_bytes(self, rows: int, span: int) -> int:
         """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache."""
-        per_position = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.cache.K[0].element_size()
+        cfg = self.cfg
+        per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
         return rows * -(-span // KV_BLOCK) * KV_BLOCK * per_position
 
     def _admit(self, done: list) -> None:
