@@ -88,6 +88,11 @@ def test_separate_requests_of_one_prompt_share_one_prefill(qwen3_dir):
     assert_same(got, want)
     assert plain.stats["prefills"] == 8 and cached.stats["prefills"] == 1
     assert sorted(r.prompt_cache_hit_tokens for r in got.values()) == [0] + [40] * 7
+    # A shared prompt counts once against the prefill budget, so the whole group is admitted at once.
+    tight = make_sampler(model, qwen3_dir, prefill_tokens=50)
+    got = results(tight, [task(f"g{i}", prompt, max_tokens=5, seed=i, temperature=1.0) for i in range(8)])
+    assert_same(got, want)
+    assert tight.stats["prefills"] == 1 and tight.stats["decode_steps"] == plain.stats["decode_steps"]
 
 
 def test_live_adapter_never_reads_entries_of_older_weights(qwen3_dir):

@@ -219,13 +219,16 @@ class Sampler:
 
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
-        tokens = 0
+        tokens = 0  # prompt tokens this prefill computes (a prompt shared with an earlier request counts once)
+        shared: set[tuple] = set()
         rows = len(self.rows)
         # Every row is counted at its longest, so admitted rows can always decode to their end.
         span = max((self._longest(r.state.task.input) for r in self.rows), default=0)
         while self.inbox:
             task = self.inbox[0]
-            n, P = task.input.num_samples, len(task.input.prompt)
+            n = task.input.num_samples
+            key = self._share_key(task)
+            P = 0 if key is not None and key in shared else len(task.input.prompt)
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
             # which rejects it; waiting for rows would block the queue behind it forever.
             fits = n <= self.max_rows
@@ -256,6 +259,8 @@ class Sampler:
                 continue
             batch.append(st)
             tokens += P
+            if key is not None:
+                shared.add(key)
             rows += n
             span = max(span, self._longest(task.input))
         if batch:
@@ -329,7 +334,7 @@ class Sampler:
         unique: list[_TaskState] = []
         seen: dict[tuple, int] = {}
         for st in batch:
-            key = self._share_key(st)
+            key = self._share_key(st.task)
             if key is not None and key in seen:
                 lead.append(seen[key])
                 st.cached_tokens = len(st.task.input.prompt)
@@ -384,15 +389,15 @@ class Sampler:
         """What computed a prompt's K/V: the adapter slot and its weights' current version."""
         return slot, self.model.weights_version(slot)
 
-    def _share_key(self, st: _TaskState) -> tuple | None:
+    def _share_key(self, task: SampleTask) -> tuple | None:
         """Requests with equal keys in one admission share a prefill; None: this one never shares.
 
         Image prompts never share (their K/V depend on the images too), and nothing shares when
         the prefix cache is off (``prefix_cache_bytes=0``: every request prefilled on its own)."""
-        inp = st.task.input
+        inp = task.input
         if inp.prompt_images or not self.prefix.enabled:
             return None
-        return (self._weights_of(st.task.slot), _needs_prompt_logits(inp), np.asarray(inp.prompt).tobytes())
+        return (self._weights_of(task.slot), _needs_prompt_logits(inp), np.asarray(inp.prompt).tobytes())
 
     def _forward_prompts(self, states: list[_TaskState]) -> _Prefilled:
         """One forward pass over the prompts of ``states`` (sorted by slot), reading and filling
