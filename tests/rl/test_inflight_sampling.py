@@ -21,6 +21,21 @@ def inflight_server(make_server):
     return make_server(extra_args=["--max-full-finetunes", "2", "--max-full-sampler-snapshots", "2"])
 
 
+PROMPT = [int(t) for t in np.random.default_rng(8).integers(4, VOCAB, 40)]  # two prefix-cache blocks and more
+
+
+def _greedy_matches_whole_prompt(sampler) -> None:
+    """A greedy sample's logprobs (its prompt's K/V may come from the prefix cache) equal the
+    logprobs of prompt + sample computed whole (prompt-logprob requests never read the cache):
+    a cached entry of older weights would break this."""
+    params = tinker.types.SamplingParams(max_tokens=3, temperature=0.0, stop=[])
+    seq = sampler.sample(tinker.types.ModelInput.from_ints(PROMPT), 1, params).result(
+        timeout=RESULT_TIMEOUT_S).sequences[0]
+    whole = sampler.compute_logprobs(tinker.types.ModelInput.from_ints(PROMPT + list(seq.tokens))).result(
+        timeout=RESULT_TIMEOUT_S)
+    np.testing.assert_allclose(seq.logprobs, whole[len(PROMPT):], atol=1e-4)
+
+
 def _held_snapshots(srv) -> float:
     return total(scrape(srv.base_url), "tinsmith_sampler_snapshots")
 
@@ -40,12 +55,14 @@ def test_inflight_sampler_follows_each_step_and_a_snapshot_does_not(inflight_ser
         assert _held_snapshots(inflight_server) == held + 1
         at_save = _forward_lp(tc)
         np.testing.assert_allclose(_sampler_lp(live), at_save, atol=1e-4)
+        _greedy_matches_whole_prompt(live)
         seen = [at_save]
         for _ in range(2):
             train_steps_on(tc, data, 1, 2e-2)  # the step's future has resolved: samples see it
             now = _forward_lp(tc)
             assert not np.allclose(now, seen[-1], atol=1e-3)
             np.testing.assert_allclose(_sampler_lp(live), now, atol=1e-4)
+            _greedy_matches_whole_prompt(live)
             np.testing.assert_allclose(_sampler_lp(fixed), at_save, atol=1e-4)
             seen.append(now)
         # a second inflight save returns another session on the same live weights

@@ -7,6 +7,7 @@ tenant adapters; which ones do is decided per adapter (attn / mlp / unembed targ
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +21,8 @@ from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
+
+_WEIGHT_VERSIONS = itertools.count(1)  # one sequence for every model: a version is never handed out twice
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -402,9 +405,16 @@ class VisualFeatures:
 class CausalLM(nn.Module):
     """A decoder-only LM. ``hidden_states`` runs the trunk; ``lm_head`` maps to logits."""
 
+    # Whether a prompt's K/V at positions < p depend on its tokens < p alone, so a sampler may
+    # keep them across requests (prefix caching). Models with per-row recurrent state set False.
+    supports_prefix_reuse: bool = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        # adapter slot (None: the model's own weights) -> version, changed whenever those weights
+        # change (see :meth:`weights_changed`); what a prefix cache keys its K/V by.
+        self.weight_versions: dict[int | None, int] = {}
         self.model = Backbone(cfg)
         self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -437,6 +447,16 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         return self.lm_head(hidden, segments).float()
+
+    def weights_changed(self, slot: int | None) -> None:
+        """Record that adapter ``slot``'s weights (None: the model's own) changed: an optimizer
+        step, a load, an adapter attached, installed or removed. Whatever was computed with the
+        old weights (cached prompt K/V) must not be used again."""
+        self.weight_versions[slot] = next(_WEIGHT_VERSIONS)
+
+    def weights_version(self, slot: int | None) -> int:
+        """The current version of adapter ``slot``'s weights (None: the model's own); 0 until first changed."""
+        return self.weight_versions.get(slot, 0)
 
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[tuple[str, LoraLinear | ExpertLinear]]:
         """The (name, layer) pairs an adapter with these switches attaches to, in a fixed order.

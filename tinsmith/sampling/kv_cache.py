@@ -27,10 +27,13 @@ def _round_up(n: int, block: int) -> int:
 
 
 class RowKVCache:
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 8):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 8,
+                 max_bytes: int = 0):
         self.cfg = cfg
+        self.max_bytes = max_bytes  # growth in rows stays within it where it can (0: no bound)
         self.device, self.dtype = device, dtype
         self.capacity = BLOCK
+        rows = self._rows_within(rows, BLOCK)
         self.row_capacity = rows
         self.K = [torch.zeros(self._shape(i, rows, self.capacity), device=device, dtype=dtype)
                   for i in range(cfg.num_layers)]
@@ -43,6 +46,16 @@ class RowKVCache:
         heads = 0 if self.cfg.is_linear_layer(layer) else self.cfg.num_kv_heads  # no K/V in DeltaNet layers
         return (rows, heads, capacity, self.cfg.head_dim)
 
+    def _rows_within(self, rows: int, capacity: int) -> int:
+        """``rows``, or fewer (at least 1) where ``max_bytes`` holds fewer rows of ``capacity`` positions:
+        spare rows are never allocated beyond the budget."""
+        if not self.max_bytes:
+            return rows
+        width = torch.finfo(self.dtype).bits // 8
+        attention_layers = sum(not self.cfg.is_linear_layer(i) for i in range(self.cfg.num_layers))
+        per_row = 2 * attention_layers * self.cfg.num_kv_heads * capacity * self.cfg.head_dim * width
+        return max(1, min(rows, self.max_bytes // per_row))
+
     def nbytes(self) -> int:
         """Bytes the cache's buffers take (for metrics; its lists may be swapped meanwhile, a copy is read)."""
         recurrent = self.recurrent.nbytes() if self.recurrent is not None else 0
@@ -51,17 +64,19 @@ class RowKVCache:
     # ----------------------------------------------------------------------------- sizing
     def ensure(self, rows: int, length: int) -> None:
         """Make room for ``rows`` rows of ``length`` positions (grows geometrically / by blocks)."""
-        new_rows = self.row_capacity if rows <= self.row_capacity else max(rows, 2 * self.row_capacity)
-        new_cap = self.capacity if length <= self.capacity else _round_up(max(length, self.capacity + BLOCK), BLOCK)
-        if new_rows == self.row_capacity and new_cap == self.capacity:
+        if rows <= self.row_capacity and length <= self.capacity:
             return
+        new_cap = self.capacity if length <= self.capacity else _round_up(max(length, self.capacity + BLOCK), BLOCK)
+        new_rows = self.row_capacity if rows <= self.row_capacity else max(rows, 2 * self.row_capacity)
+        new_rows = max(rows, self._rows_within(new_rows, new_cap))  # spare rows only within the budget
+        keep = min(new_rows, self.row_capacity)  # rows are dense: those past ``rows`` hold nothing
         for store in (self.K, self.V):
             for i, old in enumerate(store):
                 new = torch.zeros(self._shape(i, new_rows, new_cap), device=self.device, dtype=self.dtype)
-                new[: self.row_capacity, :, : self.capacity] = old
+                new[:keep, :, : self.capacity] = old[:keep]
                 store[i] = new
         lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
-        lengths[: self.row_capacity] = self.lengths
+        lengths[:keep] = self.lengths[:keep]
         self.lengths = lengths
         if self.recurrent is not None and new_rows != self.row_capacity:
             self.recurrent.resize(new_rows)
@@ -70,7 +85,8 @@ class RowKVCache:
     def shrink(self, live_rows: int, max_len: int) -> None:
         """Give memory back when the batch has become much smaller than the buffers."""
         if self.capacity > 4 * _round_up(max_len, BLOCK) or self.row_capacity > 4 * max(live_rows, 8):
-            rows, cap = min(max(8, 2 * live_rows), self.row_capacity), _round_up(max(max_len, 1), BLOCK)
+            cap = _round_up(max(max_len, 1), BLOCK)
+            rows = min(max(live_rows, 1, self._rows_within(max(8, 2 * live_rows), cap)), self.row_capacity)
             for store in (self.K, self.V):
                 for i, old in enumerate(store):
                     store[i] = old[:rows, :, :cap].clone()

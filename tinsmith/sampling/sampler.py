@@ -19,14 +19,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tinsmith.errors import InvalidInputError, TinsmithError
-from tinsmith.models.layers import CausalLM
+from tinsmith.errors import CapacityError, InvalidInputError, TinsmithError
+from tinsmith.models.layers import CausalLM, masked_attention
 from tinsmith.models.lora import RowGroups, Segments, decode_rows
 from tinsmith.models.lora_bank import RowSlots
 from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
+from tinsmith.sampling.kv_cache import BLOCK as KV_BLOCK
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
+from tinsmith.sampling.recurrent_state import PrefillStates
 from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
+from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
@@ -58,6 +61,7 @@ class _TaskState:
     alt_tokens: np.ndarray | None = None
     alt_lps: np.ndarray | None = None
     remaining: int = 0
+    cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache or another request
     rope_delta: int = 0  # multimodal RoPE: decoded token i sits at position len(prompt) + i + rope_delta
 
 
@@ -82,6 +86,8 @@ class Sampler:
         cancellations: CancelBoard | None = None,
         vision: VisionTower | None = None,
         decode_burst: int | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        kv_cache_bytes: int | None = None,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -95,14 +101,18 @@ class Sampler:
         # operation has finished when it returns, so reading back each step costs nothing and a
         # burst would only decode past stops; on a GPU a burst keeps the launch queue full.
         self.decode_burst = decode_burst or (DEVICE_DECODE_BURST if self.device.type == "cuda" else 1)
-        self.cache = RowKVCache(self.cfg, self.device, self.dtype)
+        self.kv_cache_bytes = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_bytes(self.device)
+        self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
+        reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
+        self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
         self.inbox: deque[SampleTask] = deque()
         self.rows: list[_Row] = []
         self._decode_batch: _DecodeBatch | None = None
         self.cancellations = cancellations
         self._cancel_version = 0  # the board's version last acted on
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
-        self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "sampled_tokens": 0, "cancelled": 0}
+        self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
+                      "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0}
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -206,13 +216,29 @@ class Sampler:
             raise InvalidInputError(f"sampling_params.stop has token ids outside [0, {V})")
         return _TaskState(task, stops, max_tokens, seed, [None] * inp.num_samples, remaining=inp.num_samples)
 
+    def _longest(self, inp: SampleInput) -> int:
+        """Positions a request's rows may reach: prompt + max_tokens (at most the context)."""
+        ctx, P = self.cfg.max_position_embeddings, len(inp.prompt)
+        return min(ctx, P + (inp.params.max_tokens if inp.params.max_tokens is not None else ctx - P))
+
+    def _kv_bytes(self, rows: int, span: int) -> int:
+        """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache."""
+        cfg = self.cfg
+        per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
+        return rows * -(-span // KV_BLOCK) * KV_BLOCK * per_position
+
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
-        tokens = 0
+        tokens = 0  # prompt tokens this prefill computes (a prompt shared with an earlier request counts once)
+        shared: set[tuple] = set()
         rows = len(self.rows)
+        # Every row is counted at its longest, so admitted rows can always decode to their end.
+        span = max((self._longest(r.state.task.input) for r in self.rows), default=0)
         while self.inbox:
             task = self.inbox[0]
-            n, P = task.input.num_samples, len(task.input.prompt)
+            n = task.input.num_samples
+            key = self._share_key(task)
+            P = 0 if key is not None and key in shared else len(task.input.prompt)
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
             # which rejects it; waiting for rows would block the queue behind it forever.
             fits = n <= self.max_rows
@@ -220,6 +246,21 @@ class Sampler:
                 break
             if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
+            longest = max(span, self._longest(task.input))
+            if fits and self.kv_cache_bytes and self._kv_bytes(rows + n, longest) > self.kv_cache_bytes:
+                if batch or rows:
+                    break  # wait for running sequences to finish and give their K/V back
+                self.inbox.popleft()
+                try:
+                    self._validate(task)  # bad input gets its own error first
+                except TinsmithError as e:
+                    done.append((task.key, e))
+                    continue
+                done.append((task.key, CapacityError(
+                    f"this request's {n} sequences of up to {self._longest(task.input)} tokens need "
+                    f"{self._kv_bytes(n, self._longest(task.input))} bytes of K/V cache, more than the sampler's "
+                    f"{self.kv_cache_bytes} (--sampler-kv-cache-bytes); lower num_samples or max_tokens")))
+                continue
             self.inbox.popleft()
             try:
                 st = self._validate(task)
@@ -228,10 +269,22 @@ class Sampler:
                 continue
             batch.append(st)
             tokens += P
+            if key is not None:
+                shared.add(key)
             rows += n
+            span = max(span, self._longest(task.input))
         if batch:
             try:
-                self._prefill(batch, done)
+                before = len(self.rows)
+                try:
+                    self._prefill(batch, done)
+                except torch.OutOfMemoryError:
+                    if not len(self.prefix) or len(self.rows) != before:
+                        raise
+                    log.warning("out of memory in a prefill: dropping the prefix cache (%d bytes) and trying again",
+                                self.prefix.bytes)
+                    self.prefix.clear()
+                    self._prefill(batch, done)
             except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
                 log.exception("prefill of %d requests failed", len(batch))
                 self._fail(batch, exc, done)
@@ -280,38 +333,40 @@ class Sampler:
         self._rows_changed()
 
     def _prefill(self, batch: list[_TaskState], done: list) -> None:
-        """Run every admitted prompt once (right-padded, grouped by adapter), seed its rows."""
+        """Run every admitted prompt once (right-padded, grouped by adapter), seed its rows.
+
+        Requests with the same prompt and weights share one prefill (GRPO sends one prompt as
+        many requests); a prompt whose first blocks are in the prefix cache prefills only the
+        rest (see :mod:`tinsmith.sampling.prefix_cache`).
+        """
         batch.sort(key=lambda s: -1 if s.task.slot is None else s.task.slot)
-        lens = [len(s.task.input.prompt) for s in batch]
-        b, L = len(batch), max(lens)
-        toks = np.zeros((b, L), dtype=np.int64)
-        for i, s in enumerate(batch):
-            toks[i, : lens[i]] = s.task.input.prompt
-        tokens = torch.from_numpy(toks).to(self.device)
-        positions = torch.arange(L, device=self.device).expand(b, L)
-        visual = None
-        images = [s.task.input.prompt_images for s in batch]
-        if any(images):
-            assert self.vision is not None
-            positions, visual, deltas = self.vision.batch_inputs(tokens, lens, images)
-            for st, delta in zip(batch, deltas):
-                st.rope_delta = delta
-        segments = _row_segments([s.task.slot for s in batch], L)
-        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        lengths = torch.tensor(lens, device=self.device)
-        states = self.cache.prefill_states(lengths, L)  # hybrid models: each prompt's recurrent state
-        hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv, states),
-                                          visual=visual)
-        last = hidden[torch.arange(b, device=self.device), lengths - 1]
-        last_logits = self.model.logits(last, _row_segments([s.task.slot for s in batch], 1))
-        self.stats["prefills"] += b
+        lead: list[int] = []  # batch index -> index of the prefill that computes its prompt
+        unique: list[_TaskState] = []
+        seen: dict[tuple, int] = {}
+        for st in batch:
+            key = self._share_key(st.task)
+            if key is not None and key in seen:
+                lead.append(seen[key])
+                st.cached_tokens = len(st.task.input.prompt)
+                continue
+            if key is not None:
+                seen[key] = len(unique)
+            lead.append(len(unique))
+            unique.append(st)
+        out = self._forward_prompts(unique)
+        hidden, kv, last_logits, lens, states = out.hidden, out.kv, out.last_logits, out.lens, out.states
+        L = max(lens)
+        self.stats["prefills"] += len(unique)
+        self.stats["prefill_tokens"] += sum(lens) - sum(out.starts)
+        self.stats["cached_prompt_tokens"] += sum(st.cached_tokens for st in batch)
 
         new_rows = sum(s.task.input.num_samples for s in batch)
         self.cache.ensure(len(self.rows) + new_rows, L + 1)
-        for i, st in enumerate(batch):
+        for b_idx, st in enumerate(batch):
+            i = lead[b_idx]
             inp = st.task.input
-            if inp.prompt_logprobs or inp.topk_prompt_logprobs or inp.target_prompt_ids is not None \
-                    or inp.prompt_alt_tokens_k:
+            if _needs_prompt_logits(inp):
+                assert out.starts[i] == 0  # such prompts never read the prefix cache
                 self._prompt_logprobs(st, hidden[i, : lens[i]])
             n = inp.num_samples
             p = inp.params
@@ -339,6 +394,120 @@ class Sampler:
                 elif st.max_tokens <= 1:
                     self._retire(r, "length", done)
         self._rows_changed()
+
+    def _weights_of(self, slot: int | None) -> tuple[int | None, int]:
+        """What computed a prompt's K/V: the adapter slot and its weights' current version."""
+        return slot, self.model.weights_version(slot)
+
+    def _share_key(self, task: SampleTask) -> tuple | None:
+        """Requests with equal keys in one admission share a prefill; None: this one never shares.
+
+        Image prompts never share (their K/V depend on the images too), and nothing shares when
+        the prefix cache is off (``prefix_cache_bytes=0``: every request prefilled on its own)."""
+        inp = task.input
+        if inp.prompt_images or not self.prefix.enabled:
+            return None
+        return (self._weights_of(task.slot), _needs_prompt_logits(inp), np.asarray(inp.prompt).tobytes())
+
+    def _forward_prompts(self, states: list[_TaskState]) -> _Prefilled:
+        """One forward pass over the prompts of ``states`` (sorted by slot), reading and filling
+        the prefix cache; see :class:`_Prefilled`."""
+        lens = [len(s.task.input.prompt) for s in states]
+        prompts = [np.asarray(s.task.input.prompt).tolist() for s in states]
+        weights = [self._weights_of(s.task.slot) for s in states]
+        images = [s.task.input.prompt_images for s in states]
+        cacheable = [not im for im in images]
+        blocks: list[list[torch.Tensor]] = [[] for _ in states]
+        if not any(images):  # reading needs plain positions for every row of the batch
+            for i, st in enumerate(states):
+                if not _needs_prompt_logits(st.task.input):
+                    # at least the last prompt token is computed: its logits give the first sample
+                    blocks[i] = self.prefix.lookup(weights[i], prompts[i], lens[i] - 1)
+        starts = [len(bl) * self.prefix.block for bl in blocks]
+        for st, c in zip(states, starts):
+            st.cached_tokens = c
+        recurrent = None
+        if any(starts):  # never on hybrid models: they keep no prefix cache
+            hidden, kv = self._forward_over_prefix(states, prompts, lens, starts, blocks)
+        else:
+            hidden, kv, recurrent = self._forward_whole(states, lens)
+        b = len(states)
+        ends = torch.tensor([n - c - 1 for n, c in zip(lens, starts)], device=self.device)
+        last = hidden[torch.arange(b, device=self.device), ends]
+        last_logits = self.model.logits(last, _row_segments([s.task.slot for s in states], 1))
+        for i in range(b):
+            done_blocks = len(blocks[i])
+            if cacheable[i] and self.prefix.enabled and lens[i] // self.prefix.block > done_blocks:
+                lo, hi = starts[i], lens[i] // self.prefix.block * self.prefix.block
+                layer_kv = torch.stack([torch.stack((kv[l][0][i, :, lo:hi], kv[l][1][i, :, lo:hi])) for l in sorted(kv)])
+                self.prefix.insert(weights[i], prompts[i][:hi], layer_kv, lo)
+        return _Prefilled(hidden, kv, last_logits, lens, starts, recurrent)
+
+    def _forward_whole(self, states: list[_TaskState], lens: list[int]):
+        """Prefill whole prompts (right-padded): hidden states ``(b, L, h)``, each attention layer's
+        K/V, and on hybrid models each prompt's recurrent states."""
+        b, L = len(states), max(lens)
+        toks = np.zeros((b, L), dtype=np.int64)
+        for i, s in enumerate(states):
+            toks[i, : lens[i]] = s.task.input.prompt
+        tokens = torch.from_numpy(toks).to(self.device)
+        positions = torch.arange(L, device=self.device).expand(b, L)
+        visual = None
+        images = [s.task.input.prompt_images for s in states]
+        if any(images):
+            assert self.vision is not None
+            positions, visual, deltas = self.vision.batch_inputs(tokens, lens, images)
+            for st, delta in zip(states, deltas):
+                st.rope_delta = delta
+        segments = _row_segments([s.task.slot for s in states], L)
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        recurrent = self.cache.prefill_states(torch.tensor(lens, device=self.device), L)
+        hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv, recurrent),
+                                          visual=visual)
+        return hidden, kv, recurrent
+
+    def _forward_over_prefix(self, states, prompts, lens, starts, blocks):
+        """Prefill only each prompt's part after its cached blocks.
+
+        Row ``i``'s tokens from ``starts[i]`` on run at their true positions and attend to
+        the cached K/V before them and causally to themselves. Each layer's K/V come back laid
+        out by position (cached blocks, then the new part), as a whole prefill gives them.
+        """
+        b = len(states)
+        S = max(n - c for n, c in zip(lens, starts))
+        width = max(starts) + S
+        toks = np.zeros((b, S), dtype=np.int64)
+        for i in range(b):
+            toks[i, : lens[i] - starts[i]] = prompts[i][starts[i]:]
+        tokens = torch.from_numpy(toks).to(self.device)
+        start = torch.tensor(starts, device=self.device)
+        positions = start[:, None] + torch.arange(S, device=self.device)[None, :]  # (b, S)
+        cfg = self.cfg
+        # (layers, 2, b, kv_heads, width, head_dim): the cached blocks of each row, zeros after
+        full = torch.zeros((cfg.num_layers, 2, b, cfg.num_kv_heads, width, cfg.head_dim), device=self.device,
+                           dtype=self.dtype)
+        for i, bl in enumerate(blocks):
+            if bl:
+                full[:, :, i, :, : starts[i]] = torch.cat(bl, dim=3)
+        keys = torch.arange(width, device=self.device)[None, None, :]  # (1, 1, width)
+        before = keys <= positions[:, :, None]  # (b, S, width): causal by position
+        masks: dict[int | None, torch.Tensor] = {None: before}
+        where = positions[:, None, :, None].expand(b, cfg.num_kv_heads, S, cfg.head_dim)
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+            K, V = full[layer, 0], full[layer, 1]
+            K.scatter_(2, where, k)  # padding positions land after each row's prompt: never seen by its tokens
+            V.scatter_(2, where, v)
+            kv[layer] = (K, V)
+            if window not in masks:
+                masks[window] = before & (keys > positions[:, :, None] - window)
+            return masked_attention(q, K, V, masks[window], sinks)
+
+        segments = _row_segments([s.task.slot for s in states], S)
+        hidden = self.model.hidden_states(tokens, positions, segments, attend=attend)
+        return hidden, kv
 
     def _prompt_logprobs(self, st: _TaskState, h: torch.Tensor) -> None:
         inp = st.task.input
@@ -481,6 +650,7 @@ class Sampler:
                 target_prompt_csr=st.task.input.target_prompt_csr,
                 prompt_alt_tokens=st.alt_tokens,
                 prompt_alt_logprobs=st.alt_lps,
+                prompt_cache_hit_tokens=st.cached_tokens,
             )))
         self._drop_row(r)
 
@@ -500,6 +670,26 @@ class Sampler:
         if self._decode_batch is None:
             self._decode_batch = _DecodeBatch.of(self.rows, self.device, self.model)
         return self._decode_batch
+
+
+@dataclass
+class _Prefilled:
+    """A prefill's outputs. Row ``i``'s ``hidden[i, j]`` is prompt position ``starts[i] + j``
+    (``starts[i]``: positions read from the prefix cache); each layer's ``kv`` is
+    ``(b, kv_heads, >= len, head_dim)`` laid out by position."""
+
+    hidden: torch.Tensor
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> K/V
+    last_logits: torch.Tensor  # (b, vocab) after each prompt's last token
+    lens: list[int]
+    starts: list[int]
+    states: PrefillStates | None = None  # hybrid models: each prompt's recurrent states
+
+
+def _needs_prompt_logits(inp: SampleInput) -> bool:
+    """Does the request ask for something computed over every prompt position?"""
+    return bool(inp.prompt_logprobs or inp.topk_prompt_logprobs or inp.target_prompt_ids is not None
+                or inp.prompt_alt_tokens_k)
 
 
 @dataclass
@@ -539,6 +729,15 @@ class _DecodeBatch:
             rope_deltas=(torch.tensor([r.state.rope_delta for r in rows], device=device)
                          if any(r.state.rope_delta for r in rows) else None),
         )
+
+
+def _default_kv_bytes(device: torch.device) -> int:
+    """K/V budget when none is configured: unlimited (0) on CPU; on CUDA 40% of the memory free now
+    (the rest for prefill activations, the prefix cache and training)."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(0.4 * free)
 
 
 def _top_logprobs(full: torch.Tensor, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:

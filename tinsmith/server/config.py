@@ -82,6 +82,8 @@ class ServerConfig(BaseSettings):
     max_body_bytes: AtLeastOne = 256 * 1024 * 1024
     max_num_samples: AtLeastOne | None = None  # default: the sampler's row limit
     max_sample_tokens: AtLeastOne | None = None  # default: the model's context length
+    prefix_cache_bytes: NotNegativeInt = 1 << 30  # prompt K/V kept across sample requests, per sampler (0: off)
+    sampler_kv_cache_bytes: NotNegativeInt | None = None  # None: unlimited on CPU, 40% of free memory on CUDA
     max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
     max_forward_datums: AtLeastOne = 1024
     max_forward_tokens: AtLeastOne = 1 << 21
@@ -192,6 +194,12 @@ _HELP = {
     "max_body_bytes": "largest request body accepted, before and after decompression",
     "max_num_samples": "largest num_samples of a sampling request, and rows the sampler decodes at once (default: 256)",
     "max_sample_tokens": "largest sampling_params.max_tokens (default: the model's context length)",
+    "prefix_cache_bytes": "device memory each sampler may keep prompts' K/V in, so later requests that start with "
+                          "the same tokens (GRPO's copies of one prompt, earlier turns of a conversation) skip "
+                          "their prefill; least recently used blocks are evicted (0: off)",
+    "sampler_kv_cache_bytes": "device memory the K/V of each sampler's running sequences may take, counted at their "
+                              "longest (prompt + max_tokens); requests beyond it wait for room (default: unlimited "
+                              "on CPU; on CUDA 40% of the device memory free when the sampler starts)",
     "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
     "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
     "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",

@@ -198,14 +198,17 @@ class StateCollector:
         rows = _gauge("tinsmith_sampler_rows", "Sequences being decoded right now")
         kv = _gauge("tinsmith_kv_cache_bytes", "Bytes of the samplers' KV caches (they grow with the batch and "
                     "shrink when it empties)")
+        prefix = _gauge("tinsmith_prefix_cache_bytes", "Bytes of prompt K/V the samplers keep for later requests "
+                        "(--prefix-cache-bytes each)")
 
-        def fill(sampled, rows, kv):
+        def fill(sampled, rows, kv, prefix):
             samplers = list(self.state.worker.samplers.values())
             sampled.add_metric([], self.state.engine.ops.throughput.sampled.all_time)
             rows.add_metric([], sum(len(s.rows) for s in samplers))
             kv.add_metric([], sum(s.cache.nbytes() for s in samplers))
+            prefix.add_metric([], sum(s.prefix.bytes for s in samplers))
 
-        return [sampled, rows, kv], fill
+        return [sampled, rows, kv, prefix], fill
 
     def _health(self) -> tuple[list[Metric], Callable]:
         rss = _gauge("tinsmith_process_memory_bytes", "Resident memory of the server process")

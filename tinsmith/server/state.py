@@ -97,6 +97,8 @@ class ServerState:
                 sampler_snapshot_idle_s=config.sampler_snapshot_idle_s,
                 max_sampling_rows=(RuntimeOptions.max_sampling_rows if config.max_num_samples is None
                                    else config.max_num_samples),
+                prefix_cache_bytes=config.prefix_cache_bytes,
+                sampler_kv_cache_bytes=config.sampler_kv_cache_bytes,
             )
         )
         throughput, usage = Throughput(), UsageMeter(store)

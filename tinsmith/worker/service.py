@@ -30,6 +30,7 @@ from tinsmith.models.loading import LoadedModel, load_model, resolve_dtype
 from tinsmith.models.lora import pack_weights
 from tinsmith.optim import ADAMW, normalize_optimizer_config
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec, OptimParams
+from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
@@ -57,6 +58,8 @@ class RuntimeOptions:
     max_snapshot_host_bytes_per_key: int | None = None  # host bytes of full snapshots one owner may hold
     max_sampler_snapshots: int = 64
     max_sampling_rows: int = 256
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # per sampler; 0: off
+    sampler_kv_cache_bytes: int | None = None  # per sampler; None: see Sampler's ``kv_cache_bytes``
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
@@ -350,7 +353,9 @@ class Worker:
     def _sampler_of(self, key: str, base: BaseModel, model: CausalLM) -> Sampler:
         if key not in self.samplers:
             self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir),
-                                         max_rows=self.options.max_sampling_rows, vision=base.loaded.vision)
+                                         max_rows=self.options.max_sampling_rows, vision=base.loaded.vision,
+                                         prefix_cache_bytes=self.options.prefix_cache_bytes,
+                                         kv_cache_bytes=self.options.sampler_kv_cache_bytes)
         return self.samplers[key]
 
     # ----------------------------------------------------------------------------- inflight sampling

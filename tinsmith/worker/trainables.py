@@ -50,6 +50,8 @@ class Trainable:
     optimizer: torch.optim.Optimizer = field(init=False)
     steps: int = 0
     resident: bool = True
+    # The model these parameters live in: told of every change to them (prefix caches key by it).
+    model: CausalLM | None = None
 
     def __post_init__(self) -> None:
         rank = self.spec.rank if self.spec is not None else None
@@ -73,6 +75,10 @@ class Trainable:
     def num_params(self) -> int:
         return sum(p.numel() for p in self.params)
 
+    def _weights_changed(self) -> None:
+        if self.model is not None:
+            self.model.weights_changed(self.slot)
+
     def park(self, host: torch.device) -> None:
         """Leave the model's layers (freeing a resident slot); tensors, grads and optimizer state
         move to ``host`` memory untouched, so training resumes exactly where it stopped."""
@@ -82,6 +88,7 @@ class Trainable:
             layer.adapters.pop(self.slot, None)
         self._move(host)
         self.resident = False
+        self._weights_changed()
 
     def unpark(self, device: torch.device) -> None:
         if self.resident or self.slot is None:
@@ -90,6 +97,7 @@ class Trainable:
         for layer, w in self.attachments:
             layer.adapters[self.slot] = w
         self.resident = True
+        self._weights_changed()
 
     def _move(self, device: torch.device) -> None:
         for p in self.params:
@@ -159,6 +167,7 @@ class Trainable:
                         st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
                     self.optimizer.state[p] = st
         adapters_changed()  # weights written in place: inference banks copy them again
+        self._weights_changed()
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of ``params``' gradients (a sharded unit sums its shards' squares)."""
@@ -180,12 +189,14 @@ class Trainable:
             coef = hp.grad_clip_norm / (norm_f + 1e-6)
             torch._foreach_mul_([p.grad for p in params], coef)
         apply_hyperparameters(self.optimizer, hp)
+        self._weights_changed()  # before too: a failure half-way must not leave the old version standing
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         adapters_changed()  # weights stepped in place: inference banks copy them again
         if self.masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)  # round the masters into the model
+        self._weights_changed()
         self.steps += 1
         return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
 
@@ -200,13 +211,16 @@ def attach_lora(model: CausalLM, slot: int, spec: LoraSpec, optimizer_type: str 
         w = layer.add_adapter(slot, spec.rank, spec.alpha, gen)
         named += [(f"{name}.lora_A.weight", w.A), (f"{name}.lora_B.weight", w.B)]
         attachments.append((layer, w))
-    return Trainable(slot=slot, spec=spec, named_params=named, attachments=attachments, optimizer_type=optimizer_type)
+    model.weights_changed(slot)
+    return Trainable(slot=slot, spec=spec, named_params=named, attachments=attachments, optimizer_type=optimizer_type,
+                     model=model)
 
 
 def detach_lora(model: CausalLM, slot: int) -> None:
     for m in model.modules():
         if isinstance(m, (LoraLinear, ExpertLinear)):
             m.remove_adapter(slot)
+    model.weights_changed(slot)
 
 
 def full_model_trainable(model: CausalLM, optimizer_type: str = ADAMW, master_weights: bool = True) -> Trainable:
@@ -226,7 +240,9 @@ def full_model_trainable(model: CausalLM, optimizer_type: str = ADAMW, master_we
     masters = None
     if master_weights and any(p.dtype != torch.float32 for _, p in named):
         masters = [_master_for(p) for _, p in named]
-    return Trainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type, masters=masters)
+    model.weights_changed(None)
+    return Trainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type, masters=masters,
+                     model=model)
 
 
 def _master_for(p: torch.Tensor) -> torch.Tensor:
@@ -277,3 +293,4 @@ def install_lora_weights(model: CausalLM, slot: int, spec: LoraSpec, tensors: di
     for layer, A, B in planned:
         layer.adapters[slot] = LoraWeights(A.detach().to(device, torch.float32).clone(),
                                            B.detach().to(device, torch.float32).clone(), spec.alpha / spec.rank)
+    model.weights_changed(slot)

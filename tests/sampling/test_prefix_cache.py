@@ -1,0 +1,283 @@
+"""Prefix caching across requests: results with a cache hit equal those without, never stale.
+
+Every check runs the same requests on two samplers over the same model: one with the prefix
+cache off (each prompt prefilled whole) and one with it on, warmed so that the requests hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
+from tinsmith.sampling.prefix_cache import BLOCK, PrefixCache
+from tinsmith.types import AdamParams, LoraSpec
+from tinsmith.worker.runtime import TrainingRuntime
+
+TOL = 1e-5
+SNAP_A, SNAP_B = 1_000_001, 1_000_002
+
+
+def tokens(seed: int, n: int, vocab: int = 512) -> list[int]:
+    return np.random.default_rng(seed).integers(4, vocab, n).tolist()
+
+
+def results(sampler, tasks) -> dict:
+    out = run(sampler, tasks)
+    for key, res in out.items():
+        assert not isinstance(res, Exception), f"{key}: {res!r}"
+    return out
+
+
+def assert_same(got: dict, want: dict) -> None:
+    """Same tokens and stop reasons, logprobs within TOL (prompt logprobs too when asked)."""
+    assert got.keys() == want.keys()
+    for key in want:
+        g, w = got[key], want[key]
+        for sg, sw in zip(g.sequences, w.sequences, strict=True):
+            assert sg.tokens.tolist() == sw.tokens.tolist(), key
+            assert sg.stop_reason == sw.stop_reason
+            np.testing.assert_allclose(sg.logprobs, sw.logprobs, atol=TOL, rtol=0, err_msg=str(key))
+        if w.prompt_logprobs is not None:
+            np.testing.assert_allclose(g.prompt_logprobs, w.prompt_logprobs, atol=TOL, rtol=0, equal_nan=True)
+
+
+def multi_turn(seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    """A shared system prompt (three blocks and a bit) and continuations of it, as turns grow."""
+    system = tokens(seed, 3 * BLOCK + 5)
+    return system, [system + tokens(seed + 1 + i, 7 + 9 * i) for i in range(4)]
+
+
+def requests(prompts, prefix: str, **kw) -> list:
+    return [task(f"{prefix}{i}", p, max_tokens=6, seed=100 + i, **kw) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cache_hit_equals_whole_prefill(family, temperature, model_dirs, gpt_oss_dir, qwen3_moe_dir):
+    """Greedy and sampled tokens and their logprobs are those of a whole prefill; gpt-oss has
+    sinks and a sliding window shorter than the cached prefix."""
+    model_dir = {"gpt_oss": gpt_oss_dir, "qwen3_moe": qwen3_moe_dir}.get(family) or model_dirs[family]
+    model = fresh_model(model_dir)
+    plain = make_sampler(model, model_dir, prefix_cache_bytes=0)
+    cached = make_sampler(model, model_dir)
+    system, prompts = multi_turn()
+    want = results(plain, requests(prompts, "t", temperature=temperature))
+    results(cached, requests([system + tokens(99, 3)], "warm"))  # fills the system prompt's blocks
+    got = results(cached, requests(prompts, "t", temperature=temperature))
+    assert_same(got, want)
+    assert all(r.prompt_cache_hit_tokens == 3 * BLOCK for r in got.values())
+    assert all(r.prompt_cache_hit_tokens == 0 for r in want.values())
+    # A second round hits each whole turn's blocks (inserted by the first round).
+    again = results(cached, requests(prompts, "t", temperature=temperature))
+    assert_same(again, want)
+    assert [again[f"t{i}"].prompt_cache_hit_tokens for i in range(4)] == [
+        (len(p) - 1) // BLOCK * BLOCK for p in prompts]
+
+
+def test_separate_requests_of_one_prompt_share_one_prefill(qwen3_dir):
+    """GRPO sends one prompt as many requests: admitted together, they are prefilled once."""
+    model = fresh_model(qwen3_dir)
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0)
+    cached = make_sampler(model, qwen3_dir)
+    prompt = tokens(3, 40)
+    tasks = [task(f"g{i}", prompt, max_tokens=5, seed=i, temperature=1.0) for i in range(8)]
+    want = results(plain, tasks)
+    got = results(cached, [task(f"g{i}", prompt, max_tokens=5, seed=i, temperature=1.0) for i in range(8)])
+    assert_same(got, want)
+    assert plain.stats["prefills"] == 8 and cached.stats["prefills"] == 1
+    assert sorted(r.prompt_cache_hit_tokens for r in got.values()) == [0] + [40] * 7
+    # A shared prompt counts once against the prefill budget, so the whole group is admitted at once.
+    tight = make_sampler(model, qwen3_dir, prefill_tokens=50)
+    got = results(tight, [task(f"g{i}", prompt, max_tokens=5, seed=i, temperature=1.0) for i in range(8)])
+    assert_same(got, want)
+    assert tight.stats["prefills"] == 1 and tight.stats["decode_steps"] == plain.stats["decode_steps"]
+
+
+def test_live_adapter_never_reads_entries_of_older_weights(qwen3_dir):
+    """After an optimizer step (and after loading weights) the live adapter's prompts are
+    prefilled again: results equal a sampler without a cache, and differ from before the step."""
+    model = fresh_model(qwen3_dir)
+    rt = TrainingRuntime(model, max_lora_adapters=4, max_lora_rank=16)
+    unit = rt.create_adapter(LoraSpec(rank=4, alpha=8, seed=1))
+    tr = rt.unit(unit)
+    slot = tr.slot
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0)
+    cached = make_sampler(model, qwen3_dir)
+    _, prompts = multi_turn(5)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        for p in tr.params:
+            p.grad = torch.randn(p.shape, generator=g)
+        tr.step(AdamParams(learning_rate=0.05))
+
+    step()  # B is no longer zero: the adapter changes the outputs
+    before = results(cached, requests(prompts, "a", slot=slot))
+    assert_same(results(cached, requests(prompts, "a", slot=slot)), before)  # hits, same weights
+    assert cached.prefix.stats["hit_tokens"] > 0
+    step()
+    got = results(cached, requests(prompts, "a", slot=slot))
+    want = results(plain, requests(prompts, "a", slot=slot))
+    assert_same(got, want)
+    assert all(r.prompt_cache_hit_tokens == 0 for r in got.values())
+    moved = max(float(np.abs(got[k].sequences[0].logprobs - before[k].sequences[0].logprobs).max()) for k in got)
+    assert moved > 1e-3, "the step should change the outputs, or this test proves nothing"
+
+    weights, opt = tr.export_state()
+    step()
+    results(cached, requests(prompts, "a", slot=slot))  # cache the stepped weights' blocks
+    tr.import_state(weights, opt)  # back to the earlier weights: a new version again
+    assert_same(results(cached, requests(prompts, "a", slot=slot)), want)
+
+
+def test_tenants_never_share_entries(qwen3_dir):
+    """Two adapters (and the base model) sampling one prompt each compute their own K/V."""
+    model = fresh_model(qwen3_dir)
+    random_adapter(model, SNAP_A, seed=1)
+    random_adapter(model, SNAP_B, seed=2)
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0)
+    cached = make_sampler(model, qwen3_dir)
+    prompt = tokens(7, 3 * BLOCK + 3)
+    results(cached, [task("base", prompt, max_tokens=4, seed=5)])
+    for slot in (SNAP_A, SNAP_B):
+        t = [task(f"s{slot}", prompt, slot=slot, max_tokens=4, seed=5)]
+        got = results(cached, t)
+        assert_same(got, results(plain, [task(f"s{slot}", prompt, slot=slot, max_tokens=4, seed=5)]))
+        assert got[f"s{slot}"].prompt_cache_hit_tokens == 0
+    # together in one batch: no sharing of the prefill across adapters either
+    mixed = [task(f"m{s}", prompt, slot=s, max_tokens=4, seed=5) for s in (None, SNAP_A, SNAP_B)]
+    got = results(cached, mixed)
+    slots = (None, SNAP_A, SNAP_B)
+    assert_same(got, results(plain, [task(f"m{s}", prompt, slot=s, max_tokens=4, seed=5) for s in slots]))
+    assert all(r.prompt_cache_hit_tokens == 3 * BLOCK for r in got.values())  # each its own earlier entries
+
+
+def test_eviction_under_a_tiny_budget_keeps_results_exact(qwen3_dir):
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * BLOCK * cfg.head_dim * 4
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0)
+    cached = make_sampler(model, qwen3_dir, prefix_cache_bytes=3 * block_bytes)
+    _, prompts = multi_turn(11)
+    others = [tokens(50 + i, 2 * BLOCK + 1) for i in range(3)]
+    want = results(plain, requests(prompts + others, "e"))
+    for _ in range(2):
+        for i, p in enumerate(prompts + others):
+            got = results(cached, [task(f"e{i}", p, max_tokens=6, seed=100 + i)])
+            assert_same(got, {f"e{i}": want[f"e{i}"]})
+            assert cached.prefix.bytes <= 3 * block_bytes
+    assert cached.prefix.stats["evicted_blocks"] > 0 and cached.prefix.stats["hit_tokens"] > 0
+
+
+def test_prompt_logprobs_requests_compute_the_whole_prompt(qwen3_dir):
+    model = fresh_model(qwen3_dir)
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0)
+    cached = make_sampler(model, qwen3_dir)
+    system, prompts = multi_turn(13)
+    results(cached, requests([system], "warm"))
+    kw = dict(prompt_logprobs=True, topk_prompt_logprobs=3)
+    got = results(cached, requests(prompts, "p", **kw))
+    want = results(plain, requests(prompts, "p", **kw))
+    assert_same(got, want)
+    for k in want:
+        np.testing.assert_allclose(got[k].topk_prompt_logprobs, want[k].topk_prompt_logprobs, atol=TOL, rtol=0)
+    assert all(r.prompt_cache_hit_tokens == 0 for r in got.values())
+
+
+def test_a_model_without_prefix_reuse_keeps_nothing(qwen3_dir, monkeypatch):
+    model = fresh_model(qwen3_dir)
+    monkeypatch.setattr(type(model), "supports_prefix_reuse", False)
+    sampler = make_sampler(model, qwen3_dir)
+    prompt = tokens(1, 3 * BLOCK)
+    results(sampler, [task("a", prompt, max_tokens=2)])
+    res = results(sampler, [task("b", prompt, max_tokens=2)])
+    assert len(sampler.prefix) == 0 and res["b"].prompt_cache_hit_tokens == 0
+
+
+def test_lru_keeps_the_first_blocks_of_a_chain_longest():
+    """Evicting the least recently used block never strands a later block of its chain, and a
+    prompt reads its longest cached prefix."""
+    kv = torch.arange(2 * 1 * 2 * 4 * BLOCK * 1, dtype=torch.float32).view(2, 2, 1, 4 * BLOCK, 1)
+    block_bytes = kv[:, :, :, :BLOCK].numel() * 4
+    cache = PrefixCache(3 * block_bytes)
+    a = list(range(4 * BLOCK))
+    cache.insert("w", a, kv)  # four blocks, budget of three: the last one goes
+    assert len(cache) == 3 and cache.stats["evicted_blocks"] == 1
+    got = cache.lookup("w", a + [1], len(a))
+    assert len(got) == 3
+    torch.testing.assert_close(torch.cat(got, dim=3), kv[:, :, :, : 3 * BLOCK])
+    b = a[:BLOCK] + [7] * BLOCK  # shares the first block only
+    assert len(cache.lookup("w", b, len(b))) == 1
+    assert cache.lookup("other weights", a, len(a)) == []
+    cache.insert("w", b, kv[:, :, :, BLOCK: 2 * BLOCK], start=BLOCK)
+    # a's third block was least recently used; its first block (shared) stays
+    assert len(cache.lookup("w", a, len(a))) == 2 and len(cache.lookup("w", b, len(b))) == 2
+
+
+def test_admission_waits_for_kv_room_and_never_overruns_it(qwen3_dir):
+    """With a K/V budget of two rows at their longest, requests queue (none fails) until rows
+    finish; the buffers never outgrow the budget; results equal those of an unbounded sampler;
+    a request that could never fit fails alone with a message."""
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * 64 * cfg.head_dim * 4  # one row of 64 positions
+    budget = 2 * row_bytes
+    bounded = make_sampler(model, qwen3_dir, kv_cache_bytes=budget)
+    free = make_sampler(model, qwen3_dir, kv_cache_bytes=0)
+    make = lambda: [task(f"k{i}", tokens(i, 10 + i), max_tokens=20 + i, seed=i) for i in range(6)] + [
+        task("too-big", tokens(9, 10), n=3, max_tokens=20, seed=9)]
+    tasks = make()
+    for t in tasks:
+        bounded.add(t)
+    out: dict = {}
+    peak = 0
+    while bounded.has_work():
+        for key, res in bounded.step(0.05):
+            out[key] = res
+        peak = max(peak, len(bounded.rows))
+        assert bounded.cache.nbytes() <= budget
+    assert peak == 2
+    assert "sequences of up to 30 tokens need" in str(out.pop("too-big"))
+    want = run(free, make()[:-1])
+    assert_same(out, want)
+    assert len(free.rows) == 0 and free.stats["decode_steps"] < bounded.stats["decode_steps"]
+
+
+def test_image_prompts_neither_read_nor_fill_the_cache(tmp_path_factory):
+    """On Qwen3-VL, text prompts reuse blocks; a prompt with an image computes itself whole (its
+    K/V depend on the image and its positions on the image's grid), equal to a sampler without
+    a cache, even when its text before the image is cached."""
+    from tests.conftest import SMALL
+    from tests.models.test_qwen3_vl import image
+    from tinsmith.devtools.tiny_model import make_tiny_model
+    from tinsmith.models.loading import load_model
+    from tinsmith.models.vision import expand_tokens
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import ImageInput, SampleInput, SamplingParams
+
+    vl_dir = make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
+    loaded = load_model(str(vl_dir))
+    vt, vcfg = loaded.vision, loaded.config.vision
+    head = tokens(21, 2 * BLOCK + 4)
+    text = np.array(head + [vcfg.vision_start_token_id] + tokens(22, 5), dtype=np.int64)
+    im = image(70, 50, position=len(head) + 1, seed=1)
+    expanded, starts = expand_tokens(text, [im], [vt.num_tokens(im.width, im.height)], vcfg.image_token_id)
+    placed = [ImageInput(**{**im.__dict__, "position": starts[0]})]
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+
+    def go(sampler):
+        out = {}
+        for key, inp in [("text", SampleInput(np.asarray(head + tokens(23, 9)), 1, params)),
+                         ("text again", SampleInput(np.asarray(head + tokens(24, 3)), 1, params)),
+                         ("image", SampleInput(np.asarray(expanded), 2, params, prompt_images=placed))]:
+            out.update(results(sampler, [SampleTask(key, None, inp)]))
+        return out
+
+    plain = go(Sampler(loaded.model, lambda t: "", vision=vt, prefix_cache_bytes=0))
+    cached_sampler = Sampler(loaded.model, lambda t: "", vision=vt)
+    got = go(cached_sampler)
+    assert_same(got, plain)
+    assert got["text again"].prompt_cache_hit_tokens == 2 * BLOCK
+    assert got["image"].prompt_cache_hit_tokens == 0
