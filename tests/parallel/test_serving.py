@@ -1,0 +1,127 @@
+"""The worker under ``tensor_parallel_size=2`` (rank 0 here, rank 1 a child process): sampling
+slices cut short by a time budget that only rank 0 keeps, cancellations that only rank 0 sees,
+and what the tensor-parallel code does not cover refused before any rank starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tinsmith.engine.device_faults import device_fault
+from tinsmith.errors import InvalidInputError
+from tinsmith.parallel.group import ParallelError
+from tinsmith.parallel.serving import check_servable, rank_device
+from tinsmith.models.loading import read_config
+from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
+from tinsmith.sampling.sampler import SampleTask
+from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
+from tinsmith.worker.service import RuntimeOptions, Worker
+
+BUDGET_S = 0.002  # a sampling slice: a few decode steps of the tiny model, never all of them
+
+
+def _worker(model_dir, tp: int) -> tuple[Worker, object]:
+    w = Worker(RuntimeOptions(device="cpu", dtype="float32", tensor_parallel_size=tp))
+    base = w.add_base_model("m", str(model_dir))
+    return w, base
+
+
+def _train_and_snapshot(w: Worker) -> int:
+    g = np.random.default_rng(0)
+    toks = g.integers(0, 512, 20)
+    w.create_model("run", "m", LoraSpec(rank=4, seed=3))
+    datum = Datum(tokens=toks[:-1], loss_inputs={"target_tokens": toks[1:], "weights": np.ones(19, np.float32)})
+    fb = w.fb_begin("run", [ForwardBackwardInput([datum], "cross_entropy")])
+    while not fb.done:
+        w.fb_advance([(fb, 8)], 8)  # a few tokens a chunk: the datum runs over several calls
+    w.optim_step("run", AdamParams(learning_rate=1e-2))
+    return w.snapshot("run", "snap").slot
+
+
+def _tasks(slot: int) -> list[SampleTask]:
+    g = np.random.default_rng(1)
+    return [SampleTask("greedy", slot, SampleInput(g.integers(0, 512, 5), 1, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                                               stop=[]))),
+            SampleTask("seeded", slot, SampleInput(g.integers(0, 512, 7), 2,
+                                                   SamplingParams(max_tokens=24, temperature=1.0, seed=4, stop=[]))),
+            SampleTask("base", None, SampleInput(g.integers(0, 512, 3), 1,
+                                                 SamplingParams(max_tokens=24, temperature=0.7, seed=9, stop=[]))),
+            SampleTask("cancelled", slot, SampleInput(g.integers(0, 512, 4), 1,
+                                                      SamplingParams(max_tokens=400, temperature=1.0, seed=5, stop=[])))]
+
+
+def _sample(w: Worker, base, slot: int) -> tuple[dict, int]:
+    sampler = w.sampler(base)
+    board = CancelBoard(key_id=lambda key: key)
+    sampler.cancellations = board
+    for t in _tasks(slot):
+        sampler.add(t)
+    done, slices = {}, 0
+    while sampler.has_work():
+        for key, res in sampler.step(BUDGET_S):
+            done[key] = res
+        slices += 1
+        if slices == 2:
+            board.post("cancelled")
+    return done, slices
+
+
+def test_time_budgeted_slices_and_cancellations_stay_in_step(qwen3_dir):
+    w1, b1 = _worker(qwen3_dir, 1)
+    ref, _ = _sample(w1, b1, _train_and_snapshot(w1))
+    w2, b2 = _worker(qwen3_dir, 2)
+    try:
+        got, slices = _sample(w2, b2, _train_and_snapshot(w2))
+        assert slices > 3  # the budget cut decoding into slices (rank 1 ran each as rank 0 did)
+        assert w2.tp_group.healthy
+        assert w2.sampler(b2)._local.agreements > slices
+        assert isinstance(got["cancelled"], SampleCancelled) and isinstance(ref["cancelled"], SampleCancelled)
+        for key in ("greedy", "seeded", "base"):
+            for a, b in zip(ref[key].sequences, got[key].sequences):
+                np.testing.assert_array_equal(a.tokens, b.tokens)
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        # a request without a seed: rank 0 draws one for every rank, so the ranks cannot diverge
+        sampler = w2.sampler(b2)
+        sampler.add(SampleTask("unseeded", None, SampleInput(np.arange(4), 2, SamplingParams(max_tokens=6, stop=[]))))
+        while sampler.has_work():
+            for key, res in sampler.step(BUDGET_S):
+                assert key == "unseeded" and not isinstance(res, Exception), res
+        assert w2.tp_group.healthy
+
+        with pytest.raises(InvalidInputError, match="full fine-tuning .* --tensor-parallel-size 2"):
+            w2.create_model("full", "m", None)
+
+        w2.tp_group.procs[0].kill()
+        w2.tp_group.procs[0].join()
+        with pytest.raises(ParallelError, match="rank 1 of 2 .* exited") as exc:
+            w2.optim_step("run", AdamParams(learning_rate=1e-2))
+        assert device_fault(exc.value) is not None  # the engine stops and /healthz turns unhealthy
+    finally:
+        w2.close()
+
+
+@pytest.mark.parametrize("fixture,why", [("qwen3_moe_dir", "mixture-of-experts"), ("gpt_oss_dir", "attention sinks"),
+                                         ("qwen3_5_dir", "Gated DeltaNet")])
+def test_families_not_covered_are_refused_naming_the_option(request, fixture, why):
+    cfg = read_config(request.getfixturevalue(fixture))
+    with pytest.raises(InvalidInputError, match=f"{why}.*--tensor-parallel-size 1"):
+        check_servable(cfg, 2, fixture)
+    w = Worker(RuntimeOptions(device="cpu", tensor_parallel_size=2))
+    with pytest.raises(InvalidInputError, match="cannot be served with --tensor-parallel-size 2"):
+        w.add_base_model("m", str(request.getfixturevalue(fixture)))
+    assert w.tp_group is None  # refused before any rank started
+
+
+def test_indivisible_heads_are_refused(qwen3_dir):
+    with pytest.raises(InvalidInputError, match=r"key/value heads \(2\) do not divide by 4"):
+        check_servable(read_config(qwen3_dir), 4, "tiny")
+    check_servable(read_config(qwen3_dir), 2, "tiny")
+
+
+def test_each_rank_gets_its_own_gpu():
+    assert [rank_device("cuda", r) for r in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert rank_device("cuda:2", 1) == torch.device("cuda", 3)
+    assert rank_device("cpu", 1) == torch.device("cpu")
+    with pytest.raises(InvalidInputError, match="CUDA GPUs or on the CPU"):
+        rank_device("mps", 0)
