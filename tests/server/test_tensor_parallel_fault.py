@@ -45,6 +45,8 @@ def test_a_dead_rank_fails_requests_and_turns_healthz_unhealthy(qwen3_dir, tmp_p
         follower = state.worker.tp_group.procs[0]
         follower.kill()
         follower.join()
+        health = client.get("/api/v1/healthz")  # before any request meets the dead rank
+        assert health.status_code == 503 and "rank 1 of 2" in health.json()["reason"]
         failed = answer(first, {**fb, "seq_id": 2} if first == "forward_backward" else {**sample, "seq_id": 2})
         assert "rank 1 of 2" in failed["error"] and "exited" in failed["error"], failed
         assert failed["category"] == "server"

@@ -117,20 +117,32 @@ class LocalTPGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``RankWorker.method`` on every rank; rank 0's result (its error re-raised)."""
-        if self._failed is None:
-            gone = [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
-            if gone:  # found before a collective has to time out
-                self._failed = ParallelError("; ".join(
-                    f"tensor-parallel rank {r} of {self.world_size} (process {p.pid}) exited with code {p.exitcode}"
-                    for r, p in gone))
-                raise self._failed
+        if self._failed is None and (gone := self.exited()):  # found before a collective has to time out
+            self._failed = ParallelError(gone)
+            raise self._failed
         if self._failed is not None:
             raise ParallelError(f"the tensor-parallel group is down ({self._failed}); restart it")
         try:
             return self.executor.call(method, *args, **kwargs)
         except ParallelError as exc:
-            self._failed = exc
+            gone = self.exited()  # a collective failed because a rank died: say which one
+            self._failed = ParallelError(f"{gone}; {exc}") if gone else exc
+            if gone:
+                raise self._failed from exc
             raise
+
+    def exited(self) -> str | None:
+        """Which follower ranks have exited, in words (None: all are running)."""
+        gone = [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        return "; ".join(f"tensor-parallel rank {r} of {self.world_size} (process {p.pid}) exited with code "
+                         f"{p.exitcode}" for r, p in gone) or None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group cannot run calls (a rank exited, a collective failed); None while healthy."""
+        if self._failed is not None:
+            return str(self._failed)
+        return self.exited()
 
     def close(self, wait_s: float = 10.0) -> None:
         """Release the followers (when they can still hear it) and leave the group."""

@@ -164,6 +164,11 @@ class Worker:
             self.tp_group.close()
             self.tp_group = None
 
+    def fault(self) -> str | None:
+        """Why this worker cannot run work although nothing has failed a request yet (a
+        tensor-parallel rank exited), for /healthz; None while it can."""
+        return None if self.tp_group is None else self.tp_group.failure
+
     def _refuse_under_tp(self, base: "BaseModel", what: str) -> None:
         if base.tp is not None:
             raise InvalidInputError(f"{what} is not supported with --tensor-parallel-size "
