@@ -39,6 +39,15 @@ def _train_and_snapshot(w: Worker) -> int:
     return w.snapshot("run", "snap").slot
 
 
+def _forward_backward(w: Worker, run: str) -> np.ndarray:
+    """The target logprobs of a fixed datum under ``run``'s current weights (gradients accumulate)."""
+    toks = np.random.default_rng(2).integers(0, 512, 16)
+    datum = Datum(tokens=toks[:-1], loss_inputs={"target_tokens": toks[1:], "weights": np.ones(15, np.float32)})
+    fb = w.fb_begin(run, [ForwardBackwardInput([datum], "cross_entropy")])
+    w.fb_advance([(fb, 1 << 20)], 1 << 20)
+    return fb.results[0].outputs[0]["logprobs"]
+
+
 def _tasks(slot: int) -> list[SampleTask]:
     g = np.random.default_rng(1)
     return [SampleTask("greedy", slot, SampleInput(g.integers(0, 512, 5), 1, SamplingParams(max_tokens=24, temperature=0.0,
@@ -91,6 +100,19 @@ def test_time_budgeted_slices_and_cancellations_stay_in_step(qwen3_dir):
 
         with pytest.raises(InvalidInputError, match="full fine-tuning .* --tensor-parallel-size 2"):
             w2.create_model("full", "m", None)
+        with pytest.raises(InvalidInputError, match="dimuon.*--tensor-parallel-size"):
+            w2.create_model("dimuon", "m", LoraSpec(rank=2, seed=1), optimizer_type="dimuon")
+        assert set(w2.placements) == {"run"}
+
+        # An adapter without a seed: rank 0 draws it, so every rank slices the same adapter and
+        # its exported state computes, in one process, what the two ranks computed.
+        w2.create_model("unseeded", "m", LoraSpec(rank=4))
+        fb_rounds = [_forward_backward(w2, "unseeded") for _ in range(2)]
+        w2.optim_step("unseeded", AdamParams(learning_rate=1e-2))
+        after = _forward_backward(w2, "unseeded")
+        w1.load_training_state("copy", "m", w2.export_training_state("unseeded"), create=True)
+        np.testing.assert_allclose(_forward_backward(w1, "copy"), after, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(fb_rounds[0], fb_rounds[1], atol=1e-6)
 
         w2.tp_group.procs[0].kill()
         w2.tp_group.procs[0].join()

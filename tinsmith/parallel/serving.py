@@ -9,8 +9,8 @@ same states: adapters get the same unit ids and slots, passes the same ids, and 
 sampler holds the same rows. Rank 0 (this process) answers; its objects are the ones the worker
 reads (steps, slots, rows) without a call.
 
-What would otherwise differ between ranks is decided by rank 0 and sent to the others: a
-request's random seed when the client gave none, how many decode steps a sampling slice runs (a
+What would otherwise differ between ranks is decided by rank 0 and sent to the others: the
+random seed of an adapter or a sample request when the client gave none, how many decode steps a sampling slice runs (a
 time budget: :class:`~tinsmith.parallel.sampling.LockstepSampler`), which requests were cancelled,
 and the micro-batch size picked from free device memory.
 """
@@ -251,6 +251,8 @@ class TPRuntime:
         return self._base.call("runtime", method, *args)
 
     def create_adapter(self, spec: LoraSpec, optimizer_type: str = "adamw") -> int:
+        if spec.seed is None:  # drawn here: every rank must slice the same full-size adapter
+            spec = dataclasses.replace(spec, seed=secrets.randbits(63))
         return self._run("create_adapter", spec, optimizer_type)
 
     def delete_adapter(self, unit: int) -> None:
