@@ -4,6 +4,8 @@ and what the tensor-parallel code does not cover refused before any rank starts.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -147,3 +149,18 @@ def test_each_rank_gets_its_own_gpu():
     assert rank_device("cpu", 1) == torch.device("cpu")
     with pytest.raises(InvalidInputError, match="CUDA GPUs or on the CPU"):
         rank_device("mps", 0)
+
+
+def test_an_idle_group_outlives_its_collective_timeout():
+    """Followers wait for the next call outside the collectives (whose timeout would end them)."""
+    from tinsmith.parallel.serving import start_group
+
+    group = start_group(2, "cpu", timeout_s=1.0)
+    try:
+        time.sleep(2.5)
+        assert group.healthy, group.failure
+        with pytest.raises(KeyError):  # refused alike on both ranks: the group stays usable
+            group.call("configure", "no-such-model", 1, None)
+        assert group.healthy and group.executor.calls == 1
+    finally:
+        group.close()

@@ -39,6 +39,7 @@ from tinsmith.sampling.sampler import SampleTask
 from tinsmith.types import LoraSpec
 from tinsmith.worker.runtime import FbPass, TrainRequest
 from tinsmith.worker.trainables import detach_lora, lora_tensors
+from tinsmith.worker.warm_up import configure_device
 
 OPTION = "--tensor-parallel-size"
 
@@ -86,6 +87,7 @@ class RankBase:
 
     def __init__(self, tp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
                  max_rows: int):
+        configure_device(device)
         loaded = load_model(model_dir, "cpu", dtype)  # the whole checkpoint in host memory; the shard goes on
         model = shard_causal_lm(loaded.model, tp).to(device)
         self.loaded = dataclasses.replace(loaded, model=model)

@@ -68,12 +68,41 @@ def _rank_worker(model_dir: str, dtype: torch.dtype, runtime_kwargs: dict, tp: T
     return RankWorker(model_dir, tp, dtype, runtime_kwargs)
 
 
+class _DriverBell:
+    """Rank 0's end of one pipe per follower: a byte before each call."""
+
+    def __init__(self, conns: list, world_size: int):
+        self.conns, self.world_size = conns, world_size
+
+    def ring(self) -> None:
+        for r, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(b"\x01")
+            except OSError as exc:
+                raise ParallelError(f"tensor-parallel rank {r} of {self.world_size} cannot be reached "
+                                    f"({type(exc).__name__}: {exc})") from exc
+
+
+class _FollowerBell:
+    """A follower's end: it waits here between calls, with no timeout (an idle server is fine)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def wait(self) -> bool:
+        try:
+            self.conn.recv_bytes()
+            return True
+        except (EOFError, OSError):  # rank 0 exited
+            return False
+
+
 def _follower(rank: int, world: int, init_method: str, timeout_s: float, make_target: Callable, threads: int,
-              device: torch.device) -> None:
+              device: torch.device, bell) -> None:
     torch.set_num_threads(threads)
     tp = init_tp_group(rank, world, timeout_s=timeout_s, init_method=init_method, device=device)
     try:
-        SpmdExecutor(make_target(tp, device), tp).follow()
+        SpmdExecutor(make_target(tp, device), tp, doorbell=_FollowerBell(bell)).follow()
     finally:
         dist.destroy_process_group()
 
@@ -99,14 +128,18 @@ class LocalTPGroup:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", __name__, make_target.__module__])
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (follower's end, rank 0's end)
         self.procs = [ctx.Process(target=_follower, daemon=True,
                                   args=(r, world_size, init_method, timeout_s, make_target, follower_threads,
-                                        devices[r]))
+                                        devices[r], pipes[r - 1][0]))
                       for r in range(1, world_size)]
         for p in self.procs:
             p.start()
+        for theirs, _ in pipes:
+            theirs.close()  # the follower holds its end; rank 0 exiting closes ours, which ends the follower
         self.tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method, device=devices[0])
-        self.executor = SpmdExecutor(make_target(self.tp, devices[0]), self.tp)
+        self.executor = SpmdExecutor(make_target(self.tp, devices[0]), self.tp,
+                                     doorbell=_DriverBell([ours for _, ours in pipes], world_size))
         self.worker = self.executor.target
         self._failed: ParallelError | None = None
 
