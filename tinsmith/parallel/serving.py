@@ -195,6 +195,12 @@ def start_group(world_size: int, device: str, *, timeout_s: float = DEFAULT_TIME
                         make_target=_serving_rank, devices=devices)
 
 
+def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors sent to the other ranks travel pickled; from host memory, so that no rank reads
+    rank 0's GPU (each moves its shards to its own device)."""
+    return {k: v.detach().cpu() for k, v in tensors.items()}
+
+
 class TPBase:
     """Rank 0's handle on one base model served by the group: its runtime and sampler stand-ins."""
 
@@ -221,7 +227,7 @@ class TPBase:
 
     def install_lora(self, slot: int, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> None:
         """Frozen full-size adapter weights (a sampler snapshot) into ``slot`` on every rank."""
-        self.call("install_lora", slot, spec, tensors)
+        self.call("install_lora", slot, spec, _on_host(tensors))
 
     def detach_lora(self, slot: int) -> None:
         self.call("detach_lora", slot)
@@ -273,7 +279,7 @@ class TPRuntime:
         return self._run("export_full_state", unit)
 
     def import_full_state(self, unit: int, weights: dict, optimizer: dict | None) -> None:
-        self._run("import_full_state", unit, weights, optimizer)
+        self._run("import_full_state", unit, _on_host(weights), None if optimizer is None else _on_host(optimizer))
 
     def set_steps(self, unit: int, steps: int) -> None:
         self._base.call("set_steps", unit, steps)
