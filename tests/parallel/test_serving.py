@@ -52,14 +52,14 @@ def _forward_backward(w: Worker, run: str) -> np.ndarray:
 
 def _tasks(slot: int) -> list[SampleTask]:
     g = np.random.default_rng(1)
-    return [SampleTask("greedy", slot, SampleInput(g.integers(0, 512, 5), 1, SamplingParams(max_tokens=24, temperature=0.0,
-                                                                                               stop=[]))),
-            SampleTask("seeded", slot, SampleInput(g.integers(0, 512, 7), 2,
-                                                   SamplingParams(max_tokens=24, temperature=1.0, seed=4, stop=[]))),
-            SampleTask("base", None, SampleInput(g.integers(0, 512, 3), 1,
-                                                 SamplingParams(max_tokens=24, temperature=0.7, seed=9, stop=[]))),
-            SampleTask("cancelled", slot, SampleInput(g.integers(0, 512, 4), 1,
-                                                      SamplingParams(max_tokens=400, temperature=1.0, seed=5, stop=[])))]
+
+    def task(key: str, slot: int | None, prompt: int, n: int, **params) -> SampleTask:
+        return SampleTask(key, slot, SampleInput(g.integers(0, 512, prompt), n, SamplingParams(stop=[], **params)))
+
+    return [task("greedy", slot, 5, 1, max_tokens=24, temperature=0.0),
+            task("seeded", slot, 7, 2, max_tokens=24, temperature=1.0, seed=4),
+            task("base", None, 3, 1, max_tokens=24, temperature=0.7, seed=9),
+            task("cancelled", slot, 4, 1, max_tokens=400, temperature=1.0, seed=5)]
 
 
 def _sample(w: Worker, base, slot: int) -> tuple[dict, int]:
@@ -164,3 +164,33 @@ def test_an_idle_group_outlives_its_collective_timeout():
         assert group.healthy and group.executor.calls == 1
     finally:
         group.close()
+
+
+def test_a_rank_dying_inside_a_decode_step_fails_the_slice_naming_it(qwen3_dir):
+    """The follower is killed as rank 0 starts a decode step (its collectives then meet a dead
+    rank): the sampler does not swallow that as one step's error; the slice raises it, naming
+    the rank that died."""
+    w, base = _worker(qwen3_dir, 2)
+    try:
+        sampler = w.sampler(base)
+        local = sampler._local
+        decode, steps = local._decode_step, []
+
+        def kill_on_third(done):
+            steps.append(1)
+            if len(steps) == 3:
+                w.tp_group.procs[0].kill()
+            return decode(done)
+
+        local._decode_step = kill_on_third
+        sampler.add(SampleTask("long", None, SampleInput(np.arange(4), 2, SamplingParams(
+            max_tokens=50, temperature=0.0, stop=[]))))
+        with pytest.raises(ParallelError, match="rank 1 of 2 .* exited") as exc:
+            while sampler.has_work():
+                sampler.step(60.0)
+        assert len(steps) == 3
+        assert "failed on rank 0 of 2" in str(exc.value)  # the collective that met the dead rank
+        assert sampler.abort() == ["long"]  # the engine fails the request with the reason
+        assert not w.tp_group.healthy and device_fault(exc.value) is not None
+    finally:
+        w.close()

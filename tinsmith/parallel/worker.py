@@ -158,6 +158,9 @@ class LocalTPGroup:
         try:
             return self.executor.call(method, *args, **kwargs)
         except ParallelError as exc:
+            end = time.monotonic() + 1.0  # a rank that died may close its sockets before it is reaped
+            for p in self.procs:
+                p.join(max(0.0, end - time.monotonic()))
             gone = self.exited()  # a collective failed because a rank died: say which one
             self._failed = ParallelError(f"{gone}; {exc}") if gone else exc
             if gone:
