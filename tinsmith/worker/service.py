@@ -172,8 +172,8 @@ class Worker:
     def _refuse_under_tp(self, base: "BaseModel", what: str) -> None:
         if base.tp is not None:
             raise InvalidInputError(f"{what} is not supported with --tensor-parallel-size "
-                                    f"{self.options.tensor_parallel_size} yet; use a LoRA config, or serve with "
-                                    "--tensor-parallel-size 1")
+                                    f"{self.options.tensor_parallel_size} yet (LoRA runs are); serve with "
+                                    "--tensor-parallel-size 1 for it")
 
     # ----------------------------------------------------------------------------- base models
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
@@ -214,7 +214,8 @@ class Worker:
         # Rank 0 sizes micro-batches (from its free memory) and every rank uses that size.
         micro = o.micro_batch_tokens or auto_micro_batch_tokens(tpb.loaded.config, tpb.model, o)
         tpb.configure(micro, auto_checkpoint_above(micro, tpb.model, o))
-        base = BaseModel(name=name, source=source or name, loaded=tpb.loaded, lora=tpb.runtime, tp=tpb)  # type: ignore[arg-type]
+        base = BaseModel(name=name, source=source or name, loaded=tpb.loaded,
+                         lora=tpb.runtime, tp=tpb)  # type: ignore[arg-type]  (the runtime's stand-in)
         self.bases[name] = base
         self.samplers[name] = tpb.sampler  # type: ignore[assignment]
         log.info("serving %s from %s (%s, %.1fM params) over %d tensor-parallel ranks", name, model_dir,
