@@ -80,6 +80,8 @@ class TPTrainingRuntime(TrainingRuntime):
     # ----------------------------------------------------------------------------- full-size state
     def export_full_state(self, unit: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The unit's weights and optimizer state at full size, as one process would export them."""
+        if self.unit(unit).slot is not None:
+            self.ensure_resident({unit})  # a parked adapter's shards are in host memory, NCCL gathers on the device
         weights, opt = self.unit(unit).export_state()
         return gather_full(weights, self.shard_dims, self.tp), gather_full(opt, self.shard_dims, self.tp)
 
