@@ -194,3 +194,31 @@ def test_a_rank_dying_inside_a_decode_step_fails_the_slice_naming_it(qwen3_dir):
         assert not w.tp_group.healthy and device_fault(exc.value) is not None
     finally:
         w.close()
+
+
+def test_two_base_models_share_one_group(model_dirs):
+    """Every base model is sharded over the same ranks (one process group per server)."""
+    def run(tp: int) -> dict:
+        w = Worker(RuntimeOptions(device="cpu", dtype="float32", tensor_parallel_size=tp))
+        try:
+            out = {}
+            for family in ("qwen3", "llama"):
+                base = w.add_base_model(family, str(model_dirs[family]))
+                w.create_model(f"{family}-run", family, LoraSpec(rank=2, seed=1))
+                w.optim_step(f"{family}-run", AdamParams(learning_rate=1e-2))
+                out[family] = _forward_backward(w, f"{family}-run")
+                sampler = w.sampler(base)
+                sampler.add(SampleTask(family, None, SampleInput(np.arange(5), 1, SamplingParams(
+                    max_tokens=6, temperature=0.0, stop=[]))))
+                while sampler.has_work():
+                    for key, res in sampler.step(BUDGET_S):
+                        out[key + ":tokens"] = res.sequences[0].tokens
+            if tp > 1:
+                assert len(w.tp_group.procs) == tp - 1 and w.tp_group.healthy
+            return out
+        finally:
+            w.close()
+
+    one, two = run(1), run(2)
+    for key in one:
+        np.testing.assert_allclose(one[key], two[key], atol=1e-5, rtol=0)
