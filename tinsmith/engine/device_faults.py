@@ -2,7 +2,8 @@
 
 Most errors belong to one request (bad input, a loss that refused) and the server carries on.
 A few mean the accelerator itself is gone or its context is poisoned: an illegal memory access,
-a device-side assertion, an ECC error, a GPU that fell off the bus. CUDA makes such errors
+a device-side assertion, an ECC error, a GPU that fell off the bus, or a tensor-parallel rank
+that died (a failed collective leaves the ranks out of step). CUDA makes such errors
 sticky, so every later kernel fails too. The engine must then stop running work and say so
 plainly (a failed request says what happened and that the server needs a restart; /healthz
 turns unhealthy) instead of failing each request with an opaque CUDA message, or hanging.
@@ -28,7 +29,9 @@ _FATAL_MARKERS = (
     "cudnn_status_execution_failed",
     "nccl error",
 )
-_FATAL_TYPES = ("AcceleratorError",)  # torch >= 2.8 raises this for CUDA runtime errors
+# AcceleratorError: torch >= 2.8 raises it for CUDA runtime errors. ParallelError: a rank of the
+# tensor-parallel group died or a collective failed; the ranks are out of step until a restart.
+_FATAL_TYPES = ("AcceleratorError", "ParallelError")
 
 
 def device_fault(exc: BaseException) -> str | None:

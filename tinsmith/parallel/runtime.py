@@ -60,7 +60,8 @@ class TPTrainingRuntime(TrainingRuntime):
     def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
         if optimizer_type != ADAMW and self.tp.size > 1:
             # Dimuon orthogonalises whole matrices: on shards it would step differently.
-            raise InvalidInputError(f"optimizer {optimizer_type!r} is not supported under tensor parallelism yet; use adamw")
+            raise InvalidInputError(f"optimizer {optimizer_type!r} is not supported under tensor parallelism "
+                                    "(--tensor-parallel-size > 1) yet; use adamw")
         unit = super().create_adapter(spec, optimizer_type)
         t = self.units[unit]
         self.units[unit] = ShardedTrainable(slot=t.slot, spec=t.spec, named_params=t.named_params,
@@ -79,6 +80,8 @@ class TPTrainingRuntime(TrainingRuntime):
     # ----------------------------------------------------------------------------- full-size state
     def export_full_state(self, unit: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The unit's weights and optimizer state at full size, as one process would export them."""
+        if self.unit(unit).slot is not None:
+            self.ensure_resident({unit})  # a parked adapter's shards are in host memory, NCCL gathers on the device
         weights, opt = self.unit(unit).export_state()
         return gather_full(weights, self.shard_dims, self.tp), gather_full(opt, self.shard_dims, self.tp)
 

@@ -5,17 +5,26 @@ blocks) and its KV cache, so running it sharded takes a cache of this rank's key
 Every rank runs the same sampler with the same tasks in the same order; since every rank sees
 the same full logits and the same seeds, every rank draws the same tokens.
 
-Not yet done for serving: :meth:`Sampler.step` stops on a time budget, which differs between
-ranks; under the SPMD executor each step must run an agreed number of decode steps instead.
+For serving, :class:`LockstepSampler` makes the ranks agree on what differs between them: how
+many decode steps a slice runs (rank 0's time budget decides, before each step) and which
+requests were cancelled (rank 0 reads the cancellation board).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from tinsmith.models.layers import CausalLM
+from tinsmith.sampling.cancel import SampleCancelled
 from tinsmith.sampling.kv_cache import RowKVCache
-from tinsmith.sampling.sampler import Sampler
+from tinsmith.sampling.sampler import Sampler, SampleTask
+from tinsmith.parallel.comm import all_reduce_
+from tinsmith.parallel.group import ParallelError, guarded
 from tinsmith.parallel.shard import tp_of
 from tinsmith.parallel.state import lora_shard_dims, scatter_full
 from tinsmith.types import LoraSpec
@@ -28,7 +37,93 @@ class ShardedSampler(Sampler):
     def __init__(self, model: CausalLM, decode, **kwargs):
         super().__init__(model, decode, **kwargs)
         local_heads = model.model.layers[0].self_attn.num_kv_heads
-        self.cache = RowKVCache(dataclasses.replace(self.cfg, num_kv_heads=local_heads), self.device, self.dtype)
+        # K/V shapes everywhere in the sampler (cache rows, prefix-cache blocks, admission bytes)
+        # are this rank's heads; the rest of the config is the model's.
+        self.cfg = dataclasses.replace(self.cfg, num_kv_heads=local_heads)
+        # Admission decisions must be equal on every rank: one K/V budget, the smallest of theirs
+        # (each derives its default from its own device's free memory).
+        budget = torch.tensor([self.kv_cache_bytes or float("inf")], dtype=torch.float64,  # 0: no bound
+                              device=self.device if self.device.type == "cuda" else "cpu")
+        all_reduce_(budget, tp_of(model), op=dist.ReduceOp.MIN, what="agreeing on the sampler's K/V budget")
+        self.kv_cache_bytes = 0 if budget.item() == float("inf") else int(budget.item())
+        self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
+
+
+class LockstepSampler(ShardedSampler):
+    """A sharded sampler whose ranks run the same decode steps although only rank 0 keeps time.
+
+    Before each decode step rank 0 broadcasts whether to run it (its time budget is not spent)
+    and the ids of the requests cancelled since it last looked; every rank acts on that, so the
+    ranks' batches stay equal and their collectives meet. Tasks carry an id every rank agrees
+    on (:meth:`add_agreed`); the key a task holds may differ (the engine's job on rank 0).
+    """
+
+    fatal_errors = (ParallelError,)
+
+    def __init__(self, model: CausalLM, decode, **kwargs):
+        super().__init__(model, decode, **kwargs)
+        self.tp = tp_of(model)
+        self._tid_of: dict[int, int] = {}  # id(key) -> the task's agreed id
+        self._key_of: dict[int, Any] = {}
+        self.agreements = 0  # broadcasts of the decision, counted for tests
+
+    def add_agreed(self, tid: int, key: Any, slot: int | None, inp) -> None:
+        self._tid_of[id(key)], self._key_of[tid] = tid, key
+        self.add(SampleTask(key, slot, inp))
+
+    def forget(self, key: Any) -> None:
+        """The task with ``key`` was reported: its id is no longer needed."""
+        self._key_of.pop(self._tid_of.pop(id(key), -1), None)
+
+    def holds(self, key: Any) -> bool:
+        return id(key) in self._tid_of
+
+    def _drop_cancelled(self, done: list) -> None:
+        self._drop(self._agree(True)[1], done)
+
+    def _go_on(self, deadline: float, done: list) -> bool:
+        go, cancelled = self._agree(time.perf_counter() < deadline)
+        self._drop(cancelled, done)
+        return go
+
+    def _agree(self, go: bool) -> tuple[bool, list[int]]:
+        """Rank 0's ``go`` and cancelled task ids, on every rank (one small broadcast, two when
+        something was cancelled)."""
+        self.agreements += 1
+        ids: list[int] = []
+        board = self.cancellations
+        if self.tp.rank == 0 and board is not None and board.version != self._cancel_version:
+            self._cancel_version = board.version
+            if len(board):
+                keys = [t.key for t in list(self.inbox)] + [r.state.task.key for r in self.rows]
+                ids = sorted({self._tid_of[id(k)] for k in keys if board.wants(k)})
+        if self.tp.size == 1:
+            return go, ids
+        dev = self.device if dist.get_backend(self.tp.group) == "nccl" else torch.device("cpu")
+        head = torch.tensor([int(go), len(ids)], dtype=torch.long, device=dev)
+        guarded(self.tp, "sampler step agreement", lambda: dist.broadcast(head, 0, group=self.tp.group))
+        go_all, n = head.tolist()
+        if n:
+            body = torch.tensor(ids, dtype=torch.long, device=dev) if self.tp.rank == 0 else \
+                torch.empty(n, dtype=torch.long, device=dev)
+            guarded(self.tp, "sampler cancellation broadcast", lambda: dist.broadcast(body, 0, group=self.tp.group))
+            ids = body.tolist()
+        return bool(go_all), ids
+
+    def _drop(self, ids: list[int], done: list) -> None:
+        """Drop the queued and running requests with these agreed ids (cancelled by their clients)."""
+        keys = {id(self._key_of[t]) for t in ids if t in self._key_of}
+        if not keys:
+            return
+        cancelled = SampleCancelled("the request was cancelled by its client")
+        for task in [t for t in list(self.inbox) if id(t.key) in keys]:
+            self.inbox.remove(task)
+            done.append((task.key, cancelled))
+            self.stats["cancelled"] += 1
+        states = list({id(r.state): r.state for r in self.rows if id(r.state.task.key) in keys}.values())
+        if states:
+            self.stats["cancelled"] += len(states)
+            self._fail(states, cancelled, done)
 
 
 def install_full_lora_weights(model: CausalLM, slot: int, spec: LoraSpec, tensors: dict) -> None:

@@ -9,11 +9,16 @@ validation) leaves the group usable and raises that error on rank 0; a call that
 ranks only leaves the ranks out of step, so every rank raises :class:`ParallelError` and the
 group must be restarted. A rank that dies or hangs inside a collective fails the others through
 the group's timeout.
+
+That timeout bounds every collective, so followers must not wait for the next call in one (an
+idle server would lose its ranks after the timeout): with a ``doorbell``, the driver rings it
+before each call and the followers wait on it, for as long as it takes, before they join the
+broadcast.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -22,11 +27,20 @@ from tinsmith.parallel.group import ParallelError, TPGroup, guarded
 _STOP = "__stop__"
 
 
+class Doorbell(Protocol):
+    """How the driver tells the followers a call is coming, outside the group's collectives."""
+
+    def ring(self) -> None: ...  # on the driver: raises ParallelError when a follower cannot be told
+
+    def wait(self) -> bool: ...  # on a follower: blocks until rung; False when the driver is gone
+
+
 class SpmdExecutor:
     """Runs methods of ``target`` (e.g. a :class:`TPTrainingRuntime`) on every rank at once."""
 
-    def __init__(self, target: Any, tp: TPGroup, driver: int = 0):
+    def __init__(self, target: Any, tp: TPGroup, driver: int = 0, doorbell: Doorbell | None = None):
         self.target, self.tp, self.driver = target, tp, driver
+        self.doorbell = doorbell
         self.calls = 0
 
     @property
@@ -37,17 +51,23 @@ class SpmdExecutor:
         """On the driver: run ``target.method(*args, **kwargs)`` on every rank; the driver's result."""
         if not self.is_driver:
             raise RuntimeError("only the driver rank issues calls; the others run follow()")
+        if self.doorbell is not None:
+            self.doorbell.ring()
         self._broadcast([(method, args, kwargs)])
         return self._run(method, args, kwargs)
 
     def stop(self) -> None:
         """On the driver: release the followers from :meth:`follow`."""
+        if self.doorbell is not None:
+            self.doorbell.ring()
         self._broadcast([(_STOP, (), {})])
 
     def follow(self) -> int:
         """On the other ranks: run each call the driver broadcasts, until it stops. Returns the
         number of calls run. Errors that the driver also saw are its to report; this keeps going."""
         while True:
+            if self.doorbell is not None and not self.doorbell.wait():
+                return self.calls  # the driver is gone: nothing more will come
             box: list = [None]
             self._broadcast(box)
             method, args, kwargs = box[0]

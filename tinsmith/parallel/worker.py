@@ -10,7 +10,9 @@ what a server's health check would report and act on.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,37 +63,84 @@ def _decoder(model_dir: str):
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
 
-def _follower(rank: int, world: int, init_method: str, timeout_s: float, model_dir: str, dtype: torch.dtype,
-              runtime_kwargs: dict, threads: int) -> None:
+def _rank_worker(model_dir: str, dtype: torch.dtype, runtime_kwargs: dict, tp: TPGroup,
+                 device: torch.device) -> RankWorker:
+    return RankWorker(model_dir, tp, dtype, runtime_kwargs)
+
+
+class _DriverBell:
+    """Rank 0's end of one pipe per follower: a byte before each call."""
+
+    def __init__(self, conns: list, world_size: int):
+        self.conns, self.world_size = conns, world_size
+
+    def ring(self) -> None:
+        for r, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(b"\x01")
+            except OSError as exc:
+                raise ParallelError(f"tensor-parallel rank {r} of {self.world_size} cannot be reached "
+                                    f"({type(exc).__name__}: {exc})") from exc
+
+
+class _FollowerBell:
+    """A follower's end: it waits here between calls, with no timeout (an idle server is fine)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def wait(self) -> bool:
+        try:
+            self.conn.recv_bytes()
+            return True
+        except (EOFError, OSError):  # rank 0 exited
+            return False
+
+
+def _follower(rank: int, world: int, init_method: str, timeout_s: float, make_target: Callable, threads: int,
+              device: torch.device, bell) -> None:
     torch.set_num_threads(threads)
-    tp = init_tp_group(rank, world, timeout_s=timeout_s, init_method=init_method)
+    tp = init_tp_group(rank, world, timeout_s=timeout_s, init_method=init_method, device=device)
     try:
-        SpmdExecutor(RankWorker(model_dir, tp, dtype, runtime_kwargs), tp).follow()
+        SpmdExecutor(make_target(tp, device), tp, doorbell=_FollowerBell(bell)).follow()
     finally:
         dist.destroy_process_group()
 
 
 class LocalTPGroup:
-    """``world_size`` ranks on this host; this process is rank 0 (the driver)."""
+    """``world_size`` ranks on this host; this process is rank 0 (the driver).
 
-    def __init__(self, model_dir: str, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 dtype: torch.dtype = torch.float32, runtime_kwargs: dict | None = None, follower_threads: int = 1):
+    Every rank holds a :class:`RankWorker` of ``model_dir``, or what ``make_target(tp, device)``
+    builds (a module-level callable: the followers are started from a fork server). ``devices``
+    gives each rank its device (default: the CPU); a CUDA device makes the group use NCCL.
+    """
+
+    def __init__(self, model_dir: str | None, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 dtype: torch.dtype = torch.float32, runtime_kwargs: dict | None = None, follower_threads: int = 1,
+                 make_target: Callable[[TPGroup, torch.device], Any] | None = None,
+                 devices: list[torch.device] | None = None):
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a process group")
-        self.timeout_s = timeout_s
+        if make_target is None:
+            make_target = functools.partial(_rank_worker, str(model_dir), dtype, runtime_kwargs or {})
+        devices = devices or [torch.device("cpu")] * world_size
+        self.timeout_s, self.world_size = timeout_s, world_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", __name__])
-        kwargs = runtime_kwargs or {}
+        ctx.set_forkserver_preload(["torch", __name__, make_target.__module__])
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (follower's end, rank 0's end)
         self.procs = [ctx.Process(target=_follower, daemon=True,
-                                  args=(r, world_size, init_method, timeout_s, str(model_dir), dtype, kwargs,
-                                        follower_threads))
+                                  args=(r, world_size, init_method, timeout_s, make_target, follower_threads,
+                                        devices[r], pipes[r - 1][0]))
                       for r in range(1, world_size)]
         for p in self.procs:
             p.start()
-        self.tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method)
-        self.worker = RankWorker(str(model_dir), self.tp, dtype, kwargs)
-        self.executor = SpmdExecutor(self.worker, self.tp)
+        for theirs, _ in pipes:
+            theirs.close()  # the follower holds its end; rank 0 exiting closes ours, which ends the follower
+        self.tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method, device=devices[0])
+        self.executor = SpmdExecutor(make_target(self.tp, devices[0]), self.tp,
+                                     doorbell=_DriverBell([ours for _, ours in pipes], world_size))
+        self.worker = self.executor.target
         self._failed: ParallelError | None = None
 
     @property
@@ -101,13 +150,35 @@ class LocalTPGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``RankWorker.method`` on every rank; rank 0's result (its error re-raised)."""
+        if self._failed is None and (gone := self.exited()):  # found before a collective has to time out
+            self._failed = ParallelError(gone)
+            raise self._failed
         if self._failed is not None:
             raise ParallelError(f"the tensor-parallel group is down ({self._failed}); restart it")
         try:
             return self.executor.call(method, *args, **kwargs)
         except ParallelError as exc:
-            self._failed = exc
+            end = time.monotonic() + 1.0  # a rank that died may close its sockets before it is reaped
+            for p in self.procs:
+                p.join(max(0.0, end - time.monotonic()))
+            gone = self.exited()  # a collective failed because a rank died: say which one
+            self._failed = ParallelError(f"{gone}; {exc}") if gone else exc
+            if gone:
+                raise self._failed from exc
             raise
+
+    def exited(self) -> str | None:
+        """Which follower ranks have exited, in words (None: all are running)."""
+        gone = [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        return "; ".join(f"tensor-parallel rank {r} of {self.world_size} (process {p.pid}) exited with code "
+                         f"{p.exitcode}" for r, p in gone) or None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group cannot run calls (a rank exited, a collective failed); None while healthy."""
+        if self._failed is not None:
+            return str(self._failed)
+        return self.exited()
 
     def close(self, wait_s: float = 10.0) -> None:
         """Release the followers (when they can still hear it) and leave the group."""

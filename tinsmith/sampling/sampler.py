@@ -76,6 +76,10 @@ class _Row:
 
 
 class Sampler:
+    # Errors that end the sampler rather than the requests of one step (a failed tensor-parallel
+    # collective: the ranks are out of step, no later step could run).
+    fatal_errors: tuple[type[BaseException], ...] = ()
+
     def __init__(
         self,
         model: CausalLM,
@@ -159,12 +163,13 @@ class Sampler:
         with torch.inference_mode():
             self._drop_cancelled(done)
             self._admit(done)
-            while self.rows and time.perf_counter() < deadline:
-                self._drop_cancelled(done)
+            while self.rows and self._go_on(deadline, done):
                 if not self.rows:
                     break
                 try:
                     self._decode_step(done)
+                except self.fatal_errors:
+                    raise
                 except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
                     log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
                     self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
@@ -174,6 +179,15 @@ class Sampler:
             if not self.rows:
                 self.cache.shrink(0, 1)
         return done
+
+    def _go_on(self, deadline: float, done: list) -> bool:
+        """Whether to run another decode step in this :meth:`step` (its time budget is not spent);
+        cancelled requests leave the batch first. A tensor-parallel sampler agrees on both with
+        the other ranks (:class:`tinsmith.parallel.sampling.LockstepSampler`)."""
+        if time.perf_counter() >= deadline:
+            return False
+        self._drop_cancelled(done)
+        return True
 
     # ----------------------------------------------------------------------------- admission
     def _validate(self, task: SampleTask) -> _TaskState:
@@ -285,6 +299,8 @@ class Sampler:
                                 self.prefix.bytes)
                     self.prefix.clear()
                     self._prefill(batch, done)
+            except self.fatal_errors:
+                raise
             except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
                 log.exception("prefill of %d requests failed", len(batch))
                 self._fail(batch, exc, done)

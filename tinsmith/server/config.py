@@ -74,6 +74,7 @@ class ServerConfig(BaseSettings):
     api_keys_file: str | None = None
     device: str | None = None  # default: cuda if available, else cpu
     dtype: Dtype = "auto"  # base weights and activations; auto: bfloat16 on CUDA, float32 on CPU
+    tensor_parallel_size: AtLeastOne = 1  # ranks (GPUs) every base model is sharded over; 1: no process group
     max_full_finetunes: AtLeastOne = 1
     max_full_sampler_snapshots: AtLeastOne = 4  # frozen full-model copies (host memory) that full fine-tunes' samplers read
     resident_full_sampler_snapshots: AtLeastOne = 1  # of those, how many are on the device at once
@@ -178,6 +179,8 @@ _HELP = {
     "api_keys_file": "file of accepted API keys, one per line, '#' comments; re-read when it changes or on "
                      "SIGHUP (default: any tml- key, single-user mode)",
     "device": "torch device (default: cuda when available, else cpu)",
+    "tensor_parallel_size": "shard every base model over this many ranks, one GPU each (cuda:0..N-1; on the CPU, "
+                            "processes): dense Qwen3/Llama/Qwen2 models with LoRA only; 1 runs one process",
     "dtype": "precision of the base weights and activations: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, "
              "float16 or float32; logprobs are computed in float32 either way, and full fine-tunes of "
              "half-precision weights keep float32 master weights",

@@ -95,6 +95,7 @@ class ServerState:
                 max_runs_per_key=limits.max_runs,
                 max_sampler_snapshots_per_key=limits.max_sampler_snapshots,
                 sampler_snapshot_idle_s=config.sampler_snapshot_idle_s,
+                tensor_parallel_size=config.tensor_parallel_size,
                 max_sampling_rows=(RuntimeOptions.max_sampling_rows if config.max_num_samples is None
                                    else config.max_num_samples),
                 prefix_cache_bytes=config.prefix_cache_bytes,
@@ -322,6 +323,7 @@ class ServerState:
         except (ValueError, RuntimeError, NotImplementedError):
             pass
         await self.engine.stop()
+        self.worker.close()
         try:
             await self.flush_usage()  # the last counts, after the engine has finished its work
         except Exception:

@@ -28,7 +28,7 @@ from tinsmith.models.vision import VisionTower
 from tinsmith.optim import ADAMW
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
 from tinsmith.worker.batching import MicroBatch, SequenceRef, build_micro_batch, plan_micro_batches
-from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable
+from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable, lora_tensors
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,25 @@ class TrainingRuntime:
             return self.units[unit]
         except KeyError:
             raise NotFoundError(f"no trainable unit {unit} on this model") from None
+
+    # ----------------------------------------------------------------------------- state at full size
+    # The worker saves and loads through these, so that a sharded runtime (tensor parallelism,
+    # tinsmith.parallel.runtime) can gather and scatter its shards; here every tensor is whole.
+    def export_full_state(self, unit: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The unit's weights and optimizer state."""
+        return self.unit(unit).export_state()
+
+    def import_full_state(self, unit: int, weights: dict[str, torch.Tensor],
+                          optimizer: dict[str, torch.Tensor] | None) -> None:
+        self.unit(unit).import_state(weights, optimizer)
+
+    def set_steps(self, unit: int, steps: int) -> None:
+        """The optimizer steps the unit has taken (restored from a checkpoint)."""
+        self.unit(unit).steps = steps
+
+    def adapter_tensors(self, unit: int) -> dict[str, torch.Tensor]:
+        """A detached copy of a LoRA unit's weights under their PEFT-style names."""
+        return lora_tensors(self.unit(unit))
 
     # ----------------------------------------------------------------------------- validation
     def _prepare(self, req: TrainRequest) -> _Prepared:

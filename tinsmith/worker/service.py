@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
-from tinsmith.worker.trainables import detach_lora, install_lora_weights, lora_tensors
+from tinsmith.worker.trainables import detach_lora, install_lora_weights
 from tinsmith.worker.warm_up import configure_device
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class RuntimeOptions:
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
+    tensor_parallel_size: int = 1  # >1: every base model is sharded over that many ranks (tinsmith.parallel)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class BaseModel:
     loaded: LoadedModel
     lora: TrainingRuntime
     full: dict[str, TrainingRuntime] = field(default_factory=dict)  # model_id -> private copy
+    tp: Any = None  # under tensor parallelism: the TPBase whose ranks hold the shards (lora is its runtime)
 
     @property
     def config(self) -> ModelConfig:
@@ -156,12 +159,32 @@ class Worker:
         self.inflight: dict[str, str] = {}
         self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
         self.stats = {"snapshot_evictions": 0}  # read by metrics scrapes
+        self.tp_group = None  # the tensor-parallel group (a LocalTPGroup) when tensor_parallel_size > 1
+
+    def close(self) -> None:
+        """Release the tensor-parallel ranks, if any (clean shutdown)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None
+
+    def fault(self) -> str | None:
+        """Why this worker cannot run work although nothing has failed a request yet (a
+        tensor-parallel rank exited), for /healthz; None while it can."""
+        return None if self.tp_group is None else self.tp_group.failure
+
+    def _refuse_under_tp(self, base: "BaseModel", what: str) -> None:
+        if base.tp is not None:
+            raise InvalidInputError(f"{what} is not supported with --tensor-parallel-size "
+                                    f"{self.options.tensor_parallel_size} yet (LoRA runs are); serve with "
+                                    "--tensor-parallel-size 1 for it")
 
     # ----------------------------------------------------------------------------- base models
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
         """Load ``source`` (dir or HF id) and serve it under ``name``."""
         o = self.options
         configure_device(torch.device(o.device))
+        if o.tensor_parallel_size > 1:
+            return self._add_tp_base_model(name, source)
         loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))
         micro = o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o)
         rt = TrainingRuntime(
@@ -176,6 +199,30 @@ class Worker:
         self.bases[name] = base
         log.info("serving %s from %s (%s, %.1fM params)", name, loaded.model_dir, loaded.config.family,
                  loaded.config.num_params / 1e6)
+        return base
+
+    def _add_tp_base_model(self, name: str, source: str | None) -> BaseModel:
+        """A base model sharded over the tensor-parallel ranks (the group starts with the first)."""
+        from tinsmith.models.loading import read_config, resolve_model_dir
+        from tinsmith.parallel.serving import TPBase, check_servable, runtime_kwargs_of, start_group
+
+        o = self.options
+        model_dir = resolve_model_dir(source or name)
+        check_servable(read_config(model_dir), o.tensor_parallel_size, source or name)
+        if self.tp_group is None:
+            self.tp_group = start_group(o.tensor_parallel_size, o.device,
+                                        follower_threads=max(1, torch.get_num_threads() // o.tensor_parallel_size))
+        tpb = TPBase(self.tp_group, name, str(model_dir), resolve_dtype(o.dtype, o.device), runtime_kwargs_of(o),
+                     o.max_sampling_rows)
+        # Rank 0 sizes micro-batches (from its free memory) and every rank uses that size.
+        micro = o.micro_batch_tokens or auto_micro_batch_tokens(tpb.loaded.config, tpb.model, o)
+        tpb.configure(micro, auto_checkpoint_above(micro, tpb.model, o))
+        base = BaseModel(name=name, source=source or name, loaded=tpb.loaded,
+                         lora=tpb.runtime, tp=tpb)  # type: ignore[arg-type]  (the runtime's stand-in)
+        self.bases[name] = base
+        self.samplers[name] = tpb.sampler  # type: ignore[assignment]
+        log.info("serving %s from %s (%s, %.1fM params) over %d tensor-parallel ranks", name, model_dir,
+                 tpb.loaded.config.family, tpb.loaded.config.num_params / 1e6, o.tensor_parallel_size)
         return base
 
     def add_alias(self, alias: str, name: str) -> None:
@@ -201,6 +248,7 @@ class Worker:
             unit = base.lora.create_adapter(lora, optimizer_type)
             placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
+            self._refuse_under_tp(base, "full fine-tuning")
             if base.config.vision is not None:
                 raise InvalidInputError(f"full fine-tuning of image-text base model {base_model!r} is not supported "
                                         "yet; use a LoRA config")
@@ -306,7 +354,7 @@ class Worker:
 
         p = self.placement(model_id)
         tr = p.runtime.unit(p.unit)
-        weights, opt = tr.export_state()
+        weights, opt = p.runtime.export_full_state(p.unit)
         return TrainingState(p.base.name, p.lora, weights, opt, tr.steps,
                              normalize_optimizer_config({"type": tr.optimizer_type}))
 
@@ -333,8 +381,8 @@ class Worker:
                 raise InvalidInputError(
                     f"the checkpoint holds {state.optimizer_type} optimizer state but model {model_id!r} uses "
                     f"{tr.optimizer_type}; load its weights only (load_state) or create the run from the checkpoint")
-            tr.import_state(state.weights, state.optimizer)
-            tr.steps = state.steps if state.optimizer is not None else 0
+            p.runtime.import_full_state(p.unit, state.weights, state.optimizer)
+            p.runtime.set_steps(p.unit, state.steps if state.optimizer is not None else 0)
         except Exception:
             if create:
                 self.unload_model(model_id)
@@ -344,6 +392,8 @@ class Worker:
     def sampler(self, base: BaseModel, snapshot: Snapshot | None = None) -> Sampler:
         """The sampler of ``base`` (shared by its LoRA snapshots), or the one of a full snapshot
         (which must be resident: :meth:`make_resident`)."""
+        if base.tp is not None:
+            return base.tp.sampler
         if snapshot is not None and snapshot.is_full:
             if snapshot.model is None:
                 raise RuntimeError(f"sampler snapshot {snapshot.key!r} is not resident")
@@ -403,7 +453,7 @@ class Worker:
         p = self.placement(model_id)
         if not p.is_lora:
             raise InvalidInputError(f"model {model_id!r} is a full fine-tune; only LoRA runs can be sampled or exported as adapters")
-        return p.lora, lora_tensors(p.runtime.unit(p.unit)), p.base
+        return p.lora, p.runtime.adapter_tensors(p.unit), p.base
 
     def full_weights(self, model_id: str) -> tuple[dict[str, torch.Tensor], BaseModel]:
         """A full fine-tune's live weights under their Hugging Face names (not copies: read them
@@ -458,7 +508,10 @@ class Worker:
         # every snapshot held stays as it was.
         victims = [] if old is not None else self._snapshot_victims(owner, queued)
         slot = next(self._snapshot_slots)
-        install_lora_weights(base.loaded.model, slot, spec, tensors)
+        if base.tp is not None:
+            base.tp.install_lora(slot, spec, tensors)  # full-size tensors: each rank keeps its shards
+        else:
+            install_lora_weights(base.loaded.model, slot, spec, tensors)
         self._evict(victims, owner)
         if old is not None:
             self._drop_snapshot(old)
@@ -503,6 +556,7 @@ class Worker:
         """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in host memory."""
         from safetensors import safe_open
 
+        self._refuse_under_tp(base, "sampling a full fine-tune's stored weights")
         params = dict(base.loaded.model.named_parameters())
         incoming = sum(p.numel() * p.element_size() for p in params.values())
         self._snapshot_victims(owner, queued, full_bytes=incoming)  # refuse before reading when there is no room
@@ -552,6 +606,9 @@ class Worker:
         if snap.is_full:
             self._offload(snap)
             snap.host = None
+            return
+        if snap.base.tp is not None:
+            snap.base.tp.detach_lora(snap.slot)
             return
         detach_lora(snap.base.loaded.model, snap.slot)
 

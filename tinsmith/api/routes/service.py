@@ -40,7 +40,8 @@ async def dynamic_config(_=Depends(caller_of)) -> dict:
 @router.get("/healthz")
 async def healthz(request: Request):
     """200 while the server can run work; 503 with the reason once its device has failed."""
-    fault = state_of(request).engine.fault
+    state = state_of(request)
+    fault = state.engine.fault or state.worker.fault()
     if fault is not None:
         return JSONResponse({"status": "unhealthy", "reason": f"device failed: {fault}; restart the server"},
                             status_code=503)
