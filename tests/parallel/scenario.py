@@ -241,13 +241,25 @@ def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
                                                   SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3, stop=[]),
                                                   topk_sample_logprobs=2)))
     results = {}
-    while sampler.has_work():
-        for key, res in sampler.step(budget_s=3600.0):  # no time budget: every rank runs the same steps
-            if isinstance(res, Exception):
-                raise res
-            results[key] = res
-    out = []
-    for key in ("base", "lora"):
+
+    def drain() -> None:
+        while sampler.has_work():
+            for key, res in sampler.step(budget_s=3600.0):  # no time budget: every rank runs the same steps
+                if isinstance(res, Exception):
+                    raise res
+                results[key] = res
+
+    drain()
+    # A 40-token prompt, then the same prompt extended: the second prefills only its last tokens,
+    # reading the first one's K/V (this rank's heads) from the prefix cache.
+    long = g.integers(0, vocab, 40)
+    sampler.add(SampleTask("long", 1, SampleInput(long, 1, SamplingParams(max_tokens=4, temperature=0.0, stop=[]))))
+    drain()
+    sampler.add(SampleTask("longer", 1, SampleInput(np.concatenate([long, g.integers(0, vocab, 5)]), 1,
+                                                    SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[]))))
+    drain()
+    out = [{"cached_prompt_tokens": torch.tensor(sampler.stats["cached_prompt_tokens"])}]
+    for key in ("base", "lora", "long", "longer"):
         r = results[key]
         out.append({"prompt_logprobs": None if r.prompt_logprobs is None else torch.from_numpy(r.prompt_logprobs[1:]),
                     "topk_prompt_ids": None if r.topk_prompt_token_ids is None else torch.from_numpy(r.topk_prompt_token_ids[1:]),

@@ -1,5 +1,6 @@
 """The serving sampler over a model sharded on 2 gloo ranks draws what one process draws: greedy
-base-model tokens with prompt logprobs, and seeded nucleus samples through a LoRA adapter."""
+base-model tokens with prompt logprobs, seeded nucleus samples through a LoRA adapter, and a
+prompt that reads an earlier one's K/V from the prefix cache."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def test_sharded_sampler_matches_one_process(qwen3_dir, tmp_path):
     outcomes = run_ranks(sample_rank_main, 2, tmp_path, (str(qwen3_dir),), timeout_s=30, deadline_s=90)
     for o in outcomes:
         assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
-    a, b = ref[1]["sequences"]
+    assert int(ref[0]["cached_prompt_tokens"]) >= 32  # the prefix cache was read (same count on every rank)
+    a, b = ref[2]["sequences"]
     assert not torch.equal(a[0], b[0])  # the two samples differ: really sampled, not greedy
     for o in outcomes:
         assert_same(ref, o.result, f"rank {o.rank}")
