@@ -281,3 +281,18 @@ def test_image_prompts_neither_read_nor_fill_the_cache(tmp_path_factory):
     assert_same(got, plain)
     assert got["text again"].prompt_cache_hit_tokens == 2 * BLOCK
     assert got["image"].prompt_cache_hit_tokens == 0
+
+
+def test_hybrid_models_share_a_prompt_admitted_together_but_keep_no_blocks(qwen3_5_dir):
+    """Qwen3.5 keeps a recurrent state the K/V blocks cannot restore, so nothing is kept across
+    admissions; equal prompts admitted together still share one prefill (the state of the whole
+    prompt is what each row needs), with the results of prefilling each on its own."""
+    prompt = tokens(2, 2 * BLOCK + 3)
+    tasks = [task(f"r{i}", prompt, max_tokens=5, temperature=1.0, seed=i, stop=[]) for i in range(3)]
+    shared = make_sampler(fresh_model(qwen3_5_dir), qwen3_5_dir)
+    got = results(shared, tasks)
+    alone = make_sampler(fresh_model(qwen3_5_dir), qwen3_5_dir, prefix_cache_bytes=0)
+    want = results(alone, [task(f"r{i}", prompt, max_tokens=5, temperature=1.0, seed=i, stop=[]) for i in range(3)])
+    assert shared.stats["prefills"] == 1 and alone.stats["prefills"] == 3
+    assert len(shared.prefix) == 0
+    assert_same(got, want)

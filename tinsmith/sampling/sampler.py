@@ -109,6 +109,9 @@ class Sampler:
         self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
         reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
         self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
+        # Equal prompts admitted together share one prefill whenever the cache is not turned off:
+        # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
+        self.share_prompts = prefix_cache_bytes > 0
         self.inbox: deque[SampleTask] = deque()
         self.rows: list[_Row] = []
         self._decode_batch: _DecodeBatch | None = None
@@ -421,7 +424,7 @@ class Sampler:
         Image prompts never share (their K/V depend on the images too), and nothing shares when
         the prefix cache is off (``prefix_cache_bytes=0``: every request prefilled on its own)."""
         inp = task.input
-        if inp.prompt_images or not self.prefix.enabled:
+        if inp.prompt_images or not self.share_prompts:
             return None
         return (self._weights_of(task.slot), _needs_prompt_logits(inp), np.asarray(inp.prompt).tobytes())
 
