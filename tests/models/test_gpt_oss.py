@@ -13,7 +13,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.sampling.conftest import forward_logprobs, make_sampler, run, task
-from tests.models.helpers import cross_entropy_step, logits_of, reference_model
+from tests.models.helpers import (assert_merged_export_matches, assert_packed_equals_separate, cross_entropy_step,
+                                  logits_of, reference_model)
 from tests.worker.helpers import assert_rel_close, sft_datum
 from tinsmith.models.gpt_oss import dequantize_mxfp4
 from tinsmith.models.layers import CausalLM
@@ -299,12 +300,7 @@ def test_merged_export_of_expert_adapters_loads_in_transformers(tmp_path, gpt_os
     save_peft_adapter(tmp_path / "adapter", LoraSpec(rank=4, seed=1), tensors, str(base), family="gpt_oss")
     merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(base)).path
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
-    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(30).expand_as(tokens)
-    with torch.no_grad():
-        rows = [(rt.unit(u).slot, 0, 60)]
-        ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
-        torch.testing.assert_close(reference_model(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+    assert_merged_export_matches(rt, u, merged, VOCAB)
 
 
 def _two_tenants(model_dir):
@@ -324,17 +320,8 @@ def _two_tenants(model_dir):
 def test_packed_gate_up_inference_equals_separate_projections(gpt_oss_dir):
     """Inference runs gate and up (biases included) as one grouped matmul over a shared buffer."""
     rt, units = _two_tenants(gpt_oss_dir)
-    model = rt.model
-    assert model.model.layers[0].mlp.experts.packed_gate_up.intact()
-    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
-    pos = torch.arange(40).expand_as(tokens)
-    rows = [(rt.unit(units[0]).slot, 0, 40), (rt.unit(units[1]).slot, 40, 80)]
-    with torch.no_grad():
-        packed = model.logits(model.hidden_states(tokens, pos, rows), rows)
-        for layer in model.model.layers:
-            layer.mlp.experts.packed_gate_up = None
-        separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
-    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+    assert rt.model.model.layers[0].mlp.experts.packed_gate_up.intact()
+    assert_packed_equals_separate(rt, units, 40, VOCAB, lambda layer: setattr(layer.mlp.experts, "packed_gate_up", None))
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
