@@ -4,6 +4,7 @@ with non-zero B, one training call, and the checks every family runs the same wa
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -106,6 +107,11 @@ def assert_merged_export_matches(rt, unit, merged, vocab: int) -> torch.Tensor:
     return tokens
 
 
+def drop_packed_gate_up(layer) -> None:
+    """Make an MoE layer's experts run gate and up as separate projections."""
+    layer.mlp.experts.packed_gate_up = None
+
+
 def assert_packed_equals_separate(rt, units, seq_len: int, vocab: int, unpack) -> None:
     """Two tenants' rows through the packed inference projections give the logits the separate
     projections give once ``unpack(layer)`` has dropped each layer's packed buffer."""
@@ -120,7 +126,7 @@ def assert_packed_equals_separate(rt, units, seq_len: int, vocab: int, unpack) -
     torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
 
 
-def assert_micro_batching_and_checkpointing_equal_plain_path(model_dir, data) -> None:
+def assert_micro_batching_equals_plain(model_dir, data) -> None:
     """Micro-batches and gradient checkpointing give the plain step's logprobs and adapter grads."""
     results = []
     for kwargs in ({}, {"micro_batch_tokens": 64}, {"gradient_checkpointing": True}):
@@ -133,3 +139,17 @@ def assert_micro_batching_and_checkpointing_equal_plain_path(model_dir, data) ->
             np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
         for n in ref_g:
             assert_rel_close(g[n], ref_g[n], 1e-5, n)
+
+
+def assert_step_matches_peft(rt, unit, res, ref, data, rank: int, grads_of=peft_grads_per_expert) -> None:
+    """``res`` (our cross_entropy step of ``data`` on ``unit``) has the logprobs and loss that the peft
+    model ``ref`` gives, and every LoRA gradient equals peft's as ``grads_of`` names them."""
+    total, lps = ref_loss(ref, data)
+    for lp, out in zip(lps, res.outputs):
+        np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
+    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    theirs = grads_of(ref, 4, rank)
+    ours = {n: p.grad for n, p in rt.unit(unit).named_params}
+    assert set(ours) == set(theirs)
+    for n, g in ours.items():
+        assert_rel_close(g, theirs[n], 1e-4, n)

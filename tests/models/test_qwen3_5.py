@@ -14,9 +14,9 @@ from tinsmith.models.gated_deltanet import chunk_gated_delta_rule, recurrent_gat
 from tinsmith.models.loading import load_model
 from tinsmith.types import LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime
-from tests.models.helpers import (assert_merged_export_matches, assert_micro_batching_and_checkpointing_equal_plain_path,
-                                  assert_packed_equals_separate, cross_entropy_step, logits_of, peft_grads_per_expert,
-                                  perturbed_adapter, ref_loss, reference_model)
+from tests.models.helpers import (assert_merged_export_matches, assert_micro_batching_equals_plain,
+                                  assert_packed_equals_separate, assert_step_matches_peft, cross_entropy_step,
+                                  logits_of, perturbed_adapter, ref_loss, reference_model)
 from tests.sampling.conftest import forward_logprobs, make_sampler, run, task
 from tests.worker.helpers import assert_rel_close, sft_datum
 
@@ -121,15 +121,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, model_
     for n, t in loaded.items():
         torch.testing.assert_close(t, names[n].detach(), rtol=0, atol=0)
     ref = peft.PeftModel.from_pretrained(reference_model(model_dir), tmp_path / "adapter", is_trainable=True)
-    total, lps = ref_loss(ref, data)
-    for lp, out in zip(lps, res.outputs):
-        np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
-    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
-    theirs = peft_grads_per_expert(ref, 4, rank)
-    ours = {n: p.grad for n, p in rt.unit(u).named_params}
-    assert set(ours) == set(theirs)
-    for n, g in ours.items():
-        assert_rel_close(g, theirs[n], 1e-4, n)
+    assert_step_matches_peft(rt, u, res, ref, data, rank)
 
 
 @pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
@@ -257,8 +249,7 @@ def test_adapters_of_many_tenants_sample_in_one_batch(qwen3_5_dir):
 
 def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_5_dir):
     rng = np.random.default_rng(6)
-    assert_micro_batching_and_checkpointing_equal_plain_path(qwen3_5_dir, [sft_datum(rng, n, VOCAB, signed=True)
-                                                                           for n in (5, 70, 17, 33)])
+    assert_micro_batching_equals_plain(qwen3_5_dir, [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 70, 17, 33)])
 
 
 def test_a_prompt_admitted_while_others_decode_keeps_their_states(qwen3_5_dir):

@@ -12,9 +12,10 @@ from tinsmith.models import moe
 from tinsmith.models.loading import load_model
 from tinsmith.types import ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
-from tests.models.helpers import (assert_merged_export_matches, assert_micro_batching_and_checkpointing_equal_plain_path,
-                                  assert_packed_equals_separate, cross_entropy_step, logits_of, logits_with,
-                                  peft_grads_per_expert, perturbed_adapter, ref_loss, reference_model)
+from tests.models.helpers import (assert_merged_export_matches, assert_micro_batching_equals_plain,
+                                  assert_packed_equals_separate, assert_step_matches_peft, cross_entropy_step,
+                                  drop_packed_gate_up, logits_of, logits_with, perturbed_adapter, ref_loss,
+                                  reference_model)
 from tests.worker.helpers import assert_rel_close, sft_datum
 
 VOCAB = 512
@@ -89,15 +90,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, qwen3_
 
     save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in names.items()}, str(qwen3_moe_dir))
     ref = peft.PeftModel.from_pretrained(reference_model(qwen3_moe_dir), tmp_path / "adapter", is_trainable=True)
-    total, lps = ref_loss(ref, data)
-    for lp, out in zip(lps, res.outputs):
-        np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
-    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
-    theirs = peft_grads_per_expert(ref, 4, rank)
-    ours = {n: p.grad for n, p in rt.unit(u).named_params}
-    assert set(ours) == set(theirs)
-    for n, g in ours.items():
-        assert_rel_close(g, theirs[n], 1e-4, n)
+    assert_step_matches_peft(rt, u, res, ref, data, rank)
 
 
 def _batches():
@@ -220,12 +213,12 @@ def test_packed_gate_up_inference_equals_separate_projections(qwen3_moe_dir):
     """Inference runs each layer's expert gate and up as one grouped matmul over a shared buffer."""
     rt, units = _two_tenants(qwen3_moe_dir)
     assert rt.model.model.layers[0].mlp.experts.packed_gate_up.intact()
-    assert_packed_equals_separate(rt, units, 20, VOCAB, lambda layer: setattr(layer.mlp.experts, "packed_gate_up", None))
+    assert_packed_equals_separate(rt, units, 20, VOCAB, drop_packed_gate_up)
 
 
 def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_moe_dir):
     rng = np.random.default_rng(6)
-    assert_micro_batching_and_checkpointing_equal_plain_path(qwen3_moe_dir, [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 50, 17, 33)])
+    assert_micro_batching_equals_plain(qwen3_moe_dir, [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 50, 17, 33)])
 
 
 def test_base_model_rows_beside_adapter_rows_are_the_base_model(qwen3_moe_dir):
