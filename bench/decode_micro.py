@@ -32,14 +32,28 @@ from tinsmith.sampling.sampler import Sampler, SampleTask  # noqa: E402
 from tinsmith.types import SampleInput, SamplingParams  # noqa: E402
 
 
+def model_dir_or_tiny(model_dir: str | None) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """``model_dir``, or a tiny Qwen3 made in a temporary folder (which lives as long as the
+    returned handle)."""
+    if model_dir is not None:
+        return model_dir, None
+    tmp = tempfile.TemporaryDirectory()
+    return str(make_tiny_model(Path(tmp.name) / "model")), tmp
+
+
+def add_random_prompts(sampler: Sampler, rows: int, prompt_len: int, params: SamplingParams,
+                       rng: np.random.Generator, slots: list[int | None] | tuple = (None,)) -> None:
+    """Queue ``rows`` single-sample requests of random prompts, row ``i`` on ``slots[i % len(slots)]``."""
+    for i in range(rows):
+        sampler.add(SampleTask(i, slots[i % len(slots)],
+                               SampleInput(prompt=rng.integers(4, sampler.cfg.vocab_size, prompt_len), num_samples=1,
+                                           params=params)))
+
+
 def decode_rate(sampler: Sampler, rows: int, tokens: int, prompt_len: int, seed: int) -> float:
     """Sampled tokens/s of the decode steps alone (prefill excluded) for ``rows`` sequences."""
-    rng = np.random.default_rng(seed)
-    vocab = sampler.cfg.vocab_size
-    params = SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
-    for i in range(rows):
-        sampler.add(SampleTask(i, None, SampleInput(prompt=rng.integers(4, vocab, prompt_len), num_samples=1,
-                                                    params=params)))
+    add_random_prompts(sampler, rows, prompt_len, SamplingParams(max_tokens=tokens, temperature=1.0, stop=[]),
+                       np.random.default_rng(seed))
     done: list = []
     with torch.inference_mode():
         sampler._admit(done)
@@ -79,11 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per batch size (the best is kept)")
     p.add_argument("--json", help="write the results here too")
     a = p.parse_args(argv)
-    tmp = None
-    model_dir = a.model
-    if model_dir is None:
-        tmp = tempfile.TemporaryDirectory()
-        model_dir = str(make_tiny_model(Path(tmp.name) / "model"))
+    model_dir, tmp = model_dir_or_tiny(a.model)
     model = load_model(model_dir).model
     sampler = Sampler(model, lambda toks: "")
     out = {"threads": torch.get_num_threads(), "rows": {}}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinsmith.devtools.tiny_model import make_tiny_model  # noqa: E402
+from bench.decode_micro import add_random_prompts, model_dir_or_tiny  # noqa: E402
 from tinsmith.kernels import lora_gather  # noqa: E402
 from tinsmith.models import lora as lora_mod  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
-from tinsmith.sampling.sampler import Sampler, SampleTask  # noqa: E402
-from tinsmith.types import LoraSpec, SampleInput, SamplingParams  # noqa: E402
+from tinsmith.sampling.sampler import Sampler  # noqa: E402
+from tinsmith.types import LoraSpec, SamplingParams  # noqa: E402
 from tinsmith.worker.trainables import install_lora_weights  # noqa: E402
 
 FIRST_SLOT = 1_000_000
@@ -62,12 +61,8 @@ def sync(device: torch.device) -> None:
 
 def step_seconds(sampler: Sampler, slots: list[int | None], rows: int, tokens: int, prompt_len: int) -> float:
     """Mean wall seconds of one decode step (prefill excluded) of ``rows`` rows."""
-    rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=tokens + 1, temperature=1.0, stop=[])
-    for i in range(rows):
-        sampler.add(SampleTask(i, slots[i % len(slots)],
-                               SampleInput(prompt=rng.integers(4, sampler.cfg.vocab_size, prompt_len), num_samples=1,
-                                           params=params)))
+    add_random_prompts(sampler, rows, prompt_len, SamplingParams(max_tokens=tokens + 1, temperature=1.0, stop=[]),
+                       np.random.default_rng(0), slots)
     done: list = []
     with torch.inference_mode():
         sampler._admit(done)
@@ -95,11 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (the best is kept)")
     p.add_argument("--json", help="write the results here too")
     a = p.parse_args(argv)
-    tmp = None
-    model_dir = a.model
-    if model_dir is None:
-        tmp = tempfile.TemporaryDirectory()
-        model_dir = str(make_tiny_model(Path(tmp.name) / "model"))
+    model_dir, tmp = model_dir_or_tiny(a.model)
     device = torch.device(a.device)
     model = load_model(model_dir, device=device).model
     counts = [int(c) for c in a.adapters.split(",")]

@@ -80,6 +80,46 @@ def train_steps(tc: tinker.TrainingClient, data: list[types.Datum], steps: int, 
     return losses
 
 
+def lora_round_trip(sc: tinker.ServiceClient, base_model: str, data: list[types.Datum], name: str, *,
+                    save_state: bool = False) -> dict:
+    """Six rank-8 LoRA training steps on ``data``, then the adapter saved for sampling (and the
+    training state when ``save_state``): ``{"sc", "tc", "losses", "sampler_path"[, "state_path"]}``,
+    what the model-family tests read."""
+    tc = lora_client(sc, base_model, rank=8, seed=3)
+    out: dict[str, Any] = {"sc": sc, "tc": tc, "losses": train_steps(tc, data, 6, 1e-2)}
+    if save_state:
+        out["state_path"] = tc.save_state(f"{name}-state").result(timeout=RESULT_TIMEOUT_S).path
+    out["sampler_path"] = tc.save_weights_for_sampler(name).result(timeout=RESULT_TIMEOUT_S).path
+    return out
+
+
+def assert_sample_matches_forward(sampler: tinker.SamplingClient, tc: tinker.TrainingClient,
+                                  prompt: types.ModelInput, params: types.SamplingParams) -> types.Datum:
+    """One sample of ``params.max_tokens`` tokens carries, token by token, the logprobs that ``tc``'s
+    full forward pass over prompt + sample gives them; returns that whole sequence as a datum."""
+    seq = sampler.sample(prompt, 1, params).result(timeout=RESULT_TIMEOUT_S).sequences[0]
+    assert len(seq.tokens) == params.max_tokens and seq.logprobs is not None
+    full = prompt.to_ints() + list(seq.tokens)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})
+    forward = logprobs_of(tc.forward([datum], "cross_entropy").result(timeout=RESULT_TIMEOUT_S))[0]
+    np.testing.assert_allclose(seq.logprobs, forward[prompt.length - 1:], rtol=1e-4, atol=1e-4)
+    return datum
+
+
+def assert_peft_export_matches(tc: tinker.TrainingClient, adapter_dir, data: list[types.Datum], load_base) -> None:
+    """peft, loading the exported adapter at ``adapter_dir`` onto ``load_base()`` (a fresh fp32
+    transformers model), gives the logprobs ``tc`` gives ``data``; the bare base model does not."""
+    from peft import PeftModel
+
+    ours = logprobs_of(tc.forward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S))
+    ref = gathered_logprobs(PeftModel.from_pretrained(load_base(), str(adapter_dir)).eval(), data)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    plain = gathered_logprobs(load_base().eval(), data)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(ours, plain)) > 1e-2  # the adapter matters
+
+
 def session_id_of(tc: tinker.TrainingClient) -> str:
     return str(tc.model_id).split(":train:")[0]
 

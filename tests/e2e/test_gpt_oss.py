@@ -14,8 +14,8 @@ from tinker import types
 from transformers import AutoTokenizer
 
 from tests.conftest import SMALL
-from tests.e2e.helpers import (RESULT_TIMEOUT_S, gathered_logprobs, logprobs_of, lora_client,
-                               repeated_pattern_batch, sft_batch, train_steps)
+from tests.e2e.helpers import (RESULT_TIMEOUT_S, assert_peft_export_matches, assert_sample_matches_forward,
+                               lora_round_trip, repeated_pattern_batch, sft_batch)
 from tests.e2e.server import ServerProcess
 from tests.rl.helpers import checkpoint_dir
 from tinsmith.devtools.tiny_model import make_tiny_model
@@ -42,11 +42,9 @@ def gpt_oss_server(gpt_oss_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(gpt_oss_server, gpt_oss_model):
     sc = tinker.ServiceClient(base_url=gpt_oss_server.base_url, api_key=KEY)
-    tc = lora_client(sc, str(gpt_oss_model), rank=8, seed=3)
     # Rows longer than the 16-token window, so training runs through the sliding layer's mask.
-    losses = train_steps(tc, repeated_pattern_batch(seed=2, n_seqs=3, seq_len=40, vocab=VOCAB), 6, 1e-2)
-    sampler_path = tc.save_weights_for_sampler("gpt-oss").result(timeout=RESULT_TIMEOUT_S).path
-    yield {"sc": sc, "tc": tc, "losses": losses, "sampler_path": sampler_path}
+    data = repeated_pattern_batch(seed=2, n_seqs=3, seq_len=40, vocab=VOCAB)
+    yield lora_round_trip(sc, str(gpt_oss_model), data, "gpt-oss")
     sc.close("success").result(timeout=10)
 
 
@@ -62,13 +60,7 @@ def test_sampling_past_the_window_equals_the_full_forward(trained):
     prompt = types.ModelInput.from_ints(np.random.default_rng(4).integers(4, VOCAB, 2 * SMALL.sliding_window + 3).tolist())
     for params in (types.SamplingParams(max_tokens=20, temperature=0.0),
                    types.SamplingParams(max_tokens=20, temperature=1.0, seed=7)):
-        seq = sampler.sample(prompt, 1, params).result(timeout=RESULT_TIMEOUT_S).sequences[0]
-        assert len(seq.tokens) == 20 and seq.logprobs is not None
-        full = prompt.to_ints() + list(seq.tokens)
-        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                            loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})
-        forward = logprobs_of(trained["tc"].forward([datum], "cross_entropy").result(timeout=RESULT_TIMEOUT_S))[0]
-        np.testing.assert_allclose(seq.logprobs, forward[prompt.length - 1:], rtol=1e-4, atol=1e-4)
+        assert_sample_matches_forward(sampler, trained["tc"], prompt, params)
 
 
 def test_chat_renders_the_harmony_template(gpt_oss_server, gpt_oss_model):
@@ -85,19 +77,12 @@ def test_chat_renders_the_harmony_template(gpt_oss_server, gpt_oss_model):
 
 
 def test_peft_export_reproduces_logprobs_in_transformers(trained, gpt_oss_server, gpt_oss_model):
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     d = checkpoint_dir(gpt_oss_server, trained["sampler_path"])
     with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight" in names  # gate_up_proj
-    data = sft_batch(seed=77, n_seqs=3, seq_len=40, vocab=VOCAB)
-    ours = logprobs_of(trained["tc"].forward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S))
-    load = lambda: AutoModelForCausalLM.from_pretrained(str(gpt_oss_model), dtype=torch.float32,  # noqa: E731
-                                                        experts_implementation="eager")
-    ref = gathered_logprobs(PeftModel.from_pretrained(load(), str(d)).eval(), data)
-    for a, b in zip(ours, ref):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-    plain = gathered_logprobs(load().eval(), data)
-    assert max(float(np.abs(a - b).max()) for a, b in zip(ours, plain)) > 1e-2  # the adapter matters
+    assert_peft_export_matches(trained["tc"], d, sft_batch(seed=77, n_seqs=3, seq_len=40, vocab=VOCAB),
+                               lambda: AutoModelForCausalLM.from_pretrained(str(gpt_oss_model), dtype=torch.float32,
+                                                                            experts_implementation="eager"))

@@ -9,26 +9,15 @@ import torch
 
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
+from tests.sampling.conftest import random_adapter
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import lora_gather
 from tinsmith.models import lora as lora_mod
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.sampler import Sampler, SampleTask
-from tinsmith.types import LoraSpec, SampleInput, SamplingParams
-from tinsmith.worker.trainables import install_lora_weights
+from tinsmith.types import SampleInput, SamplingParams
 
 pytestmark = pytest.mark.gpu
-
-
-def _install(model, slot: int, rank: int, seed: int) -> None:
-    spec = LoraSpec(rank=rank, alpha=2.0 * rank)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
-        a_shape, b_shape = layer.lora_shapes(rank)
-        tensors[f"{name}.lora_A.weight"] = torch.randn(a_shape, generator=g) * 0.1
-        tensors[f"{name}.lora_B.weight"] = torch.randn(b_shape, generator=g) * 0.1
-    install_lora_weights(model, slot, spec, tensors)
 
 
 def _sample(model, slots, mode, monkeypatch):
@@ -53,7 +42,7 @@ def test_bank_decode_equals_grouped_decode(family, dtype, tmp_path, monkeypatch)
         pytest.skip("triton is not installed (pip install 'tinsmith[gpu]')")
     model = load_model(str(make_tiny_model(tmp_path / family, family, SMALL, seed=1)), device=DEVICE, dtype=dtype).model
     for i, rank in enumerate((4, 8, 16)):
-        _install(model, 1_000_000 + i, rank, seed=i)
+        random_adapter(model, 1_000_000 + i, rank=rank, seed=i)
     slots = [1_000_000, None, 1_000_001, 1_000_002, 1_000_000]
     ref = _sample(model, slots, "grouped", monkeypatch)
     got = _sample(model, slots, "bank", monkeypatch)

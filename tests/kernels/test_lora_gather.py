@@ -106,13 +106,14 @@ from tinsmith.kernels import lora_gather as lg
 
 target = GPUTarget("cuda", 90, 32)
 for dt in sys.argv[1:]:
-    common = {"idx_ptr": "*i64", "R": "constexpr", **{f"stride_{s}": "i32" for s in ("hn", "hr")}}
-    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "h_ptr": "*fp32", "K": "constexpr", "BLOCK_R": "constexpr",
-              "BLOCK_K": "constexpr", **{f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak")}, **common}
-    expand = {"h_ptr": "*fp32", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", "N": "constexpr", "BLOCK_N": "constexpr",
-              "BLOCK_R": "constexpr", **{f"stride_{s}": "i32" for s in ("bs", "bn", "br", "yn", "yo")}, **common}
-    for fn, sig, const in ((lg._shrink_kernel, shrink, {"K": 4096, "R": 40, "BLOCK_R": 64, "BLOCK_K": 128}),
-                           (lg._expand_kernel, expand, {"N": 151936, "R": 40, "BLOCK_N": 128, "BLOCK_R": 64})):
+    common = {"idx_ptr": "*i64", "O": "constexpr", "K": "constexpr", "ACCUMULATE": "constexpr",
+              "BLOCK_O": "constexpr", "BLOCK_K": "constexpr",
+              **{f"stride_{s}": "i32" for s in ("vn", "vk", "ms", "mo", "mk", "on", "oo")}}
+    shrink = {"v_ptr": f"*{dt}", "m_ptr": f"*{dt}", "out_ptr": "*fp32", **common}
+    expand = {"v_ptr": "*fp32", "m_ptr": f"*{dt}", "out_ptr": f"*{dt}", **common}
+    fn = lg._bgmv_kernel
+    for sig, const in ((shrink, {"O": 40, "K": 4096, "ACCUMULATE": False, "BLOCK_O": 64, "BLOCK_K": 128}),
+                       (expand, {"O": 151936, "K": 40, "ACCUMULATE": True, "BLOCK_O": 128, "BLOCK_K": 64})):
         sig = {name: sig[name] for name in fn.arg_names}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
 '''

@@ -13,7 +13,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.sampling.conftest import forward_logprobs, make_sampler, run, task
-from tests.models.helpers import cross_entropy_step, logits_of, reference_model
+from tests.models.helpers import (assert_merged_export_matches, assert_packed_equals_separate, assert_step_matches_peft,
+                                  cross_entropy_step, drop_packed_gate_up, logits_of, perturbed_adapter, ref_loss,
+                                  reference_model)
 from tests.worker.helpers import assert_rel_close, sft_datum
 from tinsmith.models.gpt_oss import dequantize_mxfp4
 from tinsmith.models.layers import CausalLM
@@ -75,13 +77,7 @@ def test_full_finetune_grads_match_transformers(gpt_oss_dir):
     data = [sft_datum(rng, 40, VOCAB, signed=True), sft_datum(rng, 9, VOCAB, signed=True)]
     res = cross_entropy_step(rt, 0, data)
     ref = reference_model(gpt_oss_dir)
-    total = 0.0
-    for d in data:
-        lp = torch.log_softmax(ref(torch.from_numpy(d.tokens)[None]).logits[0].float(), -1)
-        lp = lp.gather(-1, torch.from_numpy(d.loss_inputs["target_tokens"])[:, None])[:, 0]
-        loss = -(lp * torch.from_numpy(d.loss_inputs["weights"])).sum()
-        loss.backward()
-        total += float(loss.detach())
+    total, _ = ref_loss(ref, data)
     assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
     theirs = {n: p.grad for n, p in ref.named_parameters()}
     for i in range(2):
@@ -193,12 +189,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, gpt_os
     rank = 4
     rt = TrainingRuntime(load_model(str(gpt_oss_dir)).model, max_lora_adapters=2, max_lora_rank=8)
     spec = LoraSpec(rank=rank, alpha=8, seed=5)
-    u = rt.create_adapter(spec)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for n, p in rt.unit(u).named_params:
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    u = perturbed_adapter(rt, spec, 11)
     rng = np.random.default_rng(1)
     data = [sft_datum(rng, n, VOCAB, signed=True) for n in (40, 17)]
     res = cross_entropy_step(rt, u, data)
@@ -210,20 +201,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, gpt_os
         assert torch.equal(back[n], t), n
 
     ref = peft.PeftModel.from_pretrained(reference_model(gpt_oss_dir), tmp_path / "adapter", is_trainable=True)
-    total = 0.0
-    for d, out in zip(data, res.outputs):
-        lp = torch.log_softmax(ref(torch.from_numpy(d.tokens)[None]).logits[0].float(), -1)
-        lp = lp.gather(-1, torch.from_numpy(d.loss_inputs["target_tokens"])[:, None])[:, 0]
-        loss = -(lp * torch.from_numpy(d.loss_inputs["weights"])).sum()
-        loss.backward()
-        total += float(loss.detach())
-        np.testing.assert_allclose(out["logprobs"], lp.detach().numpy(), rtol=1e-5, atol=1e-5)
-    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
-    theirs = _peft_grads_per_expert(ref, 4, rank)
-    ours = {n: p.grad for n, p in rt.unit(u).named_params}
-    assert set(ours) == set(theirs)
-    for n, grad in ours.items():
-        assert_rel_close(grad, theirs[n], 1e-4, n)
+    assert_step_matches_peft(rt, u, res, ref, data, rank, _peft_grads_per_expert)
 
 
 def test_full_finetune_export_loads_in_transformers(tmp_path, gpt_oss_dir):
@@ -299,12 +277,7 @@ def test_merged_export_of_expert_adapters_loads_in_transformers(tmp_path, gpt_os
     save_peft_adapter(tmp_path / "adapter", LoraSpec(rank=4, seed=1), tensors, str(base), family="gpt_oss")
     merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(base)).path
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
-    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(30).expand_as(tokens)
-    with torch.no_grad():
-        rows = [(rt.unit(u).slot, 0, 60)]
-        ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
-        torch.testing.assert_close(reference_model(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+    assert_merged_export_matches(rt, u, merged, VOCAB)
 
 
 def _two_tenants(model_dir):
@@ -324,17 +297,8 @@ def _two_tenants(model_dir):
 def test_packed_gate_up_inference_equals_separate_projections(gpt_oss_dir):
     """Inference runs gate and up (biases included) as one grouped matmul over a shared buffer."""
     rt, units = _two_tenants(gpt_oss_dir)
-    model = rt.model
-    assert model.model.layers[0].mlp.experts.packed_gate_up.intact()
-    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
-    pos = torch.arange(40).expand_as(tokens)
-    rows = [(rt.unit(units[0]).slot, 0, 40), (rt.unit(units[1]).slot, 40, 80)]
-    with torch.no_grad():
-        packed = model.logits(model.hidden_states(tokens, pos, rows), rows)
-        for layer in model.model.layers:
-            layer.mlp.experts.packed_gate_up = None
-        separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
-    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+    assert rt.model.model.layers[0].mlp.experts.packed_gate_up.intact()
+    assert_packed_equals_separate(rt, units, 40, VOCAB, drop_packed_gate_up)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")

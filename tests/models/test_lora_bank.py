@@ -10,25 +10,10 @@ from tinsmith.kernels import lora_gather
 from tinsmith.models import lora as lora_mod
 from tinsmith.models.lora import LoraLinear, decode_rows
 from tinsmith.models.lora_bank import RowSlots, SlotTable, adapters_changed
-from tinsmith.types import AdamParams, LoraSpec
-from tinsmith.worker.runtime import TrainingRuntime
+from tinsmith.types import AdamParams
 
-from tinsmith.worker.trainables import install_lora_weights
-
-from tests.sampling.conftest import fresh_model, make_sampler, run, task
+from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task, training_adapters
 from tests.sampling.test_sampler import prompts
-
-
-def random_adapter(model, slot: int, rank: int, seed: int) -> None:
-    """A frozen adapter with random A and B (dense and expert layers), as sampler snapshots are."""
-    spec = LoraSpec(rank=rank, alpha=2.0 * rank)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
-        a_shape, b_shape = layer.lora_shapes(rank)
-        tensors[f"{name}.lora_A.weight"] = torch.randn(a_shape, generator=g) * 0.1
-        tensors[f"{name}.lora_B.weight"] = torch.randn(b_shape, generator=g) * 0.1
-    install_lora_weights(model, slot, spec, tensors)
 
 
 class Holder(torch.nn.Module):
@@ -130,15 +115,8 @@ def test_sampler_bank_path_equals_grouped_path(fixture, request, monkeypatch):
     model_dir = request.getfixturevalue(fixture)
     model = fresh_model(model_dir)
     random_adapter(model, 1_000_001, rank=4, seed=1)
-    rt = TrainingRuntime(model, max_lora_adapters=4, max_lora_rank=16)
-    unit = rt.create_adapter(LoraSpec(rank=8, alpha=16, seed=3))
-    mlp_only = rt.create_adapter(LoraSpec(rank=4, alpha=8, seed=4, train_attn=False, train_unembed=False))
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for u in (unit, mlp_only):
-            for name, p in rt.unit(u).named_params:
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    rt, unit, mlp_only = training_adapters(model, g)
     adapters_changed()
     slots = [1_000_001, None, rt.unit(unit).slot, rt.unit(mlp_only).slot]
     ref = _mixed_run(model, model_dir, slots, "grouped", monkeypatch)

@@ -14,8 +14,9 @@ from tinsmith.models.gated_deltanet import chunk_gated_delta_rule, recurrent_gat
 from tinsmith.models.loading import load_model
 from tinsmith.types import LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime
-from tests.models.helpers import cross_entropy_step, logits_of, reference_model
-from tests.models.test_qwen3_moe import _peft_grads_per_expert, _perturbed_adapter, _ref_loss
+from tests.models.helpers import (assert_merged_export_matches, assert_micro_batching_equals_plain,
+                                  assert_packed_equals_separate, assert_step_matches_peft, cross_entropy_step,
+                                  logits_of, perturbed_adapter, ref_loss, reference_model)
 from tests.sampling.conftest import forward_logprobs, make_sampler, run, task
 from tests.worker.helpers import assert_rel_close, sft_datum
 
@@ -83,7 +84,7 @@ def test_full_finetune_grads_match_transformers(model_dir):
     data = [sft_datum(rng, 80, VOCAB, signed=True), sft_datum(rng, 9, VOCAB, signed=True)]
     res = cross_entropy_step(rt, 0, data)
     ref = reference_model(model_dir)
-    total, _ = _ref_loss(ref, data)
+    total, _ = ref_loss(ref, data)
     assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
     theirs = _fused_names({n: p.grad for n, p in ref.named_parameters()})
     ours = {n: p.grad for n, p in rt.unit(0).named_params}
@@ -102,7 +103,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, model_
     rank = 4
     rt = TrainingRuntime(load_model(str(model_dir)).model, max_lora_adapters=2, max_lora_rank=8)
     spec = LoraSpec(rank=rank, alpha=8, seed=5)
-    u = _perturbed_adapter(rt, spec, 11)
+    u = perturbed_adapter(rt, spec, 11)
     names = dict(rt.unit(u).named_params)
     for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
         assert f"model.layers.0.linear_attn.{proj}.lora_A.weight" in names
@@ -120,15 +121,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, model_
     for n, t in loaded.items():
         torch.testing.assert_close(t, names[n].detach(), rtol=0, atol=0)
     ref = peft.PeftModel.from_pretrained(reference_model(model_dir), tmp_path / "adapter", is_trainable=True)
-    total, lps = _ref_loss(ref, data)
-    for lp, out in zip(lps, res.outputs):
-        np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
-    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
-    theirs = _peft_grads_per_expert(ref, 4, rank)
-    ours = {n: p.grad for n, p in rt.unit(u).named_params}
-    assert set(ours) == set(theirs)
-    for n, g in ours.items():
-        assert_rel_close(g, theirs[n], 1e-4, n)
+    assert_step_matches_peft(rt, u, res, ref, data, rank)
 
 
 @pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
@@ -140,16 +133,11 @@ def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, model_dir
     loaded = load_model(str(model_dir))
     rt = TrainingRuntime(loaded.model, max_lora_adapters=1, max_lora_rank=8)
     spec = LoraSpec(rank=4, alpha=8, seed=5)
-    u = _perturbed_adapter(rt, spec, 12)
+    u = perturbed_adapter(rt, spec, 12)
     save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in rt.unit(u).named_params},
                       str(model_dir), family=loaded.config.family)
     merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(model_dir)).path
-    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(30).expand_as(tokens)
-    with torch.no_grad():
-        rows = [(rt.unit(u).slot, 0, 60)]
-        ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
-        torch.testing.assert_close(reference_model(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+    tokens = assert_merged_export_matches(rt, u, merged, VOCAB)
 
     full = load_model(str(model_dir)).model
     with torch.no_grad():
@@ -203,14 +191,14 @@ def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, ca
 
     rt = TrainingRuntime(vl.model, max_lora_adapters=1, max_lora_rank=8)
     spec = LoraSpec(rank=4, alpha=8, seed=5)
-    u = _perturbed_adapter(rt, spec, 13)
+    u = perturbed_adapter(rt, spec, 13)
     rng = np.random.default_rng(2)
     data = [sft_datum(rng, n, VOCAB, signed=True) for n in (40, 11)]
     res = cross_entropy_step(rt, u, data)
     save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in rt.unit(u).named_params}, str(d),
                       text_prefix=vl.config.text_prefix, family=vl.config.family)
     adapted = peft.PeftModel.from_pretrained(ref, tmp_path / "adapter", is_trainable=True)
-    _, lps = _ref_loss(adapted, data)
+    _, lps = ref_loss(adapted, data)
     for lp, out in zip(lps, res.outputs):
         np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
 
@@ -243,7 +231,7 @@ def test_adapters_of_many_tenants_sample_in_one_batch(qwen3_5_dir):
     sampled token carries the logprob a full forward pass with its own adapter gives it."""
     model = load_model(str(qwen3_5_dir)).model
     rt = TrainingRuntime(model, max_lora_adapters=3, max_lora_rank=8)
-    units = [_perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
+    units = [perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
     slots = [rt.unit(u).slot for u in units]
     rng = np.random.default_rng(5)
     ps = [rng.integers(4, VOCAB, n).tolist() for n in (7, 30, 13)]
@@ -261,18 +249,7 @@ def test_adapters_of_many_tenants_sample_in_one_batch(qwen3_5_dir):
 
 def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_5_dir):
     rng = np.random.default_rng(6)
-    data = [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 70, 17, 33)]
-    results = []
-    for kwargs in ({}, {"micro_batch_tokens": 64}, {"gradient_checkpointing": True}):
-        rt = TrainingRuntime(load_model(str(qwen3_5_dir)).model, **kwargs)
-        u = _perturbed_adapter(rt, LoraSpec(rank=4, seed=9), 9)
-        results.append((cross_entropy_step(rt, u, data), {n: p.grad for n, p in rt.unit(u).named_params}))
-    (ref, ref_g), rest = results[0], results[1:]
-    for res, g in rest:
-        for x, y in zip(res.outputs, ref.outputs):
-            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-        for n in ref_g:
-            assert_rel_close(g[n], ref_g[n], 1e-5, n)
+    assert_micro_batching_equals_plain(qwen3_5_dir, [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 70, 17, 33)])
 
 
 def test_a_prompt_admitted_while_others_decode_keeps_their_states(qwen3_5_dir):
@@ -297,21 +274,17 @@ def test_packed_input_projections_equal_separate_ones(model_dir):
     """Inference runs DeltaNet's four input projections (and the shared expert's gate/up) as one
     GEMM over a shared buffer, adapters of two tenants included."""
     rt = TrainingRuntime(load_model(str(model_dir)).model, max_lora_adapters=3, max_lora_rank=8)
-    units = [_perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
-    model = rt.model
-    assert model.model.layers[0].linear_attn.packed_in.intact()
-    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(8))
-    pos = torch.arange(20).expand_as(tokens)
-    rows = [(rt.unit(units[0]).slot, 0, 20), (rt.unit(units[1]).slot, 20, 40)]
-    with torch.no_grad():
-        packed = model.logits(model.hidden_states(tokens, pos, rows), rows)
-        for layer in model.model.layers:
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.packed_in = None
-            if hasattr(layer.mlp, "shared_expert"):
-                layer.mlp.shared_expert.packed_gate_up = None
-        separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
-    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+    units = [perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
+    assert rt.model.model.layers[0].linear_attn.packed_in.intact()
+    assert_packed_equals_separate(rt, units, 20, VOCAB, _unpack)
+
+
+def _unpack(layer) -> None:
+    """Drop a layer's packed inference projections (DeltaNet's inputs, the shared expert's gate/up)."""
+    if hasattr(layer, "linear_attn"):
+        layer.linear_attn.packed_in = None
+    if hasattr(layer.mlp, "shared_expert"):
+        layer.mlp.shared_expert.packed_gate_up = None
 
 
 @pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)

@@ -12,22 +12,13 @@ from tinsmith.models import moe
 from tinsmith.models.loading import load_model
 from tinsmith.types import ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
-from tests.models.helpers import cross_entropy_step, logits_of, reference_model
+from tests.models.helpers import (assert_merged_export_matches, assert_micro_batching_equals_plain,
+                                  assert_packed_equals_separate, assert_step_matches_peft, cross_entropy_step,
+                                  drop_packed_gate_up, logits_of, logits_with, perturbed_adapter, ref_loss,
+                                  reference_model)
 from tests.worker.helpers import assert_rel_close, sft_datum
 
 VOCAB = 512
-
-
-def _ref_loss(ref, data):
-    total, lps = 0.0, []
-    for d in data:
-        lp = torch.log_softmax(ref(torch.from_numpy(d.tokens)[None]).logits[0].float(), -1)
-        lp = lp.gather(-1, torch.from_numpy(d.loss_inputs["target_tokens"])[:, None])[:, 0]
-        loss = -(lp * torch.from_numpy(d.loss_inputs["weights"])).sum()
-        loss.backward()
-        total += float(loss.detach())
-        lps.append(lp.detach().numpy())
-    return total, lps
 
 
 def test_logits_match_transformers(qwen3_moe_dir):
@@ -64,7 +55,7 @@ def test_full_finetune_grads_match_transformers(qwen3_moe_dir):
     data = [sft_datum(rng, 25, VOCAB, signed=True), sft_datum(rng, 9, VOCAB, signed=True)]
     res = cross_entropy_step(rt, 0, data)
     ref = reference_model(qwen3_moe_dir)
-    total, _ = _ref_loss(ref, data)
+    total, _ = ref_loss(ref, data)
     assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
     theirs = {n: p.grad for n, p in ref.named_parameters()}
     ours = {n: p.grad for n, p in rt.unit(0).named_params}
@@ -81,49 +72,6 @@ def test_full_finetune_grads_match_transformers(qwen3_moe_dir):
         assert_rel_close(g, theirs[n], 1e-4, n)
 
 
-def _perturbed_adapter(rt, spec, seed):
-    u = rt.create_adapter(spec)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in rt.unit(u).named_params:
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return u
-
-
-def _peft_grads_per_expert(peft_model, num_experts: int, rank: int) -> dict[str, torch.Tensor]:
-    """peft's gradients under our names; fused expert LoRA (see peft's PeftConcatenate) taken apart.
-
-    gate_up_proj's adapter is rank 2r: A = [A_gate; A_up] per expert, B block-diagonal, columns
-    ordered (rank, expert). down_proj's is rank r with the same column order.
-    """
-    out = {}
-    for n, p in peft_model.named_parameters():
-        if p.grad is None:
-            continue
-        n = n.replace("base_model.model.", "").replace(".default", "")
-        g = p.grad
-        if ".mlp.experts.base_layer.lora_" in n:  # gate_up_proj (the inner wrapper)
-            prefix = n.split(".base_layer.")[0]
-            if ".lora_A." in n:
-                a = g.reshape(num_experts, 2 * rank, -1)
-                out[f"{prefix}.gate_proj.lora_A.weight"], out[f"{prefix}.up_proj.lora_A.weight"] = a[:, :rank], a[:, rank:]
-            else:
-                b = g.reshape(g.shape[0], 2 * rank, num_experts).permute(2, 0, 1)  # experts, 2I, 2r
-                half = b.shape[1] // 2
-                out[f"{prefix}.gate_proj.lora_B.weight"] = b[:, :half, :rank]
-                out[f"{prefix}.up_proj.lora_B.weight"] = b[:, half:, rank:]
-        elif ".mlp.experts.lora_" in n:  # down_proj (the outer wrapper)
-            prefix, kind = n.split(".lora_")
-            if kind.startswith("A"):
-                out[f"{prefix}.down_proj.lora_A.weight"] = g.reshape(num_experts, rank, -1)
-            else:
-                out[f"{prefix}.down_proj.lora_B.weight"] = g.reshape(g.shape[0], rank, num_experts).permute(2, 0, 1)
-        else:
-            out[n] = g
-    return out
-
-
 def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, qwen3_moe_dir):
     """The PEFT export (per-expert names) loads onto transformers' fused experts through peft's own
     conversion; logprobs and every LoRA gradient (attention and each expert's A/B) agree."""
@@ -132,7 +80,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, qwen3_
     rank = 4
     rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, max_lora_adapters=2, max_lora_rank=8)
     spec = LoraSpec(rank=rank, alpha=8, seed=5)
-    u = _perturbed_adapter(rt, spec, 11)
+    u = perturbed_adapter(rt, spec, 11)
     rng = np.random.default_rng(1)
     data = [sft_datum(rng, n, VOCAB, signed=True) for n in (33, 17)]
     res = cross_entropy_step(rt, u, data)
@@ -142,15 +90,7 @@ def test_lora_export_loads_in_peft_with_same_logprobs_and_grads(tmp_path, qwen3_
 
     save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in names.items()}, str(qwen3_moe_dir))
     ref = peft.PeftModel.from_pretrained(reference_model(qwen3_moe_dir), tmp_path / "adapter", is_trainable=True)
-    total, lps = _ref_loss(ref, data)
-    for lp, out in zip(lps, res.outputs):
-        np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
-    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
-    theirs = _peft_grads_per_expert(ref, 4, rank)
-    ours = {n: p.grad for n, p in rt.unit(u).named_params}
-    assert set(ours) == set(theirs)
-    for n, g in ours.items():
-        assert_rel_close(g, theirs[n], 1e-4, n)
+    assert_step_matches_peft(rt, u, res, ref, data, rank)
 
 
 def _batches():
@@ -160,7 +100,7 @@ def _batches():
 
 def _two_tenants(model_dir):
     rt = TrainingRuntime(load_model(str(model_dir)).model, max_lora_adapters=3, max_lora_rank=8)
-    return rt, [_perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
+    return rt, [perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2))]
 
 
 def _run(rt, pairs):
@@ -207,7 +147,7 @@ def test_single_token_steps_equal_the_full_forward(qwen3_moe_dir):
 
     model = load_model(str(qwen3_moe_dir)).model
     rt = TrainingRuntime(model, max_lora_adapters=1, max_lora_rank=4)
-    u = _perturbed_adapter(rt, LoraSpec(rank=4, seed=9), 9)
+    u = perturbed_adapter(rt, LoraSpec(rank=4, seed=9), 9)
     slot = rt.unit(u).slot
     tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -233,16 +173,11 @@ def test_merged_and_full_weight_exports_load_in_transformers(tmp_path, qwen3_moe
 
     rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, max_lora_adapters=1, max_lora_rank=8)
     spec = LoraSpec(rank=4, alpha=8, seed=5)
-    u = _perturbed_adapter(rt, spec, 12)
+    u = perturbed_adapter(rt, spec, 12)
     tensors = {n: p.detach() for n, p in rt.unit(u).named_params}
     save_peft_adapter(tmp_path / "adapter", spec, tensors, str(qwen3_moe_dir))
     merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(qwen3_moe_dir)).path
-    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(30).expand_as(tokens)
-    with torch.no_grad():
-        rows = [(rt.unit(u).slot, 0, 60)]
-        ours = rt.model.logits(rt.model.hidden_states(tokens, pos, rows), rows)
-        torch.testing.assert_close(reference_model(merged).eval()(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+    tokens = assert_merged_export_matches(rt, u, merged, VOCAB)
 
     full = load_model(str(qwen3_moe_dir)).model
     with torch.no_grad():
@@ -277,48 +212,23 @@ def test_incomplete_moe_config_is_a_clear_error(tmp_path, qwen3_moe_dir):
 def test_packed_gate_up_inference_equals_separate_projections(qwen3_moe_dir):
     """Inference runs each layer's expert gate and up as one grouped matmul over a shared buffer."""
     rt, units = _two_tenants(qwen3_moe_dir)
-    model = rt.model
-    assert model.model.layers[0].mlp.experts.packed_gate_up.intact()
-    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(8))
-    pos = torch.arange(20).expand_as(tokens)
-    rows = [(rt.unit(units[0]).slot, 0, 20), (rt.unit(units[1]).slot, 20, 40)]
-    with torch.no_grad():
-        packed = model.logits(model.hidden_states(tokens, pos, rows), rows)
-        for layer in model.model.layers:
-            layer.mlp.experts.packed_gate_up = None
-        separate = model.logits(model.hidden_states(tokens, pos, rows), rows)
-    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+    assert rt.model.model.layers[0].mlp.experts.packed_gate_up.intact()
+    assert_packed_equals_separate(rt, units, 20, VOCAB, drop_packed_gate_up)
 
 
 def test_micro_batching_and_checkpointing_equal_plain_path(qwen3_moe_dir):
     rng = np.random.default_rng(6)
-    data = [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 50, 17, 33)]
-    results = []
-    for kwargs in ({}, {"micro_batch_tokens": 64}, {"gradient_checkpointing": True}):
-        rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, **kwargs)
-        u = _perturbed_adapter(rt, LoraSpec(rank=4, seed=9), 9)
-        results.append((cross_entropy_step(rt, u, data), {n: p.grad for n, p in rt.unit(u).named_params}))
-    (ref, ref_g), rest = results[0], results[1:]
-    for res, g in rest:
-        for x, y in zip(res.outputs, ref.outputs):
-            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-        for n in ref_g:
-            assert_rel_close(g[n], ref_g[n], 1e-5, n)
+    assert_micro_batching_equals_plain(qwen3_moe_dir, [sft_datum(rng, n, VOCAB, signed=True) for n in (5, 50, 17, 33)])
 
 
 def test_base_model_rows_beside_adapter_rows_are_the_base_model(qwen3_moe_dir):
     rt, units = _two_tenants(qwen3_moe_dir)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
-    pos = torch.arange(16).expand_as(tokens)
     rows = [(None, 0, 16), (rt.unit(units[1]).slot, 16, 32)]
     with torch.no_grad():
-        mixed = _logits_with(rt.model, tokens, pos, rows)
+        mixed = logits_with(rt.model, tokens, rows)
         base = logits_of(rt.model, tokens[:1])
-        adapted = _logits_with(rt.model, tokens[1:], pos[1:], [(rt.unit(units[1]).slot, 0, 16)])
+        adapted = logits_with(rt.model, tokens[1:], [(rt.unit(units[1]).slot, 0, 16)])
     torch.testing.assert_close(mixed[:1], base, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mixed[1:], adapted, rtol=1e-5, atol=1e-5)
     assert (adapted - logits_of(rt.model, tokens[1:])).abs().max() > 1e-3
-
-
-def _logits_with(model, tokens, pos, rows):
-    return model.logits(model.hidden_states(tokens, pos, rows), rows)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.parallel.scenario import make_data
+from tests.parallel.scenario import fault_or_forward, make_data
 from tinsmith.checkpoints.state_format import TrainingState, load_training_state, save_training_state
 from tinsmith.models.loading import load_model
 from tinsmith.parallel.fsdp import FsdpTrainingRuntime, shard_full_model
@@ -149,21 +149,9 @@ def train_rank_main(dp: TPGroup, model_dir: str, save_to: str, load_from: str, d
 def faulty_rank_main(dp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
     """Both ranks shard the model; rank 1 then raises, exits or stalls instead of joining the
     forward pass, and rank 0 reports what its call came to."""
-    import os
-    import time
-
     rt = build_full_runtime(model_dir, dp)
-    if dp.rank == 1:
-        if fault == "raise":
-            raise RuntimeError("rank 1 fails on purpose")
-        if fault == "exit":
-            os._exit(3)
-        time.sleep(stall_s)
-        return None
-    t0 = time.monotonic()
-    data = make_data(1, [8, 5], rt.config.vocab_size)
-    (res,) = rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(data, "cross_entropy"))])
-    return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}
+    return fault_or_forward(dp.rank, fault, stall_s, lambda: rt.forward_backward(
+        [TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(1, [8, 5], rt.config.vocab_size), "cross_entropy"))]))
 
 
 def bf16_call(rt) -> dict:

@@ -135,15 +135,13 @@ def rank_main(tp: TPGroup, cases: list[tuple[str, str, str]]) -> list[dict]:
     return [run_scenario(build_runtime(d, tp), sharded=True, save_to=s, load_from=l) for d, s, l in cases]
 
 
-def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
-    """Both ranks load and shard the model; rank 1 then ``fault``s ("raise", "exit" or "stall")
-    instead of joining the forward pass, and rank 0 reports what its forward pass came to."""
+def fault_or_forward(rank: int, fault: str, stall_s: float, forward) -> dict | None:
+    """Rank 1 ``fault``s ("raise", "exit" or "stall" for ``stall_s``) instead of joining the forward
+    pass; rank 0 runs ``forward()`` (one request's forward_backward) and reports what it came to."""
     import os
     import time
 
-    rt = build_runtime(model_dir, tp)
-    unit = rt.create_adapter(LoraSpec(rank=2, seed=0))
-    if tp.rank == 1:
+    if rank == 1:
         if fault == "raise":
             raise RuntimeError("rank 1 fails on purpose")
         if fault == "exit":
@@ -151,9 +149,36 @@ def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) ->
         time.sleep(stall_s)
         return None
     t0 = time.monotonic()
-    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(make_data(1, [8], rt.config.vocab_size),
-                                                                          "cross_entropy"))])
+    (res,) = forward()
     return {"elapsed": time.monotonic() - t0, "type": type(res).__name__, "message": str(res)}
+
+
+def assert_peer_fault_fails_rank0(main, model_dir, tmp_path, fault: str, timeout_s: float) -> dict:
+    """Run ``main`` (a faulty_rank_main) on two ranks: rank 0's call fails with a ParallelError
+    within the timeout, and rank 1 ended the way ``fault`` says; returns rank 0's report."""
+    from tinsmith.parallel.launch import run_ranks
+
+    rank0, rank1 = run_ranks(main, 2, tmp_path, (str(model_dir), fault, 1.5 * timeout_s),
+                             timeout_s=timeout_s, deadline_s=60)
+    assert rank0.exitcode == 0, rank0.error
+    got = rank0.result
+    assert got["type"] == "ParallelError", got
+    assert "rank 0 of 2" in got["message"], got
+    assert got["elapsed"] < timeout_s + 4.0, got  # slack for a loaded machine
+    if fault == "raise":
+        assert "rank 1 fails on purpose" in rank1.error
+    elif fault == "exit":
+        assert rank1.exitcode == 3
+    return got
+
+
+def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
+    """Both ranks load and shard the model; rank 1 then ``fault``s ("raise", "exit" or "stall")
+    instead of joining the forward pass, and rank 0 reports what its forward pass came to."""
+    rt = build_runtime(model_dir, tp)
+    unit = rt.create_adapter(LoraSpec(rank=2, seed=0))
+    return fault_or_forward(tp.rank, fault, stall_s, lambda: rt.forward_backward(
+        [TrainRequest(unit, ForwardBackwardInput(make_data(1, [8], rt.config.vocab_size), "cross_entropy"))]))
 
 
 class _FaultInjectingRuntime(TPTrainingRuntime):

@@ -11,7 +11,7 @@ import torch
 
 from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, bf16_call, bf16_rank_main, build_full_runtime,
                                           faulty_rank_main, load_and_score, train_rank_main, train_scenario)
-from tests.parallel.scenario import assert_same
+from tests.parallel.scenario import assert_peer_fault_fails_rank0, assert_same
 from tinsmith.models.loading import load_model
 from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
 from tinsmith.parallel.launch import run_ranks
@@ -107,16 +107,4 @@ def test_bf16_compute_matches_one_process_with_fp32_masters(qwen3_dir, tmp_path)
 
 @pytest.mark.parametrize("fault", ["raise", "exit", "stall"])
 def test_peer_fault_fails_the_other_rank(qwen3_dir, tmp_path, fault):
-    timeout_s = 3.0
-    outcomes = run_ranks(faulty_rank_main, 2, tmp_path, (str(qwen3_dir), fault, 1.5 * timeout_s),
-                         timeout_s=timeout_s, deadline_s=60)
-    rank0, rank1 = outcomes
-    assert rank0.exitcode == 0, rank0.error
-    got = rank0.result
-    assert got["type"] == "ParallelError", got
-    assert "rank 0 of 2" in got["message"], got
-    assert got["elapsed"] < timeout_s + 4.0, got  # slack for a loaded machine
-    if fault == "raise":
-        assert "rank 1 fails on purpose" in rank1.error
-    elif fault == "exit":
-        assert rank1.exitcode == 3
+    assert_peer_fault_fails_rank0(faulty_rank_main, qwen3_dir, tmp_path, fault, 3.0)

@@ -12,6 +12,7 @@ from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import LoraSpec, SampleInput, SamplingParams
+from tinsmith.worker.runtime import TrainingRuntime
 from tinsmith.worker.trainables import install_lora_weights
 
 
@@ -76,14 +77,33 @@ def forward_logprobs(model: CausalLM, tokens, slot: int | None = None) -> torch.
 
 
 def random_adapter(model: CausalLM, slot: int, *, rank: int = 4, seed: int = 0, scale: float = 0.1) -> None:
-    """Install an adapter with random (non-zero) A and B into ``slot``, as sampler snapshots are."""
+    """Install an adapter with random (non-zero) A and B into ``slot`` (dense and expert layers),
+    as sampler snapshots are."""
     spec = LoraSpec(rank=rank, alpha=2.0 * rank)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
-        tensors[f"{name}.lora_A.weight"] = torch.randn(rank, layer.in_features, generator=g) * scale
-        tensors[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, rank, generator=g) * scale
+        a_shape, b_shape = layer.lora_shapes(rank)
+        tensors[f"{name}.lora_A.weight"] = torch.randn(a_shape, generator=g) * scale
+        tensors[f"{name}.lora_B.weight"] = torch.randn(b_shape, generator=g) * scale
     install_lora_weights(model, slot, spec, tensors)
+
+
+def training_adapters(model: CausalLM, g: torch.Generator | None = None) -> tuple[TrainingRuntime, int, int]:
+    """A training runtime on ``model`` with two adapters made the way training runs make them, their
+    B moved off zero (drawn from ``g``, by default seeded 7): one on every target (rank 8) and one
+    on the MLPs only (rank 4)."""
+    rt = TrainingRuntime(model, max_lora_adapters=4, max_lora_rank=16)
+    unit = rt.create_adapter(LoraSpec(rank=8, alpha=16, seed=3))
+    # One that targets only the MLPs: attention layers and the LM head have no weights for it.
+    mlp_only = rt.create_adapter(LoraSpec(rank=4, alpha=8, seed=4, train_attn=False, train_unembed=False))
+    g = torch.Generator().manual_seed(7) if g is None else g
+    with torch.no_grad():
+        for u in (unit, mlp_only):
+            for name, p in rt.unit(u).named_params:
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return rt, unit, mlp_only
 
 
 @pytest.fixture

@@ -22,14 +22,13 @@ from tests.sampling.conftest import (
     run,
     sample_one,
     task,
+    training_adapters,
 )
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.lora import LoraLinear
 from tinsmith.sampling import kv_cache
 from tinsmith.sampling.logits import choose_tokens, uniforms
 from tinsmith.sampling.sampler import TOPK_SENTINEL
-from tinsmith.types import LoraSpec
-from tinsmith.worker.runtime import TrainingRuntime
 
 SNAP_A, SNAP_B = 1_000_001, 1_000_002  # adapter slots as the worker numbers sampler snapshots
 LP_TOL = 1e-4
@@ -102,17 +101,8 @@ def test_sampled_logprobs_equal_forward_base_and_adapters(qwen3_dir):
     model = fresh_model(qwen3_dir)
     V = model.config.vocab_size
     random_adapter(model, SNAP_A, rank=4, seed=1)
-    # An adapter made the way training runs make them, with its B moved off zero.
-    rt = TrainingRuntime(model, max_lora_adapters=4, max_lora_rank=16)
-    unit = rt.create_adapter(LoraSpec(rank=8, alpha=16, seed=3))
-    # One that targets only the MLPs: attention layers and the LM head have no weights for it.
-    mlp_only = rt.create_adapter(LoraSpec(rank=4, alpha=8, seed=4, train_attn=False, train_unembed=False))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for u in (unit, mlp_only):
-            for name, p in rt.unit(u).named_params:
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    # Adapters made the way training runs make them (one only on the MLPs), B moved off zero.
+    rt, unit, mlp_only = training_adapters(model)
     assert any(float(p.detach().abs().sum()) > 0 for n, p in rt.unit(unit).named_params if "lora_B" in n)
 
     ps = prompts(2, (5, 11, 3), V)

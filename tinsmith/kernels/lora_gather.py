@@ -77,54 +77,46 @@ def expand_torch(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: to
 if triton is not None:
 
     @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, idx_ptr, h_ptr, K: tl.constexpr, R: tl.constexpr,
-                       stride_xn, stride_xk, stride_as, stride_ar, stride_ak, stride_hn, stride_hr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _bgmv_kernel(v_ptr, m_ptr, idx_ptr, out_ptr, O: tl.constexpr, K: tl.constexpr,
+                     stride_vn, stride_vk, stride_ms, stride_mo, stride_mk, stride_on, stride_oo,
+                     ACCUMULATE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``out[row] (+)= M[idx[row]] @ v[row]`` for one row and block of outputs: shrink stores
+        (zeros for slot -1), expand accumulates into ``out`` (left as it is for slot -1)."""
         row = tl.program_id(0)
-        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
+        offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         slot = tl.load(idx_ptr + row).to(tl.int64)
         live = slot >= 0
-        a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + offs_r[:, None] * stride_ar
-        x_row = x_ptr + row.to(tl.int64) * stride_xn
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        o_mask = offs_o < O
+        if ACCUMULATE:
+            o_mask = o_mask & live
+        m_rows = m_ptr + tl.maximum(slot, 0) * stride_ms + offs_o[:, None] * stride_mo
+        v_row = v_ptr + row.to(tl.int64) * stride_vn
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = (offs_k < K) & live
-            xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
-            av = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :],
+            vv = tl.load(v_row + offs_k * stride_vk, mask=k_mask, other=0.0).to(tl.float32)
+            mv = tl.load(m_rows + offs_k[None, :] * stride_mk, mask=o_mask[:, None] & k_mask[None, :],
                          other=0.0).to(tl.float32)
-            acc += tl.sum(av * xv[None, :], axis=1)
-        tl.store(h_ptr + row.to(tl.int64) * stride_hn + offs_r * stride_hr, acc, mask=r_mask)
-
-    @triton.jit
-    def _expand_kernel(h_ptr, b_ptr, idx_ptr, y_ptr, N: tl.constexpr, R: tl.constexpr,
-                       stride_hn, stride_hr, stride_bs, stride_bn, stride_br, stride_yn, stride_yo,
-                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-        row = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_ptr + row).to(tl.int64)
-        live = slot >= 0
-        n_mask = (offs_n < N) & live
-        b_rows = b_ptr + tl.maximum(slot, 0) * stride_bs + offs_n[:, None] * stride_bn
-        h_row = h_ptr + row.to(tl.int64) * stride_hn
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = (offs_r < R) & live
-            hv = tl.load(h_row + offs_r * stride_hr, mask=r_mask, other=0.0).to(tl.float32)
-            bv = tl.load(b_rows + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :],
-                         other=0.0).to(tl.float32)
-            acc += tl.sum(bv * hv[None, :], axis=1)
-        y_cols = y_ptr + row.to(tl.int64) * stride_yn + offs_n * stride_yo
-        yv = tl.load(y_cols, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_cols, (yv + acc).to(y_ptr.dtype.element_ty), mask=n_mask)
+            acc += tl.sum(mv * vv[None, :], axis=1)
+        out_cols = out_ptr + row.to(tl.int64) * stride_on + offs_o * stride_oo
+        if ACCUMULATE:
+            acc += tl.load(out_cols, mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(out_cols, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
 
+def _bgmv(v: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, K: int, accumulate: bool,
+          block_o: int, block_k: int) -> None:
+    """Launch :func:`_bgmv_kernel`: ``bank`` is (slots, outputs, reduced), ``v`` (rows, reduced),
+    ``out`` (rows, outputs); ``K`` the reduced size."""
+    O = out.shape[1]
+    _bgmv_kernel[(v.shape[0], triton.cdiv(O, block_o))](
+        v, bank, idx, out, O, K, v.stride(0), v.stride(1), bank.stride(0), bank.stride(1), bank.stride(2),
+        out.stride(0), out.stride(1), ACCUMULATE=accumulate, BLOCK_O=block_o, BLOCK_K=block_k)
 
 
 def shrink_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -138,10 +130,7 @@ def shrink_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> t
     block_r = _pow2(R, 16, 64)
     # Wide K blocks on CPU: the interpreter runs one NumPy pass per loop trip.
     block_k = _pow2(K, 16, 1024 if cpu else 128)
-    grid = (n, triton.cdiv(R, block_r))
-    _shrink_kernel[grid](x, A_bank, idx, h, K, R, x.stride(0), x.stride(1), A_bank.stride(0),
-                         A_bank.stride(1), A_bank.stride(2), h.stride(0), h.stride(1),
-                         BLOCK_R=block_r, BLOCK_K=block_k)
+    _bgmv(x, A_bank, idx, h, K, False, block_r, block_k)
     return h
 
 
@@ -154,10 +143,7 @@ def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: t
     cpu = y.device.type == "cpu"
     block_r = _pow2(R, 16, 64)
     block_n = _pow2(N, 16, 1024 if cpu else 128)
-    grid = (n, triton.cdiv(N, block_n))
-    _expand_kernel[grid](h, B_bank, idx, y, N, R, h.stride(0), h.stride(1), B_bank.stride(0),
-                         B_bank.stride(1), B_bank.stride(2), y.stride(0), y.stride(1),
-                         BLOCK_N=block_n, BLOCK_R=block_r)
+    _bgmv(h, B_bank, idx, y, R, True, block_n, block_r)
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -60,14 +60,10 @@ def chunked_target_logprobs(
     ``rows_host``: ``rows`` on the host, where the chunks' element bounds are then found without
     reading the device (otherwise one read per call).
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+    check_shapes(hidden, weight)
     if rows.shape != cols.shape or rows.dim() != 1:
         raise ValueError("rows and cols must be 1-D and of the same length")
-    chunk = chunk_rows or rows_per_chunk(weight.shape[0])
-    spans = tuple((w.start, w.end, w.scale) for w in loras)
-    factors = [t for w in loras for t in (w.A, w.B)]
-    bounds = tuple(_element_bounds(rows if rows_host is None else rows_host, hidden.shape[0], chunk))
+    chunk, bounds, spans, factors = chunk_plan(hidden, weight, rows, loras, chunk_rows, rows_host)
     return _ChunkedTargetLogprobs.apply(hidden, weight, bias, rows, cols, chunk, bounds, spans, *factors)
 
 
@@ -77,6 +73,90 @@ def targets_to_elements(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     k = 1 if targets.dim() == 1 else targets.shape[1]
     rows = torch.arange(n, device=targets.device).repeat_interleave(k)
     return rows, targets.reshape(-1)
+
+
+def check_shapes(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise unless ``hidden`` (N, H) and ``weight`` (V, H) are 2-D with the same hidden size."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+
+
+def chunk_plan(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+               loras: list[UnembedLora] | tuple[UnembedLora, ...], chunk_rows: int | None,
+               rows_host: torch.Tensor | None) -> tuple[int, tuple[int, ...], tuple, list[torch.Tensor]]:
+    """``(chunk, bounds, spans, factors)`` as the autograd functions take them: rows per chunk, each
+    chunk's first element (plus the end), the adapters' ``(start, end, scale)`` and their flat
+    ``A, B, A, B, ...`` factors (passed as separate inputs so autograd gives them gradients)."""
+    chunk = chunk_rows or rows_per_chunk(weight.shape[0])
+    spans = tuple((w.start, w.end, w.scale) for w in loras)
+    factors = [t for w in loras for t in (w.A, w.B)]
+    bounds = tuple(_element_bounds(rows if rows_host is None else rows_host, hidden.shape[0], chunk))
+    return chunk, bounds, spans, factors
+
+
+def chunks(n: int, chunk: int):
+    """``(c, a, b)`` for each chunk ``c`` of rows ``[a, b)`` of ``n`` rows."""
+    for c, a in enumerate(range(0, n, chunk)):
+        yield c, a, min(n, a + chunk)
+
+
+def chunked_backward(ctx, grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None, rows: torch.Tensor, lse: torch.Tensor, factors: list,
+                     factors_at: int, scatter, kept: torch.Tensor | None = None) -> tuple:
+    """Gradients ``(d_hidden, d_weight, d_bias, *d_factors)`` of the chosen entries' log-probabilities.
+
+    Shared by the single-device and the vocabulary-parallel functions, which differ only in how a
+    chunk's incoming gradients land on its logits: ``scatter(d_logits, c, a, grad_out)`` adds
+    them in place at the chunk's chosen (rows, columns) that the caller holds. ``factors_at``: the
+    index of the first LoRA factor among the autograd function's inputs. ``kept``: the one chunk's
+    log-softmax saved by forward, used instead of recomputing the logits.
+    """
+    chunk, spans = ctx.chunk, ctx.spans
+    need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    need_f = ctx.needs_input_grad[factors_at:]
+    n, dtype = hidden.shape[0], hidden.dtype
+    grad_out = grad_out.float()
+    # Per-row sum of the incoming gradients: d logits = onehot-scatter(g) - softmax * sum(g).
+    g_row = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_add_(0, rows, grad_out)
+    d_h = torch.empty_like(hidden) if need_h else None
+    # Weight-sized gradients are summed over chunks in fp32, cast to their dtype at the end.
+    d_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    d_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+    d_f = [torch.zeros(f.shape, dtype=torch.float32, device=f.device) if need else None
+           for f, need in zip(factors, need_f)]
+    for c, a, b in chunks(n, chunk):
+        h = hidden[a:b]
+        if kept is not None:
+            d_logits = kept.exp()
+        else:
+            with torch.no_grad():
+                d_logits = _chunk_logits(h, weight, bias, a, spans, factors).sub_(lse[a:b, None]).exp_()
+        d_logits.mul_(-g_row[a:b, None])  # softmax * -sum(g), in place: one buffer
+        scatter(d_logits, c, a, grad_out)
+        if need_b:
+            d_b += d_logits.sum(0)
+        d_y = d_logits.to(dtype)
+        del d_logits
+        if need_h:
+            d_h[a:b] = d_y @ weight.to(dtype)
+        if need_w:
+            d_w += d_y.t() @ h  # one chunk in the compute dtype, summed in fp32
+        for i, (start, end, scale) in enumerate(spans):
+            lo, hi = max(start, a), min(end, b)
+            if lo >= hi:
+                continue
+            A, B = factors[2 * i].to(dtype), factors[2 * i + 1].to(dtype)
+            x, dy = h[lo - a : hi - a], d_y[lo - a : hi - a]
+            dy_b = dy @ B  # (rows, rank)
+            if need_h:
+                d_h[lo:hi].addmm_(dy_b, A, alpha=scale)
+            if need_f[2 * i]:
+                d_f[2 * i] += (scale * (dy_b.t() @ x)).float()
+            if need_f[2 * i + 1]:
+                d_f[2 * i + 1] += (scale * (dy.t() @ F.linear(x, A))).float()
+    grads_f = [None if g is None else g.to(f.dtype) for g, f in zip(d_f, factors)]
+    return (d_h, None if d_w is None else d_w.to(weight.dtype), None if d_b is None else d_b.to(bias.dtype),
+            *grads_f)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: int,
@@ -108,8 +188,7 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         # One chunk covers every row: its log-softmax is kept for backward (it is within the
         # memory budget by definition) rather than recomputed by a second unembedding GEMM.
         kept = None
-        for c, a in enumerate(range(0, n, chunk)):
-            b = min(n, a + chunk)
+        for c, a, b in chunks(n, chunk):
             logits = _chunk_logits(hidden[a:b], weight, bias, a, spans, factors)
             lse[a:b] = torch.logsumexp(logits, dim=-1)
             logp = logits.sub_(lse[a:b, None])
@@ -125,52 +204,13 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, rows, cols, lse, kept, *factors = ctx.saved_tensors
-        chunk, bounds, spans = ctx.chunk, ctx.bounds, ctx.spans
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_f = ctx.needs_input_grad[8:]
-        n, dtype = hidden.shape[0], hidden.dtype
-        grad_out = grad_out.float()
-        # Per-row sum of the incoming gradients: d logits = onehot-scatter(g) - softmax * sum(g).
-        g_row = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_add_(0, rows, grad_out)
-        d_h = torch.empty_like(hidden) if need_h else None
-        # Weight-sized gradients are summed over chunks in fp32, cast to their dtype at the end.
-        d_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        d_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        d_f = [torch.zeros(f.shape, dtype=torch.float32, device=f.device) if need else None
-               for f, need in zip(factors, need_f)]
-        for c, a in enumerate(range(0, n, chunk)):
-            b = min(n, a + chunk)
-            h = hidden[a:b]
-            if kept is not None:
-                d_logits = kept.exp()
-            else:
-                with torch.no_grad():
-                    d_logits = _chunk_logits(h, weight, bias, a, spans, factors).sub_(lse[a:b, None]).exp_()
-            d_logits.mul_(-g_row[a:b, None])  # softmax * -sum(g), in place: one buffer
+        bounds = ctx.bounds
+
+        def scatter(d_logits, c, a, g):
             ea, eb = bounds[c], bounds[c + 1]
             if ea < eb:
-                d_logits.index_put_((rows[ea:eb] - a, cols[ea:eb]), grad_out[ea:eb], accumulate=True)
-            if need_b:
-                d_b += d_logits.sum(0)
-            d_y = d_logits.to(dtype)
-            del d_logits
-            if need_h:
-                d_h[a:b] = d_y @ weight.to(dtype)
-            if need_w:
-                d_w += d_y.t() @ h  # one chunk in the compute dtype, summed in fp32
-            for i, (start, end, scale) in enumerate(spans):
-                lo, hi = max(start, a), min(end, b)
-                if lo >= hi:
-                    continue
-                A, B = factors[2 * i].to(dtype), factors[2 * i + 1].to(dtype)
-                x, dy = h[lo - a : hi - a], d_y[lo - a : hi - a]
-                dy_b = dy @ B  # (rows, rank)
-                if need_h:
-                    d_h[lo:hi].addmm_(dy_b, A, alpha=scale)
-                if need_f[2 * i]:
-                    d_f[2 * i] += (scale * (dy_b.t() @ x)).float()
-                if need_f[2 * i + 1]:
-                    d_f[2 * i + 1] += (scale * (dy.t() @ F.linear(x, A))).float()
-        grads_f = [None if g is None else g.to(f.dtype) for g, f in zip(d_f, factors)]
-        return (d_h, None if d_w is None else d_w.to(weight.dtype), None if d_b is None else d_b.to(bias.dtype),
-                None, None, None, None, None, *grads_f)
+                d_logits.index_put_((rows[ea:eb] - a, cols[ea:eb]), g[ea:eb], accumulate=True)
+
+        d_h, d_w, d_b, *grads_f = chunked_backward(ctx, grad_out, hidden, weight, bias, rows, lse, factors, 8,
+                                                   scatter, kept)
+        return (d_h, d_w, d_b, None, None, None, None, None, *grads_f)

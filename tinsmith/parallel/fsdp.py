@@ -200,16 +200,7 @@ class ShardedFullTrainable(Trainable):
         return weights, opt
 
     def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
-        for n, p in self.named_params:  # validate everything first: full shapes (a DTensor's shape is global)
-            w = weights.get(n)
-            if w is None or tuple(w.shape) != tuple(p.shape):
-                raise InvalidInputError(f"checkpoint tensor {n!r} has shape {None if w is None else tuple(w.shape)}, "
-                                        f"this run needs {tuple(p.shape)}")
-            if self._has_saved_state(optimizer, n):
-                for key in STATE_KEYS[self.optimizer_type]:
-                    t = optimizer.get(f"{n}.{key}")
-                    if t is None or tuple(t.shape) != tuple(p.shape):
-                        raise InvalidInputError(f"checkpoint optimizer state {n}.{key} is missing or misshapen")
+        self._check_state(weights, optimizer)  # everything first, in full shapes
         self.optimizer.state.clear()
         with torch.no_grad():
             for n, p in self.named_params:

@@ -140,9 +140,10 @@ class Trainable:
         marker = "step" if self.optimizer_type == ADAMW else STATE_KEYS[self.optimizer_type][0]
         return f"{name}.{marker}" in optimizer
 
-    def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
-        """Replace weights (and the optimizer state, or reset it); validates everything first.
-        ``optimizer`` must come from a run of this unit's optimizer family."""
+    def _check_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+        """Raise unless every tensor (and, where it was stepped, its optimizer state) is there in
+        this unit's shape: checked before anything is replaced, so a bad checkpoint changes nothing.
+        Shapes are full ones (a DTensor's shape is global)."""
         for n, p in self.named_params:
             w = weights.get(n)
             if w is None or tuple(w.shape) != tuple(p.shape):
@@ -153,6 +154,11 @@ class Trainable:
                     t = optimizer.get(f"{n}.{suffix}")
                     if t is None or tuple(t.shape) != tuple(p.shape):
                         raise InvalidInputError(f"checkpoint optimizer state {n}.{suffix} is missing or misshapen")
+
+    def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+        """Replace weights (and the optimizer state, or reset it); validates everything first.
+        ``optimizer`` must come from a run of this unit's optimizer family."""
+        self._check_state(weights, optimizer)
         self.optimizer.state.clear()
         with torch.no_grad():
             for (n, p), model_p in zip(self.named_stepped, self.model_params):
