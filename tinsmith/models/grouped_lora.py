@@ -35,9 +35,7 @@ def grouped_lora_usable(x: torch.Tensor, weights: list[LoraWeights | None], out_
     if len(present) < 2:
         return False
     rank = _round_up(max(w.A.shape[0] for w in present), 8)
-    probe_a = torch.empty(0, rank, x.shape[-1], dtype=x.dtype, device=x.device)
-    probe_b = torch.empty(0, out_features, rank, dtype=x.dtype, device=x.device)
-    return moe.grouped_mm_usable(x, probe_a) and moe.grouped_mm_usable(x, probe_b)
+    return moe.grouped_mm_fits(x, x.dtype, rank, x.shape[-1]) and moe.grouped_mm_fits(x, x.dtype, out_features, rank)
 
 
 def grouped_lora_delta(x: torch.Tensor, weights: list[LoraWeights | None], sizes: list[int],

@@ -13,6 +13,7 @@ ascending expert order, as transformers' eager experts do.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -58,15 +59,26 @@ class ExpertGroups:
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` of ``x`` with stacked ``weight`` (groups x out x in) is the fast path here."""
+    return grouped_mm_fits(x, weight.dtype, weight.shape[-2], weight.shape[-1])
+
+
+def grouped_mm_fits(x: torch.Tensor, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
+    """:func:`grouped_mm_usable` from the stacked weight's dtype and sizes (no tensor needed)."""
     if GROUPED_MM != "auto":
         return GROUPED_MM == "grouped"
     if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 or dtype != torch.bfloat16:
         return False
-    if weight.shape[-1] % 8 or weight.shape[-2] % 8:  # 16-byte aligned rows for the bf16 kernel
+    if out_features % 8 or in_features % 8:  # 16-byte aligned rows for the bf16 kernel
         return False
-    major, minor = torch.cuda.get_device_capability(x.device)
+    return _fast_grouped_kernel(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _fast_grouped_kernel(device_index: int) -> bool:
+    """Hopper always; Ampere and newer from torch 2.9 (asked once per device)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
     torch_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     return major == 9 or (torch_version >= (2, 9) and (major, minor) >= (8, 0))
 
