@@ -85,16 +85,17 @@ if triton is not None:
         row = tl.program_id(0)
         offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         slot = tl.load(idx_ptr + row).to(tl.int64)
-        live = slot >= 0
         o_mask = offs_o < O
         if ACCUMULATE:
-            o_mask = o_mask & live
+            # the slot compared per element (a scalar condition ANDed into a mask is not a mask
+            # dtype every Triton version's interpreter accepts)
+            o_mask = o_mask & ((offs_o * 0 + slot) >= 0)
         m_rows = m_ptr + tl.maximum(slot, 0) * stride_ms + offs_o[:, None] * stride_mo
         v_row = v_ptr + row.to(tl.int64) * stride_vn
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = (offs_k < K) & live
+            k_mask = (offs_k < K) & ((offs_k * 0 + slot) >= 0)
             vv = tl.load(v_row + offs_k * stride_vk, mask=k_mask, other=0.0).to(tl.float32)
             mv = tl.load(m_rows + offs_k[None, :] * stride_mk, mask=o_mask[:, None] & k_mask[None, :],
                          other=0.0).to(tl.float32)
