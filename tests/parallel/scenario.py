@@ -235,8 +235,10 @@ def _full_lora(model, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, layer in model.lora_targets(spec.train_attn, spec.train_mlp, spec.train_unembed):
         fin, fout = getattr(layer, "full_in", layer.in_features), getattr(layer, "full_out", layer.out_features)
-        out[f"{name}.lora_A.weight"] = 0.1 * torch.randn(spec.rank, fin, generator=g)
-        out[f"{name}.lora_B.weight"] = 0.1 * torch.randn(fout, spec.rank, generator=g)
+        # Routed experts: one A/B per expert, all of them (a sharded layer holds its block of experts).
+        experts = (getattr(layer, "full_experts", layer.num_experts),) if hasattr(layer, "num_experts") else ()
+        out[f"{name}.lora_A.weight"] = 0.1 * torch.randn(*experts, spec.rank, fin, generator=g)
+        out[f"{name}.lora_B.weight"] = 0.1 * torch.randn(*experts, fout, spec.rank, generator=g)
     return out
 
 

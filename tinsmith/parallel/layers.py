@@ -10,6 +10,11 @@ takes a :class:`LoraLinear` takes them).
   ``x A_r^T B^T`` joins the layer's all-reduce, so the adapter costs no extra collective forward.
 * :class:`VocabParallelEmbedding` keeps a block of vocabulary rows; a token another rank owns
   reads zeros here, and the all-reduce assembles every row.
+* :class:`ExpertParallelMoeBlock` keeps a contiguous block of a mixture-of-experts layer's
+  experts (expert parallelism inside the group, whose ranks all hold every token): the router
+  is replicated, each rank runs the pairs routed to its own experts, and one all-reduce sums the
+  ranks' shares, as after a row-parallel projection. LoRA: each expert's ``A``/``B`` live with
+  the expert (:class:`ExpertParallelLinear`), whole.
 
 Adapters are drawn at full size with the caller's generator and then sliced, so a seed gives
 the same adapter under any tensor-parallel size.
@@ -22,6 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.models.lora import LoraLinear, LoraWeights, Segments, RowGroups, new_lora_weights
+from tinsmith.models.lora_bank import RowSlots
+from tinsmith.models.moe import ExpertLinear, PackedGateUp, SparseMoeBlock
 from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, mark_replicated, reduce_from_tp
 from tinsmith.parallel.group import TPGroup
 
@@ -116,3 +123,51 @@ class CopyToTP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(self.inner(x), self.tp)
+
+
+class ExpertParallelLinear(ExpertLinear):
+    """Experts ``experts`` of a full stacked ``(full_experts, out, in)`` expert projection."""
+
+    def __init__(self, full: ExpertLinear, experts: slice):
+        super().__init__(experts.stop - experts.start, full.in_features, full.out_features, bias=full.bias is not None)
+        self.experts, self.full_experts = experts, full.num_experts
+        self.weight = nn.Parameter(full.weight.detach()[experts].clone(), requires_grad=False)
+        if full.bias is not None:
+            self.bias = nn.Parameter(full.bias.detach()[experts].clone(), requires_grad=False)
+
+    def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
+        w = new_lora_weights((self.full_experts, rank, self.in_features), (self.full_experts, self.out_features, rank),
+                             self.in_features, alpha / rank, generator, self.weight.device)
+        A = w.A.detach()[self.experts].clone().requires_grad_()
+        B = w.B.detach()[self.experts].clone().requires_grad_()
+        self.adapters[slot] = out = LoraWeights(A, B, w.scale)
+        return out
+
+    def shard_dims(self) -> tuple[int | None, int | None]:
+        return 0, 0  # both split by expert
+
+
+class ExpertParallelMoeBlock(SparseMoeBlock):
+    """This rank's experts ``experts`` of ``block`` (its router kept whole); outputs summed over ranks.
+
+    Its input is the replicated stream after a :class:`CopyToTP` norm, so the ranks' partial
+    input gradients (each through its own experts and its share of the routing weights) are
+    summed there.
+    """
+
+    def __init__(self, block: SparseMoeBlock, experts: slice, tp: TPGroup):
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.router_name = block.router_name
+        self.add_module(self.router_name, getattr(block, self.router_name))
+        ex = self.experts = block.experts
+        packed = ex.packed_gate_up is not None
+        ex.gate_proj = ExpertParallelLinear(ex.gate_proj, experts)
+        ex.up_proj = ExpertParallelLinear(ex.up_proj, experts)
+        ex.down_proj = ExpertParallelLinear(ex.down_proj, experts)
+        # The packed buffer held every expert; this rank's experts get one of their own.
+        ex.packed_gate_up = PackedGateUp(ex.gate_proj, ex.up_proj, ex.activation) if packed else None
+        self.expert_start = experts.start
+
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> torch.Tensor:
+        return reduce_from_tp(super().forward(x, segments), self.tp)
