@@ -1,7 +1,7 @@
 """The serving sampler over a model sharded on 2 gloo ranks draws what one process draws: greedy
 base-model tokens with prompt logprobs, seeded nucleus samples through a LoRA adapter, and a
-prompt that reads an earlier one's K/V from the prefix cache. The mixture-of-experts model runs
-its experts split over the ranks."""
+prompt that reads an earlier one's K/V from the prefix cache. The mixture-of-experts models run
+their experts split over the ranks; gpt-oss adds attention sinks and sliding windows."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.parallel.scenario import assert_same, sample_rank_main, sample_scenar
 from tinsmith.parallel.launch import run_ranks
 
 
-@pytest.mark.parametrize("fixture", ["qwen3_dir", "qwen3_moe_dir"])
+@pytest.mark.parametrize("fixture", ["qwen3_dir", "qwen3_moe_dir", "gpt_oss_dir"])
 def test_sharded_sampler_matches_one_process(request, fixture, tmp_path):
     model_dir = str(request.getfixturevalue(fixture))
     ref = sample_scenario(model_dir, None)

@@ -47,9 +47,7 @@ OPTION = "--tensor-parallel-size"
 def check_servable(cfg: ModelConfig, size: int, name: str) -> None:
     """Refuse, naming the option, a model the tensor-parallel code does not cover (before any rank loads it)."""
     why = None
-    if cfg.attention_sinks or cfg.sliding_window is not None:
-        why = "attention sinks and sliding-window layers (gpt-oss) are not sharded yet"
-    elif cfg.vision is not None:
+    if cfg.vision is not None:
         why = "image-text models (vision towers) are not sharded yet"
     elif cfg.linear_attn is not None or cfg.attn_output_gate:
         why = "hybrid models with Gated DeltaNet layers and gated attention (Qwen3.5) are not sharded yet"

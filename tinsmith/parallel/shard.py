@@ -26,9 +26,8 @@ def check_shardable(model: CausalLM, tp: TPGroup) -> None:
     cfg = model.config
     if any(not isinstance(layer.mlp, MLP) and type(layer.mlp) is not SparseMoeBlock for layer in model.model.layers):
         raise ValueError("tensor parallelism covers dense MLPs and routed experts without a shared expert so far")
-    if cfg.attention_sinks or cfg.vision is not None or cfg.linear_attn is not None:
-        raise ValueError("tensor parallelism does not cover attention sinks (gpt-oss), vision towers or "
-                         "Gated DeltaNet layers yet")
+    if cfg.vision is not None or cfg.linear_attn is not None:
+        raise ValueError("tensor parallelism does not cover vision towers or Gated DeltaNet layers yet")
     for n, what in tp_divisors(cfg):
         tp.shard(n, what)  # raises when not divisible
 
@@ -64,6 +63,8 @@ def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:
         attn.v_proj = ColumnParallelLoraLinear(attn.v_proj, kv_rows, tp, copy_input=False)
         attn.o_proj = RowParallelLoraLinear(attn.o_proj, q_rows, tp)
         attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
+        if attn.sinks is not None:  # gpt-oss: one frozen sink logit per query head, kept with its head
+            attn.sinks = nn.Parameter(attn.sinks.detach()[q_heads].clone(), requires_grad=False)
         attn.packed_qkv = None  # packed buffers hold full weights; the shards run separately
         if isinstance(mlp, SparseMoeBlock):  # expert parallel: this rank's block of experts
             layer.mlp = ExpertParallelMoeBlock(mlp, tp.shard(cfg.moe.num_experts, "experts"), tp)
