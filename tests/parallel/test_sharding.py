@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tinsmith.errors import InvalidInputError
-from tinsmith.models.loading import load_model
+from tinsmith.models.loading import load_model, read_config
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.layers import ExpertParallelMoeBlock
 from tinsmith.parallel.serving import check_servable
@@ -59,13 +59,16 @@ def test_optimizer_state_is_cut_like_its_tensor_and_steps_stay_whole():
         scatter_full({"x.lora_A.weight": torch.zeros(2, 5)}, dims, TPGroup(rank=0, size=2))
 
 
-def test_refuses_what_it_cannot_shard(qwen3_dir, qwen3_moe_dir, qwen3_5_moe_dir):
+def test_refuses_what_it_cannot_shard(qwen3_dir, qwen3_moe_dir, qwen3_5_moe_dir, qwen3_vl_dir):
     model = load_model(str(qwen3_dir), "cpu", torch.float32).model
     with pytest.raises(ValueError, match="attention heads .4. is not divisible by the tensor-parallel size 3"):
         shard_causal_lm(model, TPGroup(rank=0, size=3))
-    shared = load_model(str(qwen3_5_moe_dir), "cpu", torch.float32).model
-    with pytest.raises(ValueError, match="without a shared expert"):
-        shard_causal_lm(shared, TPGroup(rank=0, size=2))
+    vl = load_model(str(qwen3_vl_dir), "cpu", torch.float32).model
+    with pytest.raises(ValueError, match="vision towers"):
+        shard_causal_lm(vl, TPGroup(rank=0, size=2))
+    hybrid = read_config(qwen3_5_moe_dir)
+    assert (hybrid.linear_attn.num_key_heads, "linear-attention key heads") in tp_divisors(hybrid)
+    assert (hybrid.moe.shared_expert_intermediate_size, "shared expert intermediate size") in tp_divisors(hybrid)
     moe = load_model(str(qwen3_moe_dir), "cpu", torch.float32).model
     cfg = moe.config
     assert (cfg.moe.num_experts, "experts") in tp_divisors(cfg)

@@ -10,7 +10,8 @@ import torch
 from tests.parallel.scenario import assert_same, build_runtime, load_and_score, rank_main, run_scenario
 from tinsmith.parallel.launch import run_ranks
 
-@pytest.mark.parametrize("families", [("qwen3", "tied_qwen3"), ("llama", "qwen2"), ("qwen3_moe", "gpt_oss")])
+@pytest.mark.parametrize("families", [("qwen3", "tied_qwen3"), ("llama", "qwen2"), ("qwen3_moe", "gpt_oss"),
+                                      ("qwen3_5", "qwen3_5_moe")])
 def test_two_ranks_match_one_process(request, model_dirs, tmp_path, families):
     """Also: a checkpoint saved by one process loads under TP=2, and one saved (gathered) under
     TP=2 loads in one process, with the same state and logprobs. Two families per group of ranks;

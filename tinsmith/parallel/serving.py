@@ -49,10 +49,6 @@ def check_servable(cfg: ModelConfig, size: int, name: str) -> None:
     why = None
     if cfg.vision is not None:
         why = "image-text models (vision towers) are not sharded yet"
-    elif cfg.linear_attn is not None or cfg.attn_output_gate:
-        why = "hybrid models with Gated DeltaNet layers and gated attention (Qwen3.5) are not sharded yet"
-    elif cfg.moe is not None and cfg.moe.shared_expert_intermediate_size:
-        why = "mixture-of-experts layers with a shared expert are not sharded yet"
     else:
         for n, what in tp_divisors(cfg):
             if n % size:
