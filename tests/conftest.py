@@ -63,3 +63,9 @@ def qwen3_5_dir(tmp_path_factory):
 def qwen3_5_moe_dir(tmp_path_factory):
     """A tiny Qwen3.5-MoE: the layers of ``qwen3_5_dir``, 4 experts (top-2) and a shared expert each."""
     return make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe") / "qwen3_5_moe", "qwen3_5_moe", SMALL, seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory):
+    """A tiny Qwen3-VL: the decoder with M-RoPE and DeepStack, and a vision tower."""
+    return make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)

@@ -36,11 +36,13 @@ def hbm_bound_tokens_per_s(model_dir, rows: int, prompt: int, new: int, copy_bps
     return rows / ((weight_bytes + kv_bytes) / copy_bps)
 
 
-def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int, slots: list[int | None], seed: int) -> float:
-    """Wall seconds to sample ``rows`` sequences of exactly ``new`` tokens (prefill included)."""
+def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int, slots: list[int | None], seed: int,
+                budget_s: float = 1.0) -> float:
+    """Wall seconds to sample ``rows`` sequences of exactly ``new`` tokens (prefill included).
+    Draws are seeded, so ranks of a sharded sampler (run with an infinite ``budget_s``) agree."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=new, temperature=1.0, stop=[])
     for i in range(rows):
+        params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=seed * 1_000_003 + i)
         sampler.add(SampleTask(i, slots[i % len(slots)],
                                SampleInput(prompt=rng.integers(4, 2000, prompt), num_samples=1, params=params)))
     sync(sampler.device)
@@ -48,7 +50,7 @@ def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int, slots: list[
     finished = 0
     with torch.inference_mode():
         while finished < rows:
-            for _, res in sampler.step(budget_s=1.0):
+            for _, res in sampler.step(budget_s=budget_s):
                 if isinstance(res, Exception):
                     raise res
                 finished += 1

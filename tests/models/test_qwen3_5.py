@@ -299,3 +299,30 @@ def test_bfloat16_logits_follow_transformers(model_dir):
     tokens = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(logits_of(ours, tokens), ref(tokens).logits.float(), rtol=0, atol=2e-2)
+
+
+def test_qwen3_6_35b_a3b_config_reads_as_qwen3_5_moe(tmp_path):
+    """Qwen3.6 checkpoints declare Qwen3.5's model_type and classes (transformers' docs): a config.json
+    written by transformers' own ``Qwen3_5MoeConfig`` with Qwen3.6-35B-A3B's published shape (40
+    layers of 3 Gated DeltaNet : 1 gated attention, 256 experts with 8 routed and a shared one,
+    rotary on a quarter of each 256-wide head) reads as that shape, without its weights."""
+    import transformers
+
+    from tinsmith.models.loading import read_config
+
+    text = dict(hidden_size=2048, num_hidden_layers=40, full_attention_interval=4, num_attention_heads=16,
+                num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                linear_key_head_dim=128, linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8,
+                moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248_320)
+    config = transformers.Qwen3_5MoeConfig(text_config=text, architectures=["Qwen3_5MoeForConditionalGeneration"])
+    config.save_pretrained(tmp_path)
+    cfg = read_config(tmp_path)
+    assert cfg.family == "qwen3_5_moe" and cfg.text_prefix == "model.language_model."
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + cfg.layer_types[4:]
+    assert cfg.layer_types.count("full_attention") == 10 and cfg.rotary_dim == 64
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (16, 2, 256, 248_320)
+    la = cfg.linear_attn
+    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim) == (16, 32, 128, 128)
+    moe = cfg.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
+            moe.shared_expert_intermediate_size) == (256, 8, 512, 512)

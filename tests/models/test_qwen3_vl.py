@@ -10,8 +10,6 @@ import torch
 import transformers
 from PIL import Image
 
-from tests.conftest import SMALL
-from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.models.layers import VisualFeatures
 from tinsmith.models.loading import load_model
 from tinsmith.models.vision import expand_tokens, mrope_positions
@@ -19,8 +17,8 @@ from tinsmith.types import ImageInput
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
+def vl_dir(qwen3_vl_dir):
+    return qwen3_vl_dir
 
 
 def image(width: int, height: int, position: int, seed: int = 0) -> ImageInput:

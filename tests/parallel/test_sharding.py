@@ -3,12 +3,17 @@ how full-size adapter state is cut and reassembled."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from tinsmith.models.loading import load_model
+from tinsmith.errors import InvalidInputError
+from tinsmith.models.loading import load_model, read_config
 from tinsmith.parallel.group import TPGroup
-from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.parallel.layers import ExpertParallelMoeBlock
+from tinsmith.parallel.serving import check_servable
+from tinsmith.parallel.shard import shard_causal_lm, tp_divisors
 from tinsmith.parallel.state import lora_shard_dims, scatter_full
 from tinsmith.types import LoraSpec
 from tinsmith.worker.trainables import attach_lora
@@ -54,10 +59,36 @@ def test_optimizer_state_is_cut_like_its_tensor_and_steps_stay_whole():
         scatter_full({"x.lora_A.weight": torch.zeros(2, 5)}, dims, TPGroup(rank=0, size=2))
 
 
-def test_refuses_what_it_cannot_shard(qwen3_dir, qwen3_moe_dir):
+def test_refuses_what_it_cannot_shard(qwen3_dir, qwen3_moe_dir, qwen3_5_moe_dir, qwen3_vl_dir):
     model = load_model(str(qwen3_dir), "cpu", torch.float32).model
     with pytest.raises(ValueError, match="attention heads .4. is not divisible by the tensor-parallel size 3"):
         shard_causal_lm(model, TPGroup(rank=0, size=3))
+    vl = load_model(str(qwen3_vl_dir), "cpu", torch.float32).model
+    with pytest.raises(ValueError, match="vision towers"):
+        shard_causal_lm(vl, TPGroup(rank=0, size=2))
+    hybrid = read_config(qwen3_5_moe_dir)
+    assert (hybrid.linear_attn.num_key_heads, "linear-attention key heads") in tp_divisors(hybrid)
+    assert (hybrid.moe.shared_expert_intermediate_size, "shared expert intermediate size") in tp_divisors(hybrid)
     moe = load_model(str(qwen3_moe_dir), "cpu", torch.float32).model
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        shard_causal_lm(moe, TPGroup(rank=0, size=2))
+    cfg = moe.config
+    assert (cfg.moe.num_experts, "experts") in tp_divisors(cfg)
+    assert (cfg.intermediate_size, "MLP intermediate size") not in tp_divisors(cfg)  # no dense MLP layer
+    six = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=6))
+    with pytest.raises(InvalidInputError, match=r"experts \(6\) do not divide by 4"):
+        check_servable(dataclasses.replace(six, num_heads=8, num_kv_heads=4, vocab_size=cfg.vocab_size * 4), 4, "six")
+
+
+def test_experts_split_by_rank(qwen3_moe_dir):
+    """Rank 1 of 2 keeps the second half of every layer's experts, whole, and adapters drawn from a
+    seed hold that rank's experts of the full-size draw."""
+    full = load_model(str(qwen3_moe_dir), "cpu", torch.float32).model
+    moe = shard_causal_lm(load_model(str(qwen3_moe_dir), "cpu", torch.float32).model, TPGroup(rank=1, size=2))
+    n = full.config.moe.num_experts
+    for whole, part in zip(full.model.layers, moe.model.layers):
+        assert isinstance(part.mlp, ExpertParallelMoeBlock) and part.mlp.expert_start == n // 2
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(part.mlp.experts, name).weight, getattr(whole.mlp.experts, name).weight[n // 2:])
+        assert torch.equal(part.mlp.gate.weight, whole.mlp.gate.weight)  # the router stays whole
+    a = full.model.layers[0].mlp.experts.down_proj.add_adapter(1, 4, 8.0, torch.Generator().manual_seed(3))
+    b = moe.model.layers[0].mlp.experts.down_proj.add_adapter(1, 4, 8.0, torch.Generator().manual_seed(3))
+    assert torch.equal(b.A, a.A[n // 2:]) and torch.equal(b.B, a.B[n // 2:])

@@ -10,11 +10,14 @@ import torch
 from tests.parallel.scenario import assert_same, build_runtime, load_and_score, rank_main, run_scenario
 from tinsmith.parallel.launch import run_ranks
 
-@pytest.mark.parametrize("families", [("qwen3", "tied_qwen3"), ("llama", "qwen2")])
-def test_two_ranks_match_one_process(model_dirs, tied_qwen3_dir, tmp_path, families):
+@pytest.mark.parametrize("families", [("qwen3", "tied_qwen3"), ("llama", "qwen2"), ("qwen3_moe", "gpt_oss"),
+                                      ("qwen3_5", "qwen3_5_moe")])
+def test_two_ranks_match_one_process(request, model_dirs, tmp_path, families):
     """Also: a checkpoint saved by one process loads under TP=2, and one saved (gathered) under
-    TP=2 loads in one process, with the same state and logprobs. Two families per group of ranks."""
-    dirs = [str(tied_qwen3_dir if f == "tied_qwen3" else model_dirs[f]) for f in families]
+    TP=2 loads in one process, with the same state and logprobs. Two families per group of ranks;
+    the mixture-of-experts models run their experts split over the ranks (expert parallel), and
+    gpt-oss keeps each query head's attention sink with its head."""
+    dirs = [str(model_dirs[f] if f in model_dirs else request.getfixturevalue(f"{f}_dir")) for f in families]
     refs, cases = [], []
     for i, d in enumerate(dirs):
         one, two = tmp_path / f"tp1-{i}", tmp_path / f"tp2-{i}"

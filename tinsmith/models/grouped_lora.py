@@ -13,6 +13,7 @@ zero outputs and their gradients are dropped by the slicing.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,18 @@ if TYPE_CHECKING:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=64)
+def group_offsets(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The end row of each group (int32, on ``device``), what ``torch._grouped_mm`` takes.
+
+    Every projection of a micro-batch has the same groups, so this is made once per micro-batch
+    layout, not once per layer: one host-to-device copy instead of one per projection, forward
+    and backward (the tensor is only read, so sharing it is safe).
+    """
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return ends.to(device)
 
 
 def grouped_lora_usable(x: torch.Tensor, weights: list[LoraWeights | None], out_features: int) -> bool:
@@ -58,7 +71,6 @@ def grouped_lora_delta(x: torch.Tensor, weights: list[LoraWeights | None], sizes
         b_stack.append(F.pad(b, (0, pad)) if pad else b)
     A = torch.stack(a_stack)  # (groups, rank, in)
     B = torch.stack(b_stack)  # (groups, out, rank)
-    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
-    offs = ends.to(x.device, non_blocking=True)
+    offs = group_offsets(tuple(sizes), x.device)
     h = torch._grouped_mm(x, A.transpose(1, 2), offs=offs)
     return torch._grouped_mm(h, B.transpose(1, 2), offs=offs)

@@ -282,6 +282,12 @@ class SparseMoeBlock(nn.Module):
     """Router + experts, in place of a dense MLP (module names as transformers': ``gate`` or
     ``router`` as the family's checkpoints say, and ``experts``)."""
 
+    # The first of the experts this block computes. A block holds every expert (the default) or,
+    # under expert parallelism, a contiguous range of them (``experts.*.num_experts`` long): the
+    # router still scores every expert, the block runs the (token, expert) pairs of its own
+    # range, and its output is this range's share of each token's sum, to be summed over ranks.
+    expert_start: int = 0
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         assert cfg.moe is not None
@@ -295,11 +301,16 @@ class SparseMoeBlock(nn.Module):
         weights, chosen = router(x2)
         flat = chosen.reshape(-1)  # pair p = token * top_k + k
         order = torch.argsort(flat, stable=True)
-        token_of = order // router.top_k
-        num_experts = router.weight.shape[0]
-        groups = ExpertGroups(torch.bincount(flat, minlength=num_experts))
-        lora = _adapter_rows(segments, x2.shape[0], token_of, flat[order], num_experts, groups)
+        counts = torch.bincount(flat, minlength=router.weight.shape[0])
         ex = self.experts
+        num_experts = ex.gate_proj.num_experts
+        if num_experts == counts.shape[0]:
+            groups, sorted_experts = ExpertGroups(counts), flat[order]
+        else:  # this block's range of experts: its pairs are one contiguous run of the sorted pairs
+            order, groups = self._own_pairs(order, counts, num_experts)
+            sorted_experts = flat[order] - self.expert_start
+        token_of = order // router.top_k
+        lora = _adapter_rows(segments, x2.shape[0], token_of, sorted_experts, num_experts, groups)
         rows = x2.index_select(0, token_of)
         packed = ex.packed_gate_up
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
@@ -309,6 +320,15 @@ class SparseMoeBlock(nn.Module):
         out = ex.down_proj(h, groups, lora) * weights.reshape(-1)[order, None]
         # index_add over rows sorted by expert sums each token's experts in ascending expert order.
         return torch.zeros_like(x2).index_add(0, token_of, out).view(x.shape)
+
+    def _own_pairs(self, order: torch.Tensor, counts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ExpertGroups]:
+        """The sorted pairs of experts ``expert_start ..`` (``num_experts`` of them), and their groups.
+        Where the run starts is read from the host (one read per layer): the slice needs it."""
+        host = counts.tolist()
+        start, stop = self.expert_start, self.expert_start + num_experts
+        lo = sum(host[:start])
+        hi = lo + sum(host[start:stop])
+        return order[lo:hi], ExpertGroups(counts[start:stop], _host=host[start:stop])
 
 
 def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: int, token_of: torch.Tensor,

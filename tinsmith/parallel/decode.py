@@ -3,8 +3,8 @@
 Each rank caches the keys and values of its own attention heads only, so the cache shrinks with
 the tensor-parallel size as the weights do. The next token is the argmax of the full logits
 (the sharded LM head gathers the ranks' vocabulary blocks), so every rank picks the same token. This is the
-reference decode loop for tensor parallelism (and its tests); the serving sampler with paged
-cache and many rows is not sharded yet.
+reference decode loop for tensor parallelism (and its tests); attention sinks and sliding
+windows (gpt-oss) go through the model's own masked attention.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from tinsmith.models.layers import CausalLM
+from tinsmith.models.layers import CausalLM, masked_attention
 
 
 class HeadShardedKVCache:
@@ -24,19 +24,20 @@ class HeadShardedKVCache:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        if sinks is not None or window is not None:
-            raise ValueError("this decode loop has no attention sinks or sliding windows")
         if layer_idx in self.k:
             k = torch.cat((self.k[layer_idx], k), dim=2)
             v = torch.cat((self.v[layer_idx], v), dim=2)
         self.k[layer_idx], self.v[layer_idx] = k, v
         lq, lk = q.shape[2], k.shape[2]
         gqa = k.shape[1] != q.shape[1]
-        if lq == lk:
+        if lq == lk and sinks is None and window is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
-        allowed = torch.arange(lk, device=q.device)[None, :] <= i
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+        pos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # each query's position
+        keys = torch.arange(lk, device=q.device)[None, :]
+        allowed = keys <= pos
+        if window is not None:  # a sliding layer (gpt-oss) sees its last ``window`` positions
+            allowed &= keys > pos - window
+        return masked_attention(q, k, v, allowed[None], sinks)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Start the ranks of a tensor-parallel group as local processes (tests, and later the worker).
+"""Start the ranks of a tensor-parallel group as local processes (tests and benchmarks).
 
 Each rank runs ``fn(tp, *args)`` in a fresh process (forked from a clean fork server) after joining the group; what it
 returns (or the error it raised, as text) is written to ``out_dir/rank{r}.pt`` for the parent.
@@ -31,12 +31,12 @@ class RankOutcome:
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, timeout_s: float, threads: int,
-           args: tuple) -> None:
+           args: tuple, device: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     path = Path(out_dir) / f"rank{rank}.pt"
     try:
-        tp = init_tp_group(timeout_s=timeout_s)
+        tp = init_tp_group(timeout_s=timeout_s, device=None if device is None else torch.device(device))
         result = fn(tp, *args)
         torch.save({"result": result}, path)
     except BaseException:
@@ -50,16 +50,18 @@ def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, timeout
 
 
 def run_ranks(fn: Callable, world_size: int, out_dir: Path, args: tuple = (), *, timeout_s: float = 30.0,
-              deadline_s: float = 120.0, threads: int = 1) -> list[RankOutcome]:
-    """Run ``fn`` on ``world_size`` gloo ranks; ``timeout_s`` is the group's collective timeout,
-    ``deadline_s`` how long the caller waits for all of them."""
+              deadline_s: float = 120.0, threads: int = 1, devices: list[str] | None = None) -> list[RankOutcome]:
+    """Run ``fn`` on ``world_size`` ranks: gloo, or NCCL with rank ``r`` on ``devices[r]`` (CUDA
+    devices); ``timeout_s`` is the group's collective timeout, ``deadline_s`` how long the caller
+    waits for all of them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
     # The fork server imports torch (and ``fn``'s module) once; each rank is then forked from it,
     # not started from scratch, which saves seconds per group (nothing runs there before a fork).
     ctx.set_forkserver_preload(["torch", __name__, fn.__module__])
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(out_dir), timeout_s, threads, args))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(out_dir), timeout_s, threads, args,
+                                              None if devices is None else devices[r]))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -10,6 +10,11 @@ takes a :class:`LoraLinear` takes them).
   ``x A_r^T B^T`` joins the layer's all-reduce, so the adapter costs no extra collective forward.
 * :class:`VocabParallelEmbedding` keeps a block of vocabulary rows; a token another rank owns
   reads zeros here, and the all-reduce assembles every row.
+* :class:`ExpertParallelMoeBlock` keeps a contiguous block of a mixture-of-experts layer's
+  experts (expert parallelism inside the group, whose ranks all hold every token): the router
+  is replicated, each rank runs the pairs routed to its own experts, and one all-reduce sums the
+  ranks' shares, as after a row-parallel projection. LoRA: each expert's ``A``/``B`` live with
+  the expert (:class:`ExpertParallelLinear`), whole.
 
 Adapters are drawn at full size with the caller's generator and then sliced, so a seed gives
 the same adapter under any tensor-parallel size.
@@ -22,16 +27,30 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.models.lora import LoraLinear, LoraWeights, Segments, RowGroups, new_lora_weights
+from tinsmith.models.lora_bank import RowSlots
+from tinsmith.models.layers import SharedExpertMoeBlock
+from tinsmith.models.moe import ExpertLinear, PackedGateUp, SparseMoeBlock
 from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, mark_replicated, reduce_from_tp
 from tinsmith.parallel.group import TPGroup
+from tinsmith.parallel.state import Split
 
 
 class ColumnParallelLoraLinear(LoraLinear):
-    """Output rows ``rows`` of a full ``(full_out, in)`` projection."""
+    """Output rows ``rows`` of a full ``(full_out, in)`` projection.
 
-    def __init__(self, full: LoraLinear, rows: slice, tp: TPGroup, weight: nn.Parameter | None = None,
-                 gather_output: bool = False, copy_input: bool = True):
-        super().__init__(full.in_features, rows.stop - rows.start, bias=False)
+    ``order`` (a permutation of the full rows, instead of ``rows``) is for outputs whose ranks'
+    shares are not contiguous blocks (Gated DeltaNet's fused q/k/v: each rank keeps its heads'
+    rows of all three); rank ``r`` keeps rows ``order.chunk(tp.size)[r]``.
+    """
+
+    def __init__(self, full: LoraLinear, rows: slice | None, tp: TPGroup, weight: nn.Parameter | None = None,
+                 gather_output: bool = False, copy_input: bool = True, order: torch.Tensor | None = None):
+        self.order = order
+        if order is not None:
+            rows = order.chunk(tp.size)[tp.rank]  # type: ignore[assignment]
+        assert rows is not None
+        super().__init__(full.in_features, len(range(full.out_features)[rows]) if isinstance(rows, slice) else len(rows),
+                         bias=False)
         self.tp, self.rows = tp, rows
         # False where the input already passed :func:`copy_to_tp` (:class:`CopyToTP` after a norm
         # that feeds several projections: one gradient all-reduce for q, k and v together).
@@ -58,17 +77,21 @@ class ColumnParallelLoraLinear(LoraLinear):
         self.adapters[slot] = out = LoraWeights(A, B, w.scale)
         return out
 
-    def shard_dims(self) -> tuple[int | None, int | None]:
-        """Which dimension of (A, B) is split over the ranks (None: held whole)."""
-        return None, 0
+    def shard_dims(self) -> tuple[int | None, Split | None]:
+        """Which dimension of (A, B) is split over the ranks (None: held whole; with the
+        permutation of the full dimension when the ranks' shares are not contiguous blocks)."""
+        return None, (0 if self.order is None else (0, self.order))
 
 
 class RowParallelLoraLinear(LoraLinear):
-    """Input columns ``cols`` of a full ``(out, full_in)`` projection; outputs summed over ranks."""
+    """Input columns ``cols`` of a full ``(out, full_in)`` projection; outputs summed over ranks
+    (``reduce`` False: left partial, for a caller that adds it to other partial sums and
+    reduces once)."""
 
-    def __init__(self, full: LoraLinear, cols: slice, tp: TPGroup):
+    def __init__(self, full: LoraLinear, cols: slice, tp: TPGroup, reduce: bool = True):
         super().__init__(cols.stop - cols.start, full.out_features, bias=False)
-        self.tp, self.cols = tp, cols
+        assert reduce or full.bias is None, "a partial output cannot take the bias once"
+        self.tp, self.cols, self.reduce = tp, cols, reduce
         self.full_in, self.full_out = full.in_features, full.out_features
         self.weight = nn.Parameter(full.weight.detach()[:, cols].clone(), requires_grad=False)
         # The bias is added once, after the sum (inside F.linear it would be added once per rank).
@@ -76,7 +99,10 @@ class RowParallelLoraLinear(LoraLinear):
                            if full.bias is not None else None)
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | None = None) -> torch.Tensor:
-        y = reduce_from_tp(super().forward(x, segments), self.tp)
+        y = super().forward(x, segments)
+        if not self.reduce:
+            return y
+        y = reduce_from_tp(y, self.tp)
         return y if self.bias_after is None else y + self.bias_after
 
     def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
@@ -116,3 +142,80 @@ class CopyToTP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(self.inner(x), self.tp)
+
+
+class ExpertParallelLinear(ExpertLinear):
+    """Experts ``experts`` of a full stacked ``(full_experts, out, in)`` expert projection."""
+
+    def __init__(self, full: ExpertLinear, experts: slice):
+        super().__init__(experts.stop - experts.start, full.in_features, full.out_features, bias=full.bias is not None)
+        self.experts, self.full_experts = experts, full.num_experts
+        self.weight = nn.Parameter(full.weight.detach()[experts].clone(), requires_grad=False)
+        if full.bias is not None:
+            self.bias = nn.Parameter(full.bias.detach()[experts].clone(), requires_grad=False)
+
+    def add_adapter(self, slot: int, rank: int, alpha: float, generator: torch.Generator) -> LoraWeights:
+        w = new_lora_weights((self.full_experts, rank, self.in_features), (self.full_experts, self.out_features, rank),
+                             self.in_features, alpha / rank, generator, self.weight.device)
+        A = w.A.detach()[self.experts].clone().requires_grad_()
+        B = w.B.detach()[self.experts].clone().requires_grad_()
+        self.adapters[slot] = out = LoraWeights(A, B, w.scale)
+        return out
+
+    def shard_dims(self) -> tuple[int | None, int | None]:
+        return 0, 0  # both split by expert
+
+
+def _keep_experts(block: SparseMoeBlock, experts: slice) -> None:
+    """Cut ``block``'s routed experts to ``experts`` (its router stays whole)."""
+    ex = block.experts
+    packed = ex.packed_gate_up is not None
+    ex.gate_proj = ExpertParallelLinear(ex.gate_proj, experts)
+    ex.up_proj = ExpertParallelLinear(ex.up_proj, experts)
+    ex.down_proj = ExpertParallelLinear(ex.down_proj, experts)
+    # The packed buffer held every expert; this rank's experts get one of their own.
+    ex.packed_gate_up = PackedGateUp(ex.gate_proj, ex.up_proj, ex.activation) if packed else None
+    block.expert_start = experts.start
+
+
+class ExpertParallelMoeBlock(SparseMoeBlock):
+    """This rank's experts ``experts`` of ``block`` (its router kept whole); outputs summed over ranks.
+
+    Its input is the replicated stream after a :class:`CopyToTP` norm, so the ranks' partial
+    input gradients (each through its own experts and its share of the routing weights) are
+    summed there.
+    """
+
+    def __init__(self, block: SparseMoeBlock, experts: slice, tp: TPGroup):
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.router_name = block.router_name
+        self.add_module(self.router_name, getattr(block, self.router_name))
+        self.experts = block.experts
+        _keep_experts(self, experts)
+
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> torch.Tensor:
+        return reduce_from_tp(super().forward(x, segments), self.tp)
+
+
+class ExpertParallelSharedMoeBlock(SharedExpertMoeBlock):
+    """:class:`ExpertParallelMoeBlock` with Qwen3.5-MoE's shared expert, split Megatron-style
+    (gate/up by columns, down by rows): the routed and the gated shared partial sums leave
+    through one all-reduce together (the gate, a frozen (1, hidden) projection, is replicated)."""
+
+    def __init__(self, block: SharedExpertMoeBlock, experts: slice, inter: slice, tp: TPGroup):
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.router_name = block.router_name
+        self.add_module(self.router_name, getattr(block, self.router_name))
+        self.experts = block.experts
+        _keep_experts(self, experts)
+        shared = self.shared_expert = block.shared_expert
+        self.shared_expert_gate = block.shared_expert_gate
+        shared.gate_proj = ColumnParallelLoraLinear(shared.gate_proj, inter, tp, copy_input=False)
+        shared.up_proj = ColumnParallelLoraLinear(shared.up_proj, inter, tp, copy_input=False)
+        shared.down_proj = RowParallelLoraLinear(shared.down_proj, inter, tp, reduce=False)
+        shared.packed_gate_up = None
+
+    def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> torch.Tensor:
+        return reduce_from_tp(super().forward(x, segments), self.tp)

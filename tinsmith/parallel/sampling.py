@@ -36,10 +36,16 @@ class ShardedSampler(Sampler):
 
     def __init__(self, model: CausalLM, decode, **kwargs):
         super().__init__(model, decode, **kwargs)
-        local_heads = model.model.layers[0].self_attn.num_kv_heads
+        layers = model.model.layers
+        local_heads = next(layer.self_attn.num_kv_heads for layer in layers if hasattr(layer, "self_attn"))
         # K/V shapes everywhere in the sampler (cache rows, prefix-cache blocks, admission bytes)
-        # are this rank's heads; the rest of the config is the model's.
+        # are this rank's heads, and so are a hybrid model's recurrent states (its Gated DeltaNet
+        # heads); the rest of the config is the model's.
         self.cfg = dataclasses.replace(self.cfg, num_kv_heads=local_heads)
+        linear = next((layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")), None)
+        if linear is not None:
+            self.cfg = dataclasses.replace(self.cfg, linear_attn=dataclasses.replace(
+                self.cfg.linear_attn, num_key_heads=linear.nk, num_value_heads=linear.nv))
         # Admission decisions must be equal on every rank: one K/V budget, the smallest of theirs
         # (each derives its default from its own device's free memory).
         budget = torch.tensor([self.kv_cache_bytes or float("inf")], dtype=torch.float64,  # 0: no bound

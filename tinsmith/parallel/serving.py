@@ -32,7 +32,7 @@ from tinsmith.models.loading import LoadedModel, load_model
 from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
-from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.parallel.shard import shard_causal_lm, tp_divisors
 from tinsmith.parallel.state import gather_full
 from tinsmith.parallel.worker import LocalTPGroup
 from tinsmith.sampling.sampler import SampleTask
@@ -47,17 +47,10 @@ OPTION = "--tensor-parallel-size"
 def check_servable(cfg: ModelConfig, size: int, name: str) -> None:
     """Refuse, naming the option, a model the tensor-parallel code does not cover (before any rank loads it)."""
     why = None
-    if cfg.attention_sinks or cfg.sliding_window is not None:
-        why = "attention sinks and sliding-window layers (gpt-oss) are not sharded yet"
-    elif cfg.vision is not None:
+    if cfg.vision is not None:
         why = "image-text models (vision towers) are not sharded yet"
-    elif cfg.linear_attn is not None or cfg.attn_output_gate:
-        why = "hybrid models with Gated DeltaNet layers and gated attention (Qwen3.5) are not sharded yet"
-    elif cfg.moe is not None:
-        why = "mixture-of-experts models are not sharded yet"
     else:
-        for n, what in ((cfg.num_heads, "attention heads"), (cfg.num_kv_heads, "key/value heads"),
-                        (cfg.intermediate_size, "the MLP intermediate size"), (cfg.vocab_size, "the vocabulary size")):
+        for n, what in tp_divisors(cfg):
             if n % size:
                 why = f"its {what} ({n}) do not divide by {size}"
                 break

@@ -3,55 +3,67 @@
 Each rank loads the whole checkpoint and keeps its slices (simple, and enough while a model fits
 in host memory); the rest is freed. Attention heads are split contiguously, so rank ``r`` keeps
 query heads ``r*H/tp ...`` and exactly the key/value heads those use (grouped-query attention
-maps query head ``i`` to kv head ``i // (H/Hk)``).
+maps query head ``i`` to kv head ``i // (H/Hk)``). Dense MLPs are split Megatron-style (gate/up
+by columns, down by rows); a mixture-of-experts layer is split by experts instead (each rank
+keeps ``experts/tp`` whole experts and the router), which needs no collective beyond the one
+after the layer and keeps every expert's matmuls at full width.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from tinsmith.models.layers import MLP, CausalLM
+from tinsmith.models.config import ModelConfig
+from tinsmith.models.gated_deltanet import GatedDeltaNet
+from tinsmith.models.layers import Attention, CausalLM, SharedExpertMoeBlock
+from tinsmith.models.moe import SparseMoeBlock
 from tinsmith.parallel.group import TPGroup
-from tinsmith.parallel.layers import ColumnParallelLoraLinear, CopyToTP, RowParallelLoraLinear, VocabParallelEmbedding
+from tinsmith.parallel.layers import (ColumnParallelLoraLinear, CopyToTP, ExpertParallelMoeBlock,
+                                      ExpertParallelSharedMoeBlock, RowParallelLoraLinear, VocabParallelEmbedding)
 
 
 def check_shardable(model: CausalLM, tp: TPGroup) -> None:
     """Refuse, with the reason, a model this slice of tensor parallelism does not cover."""
     cfg = model.config
-    if cfg.moe is not None or any(not isinstance(layer.mlp, MLP) for layer in model.model.layers):
-        raise ValueError("tensor parallelism covers dense models (Qwen3, Llama, Qwen2) so far, not mixture-of-experts")
-    if cfg.attention_sinks or cfg.vision is not None:
-        raise ValueError("tensor parallelism does not cover attention sinks (gpt-oss) or vision towers yet")
-    for n, what in ((cfg.num_heads, "attention heads"), (cfg.num_kv_heads, "key/value heads"),
-                    (cfg.intermediate_size, "MLP intermediate size"), (cfg.vocab_size, "vocabulary size")):
+    if cfg.vision is not None:
+        raise ValueError("tensor parallelism does not cover vision towers yet")
+    for n, what in tp_divisors(cfg):
         tp.shard(n, what)  # raises when not divisible
+
+
+def tp_divisors(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """The counts a tensor-parallel size must divide: heads, vocabulary, and (where the model has
+    such layers) the MLP width, the number of experts and the shared expert's width, and the
+    linear-attention key heads (each rank keeps whole heads of every kind)."""
+    out = [(cfg.num_heads, "attention heads"), (cfg.num_kv_heads, "key/value heads"), (cfg.vocab_size, "vocabulary size")]
+    moe_layers = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+    if not all(moe_layers):
+        out.append((cfg.intermediate_size, "MLP intermediate size"))
+    if any(moe_layers):
+        assert cfg.moe is not None
+        out.append((cfg.moe.num_experts, "experts"))
+        if cfg.moe.shared_expert_intermediate_size:
+            out.append((cfg.moe.shared_expert_intermediate_size, "shared expert intermediate size"))
+    if cfg.linear_attn is not None:
+        out.append((cfg.linear_attn.num_key_heads, "linear-attention key heads"))
+    return out
 
 
 def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:
     """Keep this rank's shard of every projection, the embedding and the LM head; returns ``model``."""
     check_shardable(model, tp)
     cfg = model.config
-    d = cfg.head_dim
-    q_heads, kv_heads = tp.shard(cfg.num_heads, "attention heads"), tp.shard(cfg.num_kv_heads, "key/value heads")
-    q_rows = slice(q_heads.start * d, q_heads.stop * d)
-    kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
-    inter = tp.shard(cfg.intermediate_size, "MLP intermediate size")
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
         # The norms before attention and the MLP mark where the replicated stream enters sharded
         # work (one gradient all-reduce each), so their projections do not each do it again.
         layer.input_layernorm = CopyToTP(layer.input_layernorm, tp)
         layer.post_attention_layernorm = CopyToTP(layer.post_attention_layernorm, tp)
-        attn.q_proj = ColumnParallelLoraLinear(attn.q_proj, q_rows, tp, copy_input=False)
-        attn.k_proj = ColumnParallelLoraLinear(attn.k_proj, kv_rows, tp, copy_input=False)
-        attn.v_proj = ColumnParallelLoraLinear(attn.v_proj, kv_rows, tp, copy_input=False)
-        attn.o_proj = RowParallelLoraLinear(attn.o_proj, q_rows, tp)
-        attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
-        attn.packed_qkv = None  # packed buffers hold full weights; the shards run separately
-        mlp.gate_proj = ColumnParallelLoraLinear(mlp.gate_proj, inter, tp, copy_input=False)
-        mlp.up_proj = ColumnParallelLoraLinear(mlp.up_proj, inter, tp, copy_input=False)
-        mlp.down_proj = RowParallelLoraLinear(mlp.down_proj, inter, tp)
-        mlp.packed_gate_up = None
+        if hasattr(layer, "linear_attn"):
+            _shard_gated_deltanet(layer.linear_attn, tp)
+        else:
+            _shard_attention(layer.self_attn, cfg, tp)
+        layer.mlp = _shard_feed_forward(layer.mlp, cfg, tp)
     vocab = tp.shard(cfg.vocab_size, "vocabulary size")
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     embed = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp)
@@ -62,6 +74,72 @@ def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:
                                              gather_output=True)
     model.tp = tp  # type: ignore[assignment]  (read by the runtime and the decode loop)
     return model
+
+
+def _shard_attention(attn: Attention, cfg: ModelConfig, tp: TPGroup) -> None:
+    d = cfg.head_dim
+    q_heads, kv_heads = tp.shard(cfg.num_heads, "attention heads"), tp.shard(cfg.num_kv_heads, "key/value heads")
+    q_rows = slice(q_heads.start * d, q_heads.stop * d)
+    kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
+    # Gated attention (Qwen3.5): each head's query rows are followed by its gate's, so a rank's
+    # heads are still one block of q_proj's rows, twice as tall.
+    per = 2 * d if attn.output_gate else d
+    attn.q_proj = ColumnParallelLoraLinear(attn.q_proj, slice(q_heads.start * per, q_heads.stop * per), tp,
+                                           copy_input=False)
+    attn.k_proj = ColumnParallelLoraLinear(attn.k_proj, kv_rows, tp, copy_input=False)
+    attn.v_proj = ColumnParallelLoraLinear(attn.v_proj, kv_rows, tp, copy_input=False)
+    attn.o_proj = RowParallelLoraLinear(attn.o_proj, q_rows, tp)
+    attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
+    if attn.sinks is not None:  # gpt-oss: one frozen sink logit per query head, kept with its head
+        attn.sinks = nn.Parameter(attn.sinks.detach()[q_heads].clone(), requires_grad=False)
+    attn.packed_qkv = None  # packed buffers hold full weights; the shards run separately
+
+
+def _shard_gated_deltanet(la: GatedDeltaNet, tp: TPGroup) -> None:
+    """Split a Gated DeltaNet layer by key heads, each rank keeping the value heads those serve.
+
+    The fused q/k/v projection (and the depthwise convolution over its channels) holds q, then k,
+    then v rows: a rank's share is its heads' rows of each, so that projection is cut by a
+    permutation rather than one block. Everything else per value head (z, b, a, the decay's
+    ``A_log`` and ``dt_bias``) is a block; the gated norm acts within a head (replicated); the
+    output projection is row-parallel."""
+    keys = tp.shard(la.nk, "linear-attention key heads")
+    rep = la.nv // la.nk
+    values = slice(keys.start * rep, keys.stop * rep)
+    kd, vd = la.nk * la.dk, la.nv * la.dv
+    per_rank = [torch.cat((torch.arange(r * kd // tp.size, (r + 1) * kd // tp.size),
+                           kd + torch.arange(r * kd // tp.size, (r + 1) * kd // tp.size),
+                           2 * kd + torch.arange(r * vd // tp.size, (r + 1) * vd // tp.size))) for r in range(tp.size)]
+    order = torch.cat(per_rank)
+    la.in_proj_qkv = ColumnParallelLoraLinear(la.in_proj_qkv, None, tp, copy_input=False, order=order)
+    value_rows = slice(values.start * la.dv, values.stop * la.dv)
+    la.in_proj_z = ColumnParallelLoraLinear(la.in_proj_z, value_rows, tp, copy_input=False)
+    la.in_proj_b = ColumnParallelLoraLinear(la.in_proj_b, values, tp, copy_input=False)
+    la.in_proj_a = ColumnParallelLoraLinear(la.in_proj_a, values, tp, copy_input=False)
+    la.out_proj = RowParallelLoraLinear(la.out_proj, value_rows, tp)
+    mine = per_rank[tp.rank]
+    la.conv1d.weight = nn.Parameter(la.conv1d.weight.detach()[mine].clone(), requires_grad=False)
+    la.dt_bias = nn.Parameter(la.dt_bias.detach()[values].clone(), requires_grad=False)
+    la.A_log = nn.Parameter(la.A_log.detach()[values].clone(), requires_grad=False)
+    la.nk, la.nv = keys.stop - keys.start, values.stop - values.start
+    la.packed_in = None
+
+
+def _shard_feed_forward(mlp: nn.Module, cfg: ModelConfig, tp: TPGroup) -> nn.Module:
+    if isinstance(mlp, SharedExpertMoeBlock):
+        assert cfg.moe is not None
+        return ExpertParallelSharedMoeBlock(mlp, tp.shard(cfg.moe.num_experts, "experts"),
+                                            tp.shard(cfg.moe.shared_expert_intermediate_size,
+                                                     "shared expert intermediate size"), tp)
+    if isinstance(mlp, SparseMoeBlock):  # expert parallel: this rank's block of experts
+        assert cfg.moe is not None
+        return ExpertParallelMoeBlock(mlp, tp.shard(cfg.moe.num_experts, "experts"), tp)
+    inter = tp.shard(cfg.intermediate_size, "MLP intermediate size")
+    mlp.gate_proj = ColumnParallelLoraLinear(mlp.gate_proj, inter, tp, copy_input=False)
+    mlp.up_proj = ColumnParallelLoraLinear(mlp.up_proj, inter, tp, copy_input=False)
+    mlp.down_proj = RowParallelLoraLinear(mlp.down_proj, inter, tp)
+    mlp.packed_gate_up = None
+    return mlp
 
 
 def tp_of(model: nn.Module) -> TPGroup:

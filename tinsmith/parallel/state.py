@@ -11,13 +11,19 @@ to; per-tensor step counts are held whole.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 from torch import nn
 
 from tinsmith.parallel.comm import all_gather_cat
 from tinsmith.parallel.group import TPGroup
 
-ShardDims = dict[str, int | None]  # tensor name -> the dimension split over ranks (None: whole)
+# How one tensor is split: the dimension (rank r holds chunk r of it), or the dimension and a
+# permutation of it (rank r holds ``full.index_select(dim, order.chunk(ranks)[r])``) where the
+# ranks' shares are not contiguous blocks.
+Split = Union[int, tuple[int, torch.Tensor]]
+ShardDims = dict[str, Split | None]  # tensor name -> how it is split over ranks (None: held whole)
 
 
 def lora_shard_dims(model: nn.Module) -> ShardDims:
@@ -29,7 +35,7 @@ def lora_shard_dims(model: nn.Module) -> ShardDims:
     return out
 
 
-def _dim(key: str, dims: ShardDims) -> int | None:
+def _dim(key: str, dims: ShardDims) -> Split | None:
     if key in dims:
         return dims[key]
     base, _, suffix = key.rpartition(".")
@@ -40,19 +46,30 @@ def _dim(key: str, dims: ShardDims) -> int | None:
 
 def gather_full(tensors: dict[str, torch.Tensor], dims: ShardDims, tp: TPGroup) -> dict[str, torch.Tensor]:
     """Full-size copies of this rank's shards (every rank must call it with the same names)."""
-    return {k: t.detach().clone() if (d := _dim(k, dims)) is None else all_gather_cat(t.detach(), tp, d, f"gather of {k}")
-            for k, t in tensors.items()}
+    out = {}
+    for k, t in tensors.items():
+        split = _dim(k, dims)
+        if split is None:
+            out[k] = t.detach().clone()
+            continue
+        d, order = split if isinstance(split, tuple) else (split, None)
+        joined = all_gather_cat(t.detach(), tp, d, f"gather of {k}")
+        out[k] = joined if order is None or tp.size == 1 else \
+            torch.empty_like(joined).index_copy_(d, order.to(joined.device), joined)
+    return out
 
 
 def scatter_full(tensors: dict[str, torch.Tensor], dims: ShardDims, tp: TPGroup) -> dict[str, torch.Tensor]:
     """This rank's shards of full-size tensors."""
     out = {}
     for k, t in tensors.items():
-        d = _dim(k, dims)
-        if d is None or tp.size == 1:
+        split = _dim(k, dims)
+        if split is None or tp.size == 1:
             out[k] = t
             continue
+        d, order = split if isinstance(split, tuple) else (split, None)
         if t.shape[d] % tp.size:
             raise ValueError(f"{k} has {t.shape[d]} entries along dimension {d}, not divisible by {tp.size} ranks")
-        out[k] = t.chunk(tp.size, dim=d)[tp.rank].clone()
+        out[k] = (t.chunk(tp.size, dim=d)[tp.rank].clone() if order is None else
+                  t.index_select(d, order.chunk(tp.size)[tp.rank].to(t.device)))
     return out

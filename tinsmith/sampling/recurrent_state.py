@@ -74,6 +74,13 @@ class PrefillStates:
         self.conv[layer_idx] = x.gather(2, index[:, None, :].expand(-1, x.shape[1], -1))
         self.state[layer_idx] = state
 
+    def select(self, i: int) -> PrefillStates:
+        """Prompt ``i``'s states alone (copies), as prompt 0 of a prefill of one."""
+        out = PrefillStates(self.lengths[i : i + 1], int(self.lengths[i]), self.kernel)
+        out.conv = {layer: t[i : i + 1].clone() for layer, t in self.conv.items()}
+        out.state = {layer: t[i : i + 1].clone() for layer, t in self.state.items()}
+        return out
+
     def get(self, layer_idx: int):
         raise RuntimeError("a prefill has no states to read")
 

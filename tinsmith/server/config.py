@@ -180,7 +180,7 @@ _HELP = {
                      "SIGHUP (default: any tml- key, single-user mode)",
     "device": "torch device (default: cuda when available, else cpu)",
     "tensor_parallel_size": "shard every base model over this many ranks, one GPU each (cuda:0..N-1; on the CPU, "
-                            "processes): dense Qwen3/Llama/Qwen2 models with LoRA only; 1 runs one process",
+                            "processes): every text family (experts split over the ranks) with LoRA only; 1 runs one process",
     "dtype": "precision of the base weights and activations: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, "
              "float16 or float32; logprobs are computed in float32 either way, and full fine-tunes of "
              "half-precision weights keep float32 master weights",

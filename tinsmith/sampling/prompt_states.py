@@ -1,0 +1,87 @@
+"""Whole prompts' states of hybrid models, kept across admissions.
+
+A hybrid model (Qwen3.5: Gated DeltaNet layers beside attention) cannot reuse a cached prefix
+from its K/V alone: each linear layer's recurrent state after the prefix would be missing, so
+the block prefix cache (:mod:`tinsmith.sampling.prefix_cache`) is off for it. But RL programs
+send the same prompt again and again (GRPO as separate requests: 16 per prompt, often arriving
+in different scheduler steps), and for an *identical* prompt everything a prefill leaves is
+known: each attention layer's K/V, each linear layer's convolution inputs and delta-rule state,
+and the logits after the last token. This cache keeps those, least recently used evicted first,
+so a prompt sent again is not prefilled again.
+
+Keys are the sampler's share keys (weights version, prompt tokens), compared whole: a stale
+weights version is never looked up again and ages out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from tinsmith.sampling.recurrent_state import PrefillStates
+
+
+@dataclass
+class PromptSnapshot:
+    """What seeding rows from one prefilled prompt needs (see ``Sampler._seed_rows``)."""
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> (K, V), (kv_heads, length, head_dim)
+    states: PrefillStates  # the prompt's recurrent states, as prompt 0 of a prefill
+    last_logits: torch.Tensor  # (vocab,) after the prompt's last token
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for kv in self.kv.values() for t in kv] + [self.last_logits]
+        tensors += list(self.states.conv.values()) + list(self.states.state.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @classmethod
+    def of(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], states: PrefillStates, prompt: int,
+           last_logits: torch.Tensor, length: int) -> PromptSnapshot:
+        """Copies of prompt ``prompt``'s part of a prefill (K/V trimmed to its ``length``)."""
+        return cls({layer: (k[prompt, :, :length].clone(), v[prompt, :, :length].clone()) for layer, (k, v) in kv.items()},
+                   states.select(prompt), last_logits.detach().clone(), length)
+
+
+class PromptSnapshots:
+    """Snapshots under a byte budget (0: nothing is kept), least recently used evicted first."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[Hashable, PromptSnapshot] = OrderedDict()
+        self.bytes = 0
+        self.stats = {"hits": 0, "evicted": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: Hashable) -> PromptSnapshot | None:
+        snap = self.entries.get(key)
+        if snap is not None:
+            self.entries.move_to_end(key)
+            self.stats["hits"] += 1
+        return snap
+
+    def put(self, key: Hashable, snap: PromptSnapshot) -> None:
+        """Keep ``snap`` (one larger than the whole budget is not kept)."""
+        size = snap.nbytes
+        if not self.enabled or size > self.max_bytes or key in self.entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.nbytes
+            self.stats["evicted"] += 1
+        self.entries[key] = snap
+        self.bytes += size
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
