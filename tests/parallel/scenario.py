@@ -173,6 +173,21 @@ def assert_peer_fault_fails_rank0(main, model_dir, tmp_path, fault: str, timeout
     return got
 
 
+class StallingRank:
+    """A group's target (``make_target``) whose :meth:`stall` keeps one rank away from the call's
+    collectives for a while, as a hung rank would."""
+
+    def __init__(self, tp: TPGroup, device: torch.device):
+        self.tp = tp
+
+    def stall(self, rank: int, seconds: float) -> int:
+        import time
+
+        if self.tp.rank == rank:
+            time.sleep(seconds)
+        return self.tp.rank
+
+
 def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
     """Both ranks load and shard the model; rank 1 then ``fault``s ("raise", "exit" or "stall")
     instead of joining the forward pass, and rank 0 reports what its forward pass came to."""

@@ -1,7 +1,7 @@
 """Ranks placed by Ray (``--ray-address``) on a local Ray cluster: rank 0 in this process, rank 1
 a Ray actor, gloo between them. The group gives one process's results; an actor that Ray reports
 dead fails the next call naming the rank, and under a server turns /healthz 503 and fails
-requests instead of hanging them."""
+requests instead of hanging them; a hung actor fails the call at the collective timeout."""
 
 from __future__ import annotations
 
@@ -91,6 +91,26 @@ def test_ray_group_matches_one_process_and_reports_a_killed_actor(ray_cluster, q
             group.call("train", "unit", 0)
     finally:
         group.close()
+    _assert_released(ray_cluster)
+
+
+@pytest.mark.slow
+def test_a_hung_ray_actor_fails_the_call_within_the_timeout(ray_cluster):
+    from tests.parallel.scenario import StallingRank
+    from tinsmith.parallel.ray_group import RayTPGroup
+
+    group = RayTPGroup(2, "auto", StallingRank, timeout_s=2.0)
+    try:
+        assert group.call("stall", 1, 0.0) == 0
+        t0 = time.monotonic()
+        with pytest.raises(ParallelError, match="outcome exchange after stall failed on rank 0 of 2"):
+            group.call("stall", 1, 6.0)
+        assert time.monotonic() - t0 < 2.0 + 4.0  # slack for a loaded machine
+        assert not group.healthy and "did not join within 2 s" in group.failure
+        with pytest.raises(ParallelError, match="group is down"):
+            group.call("stall", 1, 0.0)
+    finally:
+        group.close(wait_s=1.0)
     _assert_released(ray_cluster)
 
 
