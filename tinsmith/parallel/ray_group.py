@@ -53,7 +53,7 @@ def connect_ray(address: str):
         if address != "auto":
             _check_answers(address)  # Ray itself would retry an address that does not answer for minutes
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=address)  # the actors' output is shown in the server's, prefixed with the actor
         except Exception as exc:  # ConnectionError, or ValueError for a malformed address
             raise InvalidInputError(f"{OPTION} {address}: no Ray cluster answers there "
                                     f"({type(exc).__name__}: {str(exc)[:300]}); start one with `ray start --head` "
