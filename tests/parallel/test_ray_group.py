@@ -47,7 +47,8 @@ def ray_cluster():
     """A local Ray cluster for this module (its workers import this tree's tinsmith and tests)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tinsmith[ray]')")
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": a cluster of its own, even where `ray start` runs one on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
