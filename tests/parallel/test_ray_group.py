@@ -42,6 +42,17 @@ def test_an_address_that_cannot_be_a_ray_head_is_refused_at_once(address, messag
         _check_answers(address)
 
 
+def test_rank_0_runs_on_the_gpu_ray_reserved_for_it_as_this_process_counts_them(monkeypatch):
+    from tinsmith.parallel.ray_group import _local_cuda_index
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _local_cuda_index(2) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    assert _local_cuda_index(5) == 1 and _local_cuda_index("3") == 0
+    with pytest.raises(InvalidInputError, match="Ray reserved GPU 4 .* CUDA_VISIBLE_DEVICES=3, 5"):
+        _local_cuda_index(4)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster for this module (its workers import this tree's tinsmith and tests)."""

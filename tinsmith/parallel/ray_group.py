@@ -229,6 +229,9 @@ def _local_cuda_index(gpu_id) -> int:
     ``CUDA_VISIBLE_DEVICES`` shows them to the raylet; this process may see a subset)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not visible:
+        if not str(gpu_id).isdigit():
+            raise InvalidInputError(f"{OPTION}: Ray reserved GPU {gpu_id} of this node for rank 0; start the "
+                                    "server with CUDA_VISIBLE_DEVICES naming the GPUs as Ray does")
         return int(gpu_id)
     ids = [v.strip() for v in visible.split(",")]
     if str(gpu_id) not in ids:
