@@ -109,14 +109,16 @@ class RankActor:
 
 
 class _ActorBell:
-    """Rank 0's doorbell: one ``follow_call`` per follower actor before each broadcast."""
+    """Rank 0's doorbell: one ``follow_call`` per follower actor before each broadcast. Their
+    results are not read: a follower's failure is met by rank 0 in the call's collectives, and
+    its death through the actor's ``watch``."""
 
     def __init__(self, actors: list):
         self.actors = actors
-        self.pending: list = []  # the refs of the last calls (kept so the calls are not cancelled)
 
     def ring(self) -> None:
-        self.pending = [a.follow_call.remote() for a in self.actors]
+        for a in self.actors:
+            a.follow_call.remote()
 
 
 def _bundle(cuda: bool) -> dict[str, float]:
@@ -188,6 +190,8 @@ class RayTPGroup(DrivenGroup):
                      ip, device, "; ".join(f"rank {r}: {w}" for r, w in enumerate(self.places, start=1)))
         except BaseException:
             self._end_followers(0.0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
 
     def exited(self) -> str | None:
