@@ -6,6 +6,7 @@ the test process for the single-process reference; both return the same structur
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +178,21 @@ def assert_peer_fault_fails_rank0(main, model_dir, tmp_path, fault: str, timeout
     return got
 
 
+class StallingRank:
+    """A group's target (``make_target``) whose :meth:`stall` keeps one rank away from the call's
+    collectives for a while, as a hung rank would."""
+
+    def __init__(self, tp: TPGroup, device: torch.device):
+        self.tp = tp
+
+    def stall(self, rank: int, seconds: float) -> int:
+        import time
+
+        if self.tp.rank == rank:
+            time.sleep(seconds)
+        return self.tp.rank
+
+
 def faulty_rank_main(tp: TPGroup, model_dir: str, fault: str, stall_s: float) -> dict | None:
     """Both ranks load and shard the model; rank 1 then ``fault``s ("raise", "exit" or "stall")
     instead of joining the forward pass, and rank 0 reports what its forward pass came to."""
@@ -232,6 +248,63 @@ def spmd_main(tp: TPGroup, model_dir: str) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["divergent"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _group_sample_tasks(vocab: int) -> list:
+    from tinsmith.sampling.sampler import SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    g = np.random.default_rng(6)
+    return [SampleTask("base", None, SampleInput(g.integers(0, vocab, 6), 1, SamplingParams(max_tokens=5, temperature=0.0, stop=[]),
+                                                 prompt_logprobs=True)),
+            SampleTask("trained", 0, SampleInput(g.integers(0, vocab, 4), 2,
+                                                 SamplingParams(max_tokens=5, temperature=1.0, seed=2, stop=[])))]
+
+
+def _sample_summary(done: list) -> dict:
+    out = {}
+    for key, res in done:
+        assert not isinstance(res, Exception), res
+        out[key] = [(s.tokens.astype(np.int64), s.logprobs) for s in res.sequences]
+        if res.prompt_logprobs is not None:
+            out[key + ":prompt"] = res.prompt_logprobs[1:]
+    return out
+
+
+@dataclass
+class GroupReference:
+    """What one process computes for the calls a test drives a worker group with."""
+
+    vocab: int
+    calls: dict  # spmd_calls' results
+    samples: dict  # the sampling tasks' tokens and logprobs, after those calls trained unit 0
+
+
+def group_reference(model_dir: str) -> GroupReference:
+    """:func:`spmd_calls` and then sampling (through the trained adapter too) in one process."""
+    from tinsmith.sampling.sampler import Sampler
+
+    rt = build_runtime(model_dir, None)
+    vocab = rt.config.vocab_size
+    plain = {"export_full_state": lambda u: rt.unit(u).export_state(),
+             "import_full_state": lambda u, w, o: rt.unit(u).import_state(w, o)}
+    calls = spmd_calls(lambda m, *a, **k: (plain[m] if m in plain else getattr(rt, m))(*a, **k), vocab)
+    sampler = Sampler(rt.model, lambda ids: "")
+    for t in _group_sample_tasks(vocab):
+        sampler.add(t)
+    done = []
+    while sampler.has_work():
+        done += sampler.step(budget_s=float("inf"))
+    return GroupReference(vocab, calls, _sample_summary(done))
+
+
+def assert_group_matches(group, ref: GroupReference) -> None:
+    """A group of :class:`~tinsmith.parallel.worker.RankWorker` ranks, driven from rank 0, gives
+    the one-process results; refused requests and a missing unit leave it healthy."""
+    got = spmd_calls(lambda m, *a, **k: group.call("train", m, *a, **k), ref.vocab)
+    assert group.healthy
+    assert_same(ref.calls, got)
+    assert_same(ref.samples, _sample_summary(group.call("sample", _group_sample_tasks(ref.vocab))))
 
 
 def _full_lora(model, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:

@@ -6,57 +6,23 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
-from tests.parallel.scenario import assert_same, build_runtime, make_data, spmd_calls
+from tests.parallel.scenario import assert_group_matches, group_reference, make_data
 from tinsmith.parallel.group import ParallelError
 from tinsmith.parallel.worker import LocalTPGroup
-from tinsmith.sampling.sampler import Sampler, SampleTask
-from tinsmith.types import ForwardBackwardInput, SampleInput, SamplingParams
+from tinsmith.types import ForwardBackwardInput
 from tinsmith.worker.runtime import TrainRequest
 
 TIMEOUT_S = 10.0
 
 
-def _tasks(vocab: int) -> list[SampleTask]:
-    g = np.random.default_rng(6)
-    return [SampleTask("base", None, SampleInput(g.integers(0, vocab, 6), 1, SamplingParams(max_tokens=5, temperature=0.0, stop=[]),
-                                                 prompt_logprobs=True)),
-            SampleTask("trained", 0, SampleInput(g.integers(0, vocab, 4), 2,
-                                                 SamplingParams(max_tokens=5, temperature=1.0, seed=2, stop=[])))]
-
-
-def _summary(done: list) -> dict:
-    out = {}
-    for key, res in done:
-        assert not isinstance(res, Exception), res
-        out[key] = [(s.tokens.astype(np.int64), s.logprobs) for s in res.sequences]
-        if res.prompt_logprobs is not None:
-            out[key + ":prompt"] = res.prompt_logprobs[1:]
-    return out
-
-
 def test_local_group_matches_one_process_and_reports_a_dead_follower(qwen3_dir):
-    rt = build_runtime(str(qwen3_dir), None)
-    vocab = rt.config.vocab_size
-    plain = {"export_full_state": lambda u: rt.unit(u).export_state(),
-             "import_full_state": lambda u, w, o: rt.unit(u).import_state(w, o)}
-    ref = spmd_calls(lambda m, *a, **k: (plain[m] if m in plain else getattr(rt, m))(*a, **k), vocab)
-    sampler = Sampler(rt.model, lambda ids: "")
-    for t in _tasks(vocab):
-        sampler.add(t)
-    done = []
-    while sampler.has_work():
-        done += sampler.step(budget_s=float("inf"))
-    ref_samples = _summary(done)
-
+    ref = group_reference(str(qwen3_dir))
+    vocab = ref.vocab
     group = LocalTPGroup(str(qwen3_dir), 2, timeout_s=TIMEOUT_S, runtime_kwargs={"logit_chunk_bytes": 4 * vocab * 5})
     try:
-        got = spmd_calls(lambda m, *a, **k: group.call("train", m, *a, **k), vocab)
-        assert group.healthy  # refused requests and a missing unit do not break the group
-        assert_same(ref, got)
-        assert_same(ref_samples, _summary(group.call("sample", _tasks(vocab))))
+        assert_group_matches(group, ref)
 
         group.procs[0].kill()
         group.procs[0].join()

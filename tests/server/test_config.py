@@ -31,6 +31,7 @@ def test_environment_values_take_their_declared_types():
     ({"TINSMITH_GRADIENT_CHECKPOINTING": "maybe"}, "TINSMITH_GRADIENT_CHECKPOINTING must be true or false"),
     ({"TINSMITH_METRIC_HISTORY_POINTS": "1"}, "TINSMITH_METRIC_HISTORY_POINTS must be at least 2"),
     ({"TINSMITH_LOG_FORMAT": "xml"}, "TINSMITH_LOG_FORMAT must be"),
+    ({"TINSMITH_RAY_PLACEMENT_STRATEGY": "scatter"}, "TINSMITH_RAY_PLACEMENT_STRATEGY must be"),
 ])
 def test_values_that_cannot_work_are_refused_naming_the_option(env, message):
     with pytest.raises(ConfigError, match=message):

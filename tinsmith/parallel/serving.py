@@ -3,11 +3,11 @@
 The worker (:class:`tinsmith.worker.service.Worker`) keeps calling the same methods it calls on a
 :class:`TrainingRuntime` and a :class:`Sampler`; under ``--tensor-parallel-size N`` a base model's
 ``lora`` runtime is a :class:`TPRuntime` and its sampler a :class:`TPSampler`. Each turns a call
-into one call of the :class:`LocalTPGroup`'s executor, which runs it on every rank's
-:class:`ServingRank` with the same arguments, so every rank's runtime and sampler go through the
-same states: adapters get the same unit ids and slots, passes the same ids, and every rank's
-sampler holds the same rows. Rank 0 (this process) answers; its objects are the ones the worker
-reads (steps, slots, rows) without a call.
+into one call of the group's executor (:class:`LocalTPGroup`, or the Ray group of ``ray_group``),
+which runs it on every rank's :class:`ServingRank` with the same arguments, so every rank's
+runtime and sampler go through the same states: adapters get the same unit ids and slots, passes
+the same ids, and every rank's sampler holds the same rows. Rank 0 (this process) answers; its
+objects are the ones the worker reads (steps, slots, rows) without a call.
 
 What would otherwise differ between ranks is decided by rank 0 and sent to the others: the
 random seed of an adapter or a sample request when the client gave none, how many decode steps a sampling slice runs (a
@@ -34,7 +34,7 @@ from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
 from tinsmith.parallel.shard import shard_causal_lm, tp_divisors
 from tinsmith.parallel.state import gather_full
-from tinsmith.parallel.worker import LocalTPGroup
+from tinsmith.parallel.worker import DrivenGroup, LocalTPGroup
 from tinsmith.sampling.sampler import SampleTask
 from tinsmith.types import LoraSpec
 from tinsmith.worker.runtime import FbPass, TrainRequest
@@ -177,9 +177,17 @@ def _serving_rank(tp: TPGroup, device: torch.device) -> ServingRank:
 
 
 def start_group(world_size: int, device: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                follower_threads: int = 1) -> LocalTPGroup:
+                follower_threads: int = 1, ray_address: str | None = None,
+                ray_strategy: str = "STRICT_PACK") -> DrivenGroup:
     """The serving group: this process is rank 0, the other ranks are child processes (gloo on
-    the CPU, NCCL with one GPU per rank)."""
+    the CPU, NCCL with one GPU per rank), or Ray actors placed on the cluster at ``ray_address``."""
+    if ray_address is not None:
+        from tinsmith.parallel.ray_group import RayTPGroup
+
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise InvalidInputError(f"{OPTION} runs on CUDA GPUs or on the CPU, not on {device!r}")
+        return RayTPGroup(world_size, ray_address, _serving_rank, cuda=torch.device(device).type == "cuda",
+                          strategy=ray_strategy, timeout_s=timeout_s, follower_threads=follower_threads)
     devices = [rank_device(device, r) for r in range(world_size)]
     if devices[0].type == "cuda" and torch.cuda.device_count() < devices[-1].index + 1:
         raise InvalidInputError(f"{OPTION} {world_size} needs GPUs {devices[0].index}..{devices[-1].index}; "
@@ -197,7 +205,7 @@ def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class TPBase:
     """Rank 0's handle on one base model served by the group: its runtime and sampler stand-ins."""
 
-    def __init__(self, group: LocalTPGroup, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
+    def __init__(self, group: DrivenGroup, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
                  max_rows: int):
         self.group, self.name = group, name
         self.local: RankBase = group.call("add_base", name, model_dir, dtype, runtime_kwargs, max_rows)

@@ -64,21 +64,29 @@ class SpmdExecutor:
 
     def follow(self) -> int:
         """On the other ranks: run each call the driver broadcasts, until it stops. Returns the
-        number of calls run. Errors that the driver also saw are its to report; this keeps going."""
+        number of calls run."""
         while True:
             if self.doorbell is not None and not self.doorbell.wait():
                 return self.calls  # the driver is gone: nothing more will come
-            box: list = [None]
-            self._broadcast(box)
-            method, args, kwargs = box[0]
-            if method == _STOP:
+            if not self.follow_call():
                 return self.calls
-            try:
-                self._run(method, args, kwargs)
-            except ParallelError:
-                raise
-            except Exception:  # the same error was raised on the driver, which reports it
-                pass
+
+    def follow_call(self) -> bool:
+        """On the other ranks: run the one call the driver is about to broadcast (the caller knows
+        one is coming: its doorbell rang, or the driver asked for it); False when it was the stop.
+        Errors that the driver also saw are its to report."""
+        box: list = [None]
+        self._broadcast(box)
+        method, args, kwargs = box[0]
+        if method == _STOP:
+            return False
+        try:
+            self._run(method, args, kwargs)
+        except ParallelError:
+            raise
+        except Exception:  # the same error was raised on the driver, which reports it
+            pass
+        return True
 
     def _broadcast(self, box: list) -> None:
         guarded(self.tp, "call broadcast", lambda: dist.broadcast_object_list(box, src=self.driver, group=self.tp.group))

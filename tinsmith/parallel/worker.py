@@ -4,7 +4,7 @@ in child processes that follow it.
 The engine keeps talking to one object in its own process: :class:`LocalTPGroup` ``.call`` runs
 a method of every rank's :class:`RankWorker` (its sharded training runtime and sampler) through
 the :class:`SpmdExecutor`. A follower that dies, or any collective that fails, marks the group
-unhealthy (:attr:`LocalTPGroup.healthy`); it must then be closed and started again, which is
+unhealthy (:attr:`DrivenGroup.healthy`); it must then be closed and started again, which is
 what a server's health check would report and act on.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup, f
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import ShardedSampler
 from tinsmith.parallel.shard import shard_causal_lm
-from tinsmith.parallel.spmd import SpmdExecutor
+from tinsmith.parallel.spmd import Doorbell, SpmdExecutor
 from tinsmith.sampling.sampler import SampleTask
 
 
@@ -107,49 +108,28 @@ def _follower(rank: int, world: int, init_method: str, timeout_s: float, make_ta
         dist.destroy_process_group()
 
 
-class LocalTPGroup:
-    """``world_size`` ranks on this host; this process is rank 0 (the driver).
+class DrivenGroup(ABC):
+    """Rank 0's side of a tensor-parallel group: this process drives the executor, the followers
+    run elsewhere (:class:`LocalTPGroup`: child processes; ``tinsmith.parallel.ray_group``: Ray
+    actors). Subclasses say how followers are found gone (:meth:`exited`), waited for and ended."""
 
-    Every rank holds a :class:`RankWorker` of ``model_dir``, or what ``make_target(tp, device)``
-    builds (a module-level callable: the followers are started from a fork server). ``devices``
-    gives each rank its device (default: the CPU); a CUDA device makes the group use NCCL.
-    """
+    world_size: int
+    timeout_s: float
 
-    def __init__(self, model_dir: str | None, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 dtype: torch.dtype = torch.float32, runtime_kwargs: dict | None = None, follower_threads: int = 1,
-                 make_target: Callable[[TPGroup, torch.device], Any] | None = None,
-                 devices: list[torch.device] | None = None):
-        if dist.is_initialized():
-            raise RuntimeError("this process already belongs to a process group")
-        if make_target is None:
-            make_target = functools.partial(_rank_worker, str(model_dir), dtype, runtime_kwargs or {})
-        devices = devices or [torch.device("cpu")] * world_size
-        self.timeout_s, self.world_size = timeout_s, world_size
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", __name__, make_target.__module__])
-        pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (follower's end, rank 0's end)
-        self.procs = [ctx.Process(target=_follower, daemon=True,
-                                  args=(r, world_size, init_method, timeout_s, make_target, follower_threads,
-                                        devices[r], pipes[r - 1][0]))
-                      for r in range(1, world_size)]
-        for p in self.procs:
-            p.start()
-        for theirs, _ in pipes:
-            theirs.close()  # the follower holds its end; rank 0 exiting closes ours, which ends the follower
-        self.tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method, device=devices[0])
-        self.executor = SpmdExecutor(make_target(self.tp, devices[0]), self.tp,
-                                     doorbell=_DriverBell([ours for _, ours in pipes], world_size))
+    def _drive(self, tp: TPGroup, target: Any, doorbell: Doorbell) -> None:
+        """Rank 0 has joined the group as ``tp``: calls go through an executor over ``target``."""
+        self.tp = tp
+        self.executor = SpmdExecutor(target, tp, doorbell=doorbell)
         self.worker = self.executor.target
         self._failed: ParallelError | None = None
 
     @property
     def healthy(self) -> bool:
-        """False once a collective failed or a follower process is gone."""
-        return self._failed is None and all(p.is_alive() for p in self.procs)
+        """False once a collective failed or a follower is gone."""
+        return self._failed is None and self.exited() is None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``RankWorker.method`` on every rank; rank 0's result (its error re-raised)."""
+        """Run ``target.method`` on every rank; rank 0's result (its error re-raised)."""
         if self._failed is None and (gone := self.exited()):  # found before a collective has to time out
             self._failed = ParallelError(gone)
             raise self._failed
@@ -158,20 +138,24 @@ class LocalTPGroup:
         try:
             return self.executor.call(method, *args, **kwargs)
         except ParallelError as exc:
-            end = time.monotonic() + 1.0  # a rank that died may close its sockets before it is reaped
-            for p in self.procs:
-                p.join(max(0.0, end - time.monotonic()))
+            self._await_exits(1.0)  # a rank that died may close its sockets before it is reported gone
             gone = self.exited()  # a collective failed because a rank died: say which one
             self._failed = ParallelError(f"{gone}; {exc}") if gone else exc
             if gone:
                 raise self._failed from exc
             raise
 
+    @abstractmethod
     def exited(self) -> str | None:
-        """Which follower ranks have exited, in words (None: all are running)."""
-        gone = [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
-        return "; ".join(f"tensor-parallel rank {r} of {self.world_size} (process {p.pid}) exited with code "
-                         f"{p.exitcode}" for r, p in gone) or None
+        """Which follower ranks are gone, in words (None: all are running)."""
+
+    @abstractmethod
+    def _await_exits(self, wait_s: float) -> None:
+        """Give followers that are dying up to ``wait_s`` to be reported gone."""
+
+    @abstractmethod
+    def _end_followers(self, wait_s: float) -> None:
+        """After the stop (or without it, when they cannot hear it): let them exit, then end them."""
 
     @property
     def failure(self) -> str | None:
@@ -187,11 +171,64 @@ class LocalTPGroup:
                 self.executor.stop()
             except ParallelError:
                 pass
+        self._end_followers(wait_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LocalTPGroup(DrivenGroup):
+    """``world_size`` ranks on this host; this process is rank 0 (the driver).
+
+    Every rank holds a :class:`RankWorker` of ``model_dir``, or what ``make_target(tp, device)``
+    builds (a module-level callable: the followers are started from a fork server). ``devices``
+    gives each rank its device (default: the CPU); a CUDA device makes the group use NCCL.
+    """
+
+    def __init__(self, model_dir: str | None, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 dtype: torch.dtype = torch.float32, runtime_kwargs: dict | None = None, follower_threads: int = 1,
+                 make_target: Callable[[TPGroup, torch.device], Any] | None = None,
+                 devices: list[torch.device] | None = None):
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a process group")
+        if make_target is None:
+            make_target = rank_worker_factory(str(model_dir), dtype, runtime_kwargs)
+        devices = devices or [torch.device("cpu")] * world_size
+        self.timeout_s, self.world_size = timeout_s, world_size
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", __name__, make_target.__module__])
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (follower's end, rank 0's end)
+        self.procs = [ctx.Process(target=_follower, daemon=True,
+                                  args=(r, world_size, init_method, timeout_s, make_target, follower_threads,
+                                        devices[r], pipes[r - 1][0]))
+                      for r in range(1, world_size)]
+        for p in self.procs:
+            p.start()
+        for theirs, _ in pipes:
+            theirs.close()  # the follower holds its end; rank 0 exiting closes ours, which ends the follower
+        tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method, device=devices[0])
+        self._drive(tp, make_target(tp, devices[0]), _DriverBell([ours for _, ours in pipes], world_size))
+
+    def exited(self) -> str | None:
+        gone = [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        return "; ".join(f"tensor-parallel rank {r} of {self.world_size} (process {p.pid}) exited with code "
+                         f"{p.exitcode}" for r, p in gone) or None
+
+    def _await_exits(self, wait_s: float) -> None:
+        end = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+
+    def _end_followers(self, wait_s: float) -> None:
         end = time.monotonic() + wait_s
         for p in self.procs:
             p.join(max(0.0, end - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def rank_worker_factory(model_dir: str, dtype: torch.dtype = torch.float32,
+                        runtime_kwargs: dict | None = None) -> Callable[[TPGroup, torch.device], RankWorker]:
+    """``make_target`` for a group whose ranks each hold a :class:`RankWorker` of ``model_dir``."""
+    return functools.partial(_rank_worker, model_dir, dtype, runtime_kwargs or {})

@@ -45,6 +45,8 @@ LogLevel = Annotated[Literal["debug", "info", "warning", "error"],
 Dtype = Annotated[Literal["auto", "bfloat16", "float16", "float32"],
                   BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 LogFormat = Annotated[Literal["text", "json"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+RayStrategy = Annotated[Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                        BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
 
 
 class ServerConfig(BaseSettings):
@@ -75,6 +77,8 @@ class ServerConfig(BaseSettings):
     device: str | None = None  # default: cuda if available, else cpu
     dtype: Dtype = "auto"  # base weights and activations; auto: bfloat16 on CUDA, float32 on CPU
     tensor_parallel_size: AtLeastOne = 1  # ranks (GPUs) every base model is sharded over; 1: no process group
+    ray_address: str | None = None  # None: the other ranks are local processes; auto or HOST:PORT: Ray actors
+    ray_placement_strategy: RayStrategy = "STRICT_PACK"  # of the ranks' placement group
     max_full_finetunes: AtLeastOne = 1
     max_full_sampler_snapshots: AtLeastOne = 4  # frozen full-model copies (host memory) that full fine-tunes' samplers read
     resident_full_sampler_snapshots: AtLeastOne = 1  # of those, how many are on the device at once
@@ -181,6 +185,12 @@ _HELP = {
     "device": "torch device (default: cuda when available, else cpu)",
     "tensor_parallel_size": "shard every base model over this many ranks, one GPU each (cuda:0..N-1; on the CPU, "
                             "processes): every text family (experts split over the ranks) with LoRA only; 1 runs one process",
+    "ray_address": "place the tensor-parallel ranks other than this process's rank 0 as Ray actors on the Ray "
+                   "cluster at this address (auto: the one `ray start` runs on this node; HOST:PORT: its head), so "
+                   "they may run on other machines; needs `pip install 'tinsmith[ray]'` (default: local processes)",
+    "ray_placement_strategy": "Ray placement strategy of the ranks (one bundle each, rank 0's on this node): "
+                              "STRICT_PACK keeps every rank on this node; PACK, SPREAD or STRICT_SPREAD let them "
+                              "go to other nodes",
     "dtype": "precision of the base weights and activations: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, "
              "float16 or float32; logprobs are computed in float32 either way, and full fine-tunes of "
              "half-precision weights keep float32 master weights",

@@ -65,6 +65,8 @@ class RuntimeOptions:
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
     tensor_parallel_size: int = 1  # >1: every base model is sharded over that many ranks (tinsmith.parallel)
+    ray_address: str | None = None  # the followers are Ray actors on this cluster (None: local processes)
+    ray_placement_strategy: str = "STRICT_PACK"
 
 
 @dataclass
@@ -159,7 +161,7 @@ class Worker:
         self.inflight: dict[str, str] = {}
         self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
         self.stats = {"snapshot_evictions": 0}  # read by metrics scrapes
-        self.tp_group = None  # the tensor-parallel group (a LocalTPGroup) when tensor_parallel_size > 1
+        self.tp_group = None  # the tensor-parallel group (a DrivenGroup) when tensor_parallel_size > 1
 
     def close(self) -> None:
         """Release the tensor-parallel ranks, if any (clean shutdown)."""
@@ -211,7 +213,8 @@ class Worker:
         check_servable(read_config(model_dir), o.tensor_parallel_size, source or name)
         if self.tp_group is None:
             self.tp_group = start_group(o.tensor_parallel_size, o.device,
-                                        follower_threads=max(1, torch.get_num_threads() // o.tensor_parallel_size))
+                                        follower_threads=max(1, torch.get_num_threads() // o.tensor_parallel_size),
+                                        ray_address=o.ray_address, ray_strategy=o.ray_placement_strategy)
         tpb = TPBase(self.tp_group, name, str(model_dir), resolve_dtype(o.dtype, o.device), runtime_kwargs_of(o),
                      o.max_sampling_rows)
         # Rank 0 sizes micro-batches (from its free memory) and every rank uses that size.
