@@ -18,10 +18,14 @@ _MASK64 = (1 << 64) - 1
 
 
 def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """A well-mixed 64-bit hash of int64 tensors (wrapping arithmetic)."""
-    x = x + torch.tensor(-7046029254386353131, dtype=torch.int64, device=x.device)  # 0x9E3779B97F4A7C15
-    x = (x ^ _srl(x, 30)) * torch.tensor(-4658895280553007687, dtype=torch.int64, device=x.device)
-    x = (x ^ _srl(x, 27)) * torch.tensor(-7723592293110705685, dtype=torch.int64, device=x.device)
+    """A well-mixed 64-bit hash of int64 tensors (wrapping arithmetic).
+
+    The constants are Python scalars, not tensors: a tensor made from a Python value on a GPU
+    is a host-to-device copy, which a CUDA graph capture cannot record.
+    """
+    x = x + -7046029254386353131  # 0x9E3779B97F4A7C15
+    x = (x ^ _srl(x, 30)) * -4658895280553007687
+    x = (x ^ _srl(x, 27)) * -7723592293110705685
     return x ^ _srl(x, 31)
 
 
