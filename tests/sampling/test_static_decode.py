@@ -103,3 +103,27 @@ def test_refusals_name_their_reason(qwen3_dir, rows, asks, reason):
     sampler = Sampler(model, decoder(qwen3_dir))
     assert reason in DecodeGraphs.refusal(sampler.cache, rows, asks)
     assert DecodeGraphs.refusal(sampler.cache, 4, False) is None
+
+
+def test_padding_rows_leave_their_cache_rows_untouched(qwen3_dir):
+    """Rows past the live ones (3 live rows, bucket 4) may hold someone else's K/V meanwhile."""
+    import torch
+
+    model = fresh_model(qwen3_dir)
+    sampler = Sampler(model, decoder(qwen3_dir), decode_burst=2)
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    done: list = []
+    with torch.inference_mode():
+        sampler._admit(done)
+        cache = sampler.cache
+        cache.ensure(4, 64)
+        for t in cache.K + cache.V:
+            t[3].normal_()
+        cache.lengths[3] = 9
+        before = [t[3].clone() for t in cache.K + cache.V]
+        sampler._decode_step(done)
+    assert sampler.stats["static_steps"] == 2
+    assert int(cache.lengths[3]) == 9 and cache.lengths[:3].tolist() == [6, 6, 6]
+    for old, t in zip(before, cache.K + cache.V):
+        assert torch.equal(old, t[3])

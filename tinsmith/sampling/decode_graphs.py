@@ -6,7 +6,8 @@ only if the step reads and writes the same device addresses with the same shapes
 never asks the host anything. So the static step here reads only persistent buffers:
 
 - ``B`` rows, the smallest bucket (:data:`BUCKETS`) that holds the live rows; the rows past the
-  live ones are inert padding (greedy, no adapter, cache length 0, never advanced);
+  live ones are inert padding (greedy, no adapter, at position 0, never advanced, and they
+  leave the cache rows they stand on untouched);
 - K/V at the cache's whole capacity, positions past a row's length masked
   (:meth:`RowKVCache.decode_attention` with ``span`` = capacity);
 - last tokens, random-stream keys and step counters, temperature / top-k / top-p, the adapter
@@ -145,7 +146,6 @@ class DecodeGraphs:
         else:  # the same rows: only what the eager path may have advanced meanwhile
             inputs.last[:n].copy_(batch.last)
             inputs.steps[:n].copy_(batch.steps)
-        self.cache.lengths[n:B].zero_()  # padding rows hold nothing: they attend to (and write) position 0
         groups = self._groups
         variant = Variant(B, groups is not None, batch.kinds.truncating is not None, batch.kinds.all_greedy)
 
@@ -166,9 +166,9 @@ class DecodeGraphs:
         cache = self.cache
         B = inputs.rows
         lengths = cache.lengths[:B]
-        positions = (lengths + inputs.rope)[:, None]
+        positions = (lengths * inputs.active + inputs.rope)[:, None]  # padding rows at position 0
         hidden = self.model.hidden_states(inputs.last[:, None], positions, groups,
-                                          attend=cache.decode_attention(B, cache.capacity))
+                                          attend=cache.decode_attention(B, cache.capacity, live=inputs.active))
         logits = self.model.logits(hidden[:, 0], groups)
         lengths.add_(inputs.active)
         u = keyed_uniforms(inputs.keys, inputs.steps)
