@@ -127,3 +127,29 @@ def test_padding_rows_leave_their_cache_rows_untouched(qwen3_dir):
     assert int(cache.lengths[3]) == 9 and cache.lengths[:3].tolist() == [6, 6, 6]
     for old, t in zip(before, cache.K + cache.V):
         assert torch.equal(old, t[3])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masked_choice_equals_indexed_choice(seed):
+    """choose_tokens_masked (every row both ways, kept by mask) picks exactly choose_tokens' tokens."""
+    import torch
+
+    from tinsmith.sampling.logits import RowKinds, choose_tokens, choose_tokens_masked, uniforms
+
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 12, 300
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = [0.0, 1.0, 0.7, 1.3, 0.0, 1.0, 0.5, 1.0, 2.0, 0.0, 1.0, 0.9]
+    top_k = [0, 0, 5, 0, 3, 50, 0, 0, 1, 0, 0, 400]
+    top_p = [1.0, 1.0, 1.0, 0.8, 0.5, 1.0, 0.95, 1.0, 1.0, 1.0, 0.3, 1.0]
+    t, k, p = torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p)
+    u = uniforms(torch.full((rows,), seed), torch.arange(rows), torch.full((rows,), 3))
+    kinds = RowKinds.of(temperature, top_k, top_p, vocab, logits.device)
+    want, want_lp, _ = choose_tokens(logits, t, k, p, u, kinds)
+    truncates = torch.zeros(rows, dtype=torch.bool)
+    truncates[kinds.truncating] = True
+    got, got_lp = choose_tokens_masked(logits, t, k, p, u, truncates, all_greedy=False)
+    assert got.tolist() == want.tolist()
+    assert torch.equal(got_lp, want_lp)
+    greedy, _ = choose_tokens_masked(logits, torch.zeros(rows), k, p, u, None, all_greedy=True)
+    assert greedy.tolist() == logits.argmax(-1).tolist()
