@@ -1,7 +1,9 @@
 """Decode steps replayed from CUDA graphs sample token for token what the same static step samples
 launched eagerly, and (in fp32) what the eager decode path samples: seeded, greedy, top-k / top-p
 rows, several adapters with base rows, rows joining and leaving, the cache growing (graphs
-recaptured), and a new adapter growing the banks between requests (graphs recaptured)."""
+recaptured), and a new adapter growing the banks between requests (graphs recaptured). A
+mixture-of-experts model, whose routing reads expert counts on the host, cannot be captured: it
+falls back to the eager static step and samples the same."""
 
 from __future__ import annotations
 
@@ -53,11 +55,12 @@ def _sample(model, mode: str, rounds) -> tuple[list[dict], Sampler]:
     return results, sampler
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_decode_equals_eager_decode(dtype, tmp_path):
+@pytest.mark.parametrize("family, dtype", [("qwen3", torch.float32), ("qwen3", torch.bfloat16),
+                                           ("qwen3_moe", torch.float32)])
+def test_graphed_decode_equals_eager_decode(family, dtype, tmp_path):
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("CUDA graphs exist only on CUDA devices")
-    model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)
+    model_dir = make_tiny_model(tmp_path / family, family, SMALL, seed=1)
     # Adapters 1..3 at first; 4..7 arrive in the second round and outgrow the bank's 4 positions.
     rounds = [([1, None, 2, 3, 1, None], None),
               ([4, 5, 6, 7, 1, None, 2], 4)]
@@ -71,8 +74,11 @@ def test_graphed_decode_equals_eager_decode(dtype, tmp_path):
         got[mode], sampler = _sample(model, mode, rounds)
         if mode == "graphs":
             stats = sampler.stats
-            assert stats["graph_replays"] > stats["graph_captures"] >= 3, stats  # recaptured, then replayed
             assert stats["static_steps"] == stats["decode_steps"], stats
+            if family == "qwen3":
+                assert stats["graph_replays"] > stats["graph_captures"] >= 3, stats  # recaptured, then replayed
+            else:
+                assert stats["graph_replays"] == stats["graph_captures"] == 0, stats
     for ref_round, graph_round, static_round in zip(got["eager"], got["graphs"], got["static-eager"]):
         for key, ref in ref_round.items():
             for a, b, c in zip(ref.sequences, graph_round[key].sequences, static_round[key].sequences):
