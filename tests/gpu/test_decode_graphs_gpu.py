@@ -3,7 +3,7 @@ launched eagerly, and (in fp32) what the eager decode path samples: seeded, gree
 rows, several adapters with base rows, rows joining and leaving, the cache growing (graphs
 recaptured), and a new adapter growing the banks between requests (graphs recaptured). A
 mixture-of-experts model, whose routing reads expert counts on the host, cannot be captured: it
-falls back to the eager static step and samples the same."""
+falls back to the eager path and samples the same."""
 
 from __future__ import annotations
 
@@ -74,11 +74,13 @@ def test_graphed_decode_equals_eager_decode(family, dtype, tmp_path):
         got[mode], sampler = _sample(model, mode, rounds)
         if mode == "graphs":
             stats = sampler.stats
-            assert stats["static_steps"] == stats["decode_steps"], stats
             if family == "qwen3":
+                assert stats["static_steps"] == stats["decode_steps"], stats
                 assert stats["graph_replays"] > stats["graph_captures"] >= 3, stats  # recaptured, then replayed
-            else:
+            else:  # the first capture failed: the rest of that burst static, every later one eager
                 assert stats["graph_replays"] == stats["graph_captures"] == 0, stats
+                assert 0 < stats["static_steps"] < stats["decode_steps"], stats
+                assert sampler.graphs is not None and sampler.graphs.broken
     for ref_round, graph_round, static_round in zip(got["eager"], got["graphs"], got["static-eager"]):
         for key, ref in ref_round.items():
             for a, b, c in zip(ref.sequences, graph_round[key].sequences, static_round[key].sequences):

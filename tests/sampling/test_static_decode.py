@@ -101,8 +101,11 @@ def test_buckets():
 def test_refusals_name_their_reason(qwen3_dir, rows, asks, reason):
     model = fresh_model(qwen3_dir)
     sampler = Sampler(model, decoder(qwen3_dir))
-    assert reason in DecodeGraphs.refusal(sampler.cache, rows, asks)
-    assert DecodeGraphs.refusal(sampler.cache, 4, False) is None
+    graphs = DecodeGraphs(model, sampler.cache, capture=False)
+    assert reason in graphs.refusal(rows, asks)
+    assert graphs.refusal(4, False) is None
+    graphs.broken = "RuntimeError: a host read"
+    assert "could not be captured" in graphs.refusal(4, False)
 
 
 def test_padding_rows_leave_their_cache_rows_untouched(qwen3_dir):

@@ -18,8 +18,9 @@ The same step runs eagerly on CPU (tests check it samples exactly what the eager
 samples), and on CUDA it is captured after one real step on a side stream and replayed for the
 rest. A graph is recaptured when an address it reads changes: the cache grew or shrank, or an
 adapter bank was reallocated. What it cannot express stays on the eager path (the sampler
-decides; see :meth:`DecodeGraphs.refusal`), and a failed capture sends its variant there for
-good, logged once.
+decides; see :meth:`DecodeGraphs.refusal`). A failed capture (a model that reads the device
+from the host inside its step, such as mixture-of-experts routing) sends every later burst there
+too, logged once: uncaptured, the padded static step only costs more than the eager one.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class DecodeGraphs:
         self._loaded: tuple[int, Any] | None = None  # (bucket, batch) whose rows the buffers hold
         self._groups: RowSlots | None = None  # the loaded rows' adapters, over the persistent bank index
         self._graphs: dict[Variant, torch.cuda.CUDAGraph] = {}
-        self._failed: set[Variant] = set()  # variants whose capture failed: eager from then on
+        self.broken: str | None = None  # why a capture failed: the sampler decodes eagerly from then on
         self._layout: tuple | None = None  # addresses the captured graphs read
         self._bank_check: tuple[int, int] | None = None  # (adapters epoch, slot table version) last synced
         self._bank_layout: tuple = ()
@@ -111,10 +112,11 @@ class DecodeGraphs:
         self._side = None
 
     # ----------------------------------------------------------------------------- rows
-    @staticmethod
-    def refusal(cache: RowKVCache, rows: int, wants_top_logprobs: bool) -> str | None:
+    def refusal(self, rows: int, wants_top_logprobs: bool) -> str | None:
         """Why a batch of ``rows`` rows cannot take the static step (None: it can)."""
-        if cache.recurrent is not None:
+        if self.broken is not None:
+            return f"the decode step could not be captured ({self.broken})"
+        if self.cache.recurrent is not None:
             return "recurrent (hybrid) layers keep per-row state outside the K/V buffers"
         if wants_top_logprobs:
             return "top-k sample logprobs are cut per row on the host"
@@ -182,7 +184,7 @@ class DecodeGraphs:
     # ----------------------------------------------------------------------------- graphs
     def _run(self, variant: Variant, step, groups: RowSlots | None) -> None:
         """One step: replay its graph, or run it (and capture the graph right after when none is held)."""
-        if not self.capture or variant in self._failed:
+        if not self.capture or self.broken is not None:  # a capture failed earlier in this burst
             step()
             return
         self._drop_stale_graphs(groups)
@@ -205,10 +207,10 @@ class DecodeGraphs:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 step()
-        except Exception:  # a host read or an uncapturable kernel inside the model: stay eager
-            log.warning("decode step of %s cannot be captured as a CUDA graph; it runs eagerly", variant,
-                        exc_info=True)
-            self._failed.add(variant)
+        except Exception as exc:  # a host read or an uncapturable kernel inside the model
+            log.warning("the decode step (%s) cannot be captured as a CUDA graph; decoding eagerly from now on",
+                        variant, exc_info=True)
+            self.broken = f"{type(exc).__name__}: {str(exc)[:200]}"
             return
         self._graphs[variant] = graph
         self.stats["graph_captures"] += 1

@@ -657,7 +657,7 @@ class Sampler:
         """
         if self.graphs is None:
             return False
-        why = DecodeGraphs.refusal(self.cache, n, wants_top_logprobs)
+        why = self.graphs.refusal(n, wants_top_logprobs)
         rows, capacity = bucket_for(n) or n, self.cache.capacity
         if span > capacity:
             longest = max(self._longest(row.state.task.input) for row in self.rows)
@@ -665,7 +665,7 @@ class Sampler:
         if why is None and self.kv_cache_bytes and self._kv_bytes(rows, capacity) > self.kv_cache_bytes:
             why = "the bucket's padding rows would pass the K/V cache budget"
         if why is not None:
-            if why not in self._eager_reasons:
+            if why not in self._eager_reasons:  # each reason once (a failed capture logged its own warning)
                 self._eager_reasons.add(why)
                 log.info("decoding eagerly (no CUDA graph): %s", why)
             return False
