@@ -223,8 +223,8 @@ class DecodeGraphs:
     def _drop_stale_graphs(self, groups: RowSlots | None) -> None:
         """Forget every graph when an address they read moved (cache reallocated, bank regrown)."""
         cache = self.cache
-        layout = (cache.lengths.data_ptr(), *(t.data_ptr() for t in cache.K), *(t.data_ptr() for t in cache.V),
-                  self._banks(groups))
+        layout = (cache.capacity, cache.row_capacity, cache.lengths.data_ptr(),
+                  *(t.data_ptr() for t in cache.K), *(t.data_ptr() for t in cache.V), self._banks(groups))
         if layout != self._layout:
             self._graphs.clear()
             self._layout = layout
