@@ -7,7 +7,10 @@ weights streamed as in a real step) and turns that into tokens/s. ``fraction`` =
 tokens/s / that bound: what the ~300 other eager ops of a step (norms, rotary, attention,
 sampling, bookkeeping) cost on top of the GEMMs.
 
-    python bench/decode_micro.py [--model DIR] [--rows 16,64] [--tokens 64] [--repeats 5]
+    python bench/decode_micro.py [--model DIR] [--rows 16,64] [--tokens 64] [--repeats 5] [--static-step]
+
+``--static-step`` adds the static decode step (the fixed-shape step CUDA graphs record, run
+eagerly here) beside the eager one, runs of the two interleaved in one process.
 
 Without ``--model`` a ~4.2M-parameter Qwen3 is made on the spot.
 """
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinsmith.devtools.tiny_model import make_tiny_model  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
+from tinsmith.sampling.decode_graphs import DecodeGraphs  # noqa: E402
 from tinsmith.sampling.sampler import Sampler, SampleTask  # noqa: E402
 from tinsmith.types import SampleInput, SamplingParams  # noqa: E402
 
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt-length", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per batch size (the best is kept)")
+    p.add_argument("--static-step", action="store_true",
+                   help="also time the static decode step (padded rows, whole-capacity K/V), interleaved")
     p.add_argument("--json", help="write the results here too")
     a = p.parse_args(argv)
     model_dir, tmp = model_dir_or_tiny(a.model)
@@ -104,8 +110,29 @@ def main(argv: list[str] | None = None) -> dict:
         bound = gemm_bound(model, rows)
         out["rows"][rows] = {"tokens_per_s": rate, "gemm_bound_tokens_per_s": bound, "fraction": rate / bound}
         print(f"{rows:>6} {rate:>10.0f} {bound:>11.0f} {rate / bound:>8.1%}")
+    if a.static_step:
+        out["static_step"] = static_vs_eager(model, [int(r) for r in a.rows.split(",")], a)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
+def static_vs_eager(model, rows_list: list[int], a) -> dict:
+    """Best tokens/s of the eager and the static decode step per batch size, runs interleaved so
+    that load on a shared machine falls on both alike."""
+    print(f"{'rows':>6} {'eager':>10} {'static':>10} {'static/eager':>13}")
+    out = {}
+    for rows in rows_list:
+        best = {False: 0.0, True: 0.0}
+        for i in range(a.repeats):
+            for static in (False, True):
+                sampler = Sampler(model, lambda toks: "", max_rows=rows)
+                if static:
+                    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+                best[static] = max(best[static], decode_rate(sampler, rows, a.tokens, a.prompt_length, seed=i))
+        out[rows] = {"eager_tokens_per_s": best[False], "static_tokens_per_s": best[True],
+                     "static_vs_eager": best[True] / best[False]}
+        print(f"{rows:>6} {best[False]:>10.0f} {best[True]:>10.0f} {best[True] / best[False]:>12.2f}x")
     return out
 
 

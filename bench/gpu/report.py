@@ -59,6 +59,17 @@ def markdown(s: dict) -> str:
                          f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
                          f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")
         L.append("")
+        L += ["## Decode with CUDA graphs vs eager (tokens/s)", "",
+              "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |",
+              "|" + "---|" * 8]
+        for name in s["shapes"]:
+            cg = sa.get(f"{name}/cuda_graphs", {})
+            for rk in [k for k in cg if k.startswith("rows_")] or ["-"]:
+                rows, _, kind = rk[5:].partition("_")
+                L.append(f"| {name} | {rows} | {kind} | {_get(cg, rk, 'eager_tokens_per_s')} | "
+                         f"{_get(cg, rk, 'graphs_tokens_per_s')} | {_get(cg, rk, 'graphs_vs_eager')} | "
+                         f"{_get(cg, rk, 'graph_captures')} | {_status(cg)} |")
+        L.append("")
     mo = s.get("moe", {}).get("a3b_vs_dense")
     if mo:
         L += ["## Mixture of experts (Qwen3-30B-A3B shape, a few layers) vs dense of equal active parameters", "",

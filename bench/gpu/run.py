@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
         sa = Part("sample", BUDGET_S["sample"] * a.budget_scale, run_deadline)
         for name in shapes:
             sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
+            if name == shapes[-1]:  # the largest shape only (1.7B by default): the part's budget is shared
+                sa.item(f"{name}/cuda_graphs", lambda: sample.graphs_vs_eager(dirs[name], device, a.quick))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))

@@ -127,15 +127,23 @@ class RowKVCache:
         self.lengths[dst] = n
 
     # ----------------------------------------------------------------------------- attention
-    def decode_attention(self, n: int, span: int):
+    def decode_attention(self, n: int, span: int, live: torch.Tensor | None = None):
         """Attention backend for one decode step over rows ``[0, n)``.
 
         Writes each row's new K/V at its current length, then attends over the row's
         ``length + 1`` positions; ``span`` is the longest of those (the caller has it already,
         from sizing the cache for this step). Grouped-query heads are folded into the query dimension, so
         cached K/V are never repeated.
+
+        ``live`` (n,) 0/1 marks padding rows of a fixed-shape step (0): they sit at position 0
+        and write back what the cache holds there, so the step leaves their rows (free, or
+        filled by something else meanwhile) as they were.
         """
         pos = self.lengths[:n]
+        keep = None
+        if live is not None:
+            pos = pos * live
+            keep = live.bool()[:, None, None]
         rows = torch.arange(n, device=self.device)
         future = torch.arange(span, device=self.device)[None, :] > pos[:, None]  # (n, span)
         # An additive mask (0 / -inf), built once per step for all layers: SDPA takes it
@@ -147,8 +155,12 @@ class RowKVCache:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
             K, V = self.K[layer], self.V[layer]
-            K[rows, :, pos] = k[:, :, 0]
-            V[rows, :, pos] = v[:, :, 0]
+            if keep is None:
+                K[rows, :, pos] = k[:, :, 0]
+                V[rows, :, pos] = v[:, :, 0]
+            else:
+                K[rows, :, pos] = torch.where(keep, k[:, :, 0], K[rows, :, pos])
+                V[rows, :, pos] = torch.where(keep, v[:, :, 0], V[rows, :, pos])
             if sinks is not None or window is not None:
                 # Sliding layers keep every position in the cache and mask the ones out of the window.
                 if window not in visible:

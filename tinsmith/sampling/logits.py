@@ -18,10 +18,14 @@ _MASK64 = (1 << 64) - 1
 
 
 def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """A well-mixed 64-bit hash of int64 tensors (wrapping arithmetic)."""
-    x = x + torch.tensor(-7046029254386353131, dtype=torch.int64, device=x.device)  # 0x9E3779B97F4A7C15
-    x = (x ^ _srl(x, 30)) * torch.tensor(-4658895280553007687, dtype=torch.int64, device=x.device)
-    x = (x ^ _srl(x, 27)) * torch.tensor(-7723592293110705685, dtype=torch.int64, device=x.device)
+    """A well-mixed 64-bit hash of int64 tensors (wrapping arithmetic).
+
+    The constants are Python scalars, not tensors: a tensor made from a Python value on a GPU
+    is a host-to-device copy, which a CUDA graph capture cannot record.
+    """
+    x = x + -7046029254386353131  # 0x9E3779B97F4A7C15
+    x = (x ^ _srl(x, 30)) * -4658895280553007687
+    x = (x ^ _srl(x, 27)) * -7723592293110705685
     return x ^ _srl(x, 31)
 
 
@@ -112,16 +116,53 @@ def choose_tokens(
             plain = kinds.plain
             sampled.index_copy_(0, plain, _inverse_cdf(probs.index_select(0, plain).double(), u.index_select(0, plain)))
         rows = kinds.truncating
-        sorted_p, order = torch.sort(probs.index_select(0, rows), dim=-1, descending=True)
-        rank = torch.arange(V, device=logits.device)[None, :]
-        k_rows, p_rows = top_k.index_select(0, rows), top_p.index_select(0, rows)
-        k = torch.where(k_rows > 0, k_rows, torch.full_like(k_rows, V))
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each entry
-        keep = (rank < k[:, None]) & ((before < p_rows[:, None]) | (rank == 0))
-        kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
-        sampled.index_copy_(0, rows, order.gather(-1, _inverse_cdf(kept, u.index_select(0, rows))[:, None]).squeeze(-1))
+        sampled.index_copy_(0, rows, _truncated_draw(probs.index_select(0, rows), top_k.index_select(0, rows),
+                                                     top_p.index_select(0, rows), u.index_select(0, rows)))
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if kinds.any_greedy else sampled
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
+
+
+def choose_tokens_masked(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    truncates: torch.Tensor | None,
+    all_greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`choose_tokens` with shapes that never depend on which rows do what (CUDA graphs).
+
+    Where :func:`choose_tokens` picks rows by index, this computes every row both ways and keeps
+    each row's own result by mask (``truncates``: bool per row, None when no row truncates), so
+    a row gets exactly the token :func:`choose_tokens` gives it. ``all_greedy`` must hold for
+    every row when set. Returns (tokens, their model logprobs).
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    argmax = logits.argmax(dim=-1)
+    if all_greedy:
+        tokens = argmax
+    else:
+        greedy = temperature <= 0
+        probs = _tempered_probs(logits, torch.where(greedy, torch.ones_like(temperature), temperature)[:, None])
+        sampled = _inverse_cdf(probs.double(), u)
+        if truncates is not None:
+            sampled = torch.where(truncates, _truncated_draw(probs, top_k, top_p, u), sampled)
+        tokens = torch.where(greedy, argmax, sampled)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _truncated_draw(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``probs`` cut to its ``top_k`` largest and its ``top_p`` mass (sorted order)."""
+    V = probs.shape[-1]
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    rank = torch.arange(V, device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each entry
+    keep = (rank < k[:, None]) & ((before < top_p[:, None]) | (rank == 0))
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
+    return order.gather(-1, _inverse_cdf(kept, u)[:, None]).squeeze(-1)
 
 
 def draw_per_row(logprobs: torch.Tensor, temperature: float, u: torch.Tensor) -> torch.Tensor:

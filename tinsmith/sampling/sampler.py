@@ -25,6 +25,7 @@ from tinsmith.models.lora import RowGroups, Segments, decode_rows
 from tinsmith.models.lora_bank import RowSlots
 from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
+from tinsmith.sampling.decode_graphs import DecodeGraphs, bucket_for
 from tinsmith.sampling.kv_cache import BLOCK as KV_BLOCK
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
 from tinsmith.sampling.recurrent_state import PrefillStates
@@ -92,6 +93,7 @@ class Sampler:
         decode_burst: int | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         kv_cache_bytes: int | None = None,
+        cuda_graphs: bool = False,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -120,6 +122,11 @@ class Sampler:
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
                       "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0}
+        # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
+        # launch-bound, and the padded, full-capacity step only costs more there).
+        self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
+                       if cuda_graphs and self.device.type == "cuda" else None)
+        self._eager_reasons: set[str] = set()  # why batches stayed off the static step, each logged once
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -592,8 +599,37 @@ class Sampler:
         # The longest row after this burst: a row's cache holds its prompt and every sampled
         # token but the last, so this is known on the host (no read-back per step).
         span = max(len(row.state.task.input.prompt) + len(row.tokens) for row in self.rows) + k - 1
-        self.cache.ensure(n, span)
         asks = [row.state.task.input.topk_sample_logprobs for row in self.rows]
+        if self._static_decode(n, span, any(asks)):
+            assert self.graphs is not None
+            tokens, logprobs = self.graphs.burst(batch, [row.state.task.slot for row in self.rows], n, k)
+            top_host: list[list] = [[None] * n for _ in range(k)]
+        else:
+            self.cache.ensure(n, span)
+            tokens, logprobs, tops = self._eager_burst(batch, n, k, span, asks)
+            top_host = [_host_top_logprobs(t, asks) for t in tops]
+        self.stats["decode_steps"] += k
+        self.stats["decode_reads"] += 1
+        self.stats["sampled_tokens"] += n * k
+        tok_host = tokens.tolist()  # (n, k): the burst's one read-back
+        lp_host = logprobs.tolist()
+        finished: list[tuple[int, str]] = []
+        for r, row in enumerate(self.rows):
+            for i in range(k):
+                if self._push(row, tok_host[r][i], lp_host[r][i], top_host[i][r]):
+                    finished.append((r, "stop"))
+                    break
+                if len(row.tokens) >= row.state.max_tokens:
+                    finished.append((r, "length"))
+                    break
+        for r, reason in sorted(finished, reverse=True):
+            self._retire(r, reason, done)
+        if finished:
+            self._rows_changed()
+
+    def _eager_burst(self, batch: _DecodeBatch, n: int, k: int, span: int, asks: list[int]):
+        """``k`` decode steps over the live rows only, shapes cut to them: (n, k) tokens and
+        logprobs, and each step's device top-k logprobs for the rows that ask."""
         toks, lps, tops = [], [], []
         for i in range(k):
             positions = self.cache.lengths[:n][:, None]
@@ -609,25 +645,32 @@ class Sampler:
             toks.append(tok)
             lps.append(lp)
             tops.append(_device_top_logprobs(full, asks))
-        self.stats["decode_steps"] += k
-        self.stats["decode_reads"] += 1
-        self.stats["sampled_tokens"] += n * k
-        tok_host = torch.stack(toks, 1).tolist()  # (n, k): the burst's one read-back
-        lp_host = torch.stack(lps, 1).tolist()
-        top_host = [_host_top_logprobs(t, asks) for t in tops]
-        finished: list[tuple[int, str]] = []
-        for r, row in enumerate(self.rows):
-            for i in range(k):
-                if self._push(row, tok_host[r][i], lp_host[r][i], top_host[i][r]):
-                    finished.append((r, "stop"))
-                    break
-                if len(row.tokens) >= row.state.max_tokens:
-                    finished.append((r, "length"))
-                    break
-        for r, reason in sorted(finished, reverse=True):
-            self._retire(r, reason, done)
-        if finished:
-            self._rows_changed()
+        return torch.stack(toks, 1), torch.stack(lps, 1), tops
+
+    def _static_decode(self, n: int, span: int, wants_top_logprobs: bool) -> bool:
+        """Whether this burst takes the static step (:mod:`tinsmith.sampling.decode_graphs`); when
+        it does, the cache is sized for it: the bucket's rows, and room for the burst.
+
+        The capacity grows to at least twice its size (up to the longest any row may reach), so
+        the graphs, which read K/V at the whole capacity, are recaptured a few times per batch
+        rather than every cache block.
+        """
+        if self.graphs is None:
+            return False
+        why = self.graphs.refusal(n, wants_top_logprobs)
+        rows, capacity = bucket_for(n) or n, self.cache.capacity
+        if span > capacity:
+            longest = max(self._longest(row.state.task.input) for row in self.rows)
+            capacity = max(span, min(longest, 2 * capacity))
+        if why is None and self.kv_cache_bytes and self._kv_bytes(rows, capacity) > self.kv_cache_bytes:
+            why = "the bucket's padding rows would pass the K/V cache budget"
+        if why is not None:
+            if why not in self._eager_reasons:  # each reason once (a failed capture logged its own warning)
+                self._eager_reasons.add(why)
+                log.info("decoding eagerly (no CUDA graph): %s", why)
+            return False
+        self.cache.ensure(rows, capacity)
+        return True
 
     def _push(self, row: _Row, token: int, logprob: float, top: tuple[list[int], list[float]] | None) -> bool:
         """Record a sampled token (and its row's top-k logprobs when asked); True if it ends the

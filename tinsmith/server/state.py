@@ -102,6 +102,7 @@ class ServerState:
                                    else config.max_num_samples),
                 prefix_cache_bytes=config.prefix_cache_bytes,
                 sampler_kv_cache_bytes=config.sampler_kv_cache_bytes,
+                sampler_cuda_graphs=config.sampler_cuda_graphs,
             )
         )
         throughput, usage = Throughput(), UsageMeter(store)

@@ -61,6 +61,7 @@ class RuntimeOptions:
     max_sampling_rows: int = 256
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # per sampler; 0: off
     sampler_kv_cache_bytes: int | None = None  # per sampler; None: see Sampler's ``kv_cache_bytes``
+    sampler_cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (on CUDA devices)
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
@@ -408,7 +409,8 @@ class Worker:
             self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir),
                                          max_rows=self.options.max_sampling_rows, vision=base.loaded.vision,
                                          prefix_cache_bytes=self.options.prefix_cache_bytes,
-                                         kv_cache_bytes=self.options.sampler_kv_cache_bytes)
+                                         kv_cache_bytes=self.options.sampler_kv_cache_bytes,
+                                         cuda_graphs=self.options.sampler_cuda_graphs)
         return self.samplers[key]
 
     # ----------------------------------------------------------------------------- inflight sampling

@@ -1,0 +1,158 @@
+"""The static decode step (fixed-shape buffers, what CUDA graphs record) run eagerly on the CPU
+samples what the eager decode path samples: the same tokens and stop reasons, logprobs equal up to
+float rounding (the static step's matmuls and attention run over padded rows and the cache's whole
+capacity, other shapes than the eager step's, so the CPU kernels may sum in another order), for
+greedy and seeded rows, top-k / top-p, several adapters through the bank with base rows mixed
+in, rows joining and leaving (more requests than rows), and K/V cache growth past its blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task
+from tinsmith.models import lora as lora_mod
+from tinsmith.sampling.decode_graphs import BUCKETS, DecodeGraphs, bucket_for
+from tinsmith.sampling.sampler import Sampler
+
+
+def _tasks(vocab: int, topk_logprobs: int = 0):
+    rng = np.random.default_rng(11)
+    stops = sorted(rng.choice(np.arange(4, vocab), size=vocab // 16, replace=False).tolist())
+    prompts = [rng.integers(4, vocab, n).tolist() for n in (5, 11, 8, 3, 14, 6, 9)]
+    return [
+        task("seeded", prompts[0], n=3, max_tokens=30, temperature=1.0, seed=1, stop=stops),
+        task("greedy", prompts[1], max_tokens=25, temperature=0.0, stop=stops[::2]),
+        task("adapter-a", prompts[2], slot=1, n=2, max_tokens=17, temperature=0.8, top_p=0.9, seed=3, stop=stops),
+        task("adapter-b", prompts[3], slot=2, max_tokens=9, temperature=1.0, top_k=20, seed=4, stop=[]),
+        # Past the cache's first block of 64 positions: the cache grows under the static step.
+        task("long", prompts[4], slot=3, max_tokens=90, temperature=1.0, seed=5, stop=[],
+             topk_sample_logprobs=topk_logprobs),
+        task("late-greedy-adapter", prompts[5], slot=1, max_tokens=12, temperature=0.0, stop=[]),
+        task("late-top-k", prompts[6], n=2, max_tokens=20, temperature=0.7, top_k=5, seed=6, stop=[]),
+    ]
+
+
+def _sample(model_dir, static: bool, topk_logprobs: int = 0):
+    model = fresh_model(model_dir)
+    for slot, rank in ((1, 4), (2, 8), (3, 4)):
+        random_adapter(model, slot, rank=rank, seed=slot)
+    # max_rows 6 of 11 rows: the last requests wait, then join as others leave.
+    sampler = Sampler(model, decoder(model_dir), max_rows=6, decode_burst=3)
+    if static:
+        sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    return run(sampler, _tasks(model.config.vocab_size, topk_logprobs)), sampler
+
+
+def _assert_same(ref: dict, got: dict) -> set[str]:
+    reasons = set()
+    for key, res in ref.items():
+        assert not isinstance(res, Exception), res
+        for a, b in zip(res.sequences, got[key].sequences):
+            assert a.tokens.tolist() == b.tokens.tolist(), key
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6, err_msg=key)
+            assert a.stop_reason == b.stop_reason, key
+            reasons.add(a.stop_reason)
+    return reasons
+
+
+def test_static_step_samples_what_the_eager_step_samples(qwen3_dir, monkeypatch):
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")  # the layout the static step uses, on both sides
+    ref, eager = _sample(qwen3_dir, static=False)
+    got, static = _sample(qwen3_dir, static=True)
+    assert _assert_same(ref, got) == {"stop", "length"}
+    assert static.stats["static_steps"] == static.stats["decode_steps"] > 0
+    assert static.stats["graph_replays"] == 0  # nothing is captured on a CPU
+    assert static.cache.capacity > 64  # the cache grew while the static step ran
+
+
+def test_rows_asking_top_logprobs_stay_eager(qwen3_dir, monkeypatch):
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
+    ref, _ = _sample(qwen3_dir, static=False, topk_logprobs=2)
+    got, static = _sample(qwen3_dir, static=True, topk_logprobs=2)
+    _assert_same(ref, got)
+    assert 0 < static.stats["static_steps"] < static.stats["decode_steps"]
+    long_ref, long_got = ref["long"].sequences[0], got["long"].sequences[0]
+    np.testing.assert_array_equal(long_ref.topk_token_ids, long_got.topk_token_ids)
+
+
+def test_single_adapter_batches_go_through_the_bank(qwen3_dir):
+    """Rows of one adapter take a plain segment on the eager path and the bank on the static one:
+    the same math in another order, so equal up to rounding."""
+    results = []
+    for static in (False, True):
+        model = fresh_model(qwen3_dir)
+        random_adapter(model, 1, rank=4, seed=1)
+        sampler = Sampler(model, decoder(qwen3_dir))
+        if static:
+            sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+        results.append(run(sampler, [task("a", [5, 6, 7], slot=1, n=3, max_tokens=12, temperature=0.0, stop=[])]))
+    for a, b in zip(results[0]["a"].sequences, results[1]["a"].sequences):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_buckets():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
+    assert bucket_for(BUCKETS[-1] + 1) is None
+
+
+@pytest.mark.parametrize("rows, asks, reason", [(4, True, "top-k"), (300, False, "bucket")])
+def test_refusals_name_their_reason(qwen3_dir, rows, asks, reason):
+    model = fresh_model(qwen3_dir)
+    sampler = Sampler(model, decoder(qwen3_dir))
+    graphs = DecodeGraphs(model, sampler.cache, capture=False)
+    assert reason in graphs.refusal(rows, asks)
+    assert graphs.refusal(4, False) is None
+    graphs.broken = "RuntimeError: a host read"
+    assert "could not be captured" in graphs.refusal(4, False)
+
+
+def test_padding_rows_leave_their_cache_rows_untouched(qwen3_dir):
+    """Rows past the live ones (3 live rows, bucket 4) may hold someone else's K/V meanwhile."""
+    import torch
+
+    model = fresh_model(qwen3_dir)
+    sampler = Sampler(model, decoder(qwen3_dir), decode_burst=2)
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    done: list = []
+    with torch.inference_mode():
+        sampler._admit(done)
+        cache = sampler.cache
+        cache.ensure(4, 64)
+        for t in cache.K + cache.V:
+            t[3].normal_()
+        cache.lengths[3] = 9
+        before = [t[3].clone() for t in cache.K + cache.V]
+        sampler._decode_step(done)
+    assert sampler.stats["static_steps"] == 2
+    assert int(cache.lengths[3]) == 9 and cache.lengths[:3].tolist() == [6, 6, 6]
+    for old, t in zip(before, cache.K + cache.V):
+        assert torch.equal(old, t[3])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masked_choice_equals_indexed_choice(seed):
+    """choose_tokens_masked (every row both ways, kept by mask) picks exactly choose_tokens' tokens."""
+    import torch
+
+    from tinsmith.sampling.logits import RowKinds, choose_tokens, choose_tokens_masked, uniforms
+
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 12, 300
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = [0.0, 1.0, 0.7, 1.3, 0.0, 1.0, 0.5, 1.0, 2.0, 0.0, 1.0, 0.9]
+    top_k = [0, 0, 5, 0, 3, 50, 0, 0, 1, 0, 0, 400]
+    top_p = [1.0, 1.0, 1.0, 0.8, 0.5, 1.0, 0.95, 1.0, 1.0, 1.0, 0.3, 1.0]
+    t, k, p = torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p)
+    u = uniforms(torch.full((rows,), seed), torch.arange(rows), torch.full((rows,), 3))
+    kinds = RowKinds.of(temperature, top_k, top_p, vocab, logits.device)
+    want, want_lp, _ = choose_tokens(logits, t, k, p, u, kinds)
+    truncates = torch.zeros(rows, dtype=torch.bool)
+    truncates[kinds.truncating] = True
+    got, got_lp = choose_tokens_masked(logits, t, k, p, u, truncates, all_greedy=False)
+    assert got.tolist() == want.tolist()
+    assert torch.equal(got_lp, want_lp)
+    greedy, _ = choose_tokens_masked(logits, torch.zeros(rows), k, p, u, None, all_greedy=True)
+    assert greedy.tolist() == logits.argmax(-1).tolist()

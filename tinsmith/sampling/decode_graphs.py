@@ -1,0 +1,248 @@
+"""Decode steps over fixed-shape buffers, captured as CUDA graphs per batch-size bucket.
+
+On a GPU a decode step is launch-bound: Python issues a few hundred small kernels per step and
+the GPU waits for them. A CUDA graph records the step once and replays it with one launch, but
+only if the step reads and writes the same device addresses with the same shapes every time and
+never asks the host anything. So the static step here reads only persistent buffers:
+
+- ``B`` rows, the smallest bucket (:data:`BUCKETS`) that holds the live rows; the rows past the
+  live ones are inert padding (greedy, no adapter, at position 0, never advanced, and they
+  leave the cache rows they stand on untouched);
+- K/V at the cache's whole capacity, positions past a row's length masked
+  (:meth:`RowKVCache.decode_attention` with ``span`` = capacity);
+- last tokens, random-stream keys and step counters, temperature / top-k / top-p, the adapter
+  bank position per row (:class:`RowSlots` over a persistent index), all updated in place;
+- the sampled tokens and their logprobs written into output buffers.
+
+The same step runs eagerly on CPU (tests check it samples exactly what the eager decode path
+samples), and on CUDA it is captured after one real step on a side stream and replayed for the
+rest. A graph is recaptured when an address it reads changes: the cache grew or shrank, or an
+adapter bank was reallocated. What it cannot express stays on the eager path (the sampler
+decides; see :meth:`DecodeGraphs.refusal`). A failed capture (a model that reads the device
+from the host inside its step, such as mixture-of-experts routing) sends every later burst there
+too, logged once: uncaptured, the padded static step only costs more than the eager one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinsmith.models.layers import CausalLM
+from tinsmith.models.lora_bank import RowSlots, adapters_epoch
+from tinsmith.sampling.kv_cache import RowKVCache
+from tinsmith.sampling.logits import choose_tokens_masked, keyed_uniforms
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+log = logging.getLogger(__name__)
+
+
+def bucket_for(rows: int) -> int | None:
+    """The smallest bucket holding ``rows`` rows (None: more rows than the largest bucket)."""
+    return next((b for b in BUCKETS if b >= rows), None)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What fixes a captured step's kernels beyond its buffers' addresses."""
+
+    rows: int  # the bucket B
+    lora: bool  # some row reads an adapter (the LoRA layers run their gathered ops)
+    truncating: bool  # some row uses top-k / top-p (the step sorts every row)
+    all_greedy: bool  # every row is greedy (the step only takes the argmax)
+
+
+class StaticInputs:
+    """The persistent per-row buffers of one bucket (``B`` rows)."""
+
+    def __init__(self, rows: int, device: torch.device):
+        def zeros(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(rows, dtype=dtype, device=device)
+
+        self.rows = rows
+        self.last, self.keys, self.steps = zeros(torch.long), zeros(torch.long), zeros(torch.long)
+        self.temperature, self.top_p = zeros(torch.float32), zeros(torch.float32)
+        self.top_k, self.rope = zeros(torch.long), zeros(torch.long)
+        self.active = zeros(torch.long)  # 1 for a live row: its cache length advances
+        self.truncates = zeros(torch.bool)
+        self.slot_idx = zeros(torch.long)  # bank position per row, -1 for none
+        self.tokens, self.logprobs = zeros(torch.long), zeros(torch.float32)  # the step's outputs
+
+    def load(self, batch: Any, n: int, slot_idx: torch.Tensor | None, truncates: torch.Tensor | None) -> None:
+        """Copy a decode batch's ``n`` rows in; the rest become inert padding rows."""
+        for buf, src, pad in ((self.last, batch.last, 0), (self.keys, batch.keys, 0), (self.steps, batch.steps, 0),
+                              (self.temperature, batch.temperature, 0.0), (self.top_k, batch.top_k, 0),
+                              (self.top_p, batch.top_p, 1.0), (self.slot_idx, slot_idx, -1),
+                              (self.truncates, truncates, False), (self.rope, batch.rope_deltas, 0)):
+            if src is None:
+                buf.fill_(pad)
+            else:
+                buf[:n].copy_(src)
+                buf[n:].fill_(pad)
+        self.active[:n].fill_(1)
+        self.active[n:].fill_(0)
+
+
+class DecodeGraphs:
+    """Static decode steps of one sampler's model and cache, replayed from CUDA graphs when ``capture``.
+
+    ``capture=False`` runs the very same step eagerly (the CPU reference, and what tests check).
+    """
+
+    def __init__(self, model: CausalLM, cache: RowKVCache, *, capture: bool, stats: dict[str, int] | None = None):
+        self.model, self.cache = model, cache
+        self.capture = capture
+        self.device = cache.device
+        self.stats = stats if stats is not None else {}
+        for name in ("static_steps", "graph_replays", "graph_captures"):
+            self.stats.setdefault(name, 0)
+        self._inputs: dict[int, StaticInputs] = {}
+        self._loaded: tuple[int, Any] | None = None  # (bucket, batch) whose rows the buffers hold
+        self._groups: RowSlots | None = None  # the loaded rows' adapters, over the persistent bank index
+        self._graphs: dict[Variant, torch.cuda.CUDAGraph] = {}
+        self.broken: str | None = None  # why a capture failed: the sampler decodes eagerly from then on
+        self._layout: tuple | None = None  # addresses the captured graphs read
+        self._bank_check: tuple[int, int] | None = None  # (adapters epoch, slot table version) last synced
+        self._bank_layout: tuple = ()
+        self._pool = None
+        self._side = None
+
+    # ----------------------------------------------------------------------------- rows
+    def refusal(self, rows: int, wants_top_logprobs: bool) -> str | None:
+        """Why a batch of ``rows`` rows cannot take the static step (None: it can)."""
+        if self.broken is not None:
+            return f"the decode step could not be captured ({self.broken})"
+        if self.cache.recurrent is not None:
+            return "recurrent (hybrid) layers keep per-row state outside the K/V buffers"
+        if wants_top_logprobs:
+            return "top-k sample logprobs are cut per row on the host"
+        if bucket_for(rows) is None:
+            return f"more rows than the largest bucket ({BUCKETS[-1]})"  # no count: logged once, not once per count
+        return None
+
+    def burst(self, batch: Any, slots: list[int | None], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``k`` static decode steps for the ``n`` live rows of ``batch``; (n, k) tokens and logprobs.
+
+        The cache must already hold ``bucket_for(n)`` rows and the burst's positions. ``batch``'s
+        ``last`` and ``steps`` are advanced as the eager path advances them.
+        """
+        B = bucket_for(n)
+        assert B is not None and B <= self.cache.row_capacity, "the sampler sizes the cache for the bucket first"
+        inputs = self._inputs.get(B)
+        if inputs is None:
+            inputs = self._inputs[B] = StaticInputs(B, self.device)
+        if self._loaded is None or self._loaded[0] != B or self._loaded[1] is not batch:
+            rows = (RowSlots.of(self.model, slots + [None] * (B - n), self.device)
+                    if any(s is not None for s in slots) else None)
+            truncates = None if batch.kinds.truncating is None else torch.zeros(n, dtype=torch.bool, device=self.device)
+            if truncates is not None:
+                truncates[batch.kinds.truncating] = True
+            inputs.load(batch, n, None if rows is None else rows.idx[:n], truncates)
+            # The layers read the bank positions from the persistent buffer, not from ``rows.idx``.
+            self._groups = None if rows is None else RowSlots(rows.table, inputs.slot_idx, rows.slots)
+            self._loaded = (B, batch)
+        else:  # the same rows: only what the eager path may have advanced meanwhile
+            inputs.last[:n].copy_(batch.last)
+            inputs.steps[:n].copy_(batch.steps)
+        groups = self._groups
+        variant = Variant(B, groups is not None, batch.kinds.truncating is not None, batch.kinds.all_greedy)
+
+        def step() -> None:
+            self._step(inputs, groups, variant)
+
+        toks, lps = [], []
+        for _ in range(k):
+            self._run(variant, step, groups)
+            toks.append(inputs.tokens[:n].clone())
+            lps.append(inputs.logprobs[:n].clone())
+        self.stats["static_steps"] += k
+        batch.last, batch.steps = toks[-1], inputs.steps[:n].clone()
+        return torch.stack(toks, 1), torch.stack(lps, 1)
+
+    def _step(self, inputs: StaticInputs, groups: RowSlots | None, variant: Variant) -> None:
+        """One decode step that reads and writes only fixed addresses (what a graph records)."""
+        cache = self.cache
+        B = inputs.rows
+        lengths = cache.lengths[:B]
+        positions = (lengths * inputs.active + inputs.rope)[:, None]  # padding rows at position 0
+        hidden = self.model.hidden_states(inputs.last[:, None], positions, groups,
+                                          attend=cache.decode_attention(B, cache.capacity, live=inputs.active))
+        logits = self.model.logits(hidden[:, 0], groups)
+        lengths.add_(inputs.active)
+        u = keyed_uniforms(inputs.keys, inputs.steps)
+        tok, lp = choose_tokens_masked(logits, inputs.temperature, inputs.top_k, inputs.top_p, u,
+                                       inputs.truncates if variant.truncating else None, variant.all_greedy)
+        inputs.last.copy_(tok)
+        inputs.steps.add_(1)
+        inputs.tokens.copy_(tok)
+        inputs.logprobs.copy_(lp)
+
+    # ----------------------------------------------------------------------------- graphs
+    def _run(self, variant: Variant, step, groups: RowSlots | None) -> None:
+        """One step: replay its graph, or run it (and capture the graph right after when none is held)."""
+        if not self.capture or self.broken is not None:  # a capture failed earlier in this burst
+            step()
+            return
+        self._drop_stale_graphs(groups)
+        graph = self._graphs.get(variant)
+        if graph is not None:
+            graph.replay()
+            self.stats["graph_replays"] += 1
+            return
+        # The first step of a variant runs for real on a side stream (that warms up cuBLAS
+        # workspaces and compiles Triton kernels outside the capture), then the graph is recorded:
+        # recording executes nothing, so no state moves twice.
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                step()
+        except Exception as exc:  # a host read or an uncapturable kernel inside the model
+            log.warning("the decode step (%s) cannot be captured as a CUDA graph; decoding eagerly from now on",
+                        variant, exc_info=True)
+            self.broken = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return
+        self._graphs[variant] = graph
+        self.stats["graph_captures"] += 1
+
+    def _side_stream(self):
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+    def _drop_stale_graphs(self, groups: RowSlots | None) -> None:
+        """Forget every graph when an address they read moved (cache reallocated, bank regrown)."""
+        cache = self.cache
+        layout = (cache.capacity, cache.row_capacity, cache.lengths.data_ptr(),
+                  *(t.data_ptr() for t in cache.K), *(t.data_ptr() for t in cache.V), self._banks(groups))
+        if layout != self._layout:
+            self._graphs.clear()
+            self._layout = layout
+
+    def _banks(self, groups: RowSlots | None) -> tuple:
+        """Bring every adapter bank up to date (a replay runs no Python, so no layer syncs its own)
+        and return what a graph depends on: which layers hold adapters, their banks' addresses and ranks."""
+        if groups is None:
+            return self._bank_layout
+        check = (adapters_epoch(), groups.table.version)
+        if check != self._bank_check:
+            layout = []
+            for module in self.model.modules():
+                if hasattr(module, "bank") and isinstance(getattr(module, "adapters", None), dict):
+                    if module.adapters:
+                        bank = module.bank(groups)
+                        layout.append((id(module), bank.A.data_ptr(), bank.B.data_ptr(), bank.rank))
+                    else:
+                        layout.append((id(module), None))
+            self._bank_layout, self._bank_check = tuple(layout), check
+        return self._bank_layout
