@@ -4,6 +4,10 @@ Requests of many tenants (each naming an adapter slot, or none for the base mode
 together. ``step`` admits waiting requests between decode steps (prefilling each prompt once
 for all of its ``num_samples`` copies), runs decode steps until its time budget is spent, and
 returns the requests that finished. Finished sequences leave the batch at once.
+
+A prompt longer than ``prefill_chunk_tokens`` is prefilled a chunk per scheduler step, each
+chunk attending to the K/V of the chunks before it, with decode steps of the running rows in
+between: one long prompt never stalls the batch for its whole prefill.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
 TOPK_SENTINEL = -99999.0
 DEVICE_DECODE_BURST = 4  # decode steps per host read-back on a GPU
+# Prompt tokens per prefill chunk when none is configured: on a GPU a chunk this size keeps the
+# matmuls large; a CPU computes far fewer tokens per second, so its chunks are shorter.
+DEFAULT_PREFILL_CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,7 @@ class Sampler:
         decode_burst: int | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         kv_cache_bytes: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -109,6 +117,12 @@ class Sampler:
         self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
         reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
         self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
+        # A prompt longer than this is prefilled in chunks (0: never). Later chunks run over the K/V
+        # of earlier ones, as a prefix-cache hit does: not on hybrid models (their recurrent state).
+        self.prefill_chunk_tokens = (prefill_chunk_tokens if prefill_chunk_tokens is not None
+                                     else DEFAULT_PREFILL_CHUNK_TOKENS.get(self.device.type, 2048))
+        self._can_chunk = reuse and self.prefill_chunk_tokens > 0
+        self._chunked: _ChunkedPrefill | None = None  # the long prompt being prefilled, a chunk per step
         # Equal prompts admitted together share one prefill whenever the cache is not turned off:
         # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
         self.share_prompts = prefix_cache_bytes > 0
@@ -119,7 +133,7 @@ class Sampler:
         self._cancel_version = 0  # the board's version last acted on
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
-                      "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0}
+                      "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0}
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -127,7 +141,7 @@ class Sampler:
         self.inbox.append(task)
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.rows or self._failed)
+        return bool(self.inbox or self.rows or self._chunked or self._failed)
 
     def fail_slot(self, slot: int, exc: Exception) -> None:
         """Fail the queued and running requests that read adapter ``slot`` (it is being taken off
@@ -136,14 +150,22 @@ class Sampler:
         for task in [t for t in list(self.inbox) if t.slot == slot]:
             self.inbox.remove(task)
             self._failed.append((task.key, exc))
-        states = list({id(r.state): r.state for r in self.rows if r.state.task.slot == slot}.values())
+        states = [s for s in self._live_states() if s.task.slot == slot]
         if states:
             self._fail(states, exc, self._failed)
 
     def slots_in_use(self) -> set[int]:
         """Adapter slots that queued or running requests read (must not be unloaded)."""
-        used = {r.state.task.slot for r in self.rows} | {t.slot for t in list(self.inbox)}
+        used = {s.task.slot for s in self._live_states()} | {t.slot for t in list(self.inbox)}
         return {s for s in used if s is not None}
+
+    def _live_states(self) -> list[_TaskState]:
+        """Every admitted request not yet finished, once each: those with decoding rows and the
+        one whose prompt is being prefilled in chunks."""
+        live = {id(r.state): r.state for r in self.rows}
+        if self._chunked is not None:
+            live[id(self._chunked.state)] = self._chunked.state
+        return list(live.values())
 
     def running(self):
         """``(key, sample_index, tokens so far)`` of every sequence still decoding.
@@ -166,17 +188,20 @@ class Sampler:
         with torch.inference_mode():
             self._drop_cancelled(done)
             self._admit(done)
-            while self.rows and self._go_on(deadline, done):
-                if not self.rows:
-                    break
-                try:
-                    self._decode_step(done)
-                except self.fatal_errors:
-                    raise
-                except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
-                    log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
-                    self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
-                    break
+            # One scheduler step: the next chunk of a long prompt (if one is being prefilled),
+            # then a decode burst of the running rows, then admission of waiting requests.
+            while (self.rows or self._chunked) and self._go_on(deadline, done):
+                if self._chunked is not None:
+                    self._prefill_next_chunk(done)
+                if self.rows:
+                    try:
+                        self._decode_step(done)
+                    except self.fatal_errors:
+                        raise
+                    except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
+                        log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
+                        self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
+                        break
                 if self.inbox and len(self.rows) < self.max_rows:
                     self._admit(done)
             if not self.rows:
@@ -248,18 +273,24 @@ class Sampler:
         batch: list[_TaskState] = []
         tokens = 0  # prompt tokens this prefill computes (a prompt shared with an earlier request counts once)
         shared: set[tuple] = set()
-        rows = len(self.rows)
+        # A prompt being prefilled in chunks holds its rows already: it decodes once its last chunk is done.
+        pending = [] if self._chunked is None else [self._chunked.state.task.input]
+        rows = len(self.rows) + sum(inp.num_samples for inp in pending)
         # Every row is counted at its longest, so admitted rows can always decode to their end.
-        span = max((self._longest(r.state.task.input) for r in self.rows), default=0)
+        span = max([self._longest(r.state.task.input) for r in self.rows] + [self._longest(i) for i in pending],
+                   default=0)
         while self.inbox:
             task = self.inbox[0]
             n = task.input.num_samples
             key = self._share_key(task)
             P = 0 if key is not None and key in shared else len(task.input.prompt)
+            chunked = self._prefilled_in_chunks(task)
+            if chunked and self._chunked is not None:
+                break  # one long prompt at a time, in queue order
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
             # which rejects it; waiting for rows would block the queue behind it forever.
             fits = n <= self.max_rows
-            if fits and batch and (rows + n > self.max_rows or tokens + P > self.prefill_tokens):
+            if fits and batch and (rows + n > self.max_rows or (not chunked and tokens + P > self.prefill_tokens)):
                 break
             if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
@@ -284,12 +315,15 @@ class Sampler:
             except TinsmithError as e:
                 done.append((task.key, e))
                 continue
+            rows += n
+            span = max(span, self._longest(task.input))
+            if chunked:
+                self._start_chunked(st, done)
+                continue
             batch.append(st)
             tokens += P
             if key is not None:
                 shared.add(key)
-            rows += n
-            span = max(span, self._longest(task.input))
         if batch:
             try:
                 before = len(self.rows)
@@ -321,7 +355,7 @@ class Sampler:
             self.inbox.remove(task)
             done.append((task.key, SampleCancelled("the request was cancelled by its client")))
             self.stats["cancelled"] += 1
-        states = list({id(r.state): r.state for r in self.rows if board.wants(r.state.task.key)}.values())
+        states = [s for s in self._live_states() if board.wants(s.task.key)]
         if states:
             self.stats["cancelled"] += len(states)
             self._fail(states, SampleCancelled("the request was cancelled by its client"), done)
@@ -330,7 +364,7 @@ class Sampler:
         """Forget every queued and running request; returns their keys (for the caller to fail)."""
         keys = [t.key for t in self.inbox]
         self.inbox.clear()
-        states = list({id(r.state): r.state for r in self.rows}.values())
+        states = self._live_states()
         done: list = []
         self._fail(states, RuntimeError("aborted"), done)
         return keys + [k for k, _ in done]
@@ -342,6 +376,8 @@ class Sampler:
         later step the same way: sampling on this base model would stop for every tenant.
         """
         ids = {id(s) for s in states}
+        if self._chunked is not None and id(self._chunked.state) in ids:
+            self._chunked = None  # its partial K/V are dropped with it
         for r in range(len(self.rows) - 1, -1, -1):
             if id(self.rows[r].state) in ids:
                 self._drop_row(r)
@@ -383,36 +419,114 @@ class Sampler:
         self.cache.ensure(len(self.rows) + new_rows, L + 1)
         for b_idx, st in enumerate(batch):
             i = lead[b_idx]
-            inp = st.task.input
-            if _needs_prompt_logits(inp):
+            if _needs_prompt_logits(st.task.input):
                 assert out.starts[i] == 0  # such prompts never read the prefix cache
-                self._prompt_logprobs(st, hidden[i, : lens[i]])
-            n = inp.num_samples
-            p = inp.params
-            logits = last_logits[i : i + 1].expand(n, -1)
-            dev = self.device
-            u = uniforms(torch.full((n,), st.seed, dtype=torch.long, device=dev), torch.arange(n, device=dev),
-                         torch.zeros(n, dtype=torch.long, device=dev))
-            kinds = RowKinds.of([p.temperature] * n, [p.top_k] * n, [p.top_p] * n, logits.shape[-1], dev)
-            tok, lp, full = choose_tokens(
-                logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
-                torch.full((n,), float(p.top_p), device=dev), u, kinds,
-            )
             layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}
-            toks_l, lps_l = tok.tolist(), lp.tolist()
-            tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
-            for j in range(n):
-                row = _Row(st, j)
-                if st.stops.strings:
-                    row.watcher = StringStopWatcher(st.stops.strings, self.decode)
-                r = len(self.rows)
-                self.rows.append(row)
-                self.cache.write_prefix(r, layer_kv, lens[i], states, i)
-                if self._push(row, toks_l[j], lps_l[j], tops[j]):
-                    self._retire(r, "stop", done)
-                elif st.max_tokens <= 1:
-                    self._retire(r, "length", done)
+            self._seed_rows(st, hidden[i, : lens[i]], last_logits[i], layer_kv, lens[i], done, states, i)
         self._rows_changed()
+
+    def _seed_rows(self, st: _TaskState, hidden: torch.Tensor, last_logits: torch.Tensor,
+                   layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
+                   states: PrefillStates | None = None, prompt: int = 0) -> None:
+        """Start a prefilled request's rows: its prompt logprobs when asked (``hidden``: every
+        prompt position's hidden state), the first token of each sample drawn from
+        ``last_logits``, and each row's K/V (and recurrent states) copied into the cache."""
+        inp = st.task.input
+        if _needs_prompt_logits(inp):
+            self._prompt_logprobs(st, hidden)
+        n = inp.num_samples
+        p = inp.params
+        logits = last_logits[None].expand(n, -1)
+        dev = self.device
+        u = uniforms(torch.full((n,), st.seed, dtype=torch.long, device=dev), torch.arange(n, device=dev),
+                     torch.zeros(n, dtype=torch.long, device=dev))
+        kinds = RowKinds.of([p.temperature] * n, [p.top_k] * n, [p.top_p] * n, logits.shape[-1], dev)
+        tok, lp, full = choose_tokens(
+            logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
+            torch.full((n,), float(p.top_p), device=dev), u, kinds,
+        )
+        toks_l, lps_l = tok.tolist(), lp.tolist()
+        tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
+        for j in range(n):
+            row = _Row(st, j)
+            if st.stops.strings:
+                row.watcher = StringStopWatcher(st.stops.strings, self.decode)
+            r = len(self.rows)
+            self.rows.append(row)
+            self.cache.write_prefix(r, layer_kv, length, states, prompt)
+            if self._push(row, toks_l[j], lps_l[j], tops[j]):
+                self._retire(r, "stop", done)
+            elif st.max_tokens <= 1:
+                self._retire(r, "length", done)
+
+    # ----------------------------------------------------------------------------- chunked prefill
+    def _prefilled_in_chunks(self, task: SampleTask) -> bool:
+        """Whether ``task``'s prompt is prefilled a chunk per step: it is longer than a chunk, and
+        its later chunks can run over the earlier ones' K/V (not image prompts, not hybrid models)."""
+        inp = task.input
+        return self._can_chunk and len(inp.prompt) > self.prefill_chunk_tokens and not inp.prompt_images
+
+    def _start_chunked(self, st: _TaskState, done: list) -> None:
+        """Make ``st`` the prompt prefilled in chunks: its K/V buffer, with the cached blocks of its
+        prefix already in place (prompts that ask for prompt logprobs read none, as whole ones)."""
+        inp = st.task.input
+        prompt = np.asarray(inp.prompt).tolist()
+        weights = self._weights_of(st.task.slot)
+        try:
+            blocks = [] if _needs_prompt_logits(inp) else self.prefix.lookup(weights, prompt, len(prompt) - 1)
+            kv = self._prefix_buffer([blocks], [len(prompt)])
+        except self.fatal_errors:
+            raise
+        except Exception as exc:  # e.g. out of memory for the buffer: this request fails alone
+            log.exception("could not start the chunked prefill of a %d-token prompt", len(prompt))
+            self._fail([st], exc, done)
+            return
+        st.cached_tokens = len(blocks) * self.prefix.block
+        self._chunked = _ChunkedPrefill(st, prompt, weights, kv, st.cached_tokens)
+
+    def _prefill_next_chunk(self, done: list) -> None:
+        """Prefill the next chunk of the long prompt; after its last chunk its rows join the batch."""
+        c = self._chunked
+        assert c is not None
+        st, P = c.state, len(c.prompt)
+        start, end = c.done, min(len(c.prompt), c.done + self.prefill_chunk_tokens)
+        try:
+            hidden, _ = self._forward_over_prefix([st], [c.prompt], [end], [start], c.kv[..., :end, :])
+            self.stats["prefill_chunks"] += 1
+            self.stats["prefill_tokens"] += end - start
+            c.done = end
+            if _needs_prompt_logits(st.task.input):
+                c.hidden.append(hidden[0, : end - start])
+            self._cache_chunk_blocks(c)
+            if end < P:
+                return
+            self._chunked = None
+            segments = _row_segments([st.task.slot], 1)
+            last_logits = self.model.logits(hidden[0, end - start - 1 : end - start], segments)[0]
+            self.stats["prefills"] += 1
+            self.stats["cached_prompt_tokens"] += st.cached_tokens
+            self.cache.ensure(len(self.rows) + st.task.input.num_samples, P + 1)
+            layer_kv = {layer: (c.kv[layer, 0, 0], c.kv[layer, 1, 0]) for layer in range(self.cfg.num_layers)}
+            prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
+            self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done)
+            self._rows_changed()
+        except self.fatal_errors:
+            raise
+        except Exception as exc:  # e.g. out of memory: fail this request, keep the running ones
+            log.exception("chunked prefill of a %d-token prompt failed", P)
+            self._fail([st], exc, done)
+
+    def _cache_chunk_blocks(self, c: _ChunkedPrefill) -> None:
+        """Keep the full blocks prefilled so far in the prefix cache, unless the weights changed
+        since the first chunk (its K/V would then mix two versions)."""
+        if c.weights is None or not self.prefix.enabled:
+            return
+        if self._weights_of(c.state.task.slot) != c.weights:
+            c.weights = None
+            return
+        hi = c.done // self.prefix.block * self.prefix.block
+        if hi:
+            self.prefix.insert(c.weights, c.prompt[:hi], c.kv[:, :, 0, :, :hi])
 
     def _weights_of(self, slot: int | None) -> tuple[int | None, int]:
         """What computed a prompt's K/V: the adapter slot and its weights' current version."""
@@ -447,7 +561,8 @@ class Sampler:
             st.cached_tokens = c
         recurrent = None
         if any(starts):  # never on hybrid models: they keep no prefix cache
-            hidden, kv = self._forward_over_prefix(states, prompts, lens, starts, blocks)
+            full = self._prefix_buffer(blocks, [c + max(n - c for n, c in zip(lens, starts)) for c in starts])
+            hidden, kv = self._forward_over_prefix(states, prompts, lens, starts, full)
         else:
             hidden, kv, recurrent = self._forward_whole(states, lens)
         b = len(states)
@@ -485,29 +600,37 @@ class Sampler:
                                           visual=visual)
         return hidden, kv, recurrent
 
-    def _forward_over_prefix(self, states, prompts, lens, starts, blocks):
-        """Prefill only each prompt's part after its cached blocks.
+    def _prefix_buffer(self, blocks: list[list[torch.Tensor]], widths: list[int]) -> torch.Tensor:
+        """``(layers, 2, b, kv_heads, max(widths), head_dim)``: each row's cached prefix blocks
+        first, zeros after (where :meth:`_forward_over_prefix` writes the positions it computes)."""
+        cfg = self.cfg
+        full = torch.zeros((cfg.num_layers, 2, len(blocks), cfg.num_kv_heads, max(widths), cfg.head_dim),
+                           device=self.device, dtype=self.dtype)
+        for i, bl in enumerate(blocks):
+            if bl:
+                full[:, :, i, :, : len(bl) * self.prefix.block] = torch.cat(bl, dim=3)
+        return full
 
-        Row ``i``'s tokens from ``starts[i]`` on run at their true positions and attend to
-        the cached K/V before them and causally to themselves. Each layer's K/V come back laid
-        out by position (cached blocks, then the new part), as a whole prefill gives them.
+    def _forward_over_prefix(self, states, prompts, lens, starts, full: torch.Tensor):
+        """Prefill only each prompt's positions ``starts[i]:lens[i]``, over the K/V before them.
+
+        ``full`` ``(layers, 2, b, kv_heads, width, head_dim)`` holds each row's K/V of positions
+        before ``starts[i]`` (cached prefix blocks, or the earlier chunks of a long prompt); the
+        computed K/V are written into it at their positions (``width >= lens[i]``), so each
+        layer's K/V come back laid out by position, as a whole prefill gives them. Row ``i``'s
+        tokens run at their true positions and attend to the K/V before them and causally to
+        themselves.
         """
         b = len(states)
         S = max(n - c for n, c in zip(lens, starts))
-        width = max(starts) + S
+        width = full.shape[4]
         toks = np.zeros((b, S), dtype=np.int64)
         for i in range(b):
-            toks[i, : lens[i] - starts[i]] = prompts[i][starts[i]:]
+            toks[i, : lens[i] - starts[i]] = prompts[i][starts[i]: lens[i]]
         tokens = torch.from_numpy(toks).to(self.device)
         start = torch.tensor(starts, device=self.device)
         positions = start[:, None] + torch.arange(S, device=self.device)[None, :]  # (b, S)
         cfg = self.cfg
-        # (layers, 2, b, kv_heads, width, head_dim): the cached blocks of each row, zeros after
-        full = torch.zeros((cfg.num_layers, 2, b, cfg.num_kv_heads, width, cfg.head_dim), device=self.device,
-                           dtype=self.dtype)
-        for i, bl in enumerate(blocks):
-            if bl:
-                full[:, :, i, :, : starts[i]] = torch.cat(bl, dim=3)
         keys = torch.arange(width, device=self.device)[None, None, :]  # (1, 1, width)
         before = keys <= positions[:, :, None]  # (b, S, width): causal by position
         masks: dict[int | None, torch.Tensor] = {None: before}
@@ -703,6 +826,18 @@ class _Prefilled:
     lens: list[int]
     starts: list[int]
     states: PrefillStates | None = None  # hybrid models: each prompt's recurrent states
+
+
+@dataclass
+class _ChunkedPrefill:
+    """A long prompt prefilled a chunk per scheduler step (:meth:`Sampler._prefill_next_chunk`)."""
+
+    state: _TaskState
+    prompt: list[int]
+    weights: tuple[int | None, int] | None  # what its K/V are cached under; None: not cached (weights changed)
+    kv: torch.Tensor  # (layers, 2, 1, kv_heads, len(prompt), head_dim): K/V of the positions done so far
+    done: int  # prompt positions whose K/V are in ``kv``
+    hidden: list[torch.Tensor] = field(default_factory=list)  # each chunk's hidden states, when prompt logits are asked
 
 
 def _needs_prompt_logits(inp: SampleInput) -> bool:

@@ -1,0 +1,173 @@
+"""Chunked prefill: a long prompt is prefilled a chunk per scheduler step, with the running rows
+decoding in between, and every result equals that of a whole-prompt prefill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
+from tests.sampling.test_prefix_cache import TOL, assert_same, results, tokens
+
+CHUNK = 24  # tiny-model prompts of a few chunks: exercise chunk edges without slow tests
+
+
+def long_requests(prefix: str = "r", **kw) -> list:
+    """Prompts shorter than, equal to, and several chunks longer than CHUNK (one ends on a chunk edge)."""
+    lengths = [CHUNK - 5, CHUNK, CHUNK + 1, 3 * CHUNK, 3 * CHUNK + 7]
+    return [task(f"{prefix}{i}", tokens(40 + i, n), max_tokens=6, seed=200 + i, **kw) for i, n in enumerate(lengths)]
+
+
+def scheduler_steps(sampler, n: int) -> dict:
+    """One :meth:`Sampler.step` that runs exactly ``n`` scheduler steps (a count in place of its
+    time budget, so the test observes steps, not timing); key -> result of what finished."""
+    left = [n]
+
+    def go_on(deadline, done) -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+
+    sampler._go_on = go_on
+    try:
+        return dict(sampler.step(60.0))
+    finally:
+        del sampler._go_on
+
+
+def assert_prompt_outputs_same(got: dict, want: dict) -> None:
+    """Top-k prompt logprobs: the same ids (where values are apart) and values within TOL."""
+    for key, w in want.items():
+        g = got[key]
+        np.testing.assert_allclose(g.topk_prompt_logprobs, w.topk_prompt_logprobs, atol=TOL, rtol=0)
+        assert (g.topk_prompt_token_ids == w.topk_prompt_token_ids).mean() > 0.99, key
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chunked_equals_whole_prefill(family, temperature, model_dirs, gpt_oss_dir):
+    """Sampled tokens (seeded), their logprobs and top-k logprobs, prompt logprobs and top-k
+    prompt logprobs are those of whole-prompt prefills; gpt-oss has sinks and a sliding window
+    shorter than the prompts."""
+    model_dir = gpt_oss_dir if family == "gpt_oss" else model_dirs[family]
+    model = fresh_model(model_dir)
+    whole = make_sampler(model, model_dir, prefill_chunk_tokens=0, prefix_cache_bytes=0)
+    chunked = make_sampler(model, model_dir, prefill_chunk_tokens=CHUNK, prefix_cache_bytes=0)
+    kw = dict(temperature=temperature, prompt_logprobs=True, topk_prompt_logprobs=5, topk_sample_logprobs=3)
+    want = results(whole, long_requests(**kw))
+    got = results(chunked, long_requests(**kw))
+    assert_same(got, want)
+    assert_prompt_outputs_same(got, want)
+    for key, w in want.items():
+        for sg, sw in zip(got[key].sequences, w.sequences):
+            np.testing.assert_allclose(sg.topk_logprobs, sw.topk_logprobs, atol=TOL, rtol=0)
+    assert whole.stats["prefill_chunks"] == 0
+    # 3 prompts longer than a chunk: 2 + 3 + 4 chunks
+    assert chunked.stats["prefill_chunks"] == 9
+    assert chunked.stats["prefill_tokens"] == whole.stats["prefill_tokens"]
+
+
+def test_chunked_with_adapters_and_samples_equals_whole(qwen3_dir):
+    """Adapter slots and several samples per request: the same tokens and logprobs as whole prefills."""
+    model = fresh_model(qwen3_dir)
+    random_adapter(model, 1, seed=1)
+    random_adapter(model, 2, seed=2)
+    make = lambda: [task(f"a{i}", tokens(60 + i, 2 * CHUNK + 3 * i), slot=[None, 1, 2][i], n=3, max_tokens=5,
+                         seed=i, temperature=1.0) for i in range(3)]
+    want = results(make_sampler(model, qwen3_dir, prefill_chunk_tokens=0, prefix_cache_bytes=0), make())
+    got = results(make_sampler(model, qwen3_dir, prefill_chunk_tokens=CHUNK, prefix_cache_bytes=0), make())
+    assert_same(got, want)
+
+
+def test_running_rows_decode_between_the_chunks_of_a_long_prompt(qwen3_dir):
+    """A long prompt admitted while rows decode: every chunk is followed by a decode step of the
+    running rows (they never wait for the whole prefill), and the long prompt's rows join once
+    its last chunk is done."""
+    model = fresh_model(qwen3_dir)
+    sampler = make_sampler(model, qwen3_dir, prefill_chunk_tokens=CHUNK, prefix_cache_bytes=0)
+    sampler.add(task("short", tokens(1, 8), n=2, max_tokens=40, seed=1, temperature=1.0))
+    sampler.step(0.0)  # admitted and prefilled; no decode step within a spent budget
+    assert len(sampler.rows) == 2
+    sampler.add(task("long", tokens(2, 5 * CHUNK), max_tokens=4, seed=2, temperature=1.0))
+    for _ in range(5):
+        sampler.step(0.0)  # a spent budget runs no scheduler step: nothing moves
+    assert sampler.stats["prefill_chunks"] == 0 and sampler._chunked is not None
+    out: dict = {}
+    chunks, decodes, progress = [], [], []
+    for _ in range(100):
+        if not sampler.has_work():
+            break
+        out.update(scheduler_steps(sampler, 1))
+        chunks.append(sampler.stats["prefill_chunks"])
+        decodes.append(sampler.stats["decode_steps"])
+        progress.append(min((len(t) for k, _, t in sampler.running() if k == "short"), default=None))
+    assert chunks[:6] == [1, 2, 3, 4, 5, 5]
+    assert decodes[:5] == [1, 2, 3, 4, 5]  # a decode step after every chunk
+    assert progress[:5] == [2, 3, 4, 5, 6]  # the short rows gained a token per chunk of the long prompt
+    assert set(out) == {"short", "long"}
+    want = run(make_sampler(model, qwen3_dir, prefill_chunk_tokens=0, prefix_cache_bytes=0), [
+        task("short", tokens(1, 8), n=2, max_tokens=40, seed=1, temperature=1.0),
+        task("long", tokens(2, 5 * CHUNK), max_tokens=4, seed=2, temperature=1.0)])
+    assert_same(out, want)
+
+
+def test_short_prompts_are_admitted_beside_a_chunked_one_and_long_ones_queue(qwen3_dir):
+    """Short prompts behind a long one are prefilled together as before; a second long prompt
+    waits (in queue order) until the first one's chunks are done."""
+    model = fresh_model(qwen3_dir)
+    sampler = make_sampler(model, qwen3_dir, prefill_chunk_tokens=CHUNK, prefix_cache_bytes=0)
+    for t in [task("long0", tokens(5, 3 * CHUNK), max_tokens=3, seed=5),
+              task("long1", tokens(6, 2 * CHUNK), max_tokens=3, seed=6),
+              task("s0", tokens(7, 10), max_tokens=3, seed=7)]:
+        sampler.add(t)
+    sampler.step(0.0)
+    assert sampler._chunked.state.task.key == "long0"
+    assert [t.key for t in sampler.inbox] == ["long1", "s0"]  # s0 waits behind long1 (queue order)
+    out = run(sampler, [])
+    assert set(out) == {"long0", "long1", "s0"}
+    assert sampler.stats["prefill_chunks"] == 5
+
+
+def test_chunks_fill_and_read_the_prefix_cache(qwen3_dir):
+    """Each chunk's full blocks enter the prefix cache; a later prompt sharing the long prefix
+    reads them (and is chunked only over the rest), with results equal to an uncached sampler."""
+    model = fresh_model(qwen3_dir)
+    cached = make_sampler(model, qwen3_dir, prefill_chunk_tokens=CHUNK)
+    plain = make_sampler(model, qwen3_dir, prefill_chunk_tokens=0, prefix_cache_bytes=0)
+    system = tokens(11, 4 * CHUNK + 3)
+    first = [task("first", system + tokens(12, 5), max_tokens=5, seed=1, temperature=1.0)]
+    second = lambda: [task("second", system + tokens(13, 2 * CHUNK), max_tokens=5, seed=2, temperature=1.0)]
+    assert_same(results(cached, first), results(plain, [task("first", system + tokens(12, 5), max_tokens=5,
+                                                             seed=1, temperature=1.0)]))
+    before = cached.stats["prefill_chunks"]
+    got = results(cached, second())
+    assert got["second"].prompt_cache_hit_tokens == len(system) // 16 * 16
+    computed = len(system) + 2 * CHUNK - got["second"].prompt_cache_hit_tokens
+    assert cached.stats["prefill_chunks"] - before == -(-computed // CHUNK)
+    assert_same(got, results(plain, second()))
+
+
+def test_cancelling_a_prompt_between_its_chunks(qwen3_dir):
+    """A request cancelled while its prompt is half prefilled is reported cancelled; the others go on."""
+    from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
+
+    board = CancelBoard(lambda key: key)
+    model = fresh_model(qwen3_dir)
+    sampler = make_sampler(model, qwen3_dir, prefill_chunk_tokens=CHUNK, prefix_cache_bytes=0, cancellations=board)
+    sampler.add(task("long", tokens(3, 4 * CHUNK), max_tokens=3, seed=3))
+    sampler.add(task("short", tokens(4, 8), max_tokens=3, seed=4))
+    scheduler_steps(sampler, 1)
+    assert sampler._chunked is not None and sampler._chunked.done == CHUNK
+    board.post("long")
+    out = run(sampler, [])
+    assert isinstance(out["long"], SampleCancelled)
+    assert not isinstance(out["short"], Exception)
+    assert sampler._chunked is None and not sampler.has_work()
+
+
+def test_hybrid_models_prefill_long_prompts_whole(qwen3_5_dir):
+    """Qwen3.5's Gated DeltaNet layers carry recurrent state that a chunk over cached K/V cannot
+    restore: their prompts are prefilled whole whatever the chunk size."""
+    model = fresh_model(qwen3_5_dir)
+    sampler = make_sampler(model, qwen3_5_dir, prefill_chunk_tokens=CHUNK)
+    results(sampler, long_requests(temperature=1.0))
+    assert sampler.stats["prefill_chunks"] == 0
