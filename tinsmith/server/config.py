@@ -85,6 +85,7 @@ class ServerConfig(BaseSettings):
     max_sample_tokens: AtLeastOne | None = None  # default: the model's context length
     prefix_cache_bytes: NotNegativeInt = 1 << 30  # prompt K/V kept across sample requests, per sampler (0: off)
     sampler_kv_cache_bytes: NotNegativeInt | None = None  # None: unlimited on CPU, 40% of free memory on CUDA
+    sampler_prefill_chunk_tokens: NotNegativeInt | None = None  # None: 2048 on CUDA, 512 on CPU; 0: whole prompts
     max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
     max_forward_datums: AtLeastOne = 1024
     max_forward_tokens: AtLeastOne = 1 << 21
@@ -203,6 +204,9 @@ _HELP = {
     "sampler_kv_cache_bytes": "device memory the K/V of each sampler's running sequences may take, counted at their "
                               "longest (prompt + max_tokens); requests beyond it wait for room (default: unlimited "
                               "on CPU; on CUDA 40% of the device memory free when the sampler starts)",
+    "sampler_prefill_chunk_tokens": "a sampling prompt longer than this is prefilled in chunks of this many tokens, "
+                                    "one per scheduler step, so running sequences keep decoding between them "
+                                    "(default: 2048 on CUDA, 512 on CPU; 0: whole prompts)",
     "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
     "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
     "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",

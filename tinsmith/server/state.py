@@ -100,6 +100,7 @@ class ServerState:
                                    else config.max_num_samples),
                 prefix_cache_bytes=config.prefix_cache_bytes,
                 sampler_kv_cache_bytes=config.sampler_kv_cache_bytes,
+                sampler_prefill_chunk_tokens=config.sampler_prefill_chunk_tokens,
             )
         )
         throughput, usage = Throughput(), UsageMeter(store)

@@ -61,6 +61,7 @@ class RuntimeOptions:
     max_sampling_rows: int = 256
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # per sampler; 0: off
     sampler_kv_cache_bytes: int | None = None  # per sampler; None: see Sampler's ``kv_cache_bytes``
+    sampler_prefill_chunk_tokens: int | None = None  # None: see Sampler's ``prefill_chunk_tokens``; 0: whole prompts
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
@@ -405,7 +406,8 @@ class Worker:
             self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir),
                                          max_rows=self.options.max_sampling_rows, vision=base.loaded.vision,
                                          prefix_cache_bytes=self.options.prefix_cache_bytes,
-                                         kv_cache_bytes=self.options.sampler_kv_cache_bytes)
+                                         kv_cache_bytes=self.options.sampler_kv_cache_bytes,
+                                         prefill_chunk_tokens=self.options.sampler_prefill_chunk_tokens)
         return self.samplers[key]
 
     # ----------------------------------------------------------------------------- inflight sampling
