@@ -171,3 +171,35 @@ def test_hybrid_models_prefill_long_prompts_whole(qwen3_5_dir):
     sampler = make_sampler(model, qwen3_5_dir, prefill_chunk_tokens=CHUNK)
     results(sampler, long_requests(temperature=1.0))
     assert sampler.stats["prefill_chunks"] == 0
+
+
+def test_scoring_a_long_prompt_in_chunks(qwen3_dir):
+    """``max_tokens=1`` calls (compute_logprobs) on a long prompt: prompt logprobs equal a whole
+    prefill's, and the request finishes with its last chunk."""
+    model = fresh_model(qwen3_dir)
+    make = lambda: [task("score", tokens(21, 4 * CHUNK + 2), max_tokens=1, seed=5, prompt_logprobs=True)]
+    want = results(make_sampler(model, qwen3_dir, prefill_chunk_tokens=0), make())
+    sampler = make_sampler(model, qwen3_dir, prefill_chunk_tokens=CHUNK)
+    got = results(sampler, make())
+    assert_same(got, want)
+    assert sampler.stats["prefill_chunks"] == 5 and sampler.stats["decode_steps"] == 0
+
+
+def test_a_chunked_prompt_holds_its_rows_against_the_kv_budget(qwen3_dir):
+    """While its chunks run, a long prompt's rows count against the K/V budget: requests behind
+    it wait, the buffers never outgrow the budget, and results equal an unbounded sampler's."""
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * 128 * cfg.head_dim * 4  # one row of 128 positions
+    bounded = make_sampler(model, qwen3_dir, prefill_chunk_tokens=CHUNK, kv_cache_bytes=row_bytes)
+    make = lambda: [task("long", tokens(31, 3 * CHUNK), max_tokens=8, seed=1, temperature=1.0),
+                    task("next", tokens(32, 10), max_tokens=8, seed=2, temperature=1.0)]
+    for t in make():
+        bounded.add(t)
+    bounded.step(0.0)
+    assert bounded._chunked is not None and [t.key for t in bounded.inbox] == ["next"]
+    out: dict = {}
+    while bounded.has_work():
+        out.update(scheduler_steps(bounded, 1))
+        assert len(bounded.rows) <= 1 and bounded.cache.nbytes() <= row_bytes
+    assert_same(out, run(make_sampler(model, qwen3_dir, prefill_chunk_tokens=0, kv_cache_bytes=0), make()))
