@@ -12,6 +12,7 @@ between: one long prompt never stalls the batch for its whole prefill.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import secrets
@@ -70,6 +71,8 @@ class _TaskState:
     remaining: int = 0
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache or another request
     rope_delta: int = 0  # multimodal RoPE: decoded token i sits at position len(prompt) + i + rope_delta
+    order: int = 0  # admission order: the newest requests are preempted first
+    paused: list[_Row] = field(default_factory=list)  # rows taken off the batch to free K/V, to resume
 
 
 @dataclass
@@ -127,13 +130,16 @@ class Sampler:
         # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
         self.share_prompts = prefix_cache_bytes > 0
         self.inbox: deque[SampleTask] = deque()
+        self._resume: deque[_TaskState] = deque()  # preempted requests: admitted again before the inbox
+        self._admissions = itertools.count(1)
         self.rows: list[_Row] = []
         self._decode_batch: _DecodeBatch | None = None
         self.cancellations = cancellations
         self._cancel_version = 0  # the board's version last acted on
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
-                      "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0}
+                      "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
+                      "preempted": 0, "recomputed_tokens": 0}
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -141,7 +147,7 @@ class Sampler:
         self.inbox.append(task)
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.rows or self._chunked or self._failed)
+        return bool(self.inbox or self.rows or self._chunked or self._resume or self._failed)
 
     def fail_slot(self, slot: int, exc: Exception) -> None:
         """Fail the queued and running requests that read adapter ``slot`` (it is being taken off
@@ -160,11 +166,12 @@ class Sampler:
         return {s for s in used if s is not None}
 
     def _live_states(self) -> list[_TaskState]:
-        """Every admitted request not yet finished, once each: those with decoding rows and the
-        one whose prompt is being prefilled in chunks."""
+        """Every admitted request not yet finished, once each: those with decoding rows, the one
+        whose prompt is being prefilled in chunks, and the preempted ones waiting to resume."""
         live = {id(r.state): r.state for r in self.rows}
         if self._chunked is not None:
             live[id(self._chunked.state)] = self._chunked.state
+        live.update((id(st), st) for st in self._resume)
         return list(live.values())
 
     def running(self):
@@ -194,6 +201,7 @@ class Sampler:
                 if self._chunked is not None:
                     self._prefill_next_chunk(done)
                 if self.rows:
+                    self._make_room()
                     try:
                         self._decode_step(done)
                     except self.fatal_errors:
@@ -269,16 +277,41 @@ class Sampler:
         per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
         return rows * -(-span // KV_BLOCK) * KV_BLOCK * per_position
 
+    def _held(self, inp: SampleInput, sampled: int) -> int:
+        """Positions admission counts a row at: what it holds after ``sampled`` tokens plus a block of
+        room to grow, at most its longest. Image prompts' rows count at their longest (they are
+        never preempted: their recomputation would need their images' positions again)."""
+        if inp.prompt_images:
+            return self._longest(inp)
+        return min(self._longest(inp), len(inp.prompt) + sampled + KV_BLOCK)
+
+    def _occupancy(self) -> tuple[int, int]:
+        """(rows, span) the running rows and the prompt being chunked take, as admission counts them."""
+        rows = len(self.rows)
+        spans = [self._held(r.state.task.input, len(r.tokens)) for r in self.rows]
+        if self._chunked is not None:  # it holds its rows already: they decode once its last chunk is done
+            inp = self._chunked.state.task.input
+            rows += inp.num_samples
+            spans.append(self._held(inp, 0))
+        return rows, max(spans, default=0)
+
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
         tokens = 0  # prompt tokens this prefill computes (a prompt shared with an earlier request counts once)
         shared: set[tuple] = set()
-        # A prompt being prefilled in chunks holds its rows already: it decodes once its last chunk is done.
-        pending = [] if self._chunked is None else [self._chunked.state.task.input]
-        rows = len(self.rows) + sum(inp.num_samples for inp in pending)
-        # Every row is counted at its longest, so admitted rows can always decode to their end.
-        span = max([self._longest(r.state.task.input) for r in self.rows] + [self._longest(i) for i in pending],
-                   default=0)
+        # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
+        # budget the newest requests are preempted (_make_room) and resume later.
+        rows, span = self._occupancy()
+        while self._resume:  # preempted requests come back first, oldest first
+            st = self._resume[0]
+            n = len(st.paused)
+            need = max(span, max(self._held(st.task.input, len(r.tokens)) for r in st.paused))
+            over_budget = self.kv_cache_bytes and self._kv_bytes(rows + n, need) > self.kv_cache_bytes
+            if rows and (rows + n > self.max_rows or over_budget):
+                return  # nothing overtakes a preempted request
+            self._resume.popleft()
+            self._resume_rows(st, done)
+            rows, span = rows + n, need
         while self.inbox:
             task = self.inbox[0]
             n = task.input.num_samples
@@ -294,8 +327,9 @@ class Sampler:
                 break
             if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
-            longest = max(span, self._longest(task.input))
-            if fits and self.kv_cache_bytes and self._kv_bytes(rows + n, longest) > self.kv_cache_bytes:
+            held = max(span, self._held(task.input, 0))
+            alone = self._kv_bytes(n, self._longest(task.input))  # what it may need: it must fit by itself
+            if fits and self.kv_cache_bytes and max(alone, self._kv_bytes(rows + n, held)) > self.kv_cache_bytes:
                 if batch or rows:
                     break  # wait for running sequences to finish and give their K/V back
                 self.inbox.popleft()
@@ -315,8 +349,9 @@ class Sampler:
             except TinsmithError as e:
                 done.append((task.key, e))
                 continue
+            st.order = next(self._admissions)
             rows += n
-            span = max(span, self._longest(task.input))
+            span = held
             if chunked:
                 self._start_chunked(st, done)
                 continue
@@ -378,6 +413,7 @@ class Sampler:
         ids = {id(s) for s in states}
         if self._chunked is not None and id(self._chunked.state) in ids:
             self._chunked = None  # its partial K/V are dropped with it
+        self._resume = deque(st for st in self._resume if id(st) not in ids)
         for r in range(len(self.rows) - 1, -1, -1):
             if id(self.rows[r].state) in ids:
                 self._drop_row(r)
@@ -415,8 +451,7 @@ class Sampler:
         self.stats["prefill_tokens"] += sum(lens) - sum(out.starts)
         self.stats["cached_prompt_tokens"] += sum(st.cached_tokens for st in batch)
 
-        new_rows = sum(s.task.input.num_samples for s in batch)
-        self.cache.ensure(len(self.rows) + new_rows, L + 1)
+        self._grow_cache(sum(s.task.input.num_samples for s in batch), L + 1)
         for b_idx, st in enumerate(batch):
             i = lead[b_idx]
             if _needs_prompt_logits(st.task.input):
@@ -458,6 +493,76 @@ class Sampler:
                 self._retire(r, "stop", done)
             elif st.max_tokens <= 1:
                 self._retire(r, "length", done)
+
+    def _grow_cache(self, new_rows: int, length: int) -> None:
+        """Room in the cache for ``new_rows`` more rows of ``length`` positions beside the running
+        rows (each of which needs its prompt, its sampled tokens and the next one)."""
+        span = max([length] + [len(r.state.task.input.prompt) + len(r.tokens) for r in self.rows])
+        self.cache.ensure(len(self.rows) + new_rows, span)
+
+    # ----------------------------------------------------------------------------- preemption
+    def _make_room(self) -> None:
+        """Before a decode step: while the rows would outgrow the K/V budget in it, preempt the
+        newest request (the oldest one always fits alone: admission checked it at its longest)."""
+        if not self.kv_cache_bytes:
+            return
+        while True:
+            rows, span = len(self.rows), 0
+            for r in self.rows:  # a burst's longest row: see _decode_step
+                span = max(span, len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1)
+            if self._chunked is not None:  # room for the rows of the prompt being chunked
+                rows += self._chunked.state.task.input.num_samples
+                span = max(span, self._held(self._chunked.state.task.input, 0))
+            if self._kv_bytes(rows, span) <= self.kv_cache_bytes:
+                return
+            waiting = {id(st) for st in self._resume}
+            live = [st for st in self._live_states() if id(st) not in waiting and not st.task.input.prompt_images]
+            if len(live) < 2 and not (self._chunked and self.rows):
+                return
+            self._preempt(max(live, key=lambda st: st.order))
+
+    def _preempt(self, st: _TaskState) -> None:
+        """Take ``st``'s rows off the batch (their K/V freed) and queue it to resume first: each row
+        keeps its sampled tokens, so recomputing its K/V and decoding on gives what it would have
+        (a row's draws depend only on its seed, sample index and step). A prompt being chunked
+        goes back to the head of the queue whole."""
+        self.stats["preempted"] += 1
+        if self._chunked is not None and self._chunked.state is st:
+            self._chunked = None
+            self.inbox.appendleft(st.task)
+            return
+        for r in range(len(self.rows) - 1, -1, -1):
+            if self.rows[r].state is st:
+                st.paused.append(self.rows[r])
+                self._drop_row(r)
+        st.paused.sort(key=lambda row: row.sample_idx)
+        i = 0
+        while i < len(self._resume) and self._resume[i].order < st.order:
+            i += 1
+        self._resume.insert(i, st)
+
+    def _resume_rows(self, st: _TaskState, done: list) -> None:
+        """Bring a preempted request's rows back: prefill each one's prompt and sampled tokens but
+        the last (its next input, as in the cache before) and put them back in the batch."""
+        rows, st.paused = st.paused, []
+        prompt = np.asarray(st.task.input.prompt).tolist()
+        prompts = [prompt + row.tokens[:-1] for row in rows]
+        lens = [len(p) for p in prompts]
+        try:
+            _, kv, recurrent = self._forward_whole([st] * len(rows), lens, prompts)
+            self._grow_cache(len(rows), max(lens) + 1)
+        except self.fatal_errors:
+            raise
+        except Exception as exc:  # e.g. out of memory: fail this request, keep the running ones
+            log.exception("resuming a preempted request failed")
+            self._fail([st], exc, done)
+            return
+        self.stats["recomputed_tokens"] += sum(lens)
+        for i, row in enumerate(rows):
+            r = len(self.rows)
+            self.rows.append(row)
+            self.cache.write_prefix(r, {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}, lens[i], recurrent, i)
+        self._rows_changed()
 
     # ----------------------------------------------------------------------------- chunked prefill
     def _prefilled_in_chunks(self, task: SampleTask) -> bool:
@@ -505,7 +610,7 @@ class Sampler:
             last_logits = self.model.logits(hidden[0, end - start - 1 : end - start], segments)[0]
             self.stats["prefills"] += 1
             self.stats["cached_prompt_tokens"] += st.cached_tokens
-            self.cache.ensure(len(self.rows) + st.task.input.num_samples, P + 1)
+            self._grow_cache(st.task.input.num_samples, P + 1)
             layer_kv = {layer: (c.kv[layer, 0, 0], c.kv[layer, 1, 0]) for layer in range(self.cfg.num_layers)}
             prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
             self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done)
@@ -577,13 +682,14 @@ class Sampler:
                 self.prefix.insert(weights[i], prompts[i][:hi], layer_kv, lo)
         return _Prefilled(hidden, kv, last_logits, lens, starts, recurrent)
 
-    def _forward_whole(self, states: list[_TaskState], lens: list[int]):
+    def _forward_whole(self, states: list[_TaskState], lens: list[int], prompts: list[list[int]] | None = None):
         """Prefill whole prompts (right-padded): hidden states ``(b, L, h)``, each attention layer's
-        K/V, and on hybrid models each prompt's recurrent states."""
+        K/V, and on hybrid models each prompt's recurrent states. ``prompts``: the tokens to run
+        when they are not the requests' prompts (a preempted row: its prompt and sampled tokens)."""
         b, L = len(states), max(lens)
         toks = np.zeros((b, L), dtype=np.int64)
         for i, s in enumerate(states):
-            toks[i, : lens[i]] = s.task.input.prompt
+            toks[i, : lens[i]] = s.task.input.prompt if prompts is None else prompts[i]
         tokens = torch.from_numpy(toks).to(self.device)
         positions = torch.arange(L, device=self.device).expand(b, L)
         visual = None

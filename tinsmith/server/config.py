@@ -201,8 +201,9 @@ _HELP = {
     "prefix_cache_bytes": "device memory each sampler may keep prompts' K/V in, so later requests that start with "
                           "the same tokens (GRPO's copies of one prompt, earlier turns of a conversation) skip "
                           "their prefill; least recently used blocks are evicted (0: off)",
-    "sampler_kv_cache_bytes": "device memory the K/V of each sampler's running sequences may take, counted at their "
-                              "longest (prompt + max_tokens); requests beyond it wait for room (default: unlimited "
+    "sampler_kv_cache_bytes": "device memory the K/V of each sampler's running sequences may take; requests are "
+                              "admitted by what their rows hold and wait for room beyond it, and when running rows "
+                              "outgrow it the newest request is preempted and resumes later (default: unlimited "
                               "on CPU; on CUDA 40% of the device memory free when the sampler starts)",
     "sampler_prefill_chunk_tokens": "a sampling prompt longer than this is prefilled in chunks of this many tokens, "
                                     "one per scheduler step, so running sequences keep decoding between them "
