@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
+from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, scheduler_steps, task
 from tests.sampling.test_prefix_cache import TOL, assert_same, results, tokens
 
 CHUNK = 24  # tiny-model prompts of a few chunks: exercise chunk edges without slow tests
@@ -16,22 +16,6 @@ def long_requests(prefix: str = "r", **kw) -> list:
     """Prompts shorter than, equal to, and several chunks longer than CHUNK (one ends on a chunk edge)."""
     lengths = [CHUNK - 5, CHUNK, CHUNK + 1, 3 * CHUNK, 3 * CHUNK + 7]
     return [task(f"{prefix}{i}", tokens(40 + i, n), max_tokens=6, seed=200 + i, **kw) for i, n in enumerate(lengths)]
-
-
-def scheduler_steps(sampler, n: int) -> dict:
-    """One :meth:`Sampler.step` that runs exactly ``n`` scheduler steps (a count in place of its
-    time budget, so the test observes steps, not timing); key -> result of what finished."""
-    left = [n]
-
-    def go_on(deadline, done) -> bool:
-        left[0] -= 1
-        return left[0] >= 0
-
-    sampler._go_on = go_on
-    try:
-        return dict(sampler.step(60.0))
-    finally:
-        del sampler._go_on
 
 
 def assert_prompt_outputs_same(got: dict, want: dict) -> None:
@@ -247,3 +231,32 @@ def test_preemption_on_a_hybrid_model_keeps_results(qwen3_5_dir):
         (g,), (w,) = got[key].sequences, w.sequences
         assert g.tokens.tolist() == w.tokens.tolist(), key
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_prompt_preempted_while_chunked_starts_over_with_the_same_result(qwen3_dir):
+    """An older row outgrows the budget while a newer long prompt is being chunked: the prompt
+    (the newest request) goes back to the queue, starts over once there is room, and its result
+    equals an unbounded sampler's."""
+    model = fresh_model(qwen3_dir)
+    unit = make_sampler(model, qwen3_dir)._kv_bytes(1, 64)  # one row of one block, as admission counts it
+    # "old" fits alone at its longest (504 positions: 8 blocks); "long" (200 + 4: 4 blocks, 100
+    # chunks of 2) is admitted beside it while it holds at most 4 blocks, and preempted when it
+    # outgrows them (65 decode steps later).
+    sampler = make_sampler(model, qwen3_dir, prefill_chunk_tokens=2, prefix_cache_bytes=0, kv_cache_bytes=8 * unit)
+    make = lambda: [task("old", tokens(90, 4), max_tokens=500, seed=1, temperature=1.0),
+                    task("long", tokens(91, 200), max_tokens=4, seed=2, temperature=1.0)]
+    old, long = make()
+    sampler.add(old)
+    out: dict = {}
+    while not sampler.rows or len(sampler.rows[0].tokens) < 185:
+        out.update(scheduler_steps(sampler, 1))
+        assert not out, out
+    sampler.add(long)
+    requeued = False
+    while sampler.has_work():
+        out.update(scheduler_steps(sampler, 1))
+        requeued |= any(t.key == "long" for t in sampler.inbox) and sampler.stats["prefill_chunks"] > 0
+        assert sampler.cache.nbytes() <= 8 * unit
+    assert requeued and sampler.stats["preempted"] == 1
+    assert sampler.stats["prefill_chunks"] > 100  # 100 chunks for the prompt, and the ones lost before
+    assert_same(out, run(make_sampler(model, qwen3_dir, kv_cache_bytes=0, prefix_cache_bytes=0), make()))
