@@ -148,13 +148,26 @@ def test_cancelling_a_prompt_between_its_chunks(qwen3_dir):
     assert sampler._chunked is None and not sampler.has_work()
 
 
-def test_hybrid_models_prefill_long_prompts_whole(qwen3_5_dir):
-    """Qwen3.5's Gated DeltaNet layers carry recurrent state that a chunk over cached K/V cannot
-    restore: their prompts are prefilled whole whatever the chunk size."""
-    model = fresh_model(qwen3_5_dir)
-    sampler = make_sampler(model, qwen3_5_dir, prefill_chunk_tokens=CHUNK)
-    results(sampler, long_requests(temperature=1.0))
-    assert sampler.stats["prefill_chunks"] == 0
+@pytest.mark.parametrize("family_dir", ["qwen3_5_dir", "qwen3_5_moe_dir"])
+def test_hybrid_models_carry_their_recurrent_states_across_chunks(family_dir, request):
+    """Qwen3.5's Gated DeltaNet layers continue each chunk from the convolution inputs and
+    delta-rule state the chunk before left: results equal whole prefills (chunks of 64, the
+    delta rule's own chunk, and of 24, across its chunk edges)."""
+    model_dir = request.getfixturevalue(family_dir)
+    model = fresh_model(model_dir)
+    kw = dict(temperature=1.0, prompt_logprobs=True, topk_prompt_logprobs=3)
+    want = results(make_sampler(model, model_dir, prefill_chunk_tokens=0), long_requests(**kw))
+    for chunk in (CHUNK, 64):
+        sampler = make_sampler(model, model_dir, prefill_chunk_tokens=chunk)
+        got = results(sampler, long_requests(**kw))
+        assert sampler.stats["prefill_chunks"] > 0
+        for key, w in want.items():  # rounding of the chunked delta rule and the convolution: fp32 apart
+            g = got[key]
+            for sg, sw in zip(g.sequences, w.sequences):
+                assert sg.tokens.tolist() == sw.tokens.tolist(), key
+                np.testing.assert_allclose(sg.logprobs, sw.logprobs, atol=1e-4, rtol=0)
+            np.testing.assert_allclose(g.prompt_logprobs, w.prompt_logprobs, atol=1e-4, rtol=0, equal_nan=True)
+            np.testing.assert_allclose(g.topk_prompt_logprobs, w.topk_prompt_logprobs, atol=1e-4, rtol=0)
 
 
 def test_scoring_a_long_prompt_in_chunks(qwen3_dir):

@@ -116,12 +116,13 @@ class RowKVCache:
             self.recurrent.write_row(row, states, prompt)
         self.lengths[row] = length
 
-    def prefill_states(self, lengths: torch.Tensor, width: int) -> PrefillStates | None:
+    def prefill_states(self, lengths: torch.Tensor, width: int, after: PrefillStates | None = None
+                       ) -> PrefillStates | None:
         """Where a prefill of prompts of ``lengths`` (right-padded to ``width``) records its
-        recurrent states (None: the model has none)."""
+        recurrent states (None: the model has none); ``after``: the states it continues from."""
         if self.recurrent is None:
             return None
-        return PrefillStates(lengths, width, self.recurrent.kernel)
+        return PrefillStates(lengths, width, self.recurrent.kernel, after)
 
     def move_row(self, src: int, dst: int) -> None:
         if src == dst:

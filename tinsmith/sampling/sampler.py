@@ -121,10 +121,11 @@ class Sampler:
         reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
         self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
         # A prompt longer than this is prefilled in chunks (0: never). Later chunks run over the K/V
-        # of earlier ones, as a prefix-cache hit does: not on hybrid models (their recurrent state).
+        # of earlier ones, as a prefix-cache hit does; hybrid models carry their recurrent states
+        # from chunk to chunk.
         self.prefill_chunk_tokens = (prefill_chunk_tokens if prefill_chunk_tokens is not None
                                      else DEFAULT_PREFILL_CHUNK_TOKENS.get(self.device.type, 2048))
-        self._can_chunk = reuse and self.prefill_chunk_tokens > 0
+        self._can_chunk = model.supports_prefix_reuse and self.prefill_chunk_tokens > 0
         self._chunked: _ChunkedPrefill | None = None  # the long prompt being prefilled, a chunk per step
         # Equal prompts admitted together share one prefill whenever the cache is not turned off:
         # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
@@ -567,7 +568,7 @@ class Sampler:
     # ----------------------------------------------------------------------------- chunked prefill
     def _prefilled_in_chunks(self, task: SampleTask) -> bool:
         """Whether ``task``'s prompt is prefilled a chunk per step: it is longer than a chunk, and
-        its later chunks can run over the earlier ones' K/V (not image prompts, not hybrid models)."""
+        its later chunks can run over the earlier ones' K/V and states (not image prompts)."""
         inp = task.input
         return self._can_chunk and len(inp.prompt) > self.prefill_chunk_tokens and not inp.prompt_images
 
@@ -596,7 +597,8 @@ class Sampler:
         st, P = c.state, len(c.prompt)
         start, end = c.done, min(len(c.prompt), c.done + self.prefill_chunk_tokens)
         try:
-            hidden, _ = self._forward_over_prefix([st], [c.prompt], [end], [start], c.kv[..., :end, :])
+            hidden, kv, c.recurrent = self._forward_over_prefix([st], [c.prompt], [end], [start], c.kv[..., :end, :],
+                                                                c.recurrent)
             self.stats["prefill_chunks"] += 1
             self.stats["prefill_tokens"] += end - start
             c.done = end
@@ -611,9 +613,9 @@ class Sampler:
             self.stats["prefills"] += 1
             self.stats["cached_prompt_tokens"] += st.cached_tokens
             self._grow_cache(st.task.input.num_samples, P + 1)
-            layer_kv = {layer: (c.kv[layer, 0, 0], c.kv[layer, 1, 0]) for layer in range(self.cfg.num_layers)}
+            layer_kv = {layer: (c.kv[layer, 0, 0], c.kv[layer, 1, 0]) for layer in kv}  # attention layers
             prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
-            self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done)
+            self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
             self._rows_changed()
         except self.fatal_errors:
             raise
@@ -667,7 +669,7 @@ class Sampler:
         recurrent = None
         if any(starts):  # never on hybrid models: they keep no prefix cache
             full = self._prefix_buffer(blocks, [c + max(n - c for n, c in zip(lens, starts)) for c in starts])
-            hidden, kv = self._forward_over_prefix(states, prompts, lens, starts, full)
+            hidden, kv, recurrent = self._forward_over_prefix(states, prompts, lens, starts, full)
         else:
             hidden, kv, recurrent = self._forward_whole(states, lens)
         b = len(states)
@@ -717,7 +719,8 @@ class Sampler:
                 full[:, :, i, :, : len(bl) * self.prefix.block] = torch.cat(bl, dim=3)
         return full
 
-    def _forward_over_prefix(self, states, prompts, lens, starts, full: torch.Tensor):
+    def _forward_over_prefix(self, states, prompts, lens, starts, full: torch.Tensor,
+                             after: PrefillStates | None = None):
         """Prefill only each prompt's positions ``starts[i]:lens[i]``, over the K/V before them.
 
         ``full`` ``(layers, 2, b, kv_heads, width, head_dim)`` holds each row's K/V of positions
@@ -725,7 +728,9 @@ class Sampler:
         computed K/V are written into it at their positions (``width >= lens[i]``), so each
         layer's K/V come back laid out by position, as a whole prefill gives them. Row ``i``'s
         tokens run at their true positions and attend to the K/V before them and causally to
-        themselves.
+        themselves. Hybrid models continue from the recurrent states ``after`` (those of the
+        prefill of the positions before; only one prompt is ever prefilled so, a long one in
+        chunks) and return their new states too.
         """
         b = len(states)
         S = max(n - c for n, c in zip(lens, starts))
@@ -753,9 +758,12 @@ class Sampler:
                 masks[window] = before & (keys > positions[:, :, None] - window)
             return masked_attention(q, K, V, masks[window], sinks)
 
+        new = torch.tensor([n - c for n, c in zip(lens, starts)], device=self.device)
+        recurrent = self.cache.prefill_states(new, S, after)
+        attend.recurrent = recurrent  # type: ignore[attr-defined]
         segments = _row_segments([s.task.slot for s in states], S)
         hidden = self.model.hidden_states(tokens, positions, segments, attend=attend)
-        return hidden, kv
+        return hidden, kv, recurrent
 
     def _prompt_logprobs(self, st: _TaskState, h: torch.Tensor) -> None:
         inp = st.task.input
@@ -943,6 +951,7 @@ class _ChunkedPrefill:
     weights: tuple[int | None, int] | None  # what its K/V are cached under; None: not cached (weights changed)
     kv: torch.Tensor  # (layers, 2, 1, kv_heads, len(prompt), head_dim): K/V of the positions done so far
     done: int  # prompt positions whose K/V are in ``kv``
+    recurrent: PrefillStates | None = None  # hybrid models: the states after the chunks done
     hidden: list[torch.Tensor] = field(default_factory=list)  # each chunk's hidden states, when prompt logits are asked
 
 
