@@ -8,6 +8,10 @@ returns the requests that finished. Finished sequences leave the batch at once.
 A prompt longer than ``prefill_chunk_tokens`` is prefilled a chunk per scheduler step, each
 chunk attending to the K/V of the chunks before it, with decode steps of the running rows in
 between: one long prompt never stalls the batch for its whole prefill.
+
+Under a K/V budget, rows are admitted by what they hold; when they outgrow it, the newest
+request is preempted (its rows leave, keeping their tokens) and resumes ahead of the queue with
+its K/V recomputed, so results equal an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -127,6 +131,10 @@ class Sampler:
                                      else DEFAULT_PREFILL_CHUNK_TOKENS.get(self.device.type, 2048))
         self._can_chunk = model.supports_prefix_reuse and self.prefill_chunk_tokens > 0
         self._chunked: _ChunkedPrefill | None = None  # the long prompt being prefilled, a chunk per step
+        # Attention layer -> its index in prefill K/V buffers and prefix blocks (hybrid models'
+        # Gated DeltaNet layers keep no K/V).
+        attention = [i for i in range(self.cfg.num_layers) if not self.cfg.is_linear_layer(i)]
+        self._kv_index = {layer: i for i, layer in enumerate(attention)}
         # Equal prompts admitted together share one prefill whenever the cache is not turned off:
         # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
         self.share_prompts = prefix_cache_bytes > 0
@@ -275,7 +283,7 @@ class Sampler:
     def _kv_bytes(self, rows: int, span: int) -> int:
         """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache."""
         cfg = self.cfg
-        per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
+        per_position = 2 * len(self._kv_index) * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
         return rows * -(-span // KV_BLOCK) * KV_BLOCK * per_position
 
     def _held(self, inp: SampleInput, sampled: int) -> int:
@@ -613,7 +621,7 @@ class Sampler:
             self.stats["prefills"] += 1
             self.stats["cached_prompt_tokens"] += st.cached_tokens
             self._grow_cache(st.task.input.num_samples, P + 1)
-            layer_kv = {layer: (c.kv[layer, 0, 0], c.kv[layer, 1, 0]) for layer in kv}  # attention layers
+            layer_kv = {layer: (c.kv[self._kv_index[layer], 0, 0], c.kv[self._kv_index[layer], 1, 0]) for layer in kv}
             prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
             self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
             self._rows_changed()
@@ -709,10 +717,10 @@ class Sampler:
         return hidden, kv, recurrent
 
     def _prefix_buffer(self, blocks: list[list[torch.Tensor]], widths: list[int]) -> torch.Tensor:
-        """``(layers, 2, b, kv_heads, max(widths), head_dim)``: each row's cached prefix blocks
+        """``(attention layers, 2, b, kv_heads, max(widths), head_dim)``: each row's cached prefix blocks
         first, zeros after (where :meth:`_forward_over_prefix` writes the positions it computes)."""
         cfg = self.cfg
-        full = torch.zeros((cfg.num_layers, 2, len(blocks), cfg.num_kv_heads, max(widths), cfg.head_dim),
+        full = torch.zeros((len(self._kv_index), 2, len(blocks), cfg.num_kv_heads, max(widths), cfg.head_dim),
                            device=self.device, dtype=self.dtype)
         for i, bl in enumerate(blocks):
             if bl:
@@ -723,7 +731,7 @@ class Sampler:
                              after: PrefillStates | None = None):
         """Prefill only each prompt's positions ``starts[i]:lens[i]``, over the K/V before them.
 
-        ``full`` ``(layers, 2, b, kv_heads, width, head_dim)`` holds each row's K/V of positions
+        ``full`` ``(attention layers, 2, b, kv_heads, width, head_dim)`` holds each row's K/V of positions
         before ``starts[i]`` (cached prefix blocks, or the earlier chunks of a long prompt); the
         computed K/V are written into it at their positions (``width >= lens[i]``), so each
         layer's K/V come back laid out by position, as a whole prefill gives them. Row ``i``'s
@@ -750,7 +758,7 @@ class Sampler:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-            K, V = full[layer, 0], full[layer, 1]
+            K, V = full[self._kv_index[layer], 0], full[self._kv_index[layer], 1]
             K.scatter_(2, where, k)  # padding positions land after each row's prompt: never seen by its tokens
             V.scatter_(2, where, v)
             kv[layer] = (K, V)
@@ -949,7 +957,7 @@ class _ChunkedPrefill:
     state: _TaskState
     prompt: list[int]
     weights: tuple[int | None, int] | None  # what its K/V are cached under; None: not cached (weights changed)
-    kv: torch.Tensor  # (layers, 2, 1, kv_heads, len(prompt), head_dim): K/V of the positions done so far
+    kv: torch.Tensor  # (attention layers, 2, 1, kv_heads, len(prompt), head_dim): K/V of the positions done so far
     done: int  # prompt positions whose K/V are in ``kv``
     recurrent: PrefillStates | None = None  # hybrid models: the states after the chunks done
     hidden: list[torch.Tensor] = field(default_factory=list)  # each chunk's hidden states, when prompt logits are asked
