@@ -69,6 +69,17 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {rows} | {kind} | {_get(cg, rk, 'eager_tokens_per_s')} | "
                          f"{_get(cg, rk, 'graphs_tokens_per_s')} | {_get(cg, rk, 'graphs_vs_eager')} | "
                          f"{_get(cg, rk, 'graph_captures')} | {_status(cg)} |")
+        L += ["### Decode stall while a long prompt is prefilled (ms)", "",
+              "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
+              "chunked: long TTFT | same tokens | notes |", "|" + "---|" * 10]
+        for name in s["shapes"]:
+            cp = sa.get(f"{name}/chunked_prefill", {})
+            runs = cp.get("runs", {})
+            chunked = next((k for k in runs if k != "whole"), "-")
+            L.append(f"| {name} | {_get(cp, 'rows')} | {_get(cp, 'prompt_length')} | "
+                     f"{_get(runs, 'whole', 'max_stall_ms')} | {_get(runs, chunked, 'max_stall_ms')} | "
+                     f"{_get(runs, 'whole', 'plain_step_ms')} | {_get(runs, 'whole', 'long_first_token_ms')} | "
+                     f"{_get(runs, chunked, 'long_first_token_ms')} | {cp.get('same_tokens', '-')} | {_status(cp)} |")
         L.append("")
     mo = s.get("moe", {}).get("a3b_vs_dense")
     if mo:

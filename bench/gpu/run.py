@@ -4,7 +4,7 @@
 
 Parts: ``peak`` (the machine's measured ceilings), ``train`` (LoRA / full fine-tune / peft
 baseline), ``sample`` (decode vs the HBM bound, 8 adapters, generate baseline, SDK GRPO and
-first-call latency), ``moe`` (a Qwen3-30B-A3B-sized layer stack against the dense model of
+first-call latency, decode stall while a long prompt is prefilled whole vs chunked), ``moe`` (a Qwen3-30B-A3B-sized layer stack against the dense model of
 equal active parameters). Each item runs guarded: a failure is recorded and the rest still run. Each
 part has a time budget; items that would start after it are recorded as skipped, so the whole
 stays inside one device call.
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
             sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
             if name == shapes[-1]:  # the largest shape only (1.7B by default): the part's budget is shared
                 sa.item(f"{name}/cuda_graphs", lambda: sample.graphs_vs_eager(dirs[name], device, a.quick))
+            sa.item(f"{name}/chunked_prefill", lambda: sample.chunked_prefill(dirs[name], device, a.quick))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))

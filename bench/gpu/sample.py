@@ -1,5 +1,6 @@
 """Sampling: decode tokens/s beside the HBM decode bound, many adapters vs base, the transformers
-``generate`` baseline, and GRPO-style traffic through the SDK (separate requests vs num_samples).
+``generate`` baseline, GRPO-style traffic through the SDK (separate requests vs num_samples), and
+the decode stall while a long prompt is prefilled whole vs in chunks.
 
 HBM bound of a decode step = bytes it must read (every weight once, plus each row's KV cache at
 the mean context length) / measured copy bandwidth (peak.py): rows / that time = bound tokens/s.
@@ -111,6 +112,17 @@ def graphs_vs_eager(model_dir, device, quick: bool) -> dict:
             out[f"rows_{rows}_{name}"] = row
     del rt, lm
     return out
+def chunked_prefill(model_dir, device, quick: bool) -> dict:
+    """Decode rows' longest stall while a long prompt is prefilled, whole vs in chunks of the CUDA
+    default (see bench/prefill_micro.py); ``same_tokens`` may be False in bf16 (different kernels)."""
+    from bench.prefill_micro import compare
+    from tinsmith.sampling.sampler import DEFAULT_PREFILL_CHUNK_TOKENS
+
+    lm = load_model(str(model_dir), device=device)
+    if quick:
+        return compare(lm.model, rows=4, prompt_length=512, new_tokens=16, chunks=[0, 128], repeats=1)
+    return compare(lm.model, rows=64, prompt_length=16384, new_tokens=64,
+                   chunks=[0, DEFAULT_PREFILL_CHUNK_TOKENS["cuda"]], repeats=1)
 
 
 def generate_baseline(model_dir, device, quick: bool) -> dict:

@@ -59,6 +59,22 @@ def run(sampler: Sampler, tasks, *, budget_s: float = 0.05, max_steps: int = 10_
     return out
 
 
+def scheduler_steps(sampler, n: int) -> dict:
+    """One :meth:`Sampler.step` that runs exactly ``n`` scheduler steps (a count in place of its
+    time budget, so the test observes steps, not timing); key -> result of what finished."""
+    left = [n]
+
+    def go_on(deadline, done) -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+
+    sampler._go_on = go_on
+    try:
+        return dict(sampler.step(60.0))
+    finally:
+        del sampler._go_on
+
+
 def sample_one(sampler: Sampler, prompt, **kw):
     (res,) = run(sampler, [task("only", prompt, **kw)]).values()
     if isinstance(res, Exception):

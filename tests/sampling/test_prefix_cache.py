@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
+from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, scheduler_steps, task
 from tinsmith.sampling.prefix_cache import BLOCK, PrefixCache
 from tinsmith.types import AdamParams, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime
@@ -233,9 +233,8 @@ def test_admission_waits_for_kv_room_and_never_overruns_it(qwen3_dir):
         bounded.add(t)
     out: dict = {}
     peak = 0
-    while bounded.has_work():
-        for key, res in bounded.step(0.05):
-            out[key] = res
+    while bounded.has_work():  # one scheduler step at a time: rows are counted between decode steps
+        out.update(scheduler_steps(bounded, 1))
         peak = max(peak, len(bounded.rows))
         assert bounded.cache.nbytes() <= budget
     assert peak == 2

@@ -32,7 +32,9 @@ class RecurrentStates(Protocol):
     """What a sampling backend offers Gated DeltaNet layers (the attribute ``recurrent`` of it).
 
     While prefilling (``decoding`` False) rows are right-padded: ``valid`` (b, L) marks real
-    tokens and ``record`` keeps each layer's final states. While decoding (one token per row)
+    tokens and ``record`` keeps each layer's final states; ``initial`` gives the states a prefill
+    continues from (the chunks before it of a long prompt), None to start from zeros. While
+    decoding (one token per row)
     ``get`` returns a layer's (conv inputs (n, conv_dim, kernel - 1), delta-rule state
     (n, value_heads, key_dim, value_dim)) and ``put`` stores the advanced ones.
     """
@@ -41,6 +43,7 @@ class RecurrentStates(Protocol):
     valid: torch.Tensor | None
 
     def record(self, layer_idx: int, conv_inputs: torch.Tensor, state: torch.Tensor) -> None: ...
+    def initial(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
     def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def put(self, layer_idx: int, conv_state: torch.Tensor, state: torch.Tensor) -> None: ...
 
@@ -174,10 +177,17 @@ class GatedDeltaNet(nn.Module):
             if states is not None and states.valid is not None:
                 # Right padding must not touch the state: no decay (g = 0), no write (beta = 0).
                 g, beta = g * states.valid[..., None], beta * states.valid[..., None]
-            conv = F.conv1d(mixed.transpose(1, 2).to(weight.dtype), weight, padding=self.kernel - 1,
-                            groups=weight.shape[0])[..., :L]
+            start = states.initial(self.layer_idx) if states is not None else None
+            if start is None:
+                conv = F.conv1d(mixed.transpose(1, 2).to(weight.dtype), weight, padding=self.kernel - 1,
+                                groups=weight.shape[0])[..., :L]
+                initial_state = None
+            else:  # continue a prefill: the convolution sees the earlier chunk's last inputs
+                conv_state, initial_state = start
+                window = torch.cat((conv_state, mixed.transpose(1, 2).to(conv_state.dtype)), dim=-1)
+                conv = F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0])
             q, k, v = self._split(F.silu(conv).transpose(1, 2).to(x.dtype), b, L)
-            out, state = chunk_gated_delta_rule(q, k, v, g, beta)
+            out, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
             if states is not None:
                 states.record(self.layer_idx, mixed, state)
         out = self.norm(out, z.view(b, L, self.nv, self.dv)).reshape(b, L, -1)

@@ -53,6 +53,8 @@ class ShardedSampler(Sampler):
         all_reduce_(budget, tp_of(model), op=dist.ReduceOp.MIN, what="agreeing on the sampler's K/V budget")
         self.kv_cache_bytes = 0 if budget.item() == float("inf") else int(budget.item())
         self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
+        if self.graphs is not None:  # the static decode step reads this rank's cache
+            self.graphs.cache = self.cache
 
 
 class LockstepSampler(ShardedSampler):
@@ -101,7 +103,7 @@ class LockstepSampler(ShardedSampler):
         if self.tp.rank == 0 and board is not None and board.version != self._cancel_version:
             self._cancel_version = board.version
             if len(board):
-                keys = [t.key for t in list(self.inbox)] + [r.state.task.key for r in self.rows]
+                keys = [t.key for t in list(self.inbox)] + [s.task.key for s in self._live_states()]
                 ids = sorted({self._tid_of[id(k)] for k in keys if board.wants(k)})
         if self.tp.size == 1:
             return go, ids
@@ -126,7 +128,7 @@ class LockstepSampler(ShardedSampler):
             self.inbox.remove(task)
             done.append((task.key, cancelled))
             self.stats["cancelled"] += 1
-        states = list({id(r.state): r.state for r in self.rows if id(r.state.task.key) in keys}.values())
+        states = [s for s in self._live_states() if id(s.task.key) in keys]
         if states:
             self.stats["cancelled"] += len(states)
             self._fail(states, cancelled, done)

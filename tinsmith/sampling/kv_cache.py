@@ -63,17 +63,25 @@ class RowKVCache:
 
     # ----------------------------------------------------------------------------- sizing
     def ensure(self, rows: int, length: int) -> None:
-        """Make room for ``rows`` rows of ``length`` positions (grows geometrically / by blocks)."""
+        """Make room for ``rows`` rows of ``length`` positions (grows geometrically / by blocks).
+
+        ``length`` covers every live row. When more rows would not fit ``max_bytes`` at the
+        current capacity (left long by a longer sequence that has finished), the capacity comes
+        down to ``length``: the positions past it hold nothing.
+        """
         if rows <= self.row_capacity and length <= self.capacity:
             return
         new_cap = self.capacity if length <= self.capacity else _round_up(max(length, self.capacity + BLOCK), BLOCK)
+        if rows > self.row_capacity and self._rows_within(rows, new_cap) < rows:
+            new_cap = _round_up(length, BLOCK)
         new_rows = self.row_capacity if rows <= self.row_capacity else max(rows, 2 * self.row_capacity)
         new_rows = max(rows, self._rows_within(new_rows, new_cap))  # spare rows only within the budget
         keep = min(new_rows, self.row_capacity)  # rows are dense: those past ``rows`` hold nothing
+        width = min(new_cap, self.capacity)
         for store in (self.K, self.V):
             for i, old in enumerate(store):
                 new = torch.zeros(self._shape(i, new_rows, new_cap), device=self.device, dtype=self.dtype)
-                new[:keep, :, : self.capacity] = old[:keep]
+                new[:keep, :, :width] = old[:keep, :, :width]
                 store[i] = new
         lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
         lengths[:keep] = self.lengths[:keep]
@@ -108,12 +116,13 @@ class RowKVCache:
             self.recurrent.write_row(row, states, prompt)
         self.lengths[row] = length
 
-    def prefill_states(self, lengths: torch.Tensor, width: int) -> PrefillStates | None:
+    def prefill_states(self, lengths: torch.Tensor, width: int, after: PrefillStates | None = None
+                       ) -> PrefillStates | None:
         """Where a prefill of prompts of ``lengths`` (right-padded to ``width``) records its
-        recurrent states (None: the model has none)."""
+        recurrent states (None: the model has none); ``after``: the states it continues from."""
         if self.recurrent is None:
             return None
-        return PrefillStates(lengths, width, self.recurrent.kernel)
+        return PrefillStates(lengths, width, self.recurrent.kernel, after)
 
     def move_row(self, src: int, dst: int) -> None:
         if src == dst:

@@ -61,15 +61,25 @@ class PrefillStates:
 
     decoding = False
 
-    def __init__(self, lengths: torch.Tensor, width: int, kernel: int):
+    def __init__(self, lengths: torch.Tensor, width: int, kernel: int, after: PrefillStates | None = None):
+        """``after``: the states of the prefill this one continues (a long prompt's earlier chunks)."""
         self.lengths, self.kernel = lengths, kernel
         self.valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+        self.after = after
         self.conv: dict[int, torch.Tensor] = {}
         self.state: dict[int, torch.Tensor] = {}
 
+    def initial(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.after is None else (self.after.conv[layer_idx], self.after.state[layer_idx])
+
     def record(self, layer_idx: int, conv_inputs: torch.Tensor, state: torch.Tensor) -> None:
-        """Keep each prompt's last ``kernel - 1`` convolution inputs (zeros before its start) and state."""
-        x = F.pad(conv_inputs.transpose(1, 2), (self.kernel - 1, 0))  # (b, C, kernel - 1 + L)
+        """Keep each prompt's last ``kernel - 1`` convolution inputs (before its start: zeros, or
+        those of the prefill it continues) and state."""
+        x = conv_inputs.transpose(1, 2)
+        if self.after is None:
+            x = F.pad(x, (self.kernel - 1, 0))  # (b, C, kernel - 1 + L)
+        else:
+            x = torch.cat((self.after.conv[layer_idx], x.to(self.after.conv[layer_idx].dtype)), dim=-1)
         index = self.lengths[:, None] + torch.arange(self.kernel - 1, device=x.device)[None, :]
         self.conv[layer_idx] = x.gather(2, index[:, None, :].expand(-1, x.shape[1], -1))
         self.state[layer_idx] = state
@@ -93,6 +103,9 @@ class DecodeStates:
 
     decoding = True
     valid = None
+
+    def initial(self, layer_idx: int) -> None:
+        return None
 
     def __init__(self, store: RowRecurrentState, n: int):
         self.store, self.n = store, n

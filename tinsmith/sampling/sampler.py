@@ -4,10 +4,19 @@ Requests of many tenants (each naming an adapter slot, or none for the base mode
 together. ``step`` admits waiting requests between decode steps (prefilling each prompt once
 for all of its ``num_samples`` copies), runs decode steps until its time budget is spent, and
 returns the requests that finished. Finished sequences leave the batch at once.
+
+A prompt longer than ``prefill_chunk_tokens`` is prefilled a chunk per scheduler step, each
+chunk attending to the K/V of the chunks before it, with decode steps of the running rows in
+between: one long prompt never stalls the batch for its whole prefill.
+
+Under a K/V budget, rows are admitted by what they hold; when they outgrow it, the newest
+request is preempted (its rows leave, keeping their tokens) and resumes ahead of the queue with
+its K/V recomputed, so results equal an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import secrets
@@ -36,6 +45,9 @@ from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
 TOPK_SENTINEL = -99999.0
 DEVICE_DECODE_BURST = 4  # decode steps per host read-back on a GPU
+# Prompt tokens per prefill chunk when none is configured: on a GPU a chunk this size keeps the
+# matmuls large; a CPU computes far fewer tokens per second, so its chunks are shorter.
+DEFAULT_PREFILL_CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
 log = logging.getLogger(__name__)
@@ -64,6 +76,8 @@ class _TaskState:
     remaining: int = 0
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache or another request
     rope_delta: int = 0  # multimodal RoPE: decoded token i sits at position len(prompt) + i + rope_delta
+    order: int = 0  # admission order: the newest requests are preempted first
+    paused: list[_Row] = field(default_factory=list)  # rows taken off the batch to free K/V, to resume
 
 
 @dataclass
@@ -94,6 +108,7 @@ class Sampler:
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         kv_cache_bytes: int | None = None,
         cuda_graphs: bool = False,
+        prefill_chunk_tokens: int | None = None,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -111,17 +126,31 @@ class Sampler:
         self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
         reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
         self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
+        # A prompt longer than this is prefilled in chunks (0: never). Later chunks run over the K/V
+        # of earlier ones, as a prefix-cache hit does; hybrid models carry their recurrent states
+        # from chunk to chunk.
+        self.prefill_chunk_tokens = (prefill_chunk_tokens if prefill_chunk_tokens is not None
+                                     else DEFAULT_PREFILL_CHUNK_TOKENS.get(self.device.type, 2048))
+        self._can_chunk = model.supports_prefix_reuse and self.prefill_chunk_tokens > 0
+        self._chunked: _ChunkedPrefill | None = None  # the long prompt being prefilled, a chunk per step
+        # Attention layer -> its index in prefill K/V buffers and prefix blocks (hybrid models'
+        # Gated DeltaNet layers keep no K/V).
+        attention = [i for i in range(self.cfg.num_layers) if not self.cfg.is_linear_layer(i)]
+        self._kv_index = {layer: i for i, layer in enumerate(attention)}
         # Equal prompts admitted together share one prefill whenever the cache is not turned off:
         # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
         self.share_prompts = prefix_cache_bytes > 0
         self.inbox: deque[SampleTask] = deque()
+        self._resume: deque[_TaskState] = deque()  # preempted requests: admitted again before the inbox
+        self._admissions = itertools.count(1)
         self.rows: list[_Row] = []
         self._decode_batch: _DecodeBatch | None = None
         self.cancellations = cancellations
         self._cancel_version = 0  # the board's version last acted on
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
-                      "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0}
+                      "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
+                      "preempted": 0, "recomputed_tokens": 0}
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
         # launch-bound, and the padded, full-capacity step only costs more there).
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
@@ -134,7 +163,7 @@ class Sampler:
         self.inbox.append(task)
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.rows or self._failed)
+        return bool(self.inbox or self.rows or self._chunked or self._resume or self._failed)
 
     def fail_slot(self, slot: int, exc: Exception) -> None:
         """Fail the queued and running requests that read adapter ``slot`` (it is being taken off
@@ -143,14 +172,23 @@ class Sampler:
         for task in [t for t in list(self.inbox) if t.slot == slot]:
             self.inbox.remove(task)
             self._failed.append((task.key, exc))
-        states = list({id(r.state): r.state for r in self.rows if r.state.task.slot == slot}.values())
+        states = [s for s in self._live_states() if s.task.slot == slot]
         if states:
             self._fail(states, exc, self._failed)
 
     def slots_in_use(self) -> set[int]:
         """Adapter slots that queued or running requests read (must not be unloaded)."""
-        used = {r.state.task.slot for r in self.rows} | {t.slot for t in list(self.inbox)}
+        used = {s.task.slot for s in self._live_states()} | {t.slot for t in list(self.inbox)}
         return {s for s in used if s is not None}
+
+    def _live_states(self) -> list[_TaskState]:
+        """Every admitted request not yet finished, once each: those with decoding rows, the one
+        whose prompt is being prefilled in chunks, and the preempted ones waiting to resume."""
+        live = {id(r.state): r.state for r in self.rows}
+        if self._chunked is not None:
+            live[id(self._chunked.state)] = self._chunked.state
+        live.update((id(st), st) for st in self._resume)
+        return list(live.values())
 
     def running(self):
         """``(key, sample_index, tokens so far)`` of every sequence still decoding.
@@ -173,17 +211,21 @@ class Sampler:
         with torch.inference_mode():
             self._drop_cancelled(done)
             self._admit(done)
-            while self.rows and self._go_on(deadline, done):
-                if not self.rows:
-                    break
-                try:
-                    self._decode_step(done)
-                except self.fatal_errors:
-                    raise
-                except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
-                    log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
-                    self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
-                    break
+            # One scheduler step: the next chunk of a long prompt (if one is being prefilled),
+            # then a decode burst of the running rows, then admission of waiting requests.
+            while (self.rows or self._chunked) and self._go_on(deadline, done):
+                if self._chunked is not None:
+                    self._prefill_next_chunk(done)
+                if self.rows:
+                    self._make_room()
+                    try:
+                        self._decode_step(done)
+                    except self.fatal_errors:
+                        raise
+                    except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
+                        log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
+                        self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
+                        break
                 if self.inbox and len(self.rows) < self.max_rows:
                     self._admit(done)
             if not self.rows:
@@ -248,30 +290,62 @@ class Sampler:
     def _kv_bytes(self, rows: int, span: int) -> int:
         """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache."""
         cfg = self.cfg
-        per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
+        per_position = 2 * len(self._kv_index) * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
         return rows * -(-span // KV_BLOCK) * KV_BLOCK * per_position
+
+    def _held(self, inp: SampleInput, sampled: int) -> int:
+        """Positions admission counts a row at: what it holds after ``sampled`` tokens plus a block of
+        room to grow, at most its longest. Image prompts' rows count at their longest (they are
+        never preempted: their recomputation would need their images' positions again)."""
+        if inp.prompt_images:
+            return self._longest(inp)
+        return min(self._longest(inp), len(inp.prompt) + sampled + KV_BLOCK)
+
+    def _occupancy(self) -> tuple[int, int]:
+        """(rows, span) the running rows and the prompt being chunked take, as admission counts them."""
+        rows = len(self.rows)
+        spans = [self._held(r.state.task.input, len(r.tokens)) for r in self.rows]
+        if self._chunked is not None:  # it holds its rows already: they decode once its last chunk is done
+            inp = self._chunked.state.task.input
+            rows += inp.num_samples
+            spans.append(self._held(inp, 0))
+        return rows, max(spans, default=0)
 
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
         tokens = 0  # prompt tokens this prefill computes (a prompt shared with an earlier request counts once)
         shared: set[tuple] = set()
-        rows = len(self.rows)
-        # Every row is counted at its longest, so admitted rows can always decode to their end.
-        span = max((self._longest(r.state.task.input) for r in self.rows), default=0)
+        # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
+        # budget the newest requests are preempted (_make_room) and resume later.
+        rows, span = self._occupancy()
+        while self._resume:  # preempted requests come back first, oldest first
+            st = self._resume[0]
+            n = len(st.paused)
+            need = max(span, max(self._held(st.task.input, len(r.tokens)) for r in st.paused))
+            over_budget = self.kv_cache_bytes and self._kv_bytes(rows + n, need) > self.kv_cache_bytes
+            if rows and (rows + n > self.max_rows or over_budget):
+                return  # nothing overtakes a preempted request
+            self._resume.popleft()
+            self._resume_rows(st, done)
+            rows, span = rows + n, need
         while self.inbox:
             task = self.inbox[0]
             n = task.input.num_samples
             key = self._share_key(task)
             P = 0 if key is not None and key in shared else len(task.input.prompt)
+            chunked = self._prefilled_in_chunks(task)
+            if chunked and self._chunked is not None:
+                break  # one long prompt at a time, in queue order
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
             # which rejects it; waiting for rows would block the queue behind it forever.
             fits = n <= self.max_rows
-            if fits and batch and (rows + n > self.max_rows or tokens + P > self.prefill_tokens):
+            if fits and batch and (rows + n > self.max_rows or (not chunked and tokens + P > self.prefill_tokens)):
                 break
             if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
-            longest = max(span, self._longest(task.input))
-            if fits and self.kv_cache_bytes and self._kv_bytes(rows + n, longest) > self.kv_cache_bytes:
+            held = max(span, self._held(task.input, 0))
+            alone = self._kv_bytes(n, self._longest(task.input))  # what it may need: it must fit by itself
+            if fits and self.kv_cache_bytes and max(alone, self._kv_bytes(rows + n, held)) > self.kv_cache_bytes:
                 if batch or rows:
                     break  # wait for running sequences to finish and give their K/V back
                 self.inbox.popleft()
@@ -291,12 +365,16 @@ class Sampler:
             except TinsmithError as e:
                 done.append((task.key, e))
                 continue
+            st.order = next(self._admissions)
+            rows += n
+            span = held
+            if chunked:
+                self._start_chunked(st, done)
+                continue
             batch.append(st)
             tokens += P
             if key is not None:
                 shared.add(key)
-            rows += n
-            span = max(span, self._longest(task.input))
         if batch:
             try:
                 before = len(self.rows)
@@ -328,7 +406,7 @@ class Sampler:
             self.inbox.remove(task)
             done.append((task.key, SampleCancelled("the request was cancelled by its client")))
             self.stats["cancelled"] += 1
-        states = list({id(r.state): r.state for r in self.rows if board.wants(r.state.task.key)}.values())
+        states = [s for s in self._live_states() if board.wants(s.task.key)]
         if states:
             self.stats["cancelled"] += len(states)
             self._fail(states, SampleCancelled("the request was cancelled by its client"), done)
@@ -337,7 +415,7 @@ class Sampler:
         """Forget every queued and running request; returns their keys (for the caller to fail)."""
         keys = [t.key for t in self.inbox]
         self.inbox.clear()
-        states = list({id(r.state): r.state for r in self.rows}.values())
+        states = self._live_states()
         done: list = []
         self._fail(states, RuntimeError("aborted"), done)
         return keys + [k for k, _ in done]
@@ -349,6 +427,9 @@ class Sampler:
         later step the same way: sampling on this base model would stop for every tenant.
         """
         ids = {id(s) for s in states}
+        if self._chunked is not None and id(self._chunked.state) in ids:
+            self._chunked = None  # its partial K/V are dropped with it
+        self._resume = deque(st for st in self._resume if id(st) not in ids)
         for r in range(len(self.rows) - 1, -1, -1):
             if id(self.rows[r].state) in ids:
                 self._drop_row(r)
@@ -386,40 +467,188 @@ class Sampler:
         self.stats["prefill_tokens"] += sum(lens) - sum(out.starts)
         self.stats["cached_prompt_tokens"] += sum(st.cached_tokens for st in batch)
 
-        new_rows = sum(s.task.input.num_samples for s in batch)
-        self.cache.ensure(len(self.rows) + new_rows, L + 1)
+        self._grow_cache(sum(s.task.input.num_samples for s in batch), L + 1)
         for b_idx, st in enumerate(batch):
             i = lead[b_idx]
-            inp = st.task.input
-            if _needs_prompt_logits(inp):
+            if _needs_prompt_logits(st.task.input):
                 assert out.starts[i] == 0  # such prompts never read the prefix cache
-                self._prompt_logprobs(st, hidden[i, : lens[i]])
-            n = inp.num_samples
-            p = inp.params
-            logits = last_logits[i : i + 1].expand(n, -1)
-            dev = self.device
-            u = uniforms(torch.full((n,), st.seed, dtype=torch.long, device=dev), torch.arange(n, device=dev),
-                         torch.zeros(n, dtype=torch.long, device=dev))
-            kinds = RowKinds.of([p.temperature] * n, [p.top_k] * n, [p.top_p] * n, logits.shape[-1], dev)
-            tok, lp, full = choose_tokens(
-                logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
-                torch.full((n,), float(p.top_p), device=dev), u, kinds,
-            )
             layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}
-            toks_l, lps_l = tok.tolist(), lp.tolist()
-            tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
-            for j in range(n):
-                row = _Row(st, j)
-                if st.stops.strings:
-                    row.watcher = StringStopWatcher(st.stops.strings, self.decode)
-                r = len(self.rows)
-                self.rows.append(row)
-                self.cache.write_prefix(r, layer_kv, lens[i], states, i)
-                if self._push(row, toks_l[j], lps_l[j], tops[j]):
-                    self._retire(r, "stop", done)
-                elif st.max_tokens <= 1:
-                    self._retire(r, "length", done)
+            self._seed_rows(st, hidden[i, : lens[i]], last_logits[i], layer_kv, lens[i], done, states, i)
         self._rows_changed()
+
+    def _seed_rows(self, st: _TaskState, hidden: torch.Tensor, last_logits: torch.Tensor,
+                   layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
+                   states: PrefillStates | None = None, prompt: int = 0) -> None:
+        """Start a prefilled request's rows: its prompt logprobs when asked (``hidden``: every
+        prompt position's hidden state), the first token of each sample drawn from
+        ``last_logits``, and each row's K/V (and recurrent states) copied into the cache."""
+        inp = st.task.input
+        if _needs_prompt_logits(inp):
+            self._prompt_logprobs(st, hidden)
+        n = inp.num_samples
+        p = inp.params
+        logits = last_logits[None].expand(n, -1)
+        dev = self.device
+        u = uniforms(torch.full((n,), st.seed, dtype=torch.long, device=dev), torch.arange(n, device=dev),
+                     torch.zeros(n, dtype=torch.long, device=dev))
+        kinds = RowKinds.of([p.temperature] * n, [p.top_k] * n, [p.top_p] * n, logits.shape[-1], dev)
+        tok, lp, full = choose_tokens(
+            logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
+            torch.full((n,), float(p.top_p), device=dev), u, kinds,
+        )
+        toks_l, lps_l = tok.tolist(), lp.tolist()
+        tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
+        for j in range(n):
+            row = _Row(st, j)
+            if st.stops.strings:
+                row.watcher = StringStopWatcher(st.stops.strings, self.decode)
+            r = len(self.rows)
+            self.rows.append(row)
+            self.cache.write_prefix(r, layer_kv, length, states, prompt)
+            if self._push(row, toks_l[j], lps_l[j], tops[j]):
+                self._retire(r, "stop", done)
+            elif st.max_tokens <= 1:
+                self._retire(r, "length", done)
+
+    def _grow_cache(self, new_rows: int, length: int) -> None:
+        """Room in the cache for ``new_rows`` more rows of ``length`` positions beside the running
+        rows (each of which needs its prompt, its sampled tokens and the next one)."""
+        span = max([length] + [len(r.state.task.input.prompt) + len(r.tokens) for r in self.rows])
+        self.cache.ensure(len(self.rows) + new_rows, span)
+
+    # ----------------------------------------------------------------------------- preemption
+    def _make_room(self) -> None:
+        """Before a decode step: while the rows would outgrow the K/V budget in it, preempt the
+        newest request (the oldest one always fits alone: admission checked it at its longest)."""
+        if not self.kv_cache_bytes:
+            return
+        while True:
+            rows, span = len(self.rows), 0
+            for r in self.rows:  # a burst's longest row: see _decode_step
+                span = max(span, len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1)
+            if self._chunked is not None:  # room for the rows of the prompt being chunked
+                rows += self._chunked.state.task.input.num_samples
+                span = max(span, self._held(self._chunked.state.task.input, 0))
+            if self._kv_bytes(rows, span) <= self.kv_cache_bytes:
+                return
+            waiting = {id(st) for st in self._resume}
+            live = [st for st in self._live_states() if id(st) not in waiting and not st.task.input.prompt_images]
+            if len(live) < 2 and not (self._chunked and self.rows):
+                return
+            self._preempt(max(live, key=lambda st: st.order))
+
+    def _preempt(self, st: _TaskState) -> None:
+        """Take ``st``'s rows off the batch (their K/V freed) and queue it to resume first: each row
+        keeps its sampled tokens, so recomputing its K/V and decoding on gives what it would have
+        (a row's draws depend only on its seed, sample index and step). A prompt being chunked
+        goes back to the head of the queue whole."""
+        self.stats["preempted"] += 1
+        if self._chunked is not None and self._chunked.state is st:
+            self._chunked = None
+            self.inbox.appendleft(st.task)
+            return
+        for r in range(len(self.rows) - 1, -1, -1):
+            if self.rows[r].state is st:
+                st.paused.append(self.rows[r])
+                self._drop_row(r)
+        st.paused.sort(key=lambda row: row.sample_idx)
+        i = 0
+        while i < len(self._resume) and self._resume[i].order < st.order:
+            i += 1
+        self._resume.insert(i, st)
+
+    def _resume_rows(self, st: _TaskState, done: list) -> None:
+        """Bring a preempted request's rows back: prefill each one's prompt and sampled tokens but
+        the last (its next input, as in the cache before) and put them back in the batch."""
+        rows, st.paused = st.paused, []
+        prompt = np.asarray(st.task.input.prompt).tolist()
+        prompts = [prompt + row.tokens[:-1] for row in rows]
+        lens = [len(p) for p in prompts]
+        try:
+            _, kv, recurrent = self._forward_whole([st] * len(rows), lens, prompts)
+            self._grow_cache(len(rows), max(lens) + 1)
+        except self.fatal_errors:
+            raise
+        except Exception as exc:  # e.g. out of memory: fail this request, keep the running ones
+            log.exception("resuming a preempted request failed")
+            self._fail([st], exc, done)
+            return
+        self.stats["recomputed_tokens"] += sum(lens)
+        for i, row in enumerate(rows):
+            r = len(self.rows)
+            self.rows.append(row)
+            self.cache.write_prefix(r, {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}, lens[i], recurrent, i)
+        self._rows_changed()
+
+    # ----------------------------------------------------------------------------- chunked prefill
+    def _prefilled_in_chunks(self, task: SampleTask) -> bool:
+        """Whether ``task``'s prompt is prefilled a chunk per step: it is longer than a chunk, and
+        its later chunks can run over the earlier ones' K/V and states (not image prompts)."""
+        inp = task.input
+        return self._can_chunk and len(inp.prompt) > self.prefill_chunk_tokens and not inp.prompt_images
+
+    def _start_chunked(self, st: _TaskState, done: list) -> None:
+        """Make ``st`` the prompt prefilled in chunks: its K/V buffer, with the cached blocks of its
+        prefix already in place (prompts that ask for prompt logprobs read none, as whole ones)."""
+        inp = st.task.input
+        prompt = np.asarray(inp.prompt).tolist()
+        weights = self._weights_of(st.task.slot)
+        try:
+            blocks = [] if _needs_prompt_logits(inp) else self.prefix.lookup(weights, prompt, len(prompt) - 1)
+            kv = self._prefix_buffer([blocks], [len(prompt)])
+        except self.fatal_errors:
+            raise
+        except Exception as exc:  # e.g. out of memory for the buffer: this request fails alone
+            log.exception("could not start the chunked prefill of a %d-token prompt", len(prompt))
+            self._fail([st], exc, done)
+            return
+        st.cached_tokens = len(blocks) * self.prefix.block
+        self._chunked = _ChunkedPrefill(st, prompt, weights, kv, st.cached_tokens)
+
+    def _prefill_next_chunk(self, done: list) -> None:
+        """Prefill the next chunk of the long prompt; after its last chunk its rows join the batch."""
+        c = self._chunked
+        assert c is not None
+        st, P = c.state, len(c.prompt)
+        start, end = c.done, min(len(c.prompt), c.done + self.prefill_chunk_tokens)
+        try:
+            hidden, kv, c.recurrent = self._forward_over_prefix([st], [c.prompt], [end], [start], c.kv[..., :end, :],
+                                                                c.recurrent)
+            self.stats["prefill_chunks"] += 1
+            self.stats["prefill_tokens"] += end - start
+            c.done = end
+            if _needs_prompt_logits(st.task.input):
+                c.hidden.append(hidden[0, : end - start])
+            self._cache_chunk_blocks(c)
+            if end < P:
+                return
+            self._chunked = None
+            segments = _row_segments([st.task.slot], 1)
+            last_logits = self.model.logits(hidden[0, end - start - 1 : end - start], segments)[0]
+            self.stats["prefills"] += 1
+            self.stats["cached_prompt_tokens"] += st.cached_tokens
+            self._grow_cache(st.task.input.num_samples, P + 1)
+            layer_kv = {layer: (c.kv[self._kv_index[layer], 0, 0], c.kv[self._kv_index[layer], 1, 0]) for layer in kv}
+            prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
+            self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
+            self._rows_changed()
+        except self.fatal_errors:
+            raise
+        except Exception as exc:  # e.g. out of memory: fail this request, keep the running ones
+            log.exception("chunked prefill of a %d-token prompt failed", P)
+            self._fail([st], exc, done)
+
+    def _cache_chunk_blocks(self, c: _ChunkedPrefill) -> None:
+        """Keep the full blocks prefilled so far in the prefix cache, unless the weights changed
+        since the first chunk (its K/V would then mix two versions)."""
+        if c.weights is None or not self.prefix.enabled:
+            return
+        if self._weights_of(c.state.task.slot) != c.weights:
+            c.weights = None
+            return
+        hi = c.done // self.prefix.block * self.prefix.block
+        if hi:
+            self.prefix.insert(c.weights, c.prompt[:hi], c.kv[:, :, 0, :, :hi])
 
     def _weights_of(self, slot: int | None) -> tuple[int | None, int]:
         """What computed a prompt's K/V: the adapter slot and its weights' current version."""
@@ -454,7 +683,8 @@ class Sampler:
             st.cached_tokens = c
         recurrent = None
         if any(starts):  # never on hybrid models: they keep no prefix cache
-            hidden, kv = self._forward_over_prefix(states, prompts, lens, starts, blocks)
+            full = self._prefix_buffer(blocks, [c + max(n - c for n, c in zip(lens, starts)) for c in starts])
+            hidden, kv, recurrent = self._forward_over_prefix(states, prompts, lens, starts, full)
         else:
             hidden, kv, recurrent = self._forward_whole(states, lens)
         b = len(states)
@@ -469,13 +699,14 @@ class Sampler:
                 self.prefix.insert(weights[i], prompts[i][:hi], layer_kv, lo)
         return _Prefilled(hidden, kv, last_logits, lens, starts, recurrent)
 
-    def _forward_whole(self, states: list[_TaskState], lens: list[int]):
+    def _forward_whole(self, states: list[_TaskState], lens: list[int], prompts: list[list[int]] | None = None):
         """Prefill whole prompts (right-padded): hidden states ``(b, L, h)``, each attention layer's
-        K/V, and on hybrid models each prompt's recurrent states."""
+        K/V, and on hybrid models each prompt's recurrent states. ``prompts``: the tokens to run
+        when they are not the requests' prompts (a preempted row: its prompt and sampled tokens)."""
         b, L = len(states), max(lens)
         toks = np.zeros((b, L), dtype=np.int64)
         for i, s in enumerate(states):
-            toks[i, : lens[i]] = s.task.input.prompt
+            toks[i, : lens[i]] = s.task.input.prompt if prompts is None else prompts[i]
         tokens = torch.from_numpy(toks).to(self.device)
         positions = torch.arange(L, device=self.device).expand(b, L)
         visual = None
@@ -492,29 +723,40 @@ class Sampler:
                                           visual=visual)
         return hidden, kv, recurrent
 
-    def _forward_over_prefix(self, states, prompts, lens, starts, blocks):
-        """Prefill only each prompt's part after its cached blocks.
+    def _prefix_buffer(self, blocks: list[list[torch.Tensor]], widths: list[int]) -> torch.Tensor:
+        """``(attention layers, 2, b, kv_heads, max(widths), head_dim)``: each row's cached prefix blocks
+        first, zeros after (where :meth:`_forward_over_prefix` writes the positions it computes)."""
+        cfg = self.cfg
+        full = torch.zeros((len(self._kv_index), 2, len(blocks), cfg.num_kv_heads, max(widths), cfg.head_dim),
+                           device=self.device, dtype=self.dtype)
+        for i, bl in enumerate(blocks):
+            if bl:
+                full[:, :, i, :, : len(bl) * self.prefix.block] = torch.cat(bl, dim=3)
+        return full
 
-        Row ``i``'s tokens from ``starts[i]`` on run at their true positions and attend to
-        the cached K/V before them and causally to themselves. Each layer's K/V come back laid
-        out by position (cached blocks, then the new part), as a whole prefill gives them.
+    def _forward_over_prefix(self, states, prompts, lens, starts, full: torch.Tensor,
+                             after: PrefillStates | None = None):
+        """Prefill only each prompt's positions ``starts[i]:lens[i]``, over the K/V before them.
+
+        ``full`` ``(attention layers, 2, b, kv_heads, width, head_dim)`` holds each row's K/V of positions
+        before ``starts[i]`` (cached prefix blocks, or the earlier chunks of a long prompt); the
+        computed K/V are written into it at their positions (``width >= lens[i]``), so each
+        layer's K/V come back laid out by position, as a whole prefill gives them. Row ``i``'s
+        tokens run at their true positions and attend to the K/V before them and causally to
+        themselves. Hybrid models continue from the recurrent states ``after`` (those of the
+        prefill of the positions before; only one prompt is ever prefilled so, a long one in
+        chunks) and return their new states too.
         """
         b = len(states)
         S = max(n - c for n, c in zip(lens, starts))
-        width = max(starts) + S
+        width = full.shape[4]
         toks = np.zeros((b, S), dtype=np.int64)
         for i in range(b):
-            toks[i, : lens[i] - starts[i]] = prompts[i][starts[i]:]
+            toks[i, : lens[i] - starts[i]] = prompts[i][starts[i]: lens[i]]
         tokens = torch.from_numpy(toks).to(self.device)
         start = torch.tensor(starts, device=self.device)
         positions = start[:, None] + torch.arange(S, device=self.device)[None, :]  # (b, S)
         cfg = self.cfg
-        # (layers, 2, b, kv_heads, width, head_dim): the cached blocks of each row, zeros after
-        full = torch.zeros((cfg.num_layers, 2, b, cfg.num_kv_heads, width, cfg.head_dim), device=self.device,
-                           dtype=self.dtype)
-        for i, bl in enumerate(blocks):
-            if bl:
-                full[:, :, i, :, : starts[i]] = torch.cat(bl, dim=3)
         keys = torch.arange(width, device=self.device)[None, None, :]  # (1, 1, width)
         before = keys <= positions[:, :, None]  # (b, S, width): causal by position
         masks: dict[int | None, torch.Tensor] = {None: before}
@@ -523,7 +765,7 @@ class Sampler:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-            K, V = full[layer, 0], full[layer, 1]
+            K, V = full[self._kv_index[layer], 0], full[self._kv_index[layer], 1]
             K.scatter_(2, where, k)  # padding positions land after each row's prompt: never seen by its tokens
             V.scatter_(2, where, v)
             kv[layer] = (K, V)
@@ -531,9 +773,12 @@ class Sampler:
                 masks[window] = before & (keys > positions[:, :, None] - window)
             return masked_attention(q, K, V, masks[window], sinks)
 
+        new = torch.tensor([n - c for n, c in zip(lens, starts)], device=self.device)
+        recurrent = self.cache.prefill_states(new, S, after)
+        attend.recurrent = recurrent  # type: ignore[attr-defined]
         segments = _row_segments([s.task.slot for s in states], S)
         hidden = self.model.hidden_states(tokens, positions, segments, attend=attend)
-        return hidden, kv
+        return hidden, kv, recurrent
 
     def _prompt_logprobs(self, st: _TaskState, h: torch.Tensor) -> None:
         inp = st.task.input
@@ -746,6 +991,19 @@ class _Prefilled:
     lens: list[int]
     starts: list[int]
     states: PrefillStates | None = None  # hybrid models: each prompt's recurrent states
+
+
+@dataclass
+class _ChunkedPrefill:
+    """A long prompt prefilled a chunk per scheduler step (:meth:`Sampler._prefill_next_chunk`)."""
+
+    state: _TaskState
+    prompt: list[int]
+    weights: tuple[int | None, int] | None  # what its K/V are cached under; None: not cached (weights changed)
+    kv: torch.Tensor  # (attention layers, 2, 1, kv_heads, len(prompt), head_dim): K/V of the positions done so far
+    done: int  # prompt positions whose K/V are in ``kv``
+    recurrent: PrefillStates | None = None  # hybrid models: the states after the chunks done
+    hidden: list[torch.Tensor] = field(default_factory=list)  # each chunk's hidden states, when prompt logits are asked
 
 
 def _needs_prompt_logits(inp: SampleInput) -> bool:

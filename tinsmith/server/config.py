@@ -90,6 +90,7 @@ class ServerConfig(BaseSettings):
     prefix_cache_bytes: NotNegativeInt = 1 << 30  # prompt K/V kept across sample requests, per sampler (0: off)
     sampler_kv_cache_bytes: NotNegativeInt | None = None  # None: unlimited on CPU, 40% of free memory on CUDA
     sampler_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA only)
+    sampler_prefill_chunk_tokens: NotNegativeInt | None = None  # None: 2048 on CUDA, 512 on CPU; 0: whole prompts
     max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
     max_forward_datums: AtLeastOne = 1024
     max_forward_tokens: AtLeastOne = 1 << 21
@@ -211,12 +212,16 @@ _HELP = {
     "prefix_cache_bytes": "device memory each sampler may keep prompts' K/V in, so later requests that start with "
                           "the same tokens (GRPO's copies of one prompt, earlier turns of a conversation) skip "
                           "their prefill; least recently used blocks are evicted (0: off)",
-    "sampler_kv_cache_bytes": "device memory the K/V of each sampler's running sequences may take, counted at their "
-                              "longest (prompt + max_tokens); requests beyond it wait for room (default: unlimited "
+    "sampler_kv_cache_bytes": "device memory the K/V of each sampler's running sequences may take; requests are "
+                              "admitted by what their rows hold and wait for room beyond it, and when running rows "
+                              "outgrow it the newest request is preempted and resumes later (default: unlimited "
                               "on CPU; on CUDA 40% of the device memory free when the sampler starts)",
     "sampler_cuda_graphs": "replay each sampler's decode steps from CUDA graphs captured per batch-size bucket, "
                            "rather than launching every kernel from Python (CUDA only; --no-sampler-cuda-graphs "
                            "decodes eagerly)",
+    "sampler_prefill_chunk_tokens": "a sampling prompt longer than this is prefilled in chunks of this many tokens, "
+                                    "one per scheduler step, so running sequences keep decoding between them "
+                                    "(default: 2048 on CUDA, 512 on CPU; 0: whole prompts)",
     "max_prompt_tokens": "longest sampling prompt, in tokens (default: the model's context length)",
     "max_forward_datums": "most datums in one forward_backward/forward request (the SDK splits larger calls)",
     "max_forward_tokens": "most model_input tokens, all datums together, in one forward_backward/forward request",

@@ -62,6 +62,7 @@ class RuntimeOptions:
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # per sampler; 0: off
     sampler_kv_cache_bytes: int | None = None  # per sampler; None: see Sampler's ``kv_cache_bytes``
     sampler_cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (on CUDA devices)
+    sampler_prefill_chunk_tokens: int | None = None  # None: see Sampler's ``prefill_chunk_tokens``; 0: whole prompts
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
@@ -411,6 +412,7 @@ class Worker:
                                          prefix_cache_bytes=self.options.prefix_cache_bytes,
                                          kv_cache_bytes=self.options.sampler_kv_cache_bytes,
                                          cuda_graphs=self.options.sampler_cuda_graphs)
+                                         prefill_chunk_tokens=self.options.sampler_prefill_chunk_tokens)
         return self.samplers[key]
 
     # ----------------------------------------------------------------------------- inflight sampling
