@@ -69,6 +69,7 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {rows} | {kind} | {_get(cg, rk, 'eager_tokens_per_s')} | "
                          f"{_get(cg, rk, 'graphs_tokens_per_s')} | {_get(cg, rk, 'graphs_vs_eager')} | "
                          f"{_get(cg, rk, 'graph_captures')} | {_status(cg)} |")
+        L.append("")
         L += ["### Decode stall while a long prompt is prefilled (ms)", "",
               "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
               "chunked: long TTFT | same tokens | notes |", "|" + "---|" * 10]

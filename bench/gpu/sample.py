@@ -112,6 +112,8 @@ def graphs_vs_eager(model_dir, device, quick: bool) -> dict:
             out[f"rows_{rows}_{name}"] = row
     del rt, lm
     return out
+
+
 def chunked_prefill(model_dir, device, quick: bool) -> dict:
     """Decode rows' longest stall while a long prompt is prefilled, whole vs in chunks of the CUDA
     default (see bench/prefill_micro.py); ``same_tokens`` may be False in bf16 (different kernels)."""

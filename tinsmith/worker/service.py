@@ -411,7 +411,7 @@ class Worker:
                                          max_rows=self.options.max_sampling_rows, vision=base.loaded.vision,
                                          prefix_cache_bytes=self.options.prefix_cache_bytes,
                                          kv_cache_bytes=self.options.sampler_kv_cache_bytes,
-                                         cuda_graphs=self.options.sampler_cuda_graphs)
+                                         cuda_graphs=self.options.sampler_cuda_graphs,
                                          prefill_chunk_tokens=self.options.sampler_prefill_chunk_tokens)
         return self.samplers[key]
 
