@@ -18,9 +18,11 @@ from tests.worker.helpers import assert_rel_close, sft_datum
 from tinsmith.models.document_attention import DocumentAttention
 from tinsmith.models.layers import masked_attention
 from tinsmith.models.loading import load_model
+from tinsmith.server.config import ConfigError, ServerConfig
 from tinsmith.types import Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.batching import SequenceRef, batch_tokens, build_micro_batch, plan_micro_batches
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+from tinsmith.worker.service import RuntimeOptions, Worker
 
 VOCAB = 512
 LENGTHS = (3, 37, 9, 21, 1, 30)  # uneven, longer and shorter than gpt-oss's 16-token window
@@ -158,3 +160,20 @@ def test_hybrid_model_keeps_the_padded_layout_and_trains_the_same(qwen3_5_dir):
     packed = _train(qwen3_5_dir, True, _mixed_requests)
     assert not packed[0].model.supports_packing and not packed[0].packing
     _assert_same_training(packed, _train(qwen3_5_dir, False, _mixed_requests))
+
+
+# ----------------------------------------------------------------------------- option
+@pytest.mark.parametrize("value, packs", [("auto", True), ("ON", True), ("off", False)])
+def test_train_packing_option_reaches_the_runtimes(value, packs, qwen3_dir, qwen3_5_dir):
+    config = ServerConfig(train_packing=value)
+    worker = Worker(RuntimeOptions(packing=config.train_packing))
+    base = worker.add_base_model("qwen3", str(qwen3_dir))
+    assert base.lora.packing is packs
+    worker.create_model("full", "qwen3", None)  # a full fine-tune packs as its base model's runs do
+    assert worker.placements["full"].runtime.packing is packs
+    assert worker.add_base_model("hybrid", str(qwen3_5_dir)).lora.packing is False
+
+
+def test_train_packing_option_refuses_other_values():
+    with pytest.raises(ConfigError, match="--train-packing must be .auto., .on. or .off."):
+        ServerConfig(train_packing="sometimes")

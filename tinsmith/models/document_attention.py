@@ -36,9 +36,10 @@ def _varlen() -> tuple[Callable, bool, bool] | None:
     (None: this torch has none)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+
+        params = inspect.signature(varlen_attn).parameters
+    except (ImportError, TypeError, ValueError):  # no such module, or a signature we cannot read
         return None
-    params = inspect.signature(varlen_attn).parameters
     return varlen_attn, "window_size" in params, "enable_gqa" in params
 
 
@@ -81,6 +82,7 @@ class DocumentAttention:
             self._cu_seqlens = torch.tensor(self.bounds, dtype=torch.int32).to(q.device, non_blocking=True)
         # (1, H, T, d) -> (T, H, d): the projections' own layout, so these are views.
         qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))
+        qt, kt, vt = (x if x.stride(-1) == 1 else x.contiguous() for x in (qt, kt, vt))
         kwargs: dict = {}
         if kt.shape[1] != qt.shape[1]:
             if takes_gqa:

@@ -52,6 +52,7 @@ class RuntimeOptions:
     chunk_tokens: int | None = None  # tokens per scheduling chunk; None: one micro-batch
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
+    packing: str = "auto"  # a --train-packing value: auto, on, off (see train_packing)
     max_full_finetunes: int = 1
     max_full_sampler_snapshots: int = 4  # frozen whole-model copies held in host memory (full fine-tunes' snapshots)
     resident_full_sampler_snapshots: int = 1  # of those, how many may be on the device at once
@@ -65,6 +66,14 @@ class RuntimeOptions:
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
     tensor_parallel_size: int = 1  # >1: every base model is sharded over that many ranks (tinsmith.parallel)
+
+    @property
+    def train_packing(self) -> bool:
+        """Whether training micro-batches are packed (``--train-packing``); the model still decides
+        whether it can be (``CausalLM.supports_packing``). ``auto`` is on: on CUDA packing drops the
+        padding's MLP, LoRA and attention work at no cost (varlen attention), and on the CPU the
+        mixed-length benchmark measured it faster too (docs/performance.md)."""
+        return self.packing != "off"
 
 
 @dataclass
@@ -191,7 +200,7 @@ class Worker:
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
             max_training_runs=o.max_training_runs, micro_batch_tokens=micro, micro_batch_seqs=o.micro_batch_seqs,
             gradient_checkpointing=o.gradient_checkpointing, vision=loaded.vision,
-            checkpoint_above_tokens=auto_checkpoint_above(micro, loaded.model, o),
+            checkpoint_above_tokens=auto_checkpoint_above(micro, loaded.model, o), packing=o.train_packing,
         )
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
         rt.busy_slots = lambda: self._sampler_slots(name)
@@ -266,7 +275,7 @@ class Worker:
                                  checkpoint_above_tokens=base.lora.checkpoint_above_tokens,
                                  micro_batch_seqs=self.options.micro_batch_seqs,
                                  gradient_checkpointing=self.options.gradient_checkpointing,
-                                 vision=base.loaded.vision)
+                                 vision=base.loaded.vision, packing=base.lora.packing)
             base.full[model_id] = rt
             placement = Placement(base, rt, FULL_UNIT, False, None, owner)
         self.placements[model_id] = placement
