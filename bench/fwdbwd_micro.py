@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         n, lo, hi = (int(x) for x in a.mixed.split(","))
         measured = bench_mixed(rt, unit, n, lo, hi, a.steps)
     else:
-        measured = [bench_shape(rt, unit, *(int(x) for x in shape.split("x")), a.steps) for shape in a.shapes.split(",")]
+        measured = [bench_shape(rt, unit, *(int(x) for x in shape.split("x")), a.steps)
+                    for shape in a.shapes.split(",")]
     rows = []
     for r in measured:
         r["bound_tokens_per_s"] = rate / (4 * params)

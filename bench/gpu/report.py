@@ -43,8 +43,9 @@ def markdown(s: dict) -> str:
             L.append(f"| {name} | {_get(lo, small, 'tokens_per_s')} | {_get(lo, small, 'mfu_4nt', pct=True)} | "
                      f"{_get(lo, large, 'tokens_per_s')} | {_get(lo, large, 'mfu_4nt', pct=True)} | "
                      f"{_get(lo, 'tenants', '4', 'vs_one_tenant')} | {_get(lo, 'tenants', '16', 'vs_one_tenant')} | "
-                     f"{_get(lo, 'packing', 'packed', 'tokens_per_s')} | {_get(lo, 'packing', 'packed', 'mfu_4nt', pct=True)} | "
-                     f"{_get(lo, 'packing', 'packed_vs_padded')} | {_get(lo, 'long_context', 'auto', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "
+                     f"{_get(lo, 'packing', 'packed', 'tokens_per_s')} | "
+                     f"{_get(lo, 'packing', 'packed', 'mfu_4nt', pct=True)} | {_get(lo, 'packing', 'packed_vs_padded')} | "
+                     f"{_get(lo, 'long_context', 'auto', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "
                      f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
                      f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")
         L.append("")
