@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import SMALL
 from tests.custom_losses.losses import LOSSES
 from tests.custom_losses.test_runtime import bound, custom_input
 from tests.models.helpers import perturbed_adapter
 from tests.worker.helpers import assert_rel_close, sft_datum
+from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.models.document_attention import DocumentAttention
 from tinsmith.models.layers import masked_attention
 from tinsmith.models.loading import load_model
@@ -44,7 +46,7 @@ def test_packed_micro_batch_is_one_row_with_positions_restarting_per_document():
     assert mb.doc_bounds == mb.token_offsets == [0, 2, 6, 9, 10]
     assert mb.row_segments == mb.token_segments == [(None, 0, 2), (1, 2, 6), (2, 6, 10)]
     assert mb.valid is None
-    assert mb.padded_tokens == 10
+    assert batch_tokens(mb.rows, packed=True) == 10 and batch_tokens(mb.rows, packed=False) == 16
 
 
 def test_packed_planner_bounds_real_tokens_and_sequences():
@@ -131,9 +133,11 @@ def _assert_same_training(packed, padded):
         assert_rel_close(g_p[key], g_q[key], 1e-5, str(key))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
-def test_packed_training_equals_padded(family, qwen3_dir, qwen3_moe_dir, gpt_oss_dir):
-    model_dir = {"qwen3": qwen3_dir, "qwen3_moe": qwen3_moe_dir, "gpt_oss": gpt_oss_dir}[family]
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
+def test_packed_training_equals_padded(family, request):
+    """Dense, mixture of experts, sinks and sliding windows, and hybrid Gated DeltaNet layers
+    (whose convolution and delta rule must start afresh at each document)."""
+    model_dir = request.getfixturevalue(f"{family}_dir")
     packed = _train(model_dir, True, _mixed_requests)
     assert packed[0].packing
     _assert_same_training(packed, _train(model_dir, False, _mixed_requests))
@@ -156,22 +160,36 @@ def test_custom_loss_trains_the_same_packed(qwen3_dir):
     _assert_same_training(_train(qwen3_dir, True, requests), _train(qwen3_dir, False, requests))
 
 
-def test_hybrid_model_keeps_the_padded_layout_and_trains_the_same(qwen3_5_dir):
-    packed = _train(qwen3_5_dir, True, _mixed_requests)
+def test_hybrid_micro_batches_stay_bounded_by_padded_tokens(qwen3_dir, qwen3_5_dir):
+    """Gated DeltaNet layers run a packed row's sequences as padded rows: a hybrid's packed
+    micro-batches are planned (and split, and checkpointed) by their padded size."""
+    dense = TrainingRuntime(load_model(str(qwen3_dir)).model, packing=True)
+    hybrid = TrainingRuntime(load_model(str(qwen3_5_dir)).model, packing=True)
+    assert dense.packing and dense.sized_by_real_tokens
+    assert hybrid.packing and not hybrid.sized_by_real_tokens
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
+
+
+def test_image_text_model_keeps_the_padded_layout_and_trains_the_same(qwen3_vl_dir):
+    packed = _train(qwen3_vl_dir, True, _mixed_requests)
     assert not packed[0].model.supports_packing and not packed[0].packing
-    _assert_same_training(packed, _train(qwen3_5_dir, False, _mixed_requests))
+    _assert_same_training(packed, _train(qwen3_vl_dir, False, _mixed_requests))
 
 
 # ----------------------------------------------------------------------------- option
 @pytest.mark.parametrize("value, packs", [("auto", True), ("ON", True), ("off", False)])
-def test_train_packing_option_reaches_the_runtimes(value, packs, qwen3_dir, qwen3_5_dir):
+def test_train_packing_option_reaches_the_runtimes(value, packs, qwen3_dir, qwen3_vl_dir):
     config = ServerConfig(train_packing=value)
     worker = Worker(RuntimeOptions(packing=config.train_packing))
     base = worker.add_base_model("qwen3", str(qwen3_dir))
     assert base.lora.packing is packs
     worker.create_model("full", "qwen3", None)  # a full fine-tune packs as its base model's runs do
     assert worker.placements["full"].runtime.packing is packs
-    assert worker.add_base_model("hybrid", str(qwen3_5_dir)).lora.packing is False
+    assert worker.add_base_model("vl", str(qwen3_vl_dir)).lora.packing is False
 
 
 def test_train_packing_option_refuses_other_values():

@@ -23,7 +23,9 @@ import functools
 import inspect
 from collections.abc import Callable
 
+import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from tinsmith.models.layers import causal_attention
 
@@ -53,8 +55,25 @@ class DocumentAttention:
         if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"document bounds must rise from 0, got {bounds[:8]}")
         self.bounds = bounds
-        self.max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+        self.lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        self.max_len = max(self.lengths)
         self._cu_seqlens: torch.Tensor | None = None  # on the device, made at the first varlen call
+        self._real: torch.Tensor | None = None  # flat indices of the real positions of :meth:`pad`'s layout
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """The row ``x`` (1, T, ...) as right-padded documents (n, max_len, ...), zeros after each.
+
+        For layers that carry state along the sequence (Gated DeltaNet's convolution and delta
+        rule): run on this layout, each document starts from a zero state, exactly as alone.
+        """
+        return pad_sequence(list(x[0].split(self.lengths)), batch_first=True)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`pad`: the documents' real positions back on one row (1, T, ...)."""
+        if self._real is None:
+            real = np.arange(self.max_len)[None, :] < np.array(self.lengths)[:, None]
+            self._real = torch.from_numpy(np.flatnonzero(real)).to(y.device)
+        return y.reshape(-1, *y.shape[2:]).index_select(0, self._real)[None]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:

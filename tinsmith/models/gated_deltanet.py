@@ -174,10 +174,18 @@ class GatedDeltaNet(nn.Module):
             if states is not None and states.valid is not None:
                 # Right padding must not touch the state: no decay (g = 0), no write (beta = 0).
                 g, beta = g * states.valid[..., None], beta * states.valid[..., None]
+            # A packed training row (documents end to end, see document_attention): the recurrence
+            # runs over the documents as right-padded rows, so none carries state into the next.
+            packed = states is None and hasattr(attend, "unpad")
+            if packed:
+                mixed, g, beta = attend.pad(mixed), attend.pad(g), attend.pad(beta)  # type: ignore[attr-defined]
+            rows, length = mixed.shape[:2]
             conv = F.conv1d(mixed.transpose(1, 2).to(weight.dtype), weight, padding=self.kernel - 1,
-                            groups=weight.shape[0])[..., :L]
-            q, k, v = self._split(F.silu(conv).transpose(1, 2).to(x.dtype), b, L)
+                            groups=weight.shape[0])[..., :length]
+            q, k, v = self._split(F.silu(conv).transpose(1, 2).to(x.dtype), rows, length)
             out, state = chunk_gated_delta_rule(q, k, v, g, beta)
+            if packed:
+                out = attend.unpad(out)  # type: ignore[attr-defined]
             if states is not None:
                 states.record(self.layer_idx, mixed, state)
         out = self.norm(out, z.view(b, L, self.nv, self.dv)).reshape(b, L, -1)

@@ -412,10 +412,10 @@ class CausalLM(nn.Module):
     @property
     def supports_packing(self) -> bool:
         """Whether training may pack several sequences into one row with per-document attention
-        (:mod:`tinsmith.models.document_attention`). Not on hybrid models, whose causal
-        convolution and delta-rule state would carry from one document into the next, nor on
-        image-text models, whose multimodal positions are laid out per padded row."""
-        return not self.config.has_recurrent_state and self.config.vision is None
+        (:mod:`tinsmith.models.document_attention`; hybrid models' Gated DeltaNet layers run
+        their recurrence per document). Not image-text models, whose multimodal positions and
+        image features are laid out per padded row."""
+        return self.config.vision is None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

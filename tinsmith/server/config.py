@@ -177,7 +177,7 @@ _HELP = {
                           "smaller answers other keys sooner, larger switches less",
     "train_packing": "auto, on or off: pack a training micro-batch's sequences end to end in one row, attending "
                      "per document, so padding costs nothing and micro-batches are bounded by real tokens (auto: "
-                     "on; hybrid Gated DeltaNet and image-text models always keep padded rows)",
+                     "on; image-text models always keep padded rows)",
     "gradient_checkpointing": "recompute layer activations in backward to save memory",
     "warm_up": "sample and train each base model once at start-up, so the first request is not the slow one",
     "model_alias": "NAME=ID_OR_DIR: serve a hub name from a local model (repeatable)",

@@ -11,7 +11,7 @@ Layout rules, chosen for speed and for exactness:
 * Forward-only sequences never share a micro-batch with sequences that need gradients, so
   they run without an autograd graph.
 
-Packed layout (``packed=True``, for models that can attend per document, see
+Packed layout (``packed=True``, for models that can run per document, see
 ``CausalLM.supports_packing``): the micro-batch is one row of the sequences laid end to end,
 positions restarting at 0 for each, with ``doc_bounds`` for a document-causal attention
 backend. Padding then costs nothing, and micro-batches are bounded by real tokens.
@@ -42,7 +42,7 @@ class SequenceRef:
 @dataclass
 class MicroBatch:
     rows: list[SequenceRef]  # in row order
-    tokens: torch.Tensor  # (b, L) int64, right-padded
+    tokens: torch.Tensor  # (b, L) int64, right-padded; packed: (1, T), the rows end to end
     positions: torch.Tensor  # (b, L)
     row_segments: Segments  # over the flattened b*L rows
     token_segments: Segments  # over the packed real tokens (row-major)
@@ -53,10 +53,6 @@ class MicroBatch:
     needs_grad: bool
     # Packed: the documents' bounds on the single row (cumulative lengths, ``cu_seqlens``); None: padded.
     doc_bounds: list[int] | None = None
-
-    @property
-    def padded_tokens(self) -> int:
-        return int(self.tokens.numel())
 
 
 def batch_tokens(rows: list[SequenceRef], packed: bool) -> int:

@@ -173,6 +173,13 @@ class TrainingRuntime:
         if full_finetune:
             self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer, master_weights)
 
+    @property
+    def sized_by_real_tokens(self) -> bool:
+        """Whether micro-batches are bounded by their real tokens (packed ones), rather than rows
+        times the longest. Not on hybrid models even when packed: their Gated DeltaNet layers run a
+        packed row's sequences as right-padded rows, with the memory of the padded size."""
+        return self.packing and not self.config.has_recurrent_state
+
     # ----------------------------------------------------------------------------- units
     def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
         """Allocate a LoRA slot for ``spec`` (stepped by ``optimizer_type``) and return its unit id."""
@@ -396,8 +403,9 @@ class TrainingRuntime:
         by_id = {p.id: p for p in involved}
         prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
         left = Counter(ref.request[0] for ref in chosen)  # datums of this call still to run, per pass
-        groups = plan_micro_batches(chosen, self.micro_batch_tokens, self.micro_batch_seqs, self.packing)
-        groups.sort(key=lambda rows: batch_tokens(rows, self.packing))
+        by_real = self.sized_by_real_tokens
+        groups = plan_micro_batches(chosen, self.micro_batch_tokens, self.micro_batch_seqs, by_real)
+        groups.sort(key=lambda rows: batch_tokens(rows, by_real))
         pending = deque(groups)
         try:
             self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
@@ -446,7 +454,7 @@ class TrainingRuntime:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if len(rows) > 1:
-            size = batch_tokens(rows, self.packing)
+            size = batch_tokens(rows, self.sized_by_real_tokens)
             self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, size // 2))
             log.warning("a training micro-batch of %d sequences (%d %s tokens) ran out of device memory (%s); "
                         "running it in smaller pieces, and micro-batches of at most %d tokens from now on",
@@ -487,7 +495,8 @@ class TrainingRuntime:
         custom loss was refused here: their loss is left out of the backward and they fail alone,
         while every other request of the micro-batch trains."""
         always = self.model.gradient_checkpointing
-        big = self.checkpoint_above_tokens is not None and mb.padded_tokens > self.checkpoint_above_tokens
+        big = (self.checkpoint_above_tokens is not None
+               and batch_tokens(mb.rows, self.sized_by_real_tokens) > self.checkpoint_above_tokens)
         forced = any(r in self._checkpoint_rows for r in mb.rows)
         self.model.gradient_checkpointing = always or (mb.needs_grad and (big or forced))
         try:
