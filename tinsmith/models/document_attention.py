@@ -7,8 +7,9 @@ layer, within the window), so every document gets exactly what it would get alon
 
 Two implementations:
 
-* CUDA, half precision, no attention sinks: ``torch.nn.attention.varlen.varlen_attn`` (Flash
-  Attention over the cumulative lengths; its sliding window and grouped-query heads used when the
+* CUDA (compute capability 8.0 and newer, as Flash Attention needs), half precision, no
+  attention sinks: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention over the cumulative
+  lengths; its sliding window and grouped-query heads used when the
   installed torch offers them, checked from its signature once).
 * Everywhere else (the CPU, float32, gpt-oss's sinks): :func:`causal_attention` per document, over
   slices of the row. Measured on a 2-core CPU (16 documents of 64..512 tokens, 8 query / 2 K/V
@@ -43,6 +44,11 @@ def _varlen() -> tuple[Callable, bool, bool] | None:
     except (ImportError, TypeError, ValueError):  # no such module, or a signature we cannot read
         return None
     return varlen_attn, "window_size" in params, "enable_gqa" in params
+
+
+@functools.cache
+def _flash_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 class DocumentAttention:
@@ -93,7 +99,8 @@ class DocumentAttention:
             return False
         d = q.shape[-1]
         takes_window = found[1]
-        return d % 8 == 0 and d <= 256 and (window is None or takes_window)
+        return (d % 8 == 0 and d <= 256 and (window is None or takes_window)
+                and _flash_capable(q.device.index if q.device.index is not None else torch.cuda.current_device()))
 
     def _varlen_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
         varlen_attn, takes_window, takes_gqa = _varlen()  # type: ignore[misc]

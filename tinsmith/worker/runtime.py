@@ -144,7 +144,7 @@ class TrainingRuntime:
         self.micro_batch_tokens = micro_batch_tokens
         self.micro_batch_seqs = micro_batch_seqs
         # Packed micro-batches (one row, documents end to end, attention per document) where the
-        # model can attend per document; padded rows otherwise (see tinsmith.worker.batching).
+        # model supports them; padded rows otherwise (see tinsmith.worker.batching).
         self.packing = packing and model.supports_packing
         # Out of device memory in a micro-batch: split it and run the halves (LoRA gradients are
         # copied before each backward so a half-done one can be undone). Only devices that report
@@ -458,7 +458,8 @@ class TrainingRuntime:
             self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, size // 2))
             log.warning("a training micro-batch of %d sequences (%d %s tokens) ran out of device memory (%s); "
                         "running it in smaller pieces, and micro-batches of at most %d tokens from now on",
-                        len(rows), size, "packed" if self.packing else "padded", message, self.micro_batch_tokens)
+                        len(rows), size, "real" if self.sized_by_real_tokens else "padded", message,
+                        self.micro_batch_tokens)
             half = len(rows) // 2
             pending.appendleft(rows[half:])
             pending.appendleft(rows[:half])
