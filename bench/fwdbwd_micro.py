@@ -95,7 +95,8 @@ def bench_mixed(rt: TrainingRuntime, unit: int, n: int, lo: int, hi: int, steps:
     layouts = {"padded": False, "packed": True}
     times: dict[str, list[float]] = {k: [] for k in layouts}
     for step in range(steps + 1):
-        for name, packed in layouts.items():
+        order = list(layouts.items())
+        for name, packed in order if step % 2 else order[::-1]:  # each layout first every other step
             rt.packing = packed and rt.model.supports_packing
             t = time.perf_counter()
             rt.forward_backward(req)

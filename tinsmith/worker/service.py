@@ -72,7 +72,7 @@ class RuntimeOptions:
         """Whether training micro-batches are packed (``--train-packing``); the model still decides
         whether it can be (``CausalLM.supports_packing``). ``auto`` is on: on CUDA packing drops the
         padding's MLP, LoRA and attention work at no cost (varlen attention), and on the CPU the
-        mixed-length benchmark measured it faster too (docs/performance.md)."""
+        mixed-length benchmark measured it a few percent faster, never slower (docs/performance.md)."""
         return self.packing != "off"
 
 
