@@ -5,6 +5,11 @@ The bound is what the machine's measured fp32 (or bf16 on GPU) matmul rate allow
 base). ``fraction`` = measured tokens/s / bound tokens/s.
 
     python bench/fwdbwd_micro.py [--model DIR] [--shapes 8x128,32x512] [--json out.json]
+    python bench/fwdbwd_micro.py --mixed 32,64,1024   # padded vs packed, uneven lengths
+
+``--mixed N,LO,HI`` runs one batch of N sequences with lengths uniform in LO..HI in both
+training layouts (right-padded rows and packed documents), alternating step by step in one
+process so that both see the same machine load.
 
 Without ``--model`` a ~4.2M-parameter Qwen3 is made on the spot.
 """
@@ -77,6 +82,35 @@ def bench_shape(rt: TrainingRuntime, unit: int, batch: int, length: int, steps: 
             "tokens_per_s": batch * length / med, "first_step_s": first}
 
 
+def bench_mixed(rt: TrainingRuntime, unit: int, n: int, lo: int, hi: int, steps: int) -> list[dict]:
+    """Padded and packed micro-batches over one uneven batch, steps interleaved (same load for both)."""
+    rng = np.random.default_rng(0)
+    V = rt.config.vocab_size
+    lengths = rng.integers(lo, hi + 1, n)
+    data = []
+    for length in lengths:
+        t = rng.integers(0, V, length + 1)
+        data.append(Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(length, np.float32)}))
+    req = [TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy"))]
+    layouts = {"padded": False, "packed": True}
+    times: dict[str, list[float]] = {k: [] for k in layouts}
+    for step in range(steps + 1):
+        order = list(layouts.items())
+        for name, packed in order if step % 2 else order[::-1]:  # each layout first every other step
+            rt.packing = packed and rt.model.supports_packing
+            t = time.perf_counter()
+            rt.forward_backward(req)
+            rt.optim_step(unit, AdamParams())
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize()
+            if step:  # the first step of each warms up
+                times[name].append(time.perf_counter() - t)
+    tokens = int(lengths.sum())
+    return [{"shape": f"{name} {n}x{lo}..{hi}", "tokens": tokens, "median_step_s": statistics.median(ts),
+             "tokens_per_s": tokens / statistics.median(ts), "first_step_s": float("nan")}
+            for name, ts in times.items()]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF model dir or id (default: a tiny 4.2M Qwen3 made on the spot)")
@@ -85,21 +119,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--mixed", help="N,LO,HI: N sequences of lengths uniform in LO..HI, padded vs packed "
+                                   "(instead of --shapes)")
+    p.add_argument("--micro-batch-tokens", type=int, help="training micro-batch budget in tokens (default: the "
+                                                          "runtime's; the server's automatic one on CPU is 2048)")
     p.add_argument("--json", help="write the results here too")
     a = p.parse_args(argv)
 
     model_dir = a.model or make_tiny_model(Path(tempfile.mkdtemp()) / "tiny-qwen3", "qwen3")
     device = torch.device(a.device)
     lm = load_model(str(model_dir), device=device)
-    rt = TrainingRuntime(lm.model, gradient_checkpointing=a.gradient_checkpointing, max_lora_rank=max(128, a.rank))
+    rt = TrainingRuntime(lm.model, gradient_checkpointing=a.gradient_checkpointing, max_lora_rank=max(128, a.rank),
+                         **({} if a.micro_batch_tokens is None else {"micro_batch_tokens": a.micro_batch_tokens}))
     unit = rt.create_adapter(LoraSpec(rank=a.rank, seed=0))
     params = lm.config.num_params
     dtype = next(lm.model.parameters()).dtype
     rate = matmul_rate(device, dtype)
+    if a.mixed:
+        n, lo, hi = (int(x) for x in a.mixed.split(","))
+        measured = bench_mixed(rt, unit, n, lo, hi, a.steps)
+    else:
+        measured = [bench_shape(rt, unit, *(int(x) for x in shape.split("x")), a.steps)
+                    for shape in a.shapes.split(",")]
     rows = []
-    for shape in a.shapes.split(","):
-        b, L = (int(x) for x in shape.split("x"))
-        r = bench_shape(rt, unit, b, L, a.steps)
+    for r in measured:
         r["bound_tokens_per_s"] = rate / (4 * params)
         r["fraction_of_bound"] = r["tokens_per_s"] / r["bound_tokens_per_s"]
         rows.append(r)
@@ -109,9 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"model params {params/1e6:.2f}M  dtype {dtype}  device {device}  threads {torch.get_num_threads()}  "
           f"matmul {rate/1e9:.1f} GFLOP/s  LoRA rank {a.rank}")
-    print(f"{'shape':>8} {'tokens/s':>10} {'bound tok/s':>12} {'of bound':>9} {'step ms':>8} {'first ms':>9}")
+    print(f"{'shape':>22} {'tokens/s':>10} {'bound tok/s':>12} {'of bound':>9} {'step ms':>8} {'first ms':>9}")
     for r in rows:
-        print(f"{r['shape']:>8} {r['tokens_per_s']:>10.0f} {r['bound_tokens_per_s']:>12.0f} "
+        print(f"{r['shape']:>22} {r['tokens_per_s']:>10.0f} {r['bound_tokens_per_s']:>12.0f} "
               f"{100*r['fraction_of_bound']:>8.1f}% {1000*r['median_step_s']:>8.1f} {1000*r['first_step_s']:>9.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))

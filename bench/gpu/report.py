@@ -33,8 +33,9 @@ def markdown(s: dict) -> str:
     tr = s.get("train", {})
     if tr:
         L += ["## Training (tokens/s; MFU 4NT LoRA, 6NT full)", "",
-              "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | long ctx (auto) tok/s | "
-              "peft tok/s | peft MFU | full FT MFU | peak GiB | notes |", "|" + "---|" * 13]
+              "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | packed tok/s | packed MFU | "
+              "packed vs padded | long ctx (auto) tok/s | peft tok/s | peft MFU | full FT MFU | peak GiB | notes |",
+              "|" + "---|" * 16]
         for name in s["shapes"]:
             lo, pf, ff = tr.get(f"{name}/lora", {}), tr.get(f"{name}/peft_baseline", {}), tr.get(f"{name}/full_finetune", {})
             keys = [k for k in lo if "x" in k and isinstance(lo[k], dict)]
@@ -42,6 +43,8 @@ def markdown(s: dict) -> str:
             L.append(f"| {name} | {_get(lo, small, 'tokens_per_s')} | {_get(lo, small, 'mfu_4nt', pct=True)} | "
                      f"{_get(lo, large, 'tokens_per_s')} | {_get(lo, large, 'mfu_4nt', pct=True)} | "
                      f"{_get(lo, 'tenants', '4', 'vs_one_tenant')} | {_get(lo, 'tenants', '16', 'vs_one_tenant')} | "
+                     f"{_get(lo, 'packing', 'packed', 'tokens_per_s')} | "
+                     f"{_get(lo, 'packing', 'packed', 'mfu_4nt', pct=True)} | {_get(lo, 'packing', 'packed_vs_padded')} | "
                      f"{_get(lo, 'long_context', 'auto', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "
                      f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
                      f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")

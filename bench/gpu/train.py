@@ -31,6 +31,16 @@ def batch(vocab: int, rows: int, length: int, seed: int = 0) -> list[Datum]:
     return out
 
 
+def uneven_batch(vocab: int, rows: int, lo: int, hi: int, seed: int = 0) -> list[Datum]:
+    """``rows`` sequences of lengths uniform in ``lo..hi`` (as RL rollouts and SFT conversations come)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in rng.integers(lo, hi + 1, rows):
+        t = rng.integers(4, vocab, length + 1)
+        out.append(Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(length, np.float32)}))
+    return out
+
+
 def peak_memory(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
@@ -68,7 +78,8 @@ def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:
 
 
 def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
-    """LoRA r32 at 8x1024 and 32x1024; 1, 4 and 16 tenants in one step; 1x32k long context."""
+    """LoRA r32 at 8x1024 and 32x1024; 1, 4 and 16 tenants in one step; padded vs packed
+    micro-batches over uneven lengths; 1x32k long context."""
     L = 32 if quick else 1024
     steps = 2 if quick else 5
     lm = load_model(str(model_dir), device=device)
@@ -89,11 +100,24 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
                            "vs_one_tenant": many["tokens_per_s"] / one_unit["tokens_per_s"],
                            "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])}
     out["tenants"] = {"rows_per_tenant": per_tenant, "seq_len": L, **tenants}
+    # Uneven lengths (uniform in lo..hi), the server's micro-batch size: right-padded rows against
+    # packed documents (tokens/s and MFU count real tokens only).
+    n_rows, lo, hi = (8, 8, 64) if quick else (32, 256, 2048)
+    planned = auto_micro_batch_tokens(lm.config, lm.model, RuntimeOptions())
+    rt.micro_batch_tokens = planned
+    uneven = {"rows": n_rows, "lengths": f"{lo}..{hi}", "micro_batch_tokens": planned}
+    for layout in ("padded", "packed"):
+        rt.packing = layout == "packed" and lm.model.supports_packing
+        r = step_rate(rt, {units[0]: uneven_batch(vocab, n_rows, lo, hi)}, steps)
+        r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
+        uneven[layout] = r
+    uneven["packed_vs_padded"] = uneven["packed"]["tokens_per_s"] / uneven["padded"]["tokens_per_s"]
+    rt.packing = False
+    out["packing"] = uneven
     long_len = 128 if quick else 32_768
     out["long_context"] = {"seq_len": long_len}
     # plain: activations kept whole; auto: the server's defaults (micro-batches sized from free
     # memory, recomputation for a micro-batch above that size); checkpointing: always recompute.
-    planned = auto_micro_batch_tokens(lm.config, lm.model, RuntimeOptions())
     for mode in ("plain", "auto", "checkpointing"):
         lm.model.gradient_checkpointing = mode == "checkpointing"
         rt.micro_batch_tokens = planned if mode == "auto" else 16384

@@ -2,7 +2,8 @@
 results are those of a step that fitted, and a sequence too large on its own fails alone.
 
 The device's limit is played by the model raising ``torch.OutOfMemoryError`` (what CUDA's
-allocator raises) above a number of padded tokens, in the forward or halfway through the backward.
+allocator raises) above a number of (padded, or packed) tokens, in the forward or halfway through
+the backward. Both micro-batch layouts are tried: padded rows and packed documents.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 VOCAB = 512
 
 
-def _runtime(qwen3_dir) -> tuple[TrainingRuntime, list[int]]:
+def _runtime(qwen3_dir, packing: bool = False) -> tuple[TrainingRuntime, list[int]]:
     rt = TrainingRuntime(load_model(str(qwen3_dir)).model, max_lora_adapters=4, max_lora_rank=8,
-                         micro_batch_tokens=4096)
+                         micro_batch_tokens=4096, packing=packing)
     rt.oom_retry = True
     units = [rt.create_adapter(LoraSpec(rank=4, seed=s, train_unembed=True)) for s in (1, 2)]
     g = torch.Generator().manual_seed(3)
@@ -74,11 +75,12 @@ def _device_limit(rt: TrainingRuntime, max_padded_tokens: int, where: str, check
     return calls
 
 
+@pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_split_micro_batches_give_the_results_of_one_that_fits(qwen3_dir, where):
-    rt, units = _runtime(qwen3_dir)
+def test_split_micro_batches_give_the_results_of_one_that_fits(qwen3_dir, where, packing):
+    rt, units = _runtime(qwen3_dir, packing)
     expected, expected_grads = _step(rt, units, _requests(units))
-    rt2, units2 = _runtime(qwen3_dir)
+    rt2, units2 = _runtime(qwen3_dir, packing)
     assert units2 == units
     calls = _device_limit(rt2, 90, where)
     results, grads = _step(rt2, units, _requests(units))
@@ -93,10 +95,11 @@ def test_split_micro_batches_give_the_results_of_one_that_fits(qwen3_dir, where)
         assert_rel_close(grads[key], g, 1e-5, str(key))
 
 
-def test_a_sequence_that_fits_only_with_checkpointing_is_run_again_with_it(qwen3_dir):
-    rt, units = _runtime(qwen3_dir)
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_sequence_that_fits_only_with_checkpointing_is_run_again_with_it(qwen3_dir, packing):
+    rt, units = _runtime(qwen3_dir, packing)
     expected, expected_grads = _step(rt, units, _requests(units, lengths=((40,), (12, 9))))
-    rt2, _ = _runtime(qwen3_dir)
+    rt2, _ = _runtime(qwen3_dir, packing)
     calls = _device_limit(rt2, 35, "forward", checkpointing_fits=True)
     results, grads = _step(rt2, units, _requests(units, lengths=((40,), (12, 9))))
     assert calls.count(40) == 2  # out of memory once, then recomputing activations

@@ -177,17 +177,25 @@ class GatedDeltaNet(nn.Module):
             if states is not None and states.valid is not None:
                 # Right padding must not touch the state: no decay (g = 0), no write (beta = 0).
                 g, beta = g * states.valid[..., None], beta * states.valid[..., None]
+            # A packed training row (documents end to end, see document_attention): the recurrence
+            # runs over the documents as right-padded rows, so none carries state into the next.
+            packed = states is None and hasattr(attend, "unpad")
+            if packed:
+                mixed, g, beta = attend.pad(mixed), attend.pad(g), attend.pad(beta)  # type: ignore[attr-defined]
+            rows, length = mixed.shape[:2]
             start = states.initial(self.layer_idx) if states is not None else None
             if start is None:
                 conv = F.conv1d(mixed.transpose(1, 2).to(weight.dtype), weight, padding=self.kernel - 1,
-                                groups=weight.shape[0])[..., :L]
+                                groups=weight.shape[0])[..., :length]
                 initial_state = None
             else:  # continue a prefill: the convolution sees the earlier chunk's last inputs
                 conv_state, initial_state = start
                 window = torch.cat((conv_state, mixed.transpose(1, 2).to(conv_state.dtype)), dim=-1)
                 conv = F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0])
-            q, k, v = self._split(F.silu(conv).transpose(1, 2).to(x.dtype), b, L)
+            q, k, v = self._split(F.silu(conv).transpose(1, 2).to(x.dtype), rows, length)
             out, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
+            if packed:
+                out = attend.unpad(out)  # type: ignore[attr-defined]
             if states is not None:
                 states.record(self.layer_idx, mixed, state)
         out = self.norm(out, z.view(b, L, self.nv, self.dv)).reshape(b, L, -1)

@@ -244,7 +244,7 @@ class TPRuntime:
 
     _READS = frozenset({"unit", "units", "lru", "device", "config", "model", "micro_batch_tokens",
                         "checkpoint_above_tokens", "max_lora_adapters", "max_lora_rank", "max_training_runs",
-                        "full_finetune", "_finish"})
+                        "full_finetune", "packing", "_finish"})
 
     def __init__(self, base: TPBase):
         self._base = base
@@ -390,7 +390,8 @@ def runtime_kwargs_of(options) -> dict:
     comes later, from rank 0: :meth:`TPBase.configure`)."""
     return dict(max_lora_adapters=options.max_lora_adapters, max_lora_rank=options.max_lora_rank,
                 max_training_runs=options.max_training_runs, micro_batch_tokens=options.micro_batch_tokens or 2048,
-                micro_batch_seqs=options.micro_batch_seqs, gradient_checkpointing=options.gradient_checkpointing)
+                micro_batch_seqs=options.micro_batch_seqs, gradient_checkpointing=options.gradient_checkpointing,
+                packing=options.train_packing)
 
 
 __all__ = ["OPTION", "ServingRank", "TPBase", "TPRuntime", "TPSampler", "check_servable", "rank_device",

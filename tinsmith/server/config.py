@@ -44,6 +44,7 @@ LogLevel = Annotated[Literal["debug", "info", "warning", "error"],
                      BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 Dtype = Annotated[Literal["auto", "bfloat16", "float16", "float32"],
                   BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 LogFormat = Annotated[Literal["text", "json"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 RayStrategy = Annotated[Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
                         BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
@@ -70,6 +71,7 @@ class ServerConfig(BaseSettings):
     train_micro_batch_size: AtLeastOne | None = None  # sequences per micro-batch (None: by tokens only)
     train_micro_batch_tokens: AtLeastOne | None = None  # None: automatic
     train_chunk_tokens: AtLeastOne | None = None  # None: a micro-batch for one key, half of one when keys share
+    train_packing: Switch = "auto"  # packed (padding-free) training micro-batches; auto: see worker.service
     gradient_checkpointing: bool = False
     warm_up: bool = True  # sample and train each base model once before reporting ready
     model_alias: CommaList = []  # NAME=ID_OR_DIR
@@ -175,10 +177,13 @@ _HELP = {
     "metric_history_points": "metric points (loss and friends, one per forward_backward/optim_step) kept per run "
                              "for the dashboard; beyond it the older half is thinned to every other point",
     "train_micro_batch_size": "sequences per training micro-batch (default: bounded by tokens only)",
-    "train_micro_batch_tokens": "padded tokens per training micro-batch (default: automatic)",
+    "train_micro_batch_tokens": "tokens per training micro-batch, padded (real ones when packed) (default: automatic)",
     "train_chunk_tokens": "forward/backward tokens run between scheduling decisions, shared among API keys "
                           "(default: one micro-batch while one key has work, half of one while several do); "
                           "smaller answers other keys sooner, larger switches less",
+    "train_packing": "auto, on or off: pack a training micro-batch's sequences end to end in one row, attending "
+                     "per document, so padding costs nothing and micro-batches are bounded by real tokens (auto: "
+                     "on; image-text models always keep padded rows)",
     "gradient_checkpointing": "recompute layer activations in backward to save memory",
     "warm_up": "sample and train each base model once at start-up, so the first request is not the slow one",
     "model_alias": "NAME=ID_OR_DIR: serve a hub name from a local model (repeatable)",

@@ -82,11 +82,14 @@ def log_startup_summary(state: ServerState) -> None:
     c, worker = state.config, state.worker
     for name, base in worker.bases.items():
         p = next(base.loaded.model.parameters())
-        log.info("model %s: %s, %.1fM parameters, %s on %s; training micro-batches of %d tokens, %d LoRA adapters "
-                 "resident", name, base.config.family, base.config.num_params / 1e6, str(p.dtype).removeprefix("torch."),
-                 p.device, base.lora.micro_batch_tokens, base.lora.max_lora_adapters,
+        layout = "packed" if base.lora.packing else "padded"
+        log.info("model %s: %s, %.1fM parameters, %s on %s; training micro-batches of %d tokens (%s), %d LoRA "
+                 "adapters resident", name, base.config.family, base.config.num_params / 1e6,
+                 str(p.dtype).removeprefix("torch."), p.device, base.lora.micro_batch_tokens, layout,
+                 base.lora.max_lora_adapters,
                  extra={"fields": {"model": name, "family": base.config.family, "dtype": str(p.dtype),
-                                   "device": str(p.device), "micro_batch_tokens": base.lora.micro_batch_tokens}})
+                                   "device": str(p.device), "micro_batch_tokens": base.lora.micro_batch_tokens,
+                                   "train_layout": layout}})
     for alias, target in worker.aliases.items():
         log.info("model %s: alias of %s", alias, target, extra={"fields": {"model": alias, "alias_of": target}})
     health = read_health()

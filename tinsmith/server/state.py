@@ -86,6 +86,7 @@ class ServerState:
                 chunk_tokens=config.train_chunk_tokens,
                 micro_batch_seqs=config.train_micro_batch_size or (1 << 30),
                 gradient_checkpointing=config.gradient_checkpointing,
+                packing=config.train_packing,
                 max_full_finetunes=config.max_full_finetunes,
                 max_full_sampler_snapshots=config.max_full_sampler_snapshots,
                 resident_full_sampler_snapshots=config.resident_full_sampler_snapshots,

@@ -10,6 +10,11 @@ Layout rules, chosen for speed and for exactness:
   contiguous segment and its LoRA matmul is a single slice.
 * Forward-only sequences never share a micro-batch with sequences that need gradients, so
   they run without an autograd graph.
+
+Packed layout (``packed=True``, for models that can run per document, see
+``CausalLM.supports_packing``): the micro-batch is one row of the sequences laid end to end,
+positions restarting at 0 for each, with ``doc_bounds`` for a document-causal attention
+backend. Padding then costs nothing, and micro-batches are bounded by real tokens.
 """
 
 from __future__ import annotations
@@ -37,22 +42,30 @@ class SequenceRef:
 @dataclass
 class MicroBatch:
     rows: list[SequenceRef]  # in row order
-    tokens: torch.Tensor  # (b, L) int64, right-padded
+    tokens: torch.Tensor  # (b, L) int64, right-padded; packed: (1, T), the rows end to end
     positions: torch.Tensor  # (b, L)
     row_segments: Segments  # over the flattened b*L rows
     token_segments: Segments  # over the packed real tokens (row-major)
     token_offsets: list[int]  # start of each row's real tokens in the packed order, len b+1
-    valid: torch.Tensor  # (b*L,) int64: flat indices of the real tokens, row-major (an index, not
-    # a boolean mask: selecting with a mask reads its count back from the device, a host sync)
+    valid: torch.Tensor | None  # (b*L,) int64: flat indices of the real tokens, row-major (an index, not
+    # a boolean mask: selecting with a mask reads its count back from the device, a host sync);
+    # None when every position is real (packed)
     needs_grad: bool
-
-    @property
-    def padded_tokens(self) -> int:
-        return int(self.tokens.numel())
+    # Packed: the documents' bounds on the single row (cumulative lengths, ``cu_seqlens``); None: padded.
+    doc_bounds: list[int] | None = None
 
 
-def plan_micro_batches(seqs: list[SequenceRef], max_tokens: int, max_seqs: int) -> list[list[SequenceRef]]:
-    """Group sequences into micro-batches of at most ``max_tokens`` padded tokens and ``max_seqs`` rows.
+def batch_tokens(rows: list[SequenceRef], packed: bool) -> int:
+    """Tokens a micro-batch of ``rows`` computes: their sum packed, rows times the longest padded."""
+    if packed:
+        return sum(r.length for r in rows)
+    return len(rows) * max(r.length for r in rows)
+
+
+def plan_micro_batches(seqs: list[SequenceRef], max_tokens: int, max_seqs: int,
+                       packed: bool = False) -> list[list[SequenceRef]]:
+    """Group sequences into micro-batches of at most ``max_tokens`` tokens (padded, or real when
+    ``packed``) and ``max_seqs`` sequences.
 
     A single sequence longer than ``max_tokens`` gets a micro-batch of its own.
     """
@@ -60,11 +73,13 @@ def plan_micro_batches(seqs: list[SequenceRef], max_tokens: int, max_seqs: int) 
     for needs_grad in (True, False):
         part = sorted((s for s in seqs if s.needs_grad == needs_grad), key=lambda s: (s.length, s.request, s.datum))
         cur: list[SequenceRef] = []
+        size = 0  # tokens of ``cur`` with ``s`` added
         for s in part:
             # Sorted ascending, so the new sequence sets the padded width.
-            if cur and ((len(cur) + 1) * s.length > max_tokens or len(cur) + 1 > max_seqs):
+            size = size + s.length if packed else (len(cur) + 1) * s.length
+            if cur and (size > max_tokens or len(cur) + 1 > max_seqs):
                 groups.append(cur)
-                cur = []
+                cur, size = [], s.length
             cur.append(s)
         if cur:
             groups.append(cur)
@@ -83,11 +98,14 @@ def _segments(slots: list[int | None], bounds: list[int]) -> Segments:
     return segs
 
 
-def build_micro_batch(rows: list[SequenceRef], token_arrays: list[np.ndarray], device: torch.device) -> MicroBatch:
+def build_micro_batch(rows: list[SequenceRef], token_arrays: list[np.ndarray], device: torch.device,
+                      packed: bool = False) -> MicroBatch:
     """Materialise one micro-batch. ``token_arrays[i]`` holds the tokens of ``rows[i]``."""
     order = sorted(range(len(rows)), key=lambda i: (-1 if rows[i].slot is None else rows[i].slot, i))
     rows = [rows[i] for i in order]
     arrays = [token_arrays[i] for i in order]
+    if packed:
+        return _packed_micro_batch(rows, arrays, device)
     b, L = len(rows), max(r.length for r in rows)
     tokens = np.zeros((b, L), dtype=np.int64)
     for i, a in enumerate(arrays):
@@ -106,4 +124,24 @@ def build_micro_batch(rows: list[SequenceRef], token_arrays: list[np.ndarray], d
         token_offsets=token_offsets,
         valid=torch.from_numpy(np.flatnonzero(valid)).to(device),
         needs_grad=rows[0].needs_grad,
+    )
+
+
+def _packed_micro_batch(rows: list[SequenceRef], arrays: list[np.ndarray], device: torch.device) -> MicroBatch:
+    """One row of the sequences end to end: rows and real tokens coincide, so the row segments
+    are the token segments and no valid-token index is needed."""
+    lengths = [r.length for r in rows]
+    bounds = [0, *np.cumsum(lengths).tolist()]
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    segments = _segments([r.slot for r in rows], bounds)
+    return MicroBatch(
+        rows=rows,
+        tokens=torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)).to(device).unsqueeze(0),
+        positions=torch.from_numpy(positions).to(device).unsqueeze(0),
+        row_segments=segments,
+        token_segments=segments,
+        token_offsets=bounds,
+        valid=None,
+        needs_grad=rows[0].needs_grad,
+        doc_bounds=bounds,
     )

@@ -22,12 +22,13 @@ import torch
 from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, TinsmithError
 from tinsmith.losses import LossBatch, LossSpec, resolve_loss, validate_inputs
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES, UnembedLora, chunked_target_logprobs, rows_per_chunk
-from tinsmith.models.layers import CausalLM
+from tinsmith.models.document_attention import DocumentAttention
+from tinsmith.models.layers import CausalLM, causal_attention
 from tinsmith.models.lora import Segments
 from tinsmith.models.vision import VisionTower
 from tinsmith.optim import ADAMW
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
-from tinsmith.worker.batching import MicroBatch, SequenceRef, build_micro_batch, plan_micro_batches
+from tinsmith.worker.batching import MicroBatch, SequenceRef, batch_tokens, build_micro_batch, plan_micro_batches
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable, lora_tensors
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class TrainingRuntime:
         logit_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         master_weights: bool = True,  # fp32 masters for a half-precision full fine-tune (see trainables)
         checkpoint_above_tokens: int | None = None,
+        packing: bool = False,
     ):
         self.model = model
         self.vision = vision  # image-text models: the frozen vision tower that feeds image tokens
@@ -141,11 +143,14 @@ class TrainingRuntime:
         self.max_lora_rank = max_lora_rank
         self.micro_batch_tokens = micro_batch_tokens
         self.micro_batch_seqs = micro_batch_seqs
+        # Packed micro-batches (one row, documents end to end, attention per document) where the
+        # model supports them; padded rows otherwise (see tinsmith.worker.batching).
+        self.packing = packing and model.supports_packing
         # Out of device memory in a micro-batch: split it and run the halves (LoRA gradients are
         # copied before each backward so a half-done one can be undone). Only devices that report
         # running out (CUDA) need it; a CPU's allocator does not fail this way.
         self.oom_retry = self.device.type == "cuda"
-        # Micro-batches with more padded tokens than this recompute their activations in backward
+        # Micro-batches with more (padded) tokens than this recompute their activations in backward
         # even when gradient checkpointing is off: the memory planner sizes micro-batches for
         # activations kept whole, so a single sequence longer than a micro-batch would not fit
         # otherwise (None: only as configured). A sequence that runs out of memory is tried once
@@ -167,6 +172,13 @@ class TrainingRuntime:
         self.on_park_busy: Callable[[int], None] | None = None
         if full_finetune:
             self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer, master_weights)
+
+    @property
+    def sized_by_real_tokens(self) -> bool:
+        """Whether micro-batches are bounded by their real tokens (packed ones), rather than rows
+        times the longest. Not on hybrid models even when packed: their Gated DeltaNet layers run a
+        packed row's sequences as right-padded rows, with the memory of the padded size."""
+        return self.packing and not self.config.has_recurrent_state
 
     # ----------------------------------------------------------------------------- units
     def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
@@ -391,8 +403,9 @@ class TrainingRuntime:
         by_id = {p.id: p for p in involved}
         prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
         left = Counter(ref.request[0] for ref in chosen)  # datums of this call still to run, per pass
-        groups = plan_micro_batches(chosen, self.micro_batch_tokens, self.micro_batch_seqs)
-        groups.sort(key=lambda rows: len(rows) * max(r.length for r in rows))
+        by_real = self.sized_by_real_tokens
+        groups = plan_micro_batches(chosen, self.micro_batch_tokens, self.micro_batch_seqs, by_real)
+        groups.sort(key=lambda rows: batch_tokens(rows, by_real))
         pending = deque(groups)
         try:
             self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
@@ -400,7 +413,8 @@ class TrainingRuntime:
                 rows = [s for s in pending.popleft() if not by_id[s.request[0]].done]  # a pass may have failed
                 if not rows:
                     continue
-                mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device)
+                mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device,
+                                       self.packing)
                 lps: dict = {}
                 images = [prepared[s.request].images[s.datum] for s in mb.rows]
                 out_of_memory = None
@@ -440,11 +454,12 @@ class TrainingRuntime:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if len(rows) > 1:
-            padded = len(rows) * max(r.length for r in rows)
-            self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, padded // 2))
-            log.warning("a training micro-batch of %d sequences (%d padded tokens) ran out of device memory (%s); "
+            size = batch_tokens(rows, self.sized_by_real_tokens)
+            self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, size // 2))
+            log.warning("a training micro-batch of %d sequences (%d %s tokens) ran out of device memory (%s); "
                         "running it in smaller pieces, and micro-batches of at most %d tokens from now on",
-                        len(rows), padded, message, self.micro_batch_tokens)
+                        len(rows), size, "real" if self.sized_by_real_tokens else "padded", message,
+                        self.micro_batch_tokens)
             half = len(rows) // 2
             pending.appendleft(rows[half:])
             pending.appendleft(rows[:half])
@@ -481,7 +496,8 @@ class TrainingRuntime:
         custom loss was refused here: their loss is left out of the backward and they fail alone,
         while every other request of the micro-batch trains."""
         always = self.model.gradient_checkpointing
-        big = self.checkpoint_above_tokens is not None and mb.padded_tokens > self.checkpoint_above_tokens
+        big = (self.checkpoint_above_tokens is not None
+               and batch_tokens(mb.rows, self.sized_by_real_tokens) > self.checkpoint_above_tokens)
         forced = any(r in self._checkpoint_rows for r in mb.rows)
         self.model.gradient_checkpointing = always or (mb.needs_grad and (big or forced))
         try:
@@ -499,9 +515,12 @@ class TrainingRuntime:
         if any(images):
             assert self.vision is not None
             positions, visual, _ = self.vision.batch_inputs(mb.tokens, [r.length for r in mb.rows], images)
+        attend = causal_attention if mb.doc_bounds is None else DocumentAttention(mb.doc_bounds)
         with torch.set_grad_enabled(mb.needs_grad):
-            hidden = self.model.hidden_states(mb.tokens, positions, mb.row_segments, visual=visual)
-            h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.valid)  # (T, hidden) real tokens, row-major
+            hidden = self.model.hidden_states(mb.tokens, positions, mb.row_segments, attend=attend, visual=visual)
+            h = hidden.reshape(-1, hidden.shape[-1])  # (T, hidden) real tokens, row-major
+            if mb.valid is not None:  # padded rows: pick the real tokens
+                h = h.index_select(0, mb.valid)
             rows_idx, cols, elem_bounds = [], [], [0]
             for i, ref in enumerate(mb.rows):
                 tgt = prepared[ref.request].targets[ref.datum]

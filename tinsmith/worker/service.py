@@ -52,6 +52,7 @@ class RuntimeOptions:
     chunk_tokens: int | None = None  # tokens per scheduling chunk; None: one micro-batch
     micro_batch_seqs: int = 1 << 30
     gradient_checkpointing: bool = False
+    packing: str = "auto"  # a --train-packing value: auto, on, off (see train_packing)
     max_full_finetunes: int = 1
     max_full_sampler_snapshots: int = 4  # frozen whole-model copies held in host memory (full fine-tunes' snapshots)
     resident_full_sampler_snapshots: int = 1  # of those, how many may be on the device at once
@@ -69,6 +70,14 @@ class RuntimeOptions:
     tensor_parallel_size: int = 1  # >1: every base model is sharded over that many ranks (tinsmith.parallel)
     ray_address: str | None = None  # the followers are Ray actors on this cluster (None: local processes)
     ray_placement_strategy: str = "STRICT_PACK"
+
+    @property
+    def train_packing(self) -> bool:
+        """Whether training micro-batches are packed (``--train-packing``); the model still decides
+        whether it can be (``CausalLM.supports_packing``). ``auto`` is on: on CUDA packing drops the
+        padding's MLP, LoRA and attention work at no cost (varlen attention), and on the CPU the
+        mixed-length benchmark measured it a few percent faster, never slower (docs/performance.md)."""
+        return self.packing != "off"
 
 
 @dataclass
@@ -195,7 +204,7 @@ class Worker:
             loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
             max_training_runs=o.max_training_runs, micro_batch_tokens=micro, micro_batch_seqs=o.micro_batch_seqs,
             gradient_checkpointing=o.gradient_checkpointing, vision=loaded.vision,
-            checkpoint_above_tokens=auto_checkpoint_above(micro, loaded.model, o),
+            checkpoint_above_tokens=auto_checkpoint_above(micro, loaded.model, o), packing=o.train_packing,
         )
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
         rt.busy_slots = lambda: self._sampler_slots(name)
@@ -271,7 +280,7 @@ class Worker:
                                  checkpoint_above_tokens=base.lora.checkpoint_above_tokens,
                                  micro_batch_seqs=self.options.micro_batch_seqs,
                                  gradient_checkpointing=self.options.gradient_checkpointing,
-                                 vision=base.loaded.vision)
+                                 vision=base.loaded.vision, packing=base.lora.packing)
             base.full[model_id] = rt
             placement = Placement(base, rt, FULL_UNIT, False, None, owner)
         self.placements[model_id] = placement
@@ -800,7 +809,7 @@ def auto_checkpoint_above(micro_batch_tokens: int, model, o: RuntimeOptions) -> 
 
 
 def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
-    """Padded tokens per training micro-batch when none is configured.
+    """Tokens per training micro-batch (padded ones, or real ones when packed) when none is configured.
 
     On CPU, 2048: measured on the tiny models, larger batches fall out of cache (16384 ran ~12%
     slower per token than 4096, and 4096 ~12% slower than 2048 when four tenants' 8 x 128 steps
