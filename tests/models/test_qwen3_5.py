@@ -326,3 +326,38 @@ def test_qwen3_6_35b_a3b_config_reads_as_qwen3_5_moe(tmp_path):
     moe = cfg.moe
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
             moe.shared_expert_intermediate_size) == (256, 8, 512, 512)
+
+
+@pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
+def test_a_prompt_sent_again_later_is_not_prefilled_again(model_dir):
+    """GRPO as separate requests arriving in different steps: a hybrid model keeps the whole
+    prompt's prefill (K/V, recurrent states, last logits), so the later requests skip theirs and
+    sample exactly what a sampler without that memory samples; a changed adapter, a new prompt
+    and a request asking prompt logprobs are prefilled."""
+    model = load_model(str(model_dir)).model
+    spec = LoraSpec(rank=4, seed=2)
+    rt = TrainingRuntime(model)
+    slot = rt.unit(perturbed_adapter(rt, spec, seed=4)).slot  # an adapter that changes the outputs
+    rng = np.random.default_rng(5)
+    prompt, other = rng.integers(4, VOCAB, 40).tolist(), rng.integers(4, VOCAB, 12).tolist()
+    requests = [("a", prompt, None, False), ("b", prompt, None, False), ("c", prompt, slot, False),
+                ("d", prompt, slot, False), ("e", other, None, False), ("f", prompt, None, True)]
+
+    def sample(prefix_cache_bytes: int) -> tuple[dict, dict]:
+        sampler = make_sampler(model, model_dir, prefix_cache_bytes=prefix_cache_bytes)
+        out = {}
+        for key, p, s, logprobs in requests:  # one admission each
+            t = task(key, p, slot=s, max_tokens=6, temperature=1.0, seed=7, stop=[], n=2)
+            t.input.prompt_logprobs = logprobs
+            out.update(run(sampler, [t]))
+        return out, sampler.stats
+
+    want, plain = sample(0)
+    got, stats = sample(1 << 30)
+    assert plain["prefills"] == 6 and stats["prefills"] == 4  # "b" and "d" reused "a" and "c"
+    assert stats["cached_prompt_tokens"] == 2 * len(prompt)
+    for key in want:
+        for w, g in zip(want[key].sequences, got[key].sequences):
+            np.testing.assert_array_equal(w.tokens, g.tokens)
+            np.testing.assert_allclose(w.logprobs, g.logprobs, atol=1e-6, rtol=0)
+    assert not np.array_equal(want["a"].sequences[0].logprobs, want["c"].sequences[0].logprobs)  # the adapter counts

@@ -40,6 +40,7 @@ from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
 from tinsmith.sampling.recurrent_state import PrefillStates
 from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
+from tinsmith.sampling.prompt_states import PromptSnapshot, PromptSnapshots
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
@@ -126,6 +127,9 @@ class Sampler:
         self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
         reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
         self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
+        # Hybrid models keep whole prompts' prefill results instead (the same budget): a prompt
+        # sent again in a later admission (GRPO as separate requests) is not prefilled again.
+        self.snapshots = PromptSnapshots(prefix_cache_bytes if self.cfg.has_recurrent_state else 0)
         # A prompt longer than this is prefilled in chunks (0: never). Later chunks run over the K/V
         # of earlier ones, as a prefix-cache hit does; hybrid models carry their recurrent states
         # from chunk to chunk.
@@ -381,11 +385,12 @@ class Sampler:
                 try:
                     self._prefill(batch, done)
                 except torch.OutOfMemoryError:
-                    if not len(self.prefix) or len(self.rows) != before:
+                    if not (len(self.prefix) or len(self.snapshots)) or len(self.rows) != before:
                         raise
                     log.warning("out of memory in a prefill: dropping the prefix cache (%d bytes) and trying again",
-                                self.prefix.bytes)
+                                self.prefix.bytes + self.snapshots.bytes)
                     self.prefix.clear()
+                    self.snapshots.clear()
                     self._prefill(batch, done)
             except self.fatal_errors:
                 raise
@@ -460,23 +465,59 @@ class Sampler:
                 seen[key] = len(unique)
             lead.append(len(unique))
             unique.append(st)
-        out = self._forward_prompts(unique)
-        hidden, kv, last_logits, lens, states = out.hidden, out.kv, out.last_logits, out.lens, out.states
-        L = max(lens)
-        self.stats["prefills"] += len(unique)
-        self.stats["prefill_tokens"] += sum(lens) - sum(out.starts)
+        kept = self._kept_snapshots(unique)  # unique index -> a hybrid prompt's kept prefill
+        fresh = [u for u in range(len(unique)) if u not in kept]
+        out = self._forward_prompts([unique[u] for u in fresh]) if fresh else None
+        at = {u: i for i, u in enumerate(fresh)}  # unique index -> its row in this prefill
+        L = max([out.lens[i] for i in range(len(fresh))] + [snap.length for snap in kept.values()])
+        self.stats["prefills"] += len(fresh)
+        if out is not None:
+            self.stats["prefill_tokens"] += sum(out.lens) - sum(out.starts)
+            self._keep_snapshots([unique[u] for u in fresh], out)
         self.stats["cached_prompt_tokens"] += sum(st.cached_tokens for st in batch)
 
         self._grow_cache(sum(s.task.input.num_samples for s in batch), L + 1)
         for b_idx, st in enumerate(batch):
-            i = lead[b_idx]
+            u = lead[b_idx]
+            if u in kept:
+                snap = kept[u]
+                self._seed_rows(st, None, snap.last_logits, snap.kv, snap.length, done, snap.states, 0)
+                continue
+            assert out is not None
+            i = at[u]
             if _needs_prompt_logits(st.task.input):
                 assert out.starts[i] == 0  # such prompts never read the prefix cache
-            layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}
-            self._seed_rows(st, hidden[i, : lens[i]], last_logits[i], layer_kv, lens[i], done, states, i)
+            layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
+            self._seed_rows(st, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv, out.lens[i], done,
+                            out.states, i)
         self._rows_changed()
 
-    def _seed_rows(self, st: _TaskState, hidden: torch.Tensor, last_logits: torch.Tensor,
+    def _kept_snapshots(self, unique: list[_TaskState]) -> dict[int, PromptSnapshot]:
+        """The prompts of ``unique`` whose whole prefill a hybrid model kept from an earlier
+        admission (never those asking prompt logprobs: their hidden states are not kept)."""
+        kept: dict[int, PromptSnapshot] = {}
+        if not self.snapshots.enabled:
+            return kept
+        for u, st in enumerate(unique):
+            key = self._share_key(st.task)
+            if key is None or _needs_prompt_logits(st.task.input):
+                continue
+            snap = self.snapshots.get(key)
+            if snap is not None:
+                kept[u] = snap
+                st.cached_tokens = snap.length
+        return kept
+
+    def _keep_snapshots(self, states: list[_TaskState], out: _Prefilled) -> None:
+        """Keep each hybrid prompt's prefill result for a later admission of the same prompt."""
+        if not self.snapshots.enabled or out.states is None:
+            return
+        for i, st in enumerate(states):
+            key = self._share_key(st.task)
+            if key is not None and not _needs_prompt_logits(st.task.input):
+                self.snapshots.put(key, PromptSnapshot.of(out.kv, out.states, i, out.last_logits[i], out.lens[i]))
+
+    def _seed_rows(self, st: _TaskState, hidden: torch.Tensor | None, last_logits: torch.Tensor,
                    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
                    states: PrefillStates | None = None, prompt: int = 0) -> None:
         """Start a prefilled request's rows: its prompt logprobs when asked (``hidden``: every
@@ -484,6 +525,7 @@ class Sampler:
         ``last_logits``, and each row's K/V (and recurrent states) copied into the cache."""
         inp = st.task.input
         if _needs_prompt_logits(inp):
+            assert hidden is not None, "prompt logprobs need every prompt position's hidden state"
             self._prompt_logprobs(st, hidden)
         n = inp.num_samples
         p = inp.params
