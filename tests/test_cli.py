@@ -172,6 +172,16 @@ def test_a_port_in_use_is_found_before_the_model_loads(tmp_path, tiny_model, bus
     assert time.monotonic() - started < 30
 
 
+def test_ray_without_tensor_parallelism_is_one_line(tmp_path, tiny_model):
+    proc = tinsmith("serve", "--base-model", str(tiny_model), "--port", str(free_port()), "--ray-address", "auto",
+                    "--data-dir", str(tmp_path / "data"))
+    assert proc.returncode == 2
+    assert one_line(proc) == ("tinsmith: --ray-address auto places the ranks of a tensor-parallel group, but "
+                              "--tensor-parallel-size is 1 (one rank, in this process); pass --tensor-parallel-size N "
+                              "(N > 1) or drop --ray-address")
+    assert not (tmp_path / "data").exists()
+
+
 def test_a_port_held_by_a_starting_server_is_refused_to_a_second():
     first = bind_listening_socket("127.0.0.1", 0)
     try:

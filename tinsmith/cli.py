@@ -76,7 +76,8 @@ def _serve_command() -> click.Command:
 
 def _serve(**flags: Any) -> int:
     from tinsmith.server.config import ConfigError, load_config
-    from tinsmith.server.startup import StartupError, bind_listening_socket, check_models, check_precision
+    from tinsmith.server.startup import (StartupError, bind_listening_socket, check_models, check_parallel,
+                                         check_precision)
 
     try:
         config = load_config(flags)
@@ -92,6 +93,7 @@ def _serve(**flags: Any) -> int:
         return _fail(str(e), 2)
     try:
         check_models(config.base_model, config.aliases())
+        check_parallel(config.tensor_parallel_size, config.ray_address)
         check_precision(config.resolved_device, config.dtype)
     except (StartupError, ValueError) as e:
         sock.close()

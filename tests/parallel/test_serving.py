@@ -24,7 +24,8 @@ BUDGET_S = 0.002  # a sampling slice: a few decode steps of the tiny model, neve
 
 
 def _worker(model_dir, tp: int) -> tuple[Worker, object]:
-    w = Worker(RuntimeOptions(device="cpu", dtype="float32", tensor_parallel_size=tp))
+    # A chunk size below the scenario's prompts: their prefills run in chunks on every rank alike.
+    w = Worker(RuntimeOptions(device="cpu", dtype="float32", tensor_parallel_size=tp, sampler_prefill_chunk_tokens=4))
     base = w.add_base_model("m", str(model_dir))
     return w, base
 
@@ -87,6 +88,8 @@ def test_time_budgeted_slices_and_cancellations_stay_in_step(qwen3_dir):
         assert slices > 3  # the budget cut decoding into slices (rank 1 ran each as rank 0 did)
         assert w2.tp_group.healthy
         assert w2.sampler(b2)._local.agreements > slices
+        assert w2.sampler(b2)._local.prefill_chunk_tokens == 4  # the options reach every rank's sampler
+        assert w2.sampler(b2)._local.stats["prefill_chunks"] > 0
         assert isinstance(got["cancelled"], SampleCancelled) and isinstance(ref["cancelled"], SampleCancelled)
         for key in ("greedy", "seeded", "base"):
             for a, b in zip(ref[key].sequences, got[key].sequences):

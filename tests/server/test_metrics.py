@@ -78,6 +78,35 @@ def test_metrics_parse_and_cover_the_server(app):
     assert value(families, "tinsmith_process_memory_bytes") > 0
 
 
+def test_sampling_moves_the_prefill_and_prompt_cache_counters(app):
+    """A prompt sampled twice: the second request's prompt comes from the prefix cache (16-token
+    blocks, all but its last token), which the counters tell apart from computed tokens."""
+    client, state = app
+    before = scrape(client)
+    session = client.post("/api/v1/create_session", json={"tags": []}, headers=KEY).json()["session_id"]
+    sampler = client.post("/api/v1/create_sampling_session", json={
+        "session_id": session, "sampling_session_seq_id": 1, "base_model": state.config.base_model[0]},
+        headers=KEY).json()["sampling_session_id"]
+    for seq in (1, 2):
+        rid = client.post("/api/v1/asample", headers=KEY, json={
+            "sampling_session_id": sampler, "seq_id": seq, "num_samples": 1, "type": "sample",
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": list(range(7, 47))}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 1.0, "seed": 3}}).json()["request_id"]
+        r = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=KEY)
+        assert r.status_code == 200  # a sample's result is protobuf unless it failed (JSON)
+        assert not r.headers["content-type"].startswith("application/json") or "error" not in r.json(), r.text
+    after = scrape(client)
+
+    def moved(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert moved("tinsmith_prefill_tokens_total") == 40 + 8  # the first prompt whole, then what follows 2 blocks
+    assert moved("tinsmith_prompt_cache_hit_tokens_total") == 32
+    assert value(after, "tinsmith_sampler_preemptions_total") == 0
+    assert value(after, "tinsmith_decode_graph_replays_total") == 0  # graphs run on CUDA only
+    assert value(after, "tinsmith_prefix_cache_bytes") > 0
+
+
 def test_routes_are_labelled_by_template_and_unknown_paths_share_one_label(app):
     client, _ = app
     assert client.get("/api/v1/training_runs/run-does-not-exist", headers=KEY).status_code == 404

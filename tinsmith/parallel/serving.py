@@ -79,7 +79,7 @@ class RankBase:
     """One base model on one rank: its shard, the training runtime and the sampler over it."""
 
     def __init__(self, tp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
-                 max_rows: int):
+                 sampler_kwargs: dict):
         configure_device(device)
         loaded = load_model(model_dir, "cpu", dtype)  # the whole checkpoint in host memory; the shard goes on
         model = shard_causal_lm(loaded.model, tp).to(device)
@@ -87,7 +87,7 @@ class RankBase:
         self.runtime = TPTrainingRuntime(model, **runtime_kwargs)
         # Splitting a micro-batch after running out of memory would happen on one rank only.
         self.runtime.oom_retry = False
-        self.sampler = LockstepSampler(model, _tokenizer_decoder(loaded.model_dir), max_rows=max_rows)
+        self.sampler = LockstepSampler(model, _tokenizer_decoder(loaded.model_dir), **sampler_kwargs)
         self.runtime.busy_slots = self.sampler.slots_in_use
         self.runtime.on_park_busy = self._adapter_parked
         self.passes: dict[int, FbPass] = {}
@@ -108,8 +108,9 @@ class ServingRank:
         self.bases: dict[str, RankBase] = {}
         self.local_keys: dict[int, Any] = {}  # rank 0: the engine's keys of the tasks a sample call adds
 
-    def add_base(self, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict, max_rows: int) -> RankBase:
-        self.bases[name] = base = RankBase(self.tp, self.device, model_dir, dtype, runtime_kwargs, max_rows)
+    def add_base(self, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
+                 sampler_kwargs: dict) -> RankBase:
+        self.bases[name] = base = RankBase(self.tp, self.device, model_dir, dtype, runtime_kwargs, sampler_kwargs)
         return base
 
     def configure(self, name: str, micro_batch_tokens: int, checkpoint_above_tokens: int | None) -> None:
@@ -206,9 +207,9 @@ class TPBase:
     """Rank 0's handle on one base model served by the group: its runtime and sampler stand-ins."""
 
     def __init__(self, group: DrivenGroup, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
-                 max_rows: int):
+                 sampler_kwargs: dict):
         self.group, self.name = group, name
-        self.local: RankBase = group.call("add_base", name, model_dir, dtype, runtime_kwargs, max_rows)
+        self.local: RankBase = group.call("add_base", name, model_dir, dtype, runtime_kwargs, sampler_kwargs)
         self.runtime = TPRuntime(self)
         self.sampler = TPSampler(self)
 
@@ -341,6 +342,14 @@ class TPSampler:
     @property
     def stats(self) -> dict:
         return self._local.stats
+
+    @property
+    def prefix(self):
+        return self._local.prefix
+
+    @property
+    def snapshots(self):
+        return self._local.snapshots
 
     def add(self, task: SampleTask) -> None:
         p = task.input.params

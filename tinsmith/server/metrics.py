@@ -198,17 +198,32 @@ class StateCollector:
         rows = _gauge("tinsmith_sampler_rows", "Sequences being decoded right now")
         kv = _gauge("tinsmith_kv_cache_bytes", "Bytes of the samplers' KV caches (they grow with the batch and "
                     "shrink when it empties)")
-        prefix = _gauge("tinsmith_prefix_cache_bytes", "Bytes of prompt K/V the samplers keep for later requests "
-                        "(--prefix-cache-bytes each)")
+        prefix = _gauge("tinsmith_prefix_cache_bytes", "Bytes of prompt K/V (hybrid models: whole prompts' "
+                        "states) the samplers keep for later requests (--prefix-cache-bytes each)")
+        # name -> (the samplers' counter it reads, help)
+        totals = {
+            "tinsmith_prefill_tokens": ("prefill_tokens", "Prompt tokens the samplers computed"),
+            "tinsmith_prompt_cache_hit_tokens": ("cached_prompt_tokens", "Prompt tokens not computed: read from "
+                                                 "the prefix cache, a kept prompt or another request's prefill"),
+            "tinsmith_sampler_preemptions": ("preempted", "Requests preempted to keep the K/V cache within "
+                                             "--sampler-kv-cache-bytes (resumed later, their K/V recomputed)"),
+            "tinsmith_sampler_recomputed_tokens": ("recomputed_tokens", "Tokens prefilled again to resume preempted "
+                                                   "requests"),
+            "tinsmith_decode_graph_replays": ("graph_replays", "Decode steps replayed from CUDA graphs"),
+        }
+        counters = [CounterMetricFamily(name, text) for name, (_, text) in totals.items()]
 
-        def fill(sampled, rows, kv, prefix):
+        def fill(sampled, rows, kv, prefix, *counters):
             samplers = list(self.state.worker.samplers.values())
             sampled.add_metric([], self.state.engine.ops.throughput.sampled.all_time)
             rows.add_metric([], sum(len(s.rows) for s in samplers))
             kv.add_metric([], sum(s.cache.nbytes() for s in samplers))
-            prefix.add_metric([], sum(s.prefix.bytes for s in samplers))
+            prefix.add_metric([], sum(s.prefix.bytes + s.snapshots.bytes for s in samplers))
+            total = self.state.worker.sampler_totals()
+            for family, (stat, _) in zip(counters, totals.values()):
+                family.add_metric([], total.get(stat, 0))
 
-        return [sampled, rows, kv, prefix], fill
+        return [sampled, rows, kv, prefix, *counters], fill
 
     def _health(self) -> tuple[list[Metric], Callable]:
         rss = _gauge("tinsmith_process_memory_bytes", "Resident memory of the server process")

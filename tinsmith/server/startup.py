@@ -125,6 +125,15 @@ def _hub_config(repo_id: str, option: str) -> Path:
                            "reached; download it first or pass a local directory") from None
 
 
+def check_parallel(tensor_parallel_size: int, ray_address: str | None) -> None:
+    """Refuse parallel options that would do nothing: Ray places the ranks other than rank 0, and
+    with one rank there are none (without this the option would be silently ignored)."""
+    if ray_address is not None and tensor_parallel_size == 1:
+        raise StartupError(f"--ray-address {ray_address} places the ranks of a tensor-parallel group, but "
+                           "--tensor-parallel-size is 1 (one rank, in this process); pass --tensor-parallel-size N "
+                           "(N > 1) or drop --ray-address")
+
+
 def check_precision(device: str, dtype: str) -> None:
     """Refuse a ``--device``/``--dtype`` pair that this machine's torch cannot compute with,
     by running each kind of op the model uses on tiny tensors (a second at most)."""

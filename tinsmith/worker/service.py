@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +169,9 @@ class Worker:
         self.placements: dict[str, Placement] = {}
         self.snapshots: dict[str, Snapshot] = {}
         self.samplers: dict[str, Sampler] = {}
+        # Counters of samplers already forgotten (snapshot and live-weights samplers come and go),
+        # so the server's totals (/metrics) never go down.
+        self.retired_sampler_stats: Counter[str] = Counter()
         # sampling session id -> model_id of the run whose live weights it samples (kind="inflight")
         self.inflight: dict[str, str] = {}
         self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
@@ -227,7 +231,7 @@ class Worker:
                                         follower_threads=max(1, torch.get_num_threads() // o.tensor_parallel_size),
                                         ray_address=o.ray_address, ray_strategy=o.ray_placement_strategy)
         tpb = TPBase(self.tp_group, name, str(model_dir), resolve_dtype(o.dtype, o.device), runtime_kwargs_of(o),
-                     o.max_sampling_rows)
+                     sampler_kwargs_of(o))
         # Rank 0 sizes micro-batches (from its free memory) and every rank uses that size.
         micro = o.micro_batch_tokens or auto_micro_batch_tokens(tpb.loaded.config, tpb.model, o)
         tpb.configure(micro, auto_checkpoint_above(micro, tpb.model, o))
@@ -416,12 +420,9 @@ class Worker:
 
     def _sampler_of(self, key: str, base: BaseModel, model: CausalLM) -> Sampler:
         if key not in self.samplers:
-            self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir),
-                                         max_rows=self.options.max_sampling_rows, vision=base.loaded.vision,
-                                         prefix_cache_bytes=self.options.prefix_cache_bytes,
-                                         kv_cache_bytes=self.options.sampler_kv_cache_bytes,
+            self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir), vision=base.loaded.vision,
                                          cuda_graphs=self.options.sampler_cuda_graphs,
-                                         prefill_chunk_tokens=self.options.sampler_prefill_chunk_tokens)
+                                         **sampler_kwargs_of(self.options))
         return self.samplers[key]
 
     # ----------------------------------------------------------------------------- inflight sampling
@@ -458,12 +459,24 @@ class Worker:
             "the LoRA adapter this inflight sampler reads was moved to host memory to make room for other "
             f"training runs (--max-lora-adapters {self.options.max_lora_adapters}); sample again"))
 
+    def _forget_sampler(self, key: str) -> None:
+        sampler = self.samplers.pop(key, None)
+        if sampler is not None:
+            self.retired_sampler_stats.update(sampler.stats)
+
+    def sampler_totals(self) -> Counter[str]:
+        """Every sampler's counters (decode steps, prefill tokens, ...) summed, forgotten ones included."""
+        total = Counter(self.retired_sampler_stats)
+        for sampler in list(self.samplers.values()):
+            total.update(dict(sampler.stats))
+        return total
+
     def drop_idle_live_samplers(self) -> None:
         """Forget the samplers of unloaded runs' live weights once they have nothing left to decode
         (a sampler still decoding keeps its run's model until its requests finish)."""
         for key in [k for k in self.samplers if k.startswith(_LIVE_PREFIX)]:
             if key[len(_LIVE_PREFIX):] not in self.placements and not self.samplers[key].has_work():
-                del self.samplers[key]
+                self._forget_sampler(key)
 
     def adapter_weights(self, model_id: str) -> tuple[LoraSpec, dict[str, torch.Tensor], BaseModel]:
         p = self.placement(model_id)
@@ -615,7 +628,7 @@ class Worker:
         return sampler is not None and sampler.has_work()
 
     def _offload(self, snap: Snapshot) -> None:
-        self.samplers.pop(snap.sampler_key, None)
+        self._forget_sampler(snap.sampler_key)
         snap.model = None
 
     def _drop_snapshot(self, snap: Snapshot) -> None:
@@ -806,6 +819,14 @@ def auto_checkpoint_above(micro_batch_tokens: int, model, o: RuntimeOptions) -> 
     if o.gradient_checkpointing or next(model.parameters()).device.type != "cuda":
         return None
     return micro_batch_tokens
+
+
+def sampler_kwargs_of(options: RuntimeOptions) -> dict:
+    """The sampler arguments every sampler of a base model takes from the options, in one process
+    or on every tensor-parallel rank alike (CUDA graphs stay off under tensor parallelism: a
+    captured step would hold the ranks' collectives)."""
+    return dict(max_rows=options.max_sampling_rows, prefix_cache_bytes=options.prefix_cache_bytes,
+                kv_cache_bytes=options.sampler_kv_cache_bytes, prefill_chunk_tokens=options.sampler_prefill_chunk_tokens)
 
 
 def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
