@@ -128,13 +128,13 @@ def test_time_budgeted_slices_and_cancellations_stay_in_step(qwen3_dir):
         w2.close()
 
 
-@pytest.mark.parametrize("fixture,why", [("qwen3_vl_dir", "vision towers")])
-def test_families_not_covered_are_refused_naming_the_option(request, fixture, why):
+@pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "qwen3_5_dir", "qwen3_vl_dir"])
+def test_a_size_that_does_not_divide_is_refused_before_any_rank_starts(request, fixture):
     cfg = read_config(request.getfixturevalue(fixture))
-    with pytest.raises(InvalidInputError, match=f"{why}.*--tensor-parallel-size 1"):
-        check_servable(cfg, 2, fixture)
-    w = Worker(RuntimeOptions(device="cpu", tensor_parallel_size=2))
-    with pytest.raises(InvalidInputError, match="cannot be served with --tensor-parallel-size 2"):
+    with pytest.raises(InvalidInputError, match=r"attention heads \(4\) do not divide by 3.*--tensor-parallel-size 1"):
+        check_servable(cfg, 3, fixture)
+    w = Worker(RuntimeOptions(device="cpu", tensor_parallel_size=3))
+    with pytest.raises(InvalidInputError, match="cannot be served with --tensor-parallel-size 3"):
         w.add_base_model("m", str(request.getfixturevalue(fixture)))
     assert w.tp_group is None  # refused before any rank started
 

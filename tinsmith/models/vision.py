@@ -54,6 +54,12 @@ class VisionTower:
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.device, self.dtype = device, dtype
 
+    def to(self, device: torch.device) -> VisionTower:
+        """Move the encoder to ``device`` (a tensor-parallel rank loads on the host, then moves)."""
+        self.model = self.model.to(device)
+        self.device = device
+        return self
+
     def num_tokens(self, width: int, height: int) -> int:
         """Image tokens for an image of this size: the processor's patch count over merge_size**2."""
         patches = self.processor.get_number_of_image_patches(height, width, {})

@@ -47,13 +47,10 @@ OPTION = "--tensor-parallel-size"
 def check_servable(cfg: ModelConfig, size: int, name: str) -> None:
     """Refuse, naming the option, a model the tensor-parallel code does not cover (before any rank loads it)."""
     why = None
-    if cfg.vision is not None:
-        why = "image-text models (vision towers) are not sharded yet"
-    else:
-        for n, what in tp_divisors(cfg):
-            if n % size:
-                why = f"its {what} ({n}) do not divide by {size}"
-                break
+    for n, what in tp_divisors(cfg):
+        if n % size:
+            why = f"its {what} ({n}) do not divide by {size}"
+            break
     if why is not None:
         raise InvalidInputError(f"{name} ({cfg.family}) cannot be served with {OPTION} {size}: {why}; "
                                 f"serve it with {OPTION} 1")
@@ -83,11 +80,13 @@ class RankBase:
         configure_device(device)
         loaded = load_model(model_dir, "cpu", dtype)  # the whole checkpoint in host memory; the shard goes on
         model = shard_causal_lm(loaded.model, tp).to(device)
-        self.loaded = dataclasses.replace(loaded, model=model)
-        self.runtime = TPTrainingRuntime(model, **runtime_kwargs)
+        # An image-text model's vision tower runs whole on every rank (frozen; the decoder it feeds is sharded).
+        vision = None if loaded.vision is None else loaded.vision.to(device)
+        self.loaded = dataclasses.replace(loaded, model=model, vision=vision)
+        self.runtime = TPTrainingRuntime(model, vision=vision, **runtime_kwargs)
         # Splitting a micro-batch after running out of memory would happen on one rank only.
         self.runtime.oom_retry = False
-        self.sampler = LockstepSampler(model, _tokenizer_decoder(loaded.model_dir), **sampler_kwargs)
+        self.sampler = LockstepSampler(model, _tokenizer_decoder(loaded.model_dir), vision=vision, **sampler_kwargs)
         self.runtime.busy_slots = self.sampler.slots_in_use
         self.runtime.on_park_busy = self._adapter_parked
         self.passes: dict[int, FbPass] = {}

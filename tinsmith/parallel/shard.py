@@ -24,10 +24,10 @@ from tinsmith.parallel.layers import (ColumnParallelLoraLinear, CopyToTP, Expert
 
 
 def check_shardable(model: CausalLM, tp: TPGroup) -> None:
-    """Refuse, with the reason, a model this slice of tensor parallelism does not cover."""
+    """Refuse, with the reason, a model whose counts the tensor-parallel size does not divide.
+    (An image-text model's decoder is sharded like any other; its frozen vision tower is not part
+    of ``model`` and runs whole on every rank.)"""
     cfg = model.config
-    if cfg.vision is not None:
-        raise ValueError("tensor parallelism does not cover vision towers yet")
     for n, what in tp_divisors(cfg):
         tp.shard(n, what)  # raises when not divisible
 

@@ -191,7 +191,7 @@ _HELP = {
                      "SIGHUP (default: any tml- key, single-user mode)",
     "device": "torch device (default: cuda when available, else cpu)",
     "tensor_parallel_size": "shard every base model over this many ranks, one GPU each (cuda:0..N-1; on the CPU, "
-                            "processes): every text family (experts split over the ranks) with LoRA only; 1 runs one process",
+                            "processes): every family served (experts split over the ranks) with LoRA only; 1 runs one process",
     "ray_address": "place the tensor-parallel ranks other than this process's rank 0 as Ray actors on the Ray "
                    "cluster at this address (auto: the one `ray start` runs on this node; HOST:PORT: its head), so "
                    "they may run on other machines; needs `pip install 'tinsmith[ray]'` (default: local processes)",
