@@ -4,6 +4,8 @@ and what the tensor-parallel code does not cover refused before any rank starts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import numpy as np
@@ -139,10 +141,13 @@ def test_a_size_that_does_not_divide_is_refused_before_any_rank_starts(request, 
     assert w.tp_group is None  # refused before any rank started
 
 
-def test_indivisible_heads_are_refused(qwen3_dir):
-    with pytest.raises(InvalidInputError, match=r"key/value heads \(2\) do not divide by 4"):
-        check_servable(read_config(qwen3_dir), 4, "tiny")
-    check_servable(read_config(qwen3_dir), 2, "tiny")
+def test_key_value_heads_are_split_or_shared_and_other_sizes_refused(qwen3_dir):
+    cfg = read_config(qwen3_dir)  # 4 query heads over 2 key/value heads
+    check_servable(cfg, 2, "tiny")  # one key/value head per rank
+    check_servable(cfg, 4, "tiny")  # each key/value head kept by two ranks
+    wide = dataclasses.replace(cfg, num_heads=12, num_kv_heads=4, vocab_size=cfg.vocab_size * 3, intermediate_size=384)
+    with pytest.raises(InvalidInputError, match=r"key/value heads \(4\) neither divide by 6 nor divide it"):
+        check_servable(wide, 6, "wide")
 
 
 def test_each_rank_gets_its_own_gpu():

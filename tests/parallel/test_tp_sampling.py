@@ -16,11 +16,12 @@ from tinsmith.models.loading import read_config
 from tinsmith.parallel.launch import run_ranks
 
 
-@pytest.mark.parametrize("fixture", ["qwen3_dir", "qwen3_moe_dir", "gpt_oss_dir", "qwen3_5_dir"])
-def test_sharded_sampler_matches_one_process(request, fixture, tmp_path):
+@pytest.mark.parametrize("fixture,ranks", [("qwen3_dir", 2), ("qwen3_moe_dir", 2), ("gpt_oss_dir", 2),
+                                           ("qwen3_5_dir", 2), ("qwen3_dir", 4)])  # 4: two ranks per K/V head
+def test_sharded_sampler_matches_one_process(request, fixture, ranks, tmp_path):
     model_dir = str(request.getfixturevalue(fixture))
     ref = sample_scenario(model_dir, None)
-    outcomes = run_ranks(sample_rank_main, 2, tmp_path, (model_dir,), timeout_s=30, deadline_s=90)
+    outcomes = run_ranks(sample_rank_main, ranks, tmp_path, (model_dir,), timeout_s=60, deadline_s=180)
     for o in outcomes:
         assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
     if read_config(Path(model_dir)).supports_prefix_cache:  # hybrids keep no prompt K/V across requests

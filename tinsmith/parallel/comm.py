@@ -105,6 +105,40 @@ def is_replicated(t: torch.Tensor) -> bool:
     return bool(getattr(t, "_tp_replicated", False))
 
 
+def mark_shared(t: torch.Tensor, dim: int, rows: torch.Tensor, full: int) -> torch.Tensor:
+    """Mark ``t`` as rows ``rows`` (along ``dim``, of ``full``) of a tensor whose parts some ranks
+    hold alike: the LoRA ``B`` of a key/value head kept by several ranks when the tensor-parallel
+    size exceeds the key/value heads. Each such rank's backward leaves a partial gradient, which
+    :func:`sum_shared_grads` adds up among the ranks holding the same rows."""
+    t._tp_shared = (dim, rows, full)
+    return t
+
+
+def shared_copies(t: torch.Tensor, tp: TPGroup) -> int:
+    """How many ranks hold ``t``'s rows (1: a plain shard)."""
+    shared = getattr(t, "_tp_shared", None)
+    return 1 if shared is None else tp.size * len(shared[1]) // shared[2]
+
+
+def sum_shared_grads(params: list[torch.Tensor], tp: TPGroup) -> None:
+    """Sum the partial gradients of :func:`mark_shared` tensors among the ranks holding the same
+    rows: each rank adds its part at its rows of a full-size buffer, one all-reduce adds them all,
+    and each takes its rows back (every rank must pass the same tensors in the same order)."""
+    shared = [p for p in params if getattr(p, "_tp_shared", None) is not None and p.grad is not None]
+    if tp.size == 1 or not shared:
+        return
+    fulls = []
+    for p in shared:
+        dim, rows, full = p._tp_shared
+        shape = list(p.grad.shape)
+        shape[dim] = full
+        fulls.append(p.grad.new_zeros(shape).index_add_(dim, rows.to(p.grad.device), p.grad))
+    flat = all_reduce_(torch.cat([f.reshape(-1) for f in fulls]), tp, what="shared-gradient all_reduce")
+    for p, f, v in zip(shared, fulls, flat.split([f.numel() for f in fulls])):
+        dim, rows, _ = p._tp_shared
+        p.grad.copy_(v.view_as(f).index_select(dim, rows.to(p.grad.device)))
+
+
 def sum_replicated_grads(params: list[torch.Tensor], tp: TPGroup) -> None:
     """Sum the gradients of the replicated tensors among ``params`` over the ranks, in place, in
     one all-reduce of a flat buffer (every rank must pass the same tensors in the same order)."""

@@ -30,7 +30,7 @@ from tinsmith.models.lora import LoraLinear, LoraWeights, Segments, RowGroups, n
 from tinsmith.models.lora_bank import RowSlots
 from tinsmith.models.layers import SharedExpertMoeBlock
 from tinsmith.models.moe import ExpertLinear, PackedGateUp, SparseMoeBlock
-from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, mark_replicated, reduce_from_tp
+from tinsmith.parallel.comm import copy_to_tp, gather_from_tp, mark_replicated, mark_shared, reduce_from_tp
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.state import Split
 
@@ -38,9 +38,11 @@ from tinsmith.parallel.state import Split
 class ColumnParallelLoraLinear(LoraLinear):
     """Output rows ``rows`` of a full ``(full_out, in)`` projection.
 
-    ``order`` (a permutation of the full rows, instead of ``rows``) is for outputs whose ranks'
-    shares are not contiguous blocks (Gated DeltaNet's fused q/k/v: each rank keeps its heads'
-    rows of all three); rank ``r`` keeps rows ``order.chunk(tp.size)[r]``.
+    ``order`` (instead of ``rows``) lists the full rows rank after rank, for outputs whose ranks'
+    shares are not contiguous blocks: a permutation (Gated DeltaNet's fused q/k/v: each rank keeps
+    its heads' rows of all three), or with repeats (a key/value head kept by several ranks when
+    the tensor-parallel size exceeds the key/value heads); rank ``r`` keeps rows
+    ``order.chunk(tp.size)[r]``.
     """
 
     def __init__(self, full: LoraLinear, rows: slice | None, tp: TPGroup, weight: nn.Parameter | None = None,
@@ -74,6 +76,8 @@ class ColumnParallelLoraLinear(LoraLinear):
                              self.weight.device)
         A = mark_replicated(w.A)
         B = w.B.detach()[self.rows].clone().requires_grad_()
+        if self.order is not None and len(self.order) > self.full_out:  # rows other ranks hold too
+            mark_shared(B, 0, self.rows, self.full_out)
         self.adapters[slot] = out = LoraWeights(A, B, w.scale)
         return out
 

@@ -17,7 +17,7 @@ from tinsmith.errors import InvalidInputError
 from tinsmith.models.chunked_logprobs import UnembedLora, rows_per_chunk
 from tinsmith.models.lora import Segments
 from tinsmith.optim import ADAMW, check_params_match
-from tinsmith.parallel.comm import all_reduce_, is_replicated, sum_replicated_grads
+from tinsmith.parallel.comm import all_reduce_, is_replicated, shared_copies, sum_replicated_grads, sum_shared_grads
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.logprobs import vocab_parallel_target_logprobs
 from tinsmith.parallel.shard import tp_of
@@ -37,10 +37,12 @@ class ShardedTrainable(Trainable):
     def step(self, hp: OptimParams) -> dict[str, float]:
         check_params_match(self.optimizer_type, hp)  # before the collective: refused alike on every rank
         sum_replicated_grads(self.params, self.tp)
+        sum_shared_grads(self.params, self.tp)
         return super().step(hp)
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        sharded = [p.grad.float().pow(2).sum() for p in params if not is_replicated(p)]
+        # A part several ranks hold alike (a shared key/value head's B) is counted once in all.
+        sharded = [p.grad.float().pow(2).sum() / shared_copies(p, self.tp) for p in params if not is_replicated(p)]
         whole = [p.grad.float().pow(2).sum() for p in params if is_replicated(p)]
         zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
         sq = all_reduce_(torch.stack(sharded).sum() if sharded else zero, self.tp, what="gradient-norm all_reduce")
@@ -101,4 +103,11 @@ class TPTrainingRuntime(TrainingRuntime):
         for n, p in named:  # whole tensors hold partial gradients until the step sums them
             if is_replicated(p):
                 all_reduce_(grads[n], self.tp, what="gradient all_reduce")
+        params = [p for _, p in named]
+        saved = [p.grad for p in params]
+        for p, n in zip(params, grads):  # shared parts: summed among their holders, on the copies
+            p.grad = grads[n]
+        sum_shared_grads(params, self.tp)
+        for p, g in zip(params, saved):
+            p.grad = g
         return gather_full(grads, self.shard_dims, self.tp)

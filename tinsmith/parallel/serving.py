@@ -51,6 +51,9 @@ def check_servable(cfg: ModelConfig, size: int, name: str) -> None:
         if n % size:
             why = f"its {what} ({n}) do not divide by {size}"
             break
+    hk = cfg.num_kv_heads  # fewer than the ranks: each kept by several (see shard.kv_heads_of_rank)
+    if why is None and hk % size and size % hk:
+        why = f"its key/value heads ({hk}) neither divide by {size} nor divide it"
     if why is not None:
         raise InvalidInputError(f"{name} ({cfg.family}) cannot be served with {OPTION} {size}: {why}; "
                                 f"serve it with {OPTION} 1")

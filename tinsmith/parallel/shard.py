@@ -30,13 +30,15 @@ def check_shardable(model: CausalLM, tp: TPGroup) -> None:
     cfg = model.config
     for n, what in tp_divisors(cfg):
         tp.shard(n, what)  # raises when not divisible
+    kv_heads_of_rank(cfg, tp)  # raises when the key/value heads neither divide nor are divided by the size
 
 
 def tp_divisors(cfg: ModelConfig) -> list[tuple[int, str]]:
-    """The counts a tensor-parallel size must divide: heads, vocabulary, and (where the model has
-    such layers) the MLP width, the number of experts and the shared expert's width, and the
-    linear-attention key heads (each rank keeps whole heads of every kind)."""
-    out = [(cfg.num_heads, "attention heads"), (cfg.num_kv_heads, "key/value heads"), (cfg.vocab_size, "vocabulary size")]
+    """The counts a tensor-parallel size must divide: query heads, vocabulary, and (where the model
+    has such layers) the MLP width, the number of experts and the shared expert's width, and the
+    linear-attention key heads (each rank keeps whole heads of every kind). Key/value heads are
+    :func:`kv_heads_of_rank`'s: there the size may also be a multiple of them."""
+    out = [(cfg.num_heads, "attention heads"), (cfg.vocab_size, "vocabulary size")]
     moe_layers = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
     if not all(moe_layers):
         out.append((cfg.intermediate_size, "MLP intermediate size"))
@@ -76,9 +78,29 @@ def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:
     return model
 
 
+def kv_heads_of_rank(cfg: ModelConfig, tp: TPGroup) -> tuple[slice, torch.Tensor | None]:
+    """The key/value heads rank ``tp.rank`` keeps, and (when the size exceeds them) the order of
+    the K/V projections' rows over the ranks.
+
+    With at least as many key/value heads as ranks, each rank keeps its block of them. With
+    more ranks (Qwen3-235B-A22B: 4 key/value heads at TP=8), each head is kept by ``size /
+    heads`` consecutive ranks, those whose query heads read it: the K/V projections are
+    replicated within each such set, and their LoRA ``B`` rows' gradients summed among it."""
+    hk = cfg.num_kv_heads
+    if tp.size <= hk or tp.size % hk:
+        return tp.shard(hk, "key/value heads"), None
+    # The query heads divide by the size (checked before), so each rank's query heads read one head.
+    copies = tp.size // hk
+    head = tp.rank // copies
+    d = cfg.head_dim
+    order = torch.cat([torch.arange((r // copies) * d, (r // copies + 1) * d) for r in range(tp.size)])
+    return slice(head, head + 1), order
+
+
 def _shard_attention(attn: Attention, cfg: ModelConfig, tp: TPGroup) -> None:
     d = cfg.head_dim
-    q_heads, kv_heads = tp.shard(cfg.num_heads, "attention heads"), tp.shard(cfg.num_kv_heads, "key/value heads")
+    q_heads = tp.shard(cfg.num_heads, "attention heads")
+    kv_heads, kv_order = kv_heads_of_rank(cfg, tp)
     q_rows = slice(q_heads.start * d, q_heads.stop * d)
     kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
     # Gated attention (Qwen3.5): each head's query rows are followed by its gate's, so a rank's
@@ -86,8 +108,10 @@ def _shard_attention(attn: Attention, cfg: ModelConfig, tp: TPGroup) -> None:
     per = 2 * d if attn.output_gate else d
     attn.q_proj = ColumnParallelLoraLinear(attn.q_proj, slice(q_heads.start * per, q_heads.stop * per), tp,
                                            copy_input=False)
-    attn.k_proj = ColumnParallelLoraLinear(attn.k_proj, kv_rows, tp, copy_input=False)
-    attn.v_proj = ColumnParallelLoraLinear(attn.v_proj, kv_rows, tp, copy_input=False)
+    attn.k_proj = ColumnParallelLoraLinear(attn.k_proj, None if kv_order is not None else kv_rows, tp,
+                                           copy_input=False, order=kv_order)
+    attn.v_proj = ColumnParallelLoraLinear(attn.v_proj, None if kv_order is not None else kv_rows, tp,
+                                           copy_input=False, order=kv_order)
     attn.o_proj = RowParallelLoraLinear(attn.o_proj, q_rows, tp)
     attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
     if attn.sinks is not None:  # gpt-oss: one frozen sink logit per query head, kept with its head

@@ -19,9 +19,9 @@ from torch import nn
 from tinsmith.parallel.comm import all_gather_cat
 from tinsmith.parallel.group import TPGroup
 
-# How one tensor is split: the dimension (rank r holds chunk r of it), or the dimension and a
-# permutation of it (rank r holds ``full.index_select(dim, order.chunk(ranks)[r])``) where the
-# ranks' shares are not contiguous blocks.
+# How one tensor is split: the dimension (rank r holds chunk r of it), or the dimension and an
+# order of its rows (rank r holds ``full.index_select(dim, order.chunk(ranks)[r])``) where the
+# ranks' shares are not contiguous blocks, or where some ranks hold the same rows.
 Split = Union[int, tuple[int, torch.Tensor]]
 ShardDims = dict[str, Split | None]  # tensor name -> how it is split over ranks (None: held whole)
 
@@ -54,8 +54,14 @@ def gather_full(tensors: dict[str, torch.Tensor], dims: ShardDims, tp: TPGroup) 
             continue
         d, order = split if isinstance(split, tuple) else (split, None)
         joined = all_gather_cat(t.detach(), tp, d, f"gather of {k}")
-        out[k] = joined if order is None or tp.size == 1 else \
-            torch.empty_like(joined).index_copy_(d, order.to(joined.device), joined)
+        if order is None or tp.size == 1:
+            out[k] = joined
+            continue
+        # The full tensor's rows from wherever a rank holds them (rows several ranks hold alike,
+        # e.g. a shared key/value head's, are equal on each, so any copy will do).
+        shape = list(joined.shape)
+        shape[d] = int(order.max()) + 1
+        out[k] = joined.new_empty(shape).index_copy_(d, order.to(joined.device), joined)
     return out
 
 
@@ -68,8 +74,10 @@ def scatter_full(tensors: dict[str, torch.Tensor], dims: ShardDims, tp: TPGroup)
             out[k] = t
             continue
         d, order = split if isinstance(split, tuple) else (split, None)
-        if t.shape[d] % tp.size:
-            raise ValueError(f"{k} has {t.shape[d]} entries along dimension {d}, not divisible by {tp.size} ranks")
+        whole = t.shape[d] if order is None else int(order.max()) + 1
+        if t.shape[d] % tp.size if order is None else t.shape[d] != whole:
+            raise ValueError(f"{k} has {t.shape[d]} entries along dimension {d}, not divisible by {tp.size} ranks"
+                             if order is None else f"{k} has {t.shape[d]} entries along dimension {d}, not {whole}")
         out[k] = (t.chunk(tp.size, dim=d)[tp.rank].clone() if order is None else
                   t.index_select(d, order.chunk(tp.size)[tp.rank].to(t.device)))
     return out
