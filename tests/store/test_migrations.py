@@ -100,7 +100,9 @@ def test_migrate_at_head_runs_nothing(db_url: str, caplog) -> None:
         caplog.clear()
         with caplog.at_level("DEBUG", logger="alembic"):
             store.migrate()
-        assert caplog.records == []
+        # Only the migration's own loggers: another thread (an SDK client an earlier test left
+        # behind, whose server is gone) may log a warning meanwhile, which says nothing of this.
+        assert [r for r in caplog.records if r.name.startswith(("alembic", "tinsmith"))] == []
         assert store.schema_revision() == HEAD
     finally:
         store.close()
