@@ -170,16 +170,21 @@ class ExpertParallelLinear(ExpertLinear):
         return 0, 0  # both split by expert
 
 
-def _keep_experts(block: SparseMoeBlock, experts: slice) -> None:
-    """Cut ``block``'s routed experts to ``experts`` (its router stays whole)."""
-    ex = block.experts
+def _take_routed(module: nn.Module, block: SparseMoeBlock, experts: slice, tp: TPGroup) -> None:
+    """Give ``module`` (a new expert-parallel block) ``block``'s router, whole, and its routed
+    experts cut to ``experts``."""
+    nn.Module.__init__(module)
+    module.tp = tp
+    module.router_name = block.router_name
+    module.add_module(block.router_name, getattr(block, block.router_name))
+    ex = module.experts = block.experts
     packed = ex.packed_gate_up is not None
     ex.gate_proj = ExpertParallelLinear(ex.gate_proj, experts)
     ex.up_proj = ExpertParallelLinear(ex.up_proj, experts)
     ex.down_proj = ExpertParallelLinear(ex.down_proj, experts)
     # The packed buffer held every expert; this rank's experts get one of their own.
     ex.packed_gate_up = PackedGateUp(ex.gate_proj, ex.up_proj, ex.activation) if packed else None
-    block.expert_start = experts.start
+    module.expert_start = experts.start
 
 
 class ExpertParallelMoeBlock(SparseMoeBlock):
@@ -191,12 +196,7 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
     """
 
     def __init__(self, block: SparseMoeBlock, experts: slice, tp: TPGroup):
-        nn.Module.__init__(self)
-        self.tp = tp
-        self.router_name = block.router_name
-        self.add_module(self.router_name, getattr(block, self.router_name))
-        self.experts = block.experts
-        _keep_experts(self, experts)
+        _take_routed(self, block, experts, tp)
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> torch.Tensor:
         return reduce_from_tp(super().forward(x, segments), self.tp)
@@ -208,12 +208,7 @@ class ExpertParallelSharedMoeBlock(SharedExpertMoeBlock):
     through one all-reduce together (the gate, a frozen (1, hidden) projection, is replicated)."""
 
     def __init__(self, block: SharedExpertMoeBlock, experts: slice, inter: slice, tp: TPGroup):
-        nn.Module.__init__(self)
-        self.tp = tp
-        self.router_name = block.router_name
-        self.add_module(self.router_name, getattr(block, self.router_name))
-        self.experts = block.experts
-        _keep_experts(self, experts)
+        _take_routed(self, block, experts, tp)
         shared = self.shared_expert = block.shared_expert
         self.shared_expert_gate = block.shared_expert_gate
         shared.gate_proj = ColumnParallelLoraLinear(shared.gate_proj, inter, tp, copy_input=False)
