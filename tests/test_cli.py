@@ -176,9 +176,18 @@ def test_ray_without_tensor_parallelism_is_one_line(tmp_path, tiny_model):
     proc = tinsmith("serve", "--base-model", str(tiny_model), "--port", str(free_port()), "--ray-address", "auto",
                     "--data-dir", str(tmp_path / "data"))
     assert proc.returncode == 2
-    assert one_line(proc) == ("tinsmith: --ray-address auto places the ranks of a tensor-parallel group, but "
-                              "--tensor-parallel-size is 1 (one rank, in this process); pass --tensor-parallel-size N "
-                              "(N > 1) or drop --ray-address")
+    assert one_line(proc) == ("tinsmith: --ray-address auto places the ranks of a tensor- or data-parallel group, "
+                              "but --tensor-parallel-size and --data-parallel-size are 1 (one rank, in this process); "
+                              "pass --tensor-parallel-size N or --data-parallel-size M (> 1) or drop --ray-address")
+    assert not (tmp_path / "data").exists()
+
+
+def test_replicas_of_sharded_models_are_refused_in_one_line(tmp_path, tiny_model):
+    proc = tinsmith("serve", "--base-model", str(tiny_model), "--port", str(free_port()), "--data-parallel-size", "2",
+                    "--tensor-parallel-size", "2", "--data-dir", str(tmp_path / "data"))
+    assert proc.returncode == 2
+    assert one_line(proc) == ("tinsmith: --data-parallel-size 2 with --tensor-parallel-size 2 is not supported yet: "
+                              "replicas hold whole models; pass one of them")
     assert not (tmp_path / "data").exists()
 
 

@@ -93,7 +93,7 @@ def _serve(**flags: Any) -> int:
         return _fail(str(e), 2)
     try:
         check_models(config.base_model, config.aliases())
-        check_parallel(config.tensor_parallel_size, config.ray_address)
+        check_parallel(config.tensor_parallel_size, config.ray_address, config.data_parallel_size)
         check_precision(config.resolved_device, config.dtype)
     except (StartupError, ValueError) as e:
         sock.close()

@@ -1,6 +1,7 @@
-"""A server with ``--tensor-parallel-size 2`` (two gloo processes on the CPU) driven by the real
-SDK gives what a one-process server gives, within 1e-5 in fp32: LoRA training, sampler
-snapshots stored and in memory, greedy and seeded sampling, and checkpoints saved and loaded."""
+"""A server with ``--tensor-parallel-size 2`` or ``--data-parallel-size 2`` (two gloo processes
+on the CPU) driven by the real SDK gives what a one-process server gives, within 1e-5 in fp32:
+LoRA training, sampler snapshots stored and in memory, greedy and seeded sampling, and
+checkpoints saved and loaded."""
 
 from __future__ import annotations
 
@@ -52,9 +53,11 @@ def _scenario(sc, base_model: str) -> list:
     return out
 
 
-def test_two_ranks_serve_what_one_process_serves(server, make_server, service_client, base_model):
-    tp = make_server(extra_args=["--tensor-parallel-size", "2", "--device", "cpu"])
-    assert "over 2 tensor-parallel ranks" in tp.log_text()  # the model really is sharded
+@pytest.mark.parametrize("option, logged", [("--tensor-parallel-size", "sharded over 2 tensor-parallel ranks"),
+                                             ("--data-parallel-size", "replicated on 2 data-parallel ranks")])
+def test_two_ranks_serve_what_one_process_serves(server, make_server, service_client, base_model, option, logged):
+    tp = make_server(extra_args=[option, "2", "--device", "cpu"])
+    assert logged in tp.log_text()  # the model really is sharded, or replicated
     one = _scenario(service_client(server), base_model)
     two = _scenario(service_client(tp), base_model)
     assert len(one) == len(two)

@@ -147,3 +147,23 @@ def sum_replicated_grads(params: list[torch.Tensor], tp: TPGroup) -> None:
         return
     flat = all_reduce_(torch.cat([g.reshape(-1) for g in grads]), tp, what="replicated-gradient all_reduce")
     torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def sum_grads(params: list[torch.Tensor], group: TPGroup) -> None:
+    """Sum the gradients of ``params`` over the ranks of a data-parallel group, in place, in one
+    all-reduce (every rank must pass the same tensors in the same order).
+
+    A rank that ran none of a step's datums holds no gradient (``None``): it counts as zero, and
+    a tensor no rank has a gradient for keeps ``None``, as one process that ran everything would.
+    """
+    if group.size == 1 or not params:
+        return
+    held = [p.grad is not None for p in params]
+    dtype = next((p.grad.dtype for p in params if p.grad is not None), params[0].dtype)
+    parts = [torch.tensor(held, dtype=dtype, device=params[0].device)]
+    parts += [(p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype)).reshape(-1) for p in params]
+    flat = all_reduce_(torch.cat(parts), group, what="data-parallel gradient all_reduce")
+    anyone = flat[: len(params)].tolist()
+    for p, v, seen in zip(params, flat[len(params):].split([p.numel() for p in params]), anyone):
+        if seen:
+            p.grad = v.view_as(p).clone() if p.grad is None else p.grad.copy_(v.view_as(p))

@@ -135,7 +135,7 @@ class RayTPGroup(DrivenGroup):
 
     def __init__(self, world_size: int, address: str, make_target: Callable[[TPGroup, torch.device], Any], *,
                  cuda: bool = False, strategy: str = "STRICT_PACK", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 follower_threads: int = 1):
+                 follower_threads: int = 1, label: str = "tensor-parallel"):
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a process group")
         if strategy not in STRATEGIES:
@@ -145,7 +145,7 @@ class RayTPGroup(DrivenGroup):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.ray, self.world_size, self.timeout_s = ray, world_size, timeout_s
+        self.ray, self.world_size, self.timeout_s, self.label = ray, world_size, timeout_s, label
         self._remove_pg = remove_placement_group
         ip = ray.util.get_node_ip_address()
         bundles = [_bundle(cuda) for _ in range(world_size)]
@@ -186,7 +186,7 @@ class RayTPGroup(DrivenGroup):
                 raise ParallelError(f"{why}; {exc}") from exc
             self._drive(tp, make_target(tp, device), _ActorBell(self.actors))
             self.places = ray.get([a.where.remote() for a in self.actors], timeout=timeout_s)
-            log.info("tensor-parallel ranks placed by Ray (%s): rank 0 in this process on node %s (%s); %s", strategy,
+            log.info("%s ranks placed by Ray (%s): rank 0 in this process on node %s (%s); %s", label, strategy,
                      ip, device, "; ".join(f"rank {r}: {w}" for r, w in enumerate(self.places, start=1)))
         except BaseException:
             self._end_followers(0.0)
@@ -206,7 +206,7 @@ class RayTPGroup(DrivenGroup):
             except Exception as exc:  # RayActorError: killed, crashed, or its node was lost
                 why = f"died ({type(exc).__name__}: {_first_line(exc)})"
             where = f" ({self.places[r - 1]})" if self.places else " (a Ray actor)"
-            gone.append(f"tensor-parallel rank {r} of {self.world_size}{where} {why}")
+            gone.append(f"{self.label} rank {r} of {self.world_size}{where} {why}")
         return "; ".join(gone) or None
 
     def _await_exits(self, wait_s: float) -> None:

@@ -59,13 +59,13 @@ def check_servable(cfg: ModelConfig, size: int, name: str) -> None:
                                 f"serve it with {OPTION} 1")
 
 
-def rank_device(device: str, rank: int) -> torch.device:
+def rank_device(device: str, rank: int, option: str = OPTION) -> torch.device:
     """Rank ``rank``'s device: its own GPU (``cuda:rank``, counted from the index of ``device``), or the CPU."""
     d = torch.device(device)
     if d.type == "cpu":
         return d
     if d.type != "cuda":
-        raise InvalidInputError(f"{OPTION} runs on CUDA GPUs or on the CPU, not on {device!r}")
+        raise InvalidInputError(f"{option} runs on CUDA GPUs or on the CPU, not on {device!r}")
     return torch.device("cuda", (d.index or 0) + rank)
 
 
@@ -181,22 +181,24 @@ def _serving_rank(tp: TPGroup, device: torch.device) -> ServingRank:
 
 def start_group(world_size: int, device: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                 follower_threads: int = 1, ray_address: str | None = None,
-                ray_strategy: str = "STRICT_PACK") -> DrivenGroup:
+                ray_strategy: str = "STRICT_PACK", make_target: Callable = _serving_rank,
+                option: str = OPTION, label: str = "tensor-parallel") -> DrivenGroup:
     """The serving group: this process is rank 0, the other ranks are child processes (gloo on
-    the CPU, NCCL with one GPU per rank), or Ray actors placed on the cluster at ``ray_address``."""
+    the CPU, NCCL with one GPU per rank), or Ray actors placed on the cluster at ``ray_address``.
+    Each rank holds what ``make_target`` builds (a :class:`ServingRank` of shards by default)."""
     if ray_address is not None:
         from tinsmith.parallel.ray_group import RayTPGroup
 
         if torch.device(device).type not in ("cpu", "cuda"):
-            raise InvalidInputError(f"{OPTION} runs on CUDA GPUs or on the CPU, not on {device!r}")
-        return RayTPGroup(world_size, ray_address, _serving_rank, cuda=torch.device(device).type == "cuda",
-                          strategy=ray_strategy, timeout_s=timeout_s, follower_threads=follower_threads)
-    devices = [rank_device(device, r) for r in range(world_size)]
+            raise InvalidInputError(f"{option} runs on CUDA GPUs or on the CPU, not on {device!r}")
+        return RayTPGroup(world_size, ray_address, make_target, cuda=torch.device(device).type == "cuda",
+                          strategy=ray_strategy, timeout_s=timeout_s, follower_threads=follower_threads, label=label)
+    devices = [rank_device(device, r, option) for r in range(world_size)]
     if devices[0].type == "cuda" and torch.cuda.device_count() < devices[-1].index + 1:
-        raise InvalidInputError(f"{OPTION} {world_size} needs GPUs {devices[0].index}..{devices[-1].index}; "
+        raise InvalidInputError(f"{option} {world_size} needs GPUs {devices[0].index}..{devices[-1].index}; "
                                 f"this host has {torch.cuda.device_count()}")
     return LocalTPGroup(None, world_size, timeout_s=timeout_s, follower_threads=follower_threads,
-                        make_target=_serving_rank, devices=devices)
+                        make_target=make_target, devices=devices, label=label)
 
 
 def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -209,11 +211,11 @@ class TPBase:
     """Rank 0's handle on one base model served by the group: its runtime and sampler stand-ins."""
 
     def __init__(self, group: DrivenGroup, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
-                 sampler_kwargs: dict):
+                 sampler_kwargs: dict, runtime_class: type | None = None, sampler_class: type | None = None):
         self.group, self.name = group, name
         self.local: RankBase = group.call("add_base", name, model_dir, dtype, runtime_kwargs, sampler_kwargs)
-        self.runtime = TPRuntime(self)
-        self.sampler = TPSampler(self)
+        self.runtime = (runtime_class or TPRuntime)(self)
+        self.sampler = (sampler_class or TPSampler)(self)
 
     @property
     def loaded(self) -> LoadedModel:

@@ -72,15 +72,15 @@ def _rank_worker(model_dir: str, dtype: torch.dtype, runtime_kwargs: dict, tp: T
 class _DriverBell:
     """Rank 0's end of one pipe per follower: a byte before each call."""
 
-    def __init__(self, conns: list, world_size: int):
-        self.conns, self.world_size = conns, world_size
+    def __init__(self, conns: list, world_size: int, label: str = "tensor-parallel"):
+        self.conns, self.world_size, self.label = conns, world_size, label
 
     def ring(self) -> None:
         for r, conn in enumerate(self.conns, start=1):
             try:
                 conn.send_bytes(b"\x01")
             except OSError as exc:
-                raise ParallelError(f"tensor-parallel rank {r} of {self.world_size} cannot be reached "
+                raise ParallelError(f"{self.label} rank {r} of {self.world_size} cannot be reached "
                                     f"({type(exc).__name__}: {exc})") from exc
 
 
@@ -115,6 +115,7 @@ class DrivenGroup(ABC):
 
     world_size: int
     timeout_s: float
+    label: str = "tensor-parallel"  # what the group is called in messages ("data-parallel" for replicas)
 
     def _drive(self, tp: TPGroup, target: Any, doorbell: Doorbell) -> None:
         """Rank 0 has joined the group as ``tp``: calls go through an executor over ``target``."""
@@ -134,7 +135,7 @@ class DrivenGroup(ABC):
             self._failed = ParallelError(gone)
             raise self._failed
         if self._failed is not None:
-            raise ParallelError(f"the tensor-parallel group is down ({self._failed}); restart it")
+            raise ParallelError(f"the {self.label} group is down ({self._failed}); restart it")
         try:
             return self.executor.call(method, *args, **kwargs)
         except ParallelError as exc:
@@ -187,13 +188,13 @@ class LocalTPGroup(DrivenGroup):
     def __init__(self, model_dir: str | None, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  dtype: torch.dtype = torch.float32, runtime_kwargs: dict | None = None, follower_threads: int = 1,
                  make_target: Callable[[TPGroup, torch.device], Any] | None = None,
-                 devices: list[torch.device] | None = None):
+                 devices: list[torch.device] | None = None, label: str = "tensor-parallel"):
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a process group")
         if make_target is None:
             make_target = rank_worker_factory(str(model_dir), dtype, runtime_kwargs)
         devices = devices or [torch.device("cpu")] * world_size
-        self.timeout_s, self.world_size = timeout_s, world_size
+        self.timeout_s, self.world_size, self.label = timeout_s, world_size, label
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", __name__, make_target.__module__])
@@ -207,11 +208,11 @@ class LocalTPGroup(DrivenGroup):
         for theirs, _ in pipes:
             theirs.close()  # the follower holds its end; rank 0 exiting closes ours, which ends the follower
         tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method, device=devices[0])
-        self._drive(tp, make_target(tp, devices[0]), _DriverBell([ours for _, ours in pipes], world_size))
+        self._drive(tp, make_target(tp, devices[0]), _DriverBell([ours for _, ours in pipes], world_size, label))
 
     def exited(self) -> str | None:
         gone = [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
-        return "; ".join(f"tensor-parallel rank {r} of {self.world_size} (process {p.pid}) exited with code "
+        return "; ".join(f"{self.label} rank {r} of {self.world_size} (process {p.pid}) exited with code "
                          f"{p.exitcode}" for r, p in gone) or None
 
     def _await_exits(self, wait_s: float) -> None:

@@ -79,6 +79,7 @@ class ServerConfig(BaseSettings):
     device: str | None = None  # default: cuda if available, else cpu
     dtype: Dtype = "auto"  # base weights and activations; auto: bfloat16 on CUDA, float32 on CPU
     tensor_parallel_size: AtLeastOne = 1  # ranks (GPUs) every base model is sharded over; 1: no process group
+    data_parallel_size: AtLeastOne = 1  # ranks (GPUs) every base model is replicated on; 1: no process group
     ray_address: str | None = None  # None: the other ranks are local processes; auto or HOST:PORT: Ray actors
     ray_placement_strategy: RayStrategy = "STRICT_PACK"  # of the ranks' placement group
     max_full_finetunes: AtLeastOne = 1
@@ -192,6 +193,10 @@ _HELP = {
     "device": "torch device (default: cuda when available, else cpu)",
     "tensor_parallel_size": "shard every base model over this many ranks, one GPU each (cuda:0..N-1; on the CPU, "
                             "processes): every family served (experts split over the ranks) with LoRA only; 1 runs one process",
+    "data_parallel_size": "replicate every base model on this many ranks, one GPU each (cuda:0..M-1; on the CPU, "
+                          "processes): each chunk of LoRA training is split between the replicas (gradients summed "
+                          "before each step) and each sample request runs on one; LoRA only; not with "
+                          "--tensor-parallel-size > 1 yet; 1 runs one process",
     "ray_address": "place the tensor-parallel ranks other than this process's rank 0 as Ray actors on the Ray "
                    "cluster at this address (auto: the one `ray start` runs on this node; HOST:PORT: its head), so "
                    "they may run on other machines; needs `pip install 'tinsmith[ray]'` (default: local processes)",

@@ -97,6 +97,7 @@ class ServerState:
                 max_sampler_snapshots_per_key=limits.max_sampler_snapshots,
                 sampler_snapshot_idle_s=config.sampler_snapshot_idle_s,
                 tensor_parallel_size=config.tensor_parallel_size,
+                data_parallel_size=config.data_parallel_size,
                 ray_address=config.ray_address,
                 ray_placement_strategy=config.ray_placement_strategy,
                 max_sampling_rows=(RuntimeOptions.max_sampling_rows if config.max_num_samples is None

@@ -378,6 +378,39 @@ class TrainingRuntime:
         soon as its last datum has run, so a small request does not wait for the rest of the
         call. A failure fails (and rolls back) the passes of this call not completed yet.
         """
+        chosen, involved = self._choose(quotas, budget)
+        if not chosen:
+            return
+        by_id = {p.id: p for p in involved}
+        prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
+        left = Counter(ref.request[0] for ref in chosen)  # datums of this call still to run, per pass
+
+        def finished(rows: list[SequenceRef], lps: dict, failed: dict[int, Exception]) -> None:
+            for pid, exc in failed.items():
+                by_id[pid].fail(exc)
+            for ((pid, r), d), lp in lps.items():
+                if not by_id[pid].done:
+                    by_id[pid].lps[(r, d)] = lp
+                    left[pid] -= 1
+            for pid in {ref.request[0] for ref in rows}:
+                p = by_id[pid]
+                if left[pid] == 0 and not p.todo and not p.done:
+                    p.complete()
+                    if on_done is not None:
+                        on_done(p)
+
+        try:
+            self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
+            self._run_rows(chosen, prepared, lambda pid: by_id[pid].done, finished)
+        except Exception as exc:
+            for p in involved:
+                if not p.done:
+                    p.fail(exc)
+
+    def _choose(self, quotas: list[tuple[FbPass, int]], budget: int | None) -> tuple[list[SequenceRef], list[FbPass]]:
+        """The datums one :meth:`advance` call runs (taken off their passes' queues), and the
+        passes they belong to. Depends only on the passes and the arguments, so every rank of a
+        group that holds the same passes chooses the same datums."""
         chosen: list[SequenceRef] = []
         involved: list[FbPass] = []
         units: set[int] = set()
@@ -398,58 +431,46 @@ class TrainingRuntime:
                 involved.append(p)
                 if p.unit.slot is not None:
                     units.add(id(p.unit))
-        if not chosen:
-            return
-        by_id = {p.id: p for p in involved}
-        prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
-        left = Counter(ref.request[0] for ref in chosen)  # datums of this call still to run, per pass
+        return chosen, involved
+
+    def _run_rows(self, refs: list[SequenceRef], prepared: dict, skip: Callable[[int], bool],
+                  finished: Callable[[list[SequenceRef], dict, dict[int, Exception]], None]) -> None:
+        """Run ``refs`` in micro-batches, smallest first; after each, ``finished(rows, logprobs,
+        failed passes)``. Rows of passes that ``skip`` names (failed meanwhile) are left out. A
+        micro-batch that runs out of device memory is split and run again (see
+        :meth:`_after_out_of_memory`)."""
         by_real = self.sized_by_real_tokens
-        groups = plan_micro_batches(chosen, self.micro_batch_tokens, self.micro_batch_seqs, by_real)
+        groups = plan_micro_batches(refs, self.micro_batch_tokens, self.micro_batch_seqs, by_real)
         groups.sort(key=lambda rows: batch_tokens(rows, by_real))
         pending = deque(groups)
-        try:
-            self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
-            while pending:
-                rows = [s for s in pending.popleft() if not by_id[s.request[0]].done]  # a pass may have failed
-                if not rows:
-                    continue
-                mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device,
-                                       self.packing)
-                lps: dict = {}
-                images = [prepared[s.request].images[s.datum] for s in mb.rows]
-                out_of_memory = None
-                try:
-                    failed = self._run_micro_batch(mb, prepared, lps, images)
-                except torch.OutOfMemoryError as exc:
-                    if not self.oom_retry:
-                        raise
-                    out_of_memory = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
-                if out_of_memory is not None:  # outside the handler: its traceback no longer holds the tensors
-                    del mb, lps
-                    self._after_out_of_memory(rows, out_of_memory, pending, by_id)
-                    continue
-                for pid, exc in failed.items():
-                    by_id[pid].fail(exc)
-                for ((pid, r), d), lp in lps.items():
-                    if not by_id[pid].done:
-                        by_id[pid].lps[(r, d)] = lp
-                        left[pid] -= 1
-                for pid in {ref.request[0] for ref in rows}:
-                    p = by_id[pid]
-                    if left[pid] == 0 and not p.todo and not p.done:
-                        p.complete()
-                        if on_done is not None:
-                            on_done(p)
-        except Exception as exc:
-            for p in involved:
-                if not p.done:
-                    p.fail(exc)
+        while pending:
+            rows = [s for s in pending.popleft() if not skip(s.request[0])]
+            if not rows:
+                continue
+            mb = build_micro_batch(rows, [prepared[s.request].tokens[s.datum] for s in rows], self.device,
+                                   self.packing)
+            lps: dict = {}
+            images = [prepared[s.request].images[s.datum] for s in mb.rows]
+            out_of_memory = None
+            try:
+                failed = self._run_micro_batch(mb, prepared, lps, images)
+            except torch.OutOfMemoryError as exc:
+                if not self.oom_retry:
+                    raise
+                out_of_memory = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            if out_of_memory is not None:  # outside the handler: its traceback no longer holds the tensors
+                del mb, lps
+                refused = self._after_out_of_memory(rows, out_of_memory, pending)
+                if refused is not None:
+                    finished(rows, {}, {rows[0].request[0]: refused})
+                continue
+            finished(rows, lps, failed)
 
-    def _after_out_of_memory(self, rows: list[SequenceRef], message: str, pending: deque,
-                             by_id: dict[int, FbPass]) -> None:
+    def _after_out_of_memory(self, rows: list[SequenceRef], message: str, pending: deque) -> CapacityError | None:
         """A micro-batch ran out of device memory (nothing of it was kept): free the memory, make
         later micro-batches smaller, and run its rows again in two halves; a single sequence that
-        does not fit alone fails its own request, with the size and what is free."""
+        does not fit alone fails its own request, with the size and what is free: that error is
+        returned (None when the rows were queued again)."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -463,7 +484,7 @@ class TrainingRuntime:
             half = len(rows) // 2
             pending.appendleft(rows[half:])
             pending.appendleft(rows[:half])
-            return
+            return None
         ref = rows[0]
         checkpointed = self.model.gradient_checkpointing or ref in self._checkpoint_rows or (
             self.checkpoint_above_tokens is not None and ref.length > self.checkpoint_above_tokens)
@@ -472,12 +493,12 @@ class TrainingRuntime:
                         "activations recomputed in backward", ref.length, message)
             self._checkpoint_rows.add(ref)
             pending.appendleft(rows)
-            return
+            return None
         self._checkpoint_rows.discard(ref)
         tried = " even with its activations recomputed in backward" if ref.needs_grad else ""
-        by_id[ref.request[0]].fail(CapacityError(
+        return CapacityError(
             f"a sequence of {ref.length:,} tokens does not fit in device memory on its own{tried} ({message}; "
-            f"{_free_memory(self.device)}): send shorter sequences"))
+            f"{_free_memory(self.device)}): send shorter sequences")
 
     def _grads_before_backward(self, mb: MicroBatch, prepared: dict) -> list[tuple[Trainable, list]] | None:
         """Copies of the LoRA gradients the micro-batch's backward adds to, so that a backward that

@@ -69,6 +69,7 @@ class RuntimeOptions:
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
     sampler_snapshot_idle_s: float = 120.0  # unused this long (and no request queued/running): idle
     tensor_parallel_size: int = 1  # >1: every base model is sharded over that many ranks (tinsmith.parallel)
+    data_parallel_size: int = 1  # >1: every base model is replicated on that many ranks (tinsmith.parallel.replicas)
     ray_address: str | None = None  # the followers are Ray actors on this cluster (None: local processes)
     ray_placement_strategy: str = "STRICT_PACK"
 
@@ -90,7 +91,7 @@ class BaseModel:
     loaded: LoadedModel
     lora: TrainingRuntime
     full: dict[str, TrainingRuntime] = field(default_factory=dict)  # model_id -> private copy
-    tp: Any = None  # under tensor parallelism: the TPBase whose ranks hold the shards (lora is its runtime)
+    tp: Any = None  # in a process group: the TPBase whose ranks hold the shards or replicas (lora is its runtime)
 
     @property
     def config(self) -> ModelConfig:
@@ -176,7 +177,7 @@ class Worker:
         self.inflight: dict[str, str] = {}
         self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
         self.stats = {"snapshot_evictions": 0}  # read by metrics scrapes
-        self.tp_group = None  # the tensor-parallel group (a DrivenGroup) when tensor_parallel_size > 1
+        self.tp_group = None  # the process group (a DrivenGroup) under tensor or data parallelism
 
     def close(self) -> None:
         """Release the tensor-parallel ranks, if any (clean shutdown)."""
@@ -191,16 +192,23 @@ class Worker:
 
     def _refuse_under_tp(self, base: "BaseModel", what: str) -> None:
         if base.tp is not None:
-            raise InvalidInputError(f"{what} is not supported with --tensor-parallel-size "
-                                    f"{self.options.tensor_parallel_size} yet (LoRA runs are); serve with "
-                                    "--tensor-parallel-size 1 for it")
+            option, size = self._group_option()
+            raise InvalidInputError(f"{what} is not supported with {option} {size} yet (LoRA runs are); serve "
+                                    f"with {option} 1 for it")
+
+    def _group_option(self) -> tuple[str, int]:
+        """The option that made this worker a process group, and its value."""
+        o = self.options
+        if o.data_parallel_size > 1:
+            return "--data-parallel-size", o.data_parallel_size
+        return "--tensor-parallel-size", o.tensor_parallel_size
 
     # ----------------------------------------------------------------------------- base models
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
         """Load ``source`` (dir or HF id) and serve it under ``name``."""
         o = self.options
         configure_device(torch.device(o.device))
-        if o.tensor_parallel_size > 1:
+        if o.tensor_parallel_size > 1 or o.data_parallel_size > 1:
             return self._add_tp_base_model(name, source)
         loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))
         micro = o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o)
@@ -219,19 +227,33 @@ class Worker:
         return base
 
     def _add_tp_base_model(self, name: str, source: str | None) -> BaseModel:
-        """A base model sharded over the tensor-parallel ranks (the group starts with the first)."""
+        """A base model served by the process group (started with the first): sharded over the
+        tensor-parallel ranks, or replicated on the data-parallel ones."""
         from tinsmith.models.loading import read_config, resolve_model_dir
         from tinsmith.parallel.serving import TPBase, check_servable, runtime_kwargs_of, start_group
 
         o = self.options
         model_dir = resolve_model_dir(source or name)
-        check_servable(read_config(model_dir), o.tensor_parallel_size, source or name)
+        replicas = o.data_parallel_size > 1
+        size = o.data_parallel_size if replicas else o.tensor_parallel_size
+        if not replicas:
+            check_servable(read_config(model_dir), o.tensor_parallel_size, source or name)
+        sampler_kwargs = sampler_kwargs_of(o)
+        classes: dict = {}
+        if replicas:
+            from tinsmith.parallel.replicas import ReplicaRuntime, ReplicaSampler, replica_rank
+
+            group_kwargs = dict(make_target=replica_rank, option="--data-parallel-size", label="data-parallel")
+            classes = dict(runtime_class=ReplicaRuntime, sampler_class=ReplicaSampler)
+            sampler_kwargs["cuda_graphs"] = o.sampler_cuda_graphs  # each replica decodes alone: graphs are fine
+        else:
+            group_kwargs = {}
         if self.tp_group is None:
-            self.tp_group = start_group(o.tensor_parallel_size, o.device,
-                                        follower_threads=max(1, torch.get_num_threads() // o.tensor_parallel_size),
-                                        ray_address=o.ray_address, ray_strategy=o.ray_placement_strategy)
+            self.tp_group = start_group(size, o.device, follower_threads=max(1, torch.get_num_threads() // size),
+                                        ray_address=o.ray_address, ray_strategy=o.ray_placement_strategy,
+                                        **group_kwargs)
         tpb = TPBase(self.tp_group, name, str(model_dir), resolve_dtype(o.dtype, o.device), runtime_kwargs_of(o),
-                     sampler_kwargs_of(o))
+                     sampler_kwargs, **classes)
         # Rank 0 sizes micro-batches (from its free memory) and every rank uses that size.
         micro = o.micro_batch_tokens or auto_micro_batch_tokens(tpb.loaded.config, tpb.model, o)
         tpb.configure(micro, auto_checkpoint_above(micro, tpb.model, o))
@@ -239,8 +261,9 @@ class Worker:
                          lora=tpb.runtime, tp=tpb)  # type: ignore[arg-type]  (the runtime's stand-in)
         self.bases[name] = base
         self.samplers[name] = tpb.sampler  # type: ignore[assignment]
-        log.info("serving %s from %s (%s, %.1fM params) over %d tensor-parallel ranks", name, model_dir,
-                 tpb.loaded.config.family, tpb.loaded.config.num_params / 1e6, o.tensor_parallel_size)
+        log.info("serving %s from %s (%s, %.1fM params) %s %d %s ranks", name, model_dir, tpb.loaded.config.family,
+                 tpb.loaded.config.num_params / 1e6, "replicated on" if replicas else "sharded over", size,
+                 "data-parallel" if replicas else "tensor-parallel")
         return base
 
     def add_alias(self, alias: str, name: str) -> None:
@@ -355,6 +378,8 @@ class Worker:
         if self.options.chunk_tokens:
             return self.options.chunk_tokens
         micro_batch = max((b.lora.micro_batch_tokens for b in self.bases.values()), default=2048)
+        # Replicas split each chunk's datums between them: a chunk of each one's size per replica.
+        micro_batch *= self.options.data_parallel_size
         return micro_batch if keys <= 1 else max(1, micro_batch // 2)
 
     def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]:

@@ -1,0 +1,201 @@
+"""The worker under ``data_parallel_size=2`` (rank 0 here, rank 1 a child process, each holding a
+whole replica) against one process: LoRA training with each chunk's datums split between the
+replicas, the optimizer step over summed gradients, checkpoints, and sampling with each request
+on one replica (placed by load and by shared prompt starts), cancellations included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tinsmith.engine.device_faults import device_fault
+from tinsmith.errors import InvalidInputError
+from tinsmith.parallel.comm import sum_grads
+from tinsmith.parallel.group import ParallelError, TPGroup
+from tinsmith.parallel.replicas import AFFINITY_SLACK_ROWS
+from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
+from tinsmith.sampling.sampler import SampleTask
+from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
+from tinsmith.worker.service import RuntimeOptions, Worker
+
+BUDGET_S = 0.002  # a sampling slice: a few decode steps of the tiny model
+
+
+def _worker(model_dir, dp: int) -> tuple[Worker, object]:
+    w = Worker(RuntimeOptions(device="cpu", dtype="float32", data_parallel_size=dp, micro_batch_tokens=64))
+    return w, w.add_base_model("m", str(model_dir))
+
+
+def _datum(g, n: int) -> Datum:
+    toks = g.integers(0, 512, n + 1)
+    return Datum(tokens=toks[:-1], loss_inputs={"target_tokens": toks[1:],
+                                               "weights": g.random(n).astype(np.float32)})
+
+
+def _requests() -> list[ForwardBackwardInput]:
+    """Uneven datums (so the replicas' shares differ), a one-datum request (one replica runs
+    nothing of it) and a forward-only one."""
+    g = np.random.default_rng(0)
+    return [ForwardBackwardInput([_datum(g, n) for n in (30, 7, 19, 12, 25)], "cross_entropy"),
+            ForwardBackwardInput([_datum(g, 9)], "cross_entropy"),
+            ForwardBackwardInput([_datum(g, 14), _datum(g, 5)], "cross_entropy", forward_only=True)]
+
+
+def _train(w: Worker, run: str, chunk: int) -> list:
+    """Two rounds of forward/backward (``chunk`` tokens a call) and a step after each; the
+    results of every request."""
+    out = []
+    for _ in range(2):
+        passes = [w.fb_begin(run, [req]) for req in _requests()]
+        while not all(p.done for p in passes):
+            w.fb_advance([(p, chunk) for p in passes if not p.done], chunk)
+        out += [p.results[0] for p in passes]
+        out.append(w.optim_step(run, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)))
+    return out
+
+
+def _assert_same_training(ref: list, got: list) -> None:
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        if isinstance(a, dict):  # optimizer step metrics (the gradient norm over summed gradients)
+            assert a.keys() == b.keys()
+            for k in a:
+                assert b[k] == pytest.approx(a[k], abs=1e-5), k
+            continue
+        assert not isinstance(b, Exception), b
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5, rtol=0)
+        for k in a.metrics:
+            assert b.metrics[k] == pytest.approx(a.metrics[k], abs=1e-4), k
+
+
+def _sample_all(sampler, tasks: list[SampleTask], cancel: str | None = None) -> dict:
+    board = CancelBoard(key_id=lambda key: key)
+    sampler.cancellations = board
+    for t in tasks:
+        sampler.add(t)
+    done, slices = {}, 0
+    while sampler.has_work():
+        for key, res in sampler.step(BUDGET_S):
+            done[key] = res
+        slices += 1
+        if slices == 2 and cancel is not None:
+            board.post(cancel)
+    return done
+
+
+def _tasks(slot: int | None) -> list[SampleTask]:
+    g = np.random.default_rng(1)
+
+    def task(key: str, slot: int | None, prompt: int, n: int, **params) -> SampleTask:
+        return SampleTask(key, slot, SampleInput(g.integers(0, 512, prompt), n, SamplingParams(stop=[], **params)))
+
+    return [task("greedy", slot, 5, 1, max_tokens=20, temperature=0.0),
+            task("seeded", slot, 7, 3, max_tokens=20, temperature=1.0, seed=4),
+            task("base", None, 3, 2, max_tokens=20, temperature=0.7, seed=9),
+            task("long-greedy", None, 9, 1, max_tokens=30, temperature=0.0),
+            task("cancelled", slot, 4, 1, max_tokens=400, temperature=1.0, seed=5)]
+
+
+def test_replicas_train_and_sample_as_one_process(qwen3_dir):
+    w1, b1 = _worker(qwen3_dir, 1)
+    w2, b2 = _worker(qwen3_dir, 2)
+    try:
+        assert w2.chunk_tokens() == 2 * w1.chunk_tokens()  # a chunk per replica
+        for w in (w1, w2):
+            w.create_model("run", "m", LoraSpec(rank=4, seed=3))
+        ref = _train(w1, "run", 1 << 20)
+        got = _train(w2, "run", 40)  # small chunks: requests run over several calls, shares differ per call
+        _assert_same_training(ref, got)
+        s1, s2 = w1.export_training_state("run"), w2.export_training_state("run")
+        for k in s1.weights:
+            np.testing.assert_allclose(s1.weights[k].numpy(), s2.weights[k].numpy(), atol=1e-6, rtol=0)
+        for k in s1.optimizer:
+            np.testing.assert_allclose(s1.optimizer[k].numpy(), s2.optimizer[k].numpy(), atol=1e-6, rtol=0)
+
+        # sampling from a snapshot, the base model and the inflight weights: each request on one replica
+        slots = [w.snapshot("run", "snap").slot for w in (w1, w2)]
+        ref = _sample_all(w1.sampler(b1), _tasks(slots[0]), cancel="cancelled")
+        sampler = w2.sampler(b2)
+        got = _sample_all(sampler, _tasks(slots[1]), cancel="cancelled")
+        assert isinstance(ref["cancelled"], SampleCancelled) and isinstance(got["cancelled"], SampleCancelled)
+        for key in ("greedy", "seeded", "base", "long-greedy"):
+            assert len(ref[key].sequences) == len(got[key].sequences)
+            for a, b in zip(ref[key].sequences, got[key].sequences):
+                np.testing.assert_array_equal(a.tokens, b.tokens)
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        assert sampler._local.stats["decode_steps"] > 0 and sampler._stats[0]["decode_steps"] > 0  # both decoded
+        assert sampler.stats["decode_steps"] == sampler._local.stats["decode_steps"] + sampler._stats[0]["decode_steps"]
+        assert not sampler.has_work() and sampler._load == [0, 0]
+        assert w2.tp_group.healthy
+    finally:
+        w2.close()
+
+
+def test_requests_sharing_a_prompt_go_to_one_replica_unless_it_is_much_busier(qwen3_dir):
+    w1, b1 = _worker(qwen3_dir, 1)
+    w, base = _worker(qwen3_dir, 2)
+    try:
+        sampler = w.sampler(base)
+        prompts = {p: np.random.default_rng(p).integers(0, 512, 40) for p in range(4)}
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=1, stop=[])
+        tasks = [SampleTask((p, i), None, SampleInput(prompts[p], 1, params)) for p in range(4) for i in range(4)]
+        places = {}
+        for t in tasks:  # as GRPO sends them: every prompt's requests in a row
+            places[t.key] = sampler._place(t)
+            sampler._load[places[t.key]] += 1
+        for p in range(4):
+            assert len({places[(p, i)] for i in range(4)}) == 1  # a prompt's requests share one prefix cache
+        assert sorted(sampler._load) == [8, 8]  # and the prompts are spread over the replicas
+        # a replica far busier than the other gets no more of its prompts
+        first = places[(0, 0)]
+        sampler._load[first] += AFFINITY_SLACK_ROWS + 8
+        assert sampler._place(SampleTask("late", None, SampleInput(prompts[0], 1, params))) != first
+        sampler._load = [0, 0]
+
+        done = _sample_all(sampler, tasks)
+        ref = _sample_all(w1.sampler(b1), tasks)
+        assert sorted(done) == sorted(t.key for t in tasks)
+        for key, res in ref.items():
+            np.testing.assert_array_equal(res.sequences[0].tokens, done[key].sequences[0].tokens)
+        # each prompt was prefilled once, on its replica, as in one process
+        assert sampler.stats["prefill_tokens"] == w1.sampler(b1).stats["prefill_tokens"] == 4 * 40
+    finally:
+        w.close()
+
+
+def test_an_unseeded_adapter_is_the_same_on_every_replica_and_refusals_name_the_option(qwen3_dir):
+    w1, _ = _worker(qwen3_dir, 1)
+    w2, _ = _worker(qwen3_dir, 2)
+    try:
+        w2.create_model("unseeded", "m", LoraSpec(rank=4))  # rank 0 draws the seed for both replicas
+        _train(w2, "unseeded", 50)
+        w1.load_training_state("copy", "m", w2.export_training_state("unseeded"), create=True)
+        probe = [ForwardBackwardInput(_requests()[0].data, "cross_entropy", forward_only=True)]
+        a = w1.fb_begin("copy", probe)
+        w1.fb_advance([(a, 1 << 20)], 1 << 20)
+        b = w2.fb_begin("unseeded", probe)  # computed across the replicas from their own adapters
+        while not b.done:
+            w2.fb_advance([(b, 1 << 20)], 1 << 20)
+        for x, y in zip(a.results[0].outputs, b.results[0].outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5, rtol=0)
+
+        with pytest.raises(InvalidInputError, match="full fine-tuning .* --data-parallel-size 2"):
+            w2.create_model("full", "m", None)
+
+        w2.tp_group.procs[0].kill()
+        w2.tp_group.procs[0].join()
+        with pytest.raises(ParallelError, match="data-parallel rank 1 of 2 .* exited") as exc:
+            w2.optim_step("unseeded", AdamParams(learning_rate=1e-2))
+        assert device_fault(exc.value) is not None  # the engine stops and /healthz turns unhealthy
+    finally:
+        w2.close()
+
+
+def test_summed_gradients_keep_none_where_no_replica_has_one():
+    """In a group of one nothing moves; the two-rank sum itself runs in the tests above."""
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.full((3,), 2.0)
+    sum_grads([p, q], TPGroup.single())
+    assert q.grad is None and torch.equal(p.grad, torch.full((3,), 2.0))

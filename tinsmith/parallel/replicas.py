@@ -1,0 +1,395 @@
+"""Data parallelism for serving: every rank holds a whole replica of each base model.
+
+``tinsmith serve --data-parallel-size M`` runs M ranks (one GPU each; gloo processes on a CPU),
+driven from rank 0 like a tensor-parallel group (:mod:`tinsmith.parallel.serving`: the worker
+talks to stand-ins that run each call on every rank). What the replicas share:
+
+* **Training (LoRA).** Every replica holds the same adapters: created from the same seed (drawn
+  on rank 0 when the client gave none) and stepped alike. The datums of each chunk the scheduler
+  hands the worker are split over the replicas (longest first onto the replica with the fewest
+  tokens, computed alike everywhere), each runs its share in its own micro-batches, and the
+  per-datum logprobs are all-gathered, so every replica finishes every request exactly as one
+  process would (losses, metrics and outputs from all datums). Each replica's backward leaves the
+  gradient of its share; one all-reduce before the optimizer step sums them (Tinker losses are
+  sums over datums), after which every replica takes the same step. The worker makes chunks M
+  times larger, so a chunk still takes about one micro-batch of time per replica.
+* **Sampling.** Each request runs whole on one replica: rank 0 assigns it to the replica with the
+  fewest sequences outstanding, except that requests with the same adapter and the same start of
+  prompt go where the first of them went (so that replica's prefix cache serves them: GRPO's
+  separate requests for one prompt, the turns of one conversation) unless that replica is busier
+  than the least busy by more than :data:`AFFINITY_SLACK_ROWS` sequences. Every replica decodes
+  its own rows for the slice's time budget; the requests that finished (and the tokens of those
+  still running, for streamed responses) are gathered to rank 0. Cancellations are read from the
+  board on rank 0 and sent with the next slice.
+
+Full fine-tuning is not served under data parallelism yet (sharded full fine-tuning exists as
+:mod:`tinsmith.parallel.fsdp`, not wired to the worker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+from collections import Counter, OrderedDict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tinsmith.errors import CapacityError, InvalidInputError
+from tinsmith.models.loading import load_model
+from tinsmith.optim import check_params_match
+from tinsmith.parallel.comm import sum_grads
+from tinsmith.parallel.fsdp import split_datums
+from tinsmith.parallel.group import ParallelError, TPGroup, guarded
+from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _tokenizer_decoder
+from tinsmith.sampling.cancel import CancelBoard
+from tinsmith.sampling.sampler import Sampler, SampleTask
+from tinsmith.types import OptimParams
+from tinsmith.worker.runtime import FbPass, TrainingRuntime
+from tinsmith.worker.trainables import install_lora_weights, lora_tensors
+from tinsmith.worker.warm_up import configure_device
+
+OPTION = "--data-parallel-size"
+AFFINITY_SLACK_ROWS = 32  # a shared prompt follows its first request unless that replica is this much busier
+AFFINITY_PREFIX_TOKENS = 64  # the start of a prompt that decides where requests sharing it go
+AFFINITY_ENTRIES = 4096  # prompt starts remembered (least recently used forgotten)
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling (to travel to other ranks), else a RuntimeError
+    with its type and message."""
+    try:
+        back = pickle.loads(pickle.dumps(exc))
+        if type(back) is type(exc) and str(back) == str(exc):
+            return exc
+    except Exception:
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def gather_objects(obj: Any, group: TPGroup, what: str) -> list:
+    """Every rank's ``obj``, in rank order."""
+    if group.size == 1:
+        return [obj]
+    out: list = [None] * group.size
+    guarded(group, what, lambda: dist.all_gather_object(out, obj, group=group.group))
+    return out
+
+
+# ----------------------------------------------------------------------------- training on one replica
+class ReplicaTrainingRuntime(TrainingRuntime):
+    """The training runtime of one replica: every replica holds every pass, each runs its share
+    of a chunk's datums, and all of them finish each pass alike (see the module docstring)."""
+
+    def __init__(self, model, dp: TPGroup, **kwargs):
+        if kwargs.get("full_finetune"):
+            raise InvalidInputError(f"full fine-tuning is not served with {OPTION} > 1 yet")
+        super().__init__(model, **kwargs)
+        self.dp = dp
+
+    def advance(self, quotas: list[tuple[FbPass, int]], on_done: Callable[[FbPass], None] | None = None,
+                budget: int | None = None) -> None:
+        """Choose the chunk's datums as one process would (every replica chooses the same), run
+        this replica's share, exchange the logprobs, then complete the passes whose datums have
+        all run (``on_done`` after the exchange, not from inside it)."""
+        chosen, involved = self._choose(quotas, budget)
+        if not chosen:
+            return
+        by_id = {p.id: p for p in involved}
+        prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
+        mine = [chosen[i] for i in split_datums([ref.length for ref in chosen], self.dp.size)[self.dp.rank]]
+        lps: dict = {}
+        failed: dict[int, BaseException] = {}
+
+        def finished(rows: list, out: dict, fails: dict[int, Exception]) -> None:
+            for pid, exc in fails.items():
+                failed.setdefault(pid, exc)
+            lps.update(out)
+
+        try:
+            self.ensure_resident({x.unit_id for x in prepared.values() if x.unit.slot is not None})
+            self._run_rows(mine, prepared, lambda pid: pid in failed, finished)
+        except ParallelError:
+            raise
+        except Exception as exc:  # fails this chunk's passes on every replica (after the exchange)
+            for p in involved:
+                failed.setdefault(p.id, exc)
+        sent = ({k: v.detach().cpu() for k, v in lps.items() if k[0][0] not in failed},
+                {pid: portable(exc) for pid, exc in failed.items()})
+        parts = gather_objects(sent, self.dp, "data-parallel logprobs all_gather")
+        errors: dict[int, BaseException] = {}
+        for _, fails in parts:  # the lowest rank's error names a pass's failure, alike everywhere
+            for pid, exc in fails.items():
+                errors.setdefault(pid, exc)
+        for pid, exc in errors.items():
+            if not by_id[pid].done:
+                by_id[pid].fail(exc)  # type: ignore[arg-type]
+        for rank, (theirs, _) in enumerate(parts):
+            source = lps if rank == self.dp.rank else theirs
+            for ((pid, r), d), lp in source.items():
+                p = by_id[pid]
+                if not p.done:
+                    p.lps[(r, d)] = lp if rank == self.dp.rank else lp.to(self.device)
+        for p in involved:
+            if not p.done and not p.todo:
+                p.complete()
+                if on_done is not None:
+                    on_done(p)
+
+    def optim_step(self, unit: int, params: OptimParams) -> dict[str, float]:
+        params.validate()
+        tr = self.unit(unit)
+        if tr.slot is not None:
+            self.ensure_resident({unit})
+        check_params_match(tr.optimizer_type, params)  # refused alike on every replica, before the collective
+        sum_grads(tr.params, self.dp)
+        return tr.step(params)
+
+
+# ----------------------------------------------------------------------------- what every rank holds
+class ReplicaBase:
+    """One base model on one replica: the whole model, its training runtime and its sampler."""
+
+    def __init__(self, dp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
+                 sampler_kwargs: dict):
+        configure_device(device)
+        self.loaded = load_model(model_dir, device, dtype)
+        model = self.loaded.model
+        self.runtime = ReplicaTrainingRuntime(model, dp, vision=self.loaded.vision, **runtime_kwargs)
+        # Followers' tasks carry the ids rank 0 gave them, and cancellations arrive as those ids.
+        self.board = CancelBoard(lambda key: key)
+        self.sampler = Sampler(model, _tokenizer_decoder(self.loaded.model_dir), vision=self.loaded.vision,
+                               cancellations=None if dp.rank == 0 else self.board, **sampler_kwargs)
+        # Each replica's sampler holds its own requests: its own slots are the busy ones here.
+        self.runtime.busy_slots = self.sampler.slots_in_use
+        self.runtime.on_park_busy = self._adapter_parked
+        self.passes: dict[int, FbPass] = {}
+        self.max_lora_adapters = runtime_kwargs.get("max_lora_adapters", 16)
+
+    def _adapter_parked(self, slot: int) -> None:
+        self.sampler.fail_slot(slot, CapacityError(
+            "the LoRA adapter this inflight sampler reads was moved to host memory to make room for other "
+            f"training runs (--max-lora-adapters {self.max_lora_adapters}); sample again"))
+
+
+class ReplicaRank(ServingRank):
+    """:class:`ServingRank` of a data-parallel group: whole replicas instead of shards."""
+
+    def add_base(self, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
+                 sampler_kwargs: dict) -> ReplicaBase:  # type: ignore[override]
+        self.bases[name] = base = ReplicaBase(self.tp, self.device, model_dir, dtype, runtime_kwargs,
+                                              sampler_kwargs)
+        return base
+
+    def adapter_tensors(self, name: str, unit: int) -> dict[str, torch.Tensor]:
+        rt = self.bases[name].runtime
+        return lora_tensors(rt.unit(unit))
+
+    def install_lora(self, name: str, slot: int, spec, tensors: dict[str, torch.Tensor]) -> None:
+        install_lora_weights(self.bases[name].loaded.model, slot, spec, tensors)
+
+    def sample_step(self, name: str, tasks: list[tuple[int, int, int | None, Any]], cancelled: list[int],
+                    budget_s: float) -> list:  # type: ignore[override]
+        """Queue this replica's ``tasks`` ((replica, id, slot, input)), drop the ``cancelled`` ids,
+        and decode for ``budget_s``. On rank 0: its own finished ``(key, result)`` and every
+        other replica's report (finished ``(id, result)``, running ``(id, sample, tokens)``, counters)."""
+        base = self.bases[name]
+        sampler = base.sampler
+        for replica, tid, slot, inp in tasks:
+            if replica == self.tp.rank:
+                sampler.add(SampleTask(self.local_keys.pop(tid, tid), slot, inp))
+        for tid in cancelled:
+            base.board.post(tid)
+        done = sampler.step(budget_s)
+        report = None
+        if self.tp.rank != 0:
+            for key, _ in done:
+                base.board.forget(key)
+            report = ([(key, portable(res) if isinstance(res, BaseException) else res) for key, res in done],
+                      [(key, idx, list(tokens)) for key, idx, tokens in sampler.running()], dict(sampler.stats))
+        reports = gather_objects(report, self.tp, "data-parallel sampling all_gather")
+        return [done, reports[1:]] if self.tp.rank == 0 else []
+
+    def sample_abort(self, name: str) -> list:
+        return self.bases[name].sampler.abort() if self.tp.rank == 0 else []
+
+
+def replica_rank(tp: TPGroup, device: torch.device) -> ReplicaRank:
+    """``make_target`` of a serving data-parallel group."""
+    return ReplicaRank(tp, device)
+
+
+# ----------------------------------------------------------------------------- rank 0's stand-ins
+class ReplicaRuntime(TPRuntime):
+    """The worker's runtime of a replicated base model: calls run on every replica (adapters
+    without a seed get one drawn here, so every replica draws the same); reads of state come
+    from rank 0's, which every replica's equals."""
+
+
+@dataclasses.dataclass
+class _Remote:
+    replica: int
+    key: Any
+    slot: int | None
+    rows: int
+
+
+class ReplicaSampler:
+    """The :class:`Sampler` methods the worker and the engine call, over every replica's sampler."""
+
+    def __init__(self, base: TPBase):
+        self._base = base
+        self._size = base.group.world_size
+        self._pending: list[SampleTask] = []
+        self._ids = iter(range(1 << 62))
+        self._out: dict[int, _Remote] = {}  # id -> where a request runs (every replica's, rank 0's too)
+        self._tid_of: dict[int, int] = {}  # id(key) -> id
+        self._load = [0] * self._size  # sequences outstanding per replica
+        self._affinity: OrderedDict[bytes, int] = OrderedDict()
+        self._running: list[tuple[Any, int, list[int]]] = []  # other replicas' rows as of the last slice
+        self._stats: list[Counter] = [Counter() for _ in range(self._size - 1)]
+        self._cancel_version = 0
+
+    @property
+    def _local(self) -> Sampler:
+        return self._base.local.sampler
+
+    @property
+    def cancellations(self):
+        return self._local.cancellations
+
+    @cancellations.setter
+    def cancellations(self, board) -> None:
+        self._local.cancellations = board  # rank 0's requests; the others' are sent as ids
+
+    @property
+    def inbox(self) -> list[SampleTask]:
+        return list(self._pending) + list(self._local.inbox)
+
+    @property
+    def rows(self):
+        return self._local.rows
+
+    @property
+    def cache(self):
+        return self._local.cache
+
+    @property
+    def prefix(self):
+        return self._local.prefix
+
+    @property
+    def snapshots(self):
+        return self._local.snapshots
+
+    @property
+    def stats(self) -> Counter:
+        """Every replica's counters summed (the others' as of the last slice)."""
+        total = Counter(dict(self._local.stats))
+        for s in self._stats:
+            total.update(s)
+        return total
+
+    def add(self, task: SampleTask) -> None:
+        self._pending.append(task)
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or bool(self._out) or self._local.has_work()
+
+    def slots_in_use(self) -> set[int]:
+        return ({r.slot for r in self._out.values() if r.slot is not None}
+                | {t.slot for t in self._pending if t.slot is not None} | self._local.slots_in_use())
+
+    def running(self):
+        yield from self._local.running()
+        yield from self._running
+
+    def _place(self, task: SampleTask) -> int:
+        """The replica a request runs on (see the module docstring)."""
+        least = min(range(self._size), key=lambda r: (self._load[r], r))
+        prompt = np.asarray(task.input.prompt[:AFFINITY_PREFIX_TOKENS], dtype=np.int64)
+        start = hashlib.blake2b(prompt.tobytes() + repr(task.slot).encode(), digest_size=16).digest()
+        chosen = self._affinity.get(start)
+        if chosen is None or self._load[chosen] > self._load[least] + AFFINITY_SLACK_ROWS:
+            chosen = least
+        self._affinity[start] = chosen
+        self._affinity.move_to_end(start)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return chosen
+
+    def _cancelled(self) -> list[int]:
+        """Ids of other replicas' requests whose clients cancelled them since the last look."""
+        board = self.cancellations
+        if board is None or board.version == self._cancel_version:
+            return []
+        self._cancel_version = board.version
+        return [tid for tid, r in self._out.items() if r.replica != 0 and board.wants(r.key)]
+
+    def step(self, budget_s: float = 0.05) -> list:
+        tasks, self._pending = self._pending, []
+        sent = []
+        for t in tasks:
+            tid = next(self._ids)
+            replica = self._place(t)
+            rows = t.input.num_samples
+            self._out[tid] = _Remote(replica, t.key, t.slot, rows)
+            self._tid_of[id(t.key)] = tid
+            self._load[replica] += rows
+            if replica == 0:
+                self._base.local_keys_put(tid, t.key)
+            sent.append((replica, tid, t.slot, t.input))
+        # A failed call raises ParallelError: every request stays outstanding, for abort() to report.
+        done, reports = self._base.call("sample_step", sent, self._cancelled(), budget_s)
+        out = []
+        for key, res in done:  # rank 0's own requests
+            tid = self._tid_of.get(id(key))
+            if tid is not None:
+                self._retire(tid)
+            out.append((key, res))
+        self._running = []
+        for replica, (finished, running, stats) in enumerate(reports, start=1):
+            self._stats[replica - 1] = Counter(stats)
+            for tid, res in finished:
+                r = self._retire(tid)
+                if r is not None:
+                    out.append((r.key, res))
+            self._running += [(self._out[tid].key, idx, tokens) for tid, idx, tokens in running if tid in self._out]
+        return out
+
+    def _retire(self, tid: int) -> _Remote | None:
+        r = self._out.pop(tid, None)
+        if r is not None:
+            self._tid_of.pop(id(r.key), None)
+            self._load[r.replica] -= r.rows
+        return r
+
+    def abort(self) -> list:
+        """Drop every request (the group failed or the server stops); their keys."""
+        local: list = []
+        if self._base.group.healthy:
+            try:
+                local = self._base.call("sample_abort")
+            except ParallelError:
+                local = self._local.abort()
+        else:
+            local = self._local.abort()
+        # Rank 0's sampler reported its own; the rest were elsewhere, or never reached it.
+        seen = {id(k) for k in local}
+        keys = [t.key for t in self._pending] + [r.key for r in self._out.values() if id(r.key) not in seen]
+        self._pending = []
+        self._out.clear()
+        self._tid_of.clear()
+        self._load = [0] * self._size
+        self._running = []
+        return keys + local
+
+    def fail_slot(self, slot: int, exc: Exception) -> None:
+        raise RuntimeError("under data parallelism every replica's sampler fails its own slots")
+
+
+__all__ = ["OPTION", "ReplicaBase", "ReplicaRank", "ReplicaRuntime", "ReplicaSampler", "ReplicaTrainingRuntime",
+           "replica_rank", "sum_grads"]
