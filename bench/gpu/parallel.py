@@ -1,6 +1,7 @@
-"""Tensor- and expert-parallel scaling over the GPUs of one machine, in one command.
+"""Tensor-, expert- and data-parallel scaling over the GPUs of one machine, in one command.
 
-    python -m bench.gpu.parallel --out DIR [--sizes 1,2,4,8] [--shapes 8B,32B,30B-A3B] [--quick] [--device cuda|cpu]
+    python -m bench.gpu.parallel --out DIR [--sizes 1,2,4,8] [--shapes 8B,32B,30B-A3B] [--layouts tp,dp] [--quick]
+                                 [--device cuda|cpu]
 
 For each shape and each tensor-parallel size N (at most the GPUs present; on a CPU, gloo
 processes): LoRA r32 fwd+bwd tokens/s at 8 x 1024 and its MFU (4NT over the active weight
@@ -17,6 +18,12 @@ downloads and no minutes of writing weights.
 ``plain`` rows run the same work through the one-process runtime and sampler (no process group,
 no sharded layers) in a process of its own: next to the ``tp1`` row it is the cost of the
 process-group path itself, which should be nothing.
+
+``dp`` rows (``--data-parallel-size``: a whole replica on each GPU) run M times the work of one:
+a step of M x 8 x 1024 tokens whose datums are split over the replicas (logprobs gathered,
+gradients summed before the step), and 64 sampling rows on each replica (tokens/s summed). Next to
+``plain`` they show how replicas scale; shapes whose bf16 weights take more than 60% of a GPU are
+skipped.
 """
 
 from __future__ import annotations
@@ -124,8 +131,11 @@ def random_model(cfg: ModelConfig, tp: TPGroup | None, device: torch.device, dty
     return model.eval()
 
 
-def rank_bench(tp: TPGroup, config_path: str, device_kind: str, sharded: bool, quick: bool) -> dict:
-    """One rank's part of one (shape, TP size) row; rank 0's dict holds the figures."""
+def rank_bench(tp: TPGroup, config_path: str, device_kind: str, layout: str, quick: bool) -> dict:
+    """One rank's part of one (shape, layout, size) row, ``layout`` being ``plain`` (one process),
+    ``tp`` (sharded) or ``dp`` (replicas); rank 0's dict holds the figures (``dp``: every rank's
+    sampling rate counts)."""
+    from tinsmith.parallel.replicas import ReplicaTrainingRuntime
     from tinsmith.parallel.runtime import TPTrainingRuntime
     from tinsmith.parallel.sampling import ShardedSampler
     from tinsmith.sampling.sampler import Sampler
@@ -137,11 +147,17 @@ def rank_bench(tp: TPGroup, config_path: str, device_kind: str, sharded: bool, q
     peak = matmul_flops(device, quick) if tp.rank == 0 else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    sharded = layout == "tp"
     model = random_model(cfg, tp if sharded else None, device, dtype)
-    runtime = TPTrainingRuntime if sharded else TrainingRuntime
-    rt = runtime(model, max_lora_adapters=1, max_lora_rank=RANK)
+    if layout == "dp":
+        rt = ReplicaTrainingRuntime(model, tp, max_lora_adapters=1, max_lora_rank=RANK)
+    else:
+        rt = (TPTrainingRuntime if sharded else TrainingRuntime)(model, max_lora_adapters=1, max_lora_rank=RANK)
     unit = rt.create_adapter(LoraSpec(rank=RANK, seed=0))  # the same seed on every rank
     rows, length = (2, 32) if quick else (8, 1024)
+    if layout == "dp":  # each replica runs 8 x 1024 of the step
+        rows *= tp.size
+        rt.micro_batch_tokens = max(rt.micro_batch_tokens, rows * length // tp.size)
     train = step_rate(rt, {unit: batch(cfg.vocab_size, rows, length)}, steps=2 if quick else 5)
     sampler_cls = ShardedSampler if sharded else Sampler
     sampler = sampler_cls(model, lambda ids: "", max_rows=64)
@@ -157,15 +173,28 @@ def rank_bench(tp: TPGroup, config_path: str, device_kind: str, sharded: bool, q
     return out
 
 
-def run(shape: str, sizes: list[int], device_kind: str, quick: bool, root: Path, deadline_s: float) -> dict:
-    """Every TP size of one shape, plus the one-process ``plain`` row; each in processes of its own."""
+def fits_one_gpu(cfg: ModelConfig, device_kind: str) -> bool:
+    """Whether a whole bf16 replica leaves room for activations (its weights under 60% of the GPU)."""
+    if device_kind == "cpu":
+        return True
+    return 2 * cfg.num_params < 0.6 * torch.cuda.get_device_properties(0).total_memory
+
+
+def run(shape: str, sizes: list[int], device_kind: str, quick: bool, root: Path, deadline_s: float,
+        layouts: tuple[str, ...] = ("tp", "dp")) -> dict:
+    """Every TP (and DP) size of one shape, plus the one-process ``plain`` row; each in processes
+    of its own."""
     path = str(config_dir(shape, root))
     cfg = read_config(Path(path))
     n = active_matmul_params(cfg)
     results: dict = {"active_matmul_params": n}
-    for label, size, sharded in [("plain", 1, False)] + [(f"tp{s}", s, True) for s in sizes]:
+    rows = [("plain", 1, "plain")]
+    rows += [(f"tp{s}", s, "tp") for s in sizes if "tp" in layouts]
+    if "dp" in layouts and fits_one_gpu(cfg, device_kind):
+        rows += [(f"dp{s}", s, "dp") for s in sizes if s > 1]
+    for label, size, layout in rows:
         t = time.perf_counter()
-        outcomes = run_ranks(rank_bench, size, root / f"{shape}-{label}", (path, device_kind, sharded, quick),
+        outcomes = run_ranks(rank_bench, size, root / f"{shape}-{label}", (path, device_kind, layout, quick),
                              timeout_s=300, deadline_s=deadline_s, devices=None if device_kind == "cpu" else
                              [f"cuda:{r}" for r in range(size)])
         failed = [o for o in outcomes if o.exitcode != 0]
@@ -178,7 +207,9 @@ def run(shape: str, sizes: list[int], device_kind: str, quick: bool, root: Path,
             "ranks": size,
             "train_tokens_per_s": tps,
             "train_mfu_4nt": 4 * n * tps / (size * r0["matmul_peak_flops_per_s"]),
-            "sample_tokens_per_s": r0["sample"]["tokens_per_s"],
+            # replicas sample their own rows at once: their rates add up
+            "sample_tokens_per_s": sum(o.result["sample"]["tokens_per_s"] for o in outcomes) if layout == "dp"
+            else r0["sample"]["tokens_per_s"],
             "peak_gib_per_rank": [o.result["peak_gib"] for o in outcomes],
             "wall_s": round(time.perf_counter() - t, 1),
         }
@@ -190,7 +221,7 @@ def run(shape: str, sizes: list[int], device_kind: str, quick: bool, root: Path,
 
 
 def markdown(summary: dict) -> str:
-    lines = [f"# Tensor-parallel scaling ({summary['device']}, torch {summary['torch']})", "",
+    lines = [f"# Tensor- and data-parallel scaling ({summary['device']}, torch {summary['torch']})", "",
              "| shape | layout | ranks | train tok/s | MFU (4NT) | sample tok/s | peak GiB/rank |",
              "|---|---|---|---|---|---|---|"]
     for shape, rows in summary["shapes"].items():
@@ -215,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     p.add_argument("--quick", action="store_true", help="small batches (a CPU check of the whole run)")
     p.add_argument("--deadline-s", type=float, default=600.0, help="per row: ranks still running are killed")
+    p.add_argument("--layouts", default="tp,dp", help="tp (sharded), dp (replicas) or both")
     a = p.parse_args(argv)
     gpus = torch.cuda.device_count() if a.device == "cuda" else 2
     shapes = [s for s in (a.shapes or ("8B,32B,30B-A3B" if gpus > 1 else "8B")).split(",") if s]
@@ -231,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "gpus": gpus if a.device == "cuda" else 0, "torch": torch.__version__, "sizes": sizes, "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
-            summary["shapes"][shape] = run(shape, sizes, a.device, a.quick, Path(tmp), a.deadline_s)
+            summary["shapes"][shape] = run(shape, sizes, a.device, a.quick, Path(tmp), a.deadline_s,
+                                           tuple(x for x in a.layouts.split(",") if x))
             (a.out / "parallel.json").write_text(json.dumps(summary, indent=2))
     (a.out / "parallel.md").write_text(markdown(summary))
     print(markdown(summary))

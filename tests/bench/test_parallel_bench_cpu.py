@@ -17,7 +17,7 @@ def test_parallel_bench_runs_on_cpu(tmp_path):
     assert "tiny-moe" in (tmp_path / "parallel.md").read_text()
     for shape in ("tiny", "tiny-moe"):
         rows = summary["shapes"][shape]
-        for label in ("plain", "tp1", "tp2"):
+        for label in ("plain", "tp1", "tp2", "dp2"):
             assert "error" not in rows[label], rows[label]
             assert rows[label]["train_tokens_per_s"] > 0 and rows[label]["sample_tokens_per_s"] > 0
         assert rows["tp1_vs_plain"]["train"] > 0

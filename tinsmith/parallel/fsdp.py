@@ -246,9 +246,10 @@ class FsdpTrainingRuntime(TrainingRuntime):
     """The training runtime of one data-parallel rank of a sharded full fine-tune.
 
     Every rank is called with the same requests; results come out the same on every rank.
-    Only :meth:`forward_backward` runs requests (the engine's ``begin``/``advance`` interleaving
-    is not wired to it). Custom losses are refused: a loss that is not a sum over datums cannot
-    be split across ranks.
+    :meth:`forward_backward` runs whole calls; the engine's :meth:`begin` / :meth:`advance`
+    interleaving runs a chunk of datums per call, chosen alike on every rank and split between
+    them. Custom losses are refused: a loss that is not a sum over datums cannot be split across
+    ranks.
     """
 
     def __init__(self, model: CausalLM, **kwargs):
@@ -269,8 +270,43 @@ class FsdpTrainingRuntime(TrainingRuntime):
             raise InvalidInputError("custom losses are not supported by sharded full fine-tuning yet")
         return super()._prepare(req)
 
-    def begin(self, requests):  # noqa: D102 (the engine's path; see the class docstring)
-        raise NotImplementedError("the data-parallel runtime runs whole calls: use forward_backward")
+    def advance(self, quotas, on_done=None, budget=None) -> None:
+        """Run one chunk: its datums chosen as one process would (alike on every rank), each rank
+        its share; passes whose datums have all run complete after the chunk (every rank alike).
+        A failure fails the chunk's passes; a failed collective is raised too (the group is then
+        unusable, which the worker reports)."""
+        chosen, involved = self._choose(quotas, budget)
+        if not chosen:
+            return
+        by_id = {p.id: p for p in involved}
+        prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
+        try:
+            lps = self._run_share(chosen, prepared)
+        except Exception as exc:
+            exc = self._as_group_error(exc)
+            for p in involved:
+                p.fail(exc)
+            if isinstance(exc, ParallelError):
+                raise exc
+            return
+        finally:
+            reshard_all(self.model)
+        for ((pid, r), d), lp in lps.items():
+            by_id[pid].lps[(r, d)] = lp
+        for p in involved:
+            if not p.done and not p.todo:
+                p.complete()
+                if on_done is not None:
+                    on_done(p)
+
+    def _as_group_error(self, exc: Exception) -> Exception:
+        """FSDP's collectives raise backend errors (gloo) when a peer is gone or late: those
+        become :class:`ParallelError`."""
+        if not isinstance(exc, (ParallelError, TinsmithError)) and isinstance(exc, RuntimeError):
+            return ParallelError(f"data-parallel forward/backward failed on rank {self.dp.rank} of {self.dp.size} "
+                                 f"({type(exc).__name__}: {str(exc)[:300]}); when another rank exits, raises or "
+                                 f"does not join within {self.dp.timeout_s:g} s, the collectives fail so")
+        return exc
 
     def forward_backward(self, requests: list[TrainRequest]) -> list:
         """Run the requests (every rank its share of their datums) and return, per request, its
@@ -283,15 +319,13 @@ class FsdpTrainingRuntime(TrainingRuntime):
                 prepared[("req", r)] = self._prepare(req)
             except TinsmithError as exc:  # every rank refuses alike: the same requests, the same checks
                 results[r] = exc
+        refs = [SequenceRef(key, d, None, len(t), needs_grad=not prep.forward_only)
+                for key, prep in prepared.items() for d, t in enumerate(prep.tokens)]
         try:
-            lps = self._run_share(prepared)
+            lps = self._run_share(refs, prepared)
         except Exception as exc:
             reshard_all(self.model)
-            if not isinstance(exc, (ParallelError, TinsmithError)) and isinstance(exc, RuntimeError):
-                # FSDP's collectives raise backend errors (gloo) when a peer is gone or late
-                exc = ParallelError(f"data-parallel forward/backward failed on rank {self.dp.rank} of {self.dp.size} "
-                                    f"({type(exc).__name__}: {str(exc)[:300]}); when another rank exits, raises or "
-                                    f"does not join within {self.dp.timeout_s:g} s, the collectives fail so")
+            exc = self._as_group_error(exc)
             for key in prepared:
                 results[key[1]] = exc
             return results
@@ -303,11 +337,9 @@ class FsdpTrainingRuntime(TrainingRuntime):
                 results[key[1]] = exc
         return results
 
-    def _run_share(self, prepared: dict) -> dict:
-        """Run this rank's datums (padded to the group's micro-batch counts) and all-gather every
-        datum's logprobs. Returns ``{(request key, datum): logprobs}`` for all datums."""
-        refs = [SequenceRef(key, d, None, len(t), needs_grad=not prep.forward_only)
-                for key, prep in prepared.items() for d, t in enumerate(prep.tokens)]
+    def _run_share(self, refs: list[SequenceRef], prepared: dict) -> dict:
+        """Run this rank's share of ``refs`` (padded to the group's micro-batch counts) and
+        all-gather every datum's logprobs. Returns ``{(request key, datum): logprobs}`` for all."""
         plans = plan_ranks(refs, self.dp.size, self.micro_batch_tokens, self.micro_batch_seqs)
         # every rank pads each phase (with backward, then forward only) to the most micro-batches of any rank
         counts = {g: max(phase_counts(plan)[g] for plan in plans) for g in (True, False)}
@@ -357,6 +389,11 @@ class FsdpTrainingRuntime(TrainingRuntime):
                 "grads": sum(_local(p.grad).numel() for p in tr.params if p.grad is not None),
                 "optimizer": sum(t.numel() for t in state),
                 "model": sum(p.numel() for p in tr.params)}
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights at full size in host memory, under a one-process full
+        fine-tune's names (all ranks call it; each gets them), for sampler snapshots and exports."""
+        return {n: _full(p, self.dp, n) for n, p in self.unit(FULL_UNIT).named_params}
 
     def export_full_state(self, unit: int = FULL_UNIT) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Full-size weights and optimizer state (all ranks call it; each gets them)."""

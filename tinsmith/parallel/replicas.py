@@ -22,12 +22,15 @@ talks to stand-ins that run each call on every rank). What the replicas share:
   still running, for streamed responses) are gathered to rank 0. Cancellations are read from the
   board on rank 0 and sent with the next slice.
 
-Full fine-tuning is not served under data parallelism yet (sharded full fine-tuning exists as
-:mod:`tinsmith.parallel.fsdp`, not wired to the worker).
+* **Full fine-tuning** runs sharded (:mod:`tinsmith.parallel.fsdp`): each replica turns a copy of
+  its base model into its FSDP2 shard of the run (fp32 master weights, gradients and AdamW state
+  split over the replicas), and each chunk's datums are split as for LoRA. Sampler snapshots and
+  exports gather the whole weights to rank 0, which samples full snapshots itself.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import pickle
@@ -42,7 +45,7 @@ from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
-from tinsmith.parallel.fsdp import split_datums
+from tinsmith.parallel.fsdp import FsdpTrainingRuntime, shard_full_model, split_datums
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded
 from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _tokenizer_decoder
 from tinsmith.sampling.cancel import CancelBoard
@@ -150,6 +153,26 @@ class ReplicaTrainingRuntime(TrainingRuntime):
 
 
 # ----------------------------------------------------------------------------- what every rank holds
+class ReplicaFullRun:
+    """One full fine-tune on one replica: its FSDP2 shard of a copy of the base model, and the
+    runtime over it (the engine's passes by id, as a base's)."""
+
+    def __init__(self, base: "ReplicaBase", dp: TPGroup, optimizer_type: str):
+        if optimizer_type != "adamw":
+            raise InvalidInputError(f"full fine-tuning with {OPTION} > 1 steps with AdamW only, not "
+                                    f"{optimizer_type!r}")
+        model = copy.deepcopy(base.loaded.model)
+        if model.config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        shard_full_model(model, dp)  # refuses, alike on every replica, what it does not cover
+        lora = base.runtime
+        self.runtime = FsdpTrainingRuntime(model, micro_batch_tokens=lora.micro_batch_tokens,
+                                           micro_batch_seqs=lora.micro_batch_seqs,
+                                           checkpoint_above_tokens=lora.checkpoint_above_tokens,
+                                           gradient_checkpointing=base.gradient_checkpointing, packing=lora.packing)
+        self.passes: dict[int, FbPass] = {}
+
+
 class ReplicaBase:
     """One base model on one replica: the whole model, its training runtime and its sampler."""
 
@@ -168,6 +191,8 @@ class ReplicaBase:
         self.runtime.on_park_busy = self._adapter_parked
         self.passes: dict[int, FbPass] = {}
         self.max_lora_adapters = runtime_kwargs.get("max_lora_adapters", 16)
+        self.gradient_checkpointing = runtime_kwargs.get("gradient_checkpointing", False)
+        self.full: dict[str, ReplicaFullRun] = {}  # model_id -> its full fine-tune
 
     def _adapter_parked(self, slot: int) -> None:
         self.sampler.fail_slot(slot, CapacityError(
@@ -183,6 +208,20 @@ class ReplicaRank(ServingRank):
         self.bases[name] = base = ReplicaBase(self.tp, self.device, model_dir, dtype, runtime_kwargs,
                                               sampler_kwargs)
         return base
+
+    def _holder(self, name: Any) -> Any:
+        """A base model, or with ``(base, model_id)`` that base's full fine-tune."""
+        if isinstance(name, tuple):
+            return self.bases[name[0]].full[name[1]]
+        return self.bases[name]
+
+    def create_full(self, name: str, model_id: str, optimizer_type: str) -> ReplicaFullRun:
+        base = self.bases[name]
+        base.full[model_id] = run = ReplicaFullRun(base, self.tp, optimizer_type)
+        return run
+
+    def drop_full(self, name: str, model_id: str) -> None:
+        self.bases[name].full.pop(model_id, None)
 
     def adapter_tensors(self, name: str, unit: int) -> dict[str, torch.Tensor]:
         rt = self.bases[name].runtime
@@ -227,6 +266,36 @@ class ReplicaRuntime(TPRuntime):
     """The worker's runtime of a replicated base model: calls run on every replica (adapters
     without a seed get one drawn here, so every replica draws the same); reads of state come
     from rank 0's, which every replica's equals."""
+
+
+class ReplicaFullRuntime(TPRuntime):
+    """The worker's runtime of a full fine-tune under data parallelism: every call runs on every
+    replica's shard (see :class:`ReplicaFullRun`); reads come from rank 0's."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The whole weights, gathered from the shards into host memory on rank 0."""
+        return self._run("export_weights")
+
+    def drop(self) -> None:
+        """The run is unloaded: every replica frees its shard."""
+        self._base.drop()
+
+
+class FullRunHandle:
+    """What a :class:`ReplicaFullRuntime` calls through: the group, addressing one full fine-tune."""
+
+    def __init__(self, base: TPBase, model_id: str, optimizer_type: str):
+        self.group, self.key = base.group, (base.name, model_id)
+        self.local: ReplicaFullRun = base.group.call("create_full", base.name, model_id, optimizer_type)
+        self.runtime = ReplicaFullRuntime(self)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self.group.call(method, self.key, *args)
+
+    def drop(self) -> None:
+        """Free every replica's shard (nothing to do once the group is down)."""
+        if self.group.healthy:
+            self.group.call("drop_full", *self.key)
 
 
 @dataclasses.dataclass
@@ -391,5 +460,5 @@ class ReplicaSampler:
         raise RuntimeError("under data parallelism every replica's sampler fails its own slots")
 
 
-__all__ = ["OPTION", "ReplicaBase", "ReplicaRank", "ReplicaRuntime", "ReplicaSampler", "ReplicaTrainingRuntime",
-           "replica_rank", "sum_grads"]
+__all__ = ["OPTION", "FullRunHandle", "ReplicaBase", "ReplicaFullRun", "ReplicaFullRuntime", "ReplicaRank",
+           "ReplicaRuntime", "ReplicaSampler", "ReplicaTrainingRuntime", "replica_rank"]

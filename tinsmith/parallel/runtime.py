@@ -54,7 +54,7 @@ class TPTrainingRuntime(TrainingRuntime):
 
     def __init__(self, model, **kwargs):
         if kwargs.get("full_finetune"):
-            raise InvalidInputError("full fine-tuning under tensor parallelism is not supported yet (FSDP2 is planned)")
+            raise InvalidInputError("full fine-tuning under tensor parallelism is not supported yet (--data-parallel-size shards it with FSDP2)")
         super().__init__(model, **kwargs)
         self.tp = tp_of(model)
         self.shard_dims = lora_shard_dims(model)

@@ -115,16 +115,20 @@ class ServingRank:
         self.bases[name] = base = RankBase(self.tp, self.device, model_dir, dtype, runtime_kwargs, sampler_kwargs)
         return base
 
+    def _holder(self, name: Any) -> Any:
+        """What a call's ``name`` addresses: a base model (its ``runtime`` and ``passes``)."""
+        return self.bases[name]
+
     def configure(self, name: str, micro_batch_tokens: int, checkpoint_above_tokens: int | None) -> None:
         rt = self.bases[name].runtime
         rt.micro_batch_tokens, rt.checkpoint_above_tokens = micro_batch_tokens, checkpoint_above_tokens
 
     def runtime(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """A method of the base's runtime (create_adapter, optim_step, forward_backward...)."""
-        return getattr(self.bases[name].runtime, method)(*args, **kwargs)
+        return getattr(self._holder(name).runtime, method)(*args, **kwargs)
 
     def set_steps(self, name: str, unit: int, steps: int) -> None:
-        self.bases[name].runtime.unit(unit).steps = steps
+        self._holder(name).runtime.unit(unit).steps = steps
 
     def adapter_tensors(self, name: str, unit: int) -> dict[str, torch.Tensor]:
         rt = self.bases[name].runtime
@@ -134,7 +138,7 @@ class ServingRank:
         return gather_full(lora_tensors(tr), rt.shard_dims, self.tp)
 
     def begin(self, name: str, requests: list[TrainRequest]) -> FbPass:
-        b = self.bases[name]
+        b = self._holder(name)
         p = b.runtime.begin(requests)
         if not p.done:
             b.passes[p.id] = p
@@ -142,7 +146,7 @@ class ServingRank:
 
     def advance(self, name: str, quotas: list[tuple[int, int]], budget: int | None) -> list[int]:
         """Advance passes (by id); the ids of those that completed."""
-        b = self.bases[name]
+        b = self._holder(name)
         passes = [(b.passes[i], q) for i, q in quotas]
         b.runtime.advance(passes, None, budget=budget)
         done = [i for i, _ in quotas if b.passes[i].done]

@@ -195,7 +195,8 @@ _HELP = {
                             "processes): every family served (experts split over the ranks) with LoRA only; 1 runs one process",
     "data_parallel_size": "replicate every base model on this many ranks, one GPU each (cuda:0..M-1; on the CPU, "
                           "processes): each chunk of LoRA training is split between the replicas (gradients summed "
-                          "before each step) and each sample request runs on one; LoRA only; not with "
+                          "before each step) and each sample request runs on one; full fine-tunes are sharded over "
+                          "them (FSDP2); not with "
                           "--tensor-parallel-size > 1 yet; 1 runs one process",
     "ray_address": "place the tensor-parallel ranks other than this process's rank 0 as Ray actors on the Ray "
                    "cluster at this address (auto: the one `ray start` runs on this node; HOST:PORT: its head), so "

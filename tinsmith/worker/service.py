@@ -289,7 +289,8 @@ class Worker:
             unit = base.lora.create_adapter(lora, optimizer_type)
             placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
-            self._refuse_under_tp(base, "full fine-tuning")
+            if self.options.data_parallel_size == 1:
+                self._refuse_under_tp(base, "full fine-tuning")
             if base.config.vision is not None:
                 raise InvalidInputError(f"full fine-tuning of image-text base model {base_model!r} is not supported "
                                         "yet; use a LoRA config")
@@ -298,6 +299,13 @@ class Worker:
                     f"this server holds at most {self.options.max_full_finetunes} full fine-tuning runs "
                     "(--max-full-finetunes); use a LoRA config or unload one"
                 )
+            if base.tp is not None:  # replicas: every one holds its FSDP shard of the run
+                from tinsmith.parallel.replicas import FullRunHandle
+
+                handle = FullRunHandle(base.tp, model_id, optimizer_type)
+                base.full[model_id] = handle.runtime  # type: ignore[assignment]  (the runtime's stand-in)
+                self.placements[model_id] = Placement(base, handle.runtime, FULL_UNIT, False, None, owner)  # type: ignore[arg-type]
+                return self.placements[model_id]
             model = copy.deepcopy(base.loaded.model)
             if model.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
@@ -345,6 +353,8 @@ class Worker:
             p.runtime.delete_adapter(p.unit)
         else:
             p.base.full.pop(model_id, None)
+            if p.base.tp is not None:
+                p.runtime.drop()  # type: ignore[attr-defined]  (every replica's shard)
         for key in [k for k, m in self.inflight.items() if m == model_id]:
             del self.inflight[key]
         self.drop_idle_live_samplers()
@@ -435,12 +445,12 @@ class Worker:
     def sampler(self, base: BaseModel, snapshot: Snapshot | None = None) -> Sampler:
         """The sampler of ``base`` (shared by its LoRA snapshots), or the one of a full snapshot
         (which must be resident: :meth:`make_resident`)."""
-        if base.tp is not None:
-            return base.tp.sampler
-        if snapshot is not None and snapshot.is_full:
+        if snapshot is not None and snapshot.is_full:  # (under data parallelism too: rank 0 samples it)
             if snapshot.model is None:
                 raise RuntimeError(f"sampler snapshot {snapshot.key!r} is not resident")
             return self._sampler_of(snapshot.sampler_key, base, snapshot.model)
+        if base.tp is not None:
+            return base.tp.sampler
         return self._sampler_of(base.name, base, base.loaded.model)
 
     def _sampler_of(self, key: str, base: BaseModel, model: CausalLM) -> Sampler:
@@ -470,6 +480,11 @@ class Worker:
         if p.is_lora:
             p.runtime.ensure_resident({p.unit})  # a parked adapter comes back into its slot
             return self.sampler(p.base), p.runtime.unit(p.unit).slot
+        if p.base.tp is not None:
+            option, size = self._group_option()
+            raise InvalidInputError(f"inflight sampling of a full fine-tune is not supported with {option} {size} "
+                                    "yet (its weights are sharded); save_weights_and_get_sampling_client samples a "
+                                    "snapshot of them")
         return self._sampler_of(_live_sampler_key(model_id), p.base, p.runtime.model), None
 
     def _sampler_slots(self, base_name: str) -> set[int]:
@@ -515,7 +530,15 @@ class Worker:
         p = self.placement(model_id)
         if p.is_lora:
             raise InvalidInputError(f"model {model_id!r} is a LoRA run, not a full fine-tune")
-        return {n: t.detach() for n, t in p.runtime.unit(p.unit).named_params}, p.base
+        return dict(self._full_named_weights(p)), p.base
+
+    @staticmethod
+    def _full_named_weights(p: Placement):
+        """A full fine-tune's weights, (name, tensor) pairs: live ones, or under data parallelism
+        the shards gathered into host memory."""
+        if p.base.tp is not None:
+            return list(p.runtime.export_weights().items())  # type: ignore[attr-defined]
+        return [(n, t.detach()) for n, t in p.runtime.unit(p.unit).named_params]
 
     def snapshot(self, model_id: str, key: str, *, owner: str = "", reloadable: bool = False,
                  queued: Collection[str] = ()) -> Snapshot:
@@ -526,8 +549,7 @@ class Worker:
         """
         p = self.placement(model_id)
         if not p.is_lora:
-            return self._install_full_snapshot(key, p.base, p.runtime.unit(p.unit).named_params, reloadable, owner,
-                                               queued)
+            return self._install_full_snapshot(key, p.base, self._full_named_weights(p), reloadable, owner, queued)
         spec, tensors, base = self.adapter_weights(model_id)
         return self._install_snapshot(key, base, spec, tensors, reloadable, owner, queued)
 
@@ -610,7 +632,8 @@ class Worker:
         """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in host memory."""
         from safetensors import safe_open
 
-        self._refuse_under_tp(base, "sampling a full fine-tune's stored weights")
+        if self.options.data_parallel_size == 1:  # replicas hold the whole base model: rank 0 samples it
+            self._refuse_under_tp(base, "sampling a full fine-tune's stored weights")
         params = dict(base.loaded.model.named_parameters())
         incoming = sum(p.numel() * p.element_size() for p in params.values())
         self._snapshot_victims(owner, queued, full_bytes=incoming)  # refuse before reading when there is no room
