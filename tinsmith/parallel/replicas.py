@@ -253,7 +253,14 @@ class ReplicaRank(ServingRank):
         return [done, reports[1:]] if self.tp.rank == 0 else []
 
     def sample_abort(self, name: str) -> list:
-        return self.bases[name].sampler.abort() if self.tp.rank == 0 else []
+        """Every replica drops its requests; rank 0's keys (rank 0 knows the others' already)."""
+        base = self.bases[name]
+        keys = base.sampler.abort()
+        if self.tp.rank == 0:
+            return keys
+        for key in keys:
+            base.board.forget(key)
+        return []
 
 
 def replica_rank(tp: TPGroup, device: torch.device) -> ReplicaRank:
