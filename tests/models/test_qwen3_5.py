@@ -361,3 +361,37 @@ def test_a_prompt_sent_again_later_is_not_prefilled_again(model_dir):
             np.testing.assert_array_equal(w.tokens, g.tokens)
             np.testing.assert_allclose(w.logprobs, g.logprobs, atol=1e-6, rtol=0)
     assert not np.array_equal(want["a"].sequences[0].logprobs, want["c"].sequences[0].logprobs)  # the adapter counts
+
+
+@pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
+def test_a_prompt_extending_a_kept_one_prefills_only_its_new_tokens(model_dir):
+    """Multi-turn: each turn's prompt repeats the conversation so far and adds to it. A hybrid
+    model continues from the kept states of the turn before (turn 3 from turn 2's, kept after its
+    own continued prefill); a long prompt prefilled in chunks is kept too, sent again it is not
+    prefilled, extended it prefills its new tokens only. Every request samples exactly what a
+    sampler without that memory samples."""
+    model = load_model(str(model_dir)).model
+    rng = np.random.default_rng(9)
+    t1 = rng.integers(4, VOCAB, 20).tolist()
+    t2 = t1 + rng.integers(4, VOCAB, 15).tolist()
+    t3 = t2 + rng.integers(4, VOCAB, 10).tolist()
+    long = rng.integers(4, VOCAB, 90).tolist()  # three 32-token chunks
+    more = long + rng.integers(4, VOCAB, 7).tolist()
+    requests = [("t1", t1), ("t2", t2), ("t3", t3), ("long", long), ("long-again", long), ("long-more", more)]
+
+    def sample(prefix_cache_bytes: int) -> tuple[dict, dict]:
+        sampler = make_sampler(model, model_dir, prefix_cache_bytes=prefix_cache_bytes, prefill_chunk_tokens=32)
+        out = {}
+        for key, p in requests:  # one admission each, as the turns of a conversation arrive
+            out.update(run(sampler, [task(key, p, max_tokens=6, temperature=1.0, seed=7, stop=[], n=2)]))
+        return out, sampler.stats
+
+    want, plain = sample(0)
+    got, stats = sample(1 << 30)
+    assert plain["prefill_tokens"] == sum(len(p) for _, p in requests)
+    assert stats["prefill_tokens"] == 20 + 15 + 10 + 90 + 0 + 7
+    assert stats["cached_prompt_tokens"] == 20 + 35 + 90 + 90
+    for key in want:
+        for w, g in zip(want[key].sequences, got[key].sequences):
+            np.testing.assert_array_equal(w.tokens, g.tokens)
+            np.testing.assert_allclose(w.logprobs, g.logprobs, atol=1e-5, rtol=0)

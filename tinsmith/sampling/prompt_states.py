@@ -10,7 +10,9 @@ and the logits after the last token. This cache keeps those, least recently used
 so a prompt sent again is not prefilled again.
 
 Keys are the sampler's share keys (weights version, prompt tokens), compared whole: a stale
-weights version is never looked up again and ages out.
+weights version is never looked up again and ages out. A prompt that *extends* a kept one (the
+next turn of a conversation, which repeats the earlier turns) continues from the kept one's
+states (:meth:`PromptSnapshots.longest_prefix`): only its new tokens are prefilled.
 """
 
 from __future__ import annotations
@@ -69,6 +71,17 @@ class PromptSnapshots:
             self.entries.move_to_end(key)
             self.stats["hits"] += 1
         return snap
+
+    def longest_prefix(self, weights: Hashable, prompt: bytes) -> PromptSnapshot | None:
+        """The longest kept prompt that ``prompt`` (token bytes) starts with or equals, computed
+        by ``weights`` and kept without prompt logits (keys as the sampler's share keys)."""
+        best = None
+        for key in self.entries:
+            w, logits, tokens = key  # type: ignore[misc]
+            if (w == weights and not logits and len(tokens) <= len(prompt)
+                    and (best is None or len(tokens) > len(best[2])) and prompt.startswith(tokens)):
+                best = key
+        return None if best is None else self.get(best)
 
     def put(self, key: Hashable, snap: PromptSnapshot) -> None:
         """Keep ``snap`` (one larger than the whole budget is not kept)."""

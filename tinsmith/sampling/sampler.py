@@ -338,6 +338,11 @@ class Sampler:
             key = self._share_key(task)
             P = 0 if key is not None and key in shared else len(task.input.prompt)
             chunked = self._prefilled_in_chunks(task)
+            head = self._kept_head(task)  # hybrid models: a kept prompt this one equals or extends
+            if head is not None and head.length == len(task.input.prompt):
+                chunked, P, head = False, 0, None  # the prefill seeds its rows from the kept one
+            elif head is not None and self._chunked is not None:
+                head = None  # one continued prompt at a time: this one is prefilled as usual
             if chunked and self._chunked is not None:
                 break  # one long prompt at a time, in queue order
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
@@ -372,8 +377,8 @@ class Sampler:
             st.order = next(self._admissions)
             rows += n
             span = held
-            if chunked:
-                self._start_chunked(st, done)
+            if chunked or head is not None:
+                self._start_chunked(st, done, head)
                 continue
             batch.append(st)
             tokens += P
@@ -629,23 +634,40 @@ class Sampler:
         inp = task.input
         return self._can_chunk and len(inp.prompt) > self.prefill_chunk_tokens and not inp.prompt_images
 
-    def _start_chunked(self, st: _TaskState, done: list) -> None:
+    def _kept_head(self, task: SampleTask) -> PromptSnapshot | None:
+        """On hybrid models, the longest kept prompt ``task``'s prompt equals or extends (see
+        :mod:`tinsmith.sampling.prompt_states`); None when there is none or it cannot be used
+        (prompt logprobs asked, images, chunks off)."""
+        key = self._share_key(task)
+        if not self.snapshots.enabled or key is None or not self._can_chunk or _needs_prompt_logits(task.input):
+            return None
+        return self.snapshots.longest_prefix(key[0], key[2])
+
+    def _start_chunked(self, st: _TaskState, done: list, head: PromptSnapshot | None = None) -> None:
         """Make ``st`` the prompt prefilled in chunks: its K/V buffer, with the cached blocks of its
-        prefix already in place (prompts that ask for prompt logprobs read none, as whole ones)."""
+        prefix already in place (prompts that ask for prompt logprobs read none, as whole ones),
+        or on hybrid models continuing from ``head``, a kept prompt it extends (its K/V and
+        recurrent states)."""
         inp = st.task.input
         prompt = np.asarray(inp.prompt).tolist()
         weights = self._weights_of(st.task.slot)
         try:
-            blocks = [] if _needs_prompt_logits(inp) else self.prefix.lookup(weights, prompt, len(prompt) - 1)
+            blocks = [] if _needs_prompt_logits(inp) or head is not None else \
+                self.prefix.lookup(weights, prompt, len(prompt) - 1)
             kv = self._prefix_buffer([blocks], [len(prompt)])
+            if head is not None:
+                for layer, (k, v) in head.kv.items():
+                    kv[self._kv_index[layer], 0, 0, :, : head.length] = k
+                    kv[self._kv_index[layer], 1, 0, :, : head.length] = v
         except self.fatal_errors:
             raise
         except Exception as exc:  # e.g. out of memory for the buffer: this request fails alone
             log.exception("could not start the chunked prefill of a %d-token prompt", len(prompt))
             self._fail([st], exc, done)
             return
-        st.cached_tokens = len(blocks) * self.prefix.block
-        self._chunked = _ChunkedPrefill(st, prompt, weights, kv, st.cached_tokens)
+        st.cached_tokens = head.length if head is not None else len(blocks) * self.prefix.block
+        self._chunked = _ChunkedPrefill(st, prompt, weights, kv, st.cached_tokens,
+                                        None if head is None else head.states)
 
     def _prefill_next_chunk(self, done: list) -> None:
         """Prefill the next chunk of the long prompt; after its last chunk its rows join the batch."""
@@ -672,6 +694,7 @@ class Sampler:
             self._grow_cache(st.task.input.num_samples, P + 1)
             layer_kv = {layer: (c.kv[self._kv_index[layer], 0, 0], c.kv[self._kv_index[layer], 1, 0]) for layer in kv}
             prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
+            self._keep_chunked(c, last_logits)
             self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
             self._rows_changed()
         except self.fatal_errors:
@@ -679,6 +702,16 @@ class Sampler:
         except Exception as exc:  # e.g. out of memory: fail this request, keep the running ones
             log.exception("chunked prefill of a %d-token prompt failed", P)
             self._fail([st], exc, done)
+
+    def _keep_chunked(self, c: _ChunkedPrefill, last_logits: torch.Tensor) -> None:
+        """On hybrid models, keep a prompt prefilled in chunks (or continued from a kept one) for
+        later admissions of it or of prompts extending it, unless the weights changed meanwhile."""
+        key = self._share_key(c.state.task)
+        if (not self.snapshots.enabled or c.recurrent is None or key is None or key[0] != c.started
+                or _needs_prompt_logits(c.state.task.input)):
+            return
+        kv = {layer: (c.kv[i, 0], c.kv[i, 1]) for layer, i in self._kv_index.items()}
+        self.snapshots.put(key, PromptSnapshot.of(kv, c.recurrent, 0, last_logits, len(c.prompt)))
 
     def _cache_chunk_blocks(self, c: _ChunkedPrefill) -> None:
         """Keep the full blocks prefilled so far in the prefix cache, unless the weights changed
@@ -1046,6 +1079,11 @@ class _ChunkedPrefill:
     done: int  # prompt positions whose K/V are in ``kv``
     recurrent: PrefillStates | None = None  # hybrid models: the states after the chunks done
     hidden: list[torch.Tensor] = field(default_factory=list)  # each chunk's hidden states, when prompt logits are asked
+    started: tuple[int | None, int] | None = None  # the weights its first positions were computed with
+
+    def __post_init__(self) -> None:
+        if self.started is None:
+            self.started = self.weights
 
 
 def _needs_prompt_logits(inp: SampleInput) -> bool:
