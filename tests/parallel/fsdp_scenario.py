@@ -26,12 +26,13 @@ CALLS = [([9, 5, 13], [7, 4], [6, 11]), ([14, 9], [5], [9, 5, 13])]
 
 def build_full_runtime(model_dir: str, dp: TPGroup | None) -> TrainingRuntime:
     """One process's full fine-tune (``dp`` None), or this rank's sharded one; fp32. The tied
-    model recomputes every layer in backward (gradient checkpointing); the untied one only in
-    micro-batches above 12 tokens, so the two ranks recompute in different micro-batches."""
+    model recomputes every layer in backward (gradient checkpointing) and pads its micro-batches;
+    the untied one recomputes only in micro-batches above 12 tokens, so the two ranks recompute in
+    different micro-batches, and packs its micro-batches (documents end to end)."""
     model = load_model(model_dir, "cpu", torch.float32).model
     tied = model.config.tie_word_embeddings
     kw = dict(micro_batch_tokens=MICRO_BATCH_TOKENS, logit_chunk_bytes=4 * model.config.vocab_size * 5,
-              gradient_checkpointing=tied, checkpoint_above_tokens=None if tied else 12)
+              gradient_checkpointing=tied, checkpoint_above_tokens=None if tied else 12, packing=not tied)
     if dp is None:
         return TrainingRuntime(model, full_finetune=True, **kw)
     return FsdpTrainingRuntime(shard_full_model(model, dp), **kw)

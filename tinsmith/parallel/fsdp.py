@@ -143,10 +143,12 @@ def split_datums(lengths: list[int], world: int) -> list[list[int]]:
     return [sorted(x) for x in out]
 
 
-def plan_ranks(refs: list[SequenceRef], world: int, max_tokens: int, max_seqs: int) -> list[list[list[SequenceRef]]]:
-    """Every rank's micro-batches for ``refs`` (each rank computes all of them, alike)."""
+def plan_ranks(refs: list[SequenceRef], world: int, max_tokens: int, max_seqs: int,
+               packed: bool = False) -> list[list[list[SequenceRef]]]:
+    """Every rank's micro-batches for ``refs`` (each rank computes all of them, alike), bounded by
+    real tokens when ``packed``."""
     shares = split_datums([ref.length for ref in refs], world)
-    return [plan_micro_batches([refs[i] for i in share], max_tokens, max_seqs) for share in shares]
+    return [plan_micro_batches([refs[i] for i in share], max_tokens, max_seqs, packed) for share in shares]
 
 
 def phase_counts(plan: list[list[SequenceRef]]) -> dict[bool, int]:
@@ -340,7 +342,8 @@ class FsdpTrainingRuntime(TrainingRuntime):
     def _run_share(self, refs: list[SequenceRef], prepared: dict) -> dict:
         """Run this rank's share of ``refs`` (padded to the group's micro-batch counts) and
         all-gather every datum's logprobs. Returns ``{(request key, datum): logprobs}`` for all."""
-        plans = plan_ranks(refs, self.dp.size, self.micro_batch_tokens, self.micro_batch_seqs)
+        plans = plan_ranks(refs, self.dp.size, self.micro_batch_tokens, self.micro_batch_seqs,
+                           self.sized_by_real_tokens)
         # every rank pads each phase (with backward, then forward only) to the most micro-batches of any rank
         counts = {g: max(phase_counts(plan)[g] for plan in plans) for g in (True, False)}
         mine = plans[self.dp.rank]
@@ -351,7 +354,8 @@ class FsdpTrainingRuntime(TrainingRuntime):
             groups = [mb for mb in mine if mb[0].needs_grad == g]
             groups += [[SequenceRef(PAD_KEY, 0, None, 1, needs_grad=g)]] * (counts[g] - len(groups))
             for rows in groups:
-                mb = build_micro_batch(rows, [all_prepared[s.request].tokens[s.datum] for s in rows], self.device)
+                mb = build_micro_batch(rows, [all_prepared[s.request].tokens[s.datum] for s in rows], self.device,
+                                       self.packing)
                 images = [[] for _ in mb.rows]
                 out: dict = {}
                 self._run_micro_batch(mb, all_prepared, out, images)
