@@ -182,15 +182,6 @@ def test_ray_without_tensor_parallelism_is_one_line(tmp_path, tiny_model):
     assert not (tmp_path / "data").exists()
 
 
-def test_replicas_of_sharded_models_are_refused_in_one_line(tmp_path, tiny_model):
-    proc = tinsmith("serve", "--base-model", str(tiny_model), "--port", str(free_port()), "--data-parallel-size", "2",
-                    "--tensor-parallel-size", "2", "--data-dir", str(tmp_path / "data"))
-    assert proc.returncode == 2
-    assert one_line(proc) == ("tinsmith: --data-parallel-size 2 with --tensor-parallel-size 2 is not supported yet: "
-                              "replicas hold whole models; pass one of them")
-    assert not (tmp_path / "data").exists()
-
-
 def test_a_port_held_by_a_starting_server_is_refused_to_a_second():
     first = bind_listening_socket("127.0.0.1", 0)
     try:

@@ -1,5 +1,5 @@
-"""A server with ``--tensor-parallel-size 2`` or ``--data-parallel-size 2`` (two gloo processes
-on the CPU) driven by the real SDK gives what a one-process server gives, within 1e-5 in fp32:
+"""A server with ``--tensor-parallel-size 2``, ``--data-parallel-size 2`` (two gloo processes on
+the CPU) or both (four) driven by the real SDK gives what a one-process server gives, within 1e-5 in fp32:
 LoRA training, sampler snapshots stored and in memory, greedy and seeded sampling, and
 checkpoints saved and loaded."""
 
@@ -53,10 +53,13 @@ def _scenario(sc, base_model: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("option, logged", [("--tensor-parallel-size", "sharded over 2 tensor-parallel ranks"),
-                                             ("--data-parallel-size", "replicated on 2 data-parallel ranks")])
-def test_two_ranks_serve_what_one_process_serves(server, make_server, service_client, base_model, option, logged):
-    tp = make_server(extra_args=[option, "2", "--device", "cpu"])
+@pytest.mark.parametrize("options, logged", [
+    (["--tensor-parallel-size", "2"], "sharded over 2 tensor-parallel ranks"),
+    (["--data-parallel-size", "2"], "replicated on 2 data-parallel ranks"),
+    (["--data-parallel-size", "2", "--tensor-parallel-size", "2"], "each replica sharded over 2 tensor-parallel ranks"),
+], ids=["tp2", "dp2", "dp2xtp2"])
+def test_ranks_serve_what_one_process_serves(server, make_server, service_client, base_model, options, logged):
+    tp = make_server(extra_args=[*options, "--device", "cpu"])
     assert logged in tp.log_text()  # the model really is sharded, or replicated
     one = _scenario(service_client(server), base_model)
     two = _scenario(service_client(tp), base_model)

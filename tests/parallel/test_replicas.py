@@ -5,6 +5,8 @@ on one replica (placed by load and by shared prompt starts), cancellations inclu
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -22,8 +24,9 @@ from tinsmith.worker.service import RuntimeOptions, Worker
 BUDGET_S = 0.002  # a sampling slice: a few decode steps of the tiny model
 
 
-def _worker(model_dir, dp: int) -> tuple[Worker, object]:
-    w = Worker(RuntimeOptions(device="cpu", dtype="float32", data_parallel_size=dp, micro_batch_tokens=64))
+def _worker(model_dir, dp: int, tp: int = 1) -> tuple[Worker, object]:
+    w = Worker(RuntimeOptions(device="cpu", dtype="float32", data_parallel_size=dp, tensor_parallel_size=tp,
+                              micro_batch_tokens=64))
     return w, w.add_base_model("m", str(model_dir))
 
 
@@ -70,15 +73,23 @@ def _assert_same_training(ref: list, got: list) -> None:
             assert b.metrics[k] == pytest.approx(a.metrics[k], abs=1e-4), k
 
 
+@dataclasses.dataclass
+class _Job:
+    """A task key as the engine's: an unhashable object (its jobs are dataclasses)."""
+
+    name: object
+
+
 def _sample_all(sampler, tasks: list[SampleTask], cancel: str | None = None) -> dict:
-    board = CancelBoard(key_id=lambda key: key)
+    """Run ``tasks`` (keyed by the engine's kind of key) to the end; results by the tasks' keys."""
+    board = CancelBoard(key_id=lambda job: job.name)
     sampler.cancellations = board
     for t in tasks:
-        sampler.add(t)
+        sampler.add(dataclasses.replace(t, key=_Job(t.key)))
     done, slices = {}, 0
     while sampler.has_work():
-        for key, res in sampler.step(BUDGET_S):
-            done[key] = res
+        for job, res in sampler.step(BUDGET_S):
+            done[job.name] = res
         slices += 1
         if slices == 2 and cancel is not None:
             board.post(cancel)
@@ -131,6 +142,38 @@ def test_replicas_train_and_sample_as_one_process(qwen3_dir):
         assert w2.tp_group.healthy
     finally:
         w2.close()
+
+
+def test_replicas_of_sharded_models_train_and_sample_as_one_process(qwen3_dir):
+    """Two replicas, each sharded over two ranks (four processes): the chunk's datums split over
+    the replicas, every shard of a replica running its share; each request sampled by one replica
+    whose shards decode in lockstep."""
+    w1, b1 = _worker(qwen3_dir, 1)
+    w4, b4 = _worker(qwen3_dir, 2, tp=2)
+    try:
+        sampler = w4.sampler(b4)
+        assert w4.tp_group.world_size == 4 and sampler._size == 2
+        for w in (w1, w4):
+            w.create_model("run", "m", LoraSpec(rank=4, seed=3))
+        _assert_same_training(_train(w1, "run", 1 << 20), _train(w4, "run", 40))
+        s1, s4 = w1.export_training_state("run"), w4.export_training_state("run")
+        for k in s1.weights:  # gathered from the shards of rank 0's replica
+            np.testing.assert_allclose(s1.weights[k].numpy(), s4.weights[k].numpy(), atol=1e-6, rtol=0)
+        slots = [w.snapshot("run", "snap").slot for w in (w1, w4)]
+        ref = _sample_all(w1.sampler(b1), _tasks(slots[0]), cancel="cancelled")
+        got = _sample_all(sampler, _tasks(slots[1]), cancel="cancelled")
+        assert isinstance(got["cancelled"], SampleCancelled)
+        for key in ("greedy", "seeded", "base", "long-greedy"):
+            for a, b in zip(ref[key].sequences, got[key].sequences):
+                np.testing.assert_array_equal(a.tokens, b.tokens)
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        assert sampler._local.stats["decode_steps"] > 0 and sampler._stats[0]["decode_steps"] > 0  # both decoded
+        with pytest.raises(InvalidInputError, match="full fine-tuning is not supported with --data-parallel-size "
+                                                    "and --tensor-parallel-size 2"):
+            w4.create_model("full", "m", None)
+        assert w4.tp_group.healthy
+    finally:
+        w4.close()
 
 
 def test_requests_sharing_a_prompt_go_to_one_replica_unless_it_is_much_busier(qwen3_dir):

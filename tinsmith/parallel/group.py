@@ -93,3 +93,32 @@ def init_tp_group(rank: int | None = None, world_size: int | None = None, *, bac
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
     return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), timeout_s=timeout_s)
+
+
+def split_grid(world: TPGroup, tp_size: int) -> tuple[TPGroup, TPGroup]:
+    """Cut the ``world`` group into replicas of ``tp_size`` ranks each: ranks ``d * tp_size ..
+    (d + 1) * tp_size - 1`` shard replica ``d`` (its tensor-parallel group), and the ranks at the
+    same place in every replica form a data-parallel group. Returns this rank's
+    ``(tensor-parallel, data-parallel)`` groups. Every rank of ``world`` must call it, alike."""
+    if world.size % tp_size:
+        raise ValueError(f"{world.size} ranks do not form replicas of {tp_size}")
+    replicas = world.size // tp_size
+    timeout = timedelta(seconds=world.timeout_s)
+    shard = replica = None
+    for d in range(replicas):  # every rank creates every group, in the same order
+        ranks = list(range(d * tp_size, (d + 1) * tp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        if world.rank in ranks:
+            shard = group
+    for t in range(tp_size):
+        ranks = list(range(t, world.size, tp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        if world.rank in ranks:
+            replica = group
+    return (TPGroup(world.rank % tp_size, tp_size, world.timeout_s, shard),
+            TPGroup(world.rank // tp_size, replicas, world.timeout_s, replica))
+
+
+def group_rank_zero(group: TPGroup) -> int:
+    """The global rank of ``group``'s first rank (what torch.distributed's ``src`` arguments take)."""
+    return 0 if group.group is None else dist.get_global_rank(group.group, 0)

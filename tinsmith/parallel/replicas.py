@@ -34,6 +34,7 @@ import copy
 import dataclasses
 import hashlib
 import pickle
+import secrets
 from collections import Counter, OrderedDict
 from typing import Any, Callable
 
@@ -46,13 +47,17 @@ from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
 from tinsmith.parallel.fsdp import FsdpTrainingRuntime, shard_full_model, split_datums
-from tinsmith.parallel.group import ParallelError, TPGroup, guarded
+from tinsmith.parallel.group import ParallelError, TPGroup, guarded, split_grid
+from tinsmith.parallel.runtime import TPTrainingRuntime
+from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
 from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _tokenizer_decoder
+from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.parallel.state import gather_full
 from tinsmith.sampling.cancel import CancelBoard
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import OptimParams
 from tinsmith.worker.runtime import FbPass, TrainingRuntime
-from tinsmith.worker.trainables import install_lora_weights, lora_tensors
+from tinsmith.worker.trainables import lora_tensors
 from tinsmith.worker.warm_up import configure_device
 
 OPTION = "--data-parallel-size"
@@ -158,6 +163,9 @@ class ReplicaFullRun:
     runtime over it (the engine's passes by id, as a base's)."""
 
     def __init__(self, base: "ReplicaBase", dp: TPGroup, optimizer_type: str):
+        if base.shard.size > 1:
+            raise InvalidInputError(f"full fine-tuning is not supported with {OPTION} and --tensor-parallel-size "
+                                    f"{base.shard.size} yet; serve with --tensor-parallel-size 1 for it")
         if optimizer_type != "adamw":
             raise InvalidInputError(f"full fine-tuning with {OPTION} > 1 steps with AdamW only, not "
                                     f"{optimizer_type!r}")
@@ -173,19 +181,39 @@ class ReplicaFullRun:
         self.passes: dict[int, FbPass] = {}
 
 
-class ReplicaBase:
-    """One base model on one replica: the whole model, its training runtime and its sampler."""
+class ReplicaTPTrainingRuntime(ReplicaTrainingRuntime, TPTrainingRuntime):
+    """A replica that is itself sharded (``--tensor-parallel-size`` > 1 too): the chunk's datums
+    are split over the replicas, and within a replica every shard runs the replica's share."""
 
-    def __init__(self, dp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
-                 sampler_kwargs: dict):
+
+class ReplicaBase:
+    """One base model on one replica: the model (whole, or this rank's shard of the replica), its
+    training runtime and its sampler."""
+
+    def __init__(self, dp: TPGroup, shard: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype,
+                 runtime_kwargs: dict, sampler_kwargs: dict):
         configure_device(device)
-        self.loaded = load_model(model_dir, device, dtype)
-        model = self.loaded.model
-        self.runtime = ReplicaTrainingRuntime(model, dp, vision=self.loaded.vision, **runtime_kwargs)
-        # Followers' tasks carry the ids rank 0 gave them, and cancellations arrive as those ids.
+        self.shard = shard
+        decoder_dir = None
+        if shard.size > 1:  # as a tensor-parallel rank (serving.RankBase), with the replica's shard group
+            loaded = load_model(model_dir, "cpu", dtype)
+            model = shard_causal_lm(loaded.model, shard).to(device)
+            vision = None if loaded.vision is None else loaded.vision.to(device)
+            self.loaded = dataclasses.replace(loaded, model=model, vision=vision)
+            self.runtime: ReplicaTrainingRuntime = ReplicaTPTrainingRuntime(model, dp, vision=vision, **runtime_kwargs)
+            self.runtime.oom_retry = False  # a split micro-batch would run on one shard only
+            sampler_kwargs = {k: v for k, v in sampler_kwargs.items() if k != "cuda_graphs"}
+            sampler_cls: type[Sampler] = LockstepSampler
+        else:
+            self.loaded = load_model(model_dir, device, dtype)
+            self.runtime = ReplicaTrainingRuntime(self.loaded.model, dp, vision=self.loaded.vision, **runtime_kwargs)
+            sampler_cls = Sampler
+        decoder_dir = self.loaded.model_dir
+        # The requests of replicas other than rank 0's carry the ids rank 0 gave them, and their
+        # cancellations arrive as those ids (read by the replica's first rank).
         self.board = CancelBoard(lambda key: key)
-        self.sampler = Sampler(model, _tokenizer_decoder(self.loaded.model_dir), vision=self.loaded.vision,
-                               cancellations=None if dp.rank == 0 else self.board, **sampler_kwargs)
+        self.sampler = sampler_cls(self.loaded.model, _tokenizer_decoder(decoder_dir), vision=self.loaded.vision,
+                                   cancellations=None if dp.rank == 0 else self.board, **sampler_kwargs)
         # Each replica's sampler holds its own requests: its own slots are the busy ones here.
         self.runtime.busy_slots = self.sampler.slots_in_use
         self.runtime.on_park_busy = self._adapter_parked
@@ -199,14 +227,38 @@ class ReplicaBase:
             "the LoRA adapter this inflight sampler reads was moved to host memory to make room for other "
             f"training runs (--max-lora-adapters {self.max_lora_adapters}); sample again"))
 
+    def add_task(self, tid: int, key: Any, slot: int | None, inp) -> None:
+        if isinstance(self.sampler, LockstepSampler):  # its shards agree on cancellations by id
+            self.sampler.add_agreed(tid, key, slot, inp)
+        else:
+            self.sampler.add(SampleTask(key, slot, inp))
+
+    def finished(self, key: Any, by_id: bool) -> None:
+        """The request with ``key`` was reported; ``by_id``: its key is rank 0's id (not the
+        engine's own key, which only rank 0's requests carry)."""
+        if isinstance(self.sampler, LockstepSampler):
+            self.sampler.forget(key)
+        if by_id:
+            self.board.forget(key)
+
 
 class ReplicaRank(ServingRank):
-    """:class:`ServingRank` of a data-parallel group: whole replicas instead of shards."""
+    """:class:`ServingRank` of a data-parallel group: a whole replica on each rank, or with
+    ``tp_size`` > 1 a replica sharded over each ``tp_size`` consecutive ranks (``self.tp`` is
+    the whole group, which the executor's calls and the sampling reports use)."""
+
+    def __init__(self, tp: TPGroup, device: torch.device, tp_size: int = 1):
+        super().__init__(tp, device)
+        if tp_size > 1:
+            self.shard, self.replicas = split_grid(tp, tp_size)
+        else:
+            self.shard, self.replicas = TPGroup.single(), tp
+        self.replica = self.replicas.rank  # this rank's replica
 
     def add_base(self, name: str, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
                  sampler_kwargs: dict) -> ReplicaBase:  # type: ignore[override]
-        self.bases[name] = base = ReplicaBase(self.tp, self.device, model_dir, dtype, runtime_kwargs,
-                                              sampler_kwargs)
+        self.bases[name] = base = ReplicaBase(self.replicas, self.shard, self.device, model_dir, dtype,
+                                              runtime_kwargs, sampler_kwargs)
         return base
 
     def _holder(self, name: Any) -> Any:
@@ -217,7 +269,7 @@ class ReplicaRank(ServingRank):
 
     def create_full(self, name: str, model_id: str, optimizer_type: str) -> ReplicaFullRun:
         base = self.bases[name]
-        base.full[model_id] = run = ReplicaFullRun(base, self.tp, optimizer_type)
+        base.full[model_id] = run = ReplicaFullRun(base, self.replicas, optimizer_type)
         return run
 
     def drop_full(self, name: str, model_id: str) -> None:
@@ -225,47 +277,53 @@ class ReplicaRank(ServingRank):
 
     def adapter_tensors(self, name: str, unit: int) -> dict[str, torch.Tensor]:
         rt = self.bases[name].runtime
-        return lora_tensors(rt.unit(unit))
+        tr = rt.unit(unit)
+        if self.shard.size == 1:
+            return lora_tensors(tr)
+        if tr.slot is not None:
+            rt.ensure_resident({unit})  # its shards on the device, where the collective gathers them
+        return gather_full(lora_tensors(tr), rt.shard_dims, self.shard)
 
     def install_lora(self, name: str, slot: int, spec, tensors: dict[str, torch.Tensor]) -> None:
-        install_lora_weights(self.bases[name].loaded.model, slot, spec, tensors)
+        install_full_lora_weights(self.bases[name].loaded.model, slot, spec, tensors)  # this rank's shard
 
     def sample_step(self, name: str, tasks: list[tuple[int, int, int | None, Any]], cancelled: list[int],
                     budget_s: float) -> list:  # type: ignore[override]
         """Queue this replica's ``tasks`` ((replica, id, slot, input)), drop the ``cancelled`` ids,
-        and decode for ``budget_s``. On rank 0: its own finished ``(key, result)`` and every
-        other replica's report (finished ``(id, result)``, running ``(id, sample, tokens)``, counters)."""
+        and decode for ``budget_s``. On rank 0: its own finished ``(key, result)`` and the report
+        of every other replica's first rank ``(replica, (finished (id, result), running (id,
+        sample, tokens), counters))``."""
         base = self.bases[name]
         sampler = base.sampler
         for replica, tid, slot, inp in tasks:
-            if replica == self.tp.rank:
-                sampler.add(SampleTask(self.local_keys.pop(tid, tid), slot, inp))
+            if replica == self.replica:
+                base.add_task(tid, self.local_keys.pop(tid, tid), slot, inp)
         for tid in cancelled:
             base.board.post(tid)
         done = sampler.step(budget_s)
+        for key, _ in done:
+            base.finished(key, by_id=self.tp.rank != 0)
         report = None
-        if self.tp.rank != 0:
-            for key, _ in done:
-                base.board.forget(key)
-            report = ([(key, portable(res) if isinstance(res, BaseException) else res) for key, res in done],
-                      [(key, idx, list(tokens)) for key, idx, tokens in sampler.running()], dict(sampler.stats))
+        if self.tp.rank != 0 and self.shard.rank == 0:
+            report = (self.replica, ([(key, portable(res) if isinstance(res, BaseException) else res)
+                                      for key, res in done],
+                                     [(key, idx, list(tokens)) for key, idx, tokens in sampler.running()],
+                                     dict(sampler.stats)))
         reports = gather_objects(report, self.tp, "data-parallel sampling all_gather")
-        return [done, reports[1:]] if self.tp.rank == 0 else []
+        return [done, [r for r in reports if r is not None]] if self.tp.rank == 0 else []
 
     def sample_abort(self, name: str) -> list:
         """Every replica drops its requests; rank 0's keys (rank 0 knows the others' already)."""
         base = self.bases[name]
         keys = base.sampler.abort()
-        if self.tp.rank == 0:
-            return keys
         for key in keys:
-            base.board.forget(key)
-        return []
+            base.finished(key, by_id=self.tp.rank != 0)
+        return keys if self.tp.rank == 0 else []
 
 
-def replica_rank(tp: TPGroup, device: torch.device) -> ReplicaRank:
-    """``make_target`` of a serving data-parallel group."""
-    return ReplicaRank(tp, device)
+def replica_rank(tp_size: int, tp: TPGroup, device: torch.device) -> ReplicaRank:
+    """``make_target`` of a serving data-parallel group (bind ``tp_size`` with functools.partial)."""
+    return ReplicaRank(tp, device, tp_size)
 
 
 # ----------------------------------------------------------------------------- rank 0's stand-ins
@@ -318,7 +376,7 @@ class ReplicaSampler:
 
     def __init__(self, base: TPBase):
         self._base = base
-        self._size = base.group.world_size
+        self._size = base.group.world_size // base.local.shard.size  # replicas (each may be several ranks)
         self._pending: list[SampleTask] = []
         self._ids = iter(range(1 << 62))
         self._out: dict[int, _Remote] = {}  # id -> where a request runs (every replica's, rank 0's too)
@@ -370,6 +428,10 @@ class ReplicaSampler:
         return total
 
     def add(self, task: SampleTask) -> None:
+        p = task.input.params
+        if p.seed is None:  # drawn here: the shards of a replica must draw the same tokens
+            task = dataclasses.replace(task, input=dataclasses.replace(
+                task.input, params=dataclasses.replace(p, seed=secrets.randbits(63))))
         self._pending.append(task)
 
     def has_work(self) -> bool:
@@ -427,7 +489,7 @@ class ReplicaSampler:
                 self._retire(tid)
             out.append((key, res))
         self._running = []
-        for replica, (finished, running, stats) in enumerate(reports, start=1):
+        for replica, (finished, running, stats) in reports:
             self._stats[replica - 1] = Counter(stats)
             for tid, res in finished:
                 r = self._retire(tid)

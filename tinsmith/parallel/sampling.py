@@ -24,7 +24,7 @@ from tinsmith.sampling.cancel import SampleCancelled
 from tinsmith.sampling.kv_cache import RowKVCache
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.parallel.comm import all_reduce_
-from tinsmith.parallel.group import ParallelError, guarded
+from tinsmith.parallel.group import ParallelError, group_rank_zero, guarded
 from tinsmith.parallel.shard import tp_of
 from tinsmith.parallel.state import lora_shard_dims, scatter_full
 from tinsmith.types import LoraSpec
@@ -109,12 +109,13 @@ class LockstepSampler(ShardedSampler):
             return go, ids
         dev = self.device if dist.get_backend(self.tp.group) == "nccl" else torch.device("cpu")
         head = torch.tensor([int(go), len(ids)], dtype=torch.long, device=dev)
-        guarded(self.tp, "sampler step agreement", lambda: dist.broadcast(head, 0, group=self.tp.group))
+        src = group_rank_zero(self.tp)  # the group's first rank (not world rank 0 when it is one replica's group)
+        guarded(self.tp, "sampler step agreement", lambda: dist.broadcast(head, src, group=self.tp.group))
         go_all, n = head.tolist()
         if n:
             body = torch.tensor(ids, dtype=torch.long, device=dev) if self.tp.rank == 0 else \
                 torch.empty(n, dtype=torch.long, device=dev)
-            guarded(self.tp, "sampler cancellation broadcast", lambda: dist.broadcast(body, 0, group=self.tp.group))
+            guarded(self.tp, "sampler cancellation broadcast", lambda: dist.broadcast(body, src, group=self.tp.group))
             ids = body.tolist()
         return bool(go_all), ids
 

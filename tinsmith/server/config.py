@@ -196,8 +196,8 @@ _HELP = {
     "data_parallel_size": "replicate every base model on this many ranks, one GPU each (cuda:0..M-1; on the CPU, "
                           "processes): each chunk of LoRA training is split between the replicas (gradients summed "
                           "before each step) and each sample request runs on one; full fine-tunes are sharded over "
-                          "them (FSDP2); not with "
-                          "--tensor-parallel-size > 1 yet; 1 runs one process",
+                          "them (FSDP2); with --tensor-parallel-size N each replica is sharded over N ranks "
+                          "(M x N in all); 1 runs one process",
     "ray_address": "place the tensor-parallel ranks other than this process's rank 0 as Ray actors on the Ray "
                    "cluster at this address (auto: the one `ray start` runs on this node; HOST:PORT: its head), so "
                    "they may run on other machines; needs `pip install 'tinsmith[ray]'` (default: local processes)",

@@ -126,12 +126,8 @@ def _hub_config(repo_id: str, option: str) -> Path:
 
 
 def check_parallel(tensor_parallel_size: int, ray_address: str | None, data_parallel_size: int = 1) -> None:
-    """Refuse parallel options that would do nothing or that do not combine yet: Ray places the
-    ranks other than rank 0, and with one rank there are none (without this the option would be
-    silently ignored); replicas of sharded models are not built yet."""
-    if tensor_parallel_size > 1 and data_parallel_size > 1:
-        raise StartupError(f"--data-parallel-size {data_parallel_size} with --tensor-parallel-size "
-                           f"{tensor_parallel_size} is not supported yet: replicas hold whole models; pass one of them")
+    """Refuse parallel options that would do nothing: Ray places the ranks other than rank 0, and
+    with one rank there are none (without this the option would be silently ignored)."""
     if ray_address is not None and tensor_parallel_size == 1 and data_parallel_size == 1:
         raise StartupError(f"--ray-address {ray_address} places the ranks of a tensor- or data-parallel group, but "
                            "--tensor-parallel-size and --data-parallel-size are 1 (one rank, in this process); pass "

@@ -235,19 +235,20 @@ class Worker:
         o = self.options
         model_dir = resolve_model_dir(source or name)
         replicas = o.data_parallel_size > 1
-        size = o.data_parallel_size if replicas else o.tensor_parallel_size
-        if not replicas:
+        size = o.data_parallel_size * o.tensor_parallel_size
+        if o.tensor_parallel_size > 1:
             check_servable(read_config(model_dir), o.tensor_parallel_size, source or name)
         sampler_kwargs = sampler_kwargs_of(o)
         classes: dict = {}
+        group_kwargs: dict = {}
         if replicas:
             from tinsmith.parallel.replicas import ReplicaRuntime, ReplicaSampler, replica_rank
 
-            group_kwargs = dict(make_target=replica_rank, option="--data-parallel-size", label="data-parallel")
+            group_kwargs = dict(make_target=functools.partial(replica_rank, o.tensor_parallel_size),
+                                option="--data-parallel-size", label="data-parallel")
             classes = dict(runtime_class=ReplicaRuntime, sampler_class=ReplicaSampler)
-            sampler_kwargs["cuda_graphs"] = o.sampler_cuda_graphs  # each replica decodes alone: graphs are fine
-        else:
-            group_kwargs = {}
+            if o.tensor_parallel_size == 1:  # a replica that decodes alone may replay CUDA graphs
+                sampler_kwargs["cuda_graphs"] = o.sampler_cuda_graphs
         if self.tp_group is None:
             self.tp_group = start_group(size, o.device, follower_threads=max(1, torch.get_num_threads() // size),
                                         ray_address=o.ray_address, ray_strategy=o.ray_placement_strategy,
@@ -261,9 +262,12 @@ class Worker:
                          lora=tpb.runtime, tp=tpb)  # type: ignore[arg-type]  (the runtime's stand-in)
         self.bases[name] = base
         self.samplers[name] = tpb.sampler  # type: ignore[assignment]
-        log.info("serving %s from %s (%s, %.1fM params) %s %d %s ranks", name, model_dir, tpb.loaded.config.family,
-                 tpb.loaded.config.num_params / 1e6, "replicated on" if replicas else "sharded over", size,
-                 "data-parallel" if replicas else "tensor-parallel")
+        layout = (f"replicated on {o.data_parallel_size} data-parallel ranks" if o.tensor_parallel_size == 1 else
+                  f"sharded over {o.tensor_parallel_size} tensor-parallel ranks" if not replicas else
+                  f"replicated {o.data_parallel_size} times, each replica sharded over {o.tensor_parallel_size} "
+                  f"tensor-parallel ranks ({size} ranks)")
+        log.info("serving %s from %s (%s, %.1fM params) %s", name, model_dir, tpb.loaded.config.family,
+                 tpb.loaded.config.num_params / 1e6, layout)
         return base
 
     def add_alias(self, alias: str, name: str) -> None:
