@@ -636,8 +636,10 @@ class Worker:
         """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in host memory."""
         from safetensors import safe_open
 
-        if self.options.data_parallel_size == 1:  # replicas hold the whole base model: rank 0 samples it
-            self._refuse_under_tp(base, "sampling a full fine-tune's stored weights")
+        if self.options.tensor_parallel_size > 1:  # whole replicas hold the base model: rank 0 samples it
+            raise InvalidInputError(f"sampling a full fine-tune's stored weights is not supported with "
+                                    f"--tensor-parallel-size {self.options.tensor_parallel_size} yet (LoRA runs are); "
+                                    "serve with --tensor-parallel-size 1 for it")
         params = dict(base.loaded.model.named_parameters())
         incoming = sum(p.numel() * p.element_size() for p in params.values())
         self._snapshot_victims(owner, queued, full_bytes=incoming)  # refuse before reading when there is no room
