@@ -6,6 +6,7 @@ on one replica (placed by load and by shared prompt starts), cancellations inclu
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -204,6 +205,23 @@ def test_requests_sharing_a_prompt_go_to_one_replica_unless_it_is_much_busier(qw
             np.testing.assert_array_equal(res.sequences[0].tokens, done[key].sequences[0].tokens)
         # each prompt was prefilled once, on its replica, as in one process
         assert sampler.stats["prefill_tokens"] == w1.sampler(b1).stats["prefill_tokens"] == 4 * 40
+
+        # A slice that fails on one replica fails on all at once (none waits out the collective
+        # timeout for it), and the group goes on.
+        local, real = sampler._local, sampler._local.step
+
+        def broken(budget_s):
+            local.step = real
+            raise RuntimeError("decode failed")
+
+        local.step = broken
+        sampler.add(tasks[0])
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="decode failed"):
+            sampler.step(BUDGET_S)
+        assert time.monotonic() - started < 30 and w.tp_group.healthy
+        sampler.abort()
+        assert not sampler.has_work()
     finally:
         w.close()
 

@@ -295,21 +295,33 @@ class ReplicaRank(ServingRank):
         sample, tokens), counters))``."""
         base = self.bases[name]
         sampler = base.sampler
-        for replica, tid, slot, inp in tasks:
-            if replica == self.replica:
-                base.add_task(tid, self.local_keys.pop(tid, tid), slot, inp)
-        for tid in cancelled:
-            base.board.post(tid)
-        done = sampler.step(budget_s)
-        for key, _ in done:
-            base.finished(key, by_id=self.tp.rank != 0)
+        done: list = []
+        error: BaseException | None = None
+        try:
+            for replica, tid, slot, inp in tasks:
+                if replica == self.replica:
+                    base.add_task(tid, self.local_keys.pop(tid, tid), slot, inp)
+            for tid in cancelled:
+                base.board.post(tid)
+            done = sampler.step(budget_s)
+            for key, _ in done:
+                base.finished(key, by_id=self.tp.rank != 0)
+        except ParallelError:
+            raise
+        except Exception as exc:  # sent to every rank below: they fail the call alike, none waits for it
+            error = portable(exc)
         report = None
-        if self.tp.rank != 0 and self.shard.rank == 0:
+        if error is not None:
+            report = (self.replica, error)
+        elif self.tp.rank != 0 and self.shard.rank == 0:
             report = (self.replica, ([(key, portable(res) if isinstance(res, BaseException) else res)
                                       for key, res in done],
                                      [(key, idx, list(tokens)) for key, idx, tokens in sampler.running()],
                                      dict(sampler.stats)))
         reports = gather_objects(report, self.tp, "data-parallel sampling all_gather")
+        failure = next((r[1] for r in reports if r is not None and isinstance(r[1], BaseException)), None)
+        if failure is not None:
+            raise failure
         return [done, [r for r in reports if r is not None]] if self.tp.rank == 0 else []
 
     def sample_abort(self, name: str) -> list:
