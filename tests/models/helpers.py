@@ -123,7 +123,8 @@ def assert_packed_equals_separate(rt, units, seq_len: int, vocab: int, unpack) -
         for layer in model.model.layers:
             unpack(layer)
         separate = logits_with(model, tokens, rows)
-    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+    # one GEMM against several: fp32 sums in other orders (up to 2e-5 seen on AVX2 CPUs)
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=5e-5)
 
 
 def assert_micro_batching_equals_plain(model_dir, data) -> None:

@@ -53,7 +53,8 @@ def test_logits_match_transformers(model_dir):
     ref = reference_model(model_dir).eval()
     tokens = torch.randint(0, VOCAB, (3, 150), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(logits_of(ours.model, tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+        # fp32 through chunked delta rules summed in different orders: 1e-4 (seen up to 4e-5 on AVX2 CPUs)
+        torch.testing.assert_close(logits_of(ours.model, tokens), ref(tokens).logits, rtol=1e-5, atol=1e-4)
     assert cfg.num_params == sum(p.numel() for p in ref.parameters())
     assert not cfg.supports_prefix_cache
 
@@ -187,7 +188,7 @@ def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, ca
     assert vl.config.text_prefix == "model.language_model." and vl.vision is None
     tokens = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(logits_of(vl.model, tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits_of(vl.model, tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-4)
 
     rt = TrainingRuntime(vl.model, max_lora_adapters=1, max_lora_rank=8)
     spec = LoraSpec(rank=4, alpha=8, seed=5)
@@ -298,7 +299,8 @@ def test_bfloat16_logits_follow_transformers(model_dir):
                                                             experts_implementation="eager").eval()
     tokens = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(logits_of(ours, tokens), ref(tokens).logits.float(), rtol=0, atol=2e-2)
+        # bf16 rounding: a large logit may differ by one bf16 step (2**-7 of its size)
+        torch.testing.assert_close(logits_of(ours, tokens), ref(tokens).logits.float(), rtol=2 ** -7, atol=2e-2)
 
 
 def test_qwen3_6_35b_a3b_config_reads_as_qwen3_5_moe(tmp_path):
