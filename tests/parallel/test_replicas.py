@@ -21,6 +21,7 @@ from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.sampler import SampleTask
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
 from tinsmith.worker.service import RuntimeOptions, Worker
+from tinsmith.worker.warm_up import warm_up
 
 BUDGET_S = 0.002  # a sampling slice: a few decode steps of the tiny model
 
@@ -228,8 +229,13 @@ def test_requests_sharing_a_prompt_go_to_one_replica_unless_it_is_much_busier(qw
 
 def test_an_unseeded_adapter_is_the_same_on_every_replica_and_refusals_name_the_option(qwen3_dir):
     w1, _ = _worker(qwen3_dir, 1)
-    w2, _ = _worker(qwen3_dir, 2)
+    w2, b2 = _worker(qwen3_dir, 2)
     try:
+        assert warm_up(w2, b2) > 0  # every replica samples and trains once, and nothing is left behind
+        sampler = w2.sampler(b2)
+        assert sampler._local.stats["prefills"] == sampler._stats[0]["prefills"] == 1
+        assert not sampler.has_work() and not b2.lora.units
+
         w2.create_model("unseeded", "m", LoraSpec(rank=4))  # rank 0 draws the seed for both replicas
         _train(w2, "unseeded", 50)
         w1.load_training_state("copy", "m", w2.export_training_state("unseeded"), create=True)

@@ -404,6 +404,10 @@ class ReplicaSampler:
         return self._base.local.sampler
 
     @property
+    def replicas(self) -> int:
+        return self._size
+
+    @property
     def cancellations(self):
         return self._local.cancellations
 

@@ -43,31 +43,37 @@ def warm_up(worker, base) -> float:
     from tinsmith.sampling.sampler import SampleTask  # late: keeps start-up imports light
 
     sampler = worker.sampler(base)
-    sampler.add(SampleTask("warm-up", None, SampleInput(
-        prompt=prompt, num_samples=2, prompt_logprobs=True,
-        params=SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.95, seed=0, stop=[]))))
-    finished = False
-    while not finished:
+    # Replicas (--data-parallel-size) each warm up: one request each, with prompts of their own
+    # (a request goes to the least busy replica unless its prompt follows an earlier one).
+    replicas = getattr(sampler, "replicas", 1)
+    keys = {f"warm-up-{r}" for r in range(replicas)}
+    for r, key in enumerate(sorted(keys)):
+        sampler.add(SampleTask(key, None, SampleInput(
+            prompt=prompt if r == 0 else rng.integers(0, min(cfg.vocab_size, 1000), PROMPT_TOKENS),
+            num_samples=2, prompt_logprobs=True,
+            params=SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.95, seed=0, stop=[]))))
+    while keys:
         for key, result in sampler.step(budget_s=1.0):
-            if key == "warm-up":
+            if key in keys:
                 if isinstance(result, Exception):
                     raise result
-                finished = True
-    _warm_training(base.lora, prompt)
+                keys.discard(key)
+    _warm_training(base.lora, prompt, replicas)
     if base.lora.device.type == "cuda":
         torch.cuda.synchronize(base.lora.device)
     return time.perf_counter() - started
 
 
-def _warm_training(rt, tokens: np.ndarray) -> None:
-    """forward_backward and optim_step (learning rate 0) on a throwaway rank-1 adapter."""
+def _warm_training(rt, tokens: np.ndarray, replicas: int = 1) -> None:
+    """forward_backward and optim_step (learning rate 0) on a throwaway rank-1 adapter; one datum
+    per replica, so each runs one."""
     from tinsmith.worker.runtime import TrainRequest
 
     datum = Datum(tokens=tokens[:-1], loss_inputs={"target_tokens": tokens[1:],
                                                    "weights": np.ones(len(tokens) - 1, np.float32)})
     unit = rt.create_adapter(LoraSpec(rank=1, seed=0))
     try:
-        (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput([datum], "cross_entropy"))])
+        (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput([datum] * replicas, "cross_entropy"))])
         if isinstance(res, Exception):
             raise res
         rt.optim_step(unit, AdamParams(learning_rate=0.0))
