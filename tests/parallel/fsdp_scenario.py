@@ -138,6 +138,10 @@ def train_rank_main(dp: TPGroup, model_dir: str, save_to: str, load_from: str, d
         rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(9, [4], rt.config.vocab_size),
                                                                           "cross_entropy"))])
         out["held"] = rt.held_elements()  # with gradients and optimizer state present
+        # A server reads rank 0's exports only: the other ranks join each gather and keep nothing.
+        rt.unit(FULL_UNIT).export_everywhere = False
+        weights, opt = rt.export_full_state(FULL_UNIT)
+        out["kept"] = (len(weights), len(opt), len(rt.export_weights()))
         return out
     ex = SpmdExecutor(rt, dp)
     if not ex.is_driver:

@@ -55,6 +55,8 @@ def test_two_ranks_match_one_process(qwen3_dir, tied_qwen3_dir, tmp_path, tied):
     assert ("lm_head.weight" in weights) != tied
     assert all(not torch.equal(weights[n], before[n]) for n in ("model.layers.0.self_attn.q_proj.weight",
                                                                 "model.norm.weight", "model.embed_tokens.weight"))
+    kept = [o.result.pop("kept") for o in outcomes]
+    assert kept[0][0] == kept[0][2] == len(weights) and kept[0][1] > 0 and kept[1] == (0, 0, 0)
     held = [o.result.pop("held") for o in outcomes]
     for what in ("weights", "grads", "optimizer"):  # each rank holds its half (AdamW: two moments)
         per_model = 2 if what == "optimizer" else 1

@@ -167,6 +167,14 @@ class ShardedFullTrainable(Trainable):
     """
 
     dp: TPGroup = TPGroup.single()
+    # Whether every rank keeps what it exports (each gathers every tensor either way). A server
+    # reads rank 0's only: the others drop each tensor once gathered, rather than each holding the
+    # whole state in host memory.
+    export_everywhere: bool = True
+
+    @property
+    def keeps_exports(self) -> bool:
+        return self.export_everywhere or self.dp.rank == 0
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
@@ -191,6 +199,7 @@ class ShardedFullTrainable(Trainable):
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         weights: dict[str, torch.Tensor] = {}
         opt: dict[str, torch.Tensor] = {}
+        keep = self.keeps_exports
         for n, p in self.named_stepped:
             weights[n] = _full(p, self.dp, n)
             st = self.optimizer.state.get(p)
@@ -199,6 +208,9 @@ class ShardedFullTrainable(Trainable):
                     opt[f"{n}.{key}"] = _full(st[key], self.dp, f"{n}.{key}")
                 if "step" in st:
                     opt[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()
+            if not keep:  # gathered (the collective needs every rank), not kept
+                weights.clear()
+                opt.clear()
         return weights, opt
 
     def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
@@ -396,8 +408,15 @@ class FsdpTrainingRuntime(TrainingRuntime):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The whole model's weights at full size in host memory, under a one-process full
-        fine-tune's names (all ranks call it; each gets them), for sampler snapshots and exports."""
-        return {n: _full(p, self.dp, n) for n, p in self.unit(FULL_UNIT).named_params}
+        fine-tune's names (all ranks call it; each gets them, or only rank 0 when the unit does not
+        export everywhere), for sampler snapshots and exports."""
+        tr = self.unit(FULL_UNIT)
+        out = {}
+        for n, p in tr.named_params:
+            full = _full(p, self.dp, n)
+            if tr.keeps_exports:  # type: ignore[attr-defined]
+                out[n] = full
+        return out
 
     def export_full_state(self, unit: int = FULL_UNIT) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Full-size weights and optimizer state (all ranks call it; each gets them)."""

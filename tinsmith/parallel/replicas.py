@@ -56,7 +56,7 @@ from tinsmith.parallel.state import gather_full
 from tinsmith.sampling.cancel import CancelBoard
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import OptimParams
-from tinsmith.worker.runtime import FbPass, TrainingRuntime
+from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime
 from tinsmith.worker.trainables import lora_tensors
 from tinsmith.worker.warm_up import configure_device
 
@@ -178,6 +178,7 @@ class ReplicaFullRun:
                                            micro_batch_seqs=lora.micro_batch_seqs,
                                            checkpoint_above_tokens=lora.checkpoint_above_tokens,
                                            gradient_checkpointing=base.gradient_checkpointing, packing=lora.packing)
+        self.runtime.unit(FULL_UNIT).export_everywhere = False  # rank 0's exports are the ones read
         self.passes: dict[int, FbPass] = {}
 
 
