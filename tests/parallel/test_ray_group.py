@@ -137,7 +137,11 @@ def test_a_cluster_too_small_is_refused_naming_the_option(ray_cluster, qwen3_dir
 
 
 @pytest.mark.slow
-def test_a_server_whose_ray_actor_is_killed_fails_requests_and_healthz(ray_cluster, qwen3_dir, tmp_path):
+@pytest.mark.parametrize("layout, label", [("tensor_parallel_size", "tensor-parallel"),
+                                           ("data_parallel_size", "data-parallel")])
+def test_a_server_whose_ray_actor_is_killed_fails_requests_and_healthz(ray_cluster, qwen3_dir, tmp_path, layout,
+                                                                       label):
+    """Shards (--tensor-parallel-size) or replicas (--data-parallel-size) placed by Ray alike."""
     from fastapi.testclient import TestClient
 
     from tests.server.test_tensor_parallel_fault import DATUM, KEY
@@ -146,7 +150,7 @@ def test_a_server_whose_ray_actor_is_killed_fails_requests_and_healthz(ray_clust
     from tinsmith.server.state import ServerState
 
     state = ServerState.build(ServerConfig(base_model=[str(qwen3_dir)], data_dir=str(tmp_path), warm_up=False,
-                                           device="cpu", tensor_parallel_size=2, ray_address="auto"))
+                                           device="cpu", ray_address="auto", **{layout: 2}))
     with TestClient(create_app(state)) as client:
         def answer(path: str, body: dict) -> dict:
             rid = client.post(f"/api/v1/{path}", json=body, headers=KEY).json()["request_id"]
@@ -165,7 +169,7 @@ def test_a_server_whose_ray_actor_is_killed_fails_requests_and_healthz(ray_clust
         ray_cluster.kill(group.actors[0])
         _wait_unhealthy(group)
         health = client.get("/api/v1/healthz")
-        assert health.status_code == 503 and "rank 1 of 2" in health.json()["reason"]
+        assert health.status_code == 503 and f"{label} rank 1 of 2" in health.json()["reason"]
         failed = answer("forward_backward", {**fb, "seq_id": 2})
         assert "rank 1 of 2" in failed["error"] and "died" in failed["error"], failed
         assert failed["category"] == "server"
