@@ -12,10 +12,12 @@ best of ``--repeats`` interleaved runs):
   cache each turn prefills the whole conversation again.
 
 Reported: wall seconds, sampled tokens/s, and prompt tokens prefilled (computed) vs taken
-from the cache or shared. The model is made on the spot (``--shape``): prefill is a larger
-share of the work the longer the prompts and the larger the model.
+from the cache or shared. The model is made on the spot (``--shape``, ``--family``): prefill is
+a larger share of the work the longer the prompts and the larger the model. With ``--family
+qwen3_5`` (a hybrid: no block cache) "on" is the kept whole prompts: a prompt sent again, and a
+turn continuing from the turn before it.
 
-    python bench/prefix_micro.py [--shape small] [--prompt-length 512] [--json OUT]
+    python bench/prefix_micro.py [--shape small] [--family qwen3] [--prompt-length 512] [--json OUT]
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def measure_once(model, workload, cache_bytes: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--prompt-length", type=int, default=512)
@@ -112,12 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
     if a.threads:
         torch.set_num_threads(a.threads)
     tmp = tempfile.TemporaryDirectory()
-    model = load_model(str(make_tiny_model(Path(tmp.name) / "model", shape=SHAPES[a.shape]))).model
+    model = load_model(str(make_tiny_model(Path(tmp.name) / "model", a.family, shape=SHAPES[a.shape]))).model
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(4, vocab, a.prompt_length) for _ in range(a.prompts)]
     out: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
-                 "shape": a.shape, "params": sum(p.numel() for p in model.parameters()), "args": vars(a), "runs": {}}
+                 "shape": a.shape, "family": a.family, "params": sum(p.numel() for p in model.parameters()), "args": vars(a), "runs": {}}
     cases: dict = {
         "grpo num_samples": lambda s: grpo(s, prompts, a.samples, a.max_tokens, separate=False),
         "grpo separate": lambda s: grpo(s, prompts, a.samples, a.max_tokens, separate=True),
