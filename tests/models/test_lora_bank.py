@@ -40,6 +40,7 @@ def test_bank_layer_equals_grouped_layer_through_changes():
         with torch.no_grad():
             w.B.normal_(generator=g)
     owner = Holder()
+    owner.layer = layer
     x = torch.randn(9, 24, generator=g)
     slots = [1, None, 2, 3, 1, 2, None, 3, 1]
     torch.testing.assert_close(banked(layer, owner, x, slots), grouped(layer, x, slots), rtol=1e-5, atol=1e-5)
@@ -74,6 +75,57 @@ def test_slot_table_reuses_positions_and_grows():
     t.assign({10, 12, 13})
     assert t.capacity == 4 and set(t.positions) == {10, 12, 13}
     assert len(set(t.positions.values())) == 3
+
+
+def _layer_with_adapters(ranks: dict[int, int]) -> tuple[Holder, LoraLinear, torch.Generator]:
+    g = torch.Generator().manual_seed(1)
+    owner = Holder()
+    owner.layer = layer = LoraLinear(24, 40)
+    torch.nn.init.normal_(layer.weight, generator=g)
+    for slot, rank in ranks.items():
+        w = layer.add_adapter(slot, rank, 2.0 * rank, g)
+        with torch.no_grad():
+            w.B.normal_(generator=g)
+    return owner, layer, g
+
+
+def test_bank_gives_back_what_removed_adapters_held():
+    ranks = {s: 4 for s in range(1, 21)} | {21: 16}
+    owner, layer, g = _layer_with_adapters(ranks)
+    x = torch.randn(21, 24, generator=g)
+    every = list(range(1, 22))
+    torch.testing.assert_close(banked(layer, owner, x, every), grouped(layer, x, every), rtol=1e-5, atol=1e-5)
+    assert (layer._bank.positions, layer._bank.rank) == (32, 16)
+
+    for slot in range(4, 22):  # runs end: three rank-4 adapters stay
+        layer.remove_adapter(slot)
+    few = [1, 2, 3, None, 2, 1, 3] * 3
+    torch.testing.assert_close(banked(layer, owner, x, few), grouped(layer, x, few), rtol=1e-5, atol=1e-5)
+    table = SlotTable.of(owner)
+    assert table.capacity == 8 and set(table.positions) == {1, 2, 3}
+    assert max(table.positions.values()) < 8
+    assert tuple(layer._bank.A.shape) == (8, 4, 24) and tuple(layer._bank.B.shape) == (8, 40, 4)
+
+    # A layer left with no adapter drops its bank at the next decode batch.
+    other = LoraLinear(24, 40)
+    owner.other = other
+    for slot in (1, 2, 3):
+        layer.remove_adapter(slot)
+    w = other.add_adapter(9, 4, 8.0, g)
+    with torch.no_grad():
+        w.B.normal_(generator=g)
+    banked(other, owner, x, [9] * 10 + [None] * 11)
+    assert layer._bank is None and set(table.positions) == {9}
+
+
+def test_bank_keeps_its_buffers_while_a_full_table_rotates():
+    owner, layer, g = _layer_with_adapters({1: 4, 2: 16, 3: 4, 4: 4, 5: 4})
+    x = torch.randn(4, 24, generator=g)
+    banked(layer, owner, x, [1, 2, 3, 4])
+    A = layer._bank.A
+    for slots in ([1, 3, 4, 5], [1, 2, 3, 4], [5, 3, 4, 1]):  # slot 2 (rank 16) loses its position, then regains it
+        torch.testing.assert_close(banked(layer, owner, x, slots), grouped(layer, x, slots), rtol=1e-5, atol=1e-5)
+        assert layer._bank.A is A and layer._bank.rank == 16
 
 
 def test_decode_rows_layouts(monkeypatch):

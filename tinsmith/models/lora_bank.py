@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from tinsmith.models.lora import LoraWeights
 
 _epoch = 0
+MIN_POSITIONS = 4  # a slot table never shrinks below this many positions
 
 
 def adapters_changed() -> None:
@@ -81,11 +82,18 @@ class SlotTable:
     A position is taken when a slot first appears in a decode batch. When every position is
     held, those of slots absent from the new batch are handed out again; when the batch itself
     has more slots than positions, the table doubles (every bank grows at its next use).
+
+    Adapters come and go (runs end, snapshots are dropped), so a burst of many adapters must not
+    keep its memory for ever: after adapters changed, :meth:`release` forgets the positions of
+    slots that no layer holds any more and, once at most a quarter of the positions are held,
+    halves the table (every bank shrinks at its next use). Eviction alone never shrinks it, so a
+    full table that rotates its slots reallocates nothing.
     """
 
-    capacity: int = 4
+    capacity: int = MIN_POSITIONS
     positions: dict[int, int] = field(default_factory=dict)
-    version: int = 0  # bumped whenever a position changes hands or the capacity grows
+    version: int = 0  # bumped whenever a position changes hands or the capacity changes
+    released_epoch: int = -1  # the adapters epoch :meth:`release` last ran at
 
     @classmethod
     def of(cls, model: Any) -> SlotTable:
@@ -94,6 +102,35 @@ class SlotTable:
             table = cls()
             model._lora_slot_table = table
         return table
+
+    def release(self, model: Any) -> None:
+        """Give back what removed adapters held (cheap unless adapters changed since the last call).
+
+        Layers left with no adapter at all drop their banks; positions of slots no layer of
+        ``model`` holds are freed; the capacity halves while at most a quarter of it is held.
+        """
+        if self.released_epoch == _epoch:
+            return
+        self.released_epoch = _epoch
+        live: set[int] = set()
+        for module in model.modules():
+            adapters = getattr(module, "adapters", None)
+            if isinstance(adapters, AdapterSlots):
+                live.update(adapters)
+                if not adapters and getattr(module, "_bank", None) is not None:
+                    module._bank = None
+        dead = [s for s in self.positions if s not in live]
+        for s in dead:
+            del self.positions[s]
+        capacity = self.capacity
+        while capacity > MIN_POSITIONS and 4 * len(self.positions) <= capacity:
+            capacity //= 2
+        if capacity != self.capacity:  # renumber the held slots into the smaller range
+            self.positions = {s: p for p, s in enumerate(sorted(self.positions, key=self.positions.__getitem__))}
+            self.capacity = capacity
+            self.version += 1
+        elif dead:
+            self.version += 1
 
     def assign(self, slots: set[int]) -> None:
         new = [s for s in slots if s not in self.positions]
@@ -125,6 +162,7 @@ class RowSlots:
     @classmethod
     def of(cls, model: Any, slots: list[int | None], device: torch.device) -> RowSlots:
         table = SlotTable.of(model)
+        table.release(model)
         table.assign({s for s in slots if s is not None})
         idx = torch.tensor([-1 if s is None else table.positions[s] for s in slots], dtype=torch.long)
         return cls(table, idx.to(device), tuple(slots))
@@ -181,9 +219,13 @@ class LoraBank:
             return
         held = {s: adapters[s] for s in table.positions if s in adapters}
         rank = max((w.A.shape[-2] for w in held.values()), default=0)
+        if rank < self.rank:
+            # Shrink only to what the layer's adapters could need (held or not): an adapter that
+            # merely lost its position to another comes back without a reallocation.
+            rank = max(rank, min(self.rank, max((w.A.shape[-2] for w in adapters.values()), default=0)))
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: usable in any mode
-            if table.capacity > self.positions or rank > self.rank:
-                self._grow(max(table.capacity, self.positions), max(rank, self.rank))
+            if table.capacity != self.positions or rank != self.rank:
+                self._resize(table.capacity, rank)
             for slot, p in table.positions.items():
                 w = held.get(slot)
                 c = self.copied[p]
@@ -195,7 +237,8 @@ class LoraBank:
                     self.copied[p] = _Copied(slot, w)
         self.epoch, self.table_version, self.adapters_ref = _epoch, table.version, adapters
 
-    def _grow(self, positions: int, rank: int) -> None:
+    def _resize(self, positions: int, rank: int) -> None:
+        """New buffers of ``positions`` x ``rank`` (larger or smaller); every position is copied again."""
         e = self.experts
         self.A = torch.zeros(positions * e, rank, self.in_features, device=self.device, dtype=self.dtype)
         self.B = torch.zeros(positions * e, self.out_features, rank, device=self.device, dtype=self.dtype)
