@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
+from tinsmith.models.lora_bank import adapters_changed
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
 _WEIGHT_VERSIONS = itertools.count(1)  # one sequence for every model: a version is never handed out twice
@@ -459,8 +460,11 @@ class CausalLM(nn.Module):
     def weights_changed(self, slot: int | None) -> None:
         """Record that adapter ``slot``'s weights (None: the model's own) changed: an optimizer
         step, a load, an adapter attached, installed or removed. Whatever was computed with the
-        old weights (cached prompt K/V) must not be used again."""
+        old weights (cached prompt K/V, an adapter bank's copy) must not be used again. The one
+        call that code writing weights in place makes."""
         self.weight_versions[slot] = next(_WEIGHT_VERSIONS)
+        if slot is not None:
+            adapters_changed()
 
     def weights_version(self, slot: int | None) -> int:
         """The current version of adapter ``slot``'s weights (None: the model's own); 0 until first changed."""

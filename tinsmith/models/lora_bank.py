@@ -15,7 +15,7 @@ mutation of a layer's ``adapters`` dict (add, remove, park, unpark, snapshot ins
 whatever writes adapter weights in place (optimizer steps, state loads); when it moved, a layer
 compares each position's weights with what it copied (same tensors, same storage, same
 in-place version) and rewrites only the positions that differ. Code that writes adapter
-weights in place elsewhere must call :func:`adapters_changed` too.
+weights in place calls the model's ``weights_changed(slot)``, which bumps the counter too.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ import torch
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear
-from tinsmith.models.lora_bank import adapters_changed
 from tinsmith.models.moe import ExpertLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match
 from tinsmith.types import LoraSpec, OptimParams
@@ -172,8 +171,7 @@ class Trainable:
                     if f"{n}.step" in optimizer:
                         st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
                     self.optimizer.state[p] = st
-        adapters_changed()  # weights written in place: inference banks copy them again
-        self._weights_changed()
+        self._weights_changed()  # written in place: cached prompts and adapter banks are stale
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of ``params``' gradients (a sharded unit sums its shards' squares)."""
@@ -198,7 +196,6 @@ class Trainable:
         self._weights_changed()  # before too: a failure half-way must not leave the old version standing
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        adapters_changed()  # weights stepped in place: inference banks copy them again
         if self.masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)  # round the masters into the model
