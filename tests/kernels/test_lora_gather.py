@@ -89,6 +89,57 @@ def per_row_expand(h, B_bank, idx):
     return d
 
 
+def parts_case(dtype, device="cpu", n=9, k=80, r=10, slots=5, outs=(64, 24, 24), seed=3):
+    """A packed bank of three projections (q/k/v-like): A stacked along the rank, B along the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g).to(device, dtype)
+    A = (torch.randn(slots, len(outs) * r, k, generator=g) / k**0.5).to(device, dtype)
+    B = torch.randn(slots, sum(outs), r, generator=g).to(device, dtype)
+    idx = torch.tensor([0, -1, 4, 2, 2, -1, 1, 3, 0][:n], device=device)
+    columns, start = [], 0
+    for o in outs:
+        columns.append((start, start + o))
+        start += o
+    offsets = torch.cat([torch.full((b - a,), j * r, dtype=torch.int32) for j, (a, b) in enumerate(columns)])
+    return x, A, B, idx, columns, offsets.to(device)
+
+
+def per_part(x, A, B, idx, columns):
+    """Each part on its own: its rank rows of A, its columns of B, in float64."""
+    r = B.shape[2]
+    out = torch.zeros(x.shape[0], B.shape[1], dtype=torch.float64)
+    for j, (a, b) in enumerate(columns):
+        _, d = per_row(x, A[:, j * r:(j + 1) * r], B[:, a:b], idx)
+        out[:, a:b] = d
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expand_parts_equals_each_part_alone(dtype):
+    """One shrink over the stacked A and one expand into the packed output equal the per-part products."""
+    x, A, B, idx, columns, offsets = parts_case(dtype)
+    base = torch.randn(x.shape[0], B.shape[1]).to(dtype)
+    y = base.clone()
+    lg.expand_parts_torch(y, lg.shrink_torch(x, A, idx), B, idx, columns)
+    want = base.double() + per_part(x, A, B, idx, columns)
+    torch.testing.assert_close(y.double(), want, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 40)
+    assert torch.equal(y[idx < 0], base[idx < 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("outs", [(64, 24, 24), (40, 40), (1030, 130, 7)])
+def test_triton_expand_parts_equals_torch_path(dtype, outs):
+    """Part boundaries inside an output block, parts of odd widths, -1 rows."""
+    device = _triton_device()
+    x, A, B, idx, columns, offsets = parts_case(dtype, device, outs=outs)
+    h = lg.shrink_triton(x, A, idx)
+    base = torch.randn(x.shape[0], B.shape[1]).to(device, dtype)
+    y, y_ref = base.clone(), base.clone()
+    lg.expand_triton(y, h, B, idx, offsets)
+    lg.expand_parts_torch(y_ref, h, B, idx, columns)
+    torch.testing.assert_close(y.cpu().float(), y_ref.cpu().float(), rtol=TOL[dtype], atol=TOL[dtype] * 4)
+
+
 def test_dispatch_follows_backend(monkeypatch):
     x = torch.zeros(2, 4)
     monkeypatch.setattr(lg, "BACKEND", "torch")
@@ -106,14 +157,15 @@ from tinsmith.kernels import lora_gather as lg
 
 target = GPUTarget("cuda", 90, 32)
 for dt in sys.argv[1:]:
-    common = {"idx_ptr": "*i64", "O": "constexpr", "K": "constexpr", "ACCUMULATE": "constexpr",
-              "BLOCK_O": "constexpr", "BLOCK_K": "constexpr",
+    common = {"idx_ptr": "*i64", "voff_ptr": "*i32", "O": "constexpr", "K": "constexpr", "ACCUMULATE": "constexpr",
+              "SEGMENTED": "constexpr", "BLOCK_O": "constexpr", "BLOCK_K": "constexpr",
               **{f"stride_{s}": "i32" for s in ("vn", "vk", "ms", "mo", "mk", "on", "oo")}}
     shrink = {"v_ptr": f"*{dt}", "m_ptr": f"*{dt}", "out_ptr": "*fp32", **common}
     expand = {"v_ptr": "*fp32", "m_ptr": f"*{dt}", "out_ptr": f"*{dt}", **common}
     fn = lg._bgmv_kernel
-    for sig, const in ((shrink, {"O": 40, "K": 4096, "ACCUMULATE": False, "BLOCK_O": 64, "BLOCK_K": 128}),
-                       (expand, {"O": 151936, "K": 40, "ACCUMULATE": True, "BLOCK_O": 128, "BLOCK_K": 64})):
+    for sig, const in ((shrink, {"O": 40, "K": 4096, "ACCUMULATE": False, "SEGMENTED": False, "BLOCK_O": 64, "BLOCK_K": 128}),
+                       (expand, {"O": 151936, "K": 40, "ACCUMULATE": True, "SEGMENTED": False, "BLOCK_O": 128, "BLOCK_K": 64}),
+                       (expand, {"O": 4096, "K": 32, "ACCUMULATE": True, "SEGMENTED": True, "BLOCK_O": 128, "BLOCK_K": 32})):
         sig = {name: sig[name] for name in fn.arg_names}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
 '''

@@ -8,7 +8,7 @@ import torch
 
 from tinsmith.kernels import lora_gather
 from tinsmith.models import lora as lora_mod
-from tinsmith.models.lora import LoraLinear, decode_rows
+from tinsmith.models.lora import LoraLinear, PackedProjection, decode_rows, sync_banks
 from tinsmith.models.lora_bank import RowSlots, SlotTable, adapters_changed
 from tinsmith.types import AdamParams
 
@@ -126,6 +126,53 @@ def test_bank_keeps_its_buffers_while_a_full_table_rotates():
     for slots in ([1, 3, 4, 5], [1, 2, 3, 4], [5, 3, 4, 1]):  # slot 2 (rank 16) loses its position, then regains it
         torch.testing.assert_close(banked(layer, owner, x, slots), grouped(layer, x, slots), rtol=1e-5, atol=1e-5)
         assert layer._bank.A is A and layer._bank.rank == 16
+
+
+def test_packed_projection_fuses_its_layers_adapters_into_one_bank():
+    """q/k/v-like layers of one packed buffer: one shrink and one expand over a bank with a part per
+    layer equal each layer's own adapter; an adapter that skips a layer adds nothing there; the
+    layers keep no banks of their own; the packed bank follows changes and is freed with them."""
+    g = torch.Generator().manual_seed(2)
+    owner = Holder()
+    owner.q, owner.k, owner.v = layers = [LoraLinear(24, n) for n in (32, 16, 16)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight, generator=g)
+    owner.packed_qkv = packed = PackedProjection(layers)
+    for slot, rank, targets in ((1, 4, layers), (2, 8, layers), (3, 2, layers[:1])):
+        for layer in targets:
+            w = layer.add_adapter(slot, rank, 2.0 * rank, g)
+            with torch.no_grad():
+                w.B.normal_(generator=g)
+    x = torch.randn(9, 24, generator=g)
+    slots = [1, None, 2, 3, 1, 2, None, 3, 1]
+
+    def separately(slots):
+        return torch.cat([grouped(layer, x, slots) for layer in layers], dim=1)
+
+    def fused(slots):
+        with torch.inference_mode():
+            return packed.project(x, RowSlots.of(owner, slots, x.device))
+
+    torch.testing.assert_close(fused(slots), separately(slots), rtol=1e-5, atol=1e-5)
+    bank = packed._bank
+    assert bank.parts == 3 and bank.rank == 8 and tuple(bank.A.shape[1:]) == (24, 24)
+    assert all(layer._bank is None for layer in layers)
+    assert sync_banks(owner, RowSlots.of(owner, slots, x.device)) == (
+        (id(packed), bank.A.data_ptr(), bank.B.data_ptr(), 8),)
+
+    with torch.no_grad():  # a step writes in place; the owner of the weights says so
+        layers[1].adapters[2].B.mul_(-2.0)
+    adapters_changed()
+    torch.testing.assert_close(fused(slots), separately(slots), rtol=1e-5, atol=1e-5)
+    for layer in layers:
+        layer.remove_adapter(2)
+    torch.testing.assert_close(fused(slots), separately(slots), rtol=1e-5, atol=1e-5)
+    assert packed._bank.rank == 4
+    for layer in layers:
+        for slot in (1, 3):
+            layer.remove_adapter(slot)
+    RowSlots.of(owner, [None], x.device)
+    assert packed._bank is None
 
 
 def test_decode_rows_layouts(monkeypatch):

@@ -119,6 +119,10 @@ class SlotTable:
                 live.update(adapters)
                 if not adapters and getattr(module, "_bank", None) is not None:
                     module._bank = None
+            for value in vars(module).values():  # packed projections' banks (q/k/v, gate/up)
+                drop = getattr(value, "drop_unused_bank", None)
+                if drop is not None:
+                    drop()
         dead = [s for s in self.positions if s not in live]
         for s in dead:
             del self.positions[s]
@@ -194,66 +198,103 @@ class _Copied:
                 and self.a_ver == _version(w.A) and self.b_ver == _version(w.B))
 
 
-class LoraBank:
-    """One layer's adapters stacked by position: ``A (positions*experts, r, in)``, ``B (positions*experts, out, r)``.
+def _copied(slot: int, weights: tuple[LoraWeights | None, ...]) -> tuple[_Copied | None, ...]:
+    return tuple(None if w is None else _Copied(slot, w) for w in weights)
 
-    Dense layers have one "expert". Row ``p * experts + e`` is expert ``e`` of the adapter at
-    position ``p``, so expert layers index it with ``position * experts + expert``.
+
+def _current(slot: int, weights: tuple[LoraWeights | None, ...], copied: tuple[_Copied | None, ...] | None) -> bool:
+    if copied is None:
+        return False
+    return all((c is None) if w is None else (c is not None and c.matches(slot, w)) for w, c in zip(weights, copied))
+
+
+class LoraBank:
+    """The adapters of one layer, or of several layers that read the same input, stacked by position.
+
+    With ``outs`` = one layer's output size: ``A (positions*experts, r, in)``, ``B
+    (positions*experts, out, r)``. Dense layers have one "expert"; row ``p * experts + e`` is
+    expert ``e`` of the adapter at position ``p``, so expert layers index it with
+    ``position * experts + expert``.
+
+    With several parts (q/k/v, gate/up: a :class:`tinsmith.models.lora.PackedProjection`), one
+    shrink and one expand serve them all: part ``j``'s A fills rows ``[j*r, (j+1)*r)`` of ``A
+    (positions, parts*r, in)``, its B the part's columns of ``B (positions, sum of outs, r)``, and
+    ``h_offsets[column]`` = ``j*r`` says which part of the shrunk vector each output column reads.
+    A part an adapter does not target holds zeros.
     """
 
-    def __init__(self, experts: int, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype):
-        self.experts, self.in_features, self.out_features = experts, in_features, out_features
+    def __init__(self, experts: int, in_features: int, outs: int | list[int], device: torch.device,
+                 dtype: torch.dtype):
+        self.outs = [outs] if isinstance(outs, int) else list(outs)
+        self.experts, self.in_features, self.out_features = experts, in_features, sum(self.outs)
         self.device, self.dtype = device, dtype
+        self.columns: list[tuple[int, int]] = []
+        start = 0
+        for n in self.outs:
+            self.columns.append((start, start + n))
+            start += n
         self.rank = 0
         self.positions = 0
         self.A = torch.zeros(0, 0, in_features, device=device, dtype=dtype)
-        self.B = torch.zeros(0, out_features, 0, device=device, dtype=dtype)
-        self.copied: list[_Copied | None] = []
+        self.B = torch.zeros(0, self.out_features, 0, device=device, dtype=dtype)
+        self.h_offsets = torch.zeros(self.out_features, dtype=torch.int32, device=device)
+        self.copied: list[tuple[_Copied | None, ...] | None] = []
         self.epoch = -1
         self.table_version = -1
-        self.adapters_ref: Any = None
+        self.adapters_refs: tuple = ()
 
-    def sync(self, adapters: dict[int, LoraWeights], table: SlotTable) -> None:
-        """Bring every position of ``table`` up to date with ``adapters`` (cheap when nothing changed)."""
-        if self.epoch == _epoch and self.table_version == table.version and self.adapters_ref is adapters:
+    @property
+    def parts(self) -> int:
+        return len(self.outs)
+
+    def sync(self, adapters: dict[int, LoraWeights] | list[dict[int, LoraWeights]], table: SlotTable) -> None:
+        """Bring every position of ``table`` up to date with ``adapters`` (one dict per part;
+        cheap when nothing changed)."""
+        parts = [adapters] if isinstance(adapters, dict) else list(adapters)
+        refs = tuple(id(a) for a in parts)
+        if self.epoch == _epoch and self.table_version == table.version and self.adapters_refs == refs:
             return
-        held = {s: adapters[s] for s in table.positions if s in adapters}
-        rank = max((w.A.shape[-2] for w in held.values()), default=0)
+        held = {s: tuple(a.get(s) for a in parts) for s in table.positions if any(s in a for a in parts)}
+        rank = max((w.A.shape[-2] for ws in held.values() for w in ws if w is not None), default=0)
         if rank < self.rank:
-            # Shrink only to what the layer's adapters could need (held or not): an adapter that
+            # Shrink only to what the layers' adapters could need (held or not): an adapter that
             # merely lost its position to another comes back without a reallocation.
-            rank = max(rank, min(self.rank, max((w.A.shape[-2] for w in adapters.values()), default=0)))
+            rank = max(rank, min(self.rank, max((w.A.shape[-2] for a in parts for w in a.values()), default=0)))
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: usable in any mode
             if table.capacity != self.positions or rank != self.rank:
                 self._resize(table.capacity, rank)
             for slot, p in table.positions.items():
-                w = held.get(slot)
-                c = self.copied[p]
-                if w is None:
-                    if c is not None:
+                ws = held.get(slot)
+                if ws is None:
+                    if self.copied[p] is not None:
                         self._write(p, None)
-                elif c is None or not c.matches(slot, w):
-                    self._write(p, w)
-                    self.copied[p] = _Copied(slot, w)
-        self.epoch, self.table_version, self.adapters_ref = _epoch, table.version, adapters
+                elif not _current(slot, ws, self.copied[p]):
+                    self._write(p, ws)
+                    self.copied[p] = _copied(slot, ws)
+        self.epoch, self.table_version, self.adapters_refs = _epoch, table.version, refs
 
     def _resize(self, positions: int, rank: int) -> None:
         """New buffers of ``positions`` x ``rank`` (larger or smaller); every position is copied again."""
         e = self.experts
-        self.A = torch.zeros(positions * e, rank, self.in_features, device=self.device, dtype=self.dtype)
+        self.A = torch.zeros(positions * e, self.parts * rank, self.in_features, device=self.device, dtype=self.dtype)
         self.B = torch.zeros(positions * e, self.out_features, rank, device=self.device, dtype=self.dtype)
+        self.h_offsets = torch.cat([torch.full((b - a,), j * rank, dtype=torch.int32)
+                                    for j, (a, b) in enumerate(self.columns)]).to(self.device)
         self.positions, self.rank = positions, rank
         self.copied = [None] * positions  # everything is copied again
 
-    def _write(self, p: int, w: LoraWeights | None) -> None:
-        e = self.experts
-        A = self.A.view(self.positions, e, self.rank, self.in_features)[p]
-        B = self.B.view(self.positions, e, self.out_features, self.rank)[p]
+    def _write(self, p: int, weights: tuple[LoraWeights | None, ...] | None) -> None:
+        e, R = self.experts, self.rank
+        A = self.A.view(self.positions, e, self.parts * R, self.in_features)[p]
+        B = self.B.view(self.positions, e, self.out_features, R)[p]
         A.zero_()
         B.zero_()
         self.copied[p] = None
-        if w is None:
+        if weights is None:
             return
-        r = w.A.shape[-2]
-        A[:, :r].copy_(w.A.detach().reshape(e, r, self.in_features))
-        B[:, :, :r].copy_((w.B.detach().float() * w.scale).reshape(e, self.out_features, r))
+        for j, (w, (a, b)) in enumerate(zip(weights, self.columns)):
+            if w is None:
+                continue
+            r = w.A.shape[-2]
+            A[:, j * R: j * R + r].copy_(w.A.detach().reshape(e, r, self.in_features))
+            B[:, a:b, :r].copy_((w.B.detach().float() * w.scale).reshape(e, b - a, r))

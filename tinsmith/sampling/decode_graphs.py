@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tinsmith.models.layers import CausalLM
+from tinsmith.models.lora import sync_banks
 from tinsmith.models.lora_bank import RowSlots, adapters_epoch
 from tinsmith.sampling.kv_cache import RowKVCache
 from tinsmith.sampling.logits import choose_tokens_masked, keyed_uniforms
@@ -236,13 +237,5 @@ class DecodeGraphs:
             return self._bank_layout
         check = (adapters_epoch(), groups.table.version)
         if check != self._bank_check:
-            layout = []
-            for module in self.model.modules():
-                if hasattr(module, "bank") and isinstance(getattr(module, "adapters", None), dict):
-                    if module.adapters:
-                        bank = module.bank(groups)
-                        layout.append((id(module), bank.A.data_ptr(), bank.B.data_ptr(), bank.rank))
-                    else:
-                        layout.append((id(module), None))
-            self._bank_layout, self._bank_check = tuple(layout), check
+            self._bank_layout, self._bank_check = sync_banks(self.model, groups), check
         return self._bank_layout
