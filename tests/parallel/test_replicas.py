@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tinsmith.checkpoints.export import save_hf_model
 from tinsmith.engine.device_faults import device_fault
 from tinsmith.errors import InvalidInputError
 from tinsmith.parallel.comm import sum_grads
@@ -170,9 +171,6 @@ def test_replicas_of_sharded_models_train_and_sample_as_one_process(qwen3_dir):
                 np.testing.assert_array_equal(a.tokens, b.tokens)
                 np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         assert sampler._local.stats["decode_steps"] > 0 and sampler._stats[0]["decode_steps"] > 0  # both decoded
-        with pytest.raises(InvalidInputError, match="full fine-tuning is not supported with --data-parallel-size "
-                                                    "and --tensor-parallel-size 2"):
-            w4.create_model("full", "m", None)
         assert w4.tp_group.healthy
     finally:
         w4.close()
@@ -307,6 +305,54 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
         assert w2.tp_group.healthy
     finally:
         w2.close()
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 2)], ids=["tp2", "dp2xtp2"])
+def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qwen3_dir, tmp_path, dp, tp):
+    """The base model's ranks hold tensor-parallel shards; a full fine-tune is FSDP over all of
+    them, each rank loading the whole checkpoint for it: training, its state and a snapshot
+    sampled by rank 0 (a whole model built from the gathered weights) equal one process's."""
+    w1, b1 = _worker(qwen3_dir, 1)
+    wn, bn = _worker(qwen3_dir, dp, tp=tp)
+    try:
+        for w in (w1, wn):
+            w.create_model("full", "m", None)
+        _assert_same_training(_train(w1, "full", 1 << 20), _train(wn, "full", 40))
+        s1, sn = w1.export_training_state("full"), wn.export_training_state("full")
+        assert s1.weights.keys() == sn.weights.keys() and s1.optimizer.keys() == sn.optimizer.keys()
+        for k in s1.weights:
+            np.testing.assert_allclose(s1.weights[k].numpy(), sn.weights[k].numpy(), atol=1e-5, rtol=0)
+        held = wn.placements["full"].runtime._base.local.runtime.held_elements()  # rank 0's share
+        assert held["weights"] < (1.2 / (dp * tp)) * held["model"]
+
+        greedy = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                       stop=[])))
+        outs = []
+        for w, b in ((w1, b1), (wn, bn)):
+            snap = w.snapshot("full", "full-snap")
+            assert w.make_resident(snap)
+            outs.append(_sample_all(w.sampler(b, snap), [greedy])["g"])
+        np.testing.assert_array_equal(outs[0].sequences[0].tokens, outs[1].sequences[0].tokens)
+        np.testing.assert_allclose(outs[0].sequences[0].logprobs, outs[1].sequences[0].logprobs, atol=1e-5)
+        whole = wn.snapshots["full-snap"].model
+        assert getattr(whole, "tp", None) is None and whole.lm_head.weight.shape[0] == whole.config.vocab_size
+        # Stored sampler weights (a Hugging Face directory) load back as a whole model too.
+        weights, base = wn.full_weights("full")
+        save_hf_model(tmp_path / "stored", weights, base.loaded.model_dir)
+        stored = wn.load_snapshot("stored", "m", tmp_path / "stored")
+        assert wn.make_resident(stored)
+        again = _sample_all(wn.sampler(bn, stored), [greedy])["g"]
+        np.testing.assert_array_equal(again.sequences[0].tokens, outs[0].sequences[0].tokens)
+
+        wn.unload_model("full")
+        assert wn.tp_group.call("_holder", "m").full == {}
+        # LoRA runs of the sharded base model are untouched by it.
+        wn.create_model("run", "m", LoraSpec(rank=4, seed=3))
+        w1.create_model("run", "m", LoraSpec(rank=4, seed=3))
+        _assert_same_training(_train(w1, "run", 1 << 20), _train(wn, "run", 40))
+        assert wn.tp_group.healthy
+    finally:
+        wn.close()
 
 
 def test_summed_gradients_keep_none_where_no_replica_has_one():

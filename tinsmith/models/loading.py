@@ -194,7 +194,18 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
             loading.update(expected[name].numel() * expected[name].element_size())
             _check_tensor(t, sources[0], files[sources[0]], tuple(expected[name].shape))
             state[name] = t.to(device=device, dtype=dtype)
+    model = _assemble(model, state, device)
+    vision = None
+    if cfg.vision is not None:
+        vision = VisionTower(cfg.vision, model_dir, _vision_weights(files), device, dtype)
+    return LoadedModel(model=model, config=cfg, model_dir=model_dir, vision=vision)
+
+
+def _assemble(model: CausalLM, state: dict[str, torch.Tensor], device: torch.device) -> CausalLM:
+    """``model`` (built on the meta device) holding ``state``'s tensors: tied head, rotary tables
+    on ``device``, projections packed, frozen, in eval mode."""
     model.load_state_dict(state, strict=False, assign=True)
+    cfg = model.config
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = Rotary(cfg.rotary_dim, cfg.rope).to(device)
@@ -202,10 +213,22 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
-    vision = None
-    if cfg.vision is not None:
-        vision = VisionTower(cfg.vision, model_dir, _vision_weights(files), device, dtype)
-    return LoadedModel(model=model, config=cfg, model_dir=model_dir, vision=vision)
+    return model
+
+
+def model_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                       dtype: torch.dtype) -> CausalLM:
+    """A whole frozen model of ``cfg`` holding ``weights`` (its parameters by name, e.g. a full
+    fine-tune's sampler snapshot), copied to ``device`` in ``dtype``. What a process that holds
+    only a tensor-parallel shard of the base model builds to sample a whole snapshot."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = dict(model.named_parameters())
+    missing = [n for n in expected if n not in weights and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if missing:
+        raise InvalidInputError(f"weights for {cfg.family} lack tensors: {missing[:5]}")
+    state = {n: weights[n].to(device=device, dtype=dtype) for n in expected if n in weights}
+    return _assemble(model, state, device)
 
 
 VISION_PREFIX = "model.visual."

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from tinsmith.errors import CapacityError, InvalidInputError
+from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
@@ -159,20 +160,19 @@ class ReplicaTrainingRuntime(TrainingRuntime):
 
 # ----------------------------------------------------------------------------- what every rank holds
 class ReplicaFullRun:
-    """One full fine-tune on one replica: its FSDP2 shard of a copy of the base model, and the
-    runtime over it (the engine's passes by id, as a base's)."""
+    """One full fine-tune on one rank of a serving group: its FSDP2 shard of a whole copy of the
+    base model, and the runtime over it (the engine's passes by id, as a base's).
 
-    def __init__(self, base: "ReplicaBase", dp: TPGroup, optimizer_type: str):
-        if base.shard.size > 1:
-            raise InvalidInputError(f"full fine-tuning is not supported with {OPTION} and --tensor-parallel-size "
-                                    f"{base.shard.size} yet; serve with --tensor-parallel-size 1 for it")
+    Whatever the group's layout (whole replicas, tensor-parallel shards, or replicas of shards),
+    the run is sharded with FSDP over every rank of the group: each rank runs its share of every
+    chunk's datums through the whole model, gathering one layer's weights at a time."""
+
+    def __init__(self, base: Any, group: TPGroup, optimizer_type: str, option: str = OPTION):
         if optimizer_type != "adamw":
-            raise InvalidInputError(f"full fine-tuning with {OPTION} > 1 steps with AdamW only, not "
+            raise InvalidInputError(f"full fine-tuning with {option} > 1 steps with AdamW only, not "
                                     f"{optimizer_type!r}")
-        model = copy.deepcopy(base.loaded.model)
-        if model.config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        shard_full_model(model, dp)  # refuses, alike on every replica, what it does not cover
+        model = whole_copy(base)
+        shard_full_model(model, group)  # refuses, alike on every rank, what it does not cover
         lora = base.runtime
         self.runtime = FsdpTrainingRuntime(model, micro_batch_tokens=lora.micro_batch_tokens,
                                            micro_batch_seqs=lora.micro_batch_seqs,
@@ -180,6 +180,20 @@ class ReplicaFullRun:
                                            gradient_checkpointing=base.gradient_checkpointing, packing=lora.packing)
         self.runtime.unit(FULL_UNIT).export_everywhere = False  # rank 0's exports are the ones read
         self.passes: dict[int, FbPass] = {}
+
+
+def whole_copy(base: Any) -> CausalLM:
+    """A whole copy of ``base``'s model for a full fine-tune to shard: a deep copy of a whole
+    replica, or, where this rank holds a tensor-parallel shard, the checkpoint loaded again on
+    the shard's device (the whole model in the base's dtype until FSDP has sharded it, layer by
+    layer)."""
+    if base.shard.size > 1:
+        p = next(base.loaded.model.parameters())
+        return load_model(str(base.loaded.model_dir), p.device, p.dtype).model
+    model = copy.deepcopy(base.loaded.model)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
 
 
 class ReplicaTPTrainingRuntime(ReplicaTrainingRuntime, TPTrainingRuntime):
@@ -244,6 +258,8 @@ class ReplicaBase:
 
 
 class ReplicaRank(ServingRank):
+    OPTION = OPTION
+
     """:class:`ServingRank` of a data-parallel group: a whole replica on each rank, or with
     ``tp_size`` > 1 a replica sharded over each ``tp_size`` consecutive ranks (``self.tp`` is
     the whole group, which the executor's calls and the sampling reports use)."""
@@ -261,20 +277,6 @@ class ReplicaRank(ServingRank):
         self.bases[name] = base = ReplicaBase(self.replicas, self.shard, self.device, model_dir, dtype,
                                               runtime_kwargs, sampler_kwargs)
         return base
-
-    def _holder(self, name: Any) -> Any:
-        """A base model, or with ``(base, model_id)`` that base's full fine-tune."""
-        if isinstance(name, tuple):
-            return self.bases[name[0]].full[name[1]]
-        return self.bases[name]
-
-    def create_full(self, name: str, model_id: str, optimizer_type: str) -> ReplicaFullRun:
-        base = self.bases[name]
-        base.full[model_id] = run = ReplicaFullRun(base, self.replicas, optimizer_type)
-        return run
-
-    def drop_full(self, name: str, model_id: str) -> None:
-        self.bases[name].full.pop(model_id, None)
 
     def adapter_tensors(self, name: str, unit: int) -> dict[str, torch.Tensor]:
         rt = self.bases[name].runtime

@@ -54,7 +54,8 @@ class TPTrainingRuntime(TrainingRuntime):
 
     def __init__(self, model, **kwargs):
         if kwargs.get("full_finetune"):
-            raise InvalidInputError("full fine-tuning under tensor parallelism is not supported yet (--data-parallel-size shards it with FSDP2)")
+            raise InvalidInputError("a tensor-parallel shard does not train a full fine-tune: it runs sharded with FSDP "
+                                    "over the whole group")
         super().__init__(model, **kwargs)
         self.tp = tp_of(model)
         self.shard_dims = lora_shard_dims(model)

@@ -94,6 +94,9 @@ class RankBase:
         self.runtime.on_park_busy = self._adapter_parked
         self.passes: dict[int, FbPass] = {}
         self.max_lora_adapters = runtime_kwargs.get("max_lora_adapters", 16)
+        self.shard = tp  # the group this rank's shard of the model is cut over
+        self.gradient_checkpointing = runtime_kwargs.get("gradient_checkpointing", False)
+        self.full: dict[str, Any] = {}  # model_id -> its full fine-tune (a ReplicaFullRun: FSDP over the group)
 
     def _adapter_parked(self, slot: int) -> None:
         self.sampler.fail_slot(slot, CapacityError(
@@ -115,9 +118,25 @@ class ServingRank:
         self.bases[name] = base = RankBase(self.tp, self.device, model_dir, dtype, runtime_kwargs, sampler_kwargs)
         return base
 
+    OPTION = OPTION  # what made the worker a group, for messages
+
     def _holder(self, name: Any) -> Any:
-        """What a call's ``name`` addresses: a base model (its ``runtime`` and ``passes``)."""
+        """What a call's ``name`` addresses: a base model (its ``runtime`` and ``passes``), or with
+        ``(base, model_id)`` that base's full fine-tune."""
+        if isinstance(name, tuple):
+            return self.bases[name[0]].full[name[1]]
         return self.bases[name]
+
+    def create_full(self, name: str, model_id: str, optimizer_type: str) -> Any:
+        """A full fine-tune of base ``name``, sharded with FSDP over every rank of the group."""
+        from tinsmith.parallel.replicas import ReplicaFullRun  # late: replicas builds on this module
+
+        base = self.bases[name]
+        base.full[model_id] = run = ReplicaFullRun(base, self.tp, optimizer_type, self.OPTION)
+        return run
+
+    def drop_full(self, name: str, model_id: str) -> None:
+        self.bases[name].full.pop(model_id, None)
 
     def configure(self, name: str, micro_batch_tokens: int, checkpoint_above_tokens: int | None) -> None:
         rt = self.bases[name].runtime

@@ -28,7 +28,7 @@ from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, Ti
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
-from tinsmith.models.loading import LoadedModel, load_model, resolve_dtype
+from tinsmith.models.loading import LoadedModel, load_model, model_from_weights, resolve_dtype
 from tinsmith.models.lora import pack_weights
 from tinsmith.optim import ADAMW, normalize_optimizer_config
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec, OptimParams
@@ -190,12 +190,6 @@ class Worker:
         tensor-parallel rank exited), for /healthz; None while it can."""
         return None if self.tp_group is None else self.tp_group.failure
 
-    def _refuse_under_tp(self, base: "BaseModel", what: str) -> None:
-        if base.tp is not None:
-            option, size = self._group_option()
-            raise InvalidInputError(f"{what} is not supported with {option} {size} yet (LoRA runs are); serve "
-                                    f"with {option} 1 for it")
-
     def _group_option(self) -> tuple[str, int]:
         """The option that made this worker a process group, and its value."""
         o = self.options
@@ -293,8 +287,6 @@ class Worker:
             unit = base.lora.create_adapter(lora, optimizer_type)
             placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
-            if self.options.data_parallel_size == 1:
-                self._refuse_under_tp(base, "full fine-tuning")
             if base.config.vision is not None:
                 raise InvalidInputError(f"full fine-tuning of image-text base model {base_model!r} is not supported "
                                         "yet; use a LoRA config")
@@ -303,7 +295,7 @@ class Worker:
                     f"this server holds at most {self.options.max_full_finetunes} full fine-tuning runs "
                     "(--max-full-finetunes); use a LoRA config or unload one"
                 )
-            if base.tp is not None:  # replicas: every one holds its FSDP shard of the run
+            if base.tp is not None:  # a group: every rank holds its FSDP shard of the run
                 from tinsmith.parallel.replicas import FullRunHandle
 
                 handle = FullRunHandle(base.tp, model_id, optimizer_type)
@@ -636,11 +628,7 @@ class Worker:
         """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in host memory."""
         from safetensors import safe_open
 
-        if self.options.tensor_parallel_size > 1:  # whole replicas hold the base model: rank 0 samples it
-            raise InvalidInputError(f"sampling a full fine-tune's stored weights is not supported with "
-                                    f"--tensor-parallel-size {self.options.tensor_parallel_size} yet (LoRA runs are); "
-                                    "serve with --tensor-parallel-size 1 for it")
-        params = dict(base.loaded.model.named_parameters())
+        params = _whole_parameters(base.loaded.model)
         incoming = sum(p.numel() * p.element_size() for p in params.values())
         self._snapshot_victims(owner, queued, full_bytes=incoming)  # refuse before reading when there is no room
         with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
@@ -843,8 +831,28 @@ def _host_copy(weights, *, pin: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def _sharded(model: CausalLM) -> bool:
+    shards = getattr(model, "tp", None)
+    return shards is not None and shards.size > 1
+
+
+def _whole_parameters(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The whole model's parameters by name, in ``model``'s dtype (for a tensor-parallel shard:
+    meta tensors of the whole model's shapes)."""
+    if not _sharded(model):
+        return dict(model.named_parameters())
+    dtype = next(model.parameters()).dtype
+    with torch.device("meta"):
+        whole = CausalLM(model.config)
+    return {n: p.to(dtype) for n, p in whole.named_parameters()}
+
+
 def _device_model(template: CausalLM, host: dict[str, torch.Tensor]) -> CausalLM:
-    """A frozen model on ``template``'s device with the weights of ``host``, packed for sampling."""
+    """A frozen model on ``template``'s device with the weights of ``host``, packed for sampling.
+    A tensor-parallel shard is no template for a whole model: one is built from its config."""
+    if _sharded(template):
+        p = next(template.parameters())
+        return model_from_weights(template.config, host, p.device, p.dtype)
     model = _frozen_copy(template)
     with torch.no_grad():
         for name, p in model.named_parameters():  # the parameters are views of the packed buffers
