@@ -118,6 +118,21 @@ def test_bank_gives_back_what_removed_adapters_held():
     assert layer._bank is None and set(table.positions) == {9}
 
 
+def test_released_table_never_moves_the_slots_of_the_batch_being_laid_out():
+    owner, layer, g = _layer_with_adapters({2: 4, 3: 4})
+    table = SlotTable(capacity=16, positions={1: 0, 2: 9, 3: 14})  # slot 1's adapter is gone
+    owner._lora_slot_table = table
+    table.release(owner, keep={3})
+    assert table.capacity == 16 and table.positions == {2: 9, 3: 14}  # 3 pins the range
+    adapters_changed()
+    table.release(owner, keep={2})
+    assert table.capacity == 16 and table.positions == {2: 9, 3: 14}
+    adapters_changed()
+    version = table.version
+    table.release(owner, keep=set())
+    assert table.capacity == 4 and sorted(table.positions.values()) == [0, 1] and table.version > version
+
+
 def test_bank_keeps_its_buffers_while_a_full_table_rotates():
     owner, layer, g = _layer_with_adapters({1: 4, 2: 16, 3: 4, 4: 4, 5: 4})
     x = torch.randn(4, 24, generator=g)

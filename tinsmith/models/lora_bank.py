@@ -103,11 +103,14 @@ class SlotTable:
             model._lora_slot_table = table
         return table
 
-    def release(self, model: Any) -> None:
+    def release(self, model: Any, keep: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         """Give back what removed adapters held (cheap unless adapters changed since the last call).
 
         Layers left with no adapter at all drop their banks; positions of slots no layer of
         ``model`` holds are freed; the capacity halves while at most a quarter of it is held.
+        Slots in ``keep`` (those of the decode batch being laid out, whose rows may already hold
+        their positions) never move: the capacity stays above the highest of their positions, and
+        only other slots are moved down into the smaller range.
         """
         if self.released_epoch == _epoch:
             return
@@ -127,10 +130,14 @@ class SlotTable:
         for s in dead:
             del self.positions[s]
         capacity = self.capacity
-        while capacity > MIN_POSITIONS and 4 * len(self.positions) <= capacity:
+        pinned = max((self.positions[s] for s in keep if s in self.positions), default=-1)
+        while capacity > MIN_POSITIONS and 4 * len(self.positions) <= capacity and pinned < capacity // 2:
             capacity //= 2
-        if capacity != self.capacity:  # renumber the held slots into the smaller range
-            self.positions = {s: p for p, s in enumerate(sorted(self.positions, key=self.positions.__getitem__))}
+        if capacity != self.capacity:  # move the slots past the new end into free positions below it
+            free = sorted(set(range(capacity)) - set(self.positions.values()))
+            for s, p in sorted(self.positions.items(), key=lambda item: item[1]):
+                if p >= capacity:
+                    self.positions[s] = free.pop(0)
             self.capacity = capacity
             self.version += 1
         elif dead:
@@ -166,8 +173,9 @@ class RowSlots:
     @classmethod
     def of(cls, model: Any, slots: list[int | None], device: torch.device) -> RowSlots:
         table = SlotTable.of(model)
-        table.release(model)
-        table.assign({s for s in slots if s is not None})
+        batch = {s for s in slots if s is not None}
+        table.release(model, keep=batch)
+        table.assign(batch)
         idx = torch.tensor([-1 if s is None else table.positions[s] for s in slots], dtype=torch.long)
         return cls(table, idx.to(device), tuple(slots))
 
