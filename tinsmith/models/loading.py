@@ -141,8 +141,15 @@ class LoadedModel:
     vision: VisionTower | None = None  # image-text models: processor and frozen vision encoder
 
 
-def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
-    """Build the model for a checkpoint and load its weights (frozen, ready for adapters)."""
+def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               pack: bool = True) -> LoadedModel:
+    """Build the model for a checkpoint and load its weights (frozen, ready for adapters).
+
+    Tensors are read from memory-mapped files, so a tensor whose dtype and device are already
+    the ones asked for is not copied until something writes it. ``pack=False`` leaves the
+    projections unpacked (no second, private copy of their weights): for a process that keeps
+    only slices of them (a tensor-parallel rank), which then holds little more than its shard.
+    """
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
     device = torch.device(device)
@@ -194,22 +201,23 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
             loading.update(expected[name].numel() * expected[name].element_size())
             _check_tensor(t, sources[0], files[sources[0]], tuple(expected[name].shape))
             state[name] = t.to(device=device, dtype=dtype)
-    model = _assemble(model, state, device)
+    model = _assemble(model, state, device, pack)
     vision = None
     if cfg.vision is not None:
         vision = VisionTower(cfg.vision, model_dir, _vision_weights(files), device, dtype)
     return LoadedModel(model=model, config=cfg, model_dir=model_dir, vision=vision)
 
 
-def _assemble(model: CausalLM, state: dict[str, torch.Tensor], device: torch.device) -> CausalLM:
+def _assemble(model: CausalLM, state: dict[str, torch.Tensor], device: torch.device, pack: bool = True) -> CausalLM:
     """``model`` (built on the meta device) holding ``state``'s tensors: tied head, rotary tables
-    on ``device``, projections packed, frozen, in eval mode."""
+    on ``device``, projections packed (unless not ``pack``), frozen, in eval mode."""
     model.load_state_dict(state, strict=False, assign=True)
     cfg = model.config
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = Rotary(cfg.rotary_dim, cfg.rope).to(device)
-    pack_weights(model)
+    if pack:
+        pack_weights(model)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()

@@ -189,7 +189,7 @@ def whole_copy(base: Any) -> CausalLM:
     layer)."""
     if base.shard.size > 1:
         p = next(base.loaded.model.parameters())
-        return load_model(str(base.loaded.model_dir), p.device, p.dtype).model
+        return load_model(str(base.loaded.model_dir), p.device, p.dtype, pack=False).model
     model = copy.deepcopy(base.loaded.model)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -211,7 +211,7 @@ class ReplicaBase:
         self.shard = shard
         decoder_dir = None
         if shard.size > 1:  # as a tensor-parallel rank (serving.RankBase), with the replica's shard group
-            loaded = load_model(model_dir, "cpu", dtype)
+            loaded = load_model(model_dir, "cpu", dtype, pack=False)  # mapped, not copied: only the shard is
             model = shard_causal_lm(loaded.model, shard).to(device)
             vision = None if loaded.vision is None else loaded.vision.to(device)
             self.loaded = dataclasses.replace(loaded, model=model, vision=vision)

@@ -81,7 +81,8 @@ class RankBase:
     def __init__(self, tp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
                  sampler_kwargs: dict):
         configure_device(device)
-        loaded = load_model(model_dir, "cpu", dtype)  # the whole checkpoint in host memory; the shard goes on
+        # Mapped from the files, not copied (no packed buffers): this rank copies only its shard.
+        loaded = load_model(model_dir, "cpu", dtype, pack=False)
         model = shard_causal_lm(loaded.model, tp).to(device)
         # An image-text model's vision tower runs whole on every rank (frozen; the decoder it feeds is sharded).
         vision = None if loaded.vision is None else loaded.vision.to(device)

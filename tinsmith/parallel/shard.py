@@ -1,7 +1,8 @@
 """Turn a loaded :class:`CausalLM` into this rank's tensor-parallel shard of it, in place.
 
-Each rank loads the whole checkpoint and keeps its slices (simple, and enough while a model fits
-in host memory); the rest is freed. Attention heads are split contiguously, so rank ``r`` keeps
+Each rank loads the whole checkpoint and keeps its slices; the files are memory-mapped and the
+projections left unpacked (``load_model(..., pack=False)``), so what a rank reads is page cache
+shared by all ranks, and what it copies is its shard. Attention heads are split contiguously, so rank ``r`` keeps
 query heads ``r*H/tp ...`` and exactly the key/value heads those use (grouped-query attention
 maps query head ``i`` to kv head ``i // (H/Hk)``). Dense MLPs are split Megatron-style (gate/up
 by columns, down by rows); a mixture-of-experts layer is split by experts instead (each rank

@@ -34,7 +34,7 @@ class RankWorker:
     """What every rank holds: its shard of the model, the training runtime and the sampler over it."""
 
     def __init__(self, model_dir: str, tp: TPGroup, dtype: torch.dtype, runtime_kwargs: dict):
-        model = load_model(model_dir, "cpu", dtype).model
+        model = load_model(model_dir, "cpu", dtype, pack=False).model
         shard_causal_lm(model, tp)
         self.runtime = TPTrainingRuntime(model, **runtime_kwargs)
         self.sampler = ShardedSampler(model, _decoder(model_dir))
