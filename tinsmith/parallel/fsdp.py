@@ -90,15 +90,19 @@ def _sum_gradients(module: FSDPModule) -> None:
         module.set_force_sum_reduction_for_comms(True)
 
 
-def shard_full_model(model: CausalLM, dp: TPGroup, compute_dtype: torch.dtype | None = None) -> CausalLM:
+def shard_full_model(model: CausalLM, dp: TPGroup, compute_dtype: torch.dtype | None = None,
+                     device: torch.device | None = None) -> CausalLM:
     """Shard ``model`` (in place) over the data-parallel group: one FSDP unit per decoder layer,
     and the root (embedding, final norm, LM head) as one more. Weights become fp32 trainable
     shards; ``compute_dtype`` (default: bf16 on CUDA, fp32 otherwise) is what forward and
-    backward compute in. Every rank must hold the same whole model beforehand."""
+    backward compute in. Every rank must hold the same whole model beforehand, on ``device``
+    (default: where its parameters are) or in host memory, from which FSDP moves each layer to
+    ``device`` as it shards it (the whole model never sits on the device)."""
     if model.config.moe is not None or model.config.vision is not None:
         raise InvalidInputError("sharded full fine-tuning supports dense text models only")
     unpack_weights(model)
-    device = next(model.parameters()).device
+    if device is None:
+        device = next(model.parameters()).device
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mesh = init_device_mesh(device.type, (dp.size,))

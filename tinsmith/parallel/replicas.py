@@ -171,8 +171,8 @@ class ReplicaFullRun:
         if optimizer_type != "adamw":
             raise InvalidInputError(f"full fine-tuning with {option} > 1 steps with AdamW only, not "
                                     f"{optimizer_type!r}")
-        model = whole_copy(base)
-        shard_full_model(model, group)  # refuses, alike on every rank, what it does not cover
+        device = next(base.loaded.model.parameters()).device
+        model = shard_full_model(whole_copy(base), group, device=device)  # refuses, alike on every rank, what it does not cover
         lora = base.runtime
         self.runtime = FsdpTrainingRuntime(model, micro_batch_tokens=lora.micro_batch_tokens,
                                            micro_batch_seqs=lora.micro_batch_seqs,
@@ -184,12 +184,11 @@ class ReplicaFullRun:
 
 def whole_copy(base: Any) -> CausalLM:
     """A whole copy of ``base``'s model for a full fine-tune to shard: a deep copy of a whole
-    replica, or, where this rank holds a tensor-parallel shard, the checkpoint loaded again on
-    the shard's device (the whole model in the base's dtype until FSDP has sharded it, layer by
-    layer)."""
+    replica, or, where this rank holds a tensor-parallel shard, the checkpoint mapped again into
+    host memory (FSDP moves it to the device one layer at a time, as it shards it)."""
     if base.shard.size > 1:
-        p = next(base.loaded.model.parameters())
-        return load_model(str(base.loaded.model_dir), p.device, p.dtype, pack=False).model
+        dtype = next(base.loaded.model.parameters()).dtype
+        return load_model(str(base.loaded.model_dir), "cpu", dtype, pack=False).model
     model = copy.deepcopy(base.loaded.model)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -133,7 +133,14 @@ class ServingRank:
         from tinsmith.parallel.replicas import ReplicaFullRun  # late: replicas builds on this module
 
         base = self.bases[name]
-        base.full[model_id] = run = ReplicaFullRun(base, self.tp, optimizer_type, self.OPTION)
+        try:
+            run = ReplicaFullRun(base, self.tp, optimizer_type, self.OPTION)
+        except torch.OutOfMemoryError:
+            # The same words on every rank that ran out (each one's sizes would differ), so that
+            # the group stays in step when all of them did.
+            raise CapacityError(f"no room on the devices for a full fine-tune of {name!r} beside what they hold; "
+                                "unload runs or use a LoRA config") from None
+        base.full[model_id] = run
         return run
 
     def drop_full(self, name: str, model_id: str) -> None:
