@@ -355,6 +355,25 @@ def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qw
         wn.close()
 
 
+@pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "qwen3_5_moe_dir", "gpt_oss_dir"])
+def test_full_fine_tunes_of_other_families_are_sharded_as_one_process_trains_them(request, fixture):
+    """Routed experts (stacked, sharded by expert), Gated DeltaNet layers, attention sinks and
+    biased experts under FSDP: training and the saved state equal one process's."""
+    model_dir = request.getfixturevalue(fixture)
+    w1, _ = _worker(model_dir, 1)
+    w2, _ = _worker(model_dir, 2)
+    try:
+        for w in (w1, w2):
+            w.create_model("full", "m", None)
+        _assert_same_training(_train(w1, "full", 1 << 20), _train(w2, "full", 40))
+        s1, s2 = w1.export_training_state("full"), w2.export_training_state("full")
+        assert s1.weights.keys() == s2.weights.keys()
+        for k in s1.weights:
+            np.testing.assert_allclose(s1.weights[k].numpy(), s2.weights[k].numpy(), atol=1e-5, rtol=0)
+    finally:
+        w2.close()
+
+
 def test_summed_gradients_keep_none_where_no_replica_has_one():
     """In a group of one nothing moves; the two-rank sum itself runs in the tests above."""
     p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))

@@ -98,8 +98,8 @@ def shard_full_model(model: CausalLM, dp: TPGroup, compute_dtype: torch.dtype | 
     backward compute in. Every rank must hold the same whole model beforehand, on ``device``
     (default: where its parameters are) or in host memory, from which FSDP moves each layer to
     ``device`` as it shards it (the whole model never sits on the device)."""
-    if model.config.moe is not None or model.config.vision is not None:
-        raise InvalidInputError("sharded full fine-tuning supports dense text models only")
+    if model.config.vision is not None:
+        raise InvalidInputError("sharded full fine-tuning supports text models only")
     unpack_weights(model)
     if device is None:
         device = next(model.parameters()).device
