@@ -13,7 +13,7 @@ from tinsmith.models.loading import load_model, read_config
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.layers import ExpertParallelMoeBlock
 from tinsmith.parallel.serving import check_servable
-from tinsmith.parallel.shard import shard_causal_lm, tp_divisors
+from tinsmith.parallel.shard import load_shard, shard_causal_lm, tp_divisors
 from tinsmith.parallel.state import lora_shard_dims, scatter_full
 from tinsmith.types import LoraSpec
 from tinsmith.worker.trainables import attach_lora
@@ -91,3 +91,21 @@ def test_experts_split_by_rank(qwen3_moe_dir):
     a = full.model.layers[0].mlp.experts.down_proj.add_adapter(1, 4, 8.0, torch.Generator().manual_seed(3))
     b = moe.model.layers[0].mlp.experts.down_proj.add_adapter(1, 4, 8.0, torch.Generator().manual_seed(3))
     assert torch.equal(b.A, a.A[n // 2:]) and torch.equal(b.B, a.B[n // 2:])
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "qwen3_5_moe_dir", "gpt_oss_dir", "tied_qwen3_dir"])
+def test_loading_a_shard_layer_by_layer_cuts_what_cutting_the_whole_model_cuts(request, fixture):
+    """load_shard cuts each layer as soon as it is read (experts stacked, DeltaNet permuted, sinks,
+    a tied head): every rank ends with the tensors the whole model cut at once gives it."""
+    model_dir = str(request.getfixturevalue(fixture))
+    for rank in range(2):
+        tp = TPGroup(rank=rank, size=2)
+        want = dict(shard_causal_lm(load_model(model_dir, "cpu", torch.float32).model, tp).named_parameters())
+        loaded = load_shard(model_dir, tp, torch.float32)
+        got = dict(loaded.model.named_parameters())
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(got[name], t), (rank, name)
+        assert loaded.model.tp is tp
+        tied = loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+        assert tied == (fixture == "tied_qwen3_dir")

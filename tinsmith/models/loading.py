@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -142,13 +143,16 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               pack: bool = True) -> LoadedModel:
+               pack: bool = True, on_layer: Callable[[CausalLM, int], None] | None = None) -> LoadedModel:
     """Build the model for a checkpoint and load its weights (frozen, ready for adapters).
 
     Tensors are read from memory-mapped files, so a tensor whose dtype and device are already
     the ones asked for is not copied until something writes it. ``pack=False`` leaves the
-    projections unpacked (no second, private copy of their weights): for a process that keeps
-    only slices of them (a tensor-parallel rank), which then holds little more than its shard.
+    projections unpacked (no second, private copy of their weights). Weights are loaded one
+    decoder layer at a time, then the rest (embedding, final norm, head); ``on_layer(model, i)``
+    runs as soon as layer ``i`` holds its weights, before the next is read: a tensor-parallel
+    rank cuts its shard of the layer there, so whatever a layer's tensors cost whole (stacked or
+    dequantised experts, a dtype conversion) is held for one layer at a time.
     """
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
@@ -183,7 +187,6 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
                      "are not loaded (%s...)", model_dir.name, len(skipped), skipped[0])
     if missing:
         raise InvalidInputError(f"checkpoint {str(model_dir)!r} lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    state: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
@@ -196,22 +199,47 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
         total = sum(expected[name].numel() * expected[name].element_size() for name in recipes)
         loading = stack.enter_context(bar(progress_wanted(), total=total, desc=f"loading {model_dir.name}",
                                           unit="B", unit_scale=True, unit_divisor=1024, leave=False))
-        for name, (sources, combine) in recipes.items():
-            t = combine([read(s) for s in sources])
-            loading.update(expected[name].numel() * expected[name].element_size())
-            _check_tensor(t, sources[0], files[sources[0]], tuple(expected[name].shape))
-            state[name] = t.to(device=device, dtype=dtype)
-    model = _assemble(model, state, device, pack)
+        for layer, names in _by_layer(recipes):
+            state: dict[str, torch.Tensor] = {}
+            for name in names:
+                sources, combine = recipes[name]
+                t = combine([read(s) for s in sources])
+                loading.update(expected[name].numel() * expected[name].element_size())
+                _check_tensor(t, sources[0], files[sources[0]], tuple(expected[name].shape))
+                state[name] = t.to(device=device, dtype=dtype)
+            model.load_state_dict(state, strict=False, assign=True)
+            del state
+            if layer is not None and on_layer is not None:
+                on_layer(model, layer)
+    model = _finish(model, device, pack)
     vision = None
     if cfg.vision is not None:
         vision = VisionTower(cfg.vision, model_dir, _vision_weights(files), device, dtype)
     return LoadedModel(model=model, config=cfg, model_dir=model_dir, vision=vision)
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _by_layer(names) -> list[tuple[int | None, list[str]]]:
+    """``names`` grouped by decoder layer, in layer order, then the rest (layer None)."""
+    groups: dict[int | None, list[str]] = {}
+    for name in names:
+        m = _LAYER.match(name)
+        groups.setdefault(int(m.group(1)) if m else None, []).append(name)
+    layers = sorted(k for k in groups if k is not None)
+    return [(i, groups[i]) for i in layers] + ([(None, groups[None])] if None in groups else [])
+
+
 def _assemble(model: CausalLM, state: dict[str, torch.Tensor], device: torch.device, pack: bool = True) -> CausalLM:
-    """``model`` (built on the meta device) holding ``state``'s tensors: tied head, rotary tables
-    on ``device``, projections packed (unless not ``pack``), frozen, in eval mode."""
+    """``model`` (built on the meta device) holding ``state``'s tensors (see :func:`_finish`)."""
     model.load_state_dict(state, strict=False, assign=True)
+    return _finish(model, device, pack)
+
+
+def _finish(model: CausalLM, device: torch.device, pack: bool) -> CausalLM:
+    """A loaded ``model`` made ready: tied head, rotary tables on ``device``, projections packed
+    (unless not ``pack``), frozen, in eval mode."""
     cfg = model.config
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -52,7 +52,7 @@ from tinsmith.parallel.group import ParallelError, TPGroup, guarded, split_grid
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
 from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _tokenizer_decoder
-from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.parallel.shard import load_shard
 from tinsmith.parallel.state import gather_full
 from tinsmith.sampling.cancel import CancelBoard
 from tinsmith.sampling.sampler import Sampler, SampleTask
@@ -210,8 +210,8 @@ class ReplicaBase:
         self.shard = shard
         decoder_dir = None
         if shard.size > 1:  # as a tensor-parallel rank (serving.RankBase), with the replica's shard group
-            loaded = load_model(model_dir, "cpu", dtype, pack=False)  # mapped, not copied: only the shard is
-            model = shard_causal_lm(loaded.model, shard).to(device)
+            loaded = load_shard(model_dir, shard, dtype)
+            model = loaded.model.to(device)
             vision = None if loaded.vision is None else loaded.vision.to(device)
             self.loaded = dataclasses.replace(loaded, model=model, vision=vision)
             self.runtime: ReplicaTrainingRuntime = ReplicaTPTrainingRuntime(model, dp, vision=vision, **runtime_kwargs)

@@ -28,11 +28,11 @@ import torch
 from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
-from tinsmith.models.loading import LoadedModel, load_model
+from tinsmith.models.loading import LoadedModel
 from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
-from tinsmith.parallel.shard import shard_causal_lm, tp_divisors
+from tinsmith.parallel.shard import load_shard, tp_divisors
 from tinsmith.parallel.state import gather_full
 from tinsmith.parallel.worker import DrivenGroup, LocalTPGroup
 from tinsmith.sampling.sampler import SampleTask
@@ -81,9 +81,8 @@ class RankBase:
     def __init__(self, tp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
                  sampler_kwargs: dict):
         configure_device(device)
-        # Mapped from the files, not copied (no packed buffers): this rank copies only its shard.
-        loaded = load_model(model_dir, "cpu", dtype, pack=False)
-        model = shard_causal_lm(loaded.model, tp).to(device)
+        loaded = load_shard(model_dir, tp, dtype)  # one layer at a time: only the shard is kept
+        model = loaded.model.to(device)
         # An image-text model's vision tower runs whole on every rank (frozen; the decoder it feeds is sharded).
         vision = None if loaded.vision is None else loaded.vision.to(device)
         self.loaded = dataclasses.replace(loaded, model=model, vision=vision)

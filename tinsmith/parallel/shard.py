@@ -1,8 +1,8 @@
 """Turn a loaded :class:`CausalLM` into this rank's tensor-parallel shard of it, in place.
 
-Each rank loads the whole checkpoint and keeps its slices; the files are memory-mapped and the
-projections left unpacked (``load_model(..., pack=False)``), so what a rank reads is page cache
-shared by all ranks, and what it copies is its shard. Attention heads are split contiguously, so rank ``r`` keeps
+Each rank reads the whole checkpoint and keeps its slices (:func:`load_shard`): the files are
+memory-mapped, the projections left unpacked, and each decoder layer is cut as soon as it is
+loaded, so what a rank reads is page cache shared by all ranks, and what it keeps is its shard. Attention heads are split contiguously, so rank ``r`` keeps
 query heads ``r*H/tp ...`` and exactly the key/value heads those use (grouped-query attention
 maps query head ``i`` to kv head ``i // (H/Hk)``). Dense MLPs are split Megatron-style (gate/up
 by columns, down by rows); a mixture-of-experts layer is split by experts instead (each rank
@@ -18,6 +18,7 @@ from torch import nn
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.gated_deltanet import GatedDeltaNet
 from tinsmith.models.layers import Attention, CausalLM, SharedExpertMoeBlock
+from tinsmith.models.loading import LoadedModel, load_model, read_config, resolve_model_dir
 from tinsmith.models.moe import SparseMoeBlock
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.layers import (ColumnParallelLoraLinear, CopyToTP, ExpertParallelMoeBlock,
@@ -28,7 +29,11 @@ def check_shardable(model: CausalLM, tp: TPGroup) -> None:
     """Refuse, with the reason, a model whose counts the tensor-parallel size does not divide.
     (An image-text model's decoder is sharded like any other; its frozen vision tower is not part
     of ``model`` and runs whole on every rank.)"""
-    cfg = model.config
+    check_shardable_config(model.config, tp)
+
+
+def check_shardable_config(cfg: ModelConfig, tp: TPGroup) -> None:
+    """:func:`check_shardable` from the model's config alone (before anything is loaded)."""
     for n, what in tp_divisors(cfg):
         tp.shard(n, what)  # raises when not divisible
     kv_heads_of_rank(cfg, tp)  # raises when the key/value heads neither divide nor are divided by the size
@@ -56,17 +61,44 @@ def tp_divisors(cfg: ModelConfig) -> list[tuple[int, str]]:
 def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:
     """Keep this rank's shard of every projection, the embedding and the LM head; returns ``model``."""
     check_shardable(model, tp)
+    for i in range(len(model.model.layers)):
+        shard_layer(model, i, tp)
+    return shard_root(model, tp)
+
+
+def load_shard(model_dir: str, tp: TPGroup, dtype: torch.dtype) -> LoadedModel:
+    """This rank's shard of the checkpoint at ``model_dir``, in host memory.
+
+    Each decoder layer is cut as soon as it is loaded, before the next is read, so a rank never
+    holds more than one whole layer beside its shard: the files are memory-mapped (page cache,
+    shared by the ranks), and what a layer costs whole (experts stacked from per-expert tensors,
+    dequantised MXFP4 experts, a conversion from the stored dtype) is freed once its slices are
+    taken.
+    """
+    check_shardable_config(read_config(resolve_model_dir(model_dir)), tp)
+    loaded = load_model(model_dir, "cpu", dtype, pack=False, on_layer=lambda model, i: shard_layer(model, i, tp))
+    shard_root(loaded.model, tp)
+    return loaded
+
+
+def shard_layer(model: CausalLM, i: int, tp: TPGroup) -> None:
+    """Keep this rank's shard of decoder layer ``i``'s projections (in place)."""
     cfg = model.config
-    for layer in model.model.layers:
-        # The norms before attention and the MLP mark where the replicated stream enters sharded
-        # work (one gradient all-reduce each), so their projections do not each do it again.
-        layer.input_layernorm = CopyToTP(layer.input_layernorm, tp)
-        layer.post_attention_layernorm = CopyToTP(layer.post_attention_layernorm, tp)
-        if hasattr(layer, "linear_attn"):
-            _shard_gated_deltanet(layer.linear_attn, tp)
-        else:
-            _shard_attention(layer.self_attn, cfg, tp)
-        layer.mlp = _shard_feed_forward(layer.mlp, cfg, tp)
+    layer = model.model.layers[i]
+    # The norms before attention and the MLP mark where the replicated stream enters sharded
+    # work (one gradient all-reduce each), so their projections do not each do it again.
+    layer.input_layernorm = CopyToTP(layer.input_layernorm, tp)
+    layer.post_attention_layernorm = CopyToTP(layer.post_attention_layernorm, tp)
+    if hasattr(layer, "linear_attn"):
+        _shard_gated_deltanet(layer.linear_attn, tp)
+    else:
+        _shard_attention(layer.self_attn, cfg, tp)
+    layer.mlp = _shard_feed_forward(layer.mlp, cfg, tp)
+
+
+def shard_root(model: CausalLM, tp: TPGroup) -> CausalLM:
+    """Keep this rank's vocabulary rows of the embedding and the LM head; returns ``model``."""
+    cfg = model.config
     vocab = tp.shard(cfg.vocab_size, "vocabulary size")
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     embed = VocabParallelEmbedding(model.model.embed_tokens, vocab, tp)

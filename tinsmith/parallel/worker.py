@@ -21,11 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tinsmith.models.loading import load_model
 from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup, free_port, init_tp_group
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import ShardedSampler
-from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.parallel.shard import load_shard
 from tinsmith.parallel.spmd import Doorbell, SpmdExecutor
 from tinsmith.sampling.sampler import SampleTask
 
@@ -34,8 +33,7 @@ class RankWorker:
     """What every rank holds: its shard of the model, the training runtime and the sampler over it."""
 
     def __init__(self, model_dir: str, tp: TPGroup, dtype: torch.dtype, runtime_kwargs: dict):
-        model = load_model(model_dir, "cpu", dtype, pack=False).model
-        shard_causal_lm(model, tp)
+        model = load_shard(model_dir, tp, dtype).model
         self.runtime = TPTrainingRuntime(model, **runtime_kwargs)
         self.sampler = ShardedSampler(model, _decoder(model_dir))
 
