@@ -355,13 +355,16 @@ def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qw
         wn.close()
 
 
-@pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "qwen3_5_moe_dir", "gpt_oss_dir"])
-def test_full_fine_tunes_of_other_families_are_sharded_as_one_process_trains_them(request, fixture):
+@pytest.mark.parametrize("fixture,dp,tp", [("qwen3_moe_dir", 2, 1), ("qwen3_5_moe_dir", 2, 1), ("gpt_oss_dir", 2, 1),
+                                           ("qwen3_moe_dir", 1, 2)],
+                         ids=["qwen3_moe-dp2", "qwen3_5_moe-dp2", "gpt_oss-dp2", "qwen3_moe-tp2"])
+def test_full_fine_tunes_of_other_families_are_sharded_as_one_process_trains_them(request, fixture, dp, tp):
     """Routed experts (stacked, sharded by expert), Gated DeltaNet layers, attention sinks and
-    biased experts under FSDP: training and the saved state equal one process's."""
+    biased experts under FSDP (from a copy of each replica, or under tensor parallelism read
+    again layer by layer): training and the saved state equal one process's."""
     model_dir = request.getfixturevalue(fixture)
     w1, _ = _worker(model_dir, 1)
-    w2, _ = _worker(model_dir, 2)
+    w2, _ = _worker(model_dir, dp, tp=tp)
     try:
         for w in (w1, w2):
             w.create_model("full", "m", None)

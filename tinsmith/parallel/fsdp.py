@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
+from tinsmith.models.loading import load_model, read_config, resolve_model_dir
 from tinsmith.models.lora import LoraLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, check_params_match
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded
@@ -98,32 +99,63 @@ def shard_full_model(model: CausalLM, dp: TPGroup, compute_dtype: torch.dtype | 
     backward compute in. Every rank must hold the same whole model beforehand, on ``device``
     (default: where its parameters are) or in host memory, from which FSDP moves each layer to
     ``device`` as it shards it (the whole model never sits on the device)."""
-    if model.config.vision is not None:
-        raise InvalidInputError("sharded full fine-tuning supports text models only")
+    _check_full(model.config)
     unpack_weights(model)
-    if device is None:
-        device = next(model.parameters()).device
-    if compute_dtype is None:
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mesh = init_device_mesh(device.type, (dp.size,))
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    # One layer at a time becomes fp32 and is sharded (its whole fp32 copy freed), so a half
-    # precision model never exists whole in fp32.
+    sharding = FullSharding(dp, device if device is not None else next(model.parameters()).device, compute_dtype)
     for layer in model.model.layers:
+        sharding.layer(layer)
+    return sharding.root(model)
+
+
+def load_full_shard(model_dir: str, dp: TPGroup, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """This rank's FSDP shard of a full fine-tune of the checkpoint at ``model_dir``, each decoder
+    layer sharded as soon as it is read (the files memory-mapped): a rank never holds more than
+    one whole layer in host memory, whatever the checkpoint stores whole per layer (stacked or
+    dequantised experts)."""
+    _check_full(read_config(resolve_model_dir(model_dir)))
+    sharding = FullSharding(dp, device)
+    model = load_model(model_dir, "cpu", dtype, pack=False,
+                       on_layer=lambda m, i: sharding.layer(m.model.layers[i])).model
+    return sharding.root(model)
+
+
+def _check_full(cfg) -> None:
+    if cfg.vision is not None:
+        raise InvalidInputError("sharded full fine-tuning supports text models only")
+
+
+class FullSharding:
+    """How a full fine-tune's modules become FSDP units over ``dp``: its mesh and precision."""
+
+    def __init__(self, dp: TPGroup, device: torch.device, compute_dtype: torch.dtype | None = None):
+        if compute_dtype is None:
+            compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.dp = dp
+        self.mesh = init_device_mesh(device.type, (dp.size,))
+        self.mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+    def layer(self, layer: nn.Module) -> None:
+        """One decoder layer becomes fp32 and is sharded (its whole fp32 copy freed), so a half
+        precision model never exists whole in fp32."""
         _trainable_fp32(layer)
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    _trainable_fp32(model)
-    # The runtime calls ``hidden_states`` rather than ``forward``, then reads the LM head's weight
-    # for the chunked logprobs: the root stays gathered after its forward so that it reads the
-    # gathered weight (and its gradient reaches the root's reduce-scatter); the runtime reshards
-    # everything at the end of each call.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    register_fsdp_forward_method(model, "hidden_states")
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            _sum_gradients(m)
-    model.fsdp_group = dp  # type: ignore[attr-defined]
-    return model
+        fully_shard(layer, mesh=self.mesh, mp_policy=self.mp)
+
+    def root(self, model: CausalLM) -> CausalLM:
+        """The rest (embedding, final norm, LM head) as the root unit, once every layer is sharded."""
+        _trainable_fp32(model)
+        for p in model.parameters():  # the layers' shards too (a load may have frozen them since)
+            p.requires_grad_(True)
+        # The runtime calls ``hidden_states`` rather than ``forward``, then reads the LM head's
+        # weight for the chunked logprobs: the root stays gathered after its forward so that it
+        # reads the gathered weight (and its gradient reaches the root's reduce-scatter); the
+        # runtime reshards everything at the end of each call.
+        fully_shard(model, mesh=self.mesh, mp_policy=self.mp, reshard_after_forward=False)
+        register_fsdp_forward_method(model, "hidden_states")
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                _sum_gradients(m)
+        model.fsdp_group = self.dp  # type: ignore[attr-defined]
+        return model
 
 
 def reshard_all(model: nn.Module) -> None:

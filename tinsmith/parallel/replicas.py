@@ -43,11 +43,10 @@ import torch
 import torch.distributed as dist
 
 from tinsmith.errors import CapacityError, InvalidInputError
-from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
-from tinsmith.parallel.fsdp import FsdpTrainingRuntime, shard_full_model, split_datums
+from tinsmith.parallel.fsdp import FsdpTrainingRuntime, load_full_shard, shard_full_model, split_datums
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded, split_grid
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
@@ -171,8 +170,14 @@ class ReplicaFullRun:
         if optimizer_type != "adamw":
             raise InvalidInputError(f"full fine-tuning with {option} > 1 steps with AdamW only, not "
                                     f"{optimizer_type!r}")
-        device = next(base.loaded.model.parameters()).device
-        model = shard_full_model(whole_copy(base), group, device=device)  # refuses, alike on every rank, what it does not cover
+        p = next(base.loaded.model.parameters())
+        if base.shard.size > 1:  # this rank holds a tensor-parallel shard: read the checkpoint again
+            model = load_full_shard(str(base.loaded.model_dir), group, p.device, p.dtype)
+        else:
+            model = copy.deepcopy(base.loaded.model)
+            if model.config.tie_word_embeddings:
+                model.lm_head.weight = model.model.embed_tokens.weight
+            shard_full_model(model, group)  # refuses, alike on every rank, what it does not cover
         lora = base.runtime
         self.runtime = FsdpTrainingRuntime(model, micro_batch_tokens=lora.micro_batch_tokens,
                                            micro_batch_seqs=lora.micro_batch_seqs,
@@ -180,19 +185,6 @@ class ReplicaFullRun:
                                            gradient_checkpointing=base.gradient_checkpointing, packing=lora.packing)
         self.runtime.unit(FULL_UNIT).export_everywhere = False  # rank 0's exports are the ones read
         self.passes: dict[int, FbPass] = {}
-
-
-def whole_copy(base: Any) -> CausalLM:
-    """A whole copy of ``base``'s model for a full fine-tune to shard: a deep copy of a whole
-    replica, or, where this rank holds a tensor-parallel shard, the checkpoint mapped again into
-    host memory (FSDP moves it to the device one layer at a time, as it shards it)."""
-    if base.shard.size > 1:
-        dtype = next(base.loaded.model.parameters()).dtype
-        return load_model(str(base.loaded.model_dir), "cpu", dtype, pack=False).model
-    model = copy.deepcopy(base.loaded.model)
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
 
 
 class ReplicaTPTrainingRuntime(ReplicaTrainingRuntime, TPTrainingRuntime):
