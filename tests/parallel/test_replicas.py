@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tinsmith.checkpoints.state_format import load_training_state, training_state_bytes
 from tinsmith.engine.device_faults import device_fault
 from tinsmith.errors import InvalidInputError
 from tinsmith.parallel.comm import sum_grads
@@ -257,7 +258,7 @@ def test_an_unseeded_adapter_is_the_same_on_every_replica_and_refusals_name_the_
         w2.close()
 
 
-def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(qwen3_dir):
+def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(qwen3_dir, tmp_path):
     w1, b1 = _worker(qwen3_dir, 1)
     w2, b2 = _worker(qwen3_dir, 2)
     try:
@@ -276,6 +277,19 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
         held = runtime._base.local.runtime.held_elements()  # rank 0's share of the run
         assert held["weights"] < 0.6 * held["model"] and held["optimizer"] < 1.2 * held["model"]
 
+        # Checkpoints are written by both replicas, each its part, into one checkpoint.
+        assert w2.writes_sharded("full") and not w1.writes_sharded("full")
+        assert w2.sharded_state_bytes("full") == training_state_bytes(s2)
+        size = w2.save_training_state_sharded("full", tmp_path / "state", "state")
+        assert size == sum(f.stat().st_size for f in (tmp_path / "state").iterdir())
+        saved = load_training_state(tmp_path / "state", with_optimizer=True)
+        assert saved.steps == s2.steps
+        for ref_part, got_part in ((s2.weights, saved.weights), (s2.optimizer, saved.optimizer)):
+            assert ref_part.keys() == got_part.keys() and all(torch.equal(ref_part[k], got_part[k]) for k in ref_part)
+        assert w2.sharded_weights_bytes("full") == sum(t.numel() * t.element_size() for t in s2.weights.values())
+        w2.save_full_weights_sharded("full", tmp_path / "hf", (), "hf")
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+
         # A snapshot gathers the whole weights to rank 0, which samples it itself.
         greedy = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
                                                                                        stop=[])))
@@ -286,6 +300,12 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
             outs.append(_sample_all(w.sampler(b, snap), [greedy])["g"])
         np.testing.assert_array_equal(outs[0].sequences[0].tokens, outs[1].sequences[0].tokens)
         np.testing.assert_allclose(outs[0].sequences[0].logprobs, outs[1].sequences[0].logprobs, atol=1e-5)
+        # The sharded Hugging Face export reloads as stored sampler weights and samples alike.
+        stored = w2.load_snapshot("stored", "m", tmp_path / "hf")
+        assert w2.make_resident(stored)
+        again = _sample_all(w2.sampler(b2, stored), [greedy])["g"]
+        np.testing.assert_array_equal(again.sequences[0].tokens, outs[1].sequences[0].tokens)
+        np.testing.assert_array_equal(again.sequences[0].logprobs, outs[1].sequences[0].logprobs)
         w2.publish_inflight("full", "live")
         with pytest.raises(InvalidInputError, match="inflight sampling of a full fine-tune .* --data-parallel-size 2"):
             w2.live_sampler("live")
