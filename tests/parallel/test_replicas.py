@@ -335,3 +335,45 @@ def test_summed_gradients_keep_none_where_no_replica_has_one():
     p.grad = torch.full((3,), 2.0)
     sum_grads([p, q], TPGroup.single())
     assert q.grad is None and torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+def test_checkpoints_of_a_sharded_full_fine_tune_go_through_the_operations(qwen3_dir, tmp_path):
+    """save_state and save_weights_external of a full fine-tune sharded over 2 replicas: the quota
+    is checked from the tensors' shapes before anything is written; the checkpoints are written by
+    both replicas and load as the state the run holds."""
+    from tinsmith.engine.scheduler import Job
+    from tinsmith.errors import CapacityError
+    from tinsmith.server.limits import KeyLimits
+    from tinsmith.server.operations import SaveArgs, WorkerOperations
+    from tinsmith.store import Store
+
+    w2, _ = _worker(qwen3_dir, 2)
+    try:
+        w2.create_model("full", "m", None)
+        _train(w2, "full", 40)
+        store = Store(Store.default_sqlite_url(tmp_path / "db"))
+        store.migrate()
+        held = w2.export_training_state("full")
+        need = training_state_bytes(held)
+
+        def save(kind: str, name: str, quota: int):
+            ops = WorkerOperations(w2, store, KeyLimits(checkpoint_quota_bytes=quota))
+            args = SaveArgs(kind, name, f"tinker://full/{kind}/{name}", tmp_path / kind / name, owner="k")
+            return getattr(ops, "_save_weights" if kind == "weights" else "_save_weights_external")(
+                Job("r", kind, "full", None, args))
+
+        with pytest.raises(CapacityError, match="quota exceeded: tinker://full/weights/s needs"):
+            save("weights", "s", need - 1)
+        assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
+        save("weights", "s", need + (1 << 20))
+        saved = load_training_state(tmp_path / "weights" / "s", with_optimizer=True)
+        for ref_part, got_part in ((held.weights, saved.weights), (held.optimizer, saved.optimizer)):
+            assert ref_part.keys() == got_part.keys() and all(torch.equal(ref_part[k], got_part[k]) for k in ref_part)
+        assert store.get_checkpoint("full", "weights", "s").size_bytes == sum(
+            f.stat().st_size for f in (tmp_path / "weights" / "s").iterdir())
+        save("external_weights", "hf", 1 << 40)
+        assert (tmp_path / "external_weights" / "hf" / "model.safetensors.index.json").is_file()
+        assert w2.tp_group.healthy
+        store.close()
+    finally:
+        w2.close()

@@ -24,8 +24,10 @@ talks to stand-ins that run each call on every rank). What the replicas share:
 
 * **Full fine-tuning** runs sharded (:mod:`tinsmith.parallel.fsdp`): each replica turns a copy of
   its base model into its FSDP2 shard of the run (fp32 master weights, gradients and AdamW state
-  split over the replicas), and each chunk's datums are split as for LoRA. Sampler snapshots and
-  exports gather the whole weights to rank 0, which samples full snapshots itself.
+  split over the replicas), and each chunk's datums are split as for LoRA. Sampler snapshots
+  gather the whole weights to rank 0, which samples full snapshots itself; checkpoints and
+  exports are written by every replica, each the tensors it owns
+  (:mod:`tinsmith.parallel.sharded_save`).
 """
 
 from __future__ import annotations
