@@ -371,6 +371,10 @@ def test_checkpoints_of_a_sharded_full_fine_tune_go_through_the_operations(qwen3
             assert ref_part.keys() == got_part.keys() and all(torch.equal(ref_part[k], got_part[k]) for k in ref_part)
         assert store.get_checkpoint("full", "weights", "s").size_bytes == sum(
             f.stat().st_size for f in (tmp_path / "weights" / "s").iterdir())
+        (tmp_path / "external_weights").write_text("a file where the checkpoint's directory should be")
+        with pytest.raises(CapacityError, match="could not write tinker://full/external_weights/hf"):
+            save("external_weights", "hf", 1 << 40)  # fails alike on every replica: the group stays usable
+        (tmp_path / "external_weights").unlink()
         save("external_weights", "hf", 1 << 40)
         assert (tmp_path / "external_weights" / "hf" / "model.safetensors.index.json").is_file()
         assert w2.tp_group.healthy

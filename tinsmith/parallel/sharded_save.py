@@ -144,7 +144,12 @@ def save_sharded(final: Path, group: TPGroup, sources: list[SaveSource],
         _raise_first([failed], what)
     tmp = Path(tmp_name)
     owner = owners_by_bytes({s.name: s.nbytes for s in sources}, group.size)
-    mine, peak = gather_owned(sources, owner, group)
+    try:
+        mine, peak = gather_owned(sources, owner, group)
+    except BaseException:  # raised alike on every rank (or the group is down): nothing is committed
+        if group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     parts, failure = {}, None
     try:
         parts = write_part(tmp, mine)
