@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 import numpy as np
+import pyrage
 import pytest
 import torch
 
@@ -377,6 +378,18 @@ def test_checkpoints_of_a_sharded_full_fine_tune_go_through_the_operations(qwen3
         (tmp_path / "external_weights").unlink()
         save("external_weights", "hf", 1 << 40)
         assert (tmp_path / "external_weights" / "hf" / "model.safetensors.index.json").is_file()
+        # encrypted to a recipient: every file, both replicas' shards included, only as NAME.age
+        identity = pyrage.x25519.Identity.generate()
+        ops = WorkerOperations(w2, store, KeyLimits())
+        ops._save_weights_external(Job("r", "external_weights", "full", None, SaveArgs(
+            "external_weights", "enc", "tinker://full/external_weights/enc", tmp_path / "enc", owner="k",
+            age_recipients=(str(identity.to_public()),))))
+        names = sorted(f.name for f in (tmp_path / "enc").iterdir())
+        plain = sorted(f.name for f in (tmp_path / "external_weights" / "hf").iterdir())
+        assert names == sorted(f"{n}.age" for n in plain)
+        shard = "model-00002-of-00002.safetensors"
+        assert pyrage.decrypt((tmp_path / "enc" / f"{shard}.age").read_bytes(), [identity]) == (
+            tmp_path / "external_weights" / "hf" / shard).read_bytes()
         assert w2.tp_group.healthy
         store.close()
     finally:
