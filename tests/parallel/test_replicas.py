@@ -9,10 +9,12 @@ import dataclasses
 import time
 
 import numpy as np
+import pyrage
 import pytest
 import torch
 
 from tinsmith.checkpoints.export import save_hf_model
+from tinsmith.checkpoints.state_format import load_training_state, training_state_bytes
 from tinsmith.engine.device_faults import device_fault
 from tinsmith.errors import InvalidInputError
 from tinsmith.parallel.comm import sum_grads
@@ -255,7 +257,7 @@ def test_an_unseeded_adapter_is_the_same_on_every_replica_and_refusals_name_the_
         w2.close()
 
 
-def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(qwen3_dir):
+def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(qwen3_dir, tmp_path):
     w1, b1 = _worker(qwen3_dir, 1)
     w2, b2 = _worker(qwen3_dir, 2)
     try:
@@ -274,6 +276,19 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
         held = runtime._base.local.runtime.held_elements()  # rank 0's share of the run
         assert held["weights"] < 0.6 * held["model"] and held["optimizer"] < 1.2 * held["model"]
 
+        # Checkpoints are written by both replicas, each its part, into one checkpoint.
+        assert w2.writes_sharded("full") and not w1.writes_sharded("full")
+        assert w2.sharded_state_bytes("full") == training_state_bytes(s2)
+        size = w2.save_training_state_sharded("full", tmp_path / "state", "state")
+        assert size == sum(f.stat().st_size for f in (tmp_path / "state").iterdir())
+        saved = load_training_state(tmp_path / "state", with_optimizer=True)
+        assert saved.steps == s2.steps
+        for ref_part, got_part in ((s2.weights, saved.weights), (s2.optimizer, saved.optimizer)):
+            assert ref_part.keys() == got_part.keys() and all(torch.equal(ref_part[k], got_part[k]) for k in ref_part)
+        assert w2.sharded_weights_bytes("full") == sum(t.numel() * t.element_size() for t in s2.weights.values())
+        w2.save_full_weights_sharded("full", tmp_path / "hf", (), "hf")
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+
         # A snapshot gathers the whole weights to rank 0, which samples it itself.
         greedy = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
                                                                                        stop=[])))
@@ -284,6 +299,12 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
             outs.append(_sample_all(w.sampler(b, snap), [greedy])["g"])
         np.testing.assert_array_equal(outs[0].sequences[0].tokens, outs[1].sequences[0].tokens)
         np.testing.assert_allclose(outs[0].sequences[0].logprobs, outs[1].sequences[0].logprobs, atol=1e-5)
+        # The sharded Hugging Face export reloads as stored sampler weights and samples alike.
+        stored = w2.load_snapshot("stored", "m", tmp_path / "hf")
+        assert w2.make_resident(stored)
+        again = _sample_all(w2.sampler(b2, stored), [greedy])["g"]
+        np.testing.assert_array_equal(again.sequences[0].tokens, outs[1].sequences[0].tokens)
+        np.testing.assert_array_equal(again.sequences[0].logprobs, outs[1].sequences[0].logprobs)
         w2.publish_inflight("full", "live")
         with pytest.raises(InvalidInputError, match="inflight sampling of a full fine-tune .* --data-parallel-size 2"):
             w2.live_sampler("live")
@@ -324,6 +345,13 @@ def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qw
             np.testing.assert_allclose(s1.weights[k].numpy(), sn.weights[k].numpy(), atol=1e-5, rtol=0)
         held = wn.placements["full"].runtime._base.local.runtime.held_elements()  # rank 0's share
         assert held["weights"] < (1.2 / (dp * tp)) * held["model"]
+        # Every rank writes its part of the checkpoint; read back, it is the state gathered above.
+        assert wn.writes_sharded("full")
+        wn.save_training_state_sharded("full", tmp_path / "state", "tinker://full/state")
+        written = load_training_state(tmp_path / "state", with_optimizer=True)
+        assert len(list((tmp_path / "state").glob("weights-*.safetensors"))) == dp * tp
+        for k in sn.weights:
+            assert torch.equal(written.weights[k], sn.weights[k]), k
 
         greedy = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
                                                                                        stop=[])))
@@ -383,3 +411,61 @@ def test_summed_gradients_keep_none_where_no_replica_has_one():
     p.grad = torch.full((3,), 2.0)
     sum_grads([p, q], TPGroup.single())
     assert q.grad is None and torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+def test_checkpoints_of_a_sharded_full_fine_tune_go_through_the_operations(qwen3_dir, tmp_path):
+    """save_state and save_weights_external of a full fine-tune sharded over 2 replicas: the quota
+    is checked from the tensors' shapes before anything is written; the checkpoints are written by
+    both replicas and load as the state the run holds."""
+    from tinsmith.engine.scheduler import Job
+    from tinsmith.errors import CapacityError
+    from tinsmith.server.limits import KeyLimits
+    from tinsmith.server.operations import SaveArgs, WorkerOperations
+    from tinsmith.store import Store
+
+    w2, _ = _worker(qwen3_dir, 2)
+    try:
+        w2.create_model("full", "m", None)
+        _train(w2, "full", 40)
+        store = Store(Store.default_sqlite_url(tmp_path / "db"))
+        store.migrate()
+        held = w2.export_training_state("full")
+        need = training_state_bytes(held)
+
+        def save(kind: str, name: str, quota: int):
+            ops = WorkerOperations(w2, store, KeyLimits(checkpoint_quota_bytes=quota))
+            args = SaveArgs(kind, name, f"tinker://full/{kind}/{name}", tmp_path / kind / name, owner="k")
+            return getattr(ops, "_save_weights" if kind == "weights" else "_save_weights_external")(
+                Job("r", kind, "full", None, args))
+
+        with pytest.raises(CapacityError, match="quota exceeded: tinker://full/weights/s needs"):
+            save("weights", "s", need - 1)
+        assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
+        save("weights", "s", need + (1 << 20))
+        saved = load_training_state(tmp_path / "weights" / "s", with_optimizer=True)
+        for ref_part, got_part in ((held.weights, saved.weights), (held.optimizer, saved.optimizer)):
+            assert ref_part.keys() == got_part.keys() and all(torch.equal(ref_part[k], got_part[k]) for k in ref_part)
+        assert store.get_checkpoint("full", "weights", "s").size_bytes == sum(
+            f.stat().st_size for f in (tmp_path / "weights" / "s").iterdir())
+        (tmp_path / "external_weights").write_text("a file where the checkpoint's directory should be")
+        with pytest.raises(CapacityError, match="could not write tinker://full/external_weights/hf"):
+            save("external_weights", "hf", 1 << 40)  # fails alike on every replica: the group stays usable
+        (tmp_path / "external_weights").unlink()
+        save("external_weights", "hf", 1 << 40)
+        assert (tmp_path / "external_weights" / "hf" / "model.safetensors.index.json").is_file()
+        # encrypted to a recipient: every file, both replicas' shards included, only as NAME.age
+        identity = pyrage.x25519.Identity.generate()
+        ops = WorkerOperations(w2, store, KeyLimits())
+        ops._save_weights_external(Job("r", "external_weights", "full", None, SaveArgs(
+            "external_weights", "enc", "tinker://full/external_weights/enc", tmp_path / "enc", owner="k",
+            age_recipients=(str(identity.to_public()),))))
+        names = sorted(f.name for f in (tmp_path / "enc").iterdir())
+        plain = sorted(f.name for f in (tmp_path / "external_weights" / "hf").iterdir())
+        assert names == sorted(f"{n}.age" for n in plain)
+        shard = "model-00002-of-00002.safetensors"
+        assert pyrage.decrypt((tmp_path / "enc" / f"{shard}.age").read_bytes(), [identity]) == (
+            tmp_path / "external_weights" / "hf" / shard).read_bytes()
+        assert w2.tp_group.healthy
+        store.close()
+    finally:
+        w2.close()

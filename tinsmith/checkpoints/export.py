@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tinsmith.checkpoints.hf_shards import DEFAULT_MAX_SHARD_SIZE, shard_size, write_shards
+from tinsmith.checkpoints.hf_shards import DEFAULT_MAX_SHARD_SIZE, INDEX, shard_size, write_shards
 from tinsmith.checkpoints.peft_format import (CONFIG, VLLM_LORA_TARGETS, atomic_dir, commit_dir, load_peft_adapter,
                                               save_peft_adapter, seal_and_commit)
 from tinsmith.checkpoints.state_format import META, load_training_state
@@ -92,6 +92,40 @@ def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def hf_part_file(rank: int, world: int) -> str:
+    """The shard of a Hugging Face model directory that data-parallel rank ``rank`` writes."""
+    return f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
+
+
+def write_hf_part(tmp: Path, rank: int, world: int, weights: dict[str, torch.Tensor],
+                  base_dir: Path) -> dict[str, list[tuple[str, int, int]]]:
+    """One rank's shard of a sharded Hugging Face export (its own tensors, in the family's
+    layout). Returns ``{file: [(name, elements, bytes)]}``, what the index needs (nothing when
+    the rank owns no tensor)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in _hf_layout(weights, Path(base_dir)).items()}
+    if not tensors:
+        return {}
+    fname = hf_part_file(rank, world)
+    save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+    return {fname: [(k, v.numel(), v.numel() * v.element_size()) for k, v in tensors.items()]}
+
+
+def commit_hf_parts(tmp: Path, directory: Path, parts: dict[str, list[tuple[str, int, int]]], base_dir: Path,
+                    age_recipients: Sequence[Any] = ()) -> int:
+    """Finish a sharded Hugging Face export whose shards every rank wrote into ``tmp``: the
+    index ``transformers`` reads (``model.safetensors.index.json``), the base model's config and
+    tokenizer files; then seal and commit it. Returns the bytes committed."""
+    entries = [(name, n, size, fname) for fname, rows in parts.items() for name, n, size in rows]
+    index = {"metadata": {"total_parameters": sum(n for _, n, _, _ in entries),
+                          "total_size": sum(size for _, _, size, _ in entries)},
+             "weight_map": {name: fname for name, _, _, fname in entries}}
+    (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    for f in _COPY:
+        if (Path(base_dir) / f).is_file():
+            shutil.copy(Path(base_dir) / f, tmp / f)
+    return seal_and_commit(tmp, Path(directory), age_recipients)
 
 
 # safetensors' dtype names (``safe_open(...).get_slice(name).get_dtype()``)

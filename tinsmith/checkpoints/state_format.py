@@ -8,6 +8,13 @@ Layout of ``tinker://RUN/weights/NAME`` on disk::
     optimizer.safetensors   per tensor: AdamW's NAME.exp_avg, NAME.exp_avg_sq, NAME.step;
                             Dimuon's NAME.momentum
 
+A full fine-tune sharded over several data-parallel ranks is written by all of them at once
+(format ``tinsmith-training-state/2``): each rank writes the tensors it owns to
+``weights-0000R-of-0000M.safetensors`` / ``optimizer-0000R-of-0000M.safetensors`` and
+``meta.json`` lists them under ``files`` (``{"weights": [...], "optimizer": [...]}``); every
+tensor is in exactly one file. Format 1 (one file each, no ``files``) is what one process
+writes; the loader reads both.
+
 For LoRA runs the weights are also written as a PEFT adapter (``adapter_config.json`` +
 ``adapter_model.safetensors``) so the same directory is usable outside tinsmith. The directory
 is written under a temporary name and renamed into place, so a crash mid-save never leaves a
@@ -30,8 +37,11 @@ from tinsmith.optim import normalize_optimizer_config
 from tinsmith.optim import optimizer_type as family_of
 from tinsmith.types import LoraSpec
 
-FORMAT = "tinsmith-training-state/1"
+FORMAT = "tinsmith-training-state/1"  # one weights and one optimizer file
+SHARDED_FORMAT = "tinsmith-training-state/2"  # several of each, listed in meta.json's "files"
+FORMATS = (FORMAT, SHARDED_FORMAT)
 META = "meta.json"
+WEIGHTS_FILE, OPTIMIZER_FILE = "weights.safetensors", "optimizer.safetensors"
 
 
 @dataclass
@@ -58,8 +68,9 @@ def read_meta(directory: Path) -> dict:
         raise InvalidInputError(f"{META} in {str(directory)!r} is corrupted (not valid JSON: {e})") from None
     if not isinstance(meta, dict):
         raise InvalidInputError(f"{META} in {str(directory)!r} is corrupted (not a JSON object)")
-    if meta.get("format") != FORMAT:
-        raise InvalidInputError(f"{str(directory)!r} holds format {meta.get('format')!r}, expected {FORMAT}")
+    if meta.get("format") not in FORMATS:
+        raise InvalidInputError(f"{str(directory)!r} holds format {meta.get('format')!r}, expected one of "
+                                f"{', '.join(FORMATS)}")
     return meta
 
 
@@ -83,6 +94,44 @@ def training_state_bytes(state: TrainingState) -> int:
     return weights + optimizer + peft
 
 
+def state_header(base_model: str, lora: LoraSpec | None, steps: int, optimizer_config: dict) -> dict:
+    """The fields of ``meta.json`` that describe the run (the rest lists the files)."""
+    return {"base_model": base_model, "lora": None if lora is None else lora.__dict__, "steps": steps,
+            "optimizer": optimizer_config}
+
+
+def part_files(rank: int, world: int) -> tuple[str, str]:
+    """The weights and optimizer files data-parallel rank ``rank`` of ``world`` writes."""
+    return (f"weights-{rank + 1:05d}-of-{world:05d}.safetensors",
+            f"optimizer-{rank + 1:05d}-of-{world:05d}.safetensors")
+
+
+def write_state_part(tmp: Path, rank: int, world: int, weights: dict[str, torch.Tensor],
+                     optimizer: dict[str, torch.Tensor]) -> dict[str, tuple[str, str]]:
+    """One rank's share of a sharded checkpoint, into the checkpoint's temporary directory.
+    Returns ``{file: (kind, sha256)}`` for the files written (a rank that owns no tensor of a
+    kind writes no file of it); hashing here spreads it over the ranks."""
+    out = {}
+    for kind, fname, tensors in zip(("weights", "optimizer"), part_files(rank, world), (weights, optimizer)):
+        if tensors:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / fname),
+                      metadata={"format": "pt"})
+            out[fname] = (kind, sha256_file(tmp / fname))
+    return out
+
+
+def commit_sharded_state(tmp: Path, directory: Path, header: dict, parts: dict[str, tuple[str, str]]) -> int:
+    """Write ``meta.json`` over every rank's files (``parts``, as :func:`write_state_part`
+    returns them, merged) and commit the directory; returns the bytes committed."""
+    files = {kind: sorted(f for f, (k, _) in parts.items() if k == kind) for kind in ("weights", "optimizer")}
+    meta = {"format": SHARDED_FORMAT, **header, "files": files,
+            "sha256": {f: digest for f, (_, digest) in sorted(parts.items())}}
+    (tmp / META).write_text(json.dumps(meta, indent=2))
+    size = sum(f.stat().st_size for f in tmp.iterdir())
+    commit_dir(tmp, Path(directory))
+    return size
+
+
 def save_training_state(directory: Path, state: TrainingState) -> int:
     """Write atomically; returns the bytes written."""
     tmp = atomic_dir(Path(directory))
@@ -103,14 +152,8 @@ def save_training_state(directory: Path, state: TrainingState) -> int:
                 "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
                 "target_modules": _targets(spec), "inference_mode": True,
             }, indent=2))
-        meta = {
-            "format": FORMAT,
-            "base_model": state.base_model,
-            "lora": None if state.lora is None else state.lora.__dict__,
-            "steps": state.steps,
-            "optimizer": state.optimizer_config,
-            "sha256": {f: sha256_file(tmp / f) for f in files},
-        }
+        meta = {"format": FORMAT, **state_header(state.base_model, state.lora, state.steps, state.optimizer_config),
+                "sha256": {f: sha256_file(tmp / f) for f in files}}
         (tmp / META).write_text(json.dumps(meta, indent=2))
         size = sum(f.stat().st_size for f in tmp.iterdir())
         commit_dir(tmp, Path(directory))
@@ -126,14 +169,28 @@ def load_training_state(directory: Path, with_optimizer: bool) -> TrainingState:
     for fname, digest in meta.get("sha256", {}).items():
         if not (directory / fname).is_file() or sha256_file(directory / fname) != digest:
             raise InvalidInputError(f"checkpoint file {fname!r} in {str(directory)!r} is missing or corrupted")
-    weights = load_file(str(directory / "weights.safetensors"))
+    listed = meta.get("files") or {"weights": [WEIGHTS_FILE], "optimizer": [OPTIMIZER_FILE]}
+    weights = _load_files(directory, listed.get("weights") or [])
     for name, t in weights.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise InvalidInputError(f"checkpoint tensor {name!r} contains NaN or infinity")
     optimizer = None
     if with_optimizer:
-        if not (directory / "optimizer.safetensors").is_file():
+        names = listed.get("optimizer") or []
+        if not names or not all((directory / f).is_file() for f in names):
             raise InvalidInputError(f"checkpoint {str(directory)!r} holds no optimizer state")
-        optimizer = load_file(str(directory / "optimizer.safetensors"))
+        optimizer = _load_files(directory, names)
     return TrainingState(meta["base_model"], lora_from_meta(meta), weights, optimizer, int(meta.get("steps", 0)),
                          optimizer_config_from_meta(meta))
+
+
+def _load_files(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``names`` merged (a sharded checkpoint's parts; a tensor in two is refused)."""
+    out: dict[str, torch.Tensor] = {}
+    for fname in names:
+        part = load_file(str(directory / fname))
+        twice = out.keys() & part.keys()
+        if twice:
+            raise InvalidInputError(f"checkpoint {str(directory)!r} holds {sorted(twice)[0]!r} in more than one file")
+        out.update(part)
+    return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ from tinsmith.models.loading import load_model, read_config, resolve_model_dir
 from tinsmith.models.lora import LoraLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, check_params_match
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded
+from tinsmith.parallel.sharded_save import SaveSource, save_sharded
 from tinsmith.types import OptimParams
 from tinsmith.worker.batching import SequenceRef, build_micro_batch, plan_micro_batches
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest, _Prepared
@@ -248,6 +250,20 @@ class ShardedFullTrainable(Trainable):
                 weights.clear()
                 opt.clear()
         return weights, opt
+
+    def save_sources(self) -> list[SaveSource]:
+        """Every tensor a training-state checkpoint holds, as this rank sees it (shards), named
+        ``weights/NAME`` and ``optimizer/NAME.KEY``: what :func:`save_sharded` gathers, in the
+        same order on every rank."""
+        out = [SaveSource(f"weights/{n}", p.detach()) for n, p in self.named_stepped]
+        for n, p in self.named_stepped:
+            st = self.optimizer.state.get(p)
+            if st:
+                out += [SaveSource(f"optimizer/{n}.{key}", st[key]) for key in STATE_KEYS[self.optimizer_type]]
+                if "step" in st:
+                    out.append(SaveSource(f"optimizer/{n}.step",
+                                          torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()))
+        return out
 
     def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
         self._check_state(weights, optimizer)  # everything first, in full shapes
@@ -462,3 +478,48 @@ class FsdpTrainingRuntime(TrainingRuntime):
                           optimizer: dict[str, torch.Tensor] | None) -> None:
         self.unit(unit).import_state(weights, optimizer)
         reshard_all(self.model)
+
+    # Sharded checkpoint writes (all ranks call them; see tinsmith.parallel.sharded_save). The
+    # most bytes of full-size tensors the last save held at once on this rank, for measurement.
+    last_save_peak_bytes: int = 0
+
+    def state_bytes(self, unit: int = FULL_UNIT) -> int:
+        """The tensor bytes a training-state checkpoint of ``unit`` holds, from shapes alone."""
+        return sum(s.nbytes for s in self.unit(unit).save_sources())  # type: ignore[attr-defined]
+
+    def weights_bytes(self, unit: int = FULL_UNIT) -> int:
+        """The tensor bytes of the whole weights (a Hugging Face export), from shapes alone."""
+        return sum(p.numel() * p.element_size() for p in self.unit(unit).params)
+
+    def save_state_sharded(self, unit: int, directory: str, header: dict, what: str) -> int:
+        """Write the training state to ``directory`` from every rank, each its own tensors
+        (format 2 of :mod:`tinsmith.checkpoints.state_format`); rank 0's bytes committed."""
+        from tinsmith.checkpoints.state_format import commit_sharded_state, write_state_part
+
+        def write(tmp: Path, mine: dict[str, torch.Tensor]) -> dict:
+            kinds = {"weights": {}, "optimizer": {}}
+            for key, t in mine.items():
+                kind, name = key.split("/", 1)
+                kinds[kind][name] = t
+            return write_state_part(tmp, self.dp.rank, self.dp.size, kinds["weights"], kinds["optimizer"])
+
+        report = save_sharded(Path(directory), self.dp, self.unit(unit).save_sources(),  # type: ignore[attr-defined]
+                              write, lambda tmp, parts: commit_sharded_state(tmp, Path(directory), header, parts), what)
+        self.last_save_peak_bytes = report.peak_bytes
+        return report.size
+
+    def save_hf_sharded(self, directory: str, base_dir: str, age_recipients: tuple[str, ...], what: str) -> int:
+        """Write the weights as a Hugging Face model directory from every rank, each its own
+        shard file (rank 0 the index, config and tokenizer, and the commit, age-encrypted to the
+        recipients when any); rank 0's bytes committed."""
+        from tinsmith.checkpoints.age_encryption import parse_recipients
+        from tinsmith.checkpoints.export import commit_hf_parts, write_hf_part
+
+        tr = self.unit(FULL_UNIT)
+        sources = [SaveSource(n, p.detach()) for n, p in tr.named_params]
+        write = lambda tmp, mine: write_hf_part(tmp, self.dp.rank, self.dp.size, mine, Path(base_dir))  # noqa: E731
+        commit = lambda tmp, parts: commit_hf_parts(tmp, Path(directory), parts, Path(base_dir),  # noqa: E731
+                                                    parse_recipients(age_recipients))
+        report = save_sharded(Path(directory), self.dp, sources, write, commit, what)
+        self.last_save_peak_bytes = report.peak_bytes
+        return report.size

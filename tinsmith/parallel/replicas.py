@@ -24,8 +24,10 @@ talks to stand-ins that run each call on every rank). What the replicas share:
 
 * **Full fine-tuning** runs sharded (:mod:`tinsmith.parallel.fsdp`): each replica turns a copy of
   its base model into its FSDP2 shard of the run (fp32 master weights, gradients and AdamW state
-  split over the replicas), and each chunk's datums are split as for LoRA. Sampler snapshots and
-  exports gather the whole weights to rank 0, which samples full snapshots itself.
+  split over the replicas), and each chunk's datums are split as for LoRA. Sampler snapshots
+  gather the whole weights to rank 0, which samples full snapshots itself; checkpoints and
+  exports are written by every replica, each the tensors it owns
+  (:mod:`tinsmith.parallel.sharded_save`).
 """
 
 from __future__ import annotations
@@ -341,7 +343,22 @@ class ReplicaRuntime(TPRuntime):
 
 class ReplicaFullRuntime(TPRuntime):
     """The worker's runtime of a full fine-tune under data parallelism: every call runs on every
-    replica's shard (see :class:`ReplicaFullRun`); reads come from rank 0's."""
+    replica's shard (see :class:`ReplicaFullRun`); reads come from rank 0's. Its checkpoints are
+    written by every replica, each the tensors it owns (:mod:`tinsmith.parallel.sharded_save`)."""
+
+    writes_sharded = True
+
+    def state_bytes(self, unit: int) -> int:
+        return self._base.local.runtime.state_bytes(unit)  # shapes: every replica's are the same
+
+    def weights_bytes(self, unit: int) -> int:
+        return self._base.local.runtime.weights_bytes(unit)
+
+    def save_state_sharded(self, unit: int, directory: str, header: dict, what: str) -> int:
+        return self._run("save_state_sharded", unit, directory, header, what)
+
+    def save_hf_sharded(self, directory: str, base_dir: str, age_recipients: tuple[str, ...], what: str) -> int:
+        return self._run("save_hf_sharded", directory, base_dir, age_recipients, what)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The whole weights, gathered from the shards into host memory on rank 0."""

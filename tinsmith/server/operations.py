@@ -324,11 +324,17 @@ class WorkerOperations:
         existing = self.store.get_checkpoint(job.model_id, a.kind, a.name)
         if existing is not None and not a.overwrite:
             raise ConflictError(f"checkpoint {a.tinker_path!r} already exists (pass overwrite=True to replace it)")
+        replacing = existing.size_bytes if existing is not None else 0
         try:
-            state = self.worker.export_training_state(job.model_id)
-            self.limits.check_storage(self.store, a.owner, training_state_bytes(state),
-                                      replacing=existing.size_bytes if existing is not None else 0, what=a.tinker_path)
-            size = save_training_state(a.directory, state)
+            if self.worker.writes_sharded(job.model_id):  # every rank writes its own part, none holds it all
+                self.limits.check_storage(self.store, a.owner, self.worker.sharded_state_bytes(job.model_id),
+                                          replacing=replacing, what=a.tinker_path)
+                size = self.worker.save_training_state_sharded(job.model_id, a.directory, a.tinker_path)
+            else:
+                state = self.worker.export_training_state(job.model_id)
+                self.limits.check_storage(self.store, a.owner, training_state_bytes(state), replacing=replacing,
+                                          what=a.tinker_path)
+                size = save_training_state(a.directory, state)
         except TinsmithError:
             raise
         except OSError as e:
@@ -350,6 +356,11 @@ class WorkerOperations:
             self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
             write = lambda: save_peft_adapter(a.directory, spec, tensors, base.name, recipients,  # noqa: E731
                                               text_prefix=base.config.text_prefix, family=base.config.family)
+        elif self.worker.writes_sharded(job.model_id):  # every rank writes its own shard file
+            self.limits.check_storage(self.store, a.owner, self.worker.sharded_weights_bytes(job.model_id),
+                                      what=a.tinker_path)
+            write = lambda: self.worker.save_full_weights_sharded(job.model_id, a.directory,  # noqa: E731
+                                                                  a.age_recipients, a.tinker_path)
         else:
             weights, base = self.worker.full_weights(job.model_id)
             self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
@@ -394,6 +405,10 @@ class WorkerOperations:
             self.limits.check_storage(self.store, a.owner, adapter_bytes(tensors), what=a.tinker_path)
             size = save_peft_adapter(a.directory, spec, tensors, base.name, text_prefix=base.config.text_prefix,
                                      family=base.config.family)
+        elif self.worker.writes_sharded(job.model_id):  # a whole Hugging Face model, each rank its shard
+            self.limits.check_storage(self.store, a.owner, self.worker.sharded_weights_bytes(job.model_id),
+                                      what=a.tinker_path)
+            size = self.worker.save_full_weights_sharded(job.model_id, a.directory, (), a.tinker_path)
         else:  # a full fine-tune's sampler weights are a whole Hugging Face model
             weights, base = self.worker.full_weights(job.model_id)
             self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)

@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,6 +408,39 @@ class Worker:
         return TrainingState(p.base.name, p.lora, weights, opt, tr.steps,
                              normalize_optimizer_config({"type": tr.optimizer_type}))
 
+    def writes_sharded(self, model_id: str) -> bool:
+        """Whether the run's checkpoints are written by every data-parallel rank, each its own
+        part (a full fine-tune sharded over ranks), rather than gathered here and written whole."""
+        p = self.placement(model_id)
+        return not p.is_lora and bool(getattr(p.runtime, "writes_sharded", False))
+
+    def sharded_state_bytes(self, model_id: str) -> int:
+        """The tensor bytes of a sharded run's training-state checkpoint, known from shapes."""
+        p = self.placement(model_id)
+        return p.runtime.state_bytes(p.unit)  # type: ignore[attr-defined]
+
+    def save_training_state_sharded(self, model_id: str, directory: Path, what: str) -> int:
+        """Write a sharded run's training state from every rank (see ``writes_sharded``); the
+        bytes committed."""
+        from tinsmith.checkpoints.state_format import state_header
+
+        p = self.placement(model_id)
+        tr = p.runtime.unit(p.unit)
+        header = state_header(p.base.name, p.lora, tr.steps, normalize_optimizer_config({"type": tr.optimizer_type}))
+        return p.runtime.save_state_sharded(p.unit, str(directory), header, what)  # type: ignore[attr-defined]
+
+    def sharded_weights_bytes(self, model_id: str) -> int:
+        """The tensor bytes of a sharded run's Hugging Face export, known from shapes."""
+        p = self.placement(model_id)
+        return p.runtime.weights_bytes(p.unit)  # type: ignore[attr-defined]
+
+    def save_full_weights_sharded(self, model_id: str, directory: Path, age_recipients: tuple[str, ...],
+                                  what: str) -> int:
+        """Write a sharded run's weights as a Hugging Face model directory from every rank."""
+        p = self.placement(model_id)
+        return p.runtime.save_hf_sharded(str(directory), str(p.base.loaded.model_dir),  # type: ignore[attr-defined]
+                                         tuple(age_recipients), what)
+
     def load_training_state(self, model_id: str, base_model: str, state, create: bool, owner: str = "",
                             optimizer_type: str = ADAMW) -> None:
         """Create the run from ``state`` (create=True) or replace an existing run's state.
@@ -556,7 +590,8 @@ class Worker:
 
         if key in self.snapshots:
             return self.use_snapshot(key)
-        if not (directory / "adapter_config.json").is_file() and (directory / "model.safetensors").is_file():
+        if not (directory / "adapter_config.json").is_file() and ((directory / "model.safetensors").is_file() or (
+                directory / "model.safetensors.index.json").is_file()):  # one file, or shards written by every rank
             return self._load_full_snapshot(key, self.resolve_base(base_model), directory, owner, queued)
         self._snapshot_victims(owner, queued)  # refuse before reading the file when there is no room
         spec, tensors = load_peft_adapter(directory)
@@ -628,14 +663,24 @@ class Worker:
         """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in host memory."""
         from safetensors import safe_open
 
+        from tinsmith.models.loading import weight_files
+
         params = _whole_parameters(base.loaded.model)
         incoming = sum(p.numel() * p.element_size() for p in params.values())
         self._snapshot_victims(owner, queued, full_bytes=incoming)  # refuse before reading when there is no room
-        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
-            stored = set(f.keys())
-            if any(n not in stored or tuple(f.get_slice(n).get_shape()) != tuple(p.shape) for n, p in params.items()):
-                raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
-            weights = [(n, f.get_tensor(n).to(p.dtype)) for n, p in params.items()]
+        files = weight_files(directory)  # model.safetensors, or the shards its index lists
+        if any(n not in files for n in params):
+            raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
+        weights = []
+        with ExitStack() as stack:
+            handles: dict[Path, Any] = {}
+            for n, p in params.items():
+                if files[n] not in handles:
+                    handles[files[n]] = stack.enter_context(safe_open(str(files[n]), framework="pt"))
+                f = handles[files[n]]
+                if tuple(f.get_slice(n).get_shape()) != tuple(p.shape):
+                    raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
+                weights.append((n, f.get_tensor(n).to(p.dtype)))
         return self._install_full_snapshot(key, base, weights, True, owner, queued)
 
     def make_resident(self, snap: Snapshot) -> bool:
