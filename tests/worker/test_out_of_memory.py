@@ -113,22 +113,27 @@ def test_a_sequence_that_fits_only_with_checkpointing_is_run_again_with_it(qwen3
 
 
 def test_micro_batches_above_the_planned_size_recompute_activations(qwen3_dir):
-    """A single sequence longer than a planned micro-batch runs with gradient checkpointing (the
-    planner sized micro-batches for activations kept whole); the others do not."""
+    """A single sequence longer than a planned micro-batch recomputes the activations of as few
+    layers as bring it down to the planned size's activation memory (the planner sized
+    micro-batches for activations kept whole): a little over it, one of the four layers; five
+    times over, all of them; the others none."""
     rt, units = _runtime(qwen3_dir)
     rt.micro_batch_tokens, rt.checkpoint_above_tokens = 32, 32
-    seen: list[tuple[int, bool]] = []
+    seen: list[tuple[int, bool, frozenset]] = []
     real = rt.model.hidden_states
 
     def hidden_states(tokens, *args, **kwargs):
-        seen.append((tokens.numel(), rt.model.gradient_checkpointing))
+        seen.append((tokens.numel(), rt.model.gradient_checkpointing, rt.model.recomputed_layers))
         return real(tokens, *args, **kwargs)
 
     rt.model.hidden_states = hidden_states
-    results = rt.forward_backward(_requests(units, lengths=((40,), (12, 9))))
+    results = rt.forward_backward(_requests(units, lengths=((40, 160), (12, 9))))
     assert all(not isinstance(r, Exception) for r in results)
-    assert (40, True) in seen and all(ckpt == (n > 32) for n, ckpt in seen), seen
-    assert not rt.model.gradient_checkpointing
+    by_size = {n: (every, some) for n, every, some in seen}
+    assert by_size[40] == (False, frozenset({0})), seen
+    assert by_size[160][0], seen
+    assert all(by_size[n] == (False, frozenset()) for n in by_size if n <= 32), seen
+    assert not rt.model.gradient_checkpointing and not rt.model.recomputed_layers
 
 
 def test_a_sequence_too_large_alone_fails_its_request_only(qwen3_dir):

@@ -428,7 +428,8 @@ class CausalLM(nn.Module):
         self.lm_head = LoraLinear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing = False  # every layer recomputes its activations in backward
+        self.recomputed_layers: frozenset[int] = frozenset()  # ... or these (selective recomputation)
 
     def hidden_states(
         self,
@@ -445,8 +446,9 @@ class CausalLM(nn.Module):
         if visual is not None:
             h = visual.embed(h)
         cos, sin = self.model.rotary(positions, h.dtype)
+        recompute = torch.is_grad_enabled() and (self.gradient_checkpointing or bool(self.recomputed_layers))
         for i, layer in enumerate(self.model.layers):
-            if self.gradient_checkpointing and torch.is_grad_enabled():
+            if recompute and (self.gradient_checkpointing or i in self.recomputed_layers):
                 h = checkpoint(layer, h, cos, sin, segments, attend, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, segments, attend)

@@ -28,6 +28,7 @@ from tinsmith.models.lora import Segments
 from tinsmith.models.vision import VisionTower
 from tinsmith.optim import ADAMW
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
+from tinsmith.worker.activation_memory import layers_to_recompute, recomputed_layer_indices
 from tinsmith.worker.batching import MicroBatch, SequenceRef, batch_tokens, build_micro_batch, plan_micro_batches
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable, lora_tensors
 
@@ -486,9 +487,7 @@ class TrainingRuntime:
             pending.appendleft(rows[:half])
             return None
         ref = rows[0]
-        checkpointed = self.model.gradient_checkpointing or ref in self._checkpoint_rows or (
-            self.checkpoint_above_tokens is not None and ref.length > self.checkpoint_above_tokens)
-        if ref.needs_grad and not checkpointed:
+        if ref.needs_grad and self._layers_to_recompute([ref]) < self.model.config.num_layers:
             log.warning("a sequence of %d tokens ran out of device memory (%s); running it again with its "
                         "activations recomputed in backward", ref.length, message)
             self._checkpoint_rows.add(ref)
@@ -516,18 +515,32 @@ class TrainingRuntime:
         """Forward (and backward) one micro-batch; fills ``lps``. Returns the passes (by id) whose
         custom loss was refused here: their loss is left out of the backward and they fail alone,
         while every other request of the micro-batch trains."""
+        layers = self.model.config.num_layers
+        count = self._layers_to_recompute(mb.rows) if mb.needs_grad else 0
+        self.model.recomputed_layers = recomputed_layer_indices(count, layers) if count < layers else frozenset()
         always = self.model.gradient_checkpointing
-        big = (self.checkpoint_above_tokens is not None
-               and batch_tokens(mb.rows, self.sized_by_real_tokens) > self.checkpoint_above_tokens)
-        forced = any(r in self._checkpoint_rows for r in mb.rows)
-        self.model.gradient_checkpointing = always or (mb.needs_grad and (big or forced))
+        self.model.gradient_checkpointing = always or count >= layers
         try:
             failed = self._forward_backward(mb, prepared, lps, images)
         finally:
             self.model.gradient_checkpointing = always
-        if forced:  # done with (a failure leaves the mark, so the row is not tried a third time)
+            self.model.recomputed_layers = frozenset()
+        if any(r in self._checkpoint_rows for r in mb.rows):
+            # done with (a failure leaves the mark, so the row is not tried a third time)
             self._checkpoint_rows.difference_update(mb.rows)
         return failed
+
+    def _layers_to_recompute(self, rows: list[SequenceRef]) -> int:
+        """How many decoder layers recompute their activations in backward for these rows: all of
+        them with ``--gradient-checkpointing`` or after the rows ran out of memory; else the fewest
+        that bring a micro-batch over the planned size (a sequence longer than it) down to the
+        activation memory of one of the planned size (:mod:`tinsmith.worker.activation_memory`)."""
+        layers = self.model.config.num_layers
+        if self.model.gradient_checkpointing or any(r in self._checkpoint_rows for r in rows):
+            return layers
+        width = self.model.lm_head.weight.element_size()  # the activations' dtype is the weights'
+        return layers_to_recompute(self.model.config, batch_tokens(rows, self.sized_by_real_tokens),
+                                   self.checkpoint_above_tokens, width)
 
     def _forward_backward(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict,
                           images: list[list[ImageInput]]) -> dict[int, Exception]:

@@ -36,6 +36,7 @@ from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
+from tinsmith.worker.activation_memory import activation_bytes_per_token
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
 from tinsmith.worker.trainables import detach_lora, install_lora_weights
 from tinsmith.worker.warm_up import configure_device
@@ -942,9 +943,7 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
     On CPU, 2048: measured on the tiny models, larger batches fall out of cache (16384 ran ~12%
     slower per token than 4096, and 4096 ~12% slower than 2048 when four tenants' 8 x 128 steps
     share one call, while 32 x 512 ran alike at 1024-4096). On a GPU, as many as half the free memory holds, at a rough
-    activation cost per token (about 20 hidden-sized values per layer kept for backward, a few
-    with checkpointing, plus the routed experts' rows of a mixture of experts and the chunked
-    delta-rule intermediates of Gated DeltaNet layers), within [1024, 65536].
+    activation cost per token (:mod:`tinsmith.worker.activation_memory`), within [1024, 65536].
     Logits cost nothing per token: they are computed in fixed-size chunks (``logit_chunk_bytes``,
     a few such buffers at once), set aside from the free memory first.
     """
@@ -953,17 +952,6 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
         return 2048
     free, _ = torch.cuda.mem_get_info(device)
     width = 2 if next(model.parameters()).dtype in (torch.bfloat16, torch.float16) else 4
-    per_layer = (4 if o.gradient_checkpointing else 20) * cfg.hidden_size * width
-    if cfg.moe is not None and not o.gradient_checkpointing:
-        # each routed copy of a token keeps its input, gate, up, product and output rows
-        per_layer += cfg.moe.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe.moe_intermediate_size) * width
-    per_token = cfg.num_layers * per_layer
-    if cfg.linear_attn is not None:
-        # Gated DeltaNet layers keep, in fp32, three chunk-wide (64) decay/system matrices per value
-        # head and the q/k/v/output rows of every token.
-        la = cfg.linear_attn
-        rows = 2 * la.num_value_heads * la.key_head_dim + 2 * la.num_value_heads * la.value_head_dim
-        linear_layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
-        per_token += linear_layers * (3 * la.num_value_heads * 64 + 2 * rows) * 4
+    per_token = activation_bytes_per_token(cfg, width, cfg.num_layers if o.gradient_checkpointing else 0)
     free -= 4 * DEFAULT_CHUNK_BYTES
     return int(min(65536, max(1024, 0.5 * free / per_token)))
