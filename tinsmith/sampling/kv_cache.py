@@ -5,6 +5,12 @@ blocks of ``BLOCK`` positions as the longest live sequence grows (never reserved
 maximum length up front), and rows are kept dense: when a sequence finishes, the last live row
 moves into its place, so a decode step always runs over rows ``[0, n)``.
 
+Sliding-window layers (gpt-oss: every other layer sees its last 128 positions) keep only a ring
+of ``RING`` = the window rounded up to a block: position ``p`` lives at ``p % RING``, and a
+decode step sees the ring's positions within the window of its own. Until a row outgrows the
+ring, its positions sit in order as in any layer; the ring never grows past it, so such a layer
+holds a fixed amount per row however long the sequence.
+
 Hybrid models (Qwen3.5) hold K/V only for their attention layers (the Gated DeltaNet layers'
 buffers have zero heads) and keep each row's fixed-size recurrent state beside them in
 :class:`tinsmith.sampling.recurrent_state.RowRecurrentState`, which moves with the row.
@@ -32,6 +38,9 @@ class RowKVCache:
         self.cfg = cfg
         self.max_bytes = max_bytes  # growth in rows stays within it where it can (0: no bound)
         self.device, self.dtype = device, dtype
+        # per layer: the ring a sliding-window layer keeps (positions), None for every other layer
+        self.rings = [None if cfg.window_of(i) is None else _round_up(cfg.window_of(i), BLOCK)
+                      for i in range(cfg.num_layers)]
         self.capacity = BLOCK
         rows = self._rows_within(rows, BLOCK)
         self.row_capacity = rows
@@ -42,19 +51,29 @@ class RowKVCache:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens held per row
         self.recurrent = RowRecurrentState(cfg, device, dtype, rows) if cfg.has_recurrent_state else None
 
+    def _heads(self, layer: int) -> int:
+        return 0 if self.cfg.is_linear_layer(layer) else self.cfg.num_kv_heads  # no K/V in DeltaNet layers
+
+    def slots(self, layer: int, capacity: int) -> int:
+        """Positions layer ``layer`` keeps per row when rows hold ``capacity``: all, or its ring."""
+        ring = self.rings[layer]
+        return capacity if ring is None else min(capacity, ring)
+
     def _shape(self, layer: int, rows: int, capacity: int) -> tuple[int, int, int, int]:
-        heads = 0 if self.cfg.is_linear_layer(layer) else self.cfg.num_kv_heads  # no K/V in DeltaNet layers
-        return (rows, heads, capacity, self.cfg.head_dim)
+        return (rows, self._heads(layer), self.slots(layer, capacity), self.cfg.head_dim)
+
+    def row_bytes(self, capacity: int) -> int:
+        """Bytes of K/V one row of ``capacity`` positions takes (sliding-window layers: their ring)."""
+        width = torch.finfo(self.dtype).bits // 8
+        return sum(2 * self._heads(i) * self.slots(i, capacity) * self.cfg.head_dim * width
+                   for i in range(self.cfg.num_layers))
 
     def _rows_within(self, rows: int, capacity: int) -> int:
         """``rows``, or fewer (at least 1) where ``max_bytes`` holds fewer rows of ``capacity`` positions:
         spare rows are never allocated beyond the budget."""
         if not self.max_bytes:
             return rows
-        width = torch.finfo(self.dtype).bits // 8
-        attention_layers = sum(not self.cfg.is_linear_layer(i) for i in range(self.cfg.num_layers))
-        per_row = 2 * attention_layers * self.cfg.num_kv_heads * capacity * self.cfg.head_dim * width
-        return max(1, min(rows, self.max_bytes // per_row))
+        return max(1, min(rows, self.max_bytes // max(1, self.row_bytes(capacity))))
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers take (for metrics; its lists may be swapped meanwhile, a copy is read)."""
@@ -77,10 +96,12 @@ class RowKVCache:
         new_rows = self.row_capacity if rows <= self.row_capacity else max(rows, 2 * self.row_capacity)
         new_rows = max(rows, self._rows_within(new_rows, new_cap))  # spare rows only within the budget
         keep = min(new_rows, self.row_capacity)  # rows are dense: those past ``rows`` hold nothing
-        width = min(new_cap, self.capacity)
         for store in (self.K, self.V):
             for i, old in enumerate(store):
                 new = torch.zeros(self._shape(i, new_rows, new_cap), device=self.device, dtype=self.dtype)
+                # In order up to the smaller of the two; a ring that wrapped is kept whole (its size
+                # does not change once rows outgrow it, and rows that did keep it).
+                width = min(self.slots(i, new_cap), self.slots(i, self.capacity))
                 new[:keep, :, :width] = old[:keep, :, :width]
                 store[i] = new
         lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
@@ -97,7 +118,7 @@ class RowKVCache:
             rows = min(max(live_rows, 1, self._rows_within(max(8, 2 * live_rows), cap)), self.row_capacity)
             for store in (self.K, self.V):
                 for i, old in enumerate(store):
-                    store[i] = old[:rows, :, :cap].clone()
+                    store[i] = old[:rows, :, :self.slots(i, cap)].clone()
             self.lengths = self.lengths[:rows].clone()
             if self.recurrent is not None:
                 self.recurrent.resize(rows)
@@ -109,8 +130,14 @@ class RowKVCache:
         """Copy a prefilled prompt's K/V ``(kv_heads, length, head_dim)`` per attention layer into
         ``row``, and on hybrid models prompt ``prompt``'s recurrent states of the prefill."""
         for i, (k, v) in layer_kv.items():
-            self.K[i][row, :, :length] = k[:, :length]
-            self.V[i][row, :, :length] = v[:, :length]
+            ring = self.rings[i]
+            if ring is None or length <= ring:
+                self.K[i][row, :, :length] = k[:, :length]
+                self.V[i][row, :, :length] = v[:, :length]
+            else:  # a sliding-window layer keeps the prompt's last ``ring`` positions, each at p % ring
+                at = torch.arange(length - ring, length, device=self.device)
+                self.K[i][row][:, at % ring] = k[:, length - ring:length]
+                self.V[i][row][:, at % ring] = v[:, length - ring:length]
         if self.recurrent is not None:
             assert states is not None, "a hybrid model's prefill records its recurrent states"
             self.recurrent.write_row(row, states, prompt)
@@ -130,7 +157,7 @@ class RowKVCache:
         n = int(self.lengths[src])
         for store in (self.K, self.V):
             for t in store:
-                t[dst, :, :n] = t[src, :, :n]
+                t[dst, :, :n] = t[src, :, :n]  # a ring: all of it, once the row has outgrown it
         if self.recurrent is not None:
             self.recurrent.move_row(src, dst)
         self.lengths[dst] = n
@@ -159,22 +186,31 @@ class RowKVCache:
         # faster than a boolean one.
         mask = torch.zeros(future.shape, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
         mask = mask[:, None, None, :]
-        visible: dict[int | None, torch.Tensor] = {}  # window -> (n, 1, span) keys each row sees
+        visible: dict[int | None, torch.Tensor] = {}  # window -> (n, 1, keys) keys each row sees
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
             K, V = self.K[layer], self.V[layer]
+            ring = self.rings[layer]
+            at = pos if ring is None else pos % ring
             if keep is None:
-                K[rows, :, pos] = k[:, :, 0]
-                V[rows, :, pos] = v[:, :, 0]
+                K[rows, :, at] = k[:, :, 0]
+                V[rows, :, at] = v[:, :, 0]
             else:
-                K[rows, :, pos] = torch.where(keep, k[:, :, 0], K[rows, :, pos])
-                V[rows, :, pos] = torch.where(keep, v[:, :, 0], V[rows, :, pos])
-            if sinks is not None or window is not None:
-                # Sliding layers keep every position in the cache and mask the ones out of the window.
+                K[rows, :, at] = torch.where(keep, k[:, :, 0], K[rows, :, at])
+                V[rows, :, at] = torch.where(keep, v[:, :, 0], V[rows, :, at])
+            if ring is not None:
+                # The ring's slot s holds the row's latest position p - d with d = (p - s) mod ring:
+                # seen when within the window (d < window) and written (p - d >= 0).
+                keys = min(span, K.shape[2])
                 if window not in visible:
-                    keys = torch.arange(span, device=self.device)[None, :]
-                    seen = ~future if window is None else ~future & (keys > pos[:, None] - window)
+                    d = (pos[:, None] - torch.arange(keys, device=self.device)[None, :]) % ring
+                    visible[window] = ((d < window) & (d <= pos[:, None]))[:, None]
+                return masked_attention(q, K[:n, :, :keys], V[:n, :, :keys], visible[window], sinks)
+            if sinks is not None or window is not None:
+                if window not in visible:
+                    seen = ~future if window is None else ~future & (
+                        torch.arange(span, device=self.device)[None, :] > pos[:, None] - window)
                     visible[window] = seen[:, None]
                 return masked_attention(q, K[:n, :, :span], V[:n, :, :span], visible[window], sinks)
             hq, hk = q.shape[1], k.shape[1]

@@ -292,10 +292,9 @@ class Sampler:
         return min(ctx, P + (inp.params.max_tokens if inp.params.max_tokens is not None else ctx - P))
 
     def _kv_bytes(self, rows: int, span: int) -> int:
-        """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache."""
-        cfg = self.cfg
-        per_position = 2 * len(self._kv_index) * cfg.num_kv_heads * cfg.head_dim * self.cache.K[0].element_size()
-        return rows * -(-span // KV_BLOCK) * KV_BLOCK * per_position
+        """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache
+        (a sliding-window layer's at most its ring)."""
+        return rows * self.cache.row_bytes(-(-span // KV_BLOCK) * KV_BLOCK)
 
     def _held(self, inp: SampleInput, sampled: int) -> int:
         """Positions admission counts a row at: what it holds after ``sampled`` tokens plus a block of
