@@ -23,7 +23,6 @@ Parameters stay fp32 (the sharded masters); on a GPU the forward and backward co
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from tinsmith.models.loading import load_model, read_config, resolve_model_dir
 from tinsmith.models.lora import LoraLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, check_params_match
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded
+from tinsmith.parallel.partition import longest_first
 from tinsmith.parallel.sharded_save import SaveSource, save_sharded
 from tinsmith.types import OptimParams
 from tinsmith.worker.batching import SequenceRef, build_micro_batch, plan_micro_batches
@@ -170,15 +170,8 @@ def reshard_all(model: nn.Module) -> None:
 # ----------------------------------------------------------------------------- splitting the work
 def split_datums(lengths: list[int], world: int) -> list[list[int]]:
     """Which datums (indices into ``lengths``) each rank runs: longest first onto the rank with
-    the fewest tokens so far (ties: the lower rank). Deterministic, so every rank computes the
-    same split without communicating."""
-    heap = [(0, r) for r in range(world)]
-    out: list[list[int]] = [[] for _ in range(world)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        tokens, r = heapq.heappop(heap)
-        out[r].append(i)
-        heapq.heappush(heap, (tokens + lengths[i], r))
-    return [sorted(x) for x in out]
+    the fewest tokens so far (:func:`~tinsmith.parallel.partition.longest_first`)."""
+    return longest_first(lengths, world)
 
 
 def plan_ranks(refs: list[SequenceRef], world: int, max_tokens: int, max_seqs: int,

@@ -18,7 +18,6 @@ the run is untouched: the group stays in step.
 
 from __future__ import annotations
 
-import heapq
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tinsmith.checkpoints.peft_format import atomic_dir
 from tinsmith.errors import CapacityError
 from tinsmith.parallel.group import TPGroup, guarded
+from tinsmith.parallel.partition import longest_first
 
 
 @dataclass
@@ -61,13 +61,9 @@ def owners_by_bytes(sizes: dict[str, int], world: int) -> dict[str, int]:
     """The rank that writes each tensor: largest first onto the rank with the fewest bytes so far
     (ties: the lower rank; equal sizes in name order). Deterministic, so every rank computes the
     same split; no rank gets more than ``total / world`` plus the largest tensor."""
-    heap = [(0, r) for r in range(world)]
-    owner = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        load, r = heapq.heappop(heap)
-        owner[name] = r
-        heapq.heappush(heap, (load + sizes[name], r))
-    return owner
+    names = sorted(sizes)
+    shares = longest_first([sizes[n] for n in names], world)
+    return {names[i]: r for r, share in enumerate(shares) for i in share}
 
 
 def gather_to(t: torch.Tensor, dst: int, group: TPGroup, what: str) -> torch.Tensor | None:
