@@ -257,6 +257,23 @@ def test_an_unseeded_adapter_is_the_same_on_every_replica_and_refusals_name_the_
         w2.close()
 
 
+_GREEDY = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                stop=[])))
+
+
+def _snapshots_sample_alike(one, group) -> list:
+    """A snapshot of the "full" run in one process and in the group (gathered to rank 0, which
+    samples it itself): the same greedy tokens and logprobs. Both results."""
+    outs = []
+    for w, b in (one, group):
+        snap = w.snapshot("full", "full-snap")
+        assert w.make_resident(snap)
+        outs.append(_sample_all(w.sampler(b, snap), [_GREEDY])["g"])
+    np.testing.assert_array_equal(outs[0].sequences[0].tokens, outs[1].sequences[0].tokens)
+    np.testing.assert_allclose(outs[0].sequences[0].logprobs, outs[1].sequences[0].logprobs, atol=1e-5)
+    return outs
+
+
 def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(qwen3_dir, tmp_path):
     w1, b1 = _worker(qwen3_dir, 1)
     w2, b2 = _worker(qwen3_dir, 2)
@@ -290,19 +307,11 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
         assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
 
         # A snapshot gathers the whole weights to rank 0, which samples it itself.
-        greedy = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                                       stop=[])))
-        outs = []
-        for w, b in ((w1, b1), (w2, b2)):
-            snap = w.snapshot("full", "full-snap")
-            assert w.make_resident(snap)
-            outs.append(_sample_all(w.sampler(b, snap), [greedy])["g"])
-        np.testing.assert_array_equal(outs[0].sequences[0].tokens, outs[1].sequences[0].tokens)
-        np.testing.assert_allclose(outs[0].sequences[0].logprobs, outs[1].sequences[0].logprobs, atol=1e-5)
+        outs = _snapshots_sample_alike((w1, b1), (w2, b2))
         # The sharded Hugging Face export reloads as stored sampler weights and samples alike.
         stored = w2.load_snapshot("stored", "m", tmp_path / "hf")
         assert w2.make_resident(stored)
-        again = _sample_all(w2.sampler(b2, stored), [greedy])["g"]
+        again = _sample_all(w2.sampler(b2, stored), [_GREEDY])["g"]
         np.testing.assert_array_equal(again.sequences[0].tokens, outs[1].sequences[0].tokens)
         np.testing.assert_array_equal(again.sequences[0].logprobs, outs[1].sequences[0].logprobs)
         w2.publish_inflight("full", "live")
@@ -353,15 +362,7 @@ def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qw
         for k in sn.weights:
             assert torch.equal(written.weights[k], sn.weights[k]), k
 
-        greedy = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                                       stop=[])))
-        outs = []
-        for w, b in ((w1, b1), (wn, bn)):
-            snap = w.snapshot("full", "full-snap")
-            assert w.make_resident(snap)
-            outs.append(_sample_all(w.sampler(b, snap), [greedy])["g"])
-        np.testing.assert_array_equal(outs[0].sequences[0].tokens, outs[1].sequences[0].tokens)
-        np.testing.assert_allclose(outs[0].sequences[0].logprobs, outs[1].sequences[0].logprobs, atol=1e-5)
+        outs = _snapshots_sample_alike((w1, b1), (wn, bn))
         whole = wn.snapshots["full-snap"].model
         assert getattr(whole, "tp", None) is None and whole.lm_head.weight.shape[0] == whole.config.vocab_size
         # Stored sampler weights (a Hugging Face directory) load back as a whole model too.
@@ -369,7 +370,7 @@ def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qw
         save_hf_model(tmp_path / "stored", weights, base.loaded.model_dir)
         stored = wn.load_snapshot("stored", "m", tmp_path / "stored")
         assert wn.make_resident(stored)
-        again = _sample_all(wn.sampler(bn, stored), [greedy])["g"]
+        again = _sample_all(wn.sampler(bn, stored), [_GREEDY])["g"]
         np.testing.assert_array_equal(again.sequences[0].tokens, outs[0].sequences[0].tokens)
 
         wn.unload_model("full")
