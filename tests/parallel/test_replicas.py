@@ -257,6 +257,21 @@ def test_an_unseeded_adapter_is_the_same_on_every_replica_and_refusals_name_the_
         w2.close()
 
 
+def _full_runs_train_alike(one, group) -> tuple:
+    """Create the "full" run on ``one`` (a one-process worker) and ``group``, train both the same
+    way (the group in small chunks): the same training results, weights and optimizer state.
+    Both exported states."""
+    for w in (one, group):
+        w.create_model("full", "m", None)
+    _assert_same_training(_train(one, "full", 1 << 20), _train(group, "full", 40))
+    s1, s2 = one.export_training_state("full"), group.export_training_state("full")
+    assert s1.weights.keys() == s2.weights.keys() and s1.optimizer.keys() == s2.optimizer.keys()
+    for part1, part2 in ((s1.weights, s2.weights), (s1.optimizer, s2.optimizer)):
+        for k in part1:
+            np.testing.assert_allclose(part1[k].numpy(), part2[k].numpy(), atol=1e-5, rtol=0)
+    return s1, s2
+
+
 _GREEDY = SampleTask("g", None, SampleInput(np.arange(3, 9), 1, SamplingParams(max_tokens=12, temperature=0.0,
                                                                                 stop=[])))
 
@@ -278,17 +293,7 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
     w1, b1 = _worker(qwen3_dir, 1)
     w2, b2 = _worker(qwen3_dir, 2)
     try:
-        for w in (w1, w2):
-            w.create_model("full", "m", None)
-        ref = _train(w1, "full", 1 << 20)
-        got = _train(w2, "full", 40)
-        _assert_same_training(ref, got)
-        s1, s2 = w1.export_training_state("full"), w2.export_training_state("full")
-        assert s1.weights.keys() == s2.weights.keys() and s1.optimizer.keys() == s2.optimizer.keys()
-        for k in s1.weights:
-            np.testing.assert_allclose(s1.weights[k].numpy(), s2.weights[k].numpy(), atol=1e-5, rtol=0)
-        for k in s1.optimizer:
-            np.testing.assert_allclose(s1.optimizer[k].numpy(), s2.optimizer[k].numpy(), atol=1e-5, rtol=0)
+        s1, s2 = _full_runs_train_alike(w1, w2)
         runtime = w2.placements["full"].runtime
         held = runtime._base.local.runtime.held_elements()  # rank 0's share of the run
         assert held["weights"] < 0.6 * held["model"] and held["optimizer"] < 1.2 * held["model"]
@@ -345,13 +350,7 @@ def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qw
     w1, b1 = _worker(qwen3_dir, 1)
     wn, bn = _worker(qwen3_dir, dp, tp=tp)
     try:
-        for w in (w1, wn):
-            w.create_model("full", "m", None)
-        _assert_same_training(_train(w1, "full", 1 << 20), _train(wn, "full", 40))
-        s1, sn = w1.export_training_state("full"), wn.export_training_state("full")
-        assert s1.weights.keys() == sn.weights.keys() and s1.optimizer.keys() == sn.optimizer.keys()
-        for k in s1.weights:
-            np.testing.assert_allclose(s1.weights[k].numpy(), sn.weights[k].numpy(), atol=1e-5, rtol=0)
+        s1, sn = _full_runs_train_alike(w1, wn)
         held = wn.placements["full"].runtime._base.local.runtime.held_elements()  # rank 0's share
         assert held["weights"] < (1.2 / (dp * tp)) * held["model"]
         # Every rank writes its part of the checkpoint; read back, it is the state gathered above.
@@ -395,13 +394,7 @@ def test_full_fine_tunes_of_other_families_are_sharded_as_one_process_trains_the
     w1, _ = _worker(model_dir, 1)
     w2, _ = _worker(model_dir, dp, tp=tp)
     try:
-        for w in (w1, w2):
-            w.create_model("full", "m", None)
-        _assert_same_training(_train(w1, "full", 1 << 20), _train(w2, "full", 40))
-        s1, s2 = w1.export_training_state("full"), w2.export_training_state("full")
-        assert s1.weights.keys() == s2.weights.keys()
-        for k in s1.weights:
-            np.testing.assert_allclose(s1.weights[k].numpy(), s2.weights[k].numpy(), atol=1e-5, rtol=0)
+        _full_runs_train_alike(w1, w2)
     finally:
         w2.close()
 
