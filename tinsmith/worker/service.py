@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, TinsmithError
+from tinsmith.errors import CapacityError, InvalidInputError, StateLostError
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import LoadedModel, load_model, model_from_weights, resolve_dtype
 from tinsmith.models.lora import pack_weights
 from tinsmith.optim import ADAMW, normalize_optimizer_config
-from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, LoraSpec, OptimParams
+from tinsmith.types import ForwardBackwardInput, LoraSpec, OptimParams
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
