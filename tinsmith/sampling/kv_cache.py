@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from tinsmith.kernels import decode_attention as decode_kernels
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import masked_attention
 from tinsmith.sampling.recurrent_state import DecodeStates, PrefillStates, RowRecurrentState
@@ -182,11 +183,32 @@ class RowKVCache:
             keep = live.bool()[:, None, None]
         rows = torch.arange(n, device=self.device)
         future = torch.arange(span, device=self.device)[None, :] > pos[:, None]  # (n, span)
-        # An additive mask (0 / -inf), built once per step for all layers: SDPA takes it
-        # faster than a boolean one.
-        mask = torch.zeros(future.shape, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
-        mask = mask[:, None, None, :]
+        masks: list[torch.Tensor] = []
+
+        def additive_mask() -> torch.Tensor:
+            # 0 / -inf, built once per step for all layers (when a layer needs it): SDPA takes it
+            # faster than a boolean one.
+            if not masks:
+                masks.append(torch.zeros(future.shape, dtype=self.dtype, device=self.device)
+                             .masked_fill_(future, float("-inf"))[:, None, None, :])
+            return masks[0]
+
         visible: dict[int | None, torch.Tensor] = {}  # window -> (n, 1, keys) keys each row sees
+        # On a GPU the kernels of tinsmith.kernels.decode_attention read only each row's own
+        # positions: per ring size (None: no ring), how many leading slots each row sees.
+        kernels = decode_kernels.usable(self.K[0])
+        seen_slots: dict[int | None, torch.Tensor] = {}
+
+        def kernel_attention(layer: int, q: torch.Tensor, ring: int | None, window: int | None,
+                             sinks: torch.Tensor | None) -> torch.Tensor | None:
+            # A ring as long as its window is seen whole once written: its first min(p + 1, ring)
+            # slots, in whatever order (a softmax does not care). A longer ring needs the mask.
+            if not kernels or ring != window:
+                return None
+            if ring not in seen_slots:
+                seen_slots[ring] = pos + 1 if ring is None else torch.clamp(pos + 1, max=ring)
+            keys = span if ring is None else min(span, ring)
+            return decode_kernels.try_decode_attention(q, self.K[layer], self.V[layer], seen_slots[ring], keys, sinks)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
@@ -199,6 +221,9 @@ class RowKVCache:
             else:
                 K[rows, :, at] = torch.where(keep, k[:, :, 0], K[rows, :, at])
                 V[rows, :, at] = torch.where(keep, v[:, :, 0], V[rows, :, at])
+            out = kernel_attention(layer, q, ring, window, sinks)
+            if out is not None:
+                return out
             if ring is not None:
                 # The ring's slot s holds the row's latest position p - d with d = (p - s) mod ring:
                 # seen when within the window (d < window) and written (p - d >= 0).
@@ -216,7 +241,7 @@ class RowKVCache:
             hq, hk = q.shape[1], k.shape[1]
             rep = hq // hk
             qg = q.reshape(n, hk, rep, q.shape[-1])  # (n, kv_heads, rep, d): rep queries per kv head
-            out = F.scaled_dot_product_attention(qg, K[:n, :, :span], V[:n, :, :span], attn_mask=mask)
+            out = F.scaled_dot_product_attention(qg, K[:n, :, :span], V[:n, :, :span], attn_mask=additive_mask())
             return out.reshape(n, hq, 1, q.shape[-1])
 
         states = None if self.recurrent is None else DecodeStates(self.recurrent, n)

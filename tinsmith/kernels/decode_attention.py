@@ -1,0 +1,210 @@
+"""Decode attention over the row K/V cache, reading only each row's own positions.
+
+A decode step asks one query per row to attend over that row's cached keys. Through SDPA the
+step reads K/V at one common span for every row, the longest row's (or, in a captured CUDA
+graph, the cache's whole capacity) and masks the rest: rows of different lengths, and the
+spare capacity a graph must cover, are read from memory for nothing, and decoding is bound by
+exactly that memory traffic. This is the flash-decoding scheme of vLLM / SGLang's Triton
+decode backends instead:
+
+- stage 1, one program per (row, K/V head, split of the positions): the ``rep`` query heads
+  that share the K/V head (grouped-query attention) go through the split's keys together, with
+  an online softmax in fp32, and stop at the row's own key count (read from the device, so the
+  step never asks the host and can be captured); it writes a partial output and its
+  log-sum-exp;
+- stage 2, one program per (row, query head): the splits' partials combined, with gpt-oss'
+  attention sink (one extra logit per head in the denominator) where the model has one.
+
+Splitting the positions keeps the GPU busy when few rows decode long sequences; the split
+count depends only on the number of rows, K/V heads and the span, all known on the host.
+
+The torch path (SDPA with a mask, :meth:`tinsmith.sampling.kv_cache.RowKVCache.decode_attention`)
+stays the CPU implementation and the reference the kernels are tested against (in Triton's
+interpreter on a CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tinsmith.kernels.lora_gather import triton, triton_available, triton_interpreting
+
+if triton is not None:
+    import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+# "auto": the kernels for CUDA tensors, torch for the rest; "torch"; "triton": the kernels for
+# every tensor (CPU ones need TRITON_INTERPRET=1 set before triton is imported: tests do).
+BACKEND = "auto"
+MAX_SPLITS = 64
+_failed: str | None = None  # why the kernels could not run here: torch from then on (logged once)
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether decode attention over tensors like ``q`` takes the kernels."""
+    if triton is None or BACKEND == "torch" or _failed is not None:
+        return False
+    return BACKEND == "triton" or q.device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, lse_ptr, scale, split_len,
+                      stride_qn, stride_qh, stride_kn, stride_kh, stride_kp, stride_vn, stride_vh, stride_vp,
+                      stride_pn, stride_ph, stride_ps, stride_ln, stride_lh,
+                      REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """Partial attention of K/V head ``g``'s ``REP`` query heads over one split of the row's keys."""
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
+        n_keys = tl.load(len_ptr + row).to(tl.int32)
+        start = split * split_len
+        end = tl.minimum(start + split_len, n_keys)
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        h_mask = heads < REP
+        d_mask = dims < D
+        q_rows = q_ptr + row * stride_qn + (g * REP + heads)[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_rows, mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        k_base = k_ptr + row * stride_kn + g * stride_kh
+        v_base = v_ptr + row * stride_vn + g * stride_vh
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for p0 in range(start, end, BLOCK_N):  # every block holds at least one key of the row
+            pos = p0 + tl.arange(0, BLOCK_N)
+            p_mask = pos < end
+            kv_mask = p_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kp + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
+            scores = tl.where(p_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            probs = tl.exp(scores - m_new[:, None])
+            denom = denom * alpha + tl.sum(probs, axis=1)
+            v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vp + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=PRECISION)
+            m = m_new
+        seen = denom > 0  # a split past the row's keys saw nothing: weight 0 in the combine
+        out = acc / tl.where(seen, denom, 1.0)[:, None]
+        lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
+        out_heads = (g * REP + heads)
+        tl.store(part_ptr + row * stride_pn + out_heads[:, None] * stride_ph + split * stride_ps + dims[None, :], out,
+                 mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + row * stride_ln + out_heads * stride_lh + split, lse, mask=h_mask)
+
+    @triton.jit
+    def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, splits,
+                        stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr):
+        """One (row, query head): the splits' partial outputs weighted by their share of the softmax."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        s = tl.arange(0, BLOCK_S)
+        dims = tl.arange(0, BLOCK_D)
+        s_mask = s < splits
+        lse = tl.load(lse_ptr + row * stride_ln + head * stride_lh + s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        if SINKS:
+            sink = tl.load(sink_ptr + head).to(tl.float32)
+            m = tl.maximum(m, sink)
+        w = tl.exp(lse - m)
+        total = tl.sum(w, axis=0)
+        if SINKS:
+            total += tl.exp(sink - m)
+        parts = tl.load(part_ptr + row * stride_pn + head * stride_ph + s[:, None] * stride_ps + dims[None, :],
+                        mask=s_mask[:, None] & (dims < D)[None, :], other=0.0)
+        out = tl.sum(parts * w[:, None], axis=0) / total
+        tl.store(out_ptr + row * stride_on + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def split_plan(rows: int, kv_heads: int, span: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, positions per split)`` for ``rows`` rows over at most ``span`` positions: enough
+    programs to fill the GPU (two per multiprocessor), never a split of less than one block.
+    Depends only on host-known sizes, so a captured step keeps its grid."""
+    blocks = _cdiv(span, block_n)
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 1  # the interpreter: fewest programs (the splits are tested by setting ``splits``)
+    splits = max(1, min(blocks, MAX_SPLITS, _cdiv(target, max(1, rows * kv_heads))))
+    per = _cdiv(blocks, splits) * block_n
+    return _cdiv(span, per), per
+
+
+def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: torch.Tensor, span: int,
+                     sinks: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """Attention of one query per row over that row's first ``n_keys[row]`` cached positions.
+
+    q: (n, Hq, 1, d); K, V: (rows >= n, Hk, positions >= span, d), last dimension contiguous;
+    ``n_keys`` (n,) on the device, each in 1..span; ``sinks`` (Hq,) gpt-oss' per-head sink
+    logits. Returns (n, Hq, 1, d) in q's dtype, softmax at scale d ** -0.5 in fp32.
+    ``splits`` fixes the number of position splits (tests); by default :func:`split_plan`.
+    """
+    n, hq, _, d = q.shape
+    hk = K.shape[1]
+    rep = hq // hk
+    out = torch.empty(n, hq, 1, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    qv = q[:, :, 0]
+    if qv.stride(-1) != 1:
+        qv = qv.contiguous()
+    assert K.stride(-1) == 1 and V.stride(-1) == 1, "the cache's head dimension must be contiguous"
+    cpu = q.device.type == "cpu"
+    block_n = 64 if cpu else 32
+    if splits is None:
+        splits, per = split_plan(n, hk, span, block_n, q.device)
+    else:  # as asked, each split whole blocks
+        per = _cdiv(_cdiv(span, splits), block_n) * block_n
+        splits = _cdiv(span, per)
+    part = torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(n, hq, splits, dtype=torch.float32, device=q.device)
+    # The dots run on fp32 operands: tf32 holds bf16 and fp16 values exactly, so 16-bit caches lose
+    # nothing to it (the probabilities keep tf32's 10 bits instead of being cut to bf16's 7); an fp32
+    # cache is multiplied in full precision. Decoding is bound by reading K/V, not by these products.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = _pow2(d, 16)
+    _split_kernel[(n, hk, splits)](
+        qv, K, V, n_keys, part, lse, d ** -0.5, per,
+        qv.stride(0), qv.stride(1), K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        REP=rep, D=d, BLOCK_H=_pow2(rep, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision)
+    o = out[:, :, 0]
+    _combine_kernel[(n, hq)](
+        part, lse, sinks if sinks is not None else lse, o, splits,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
+        D=d, BLOCK_D=block_d, BLOCK_S=_pow2(splits, 2), SINKS=sinks is not None)
+    return out
+
+
+def try_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: torch.Tensor, span: int,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`decode_attention`, or None (the caller takes the torch path) where the kernels cannot
+    run: the first failure to build them on a GPU is logged, and torch serves from then on."""
+    global _failed
+    try:
+        return decode_attention(q, K, V, n_keys, span, sinks)
+    except Exception as exc:  # a Triton build or launch error (not a CUDA fault: those are sticky)
+        if (triton_interpreting() or type(exc).__name__ == "AcceleratorError"
+                or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+            raise
+        _failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+        log.warning("the decode attention kernels cannot run here (%s); decoding through SDPA from now on", _failed)
+        return None
+
+
+__all__ = ["BACKEND", "decode_attention", "split_plan", "try_decode_attention", "triton_available", "usable"]
