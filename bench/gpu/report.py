@@ -73,6 +73,17 @@ def markdown(s: dict) -> str:
                          f"{_get(cg, rk, 'graphs_tokens_per_s')} | {_get(cg, rk, 'graphs_vs_eager')} | "
                          f"{_get(cg, rk, 'graph_captures')} | {_status(cg)} |")
         L.append("")
+        L += ["### One layer's decode attention, rows of mixed lengths (us; share of copy bandwidth)", "",
+              "| shape | rows | SDPA at span | SDPA at capacity (graphs) | kernels at span | kernels at capacity | "
+              "kernels vs SDPA at capacity | notes |", "|" + "---|" * 8]
+        for name in s["shapes"]:
+            da = sa.get(f"{name}/decode_attention", {})
+            for rk in [k for k in da if k.startswith("rows_")]:
+                cells = [f"{_get(da, rk, v, 'us')} ({_get(da, rk, v, 'of_copy_bw', pct=True)})"
+                         for v in ("sdpa_span", "sdpa_capacity", "kernels_span", "kernels_capacity")]
+                L.append(f"| {name} | {rk[5:]} | {' | '.join(cells)} | {_get(da, rk, 'kernels_vs_sdpa_capacity')} | "
+                         f"{_status(da)} |")
+        L.append("")
         L += ["### Decode stall while a long prompt is prefilled (ms)", "",
               "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
               "chunked: long TTFT | same tokens | notes |", "|" + "---|" * 10]

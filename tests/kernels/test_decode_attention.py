@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.hopper_build import assert_builds_for_hopper
 from tinsmith.kernels import decode_attention as da
 from tinsmith.kernels import lora_gather as lg
 from tinsmith.models.layers import eager_sink_attention
@@ -128,19 +129,5 @@ for dt in sys.argv[1:]:
 
 
 def test_kernels_compile_for_hopper(tmp_path):
-    """The interpreter does not compile: build the kernels for sm_90 (no GPU needed), in a process
-    of its own, since this one may have Triton in interpreter mode."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if not da.triton_available():
-        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, "bf16", "fp16", "fp32"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """The interpreter does not compile: build the kernels for sm_90 (no GPU needed)."""
+    assert_builds_for_hopper(_COMPILE, tmp_path, "bf16", "fp16", "fp32")

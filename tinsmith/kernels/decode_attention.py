@@ -71,8 +71,8 @@ if triton is not None:
         d_mask = dims < D
         q_rows = q_ptr + row * stride_qn + (g * REP + heads)[:, None] * stride_qh + dims[None, :]
         q = tl.load(q_rows, mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        k_base = k_ptr + row * stride_kn + g * stride_kh
-        v_base = v_ptr + row * stride_vn + g * stride_vh
+        k_rows = k_ptr + row * stride_kn + g * stride_kh + dims[None, :]
+        v_rows = v_ptr + row * stride_vn + g * stride_vh + dims[None, :]
         m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         denom = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -80,14 +80,14 @@ if triton is not None:
             pos = p0 + tl.arange(0, BLOCK_N)
             p_mask = pos < end
             kv_mask = p_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kp + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k = tl.load(k_rows + pos[:, None].to(tl.int64) * stride_kp, mask=kv_mask, other=0.0).to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
             scores = tl.where(p_mask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             probs = tl.exp(scores - m_new[:, None])
             denom = denom * alpha + tl.sum(probs, axis=1)
-            v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vp + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_rows + pos[:, None].to(tl.int64) * stride_vp, mask=kv_mask, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=PRECISION)
             m = m_new
         seen = denom > 0  # a split past the row's keys saw nothing: weight 0 in the combine

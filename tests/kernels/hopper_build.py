@@ -1,0 +1,26 @@
+"""Building Triton kernels for sm_90 without a GPU, in a process of its own (the test process may
+have Triton in interpreter mode, which does not compile)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def assert_builds_for_hopper(script: str, tmp_path: Path, *args: str) -> None:
+    """Run ``script`` (it calls ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``) with ``args``
+    and fail with its error output unless it exits cleanly."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
