@@ -3,7 +3,8 @@ samples what the eager decode path samples: the same tokens and stop reasons, lo
 float rounding (the static step's matmuls and attention run over padded rows and the cache's whole
 capacity, other shapes than the eager step's, so the CPU kernels may sum in another order), for
 greedy and seeded rows, top-k / top-p, several adapters through the bank with base rows mixed
-in, rows joining and leaving (more requests than rows), and K/V cache growth past its blocks."""
+in, rows joining and leaving (more requests than rows), and K/V cache growth past its blocks;
+for hybrid models too, whose Gated DeltaNet states are per-row buffers the step advances."""
 
 from __future__ import annotations
 
@@ -56,10 +57,13 @@ def _assert_same(ref: dict, got: dict) -> set[str]:
     return reasons
 
 
-def test_static_step_samples_what_the_eager_step_samples(qwen3_dir, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_static_step_samples_what_the_eager_step_samples(family, monkeypatch, request):
+    """Hybrids (qwen3_5) too: their Gated DeltaNet states advance in the step's persistent rows."""
     monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")  # the layout the static step uses, on both sides
-    ref, eager = _sample(qwen3_dir, static=False)
-    got, static = _sample(qwen3_dir, static=True)
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    ref, eager = _sample(model_dir, static=False)
+    got, static = _sample(model_dir, static=True)
     assert _assert_same(ref, got) == {"stop", "length"}
     assert static.stats["static_steps"] == static.stats["decode_steps"] > 0
     assert static.stats["graph_replays"] == 0  # nothing is captured on a CPU
@@ -130,6 +134,31 @@ def test_padding_rows_leave_their_cache_rows_untouched(qwen3_dir):
     assert int(cache.lengths[3]) == 9 and cache.lengths[:3].tolist() == [6, 6, 6]
     for old, t in zip(before, cache.K + cache.V):
         assert torch.equal(old, t[3])
+
+
+def test_padding_rows_leave_their_recurrent_states_untouched(qwen3_5_dir):
+    """A hybrid's padding rows (3 live rows, bucket 4) keep their Gated DeltaNet states bit for bit."""
+    import torch
+
+    model = fresh_model(qwen3_5_dir)
+    sampler = Sampler(model, decoder(qwen3_5_dir), decode_burst=2)
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    done: list = []
+    with torch.inference_mode():
+        sampler._admit(done)
+        cache = sampler.cache
+        cache.ensure(4, 64)
+        states = [*cache.recurrent.conv.values(), *cache.recurrent.state.values()]
+        for t in states:
+            t[3].normal_()
+        before = [t[3].clone() for t in states]
+        live_before = [t[:3].clone() for t in states]
+        sampler._decode_step(done)
+    assert sampler.stats["static_steps"] == 2
+    for old, live, t in zip(before, live_before, states):
+        assert torch.equal(old, t[3])
+        assert not torch.equal(live, t[:3])  # the live rows' states did advance
 
 
 @pytest.mark.parametrize("seed", range(4))

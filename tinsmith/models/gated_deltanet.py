@@ -36,7 +36,9 @@ class RecurrentStates(Protocol):
     continues from (the chunks before it of a long prompt), None to start from zeros. While
     decoding (one token per row)
     ``get`` returns a layer's (conv inputs (n, conv_dim, kernel - 1), delta-rule state
-    (n, value_heads, key_dim, value_dim)) and ``put`` stores the advanced ones.
+    (n, value_heads, key_dim, value_dim)) and ``put`` stores the advanced ones; ``gate`` zeroes
+    the decay and write strength of rows whose state the step must leave as it is (the padding
+    rows of a fixed-shape step).
     """
 
     decoding: bool
@@ -46,6 +48,7 @@ class RecurrentStates(Protocol):
     def initial(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
     def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def put(self, layer_idx: int, conv_state: torch.Tensor, state: torch.Tensor) -> None: ...
+    def gate(self, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -167,6 +170,7 @@ class GatedDeltaNet(nn.Module):
         states: RecurrentStates | None = getattr(attend, "recurrent", None)
         weight = self.conv1d.weight
         if states is not None and states.decoding:
+            g, beta = states.gate(g, beta)  # padding rows of a fixed-shape step: their state stays
             conv_state, state = states.get(self.layer_idx)
             window = torch.cat((conv_state, mixed.transpose(1, 2).to(conv_state.dtype)), dim=-1)  # (n, C, kernel)
             conv = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0])).transpose(1, 2)

@@ -117,8 +117,6 @@ class DecodeGraphs:
         """Why a batch of ``rows`` rows cannot take the static step (None: it can)."""
         if self.broken is not None:
             return f"the decode step could not be captured ({self.broken})"
-        if self.cache.recurrent is not None:
-            return "recurrent (hybrid) layers keep per-row state outside the K/V buffers"
         if wants_top_logprobs:
             return "top-k sample logprobs are cut per row on the host"
         if bucket_for(rows) is None:
@@ -224,8 +222,10 @@ class DecodeGraphs:
     def _drop_stale_graphs(self, groups: RowSlots | None) -> None:
         """Forget every graph when an address they read moved (cache reallocated, bank regrown)."""
         cache = self.cache
+        recurrent = cache.recurrent
+        states = () if recurrent is None else (*recurrent.conv.values(), *recurrent.state.values())
         layout = (cache.capacity, cache.row_capacity, cache.lengths.data_ptr(),
-                  *(t.data_ptr() for t in cache.K), *(t.data_ptr() for t in cache.V), self._banks(groups))
+                  *(t.data_ptr() for t in (*cache.K, *cache.V, *states)), self._banks(groups))
         if layout != self._layout:
             self._graphs.clear()
             self._layout = layout

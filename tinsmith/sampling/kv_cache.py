@@ -244,7 +244,7 @@ class RowKVCache:
             out = F.scaled_dot_product_attention(qg, K[:n, :, :span], V[:n, :, :span], attn_mask=additive_mask())
             return out.reshape(n, hq, 1, q.shape[-1])
 
-        states = None if self.recurrent is None else DecodeStates(self.recurrent, n)
+        states = None if self.recurrent is None else DecodeStates(self.recurrent, n, live)
         attend.recurrent = states  # type: ignore[attr-defined]
         return attend
 

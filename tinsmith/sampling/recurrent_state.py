@@ -99,7 +99,13 @@ class PrefillStates:
 
 
 class DecodeStates:
-    """The recurrent states of rows ``[0, n)`` for one decode step."""
+    """The recurrent states of rows ``[0, n)`` for one decode step.
+
+    ``live`` (n,) 0/1 marks the padding rows of a fixed-shape step (0), as for the K/V cache:
+    their states must come out of the step as they went in. The delta rule leaves a state
+    exactly as it is under no decay and no write (the model gates a padding row's decay and
+    write strength to 0, see :meth:`gate`); the convolution's inputs are put back as they were.
+    """
 
     decoding = True
     valid = None
@@ -107,14 +113,24 @@ class DecodeStates:
     def initial(self, layer_idx: int) -> None:
         return None
 
-    def __init__(self, store: RowRecurrentState, n: int):
-        self.store, self.n = store, n
+    def __init__(self, store: RowRecurrentState, n: int, live: torch.Tensor | None = None):
+        self.store, self.n, self.live = store, n, live
+
+    def gate(self, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's log-decay ``g`` and write strength ``beta`` (n, 1, heads), zero for padding rows."""
+        if self.live is None:
+            return g, beta
+        keep = self.live[:, None, None]
+        return g * keep.to(g.dtype), beta * keep.to(beta.dtype)
 
     def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.conv[layer_idx][: self.n], self.store.state[layer_idx][: self.n]
 
     def put(self, layer_idx: int, conv_state: torch.Tensor, state: torch.Tensor) -> None:
-        self.store.conv[layer_idx][: self.n] = conv_state
+        conv = self.store.conv[layer_idx][: self.n]
+        if self.live is not None:
+            conv_state = torch.where(self.live.bool()[:, None, None], conv_state, conv)
+        conv.copy_(conv_state)
         self.store.state[layer_idx][: self.n] = state
 
     def record(self, layer_idx: int, conv_inputs: torch.Tensor, state: torch.Tensor) -> None:
