@@ -232,3 +232,35 @@ def test_base_model_rows_beside_adapter_rows_are_the_base_model(qwen3_moe_dir):
     torch.testing.assert_close(mixed[:1], base, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mixed[1:], adapted, rtol=1e-5, atol=1e-5)
     assert (adapted - logits_of(rt.model, tokens[1:])).abs().max() > 1e-3
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_grouped_decode_step_never_reads_the_device(family, monkeypatch, request):
+    """With the grouped matmul (what bf16 on Hopper takes) a decode step's routed experts, adapters
+    through the bank included, read nothing back to the host: what a CUDA graph needs. The expert
+    loop (fp32, older GPUs, CPUs) reads the counts, and so stays eager."""
+    from tests.sampling.conftest import random_adapter
+    from tinsmith.models.lora import RowSlots
+
+    model = load_model(str(request.getfixturevalue(f"{family}_dir"))).model
+    random_adapter(model, 1, rank=4, seed=1)
+    tokens = torch.tensor([[5], [9], [300]])
+    rows = RowSlots.of(model, [1, None, 1], tokens.device)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read inside the decode step")
+
+    for mode, reads in (("grouped", False), ("loop", True)):
+        monkeypatch.setattr(moe, "GROUPED_MM", mode)
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "__bool__", "__int__", "__index__"):
+                m.setattr(torch.Tensor, name, refuse)
+            m.setattr(torch, "bincount", refuse)
+            try:
+                with torch.inference_mode():
+                    model.hidden_states(tokens, torch.zeros_like(tokens), rows)
+                read = False
+            except AssertionError:
+                read = True
+        assert read == reads, mode

@@ -83,6 +83,17 @@ def _fast_grouped_kernel(device_index: int) -> bool:
     return major == 9 or (torch_version >= (2, 9) and (major, minor) >= (8, 0))
 
 
+def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the routed pairs ``chosen`` (expert ids) each expert received, (experts,) int64.
+
+    A scatter-add, not ``torch.bincount``: on CUDA bincount reads the largest id back to the host
+    to size its output, which would keep a decode step out of a CUDA graph. With the grouped
+    matmul (bf16 on Hopper) nothing else in the routed path asks the host, so a mixture-of-experts
+    decode step can be captured."""
+    return torch.zeros(num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen, dtype=torch.long))
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     """``x[rows of e] @ weight[e].T`` for every expert ``e``, rows sorted by expert; (rows, out)."""
     if grouped_mm_usable(x, weight):
@@ -301,7 +312,7 @@ class SparseMoeBlock(nn.Module):
         weights, chosen = router(x2)
         flat = chosen.reshape(-1)  # pair p = token * top_k + k
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=router.weight.shape[0])
+        counts = expert_counts(flat, router.weight.shape[0])
         ex = self.experts
         num_experts = ex.gate_proj.num_experts
         if num_experts == counts.shape[0]:

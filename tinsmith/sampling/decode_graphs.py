@@ -19,8 +19,9 @@ samples), and on CUDA it is captured after one real step on a side stream and re
 rest. A graph is recaptured when an address it reads changes: the cache grew or shrank, or an
 adapter bank was reallocated. What it cannot express stays on the eager path (the sampler
 decides; see :meth:`DecodeGraphs.refusal`). A failed capture (a model that reads the device
-from the host inside its step, such as mixture-of-experts routing) sends every later burst there
-too, logged once: uncaptured, the padded static step only costs more than the eager one.
+from the host inside its step, such as routed experts run by the per-expert loop rather than
+the grouped matmul: fp32, or a GPU older than Hopper) sends every later burst there too, logged
+once: uncaptured, the padded static step only costs more than the eager one.
 """
 
 from __future__ import annotations
