@@ -84,6 +84,15 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {rk[5:]} | {' | '.join(cells)} | {_get(da, rk, 'kernels_vs_sdpa_capacity')} | "
                          f"{_status(da)} |")
         L.append("")
+        dr = sa.get("qwen3_5/delta_rule_step", {})
+        L += ["### One Gated DeltaNet layer's decode step, Qwen3.5 shape (us; share of copy bandwidth)", "",
+              "| rows | state MB | torch (+ copy into rows) | fused, in place | fused vs torch | notes |", "|" + "---|" * 6]
+        for rk in [k for k in dr if k.startswith("rows_")]:
+            L.append(f"| {rk[5:]} | {_get(dr, rk, 'state_mbytes')} | {_get(dr, rk, 'torch', 'us')} "
+                     f"({_get(dr, rk, 'torch', 'of_copy_bw', pct=True)}) | {_get(dr, rk, 'fused', 'us')} "
+                     f"({_get(dr, rk, 'fused', 'of_copy_bw', pct=True)}) | {_get(dr, rk, 'fused_vs_torch')} | "
+                     f"{_status(dr)} |")
+        L.append("")
         L += ["### Decode stall while a long prompt is prefilled (ms)", "",
               "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
               "chunked: long TTFT | same tokens | notes |", "|" + "---|" * 10]

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name == shapes[-1]:  # the largest shape only (1.7B by default): the part's budget is shared
                 sa.item(f"{name}/cuda_graphs", lambda: sample.graphs_vs_eager(dirs[name], device, a.quick))
                 sa.item(f"{name}/decode_attention", lambda: sample.decode_attention(dirs[name], device, peaks, a.quick))
+                sa.item("qwen3_5/delta_rule_step", lambda: sample.delta_rule_step(device, peaks, a.quick))
             sa.item(f"{name}/chunked_prefill", lambda: sample.chunked_prefill(dirs[name], device, a.quick))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,

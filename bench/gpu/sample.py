@@ -237,3 +237,43 @@ def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:
             row["kernels_vs_sdpa_span"] = row["sdpa_span"]["us"] / row["kernels_span"]["us"]
         out[f"rows_{rows}"] = row
     return out
+
+
+def delta_rule_step(device, peak: dict, quick: bool) -> dict:
+    """One Gated DeltaNet layer's decode step at Qwen3.5's shape (16 key heads, 32 value heads of
+    128 x 128, fp32 states): the torch step (plus the copy of the new states into the sampler's
+    rows) against the fused kernel, which advances them in place. ``of_copy_bw``: the states read
+    and written once, over the time, as a share of the measured copy bandwidth."""
+    from bench.gpu.peak import timed
+    from tinsmith.kernels import delta_rule
+    from tinsmith.models.gated_deltanet import recurrent_gated_delta_step
+
+    hk, hv, dk, dv = (2, 4, 16, 16) if quick else (16, 32, 128, 128)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out: dict = {"key_heads": hk, "value_heads": hv, "key_dim": dk, "value_dim": dv,
+                 "kernel_usable": delta_rule.usable(torch.zeros(1, 1, 1, 1, device=device))}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for rows in ((4,) if quick else (64, 256)):
+        q, k = (torch.randn(rows, 1, hk, dk, generator=gen).to(device, dtype) for _ in range(2))
+        v = torch.randn(rows, 1, hv, dv, generator=gen).to(device, dtype)
+        g = -torch.rand(rows, 1, hv, generator=gen).to(device)
+        beta = torch.rand(rows, 1, hv, generator=gen).to(device, dtype)
+        store = torch.randn(rows, hv, dk, dv, generator=gen).to(device)
+        state_bytes = store.numel() * 4
+
+        def torch_step():
+            _, new = recurrent_gated_delta_step(q, k, v, g, beta, store)
+            store.copy_(new)
+
+        row: dict = {"state_mbytes": state_bytes / 1e6}
+        steps = [("torch", torch_step)]
+        if out["kernel_usable"]:
+            steps.append(("fused", lambda: delta_rule.decode_step_(q, k, v, g, beta, store)))
+        for name, fn in steps:
+            store.normal_()  # decays over the repeats: never all zeros, never overflowing
+            s = timed(fn, device, repeats=3 if quick else 50)
+            row[name] = {"us": s * 1e6, "of_copy_bw": 2 * state_bytes / s / peak["copy_bytes_per_s"]}
+        if "fused" in row:
+            row["fused_vs_torch"] = row["torch"]["us"] / row["fused"]["us"]
+        out[f"rows_{rows}"] = row
+    return out

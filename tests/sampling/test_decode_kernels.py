@@ -1,6 +1,7 @@
-"""The sampler decoding through the decode attention kernels (Triton's interpreter on a CPU) samples
-what it samples through SDPA: every family's attention (grouped queries, gpt-oss' sinks and a ring
-as long as its window, the gated attention of Qwen3.5 hybrids), rows of different lengths that
+"""The sampler decoding through the decode kernels (Triton's interpreter on a CPU) samples what it
+samples through torch: the attention kernels for every family's attention (grouped queries,
+gpt-oss' sinks and a ring as long as its window, the gated attention of Qwen3.5 hybrids) and the
+fused delta-rule step for the hybrids' Gated DeltaNet layers; rows of different lengths that
 finish and move, seeded draws, and the fixed-shape step that CUDA graphs replay."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from tests.conftest import SMALL
 from tests.sampling.conftest import make_sampler, run, task
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import decode_attention as da
+from tinsmith.kernels import delta_rule as dr
 from tinsmith.kernels import lora_gather as lg
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.decode_graphs import DecodeGraphs
@@ -31,19 +33,25 @@ def counted(monkeypatch):
     """Kernel launches of the test, counted; the backend set per call of ``sample``."""
     if not (da.triton_available() and lg.triton_interpreting()):
         pytest.skip("needs triton with TRITON_INTERPRET=1 set before it was imported")
-    calls = {"n": 0}
-    real = da.decode_attention
+    calls = {"n": 0, "delta": 0}
 
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
+    def counting(module, name, key):
+        real = getattr(module, name)
 
-    monkeypatch.setattr(da, "decode_attention", counting)
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    counting(da, "decode_attention", "n")
+    counting(dr, "decode_step_", "delta")
     return calls
 
 
 def sample(model, model_dir, backend, monkeypatch, static=False):
     monkeypatch.setattr(da, "BACKEND", backend)
+    monkeypatch.setattr(dr, "BACKEND", backend)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 500, n).tolist() for n in (70, 5, 130, 33)]
     news = (40, 75, 12, 60)
@@ -69,17 +77,21 @@ def test_kernels_sample_what_sdpa_samples(family, counted, monkeypatch, request)
     model_dir = request.getfixturevalue(f"{family}_dir")
     model = load_model(str(model_dir)).model
     reference = sample(model, model_dir, "torch", monkeypatch)
-    assert counted["n"] == 0
+    assert counted["n"] == counted["delta"] == 0
     _same(sample(model, model_dir, "triton", monkeypatch), reference)
     assert counted["n"] > 0
+    assert (counted["delta"] > 0) == (family == "qwen3_5")
 
 
-def test_the_static_step_takes_the_kernels_too(qwen3_dir, counted, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_the_static_step_takes_the_kernels_too(family, counted, monkeypatch, request):
     """The fixed-shape step reads K/V at the cache's whole capacity through SDPA; the kernels stop
-    at each row's own positions, padding rows included, and sample the same."""
-    model = load_model(str(qwen3_dir)).model
-    reference = sample(model, qwen3_dir, "torch", monkeypatch, static=True)
-    _same(sample(model, qwen3_dir, "triton", monkeypatch, static=True), reference)
+    at each row's own positions, padding rows included (a hybrid's padding rows keep their
+    states through the fused step too), and sample the same."""
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    model = load_model(str(model_dir)).model
+    reference = sample(model, model_dir, "torch", monkeypatch, static=True)
+    _same(sample(model, model_dir, "triton", monkeypatch, static=True), reference)
     assert counted["n"] > 0
 
 

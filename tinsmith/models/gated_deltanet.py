@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tinsmith.kernels import delta_rule
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.lora import LoraLinear, PackedProjection, RowGroups, Segments
 
@@ -175,7 +176,10 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((conv_state, mixed.transpose(1, 2).to(conv_state.dtype)), dim=-1)  # (n, C, kernel)
             conv = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0])).transpose(1, 2)
             q, k, v = self._split(conv.to(x.dtype), b, L)
-            out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
+            if delta_rule.usable(state):  # on a GPU: one fused pass over the state, in place
+                out = delta_rule.decode_step_(q, k, v, g, beta, state)
+            else:
+                out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
             states.put(self.layer_idx, window[:, :, 1:], state)
         else:
             if states is not None and states.valid is not None:

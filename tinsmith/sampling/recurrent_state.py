@@ -131,7 +131,9 @@ class DecodeStates:
         if self.live is not None:
             conv_state = torch.where(self.live.bool()[:, None, None], conv_state, conv)
         conv.copy_(conv_state)
-        self.store.state[layer_idx][: self.n] = state
+        rows = self.store.state[layer_idx][: self.n]
+        if state.data_ptr() != rows.data_ptr():  # not already advanced in place (the fused kernel)
+            rows.copy_(state)
 
     def record(self, layer_idx: int, conv_inputs: torch.Tensor, state: torch.Tensor) -> None:
         raise RuntimeError("a decode step updates states in place")
