@@ -90,6 +90,34 @@ def test_strided_cache_views():
     torch.testing.assert_close(got, reference(q, K, V, n_keys, 96), rtol=2e-5, atol=2e-5)
 
 
+def paged(K, pages_per_row, page=64, seed=0):
+    """K (rows, heads, positions, d) laid out in a pool of pages, each row's pages scattered: (pool, table)."""
+    rows, heads, positions, d = K.shape
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(rows * pages_per_row, generator=g) + 1  # page 0 stays unused
+    pool = torch.full((rows * pages_per_row + 1, heads, page, d), float("nan"), dtype=K.dtype, device=K.device)
+    table = order.view(rows, pages_per_row).to(torch.int32).to(K.device)
+    padded = torch.nn.functional.pad(K, (0, 0, 0, pages_per_row * page - positions))
+    pool[table.long().flatten()] = padded.view(rows, heads, pages_per_row, page, d).transpose(1, 2).flatten(0, 1)
+    return pool, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_pools_equal_row_buffers(dtype, splits):
+    """Pages of 64 positions scattered over a pool (what the paged cache holds) read as the rows'
+    own buffers; positions past a row's keys (NaN here) are never read."""
+    device = _device()
+    q, K, V = case(dtype, device, n=5, rows=5, capacity=200)
+    span = 200
+    n_keys = torch.tensor([1, 64, 65, 200, 129], device=device)
+    Kp, table = paged(K, 4)
+    Vp, _ = paged(V, 4)  # the same seed: the same pages as K's
+    got = da.decode_attention(q, Kp, Vp, n_keys, span, splits=splits, table=table)
+    want = reference(q, K, V, n_keys, span)
+    torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 def test_split_plan_covers_the_span_in_whole_blocks():
     for rows, heads, span in [(1, 8, 4096), (64, 8, 384), (256, 2, 64), (3, 4, 1)]:
         splits, per = da.split_plan(rows, heads, span, 32, torch.device("cpu"))
@@ -112,16 +140,17 @@ from triton.compiler import ASTSource
 from tinsmith.kernels import decode_attention as da
 
 target = GPUTarget("cuda", 90, 32)
-strides = ("qn", "qh", "kn", "kh", "kp", "vn", "vh", "vp", "pn", "ph", "ps", "ln", "lh", "on", "oh")
+strides = ("qn", "qh", "kn", "kh", "kp", "vn", "vh", "vp", "tn", "pn", "ph", "ps", "ln", "lh", "on", "oh")
 for dt in sys.argv[1:]:
-    types = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "len_ptr": "*i64", "part_ptr": "*fp32",
+    types = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "len_ptr": "*i64", "table_ptr": "*i32",
+             "part_ptr": "*fp32",
              "lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": f"*{dt}", "scale": "fp32", "split_len": "i32",
              "splits": "i32", **{f"stride_{s}": "i32" for s in strides}}
     precision = "ieee" if dt == "fp32" else "tf32"
     for fn, const in ((da._split_kernel, {"REP": 2, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": 32,
-                                          "PRECISION": precision}),
+                                          "PRECISION": precision, "PAGE": 0}),
                       (da._split_kernel, {"REP": 8, "D": 64, "BLOCK_H": 16, "BLOCK_D": 64, "BLOCK_N": 32,
-                                          "PRECISION": precision}),
+                                          "PRECISION": precision, "PAGE": 64}),
                       (da._combine_kernel, {"D": 128, "BLOCK_D": 128, "BLOCK_S": 16, "SINKS": True})):
         sig = {name: "constexpr" if name in const else types[name] for name in fn.arg_names}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]

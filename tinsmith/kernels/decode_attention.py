@@ -53,12 +53,14 @@ def usable(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, lse_ptr, scale, split_len,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_ptr, lse_ptr, scale, split_len,
                       stride_qn, stride_qh, stride_kn, stride_kh, stride_kp, stride_vn, stride_vh, stride_vp,
-                      stride_pn, stride_ph, stride_ps, stride_ln, stride_lh,
+                      stride_tn, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh,
                       REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-        """Partial attention of K/V head ``g``'s ``REP`` query heads over one split of the row's keys."""
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr):
+        """Partial attention of K/V head ``g``'s ``REP`` query heads over one split of the row's keys.
+        ``PAGE`` > 0: K/V are pools of pages of ``PAGE`` positions (``stride_kn`` a page's) and the
+        row's page table says which page holds positions ``[j * PAGE, (j + 1) * PAGE)``."""
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
@@ -71,8 +73,9 @@ if triton is not None:
         d_mask = dims < D
         q_rows = q_ptr + row * stride_qn + (g * REP + heads)[:, None] * stride_qh + dims[None, :]
         q = tl.load(q_rows, mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        k_rows = k_ptr + row * stride_kn + g * stride_kh + dims[None, :]
-        v_rows = v_ptr + row * stride_vn + g * stride_vh + dims[None, :]
+        if PAGE == 0:  # the row's own buffer
+            k_rows = k_ptr + row * stride_kn + g * stride_kh + dims[None, :]
+            v_rows = v_ptr + row * stride_vn + g * stride_vh + dims[None, :]
         m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         denom = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -80,6 +83,10 @@ if triton is not None:
             pos = p0 + tl.arange(0, BLOCK_N)
             p_mask = pos < end
             kv_mask = p_mask[:, None] & d_mask[None, :]
+            if PAGE > 0:  # a block never straddles two pages: BLOCK_N divides PAGE and p0 is a multiple
+                page = tl.load(table_ptr + row * stride_tn + p0 // PAGE).to(tl.int64)
+                k_rows = k_ptr + page * stride_kn + g * stride_kh + dims[None, :] - (p0 // PAGE * PAGE) * stride_kp
+                v_rows = v_ptr + page * stride_vn + g * stride_vh + dims[None, :] - (p0 // PAGE * PAGE) * stride_vp
             k = tl.load(k_rows + pos[:, None].to(tl.int64) * stride_kp, mask=kv_mask, other=0.0).to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
             scores = tl.where(p_mask[None, :], scores, float("-inf"))
@@ -146,12 +153,15 @@ def split_plan(rows: int, kv_heads: int, span: int, block_n: int, device: torch.
 
 
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: torch.Tensor, span: int,
-                     sinks: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, splits: int | None = None,
+                     table: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per row over that row's first ``n_keys[row]`` cached positions.
 
-    q: (n, Hq, 1, d); K, V: (rows >= n, Hk, positions >= span, d), last dimension contiguous;
-    ``n_keys`` (n,) on the device, each in 1..span; ``sinks`` (Hq,) gpt-oss' per-head sink
-    logits. Returns (n, Hq, 1, d) in q's dtype, softmax at scale d ** -0.5 in fp32.
+    q: (n, Hq, 1, d); K, V: (rows >= n, Hk, positions >= span, d), last dimension contiguous, or
+    with ``table`` (n, pages) int32, pools of pages (pages, Hk, page size, d): row ``i``'s
+    positions ``[j * page, (j + 1) * page)`` are in page ``table[i, j]`` (the page size a
+    multiple of 64). ``n_keys`` (n,) on the device, each in 1..span; ``sinks`` (Hq,) gpt-oss'
+    per-head sink logits. Returns (n, Hq, 1, d) in q's dtype, softmax at scale d ** -0.5 in fp32.
     ``splits`` fixes the number of position splits (tests); by default :func:`split_plan`.
     """
     n, hq, _, d = q.shape
@@ -178,11 +188,14 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: 
     # cache is multiplied in full precision. Decoding is bound by reading K/V, not by these products.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = _pow2(d, 16)
+    page = 0 if table is None else K.shape[2]
+    assert page % block_n == 0, f"pages of {page} positions are not whole blocks of {block_n}"
     _split_kernel[(n, hk, splits)](
-        qv, K, V, n_keys, part, lse, d ** -0.5, per,
+        qv, K, V, n_keys, n_keys if table is None else table, part, lse, d ** -0.5, per,
         qv.stride(0), qv.stride(1), K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2),
+        0 if table is None else table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        REP=rep, D=d, BLOCK_H=_pow2(rep, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision)
+        REP=rep, D=d, BLOCK_H=_pow2(rep, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, PAGE=page)
     o = out[:, :, 0]
     _combine_kernel[(n, hq)](
         part, lse, sinks if sinks is not None else lse, o, splits,
@@ -192,12 +205,12 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: 
 
 
 def try_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: torch.Tensor, span: int,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+                         sinks: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`decode_attention`, or None (the caller takes the torch path) where the kernels cannot
     run: the first failure to build them on a GPU is logged, and torch serves from then on."""
     global _failed
     try:
-        return decode_attention(q, K, V, n_keys, span, sinks)
+        return decode_attention(q, K, V, n_keys, span, sinks, table=table)
     except Exception as exc:  # a Triton build or launch error (not a CUDA fault: those are sticky)
         if (triton_interpreting() or type(exc).__name__ == "AcceleratorError"
                 or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
