@@ -233,7 +233,7 @@ def test_preemption_returns_what_an_unbounded_sampler_returns_and_never_overruns
 def test_preemption_on_a_hybrid_model_keeps_results(qwen3_5_dir):
     """Resumed rows of a hybrid model recompute their recurrent states with their K/V."""
     model = fresh_model(qwen3_5_dir)
-    unit = make_sampler(model, qwen3_5_dir)._kv_bytes(1, 64)  # one row of one block, as admission counts it
+    unit = make_sampler(model, qwen3_5_dir).cache.bytes_for([64])  # one row of one block, as admission counts it
     # At their longest (258 positions: 5 blocks) one row fits; held (2 blocks as they start) two do.
     make = lambda: [task(f"h{i}", tokens(80 + i, 8), max_tokens=250, seed=i, temperature=1.0) for i in range(3)]
     bounded = make_sampler(model, qwen3_5_dir, kv_cache_bytes=5 * unit)
@@ -251,7 +251,7 @@ def test_a_prompt_preempted_while_chunked_starts_over_with_the_same_result(qwen3
     (the newest request) goes back to the queue, starts over once there is room, and its result
     equals an unbounded sampler's."""
     model = fresh_model(qwen3_dir)
-    unit = make_sampler(model, qwen3_dir)._kv_bytes(1, 64)  # one row of one block, as admission counts it
+    unit = make_sampler(model, qwen3_dir).cache.bytes_for([64])  # one row of one block, as admission counts it
     # "old" fits alone at its longest (504 positions: 8 blocks); "long" (200 + 4: 4 blocks, 100
     # chunks of 2) is admitted beside it while it holds at most 4 blocks, and preempted when it
     # outgrows them (65 decode steps later).

@@ -69,7 +69,9 @@ def test_rows_of_every_length_decode_as_transformers_past_the_ring(model, gpt_os
     for i, (p, n) in enumerate(zip(prompts, news)):
         _check(model, generated, p, res[i], n)
     sliding, full = sampler.cache.K[0], sampler.cache.K[1]
-    assert sliding.shape[2] == RING and full.shape[2] >= 3 * RING + 5 + 33
+    assert sliding.shape[2] == RING  # per-row rings in either layout
+    if not sampler.paged_kv:  # per-row buffers of the longest row (pages: see test_paged_kv_cache)
+        assert full.shape[2] >= 3 * RING + 5 + 33
 
 
 def test_a_prompt_served_from_the_prefix_cache_wraps_the_same(model, gpt_oss_dir, generated):

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from tinsmith.models.layers import CausalLM
 from tinsmith.sampling.cancel import SampleCancelled
-from tinsmith.sampling.kv_cache import RowKVCache
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.parallel.comm import all_reduce_
 from tinsmith.parallel.group import ParallelError, group_rank_zero, guarded
@@ -52,7 +51,7 @@ class ShardedSampler(Sampler):
                               device=self.device if self.device.type == "cuda" else "cpu")
         all_reduce_(budget, tp_of(model), op=dist.ReduceOp.MIN, what="agreeing on the sampler's K/V budget")
         self.kv_cache_bytes = 0 if budget.item() == float("inf") else int(budget.item())
-        self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
+        self.cache = self._new_cache()
         if self.graphs is not None:  # the static decode step reads this rank's cache
             self.graphs.cache = self.cache
 

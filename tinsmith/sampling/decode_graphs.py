@@ -105,7 +105,9 @@ class DecodeGraphs:
         self._inputs: dict[int, StaticInputs] = {}
         self._loaded: tuple[int, Any] | None = None  # (bucket, batch) whose rows the buffers hold
         self._groups: RowSlots | None = None  # the loaded rows' adapters, over the persistent bank index
-        self._graphs: dict[Variant, torch.cuda.CUDAGraph] = {}
+        # Per variant and span: the static step reads K/V up to the cache's capacity, which grows
+        # (a paged cache's pages keep their addresses, so its graphs of shorter spans stay valid).
+        self._graphs: dict[tuple[Variant, int], torch.cuda.CUDAGraph] = {}
         self.broken: str | None = None  # why a capture failed: the sampler decodes eagerly from then on
         self._layout: tuple | None = None  # addresses the captured graphs read
         self._bank_check: tuple[int, int] | None = None  # (adapters epoch, slot table version) last synced
@@ -188,7 +190,8 @@ class DecodeGraphs:
             step()
             return
         self._drop_stale_graphs(groups)
-        graph = self._graphs.get(variant)
+        key = (variant, self.cache.capacity)
+        graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
             self.stats["graph_replays"] += 1
@@ -212,7 +215,7 @@ class DecodeGraphs:
                         variant, exc_info=True)
             self.broken = f"{type(exc).__name__}: {str(exc)[:200]}"
             return
-        self._graphs[variant] = graph
+        self._graphs[key] = graph
         self.stats["graph_captures"] += 1
 
     def _side_stream(self):
@@ -222,11 +225,7 @@ class DecodeGraphs:
 
     def _drop_stale_graphs(self, groups: RowSlots | None) -> None:
         """Forget every graph when an address they read moved (cache reallocated, bank regrown)."""
-        cache = self.cache
-        recurrent = cache.recurrent
-        states = () if recurrent is None else (*recurrent.conv.values(), *recurrent.state.values())
-        layout = (cache.capacity, cache.row_capacity, cache.lengths.data_ptr(),
-                  *(t.data_ptr() for t in (*cache.K, *cache.V, *states)), self._banks(groups))
+        layout = (*self.cache.addresses(), self._banks(groups))
         if layout != self._layout:
             self._graphs.clear()
             self._layout = layout

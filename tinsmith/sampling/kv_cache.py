@@ -18,6 +18,8 @@ buffers have zero heads) and keep each row's fixed-size recurrent state beside t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 
@@ -63,11 +65,12 @@ class RowKVCache:
     def _shape(self, layer: int, rows: int, capacity: int) -> tuple[int, int, int, int]:
         return (rows, self._heads(layer), self.slots(layer, capacity), self.cfg.head_dim)
 
-    def row_bytes(self, capacity: int) -> int:
-        """Bytes of K/V one row of ``capacity`` positions takes (sliding-window layers: their ring)."""
+    def row_bytes(self, capacity: int, only: Callable[[int], bool] | None = None) -> int:
+        """Bytes of K/V one row of ``capacity`` positions takes (sliding-window layers: their ring);
+        ``only``: of the layers it accepts."""
         width = torch.finfo(self.dtype).bits // 8
         return sum(2 * self._heads(i) * self.slots(i, capacity) * self.cfg.head_dim * width
-                   for i in range(self.cfg.num_layers))
+                   for i in range(self.cfg.num_layers) if only is None or only(i))
 
     def _rows_within(self, rows: int, capacity: int) -> int:
         """``rows``, or fewer (at least 1) where ``max_bytes`` holds fewer rows of ``capacity`` positions:
@@ -75,6 +78,29 @@ class RowKVCache:
         if not self.max_bytes:
             return rows
         return max(1, min(rows, self.max_bytes // max(1, self.row_bytes(capacity))))
+
+    def rowwise(self, layer: int) -> bool:
+        """Whether ``layer``'s K/V live in per-row buffers (here every layer's; see
+        :class:`tinsmith.sampling.paged_kv_cache.PagedKVCache` for pages)."""
+        return True
+
+    def bytes_for(self, spans: list[int]) -> int:
+        """Bytes of K/V that rows holding ``spans`` positions take: every row at the longest one's."""
+        return len(spans) * self.row_bytes(_round_up(max(spans, default=0), BLOCK)) if spans else 0
+
+    def static_bytes(self, spans: list[int], rows: int, capacity: int) -> int:
+        """Bytes of K/V a fixed-shape step of ``rows`` rows (the live ones holding ``spans``, then
+        padding) at ``capacity`` positions takes: every row, padding included, at the capacity."""
+        return rows * self.row_bytes(capacity)
+
+    def reserve(self, spans: list[int]) -> None:
+        """Room for row ``i`` to hold ``spans[i]`` positions. Per-row buffers have it once
+        :meth:`ensure` sized them for the longest."""
+
+    def addresses(self) -> tuple:
+        """Where the buffers a decode step reads and writes sit (a captured step holds them)."""
+        states = () if self.recurrent is None else (*self.recurrent.conv.values(), *self.recurrent.state.values())
+        return (self.row_capacity, self.lengths.data_ptr(), *(t.data_ptr() for t in (*self.K, *self.V, *states)))
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers take (for metrics; its lists may be swapped meanwhile, a copy is read)."""
@@ -99,18 +125,25 @@ class RowKVCache:
         keep = min(new_rows, self.row_capacity)  # rows are dense: those past ``rows`` hold nothing
         for store in (self.K, self.V):
             for i, old in enumerate(store):
+                if not self.rowwise(i):
+                    continue
                 new = torch.zeros(self._shape(i, new_rows, new_cap), device=self.device, dtype=self.dtype)
                 # In order up to the smaller of the two; a ring that wrapped is kept whole (its size
                 # does not change once rows outgrow it, and rows that did keep it).
                 width = min(self.slots(i, new_cap), self.slots(i, self.capacity))
                 new[:keep, :, :width] = old[:keep, :, :width]
                 store[i] = new
-        lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
-        lengths[:keep] = self.lengths[:keep]
-        self.lengths = lengths
-        if self.recurrent is not None and new_rows != self.row_capacity:
-            self.recurrent.resize(new_rows)
+        if new_rows != self.row_capacity:
+            lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
+            lengths[:keep] = self.lengths[:keep]
+            self.lengths = lengths
+            if self.recurrent is not None:
+                self.recurrent.resize(new_rows)
+            self._rows_resized(keep, new_rows)
         self.row_capacity, self.capacity = new_rows, new_cap
+
+    def _rows_resized(self, keep: int, rows: int) -> None:
+        """Per-row bookkeeping of a subclass follows the buffers to ``rows`` rows, the first ``keep`` kept."""
 
     def shrink(self, live_rows: int, max_len: int) -> None:
         """Give memory back when the batch has become much smaller than the buffers."""
@@ -119,10 +152,12 @@ class RowKVCache:
             rows = min(max(live_rows, 1, self._rows_within(max(8, 2 * live_rows), cap)), self.row_capacity)
             for store in (self.K, self.V):
                 for i, old in enumerate(store):
-                    store[i] = old[:rows, :, :self.slots(i, cap)].clone()
+                    if self.rowwise(i):
+                        store[i] = old[:rows, :, :self.slots(i, cap)].clone()
             self.lengths = self.lengths[:rows].clone()
             if self.recurrent is not None:
                 self.recurrent.resize(rows)
+            self._rows_resized(rows, rows)
             self.row_capacity, self.capacity = rows, cap
 
     # ----------------------------------------------------------------------------- rows
@@ -132,7 +167,9 @@ class RowKVCache:
         ``row``, and on hybrid models prompt ``prompt``'s recurrent states of the prefill."""
         for i, (k, v) in layer_kv.items():
             ring = self.rings[i]
-            if ring is None or length <= ring:
+            if not self.rowwise(i):
+                self._write_pages(row, i, k, v, length)
+            elif ring is None or length <= ring:
                 self.K[i][row, :, :length] = k[:, :length]
                 self.V[i][row, :, :length] = v[:, :length]
             else:  # a sliding-window layer keeps the prompt's last ``ring`` positions, each at p % ring
@@ -157,8 +194,9 @@ class RowKVCache:
             return
         n = int(self.lengths[src])
         for store in (self.K, self.V):
-            for t in store:
-                t[dst, :, :n] = t[src, :, :n]  # a ring: all of it, once the row has outgrown it
+            for i, t in enumerate(store):
+                if self.rowwise(i):
+                    t[dst, :, :n] = t[src, :, :n]  # a ring: all of it, once the row has outgrown it
         if self.recurrent is not None:
             self.recurrent.move_row(src, dst)
         self.lengths[dst] = n
@@ -208,22 +246,17 @@ class RowKVCache:
             if ring not in seen_slots:
                 seen_slots[ring] = pos + 1 if ring is None else torch.clamp(pos + 1, max=ring)
             keys = span if ring is None else min(span, ring)
-            return decode_kernels.try_decode_attention(q, self.K[layer], self.V[layer], seen_slots[ring], keys, sinks)
+            return decode_kernels.try_decode_attention(q, self.K[layer], self.V[layer], seen_slots[ring], keys, sinks,
+                                                       table=self._pages(layer, n))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-            K, V = self.K[layer], self.V[layer]
             ring = self.rings[layer]
-            at = pos if ring is None else pos % ring
-            if keep is None:
-                K[rows, :, at] = k[:, :, 0]
-                V[rows, :, at] = v[:, :, 0]
-            else:
-                K[rows, :, at] = torch.where(keep, k[:, :, 0], K[rows, :, at])
-                V[rows, :, at] = torch.where(keep, v[:, :, 0], V[rows, :, at])
+            self._write_step(layer, rows, pos, keep, k, v)
             out = kernel_attention(layer, q, ring, window, sinks)
             if out is not None:
                 return out
+            K, V = self.K[layer], self.V[layer]
             if ring is not None:
                 # The ring's slot s holds the row's latest position p - d with d = (p - s) mod ring:
                 # seen when within the window (d < window) and written (p - d >= 0).
@@ -232,21 +265,47 @@ class RowKVCache:
                     d = (pos[:, None] - torch.arange(keys, device=self.device)[None, :]) % ring
                     visible[window] = ((d < window) & (d <= pos[:, None]))[:, None]
                 return masked_attention(q, K[:n, :, :keys], V[:n, :, :keys], visible[window], sinks)
+            K, V = self._rows_view(layer, n, span)
             if sinks is not None or window is not None:
                 if window not in visible:
                     seen = ~future if window is None else ~future & (
                         torch.arange(span, device=self.device)[None, :] > pos[:, None] - window)
                     visible[window] = seen[:, None]
-                return masked_attention(q, K[:n, :, :span], V[:n, :, :span], visible[window], sinks)
+                return masked_attention(q, K, V, visible[window], sinks)
             hq, hk = q.shape[1], k.shape[1]
             rep = hq // hk
             qg = q.reshape(n, hk, rep, q.shape[-1])  # (n, kv_heads, rep, d): rep queries per kv head
-            out = F.scaled_dot_product_attention(qg, K[:n, :, :span], V[:n, :, :span], attn_mask=additive_mask())
+            out = F.scaled_dot_product_attention(qg, K, V, attn_mask=additive_mask())
             return out.reshape(n, hq, 1, q.shape[-1])
 
         states = None if self.recurrent is None else DecodeStates(self.recurrent, n, live)
         attend.recurrent = states  # type: ignore[attr-defined]
         return attend
+
+    def _write_step(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | None,
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a decode step's K/V (n, kv_heads, 1, d) of rows ``rows`` at positions ``pos`` (a
+        ring's slot ``pos % ring``); rows ``keep`` (n, 1, 1) marks False write back what was there."""
+        K, V = self.K[layer], self.V[layer]
+        ring = self.rings[layer]
+        at = pos if ring is None else pos % ring
+        if keep is None:
+            K[rows, :, at] = k[:, :, 0]
+            V[rows, :, at] = v[:, :, 0]
+        else:
+            K[rows, :, at] = torch.where(keep, k[:, :, 0], K[rows, :, at])
+            V[rows, :, at] = torch.where(keep, v[:, :, 0], V[rows, :, at])
+
+    def _rows_view(self, layer: int, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K, V of rows ``[0, n)``, positions ``[0, span)``: (n, kv_heads, span, d)."""
+        return self.K[layer][:n, :, :span], self.V[layer][:n, :, :span]
+
+    def _pages(self, layer: int, n: int) -> torch.Tensor | None:
+        """The page table of rows ``[0, n)`` for a layer kept in pages (None: per-row buffers)."""
+        return None
+
+    def _write_pages(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        raise NotImplementedError("per-row buffers hold every layer")
 
 
 def recording_attention(store: dict[int, tuple[torch.Tensor, torch.Tensor]], states: PrefillStates | None = None):

@@ -37,6 +37,7 @@ from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.decode_graphs import DecodeGraphs, bucket_for
 from tinsmith.sampling.kv_cache import BLOCK as KV_BLOCK
 from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
+from tinsmith.sampling.paged_kv_cache import PagedKVCache
 from tinsmith.sampling.recurrent_state import PrefillStates
 from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
@@ -49,6 +50,7 @@ DEVICE_DECODE_BURST = 4  # decode steps per host read-back on a GPU
 # Prompt tokens per prefill chunk when none is configured: on a GPU a chunk this size keeps the
 # matmuls large; a CPU computes far fewer tokens per second, so its chunks are shorter.
 DEFAULT_PREFILL_CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
+KV_LAYOUTS = ("auto", "paged", "rows")  # the K/V cache's layout: auto is paged on CUDA, per-row buffers elsewhere
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class Sampler:
         kv_cache_bytes: int | None = None,
         cuda_graphs: bool = False,
         prefill_chunk_tokens: int | None = None,
+        kv_layout: str = "auto",
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -124,7 +127,12 @@ class Sampler:
         # burst would only decode past stops; on a GPU a burst keeps the launch queue full.
         self.decode_burst = decode_burst or (DEVICE_DECODE_BURST if self.device.type == "cuda" else 1)
         self.kv_cache_bytes = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_bytes(self.device)
-        self.cache = RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
+        # Paged on a GPU (the decode kernels read pages through the table); per-row buffers on a CPU,
+        # where reading pages would gather them into row buffers at every step.
+        self.paged_kv = kv_layout == "paged" or (kv_layout == "auto" and self.device.type == "cuda")
+        self.cache = self._new_cache()
         reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
         self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
         # Hybrid models keep whole prompts' prefill results instead (the same budget): a prompt
@@ -160,6 +168,11 @@ class Sampler:
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
                        if cuda_graphs and self.device.type == "cuda" else None)
         self._eager_reasons: set[str] = set()  # why batches stayed off the static step, each logged once
+
+    def _new_cache(self) -> RowKVCache:
+        """The K/V cache for ``self.cfg`` (a sharded sampler's heads), in the chosen layout."""
+        kind = PagedKVCache if self.paged_kv else RowKVCache
+        return kind(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -291,11 +304,6 @@ class Sampler:
         ctx, P = self.cfg.max_position_embeddings, len(inp.prompt)
         return min(ctx, P + (inp.params.max_tokens if inp.params.max_tokens is not None else ctx - P))
 
-    def _kv_bytes(self, rows: int, span: int) -> int:
-        """Bytes of K/V that ``rows`` rows of ``span`` positions take in the dense row cache
-        (a sliding-window layer's at most its ring)."""
-        return rows * self.cache.row_bytes(-(-span // KV_BLOCK) * KV_BLOCK)
-
     def _held(self, inp: SampleInput, sampled: int) -> int:
         """Positions admission counts a row at: what it holds after ``sampled`` tokens plus a block of
         room to grow, at most its longest. Image prompts' rows count at their longest (they are
@@ -304,15 +312,14 @@ class Sampler:
             return self._longest(inp)
         return min(self._longest(inp), len(inp.prompt) + sampled + KV_BLOCK)
 
-    def _occupancy(self) -> tuple[int, int]:
-        """(rows, span) the running rows and the prompt being chunked take, as admission counts them."""
-        rows = len(self.rows)
+    def _occupancy(self) -> list[int]:
+        """Positions each running row, and each row of the prompt being chunked, is counted at by
+        admission (the cache says what rows of those take: :meth:`RowKVCache.bytes_for`)."""
         spans = [self._held(r.state.task.input, len(r.tokens)) for r in self.rows]
         if self._chunked is not None:  # it holds its rows already: they decode once its last chunk is done
             inp = self._chunked.state.task.input
-            rows += inp.num_samples
-            spans.append(self._held(inp, 0))
-        return rows, max(spans, default=0)
+            spans += [self._held(inp, 0)] * inp.num_samples
+        return spans
 
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
@@ -320,17 +327,17 @@ class Sampler:
         shared: set[tuple] = set()
         # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
         # budget the newest requests are preempted (_make_room) and resume later.
-        rows, span = self._occupancy()
+        spans = self._occupancy()
         while self._resume:  # preempted requests come back first, oldest first
             st = self._resume[0]
             n = len(st.paused)
-            need = max(span, max(self._held(st.task.input, len(r.tokens)) for r in st.paused))
-            over_budget = self.kv_cache_bytes and self._kv_bytes(rows + n, need) > self.kv_cache_bytes
-            if rows and (rows + n > self.max_rows or over_budget):
+            need = [self._held(st.task.input, len(r.tokens)) for r in st.paused]
+            over_budget = self.kv_cache_bytes and self.cache.bytes_for(spans + need) > self.kv_cache_bytes
+            if spans and (len(spans) + n > self.max_rows or over_budget):
                 return  # nothing overtakes a preempted request
             self._resume.popleft()
             self._resume_rows(st, done)
-            rows, span = rows + n, need
+            spans = spans + need
         while self.inbox:
             task = self.inbox[0]
             n = task.input.num_samples
@@ -347,13 +354,14 @@ class Sampler:
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
             # which rejects it; waiting for rows would block the queue behind it forever.
             fits = n <= self.max_rows
+            rows = len(spans)
             if fits and batch and (rows + n > self.max_rows or (not chunked and tokens + P > self.prefill_tokens)):
                 break
             if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
-            held = max(span, self._held(task.input, 0))
-            alone = self._kv_bytes(n, self._longest(task.input))  # what it may need: it must fit by itself
-            if fits and self.kv_cache_bytes and max(alone, self._kv_bytes(rows + n, held)) > self.kv_cache_bytes:
+            held = [self._held(task.input, 0)] * n
+            alone = self.cache.bytes_for([self._longest(task.input)] * n)  # what it may need: it must fit by itself
+            if fits and self.kv_cache_bytes and max(alone, self.cache.bytes_for(spans + held)) > self.kv_cache_bytes:
                 if batch or rows:
                     break  # wait for running sequences to finish and give their K/V back
                 self.inbox.popleft()
@@ -364,7 +372,7 @@ class Sampler:
                     continue
                 done.append((task.key, CapacityError(
                     f"this request's {n} sequences of up to {self._longest(task.input)} tokens need "
-                    f"{self._kv_bytes(n, self._longest(task.input))} bytes of K/V cache, more than the sampler's "
+                    f"{alone} bytes of K/V cache, more than the sampler's "
                     f"{self.kv_cache_bytes} (--sampler-kv-cache-bytes); lower num_samples or max_tokens")))
                 continue
             self.inbox.popleft()
@@ -374,8 +382,7 @@ class Sampler:
                 done.append((task.key, e))
                 continue
             st.order = next(self._admissions)
-            rows += n
-            span = held
+            spans = spans + held
             if chunked or head is not None:
                 self._start_chunked(st, done, head)
                 continue
@@ -569,13 +576,12 @@ class Sampler:
         if not self.kv_cache_bytes:
             return
         while True:
-            rows, span = len(self.rows), 0
-            for r in self.rows:  # a burst's longest row: see _decode_step
-                span = max(span, len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1)
-            if self._chunked is not None:  # room for the rows of the prompt being chunked
-                rows += self._chunked.state.task.input.num_samples
-                span = max(span, self._held(self._chunked.state.task.input, 0))
-            if self._kv_bytes(rows, span) <= self.kv_cache_bytes:
+            # each row after a burst (see _decode_step), and room for the rows of the prompt being chunked
+            spans = [len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1 for r in self.rows]
+            if self._chunked is not None:
+                inp = self._chunked.state.task.input
+                spans += [self._held(inp, 0)] * inp.num_samples
+            if self.cache.bytes_for(spans) <= self.kv_cache_bytes:
                 return
             waiting = {id(st) for st in self._resume}
             live = [st for st in self._live_states() if id(st) not in waiting and not st.task.input.prompt_images]
@@ -915,16 +921,19 @@ class Sampler:
         n = len(self.rows)
         batch = self._batch()
         k = max(1, min(self.decode_burst, min(row.state.max_tokens - len(row.tokens) for row in self.rows)))
-        # The longest row after this burst: a row's cache holds its prompt and every sampled
+        # Each row's positions after this burst: a row's cache holds its prompt and every sampled
         # token but the last, so this is known on the host (no read-back per step).
-        span = max(len(row.state.task.input.prompt) + len(row.tokens) for row in self.rows) + k - 1
+        spans = [len(row.state.task.input.prompt) + len(row.tokens) + k - 1 for row in self.rows]
+        span = max(spans)
         asks = [row.state.task.input.topk_sample_logprobs for row in self.rows]
-        if self._static_decode(n, span, any(asks)):
+        if self._static_decode(spans, any(asks)):
             assert self.graphs is not None
+            self.cache.reserve(spans)
             tokens, logprobs = self.graphs.burst(batch, [row.state.task.slot for row in self.rows], n, k)
             top_host: list[list] = [[None] * n for _ in range(k)]
         else:
             self.cache.ensure(n, span)
+            self.cache.reserve(spans)
             tokens, logprobs, tops = self._eager_burst(batch, n, k, span, asks)
             top_host = [_host_top_logprobs(t, asks) for t in tops]
         self.stats["decode_steps"] += k
@@ -966,7 +975,7 @@ class Sampler:
             tops.append(_device_top_logprobs(full, asks))
         return torch.stack(toks, 1), torch.stack(lps, 1), tops
 
-    def _static_decode(self, n: int, span: int, wants_top_logprobs: bool) -> bool:
+    def _static_decode(self, spans: list[int], wants_top_logprobs: bool) -> bool:
         """Whether this burst takes the static step (:mod:`tinsmith.sampling.decode_graphs`); when
         it does, the cache is sized for it: the bucket's rows, and room for the burst.
 
@@ -976,12 +985,13 @@ class Sampler:
         """
         if self.graphs is None:
             return False
+        n, span = len(spans), max(spans)
         why = self.graphs.refusal(n, wants_top_logprobs)
         rows, capacity = bucket_for(n) or n, self.cache.capacity
         if span > capacity:
             longest = max(self._longest(row.state.task.input) for row in self.rows)
             capacity = max(span, min(longest, 2 * capacity))
-        if why is None and self.kv_cache_bytes and self._kv_bytes(rows, capacity) > self.kv_cache_bytes:
+        if why is None and self.kv_cache_bytes and self.cache.static_bytes(spans, rows, capacity) > self.kv_cache_bytes:
             why = "the bucket's padding rows would pass the K/V cache budget"
         if why is not None:
             if why not in self._eager_reasons:  # each reason once (a failed capture logged its own warning)

@@ -1,0 +1,177 @@
+"""The paged K/V cache (the layout on GPUs) samples exactly what the per-row cache samples, holds
+only the pages its rows use, gives them back, and admits more rows of mixed lengths under one
+budget. On a CPU its torch path gathers each row's pages; the decode kernels that read them in
+place are checked in tests/sampling/test_decode_kernels.py (interpreted) and tests/gpu."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task
+from tinsmith.sampling.decode_graphs import DecodeGraphs
+from tinsmith.sampling.paged_kv_cache import PAGE, PagedKVCache
+from tinsmith.sampling.sampler import Sampler
+
+
+def _tasks(vocab: int):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(4, vocab, n).tolist() for n in (5, 130, 9, 70, 200, 3, 64)]
+    return [
+        task("short-seeded", prompts[0], n=3, max_tokens=40, temperature=1.0, seed=1, stop=[]),
+        task("long-greedy", prompts[1], max_tokens=90, temperature=0.0, stop=[]),
+        task("adapter", prompts[2], slot=1, n=2, max_tokens=17, temperature=0.8, top_p=0.9, seed=3, stop=[]),
+        task("adapter-top-k", prompts[3], slot=2, max_tokens=70, temperature=1.0, top_k=20, seed=4, stop=[],
+             topk_sample_logprobs=2),
+        task("longest", prompts[4], slot=1, max_tokens=60, temperature=1.0, seed=5, stop=[], prompt_logprobs=True),
+        task("late", prompts[5], max_tokens=12, temperature=0.0, stop=[]),
+        task("page-sized", prompts[6], n=2, max_tokens=65, temperature=0.7, seed=6, stop=[]),
+    ]
+
+
+def _sample(model_dir, layout: str, static: bool = False, **kw):
+    model = fresh_model(model_dir)
+    for slot, rank in ((1, 4), (2, 8)):
+        random_adapter(model, slot, rank=rank, seed=slot)
+    # max_rows 6 of 11 rows: the last requests wait, then join as others leave (rows move).
+    sampler = Sampler(model, decoder(model_dir), max_rows=6, decode_burst=3, kv_layout=layout, **kw)
+    if static:
+        sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    return run(sampler, _tasks(model.config.vocab_size)), sampler
+
+
+def _assert_same(ref: dict, got: dict) -> None:
+    for key, res in ref.items():
+        assert not isinstance(res, Exception), res
+        for a, b in zip(res.sequences, got[key].sequences):
+            assert a.tokens.tolist() == b.tokens.tolist(), key
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5, err_msg=key)
+            if a.topk_logprobs is not None:
+                np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_5"])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_pages_sample_what_rows_sample(family, static, request):
+    """Dense, sliding-window (rings beside pages) and hybrid models; eager and fixed-shape steps;
+    prompts and generations across page boundaries; rows joining, finishing and moving."""
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    ref, rows = _sample(model_dir, "rows", static)
+    got, paged = _sample(model_dir, "paged", static)
+    assert isinstance(paged.cache, PagedKVCache) and not isinstance(rows.cache, PagedKVCache)
+    _assert_same(ref, got)
+    if static:
+        assert paged.stats["static_steps"] > 0
+    cache = paged.cache
+    assert not any(cache.owned) and sorted(cache.free) == list(range(cache.pages)), "every page given back"
+
+
+def test_chunked_prefill_and_prefix_cache_over_pages(qwen3_dir):
+    """A long prompt prefilled in chunks, then sent again (its blocks from the prefix cache)."""
+    rng = np.random.default_rng(9)
+    long_prompt = rng.integers(4, 500, 300).tolist()
+    results = []
+    for layout in ("rows", "paged"):
+        sampler = Sampler(fresh_model(qwen3_dir), decoder(qwen3_dir), prefill_chunk_tokens=100, kv_layout=layout)
+        first = run(sampler, [task("a", long_prompt, max_tokens=20, temperature=1.0, seed=1, stop=[])])
+        again = run(sampler, [task("b", long_prompt + [7, 8], max_tokens=20, temperature=1.0, seed=2, stop=[])])
+        assert sampler.stats["prefill_chunks"] > 0 and sampler.stats["cached_prompt_tokens"] > 0
+        results.append({**first, **again})
+    _assert_same(*results)
+
+
+def test_rows_hold_their_own_pages_and_moves_copy_none(qwen3_dir):
+    model = fresh_model(qwen3_dir)
+    sampler = Sampler(model, decoder(qwen3_dir), kv_layout="paged")
+    sampler.add(task("long", list(range(4, 4 + 3 * PAGE)), max_tokens=40, temperature=0.0, stop=[]))
+    sampler.add(task("short", [5, 6, 7], max_tokens=3, temperature=0.0, stop=[]))
+    sampler.add(task("mid", list(range(4, 4 + PAGE + 1)), max_tokens=30, temperature=0.0, stop=[]))
+    cache = sampler.cache
+    with torch.inference_mode():
+        sampler._admit([])
+    # Each row holds the pages of its own prompt (and the first sampled token's room), not the longest row's.
+    held = {row.state.task.key: len(cache.owned[r]) for r, row in enumerate(sampler.rows)}
+    assert held == {"long": 3, "short": 1, "mid": 2}
+    mid_pages = list(cache.owned[2])
+    while "short" in [row.state.task.key for row in sampler.rows]:
+        sampler.step(0.01)
+    # "short" (row 1) finished: "mid", the last row, took its place with its own pages, nothing copied.
+    assert [row.state.task.key for row in sampler.rows] == ["long", "mid"]
+    assert cache.owned[1] == mid_pages and cache.table[1, :2].tolist() == mid_pages and not cache.owned[2]
+    assert cache.table[2].eq(0).all()
+
+
+def test_mixed_lengths_admit_more_rows_under_one_budget(qwen3_dir):
+    """One long request among short ones: per-row buffers count every row at the longest row's
+    length, pages count each row at its own. Same budget, same results, more rows at once."""
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    budget = 12 * 2 * PAGE * per_position  # 12 rows of 128 positions
+    rng = np.random.default_rng(3)
+    make = lambda: ([task("long", rng.integers(4, 500, 400).tolist(), max_tokens=40, temperature=0.0, stop=[])]  # noqa: E731
+                    + [task(f"s{i}", rng.integers(4, 500, 20).tolist(), max_tokens=40, temperature=0.0, stop=[])
+                       for i in range(10)])
+    peaks, results = {}, {}
+    for layout in ("rows", "paged"):
+        sampler = Sampler(model, decoder(qwen3_dir), kv_cache_bytes=budget, prefix_cache_bytes=0, kv_layout=layout)
+        peak = 0
+        real_step = sampler._decode_step
+
+        def counting_step(done, sampler=sampler, real_step=real_step):
+            nonlocal peak
+            peak = max(peak, len(sampler.rows))
+            real_step(done)
+
+        sampler._decode_step = counting_step
+        rng = np.random.default_rng(3)
+        results[layout] = run(sampler, make())
+        peaks[layout] = peak
+        assert sampler.cache.nbytes() <= budget
+    _assert_same(results["rows"], results["paged"])
+    assert peaks["paged"] == 11 and peaks["rows"] < 11, peaks  # every request at once only in pages
+
+
+def test_padding_rows_of_a_fixed_step_leave_every_page_untouched(qwen3_dir):
+    """3 live rows in a bucket of 4: the padding row (a free row, pointing at page 0) writes back
+    what page 0 holds; every page no live row writes is bit for bit as before."""
+    model = fresh_model(qwen3_dir)
+    sampler = Sampler(model, decoder(qwen3_dir), decode_burst=2, kv_layout="paged")
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    done: list = []
+    with torch.inference_mode():
+        sampler._admit(done)
+        cache = sampler.cache
+        cache.reserve([8, 8, 8])
+        for pool in cache.K + cache.V:
+            pool[3:].normal_()  # pages no row owns
+        live = {p for pages in cache.owned for p in pages}
+        idle = [p for p in range(cache.pages) if p not in live]
+        before = [pool[idle].clone() for pool in cache.K + cache.V]
+        page0 = [pool[0].clone() for pool in cache.K + cache.V]
+        sampler._decode_step(done)
+    assert sampler.stats["static_steps"] == 2 and cache.lengths[:3].tolist() == [6, 6, 6]
+    for old, pool in zip(before, cache.K + cache.V):
+        assert torch.equal(old, pool[idle])
+    for old, pool in zip(page0, cache.K + cache.V):
+        assert torch.equal(old[:, 0], pool[0][:, 0])  # position 0 of page 0 (a prompt's first token)
+
+
+def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
+    cfg = fresh_model(qwen3_dir).config
+    cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=2)
+    table = cache.table.data_ptr()
+    k = torch.randn(cfg.num_kv_heads, 3 * PAGE, cfg.head_dim)
+    cache.write_prefix(0, {0: (k, -k), 1: (2 * k, k)}, 3 * PAGE)
+    cache.ensure(2, 8 * PAGE)
+    cache.reserve([8 * PAGE, 7 * PAGE])  # more pages than the pool holds: it grows
+    assert cache.pages >= 15 and cache.table.data_ptr() == table  # the table never moves
+    K, V = cache._rows_view(0, 1, 3 * PAGE)
+    assert torch.equal(K[0], k) and torch.equal(V[0], -k)  # written pages kept their contents
+    cache.move_row(1, 1)
+    cache.move_row(0, 0)
+    assert not any(cache.owned)
+    cache.shrink(0, 1)
+    assert cache.pages == cache._initial_pages and sorted(cache.free) == list(range(cache.pages))

@@ -1,0 +1,220 @@
+"""K/V in pages: every attention layer's K/V in one pool of fixed-size pages, a page table per row.
+
+The per-row cache (:class:`tinsmith.sampling.kv_cache.RowKVCache`) gives every row the longest
+row's capacity: rows of mixed lengths (RL batches, where a few long prompts or answers sit among
+short ones) hold memory they never fill, the K/V budget admits fewer rows than it could, and
+growing the capacity reallocates and copies the whole cache. Here, as in vLLM's PagedAttention,
+a layer's K/V is a pool ``(pages, kv_heads, PAGE, head_dim)`` and row ``r``'s positions
+``[j * PAGE, (j + 1) * PAGE)`` sit in page ``table[r, j]``:
+
+- a row holds the pages its own positions need, taken before each decode burst
+  (:meth:`PagedKVCache.reserve`) and given back when it leaves; the pool grows (doubling, within
+  the budget) only when the free pages run out, and shrinks back when the sampler is idle;
+- a finished row's place is taken by the last row by moving its page-table row: no K/V is copied;
+- the table has a column for every position the model's context allows, so its address never
+  changes as rows grow: a CUDA graph of the decode step stays valid however long rows become
+  (graphs are kept per span, see :mod:`tinsmith.sampling.decode_graphs`);
+- admission counts each row at its own positions (:meth:`PagedKVCache.bytes_for`), not every row
+  at the longest one's.
+
+Rows that hold nothing point at page 0 (whoever owns it): the padding rows of a fixed-shape step
+write back what its position 0 holds, which no decode step writes (a row's first position is
+its prompt's). Sliding-window layers keep their per-row rings and hybrid models
+their per-row recurrent states (both fixed per row); only full-attention layers are paged.
+
+On a GPU the decode kernels (:mod:`tinsmith.kernels.decode_attention`) read the pages through the
+table. Elsewhere a step gathers each row's pages into a row buffer first, which costs a copy per
+layer and step: on a CPU the per-row cache is the default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinsmith.models.config import ModelConfig
+from tinsmith.sampling.kv_cache import BLOCK, RowKVCache, _round_up
+
+PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
+
+
+class PagedKVCache(RowKVCache):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 8,
+                 max_bytes: int = 0):
+        self.paged = [cfg.window_of(i) is None and not cfg.is_linear_layer(i) for i in range(cfg.num_layers)]
+        self.width = -(-cfg.max_position_embeddings // PAGE)  # table columns: the longest row's pages
+        self.cfg, self.dtype, self.max_bytes = cfg, dtype, max_bytes  # what sizing the pool reads
+        self.pages = self._pool_within(max(1, rows))  # a page per row to start with
+        super().__init__(cfg, device, dtype, rows, max_bytes)
+        self.table = torch.zeros(self.row_capacity, self.width, dtype=torch.int32, device=device)
+        self.owned: list[list[int]] = [[] for _ in range(self.row_capacity)]  # pages per row, in order
+        self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: low ids first
+        self._initial_pages = self.pages
+
+    # ----------------------------------------------------------------------------- layout
+    def rowwise(self, layer: int) -> bool:
+        return not self.paged[layer]
+
+    def _shape(self, layer: int, rows: int, capacity: int) -> tuple[int, int, int, int]:
+        if self.paged[layer]:
+            return (self.pages, self.cfg.num_kv_heads, PAGE, self.cfg.head_dim)
+        return super()._shape(layer, rows, capacity)
+
+    def _rows_within(self, rows: int, capacity: int) -> int:
+        """Rows cost only their per-row buffers here (rings, recurrent states): pages come as used."""
+        if not self.max_bytes:
+            return rows
+        return max(1, min(rows, self.max_bytes // max(1, self.row_bytes(capacity, only=self.rowwise))))
+
+    def page_bytes(self) -> int:
+        """Bytes one page takes over every paged layer (K and V)."""
+        width = torch.finfo(self.dtype).bits // 8
+        return sum(2 * self.cfg.num_kv_heads * PAGE * self.cfg.head_dim * width for p in self.paged if p)
+
+    def _pool_within(self, pages: int) -> int:
+        """``pages``, or fewer (at least 1) where the budget holds fewer."""
+        if not self.max_bytes:
+            return pages
+        return max(1, min(pages, self.max_bytes // max(1, self.page_bytes())))
+
+    def bytes_for(self, spans: list[int]) -> int:
+        """Each row at its own positions, in whole pages."""
+        return sum(self.row_bytes(_round_up(s, PAGE)) for s in spans)
+
+    def static_bytes(self, spans: list[int], rows: int, capacity: int) -> int:
+        """The live rows at their own positions; padding rows own no page (only per-row buffers)."""
+        padding = rows - len(spans)
+        return self.bytes_for(spans) + padding * self.row_bytes(capacity, only=self.rowwise)
+
+    def addresses(self) -> tuple:
+        return (*super().addresses(), self.table.data_ptr())
+
+    # ----------------------------------------------------------------------------- pages
+    def reserve(self, spans: list[int]) -> None:
+        """Give row ``i`` the pages to hold ``spans[i]`` positions (one table write for all)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        pages: list[int] = []
+        for r, span in enumerate(spans):
+            self._reserve_row(r, span, rows, cols, pages)
+        self._write_table(rows, cols, pages)
+
+    def _reserve_row(self, row: int, span: int, rows: list[int], cols: list[int], pages: list[int]) -> None:
+        """Take the pages row ``row`` lacks for ``span`` positions; note the table entries to write."""
+        need = -(-span // PAGE)
+        assert need <= self.width, f"row {row} would hold {span} positions, past the model's context"
+        have = self.owned[row]
+        for j in range(len(have), need):
+            page = self._take()
+            have.append(page)
+            rows.append(row)
+            cols.append(j)
+            pages.append(page)
+
+    def _write_table(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
+        if pages:
+            self.table[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = torch.tensor(
+                pages, dtype=torch.int32, device=self.device)
+
+    def _take(self) -> int:
+        if not self.free:
+            self._grow_pool()
+        return self.free.pop()
+
+    def _grow_pool(self) -> None:
+        """Double the pool (at most what the budget holds, but always by at least one page): every
+        paged layer's K/V reallocated, pages keeping their ids."""
+        self._resize_pool(max(self.pages + 1, self._pool_within(2 * self.pages)))
+
+    def _resize_pool(self, pages: int) -> None:
+        keep = min(pages, self.pages)
+        for store in (self.K, self.V):
+            for i, old in enumerate(store):
+                if self.paged[i]:
+                    new = torch.zeros((pages, *old.shape[1:]), device=self.device, dtype=self.dtype)
+                    new[:keep] = old[:keep]
+                    store[i] = new
+        if pages > self.pages:  # the new, higher ids are taken last
+            self.free[:0] = range(pages - 1, self.pages - 1, -1)
+        self.pages = pages
+
+    def _release(self, row: int) -> None:
+        """Row ``row``'s pages go back to the free list; its table row points at page 0."""
+        if self.owned[row]:
+            self.free.extend(reversed(self.owned[row]))
+            self.owned[row] = []
+            self.table[row].fill_(0)
+
+    # ----------------------------------------------------------------------------- rows
+    def _rows_resized(self, keep: int, rows: int) -> None:
+        for r in range(keep, len(self.owned)):
+            self._release(r)  # rows past the kept ones are not live: nothing of theirs is kept
+        table = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
+        table[:keep] = self.table[:keep]
+        self.table = table
+        self.owned = self.owned[:keep] + [[] for _ in range(rows - keep)]
+
+    def shrink(self, live_rows: int, max_len: int) -> None:
+        super().shrink(live_rows, max_len)
+        if not any(self.owned) and self.pages > 4 * self._initial_pages:
+            self.free = []
+            self.pages = 0
+            self._resize_pool(self._initial_pages)
+
+    def write_prefix(self, row, layer_kv, length, states=None, prompt=0) -> None:
+        self._release(row)  # a row is written whole: whatever it held is stale
+        rows: list[int] = []
+        cols: list[int] = []
+        pages: list[int] = []
+        self._reserve_row(row, length, rows, cols, pages)
+        self._write_table(rows, cols, pages)
+        super().write_prefix(row, layer_kv, length, states, prompt)
+
+    def _write_pages(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        pages = self.owned[row][: -(-length // PAGE)]
+        at = torch.tensor(pages, device=self.device)
+        for pool, x in ((self.K[layer], k), (self.V[layer], v)):
+            heads, _, d = x.shape
+            x = _pad_positions(x[:, :length], len(pages) * PAGE)
+            pool[at] = x.view(heads, len(pages), PAGE, d).transpose(0, 1).to(pool.dtype)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` leaves (its pages freed) and row ``src`` takes its place (its table row moves)."""
+        self._release(dst)
+        if src != dst:
+            self.owned[dst], self.owned[src] = self.owned[src], []
+            self.table[dst] = self.table[src]
+            self.table[src].fill_(0)
+        super().move_row(src, dst)
+
+    # ----------------------------------------------------------------------------- decode steps
+    def _write_step(self, layer, rows, pos, keep, k, v) -> None:
+        if not self.paged[layer]:
+            return super()._write_step(layer, rows, pos, keep, k, v)
+        page = self.table[rows, pos // PAGE].long()
+        at = pos % PAGE
+        K, V = self.K[layer], self.V[layer]
+        if keep is None:
+            K[page, :, at] = k[:, :, 0]
+            V[page, :, at] = v[:, :, 0]
+        else:  # padding rows (at position 0) write back what is there
+            K[page, :, at] = torch.where(keep, k[:, :, 0], K[page, :, at])
+            V[page, :, at] = torch.where(keep, v[:, :, 0], V[page, :, at])
+
+    def _rows_view(self, layer: int, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[0, n)``'s pages gathered into row buffers (the torch path; the kernels read pages)."""
+        if not self.paged[layer]:
+            return super()._rows_view(layer, n, span)
+        pages = self.table[:n, : -(-span // PAGE)].long()
+        out = []
+        for pool in (self.K[layer], self.V[layer]):
+            x = pool[pages]  # (n, pages, heads, PAGE, d)
+            out.append(x.transpose(1, 2).reshape(n, x.shape[2], -1, x.shape[-1])[:, :, :span])
+        return out[0], out[1]
+
+    def _pages(self, layer: int, n: int) -> torch.Tensor | None:
+        return self.table[:n] if self.paged[layer] else None
+
+
+def _pad_positions(x: torch.Tensor, positions: int) -> torch.Tensor:
+    """``x`` (heads, length, d) zero-padded to ``positions`` along its positions."""
+    return torch.nn.functional.pad(x, (0, 0, 0, positions - x.shape[1]))
