@@ -44,6 +44,7 @@ LogLevel = Annotated[Literal["debug", "info", "warning", "error"],
                      BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 Dtype = Annotated[Literal["auto", "bfloat16", "float16", "float32"],
                   BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+KvLayout = Annotated[Literal["auto", "paged", "rows"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 LogFormat = Annotated[Literal["text", "json"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 RayStrategy = Annotated[Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
@@ -93,6 +94,7 @@ class ServerConfig(BaseSettings):
     prefix_cache_bytes: NotNegativeInt = 1 << 30  # prompt K/V kept across sample requests, per sampler (0: off)
     sampler_kv_cache_bytes: NotNegativeInt | None = None  # None: unlimited on CPU, 40% of free memory on CUDA
     sampler_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA only)
+    sampler_kv_cache_layout: KvLayout = "auto"  # auto: paged on CUDA, per-row buffers on CPU
     sampler_prefill_chunk_tokens: NotNegativeInt | None = None  # None: 2048 on CUDA, 512 on CPU; 0: whole prompts
     max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
     max_forward_datums: AtLeastOne = 1024
@@ -230,6 +232,10 @@ _HELP = {
     "sampler_cuda_graphs": "replay each sampler's decode steps from CUDA graphs captured per batch-size bucket, "
                            "rather than launching every kernel from Python (CUDA only; --no-sampler-cuda-graphs "
                            "decodes eagerly)",
+    "sampler_kv_cache_layout": "how each sampler keeps K/V: paged (one pool of 64-position pages, each sequence "
+                               "holding the pages it uses; the decode kernels read them in place) or rows (a "
+                               "buffer per sequence as long as the longest one); auto: paged on CUDA, rows on CPU, "
+                               "where reading pages costs a copy per step",
     "sampler_prefill_chunk_tokens": "a sampling prompt longer than this is prefilled in chunks of this many tokens, "
                                     "one per scheduler step, so running sequences keep decoding between them "
                                     "(default: 2048 on CUDA, 512 on CPU; 0: whole prompts)",

@@ -66,6 +66,7 @@ class RuntimeOptions:
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # per sampler; 0: off
     sampler_kv_cache_bytes: int | None = None  # per sampler; None: see Sampler's ``kv_cache_bytes``
     sampler_cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (on CUDA devices)
+    sampler_kv_cache_layout: str = "auto"  # "paged", "rows"; auto: paged on CUDA (see Sampler's ``kv_layout``)
     sampler_prefill_chunk_tokens: int | None = None  # None: see Sampler's ``prefill_chunk_tokens``; 0: whole prompts
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
     max_sampler_snapshots_per_key: int | None = None  # snapshots one owner may hold in memory
@@ -934,7 +935,8 @@ def sampler_kwargs_of(options: RuntimeOptions) -> dict:
     or on every tensor-parallel rank alike (CUDA graphs stay off under tensor parallelism: a
     captured step would hold the ranks' collectives)."""
     return dict(max_rows=options.max_sampling_rows, prefix_cache_bytes=options.prefix_cache_bytes,
-                kv_cache_bytes=options.sampler_kv_cache_bytes, prefill_chunk_tokens=options.sampler_prefill_chunk_tokens)
+                kv_cache_bytes=options.sampler_kv_cache_bytes, prefill_chunk_tokens=options.sampler_prefill_chunk_tokens,
+                kv_layout=options.sampler_kv_cache_layout)
 
 
 def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
