@@ -25,9 +25,10 @@ from tinsmith.worker.service import RuntimeOptions, Worker
 BUDGET_S = 0.002  # a sampling slice: a few decode steps of the tiny model, never all of them
 
 
-def _worker(model_dir, tp: int) -> tuple[Worker, object]:
+def _worker(model_dir, tp: int, kv_layout: str = "auto") -> tuple[Worker, object]:
     # A chunk size below the scenario's prompts: their prefills run in chunks on every rank alike.
-    w = Worker(RuntimeOptions(device="cpu", dtype="float32", tensor_parallel_size=tp, sampler_prefill_chunk_tokens=4))
+    w = Worker(RuntimeOptions(device="cpu", dtype="float32", tensor_parallel_size=tp, sampler_prefill_chunk_tokens=4,
+                              sampler_kv_cache_layout=kv_layout))
     base = w.add_base_model("m", str(model_dir))
     return w, base
 
@@ -124,6 +125,22 @@ def test_time_budgeted_slices_and_cancellations_stay_in_step(qwen3_dir):
         with pytest.raises(ParallelError, match="rank 1 of 2 .* exited") as exc:
             w2.optim_step("run", AdamParams(learning_rate=1e-2))
         assert device_fault(exc.value) is not None  # the engine stops and /healthz turns unhealthy
+    finally:
+        w2.close()
+
+
+def test_sharded_samplers_page_their_heads_as_one_process_keeps_rows(qwen3_dir):
+    """Each rank's paged cache holds its own K/V heads; the ranks sample what one process does."""
+    w1, b1 = _worker(qwen3_dir, 1)
+    ref, _ = _sample(w1, b1, _train_and_snapshot(w1))
+    w2, b2 = _worker(qwen3_dir, 2, kv_layout="paged")
+    try:
+        got, _ = _sample(w2, b2, _train_and_snapshot(w2))
+        assert w2.sampler(b2)._local.paged_kv and not w1.sampler(b1).paged_kv
+        for key in ("greedy", "seeded", "base"):
+            for a, b in zip(ref[key].sequences, got[key].sequences):
+                np.testing.assert_array_equal(a.tokens, b.tokens)
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     finally:
         w2.close()
 
