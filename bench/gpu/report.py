@@ -84,6 +84,17 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {rk[5:]} | {' | '.join(cells)} | {_get(da, rk, 'kernels_vs_sdpa_capacity')} | "
                          f"{_status(da)} |")
         L.append("")
+        L += ["### K/V cache layout: per-row buffers vs pages (CUDA graphs on)", "",
+              "| shape | layout | tok/s (rows, standard) | mixed batch tok/s | mixed: most rows at once | notes |",
+              "|" + "---|" * 6]
+        for name in s["shapes"]:
+            kv = sa.get(f"{name}/kv_layout", {})
+            for layout in ("rows", "paged"):
+                lay = kv.get(layout, {})
+                standard = " / ".join(_get(lay, k) for k in lay if k.endswith("_tokens_per_s") and k.startswith("rows_"))
+                L.append(f"| {name} | {layout} | {standard or '-'} | {_get(lay, 'mixed_tokens_per_s')} | "
+                         f"{_get(lay, 'mixed_peak_rows')} | {_status(kv)} |")
+        L.append("")
         dr = sa.get("qwen3_5/delta_rule_step", {})
         L += ["### One Gated DeltaNet layer's decode step, Qwen3.5 shape (us; share of copy bandwidth)", "",
               "| rows | state MB | torch (+ copy into rows) | fused, in place | fused vs torch | notes |", "|" + "---|" * 6]

@@ -113,12 +113,16 @@ def main(argv: list[str] | None = None) -> dict:
             sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
             if name == shapes[-1]:  # the largest shape only (1.7B by default): the part's budget is shared
                 sa.item(f"{name}/cuda_graphs", lambda: sample.graphs_vs_eager(dirs[name], device, a.quick))
-                sa.item(f"{name}/decode_attention", lambda: sample.decode_attention(dirs[name], device, peaks, a.quick))
-                sa.item("qwen3_5/delta_rule_step", lambda: sample.delta_rule_step(device, peaks, a.quick))
             sa.item(f"{name}/chunked_prefill", lambda: sample.chunked_prefill(dirs[name], device, a.quick))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
+        # Component comparisons last (what the part's budget leaves): the largest shape's decode
+        # attention and K/V layouts, and a Qwen3.5-shaped Gated DeltaNet step.
+        big = shapes[-1]
+        sa.item(f"{big}/decode_attention", lambda: sample.decode_attention(dirs[big], device, peaks, a.quick))
+        sa.item("qwen3_5/delta_rule_step", lambda: sample.delta_rule_step(device, peaks, a.quick))
+        sa.item(f"{big}/kv_layout", lambda: sample.kv_layouts(dirs[big], device, a.quick))
         summary["sample"] = sa.results
         (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
 

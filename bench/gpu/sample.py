@@ -277,3 +277,59 @@ def delta_rule_step(device, peak: dict, quick: bool) -> dict:
             row["fused_vs_torch"] = row["torch"]["us"] / row["fused"]["us"]
         out[f"rows_{rows}"] = row
     return out
+
+
+def kv_layouts(model_dir, device, quick: bool) -> dict:
+    """Per-row K/V buffers against pages (CUDA graphs on, base model): decode tokens/s on the
+    standard rows, and a mixed batch under a K/V budget that holds every short row but not every
+    row at the long one's length (one 4k-token prompt among short ones), with the most rows each
+    layout ran at once."""
+    z = sizes(quick)
+    lm = load_model(str(model_dir), device=device)
+    cfg = lm.config
+    width = next(lm.model.parameters()).element_size()
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * width
+    rows_n = z["rows"][0]
+    long_prompt = 256 if quick else 4096
+    budget = rows_n * (z["prompt"] + z["new"] + 128) * per_position + (long_prompt + z["new"] + 128) * per_position
+    out: dict = {"short_requests": rows_n, "long_prompt": long_prompt, "kv_budget_mbytes": budget / 1e6}
+    for layout in ("rows", "paged"):
+        sampler = Sampler(lm.model, lambda toks: "", max_rows=max(z["rows"]), cuda_graphs=True, kv_layout=layout)
+        run_sampler(sampler, rows_n, z["prompt"], 4, [None], seed=97)  # warm-up (and first captures)
+        row: dict = {}
+        for rows in z["rows"]:
+            row[f"rows_{rows}_tokens_per_s"] = rows * z["new"] / run_sampler(sampler, rows, z["prompt"], z["new"], [None],
+                                                                              seed=rows)
+        mixed = Sampler(lm.model, lambda toks: "", max_rows=rows_n + 1, cuda_graphs=True, kv_layout=layout,
+                        kv_cache_bytes=budget)
+        peak = 0
+        real = mixed._decode_step
+
+        def counted(done, mixed=mixed, real=real):
+            nonlocal peak
+            peak = max(peak, len(mixed.rows))
+            real(done)
+
+        mixed._decode_step = counted
+        rng = np.random.default_rng(1)
+        params = SamplingParams(max_tokens=z["new"], temperature=1.0, stop=[], seed=5)
+        mixed.add(SampleTask("long", None, SampleInput(rng.integers(4, 2000, long_prompt), 1, params)))
+        for i in range(rows_n):
+            mixed.add(SampleTask(i, None, SampleInput(rng.integers(4, 2000, z["prompt"]), 1, params)))
+        sync(device)
+        t = time.perf_counter()
+        finished = 0
+        with torch.inference_mode():
+            while finished < rows_n + 1:
+                for _, res in mixed.step(budget_s=1.0):
+                    if isinstance(res, Exception):
+                        raise res
+                    finished += 1
+        sync(device)
+        row["mixed_tokens_per_s"] = (rows_n + 1) * z["new"] / (time.perf_counter() - t)
+        row["mixed_peak_rows"] = peak
+        out[layout] = row
+        del sampler, mixed
+    out["paged_vs_rows_mixed"] = out["paged"]["mixed_tokens_per_s"] / out["rows"]["mixed_tokens_per_s"]
+    del lm
+    return out
