@@ -125,9 +125,10 @@ class RowKVCache:
         keep = min(new_rows, self.row_capacity)  # rows are dense: those past ``rows`` hold nothing
         for store in (self.K, self.V):
             for i, old in enumerate(store):
-                if not self.rowwise(i):
+                shape = self._shape(i, new_rows, new_cap)
+                if not self.rowwise(i) or shape == old.shape:  # a ring the rows had already outgrown
                     continue
-                new = torch.zeros(self._shape(i, new_rows, new_cap), device=self.device, dtype=self.dtype)
+                new = torch.zeros(shape, device=self.device, dtype=self.dtype)
                 # In order up to the smaller of the two; a ring that wrapped is kept whole (its size
                 # does not change once rows outgrow it, and rows that did keep it).
                 width = min(self.slots(i, new_cap), self.slots(i, self.capacity))
