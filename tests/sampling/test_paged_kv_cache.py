@@ -64,7 +64,8 @@ def test_pages_sample_what_rows_sample(family, static, request):
     if static:
         assert paged.stats["static_steps"] > 0
     cache = paged.cache
-    assert not any(cache.owned) and sorted(cache.free) == list(range(cache.pages)), "every page given back"
+    assert not any(cache.owned) and not any(cache.refs), "every page given back"
+    assert sorted(cache.free) == list(range(cache.pages))
 
 
 def test_chunked_prefill_and_prefix_cache_over_pages(qwen3_dir):
@@ -175,3 +176,43 @@ def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
     assert not any(cache.owned)
     cache.shrink(0, 1)
     assert cache.pages == cache._initial_pages and sorted(cache.free) == list(range(cache.pages))
+
+
+@pytest.mark.parametrize("prompt_len", [200, 2 * PAGE], ids=["partial-last-page", "whole-pages"])
+def test_rows_of_one_prompt_share_its_full_pages(qwen3_dir, prompt_len):
+    """num_samples rows, and separate requests of the same prompt admitted together, hold one copy
+    of the prompt's full pages (each its own last, partial page); results are the per-row
+    layout's, and every page comes back once all rows are done."""
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(4, 500, prompt_len).tolist()
+    make = lambda: [task("grpo", prompt, n=6, max_tokens=30, temperature=1.0, seed=1, stop=[]),  # noqa: E731
+                    task("again", prompt, n=2, max_tokens=30, temperature=1.0, seed=2, stop=[]),
+                    task("other", rng.integers(4, 500, 70).tolist(), max_tokens=30, temperature=1.0, seed=3, stop=[])]
+    results = {}
+    for layout in ("rows", "paged"):
+        sampler = Sampler(fresh_model(qwen3_dir), decoder(qwen3_dir), kv_layout=layout)
+        rng = np.random.default_rng(4)
+        prompt = rng.integers(4, 500, prompt_len).tolist()
+        for t in make():
+            sampler.add(t)
+        admitted: list = []
+        with torch.inference_mode():
+            sampler._admit(admitted)
+        if layout == "paged":
+            cache = sampler.cache
+            full = prompt_len // PAGE
+            prompt_rows = [r for r, row in enumerate(sampler.rows) if row.state.task.key in ("grpo", "again")]
+            first = cache.owned[prompt_rows[0]][:full]
+            for r in prompt_rows:
+                assert cache.owned[r][:full] == first  # one copy of the full pages
+            assert all(cache.refs[p] == len(prompt_rows) for p in first)
+            tails = [cache.owned[r][full:] for r in prompt_rows]
+            assert len({p for t in tails for p in t}) == sum(len(t) for t in tails)  # own last pages
+            in_use = {p for pages in cache.owned for p in pages}
+            other = next(r for r, row in enumerate(sampler.rows) if row.state.task.key == "other")
+            assert len(in_use) == full + sum(len(t) for t in tails) + len(cache.owned[other])
+        results[layout] = {**dict(admitted), **run(sampler, [])}
+        if layout == "paged":
+            assert not any(cache.owned) and not any(cache.refs) and sorted(cache.free) == list(range(cache.pages))
+    assert set(results["rows"]) == {"grpo", "again", "other"}
+    _assert_same(results["rows"], results["paged"])

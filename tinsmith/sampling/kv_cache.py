@@ -163,9 +163,12 @@ class RowKVCache:
 
     # ----------------------------------------------------------------------------- rows
     def write_prefix(self, row: int, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int,
-                     states: PrefillStates | None = None, prompt: int = 0) -> None:
+                     states: PrefillStates | None = None, prompt: int = 0, shared: object = None) -> object:
         """Copy a prefilled prompt's K/V ``(kv_heads, length, head_dim)`` per attention layer into
-        ``row``, and on hybrid models prompt ``prompt``'s recurrent states of the prefill."""
+        ``row``, and on hybrid models prompt ``prompt``'s recurrent states of the prefill.
+
+        Returns what a later row of the same prompt may pass as ``shared`` to hold the prompt's
+        K/V without a copy of its own (per-row buffers copy every row: None)."""
         for i, (k, v) in layer_kv.items():
             ring = self.rings[i]
             if not self.rowwise(i):
@@ -181,6 +184,12 @@ class RowKVCache:
             assert states is not None, "a hybrid model's prefill records its recurrent states"
             self.recurrent.write_row(row, states, prompt)
         self.lengths[row] = length
+
+    def hold(self, shared: object) -> None:
+        """Keep what :meth:`write_prefix` returned valid for later rows (per-row buffers: nothing to keep)."""
+
+    def let_go(self, shared: object) -> None:
+        """End a :meth:`hold`."""
 
     def prefill_states(self, lengths: torch.Tensor, width: int, after: PrefillStates | None = None
                        ) -> PrefillStates | None:

@@ -48,7 +48,9 @@ class PagedKVCache(RowKVCache):
         self.table = torch.zeros(self.row_capacity, self.width, dtype=torch.int32, device=device)
         self.owned: list[list[int]] = [[] for _ in range(self.row_capacity)]  # pages per row, in order
         self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: low ids first
+        self.refs = [0] * self.pages  # rows holding each page (a prompt's full pages are shared)
         self._initial_pages = self.pages
+        self._skip_pages = 0  # while writing a prefix: its leading pages, shared, are already written
 
     # ----------------------------------------------------------------------------- layout
     def rowwise(self, layer: int) -> bool:
@@ -118,7 +120,9 @@ class PagedKVCache(RowKVCache):
     def _take(self) -> int:
         if not self.free:
             self._grow_pool()
-        return self.free.pop()
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
 
     def _grow_pool(self) -> None:
         """Double the pool (at most what the budget holds, but always by at least one page): every
@@ -135,12 +139,26 @@ class PagedKVCache(RowKVCache):
                     store[i] = new
         if pages > self.pages:  # the new, higher ids are taken last
             self.free[:0] = range(pages - 1, self.pages - 1, -1)
+        self.refs = self.refs[:pages] + [0] * (pages - len(self.refs))
         self.pages = pages
 
+    def hold(self, pages: list[int]) -> None:
+        """Keep ``pages`` (a prompt's shared pages) alive while rows are still to be written with
+        them, whatever happens to the rows holding them meanwhile; :meth:`let_go` ends it."""
+        for page in pages:
+            self.refs[page] += 1
+
+    def let_go(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                self.free.append(page)
+
     def _release(self, row: int) -> None:
-        """Row ``row``'s pages go back to the free list; its table row points at page 0."""
+        """Row ``row`` lets go of its pages (those no other row holds go back to the free list);
+        its table row points at page 0."""
         if self.owned[row]:
-            self.free.extend(reversed(self.owned[row]))
+            self.let_go(self.owned[row][::-1])
             self.owned[row] = []
             self.table[row].fill_(0)
 
@@ -156,25 +174,45 @@ class PagedKVCache(RowKVCache):
     def shrink(self, live_rows: int, max_len: int) -> None:
         super().shrink(live_rows, max_len)
         if not any(self.owned) and self.pages > 4 * self._initial_pages:
-            self.free = []
+            self.free, self.refs = [], []
             self.pages = 0
             self._resize_pool(self._initial_pages)
 
-    def write_prefix(self, row, layer_kv, length, states=None, prompt=0) -> None:
+    def write_prefix(self, row, layer_kv, length, states=None, prompt=0, shared=None) -> list[int]:
+        """As :meth:`RowKVCache.write_prefix`; ``shared``: the full pages of the same prompt that an
+        earlier row was written into (what that call returned). This row holds them too and
+        writes only the rest: decoding appends past the prompt, so full prompt pages are never
+        written again, and ``num_samples`` rows (or requests of one prompt) keep one copy."""
         self._release(row)  # a row is written whole: whatever it held is stale
         rows: list[int] = []
         cols: list[int] = []
         pages: list[int] = []
+        shared = list(shared or [])[: length // PAGE]
+        for j, page in enumerate(shared):
+            self.refs[page] += 1
+            rows.append(row)
+            cols.append(j)
+            pages.append(page)
+        self.owned[row] = list(shared)
         self._reserve_row(row, length, rows, cols, pages)
         self._write_table(rows, cols, pages)
-        super().write_prefix(row, layer_kv, length, states, prompt)
+        self._skip_pages = len(shared)
+        try:
+            super().write_prefix(row, layer_kv, length, states, prompt)
+        finally:
+            self._skip_pages = 0
+        return self.owned[row][: length // PAGE]
 
     def _write_pages(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
-        pages = self.owned[row][: -(-length // PAGE)]
+        first = self._skip_pages
+        pages = self.owned[row][first: -(-length // PAGE)]
+        if not pages:
+            return
         at = torch.tensor(pages, device=self.device)
+        start = first * PAGE
         for pool, x in ((self.K[layer], k), (self.V[layer], v)):
             heads, _, d = x.shape
-            x = _pad_positions(x[:, :length], len(pages) * PAGE)
+            x = _pad_positions(x[:, start:length], len(pages) * PAGE)
             pool[at] = x.view(heads, len(pages), PAGE, d).transpose(0, 1).to(pool.dtype)
 
     def move_row(self, src: int, dst: int) -> None:

@@ -488,19 +488,25 @@ class Sampler:
         self.stats["cached_prompt_tokens"] += sum(st.cached_tokens for st in batch)
 
         self._grow_cache(sum(s.task.input.num_samples for s in batch), L + 1)
-        for b_idx, st in enumerate(batch):
-            u = lead[b_idx]
-            if u in kept:
-                snap = kept[u]
-                self._seed_rows(st, None, snap.last_logits, snap.kv, snap.length, done, snap.states, 0)
-                continue
-            assert out is not None
-            i = at[u]
-            if _needs_prompt_logits(st.task.input):
-                assert out.starts[i] == 0  # such prompts never read the prefix cache
-            layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
-            self._seed_rows(st, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv, out.lens[i], done,
-                            out.states, i)
+        shared: dict[int, object] = {}  # unique prompt -> what its rows after the first share of its K/V
+        try:
+            for b_idx, st in enumerate(batch):
+                u = lead[b_idx]
+                if u in kept:
+                    snap = kept[u]
+                    shared[u] = self._seed_rows(st, None, snap.last_logits, snap.kv, snap.length, done, snap.states,
+                                                0, shared.get(u))
+                    continue
+                assert out is not None
+                i = at[u]
+                if _needs_prompt_logits(st.task.input):
+                    assert out.starts[i] == 0  # such prompts never read the prefix cache
+                layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
+                shared[u] = self._seed_rows(st, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
+                                            out.lens[i], done, out.states, i, shared.get(u))
+        finally:
+            for held in shared.values():
+                self.cache.let_go(held)
         self._rows_changed()
 
     def _kept_snapshots(self, unique: list[_TaskState]) -> dict[int, PromptSnapshot]:
@@ -530,10 +536,14 @@ class Sampler:
 
     def _seed_rows(self, st: _TaskState, hidden: torch.Tensor | None, last_logits: torch.Tensor,
                    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
-                   states: PrefillStates | None = None, prompt: int = 0) -> None:
+                   states: PrefillStates | None = None, prompt: int = 0, shared: object = None) -> object:
         """Start a prefilled request's rows: its prompt logprobs when asked (``hidden``: every
         prompt position's hidden state), the first token of each sample drawn from
-        ``last_logits``, and each row's K/V (and recurrent states) copied into the cache."""
+        ``last_logits``, and each row's K/V (and recurrent states) put into the cache.
+
+        A paged cache keeps one copy of the prompt's full pages for all the rows of the prompt:
+        ``shared`` is what an earlier request of the same prompt left (None: this is the first),
+        and the return value what a later one takes, held until the caller lets it go."""
         inp = st.task.input
         if _needs_prompt_logits(inp):
             assert hidden is not None, "prompt logprobs need every prompt position's hidden state"
@@ -557,11 +567,15 @@ class Sampler:
                 row.watcher = StringStopWatcher(st.stops.strings, self.decode)
             r = len(self.rows)
             self.rows.append(row)
-            self.cache.write_prefix(r, layer_kv, length, states, prompt)
+            written = self.cache.write_prefix(r, layer_kv, length, states, prompt, shared)
+            if shared is None and written is not None:
+                shared = written
+                self.cache.hold(shared)  # its first row may finish at once: the pages stay for the rest
             if self._push(row, toks_l[j], lps_l[j], tops[j]):
                 self._retire(r, "stop", done)
             elif st.max_tokens <= 1:
                 self._retire(r, "length", done)
+        return shared
 
     def _grow_cache(self, new_rows: int, length: int) -> None:
         """Room in the cache for ``new_rows`` more rows of ``length`` positions beside the running
@@ -700,7 +714,7 @@ class Sampler:
             layer_kv = {layer: (c.kv[self._kv_index[layer], 0, 0], c.kv[self._kv_index[layer], 1, 0]) for layer in kv}
             prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
             self._keep_chunked(c, last_logits)
-            self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
+            self.cache.let_go(self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent))
             self._rows_changed()
         except self.fatal_errors:
             raise
