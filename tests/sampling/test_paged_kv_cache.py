@@ -216,3 +216,33 @@ def test_rows_of_one_prompt_share_its_full_pages(qwen3_dir, prompt_len):
             assert not any(cache.owned) and not any(cache.refs) and sorted(cache.free) == list(range(cache.pages))
     assert set(results["rows"]) == {"grpo", "again", "other"}
     _assert_same(results["rows"], results["paged"])
+
+
+def test_a_shared_prompt_is_counted_once_by_admission(qwen3_dir):
+    """GRPO's groups: 2 prompts of 4 pages, 8 samples each. Counted once per group, both groups
+    fit a budget that holds each prompt once plus every row's own pages; counted per row, or
+    every row at the longest, they do not, and requests wait for each other. Same results."""
+    model = fresh_model(qwen3_dir)
+    cache = PagedKVCache(model.config, torch.device("cpu"), torch.float32)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(4, 500, 4 * PAGE).tolist() for _ in range(2)]
+    budget = (2 * 4 + 16 * 2) * cache.page_bytes()  # each prompt once, each row a tail page and room
+    make = lambda: [task(f"g{i}", p, n=8, max_tokens=20, temperature=1.0, seed=i, stop=[])  # noqa: E731
+                    for i, p in enumerate(prompts)]
+    peaks, results = {}, {}
+    for layout in ("rows", "paged"):
+        sampler = Sampler(model, decoder(qwen3_dir), kv_cache_bytes=budget, prefix_cache_bytes=0, kv_layout=layout)
+        peak = 0
+        real_step = sampler._decode_step
+
+        def counting_step(done, sampler=sampler, real_step=real_step):
+            nonlocal peak
+            peak = max(peak, len(sampler.rows))
+            assert sampler.cache.nbytes() <= budget
+            real_step(done)
+
+        sampler._decode_step = counting_step
+        results[layout] = run(sampler, make())
+        peaks[layout] = peak
+    _assert_same(results["rows"], results["paged"])
+    assert peaks == {"rows": 8, "paged": 16}, peaks

@@ -18,7 +18,8 @@ buffers have zero heads) and keep each row's fixed-size recurrent state beside t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -33,6 +34,19 @@ BLOCK = 64
 
 def _round_up(n: int, block: int) -> int:
     return max(block, -(-n // block) * block)
+
+
+class RowNeed(NamedTuple):
+    """What admission counts a row at: ``positions``, of which the first ``shared`` (its prompt)
+    rows of the same ``group`` (one prompt's rows, seeded together) may hold as one copy."""
+
+    positions: int
+    group: Hashable | None = None
+    shared: int = 0
+
+
+def needs_of(rows: Sequence[RowNeed | int]) -> list[RowNeed]:
+    return [RowNeed(r) if isinstance(r, int) else r for r in rows]
 
 
 class RowKVCache:
@@ -84,14 +98,16 @@ class RowKVCache:
         :class:`tinsmith.sampling.paged_kv_cache.PagedKVCache` for pages)."""
         return True
 
-    def bytes_for(self, spans: list[int]) -> int:
-        """Bytes of K/V that rows holding ``spans`` positions take: every row at the longest one's."""
-        return len(spans) * self.row_bytes(_round_up(max(spans, default=0), BLOCK)) if spans else 0
+    def bytes_for(self, rows: Sequence[RowNeed | int]) -> int:
+        """Bytes of K/V that ``rows`` (positions each, or :class:`RowNeed`) take: every row at the
+        longest one's (per-row buffers share nothing)."""
+        needs = needs_of(rows)
+        return len(needs) * self.row_bytes(_round_up(max(n.positions for n in needs), BLOCK)) if needs else 0
 
-    def static_bytes(self, spans: list[int], rows: int, capacity: int) -> int:
-        """Bytes of K/V a fixed-shape step of ``rows`` rows (the live ones holding ``spans``, then
-        padding) at ``capacity`` positions takes: every row, padding included, at the capacity."""
-        return rows * self.row_bytes(capacity)
+    def static_bytes(self, rows: Sequence[RowNeed | int], bucket: int, capacity: int) -> int:
+        """Bytes of K/V a fixed-shape step of ``bucket`` rows (the live ``rows``, then padding) at
+        ``capacity`` positions takes: every row, padding included, at the capacity."""
+        return bucket * self.row_bytes(capacity)
 
     def reserve(self, spans: list[int]) -> None:
         """Room for row ``i`` to hold ``spans[i]`` positions. Per-row buffers have it once

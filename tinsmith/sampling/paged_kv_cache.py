@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 
 from tinsmith.models.config import ModelConfig
-from tinsmith.sampling.kv_cache import BLOCK, RowKVCache, _round_up
+from collections.abc import Sequence
+
+from tinsmith.sampling.kv_cache import BLOCK, RowKVCache, RowNeed, needs_of
 
 PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
 
@@ -78,14 +80,22 @@ class PagedKVCache(RowKVCache):
             return pages
         return max(1, min(pages, self.max_bytes // max(1, self.page_bytes())))
 
-    def bytes_for(self, spans: list[int]) -> int:
-        """Each row at its own positions, in whole pages."""
-        return sum(self.row_bytes(_round_up(s, PAGE)) for s in spans)
+    def bytes_for(self, rows: Sequence[RowNeed | int]) -> int:
+        """Each row at its own positions in whole pages, the full pages of a group's shared prompt
+        once for the group; per-row buffers (rings) for every row."""
+        pages = 0
+        groups: dict = {}
+        for need in needs_of(rows):
+            full = need.shared // PAGE if need.group is not None else 0
+            pages += -(-need.positions // PAGE) - full
+            if full:
+                groups[need.group] = max(groups.get(need.group, 0), full)
+        per_row = sum(self.row_bytes(n.positions, only=self.rowwise) for n in needs_of(rows))
+        return (pages + sum(groups.values())) * self.page_bytes() + per_row
 
-    def static_bytes(self, spans: list[int], rows: int, capacity: int) -> int:
-        """The live rows at their own positions; padding rows own no page (only per-row buffers)."""
-        padding = rows - len(spans)
-        return self.bytes_for(spans) + padding * self.row_bytes(capacity, only=self.rowwise)
+    def static_bytes(self, rows: Sequence[RowNeed | int], bucket: int, capacity: int) -> int:
+        """The live rows as :meth:`bytes_for` counts them; padding rows own no page (only per-row buffers)."""
+        return self.bytes_for(rows) + (bucket - len(rows)) * self.row_bytes(capacity, only=self.rowwise)
 
     def addresses(self) -> tuple:
         return (*super().addresses(), self.table.data_ptr())

@@ -36,7 +36,7 @@ from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.decode_graphs import DecodeGraphs, bucket_for
 from tinsmith.sampling.kv_cache import BLOCK as KV_BLOCK
-from tinsmith.sampling.kv_cache import RowKVCache, recording_attention
+from tinsmith.sampling.kv_cache import RowKVCache, RowNeed, recording_attention
 from tinsmith.sampling.paged_kv_cache import PagedKVCache
 from tinsmith.sampling.recurrent_state import PrefillStates
 from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
@@ -91,6 +91,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
     watcher: StringStopWatcher | None = None
+    group: object = None  # the rows seeded from one prefill of its prompt (a paged cache holds it once)
 
 
 class Sampler:
@@ -312,14 +313,18 @@ class Sampler:
             return self._longest(inp)
         return min(self._longest(inp), len(inp.prompt) + sampled + KV_BLOCK)
 
-    def _occupancy(self) -> list[int]:
-        """Positions each running row, and each row of the prompt being chunked, is counted at by
+    def _need(self, row: _Row, positions: int) -> RowNeed:
+        """Row ``row`` at ``positions``, its prompt shared with the rows of its group."""
+        return RowNeed(positions, row.group, len(row.state.task.input.prompt) if row.group is not None else 0)
+
+    def _occupancy(self) -> list[RowNeed]:
+        """What each running row, and each row of the prompt being chunked, is counted at by
         admission (the cache says what rows of those take: :meth:`RowKVCache.bytes_for`)."""
-        spans = [self._held(r.state.task.input, len(r.tokens)) for r in self.rows]
+        needs = [self._need(r, self._held(r.state.task.input, len(r.tokens))) for r in self.rows]
         if self._chunked is not None:  # it holds its rows already: they decode once its last chunk is done
             inp = self._chunked.state.task.input
-            spans += [self._held(inp, 0)] * inp.num_samples
-        return spans
+            needs += [RowNeed(self._held(inp, 0), id(self._chunked.state), len(inp.prompt))] * inp.num_samples
+        return needs
 
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
@@ -331,7 +336,7 @@ class Sampler:
         while self._resume:  # preempted requests come back first, oldest first
             st = self._resume[0]
             n = len(st.paused)
-            need = [self._held(st.task.input, len(r.tokens)) for r in st.paused]
+            need = [RowNeed(self._held(st.task.input, len(r.tokens))) for r in st.paused]  # each recomputed alone
             over_budget = self.kv_cache_bytes and self.cache.bytes_for(spans + need) > self.kv_cache_bytes
             if spans and (len(spans) + n > self.max_rows or over_budget):
                 return  # nothing overtakes a preempted request
@@ -359,8 +364,11 @@ class Sampler:
                 break
             if fits and not batch and rows + n > self.max_rows:
                 break  # wait for rows to free up
-            held = [self._held(task.input, 0)] * n
-            alone = self.cache.bytes_for([self._longest(task.input)] * n)  # what it may need: it must fit by itself
+            # The rows of one prefill of a prompt (num_samples, and requests of it admitted together)
+            # may hold its K/V once.
+            group = ("prompt", key) if key is not None and not chunked and head is None else ("task", id(task))
+            held = [RowNeed(self._held(task.input, 0), group, len(task.input.prompt))] * n
+            alone = self.cache.bytes_for([RowNeed(self._longest(task.input), group, len(task.input.prompt))] * n)
             if fits and self.kv_cache_bytes and max(alone, self.cache.bytes_for(spans + held)) > self.kv_cache_bytes:
                 if batch or rows:
                     break  # wait for running sequences to finish and give their K/V back
@@ -489,13 +497,14 @@ class Sampler:
 
         self._grow_cache(sum(s.task.input.num_samples for s in batch), L + 1)
         shared: dict[int, object] = {}  # unique prompt -> what its rows after the first share of its K/V
+        groups: dict[int, object] = {}  # unique prompt -> its rows' group (admission counts its K/V once)
         try:
             for b_idx, st in enumerate(batch):
                 u = lead[b_idx]
                 if u in kept:
                     snap = kept[u]
                     shared[u] = self._seed_rows(st, None, snap.last_logits, snap.kv, snap.length, done, snap.states,
-                                                0, shared.get(u))
+                                                0, shared.get(u), groups.setdefault(u, object()))
                     continue
                 assert out is not None
                 i = at[u]
@@ -503,7 +512,7 @@ class Sampler:
                     assert out.starts[i] == 0  # such prompts never read the prefix cache
                 layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
                 shared[u] = self._seed_rows(st, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
-                                            out.lens[i], done, out.states, i, shared.get(u))
+                                            out.lens[i], done, out.states, i, shared.get(u), groups.setdefault(u, object()))
         finally:
             for held in shared.values():
                 self.cache.let_go(held)
@@ -536,7 +545,8 @@ class Sampler:
 
     def _seed_rows(self, st: _TaskState, hidden: torch.Tensor | None, last_logits: torch.Tensor,
                    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
-                   states: PrefillStates | None = None, prompt: int = 0, shared: object = None) -> object:
+                   states: PrefillStates | None = None, prompt: int = 0, shared: object = None,
+                   group: object = None) -> object:
         """Start a prefilled request's rows: its prompt logprobs when asked (``hidden``: every
         prompt position's hidden state), the first token of each sample drawn from
         ``last_logits``, and each row's K/V (and recurrent states) put into the cache.
@@ -561,8 +571,9 @@ class Sampler:
         )
         toks_l, lps_l = tok.tolist(), lp.tolist()
         tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
+        group = group if group is not None else object()
         for j in range(n):
-            row = _Row(st, j)
+            row = _Row(st, j, group=group)
             if st.stops.strings:
                 row.watcher = StringStopWatcher(st.stops.strings, self.decode)
             r = len(self.rows)
@@ -591,11 +602,12 @@ class Sampler:
             return
         while True:
             # each row after a burst (see _decode_step), and room for the rows of the prompt being chunked
-            spans = [len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1 for r in self.rows]
+            needs = [self._need(r, len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1)
+                     for r in self.rows]
             if self._chunked is not None:
                 inp = self._chunked.state.task.input
-                spans += [self._held(inp, 0)] * inp.num_samples
-            if self.cache.bytes_for(spans) <= self.kv_cache_bytes:
+                needs += [RowNeed(self._held(inp, 0), id(self._chunked.state), len(inp.prompt))] * inp.num_samples
+            if self.cache.bytes_for(needs) <= self.kv_cache_bytes:
                 return
             waiting = {id(st) for st in self._resume}
             live = [st for st in self._live_states() if id(st) not in waiting and not st.task.input.prompt_images]
@@ -641,6 +653,7 @@ class Sampler:
             return
         self.stats["recomputed_tokens"] += sum(lens)
         for i, row in enumerate(rows):
+            row.group = None  # recomputed alone: it shares nothing
             r = len(self.rows)
             self.rows.append(row)
             self.cache.write_prefix(r, {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}, lens[i], recurrent, i)
@@ -1005,7 +1018,8 @@ class Sampler:
         if span > capacity:
             longest = max(self._longest(row.state.task.input) for row in self.rows)
             capacity = max(span, min(longest, 2 * capacity))
-        if why is None and self.kv_cache_bytes and self.cache.static_bytes(spans, rows, capacity) > self.kv_cache_bytes:
+        needs = [self._need(row, positions) for row, positions in zip(self.rows, spans)]
+        if why is None and self.kv_cache_bytes and self.cache.static_bytes(needs, rows, capacity) > self.kv_cache_bytes:
             why = "the bucket's padding rows would pass the K/V cache budget"
         if why is not None:
             if why not in self._eager_reasons:  # each reason once (a failed capture logged its own warning)
