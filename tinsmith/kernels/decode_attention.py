@@ -25,27 +25,24 @@ interpreter on a CPU).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from tinsmith.kernels.lora_gather import triton, triton_available, triton_interpreting
+from tinsmith.kernels.guard import KernelGuard
+from tinsmith.kernels.lora_gather import triton, triton_available
 
 if triton is not None:
     import triton.language as tl
-
-log = logging.getLogger(__name__)
 
 # "auto": the kernels for CUDA tensors, torch for the rest; "torch"; "triton": the kernels for
 # every tensor (CPU ones need TRITON_INTERPRET=1 set before triton is imported: tests do).
 BACKEND = "auto"
 MAX_SPLITS = 64
-_failed: str | None = None  # why the kernels could not run here: torch from then on (logged once)
+GUARD = KernelGuard("decode attention kernels", "decoding through SDPA")
 
 
 def usable(q: torch.Tensor) -> bool:
     """Whether decode attention over tensors like ``q`` takes the kernels."""
-    if triton is None or BACKEND == "torch" or _failed is not None:
+    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
         return False
     return BACKEND == "triton" or q.device.type == "cuda"
 
@@ -208,16 +205,7 @@ def try_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_ke
                          sinks: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`decode_attention`, or None (the caller takes the torch path) where the kernels cannot
     run: the first failure to build them on a GPU is logged, and torch serves from then on."""
-    global _failed
-    try:
-        return decode_attention(q, K, V, n_keys, span, sinks, table=table)
-    except Exception as exc:  # a Triton build or launch error (not a CUDA fault: those are sticky)
-        if (triton_interpreting() or type(exc).__name__ == "AcceleratorError"
-                or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-            raise
-        _failed = f"{type(exc).__name__}: {str(exc)[:200]}"
-        log.warning("the decode attention kernels cannot run here (%s); decoding through SDPA from now on", _failed)
-        return None
+    return GUARD.call(decode_attention, q, K, V, n_keys, span, sinks, table=table, on=q)
 
 
 __all__ = ["BACKEND", "decode_attention", "split_plan", "try_decode_attention", "triton_available", "usable"]

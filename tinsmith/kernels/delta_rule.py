@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton
 
 if triton is not None:
@@ -29,11 +30,12 @@ if triton is not None:
 # every tensor (CPU ones need TRITON_INTERPRET=1 set before triton is imported: tests do).
 BACKEND = "auto"
 L2_EPS = 1e-6  # fla's (and tinsmith.models.gated_deltanet.l2norm's)
+GUARD = KernelGuard("fused delta-rule decode kernel", "decoding Gated DeltaNet layers in torch")
 
 
 def usable(state: torch.Tensor) -> bool:
     """Whether a decode step over ``state`` takes the kernel (it must be fp32 and contiguous per head)."""
-    if triton is None or BACKEND == "torch" or state.dtype != torch.float32:
+    if triton is None or BACKEND == "torch" or GUARD.failed is not None or state.dtype != torch.float32:
         return False
     if state.stride(-1) != 1 or state.stride(-2) != state.shape[-1]:
         return False
@@ -100,3 +102,10 @@ def decode_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         o3.stride(0), o3.stride(1), dk ** -0.5, L2_EPS,
         REP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v)
     return out
+
+
+def try_decode_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor | None:
+    """:func:`decode_step_`, or None (the caller takes the torch step; ``state`` untouched) where the
+    kernel cannot run: the first failure to build it on a GPU is logged, and torch serves from then on."""
+    return GUARD.call(decode_step_, q, k, v, g, beta, state, on=state)

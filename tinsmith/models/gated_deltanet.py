@@ -176,9 +176,8 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((conv_state, mixed.transpose(1, 2).to(conv_state.dtype)), dim=-1)  # (n, C, kernel)
             conv = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0])).transpose(1, 2)
             q, k, v = self._split(conv.to(x.dtype), b, L)
-            if delta_rule.usable(state):  # on a GPU: one fused pass over the state, in place
-                out = delta_rule.decode_step_(q, k, v, g, beta, state)
-            else:
+            out = delta_rule.try_decode_step_(q, k, v, g, beta, state) if delta_rule.usable(state) else None
+            if out is None:  # the torch step (CPUs; a GPU whose Triton cannot build the fused kernel)
                 out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
             states.put(self.layer_idx, window[:, :, 1:], state)
         else:

@@ -1,0 +1,56 @@
+"""A kernel that cannot run on a machine is switched off once, with a warning naming why; the
+torch path serves from then on. CUDA faults and failures under Triton's interpreter are raised."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tinsmith.kernels import guard as guard_mod
+from tinsmith.kernels.guard import KernelGuard
+
+
+def test_a_failing_kernel_is_switched_off_once(monkeypatch, caplog):
+    monkeypatch.setattr(guard_mod, "triton_interpreting", lambda: False)
+    g = KernelGuard("test kernels", "using torch")
+    calls = []
+
+    def broken(x):
+        calls.append(x)
+        raise RuntimeError("PTX assembly aborted")
+
+    with caplog.at_level(logging.WARNING):
+        assert g.call(broken, 1, on=torch.zeros(1)) is None
+        assert g.call(broken, 2, on=torch.zeros(1)) is None
+    assert calls == [1] and "PTX assembly aborted" in g.failed
+    assert sum("test kernels cannot run here" in r.message for r in caplog.records) == 1
+    assert KernelGuard("ok", "").call(lambda x: x + 1, 1, on=torch.zeros(1)) == 2
+
+
+@pytest.mark.parametrize("interpreting, error", [(True, RuntimeError), (False, type("AcceleratorError", (Exception,), {}))])
+def test_faults_and_interpreter_failures_are_raised(monkeypatch, interpreting, error):
+    monkeypatch.setattr(guard_mod, "triton_interpreting", lambda: interpreting)
+    g = KernelGuard("test kernels", "using torch")
+
+    def broken():
+        raise error("illegal memory access")
+
+    with pytest.raises(error):
+        g.call(broken, on=torch.zeros(1))
+    assert g.failed is None
+
+
+def test_switched_off_kernels_are_not_usable(monkeypatch):
+    from tinsmith.kernels import decode_attention as da
+    from tinsmith.kernels import delta_rule as dr
+
+    monkeypatch.setattr(da, "BACKEND", "triton")
+    monkeypatch.setattr(dr, "BACKEND", "triton")
+    if da.triton is None:
+        pytest.skip("triton is not installed")
+    assert da.usable(torch.zeros(1)) and dr.usable(torch.zeros(1, 1, 2, 2))
+    monkeypatch.setattr(da.GUARD, "failed", "RuntimeError: x")
+    monkeypatch.setattr(dr.GUARD, "failed", "RuntimeError: x")
+    assert not da.usable(torch.zeros(1)) and not dr.usable(torch.zeros(1, 1, 2, 2))

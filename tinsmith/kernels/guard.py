@@ -1,0 +1,42 @@
+"""Falling back from a kernel that cannot run on this machine, once and loudly.
+
+A Triton kernel that fails to build or launch on a GPU (an older Triton, an unexpected shape, a
+compiler bug) must not fail the requests that reached it: the first failure is logged with its
+cause, the kernel family is switched off, and the torch path serves from then on. CUDA faults
+(an illegal access) are not caught: they poison the context, and the engine must see them. In
+Triton's interpreter (tests) every failure is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from tinsmith.kernels.lora_gather import triton_interpreting
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class KernelGuard:
+    def __init__(self, what: str, instead: str):
+        self.what, self.instead = what, instead
+        self.failed: str | None = None  # why the kernels were switched off
+
+    def call(self, fn: Callable[..., T], *args, on: torch.Tensor, **kwargs) -> T | None:
+        """``fn(*args, **kwargs)``, or None once the kernels are off (``on``: a tensor of the call,
+        to tell a graph capture in progress, where nothing may be swallowed)."""
+        if self.failed is not None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if (triton_interpreting() or type(exc).__name__ == "AcceleratorError"
+                    or (on.is_cuda and torch.cuda.is_current_stream_capturing())):
+                raise
+            self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log.warning("the %s cannot run here (%s); %s from now on", self.what, self.failed, self.instead)
+            return None
