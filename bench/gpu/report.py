@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bench.gpu import targets
+
 
 def _fmt(v, pct: bool = False) -> str:
     if v is None:
@@ -30,6 +32,7 @@ def markdown(s: dict) -> str:
     L = [f"# bench/gpu on {pk.get('device_name')} (torch {s['torch']}{', quick' if s['quick'] else ''})", "",
          f"Measured peaks: matmul {pk['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, "
          f"copy {pk['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written). Wall {s.get('wall_s')} s.", ""]
+    L += targets.markdown(s, _fmt)
     tr = s.get("train", {})
     if tr:
         L += ["## Training (tokens/s; MFU 4NT LoRA, 6NT full)", "",

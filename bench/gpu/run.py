@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu import peak as peak_mod
-from bench.gpu import moe, sample, train
+from bench.gpu import moe, sample, targets, train
 from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
 
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         (a.out / "moe.json").write_text(json.dumps(mo.results, indent=2))
 
     summary["wall_s"] = round(time.perf_counter() - started, 1)
+    summary["targets"] = targets.evaluate(summary)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
     md = markdown(summary)
     (a.out / "summary.md").write_text(md)
