@@ -169,7 +169,7 @@ def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
     cache.ensure(2, 8 * PAGE)
     cache.reserve([8 * PAGE, 7 * PAGE])  # more pages than the pool holds: it grows
     assert cache.pages >= 15 and cache.table.data_ptr() == table  # the table never moves
-    K, V = cache._rows_view(0, 1, 3 * PAGE)
+    K, V = cache._rows_view(0, 1, 3 * PAGE, {})
     assert torch.equal(K[0], k) and torch.equal(V[0], -k)  # written pages kept their contents
     cache.move_row(1, 1)
     cache.move_row(0, 0)

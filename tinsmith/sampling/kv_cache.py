@@ -258,6 +258,7 @@ class RowKVCache:
             return masks[0]
 
         visible: dict[int | None, torch.Tensor] = {}  # window -> (n, 1, keys) keys each row sees
+        step: dict = {}  # what a subclass computes once per step for all its layers
         # On a GPU the kernels of tinsmith.kernels.decode_attention read only each row's own
         # positions: per ring size (None: no ring), how many leading slots each row sees.
         kernels = decode_kernels.usable(self.K[0])
@@ -278,7 +279,7 @@ class RowKVCache:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
             ring = self.rings[layer]
-            self._write_step(layer, rows, pos, keep, k, v)
+            self._write_step(layer, rows, pos, keep, k, v, step)
             out = kernel_attention(layer, q, ring, window, sinks)
             if out is not None:
                 return out
@@ -291,7 +292,7 @@ class RowKVCache:
                     d = (pos[:, None] - torch.arange(keys, device=self.device)[None, :]) % ring
                     visible[window] = ((d < window) & (d <= pos[:, None]))[:, None]
                 return masked_attention(q, K[:n, :, :keys], V[:n, :, :keys], visible[window], sinks)
-            K, V = self._rows_view(layer, n, span)
+            K, V = self._rows_view(layer, n, span, step)
             if sinks is not None or window is not None:
                 if window not in visible:
                     seen = ~future if window is None else ~future & (
@@ -309,7 +310,7 @@ class RowKVCache:
         return attend
 
     def _write_step(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | None,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
+                    k: torch.Tensor, v: torch.Tensor, step: dict) -> None:
         """Store a decode step's K/V (n, kv_heads, 1, d) of rows ``rows`` at positions ``pos`` (a
         ring's slot ``pos % ring``); rows ``keep`` (n, 1, 1) marks False write back what was there."""
         K, V = self.K[layer], self.V[layer]
@@ -322,7 +323,7 @@ class RowKVCache:
             K[rows, :, at] = torch.where(keep, k[:, :, 0], K[rows, :, at])
             V[rows, :, at] = torch.where(keep, v[:, :, 0], V[rows, :, at])
 
-    def _rows_view(self, layer: int, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows_view(self, layer: int, n: int, span: int, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K, V of rows ``[0, n)``, positions ``[0, span)``: (n, kv_heads, span, d)."""
         return self.K[layer][:n, :, :span], self.V[layer][:n, :, :span]
 

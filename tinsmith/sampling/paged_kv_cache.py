@@ -235,11 +235,12 @@ class PagedKVCache(RowKVCache):
         super().move_row(src, dst)
 
     # ----------------------------------------------------------------------------- decode steps
-    def _write_step(self, layer, rows, pos, keep, k, v) -> None:
+    def _write_step(self, layer, rows, pos, keep, k, v, step) -> None:
         if not self.paged[layer]:
-            return super()._write_step(layer, rows, pos, keep, k, v)
-        page = self.table[rows, pos // PAGE].long()
-        at = pos % PAGE
+            return super()._write_step(layer, rows, pos, keep, k, v, step)
+        if "page" not in step:  # where each row writes, the same for every paged layer
+            step["page"], step["at"] = self.table[rows, pos // PAGE].long(), pos % PAGE
+        page, at = step["page"], step["at"]
         K, V = self.K[layer], self.V[layer]
         if keep is None:
             K[page, :, at] = k[:, :, 0]
@@ -248,11 +249,13 @@ class PagedKVCache(RowKVCache):
             K[page, :, at] = torch.where(keep, k[:, :, 0], K[page, :, at])
             V[page, :, at] = torch.where(keep, v[:, :, 0], V[page, :, at])
 
-    def _rows_view(self, layer: int, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows_view(self, layer: int, n: int, span: int, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[0, n)``'s pages gathered into row buffers (the torch path; the kernels read pages)."""
         if not self.paged[layer]:
-            return super()._rows_view(layer, n, span)
-        pages = self.table[:n, : -(-span // PAGE)].long()
+            return super()._rows_view(layer, n, span, step)
+        if "pages" not in step:
+            step["pages"] = self.table[:n, : -(-span // PAGE)].long()
+        pages = step["pages"]
         out = []
         for pool in (self.K[layer], self.V[layer]):
             x = pool[pages]  # (n, pages, heads, PAGE, d)
