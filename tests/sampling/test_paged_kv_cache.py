@@ -246,3 +246,24 @@ def test_a_shared_prompt_is_counted_once_by_admission(qwen3_dir):
         peaks[layout] = peak
     _assert_same(results["rows"], results["paged"])
     assert peaks == {"rows": 8, "paged": 16}, peaks
+
+
+def test_a_padding_row_never_overwrites_a_live_write(qwen3_dir):
+    """A free row's table points at page 0, which may be a live row's later page, written this very
+    step: padding rows write back elsewhere (position 0 of the first live row's first page)."""
+    cfg = fresh_model(qwen3_dir).config
+    cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=4)
+    kv = lambda n: {0: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2,  # noqa: E731
+                    1: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2}
+    cache.write_prefix(0, kv(PAGE), PAGE)  # row 0 takes page 0
+    cache.write_prefix(1, kv(PAGE), PAGE)  # row 1 takes page 1
+    cache.move_row(1, 0)  # row 0 leaves (page 0 is free again); row 1 becomes row 0
+    cache.reserve([PAGE + 1])  # row 0's second page: page 0
+    assert cache.owned[0] == [1, 0] and cache.table[1].eq(0).all()
+    before = cache.K[0][1].clone()
+    attend = cache.decode_attention(2, PAGE + 1, live=torch.tensor([1, 0]))
+    q = torch.randn(2, cfg.num_heads, 1, cfg.head_dim)
+    k, v = torch.randn(2, cfg.num_kv_heads, 1, cfg.head_dim), torch.randn(2, cfg.num_kv_heads, 1, cfg.head_dim)
+    attend(0, q, k, v)
+    assert torch.equal(cache.K[0][0, :, 0], k[0, :, 0])  # row 0's position 64: page 0, slot 0
+    assert torch.equal(cache.K[0][1], before)  # the padding row's write-back changed nothing

@@ -17,9 +17,9 @@ a layer's K/V is a pool ``(pages, kv_heads, PAGE, head_dim)`` and row ``r``'s po
 - admission counts each row at its own positions (:meth:`PagedKVCache.bytes_for`), not every row
   at the longest one's.
 
-Rows that hold nothing point at page 0 (whoever owns it): the padding rows of a fixed-shape step
-write back what its position 0 holds, which no decode step writes (a row's first position is
-its prompt's). Sliding-window layers keep their per-row rings and hybrid models
+Rows that hold nothing point at page 0 (whoever owns it); the padding rows of a fixed-shape step
+write back what position 0 of the first live row holds, which no decode step writes (a row's
+first position is its prompt's). Sliding-window layers keep their per-row rings and hybrid models
 their per-row recurrent states (both fixed per row); only full-attention layers are paged.
 
 On a GPU the decode kernels (:mod:`tinsmith.kernels.decode_attention`) read the pages through the
@@ -239,7 +239,12 @@ class PagedKVCache(RowKVCache):
         if not self.paged[layer]:
             return super()._write_step(layer, rows, pos, keep, k, v, step)
         if "page" not in step:  # where each row writes, the same for every paged layer
-            step["page"], step["at"] = self.table[rows, pos // PAGE].long(), pos % PAGE
+            page = self.table[rows, pos // PAGE].long()
+            if keep is not None:
+                # Padding rows (at position 0) write back position 0 of row 0's first page: no decode
+                # step writes a position 0, while their own table rows may point at any row's page.
+                page = torch.where(keep.view(-1), page, self.table[0, 0].long())
+            step["page"], step["at"] = page, pos % PAGE
         page, at = step["page"], step["at"]
         K, V = self.K[layer], self.V[layer]
         if keep is None:
