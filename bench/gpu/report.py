@@ -78,12 +78,13 @@ def markdown(s: dict) -> str:
         L.append("")
         L += ["### One layer's decode attention, rows of mixed lengths (us; share of copy bandwidth)", "",
               "| shape | rows | SDPA at span | SDPA at capacity (graphs) | kernels at span | kernels at capacity | "
-              "kernels vs SDPA at capacity | notes |", "|" + "---|" * 8]
+              "kernels over pages | kernels vs SDPA at capacity | notes |", "|" + "---|" * 9]
         for name in s["shapes"]:
             da = sa.get(f"{name}/decode_attention", {})
             for rk in [k for k in da if k.startswith("rows_")]:
                 cells = [f"{_get(da, rk, v, 'us')} ({_get(da, rk, v, 'of_copy_bw', pct=True)})"
-                         for v in ("sdpa_span", "sdpa_capacity", "kernels_span", "kernels_capacity")]
+                         for v in ("sdpa_span", "sdpa_capacity", "kernels_span", "kernels_capacity",
+                                   "kernels_pages_capacity")]
                 L.append(f"| {name} | {rk[5:]} | {' | '.join(cells)} | {_get(da, rk, 'kernels_vs_sdpa_capacity')} | "
                          f"{_status(da)} |")
         L.append("")

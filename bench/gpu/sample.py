@@ -189,12 +189,14 @@ def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:
     """One attention layer's decode step (write the new K/V, attend) over a cache of rows of mixed
     lengths: SDPA over the longest row's span (the eager step), SDPA over the cache's capacity (the
     fixed-shape step CUDA graphs replay), and the decode kernels, which read each row's own
-    positions whichever span they are given. ``of_copy_bw``: the K/V bytes the rows hold, read
-    once, over the time, as a share of the measured copy bandwidth."""
+    positions whichever span they are given, over per-row buffers and over pages (the GPU's
+    layout; without the kernels, pages are gathered first). ``of_copy_bw``: the K/V bytes the rows
+    hold, read once, over the time, as a share of the measured copy bandwidth."""
     from bench.gpu.peak import timed
     from tinsmith.kernels import decode_attention as kernels
     from tinsmith.models.loading import read_config
     from tinsmith.sampling.kv_cache import RowKVCache
+    from tinsmith.sampling.paged_kv_cache import PagedKVCache
 
     cfg = read_config(Path(model_dir))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -204,19 +206,21 @@ def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:
     for rows in ((4,) if quick else (64, 256)):
         lo, hi = (8, 24) if quick else (128, 384)  # a 128-token prompt plus 0..256 sampled tokens
         capacity = 2 * hi  # the static step's cache: grown to twice the span ahead of the rows
-        cache = RowKVCache(cfg, device, dtype, rows=rows)
-        cache.ensure(rows, capacity)
-        layer = next(i for i in range(cfg.num_layers) if not cfg.is_linear_layer(i))
-        for t in (cache.K[layer], cache.V[layer]):
-            t.normal_()
         lengths = torch.randint(lo, hi, (rows,), generator=gen)
+        caches = {"rows": RowKVCache(cfg, device, dtype, rows=rows), "pages": PagedKVCache(cfg, device, dtype, rows=rows)}
+        layer = next(i for i in range(cfg.num_layers) if not cfg.is_linear_layer(i))
+        for cache in caches.values():
+            cache.ensure(rows, capacity)
+            cache.reserve([int(n) + 1 for n in lengths])
+            for t in (cache.K[layer], cache.V[layer]):
+                t.normal_()
         span = int(lengths.max()) + 1
         q = torch.randn(rows, hq, 1, d, generator=gen).to(device, dtype)
         k, v = (torch.randn(rows, hk, 1, d, generator=gen).to(device, dtype) for _ in range(2))
         live = torch.ones(rows, dtype=torch.long, device=device)
         kv_bytes = 2 * int(lengths.sum() + rows) * hk * d * torch.finfo(dtype).bits // 8
 
-        def step(kernel: bool, width: int, fixed: bool):
+        def step(cache, kernel: bool, width: int, fixed: bool):
             kernels.BACKEND = "auto" if kernel else "torch"
             cache.lengths[:rows] = lengths.to(device)  # the write lands at each row's length, every run
             attend = cache.decode_attention(rows, width, live=live if fixed else None)
@@ -224,17 +228,20 @@ def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:
 
         row: dict = {"span": span, "capacity": capacity, "kv_mbytes": kv_bytes / 1e6}
         try:
-            variants = [("sdpa_span", False, span, False), ("sdpa_capacity", False, capacity, True)]
+            variants = [("sdpa_span", "rows", False, span, False), ("sdpa_capacity", "rows", False, capacity, True),
+                        ("pages_gathered_capacity", "pages", False, capacity, True)]
             if out["kernels_usable"]:
-                variants += [("kernels_span", True, span, False), ("kernels_capacity", True, capacity, True)]
-            for name, kernel, width, fixed in variants:
-                s = timed(step(kernel, width, fixed), device, repeats=3 if quick else 50)
+                variants += [("kernels_span", "rows", True, span, False), ("kernels_capacity", "rows", True, capacity, True),
+                             ("kernels_pages_capacity", "pages", True, capacity, True)]
+            for name, layout, kernel, width, fixed in variants:
+                s = timed(step(caches[layout], kernel, width, fixed), device, repeats=3 if quick else 50)
                 row[name] = {"us": s * 1e6, "of_copy_bw": kv_bytes / s / peak["copy_bytes_per_s"]}
         finally:
             kernels.BACKEND = "auto"
         if "kernels_capacity" in row:
             row["kernels_vs_sdpa_capacity"] = row["sdpa_capacity"]["us"] / row["kernels_capacity"]["us"]
             row["kernels_vs_sdpa_span"] = row["sdpa_span"]["us"] / row["kernels_span"]["us"]
+            row["pages_vs_rows_kernels"] = row["kernels_capacity"]["us"] / row["kernels_pages_capacity"]["us"]
         out[f"rows_{rows}"] = row
     return out
 
