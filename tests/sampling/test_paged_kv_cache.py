@@ -267,3 +267,18 @@ def test_a_padding_row_never_overwrites_a_live_write(qwen3_dir):
     attend(0, q, k, v)
     assert torch.equal(cache.K[0][0, :, 0], k[0, :, 0])  # row 0's position 64: page 0, slot 0
     assert torch.equal(cache.K[0][1], before)  # the padding row's write-back changed nothing
+
+
+def test_growing_batches_move_nothing_a_captured_step_reads(qwen3_dir):
+    """A dense model's paged cache: more rows and longer spans leave every address a CUDA graph
+    holds where it was (the table and lengths are made for the sampler's most rows); per-row
+    buffers move at each growth. Only a pool that must grow moves its pages."""
+    cfg = fresh_model(qwen3_dir).config
+    paged = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=2, table_rows=64)
+    rows = Sampler(fresh_model(qwen3_dir), decoder(qwen3_dir), kv_layout="rows").cache
+    before = (paged.addresses(), rows.addresses())
+    for cache in (paged, rows):
+        cache.ensure(40, 4 * PAGE)
+    assert paged.addresses() == before[0] and rows.addresses() != before[1]
+    paged.reserve([4 * PAGE] * 40)  # 160 pages: the pool grows
+    assert paged.addresses() != before[0]

@@ -116,7 +116,7 @@ class RowKVCache:
     def addresses(self) -> tuple:
         """Where the buffers a decode step reads and writes sit (a captured step holds them)."""
         states = () if self.recurrent is None else (*self.recurrent.conv.values(), *self.recurrent.state.values())
-        return (self.row_capacity, self.lengths.data_ptr(), *(t.data_ptr() for t in (*self.K, *self.V, *states)))
+        return (self.lengths.data_ptr(), *(t.data_ptr() for t in (*self.K, *self.V, *states)))
 
     def nbytes(self) -> int:
         """Bytes the cache's buffers take (for metrics; its lists may be swapped meanwhile, a copy is read)."""
@@ -151,16 +151,17 @@ class RowKVCache:
                 new[:keep, :, :width] = old[:keep, :, :width]
                 store[i] = new
         if new_rows != self.row_capacity:
-            lengths = torch.zeros(new_rows, dtype=torch.long, device=self.device)
-            lengths[:keep] = self.lengths[:keep]
-            self.lengths = lengths
             if self.recurrent is not None:
                 self.recurrent.resize(new_rows)
             self._rows_resized(keep, new_rows)
         self.row_capacity, self.capacity = new_rows, new_cap
 
     def _rows_resized(self, keep: int, rows: int) -> None:
-        """Per-row bookkeeping of a subclass follows the buffers to ``rows`` rows, the first ``keep`` kept."""
+        """The per-row lengths (and a subclass's per-row bookkeeping) follow the buffers to ``rows``
+        rows, the first ``keep`` kept."""
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        lengths[:keep] = self.lengths[:keep]
+        self.lengths = lengths
 
     def shrink(self, live_rows: int, max_len: int) -> None:
         """Give memory back when the batch has become much smaller than the buffers."""
@@ -171,7 +172,6 @@ class RowKVCache:
                 for i, old in enumerate(store):
                     if self.rowwise(i):
                         store[i] = old[:rows, :, :self.slots(i, cap)].clone()
-            self.lengths = self.lengths[:rows].clone()
             if self.recurrent is not None:
                 self.recurrent.resize(rows)
             self._rows_resized(rows, rows)

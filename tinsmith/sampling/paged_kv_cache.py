@@ -41,14 +41,18 @@ PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
 
 class PagedKVCache(RowKVCache):
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 8,
-                 max_bytes: int = 0):
+                 max_bytes: int = 0, table_rows: int = 256):
+        """``table_rows``: rows the page table and lengths hold from the start (the sampler's most
+        rows): they then never move, and neither do CUDA graphs' addresses as the batch grows."""
         self.paged = [cfg.window_of(i) is None and not cfg.is_linear_layer(i) for i in range(cfg.num_layers)]
         self.width = -(-cfg.max_position_embeddings // PAGE)  # table columns: the longest row's pages
         self.cfg, self.dtype, self.max_bytes = cfg, dtype, max_bytes  # what sizing the pool reads
         self.pages = self._pool_within(max(1, rows))  # a page per row to start with
         super().__init__(cfg, device, dtype, rows, max_bytes)
-        self.table = torch.zeros(self.row_capacity, self.width, dtype=torch.int32, device=device)
-        self.owned: list[list[int]] = [[] for _ in range(self.row_capacity)]  # pages per row, in order
+        table_rows = max(table_rows, self.row_capacity)
+        self.lengths = torch.zeros(table_rows, dtype=torch.long, device=device)
+        self.table = torch.zeros(table_rows, self.width, dtype=torch.int32, device=device)
+        self.owned: list[list[int]] = [[] for _ in range(table_rows)]  # pages per row, in order
         self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: low ids first
         self.refs = [0] * self.pages  # rows holding each page (a prompt's full pages are shared)
         self._initial_pages = self.pages
@@ -174,11 +178,17 @@ class PagedKVCache(RowKVCache):
 
     # ----------------------------------------------------------------------------- rows
     def _rows_resized(self, keep: int, rows: int) -> None:
+        """The table and lengths keep their place while they hold ``rows`` (they are made for the
+        sampler's most rows); past that they grow, and only then move."""
         for r in range(keep, len(self.owned)):
             self._release(r)  # rows past the kept ones are not live: nothing of theirs is kept
+        self.lengths[keep:].zero_()
+        if rows <= self.table.shape[0]:
+            return
         table = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
         table[:keep] = self.table[:keep]
         self.table = table
+        super()._rows_resized(keep, rows)
         self.owned = self.owned[:keep] + [[] for _ in range(rows - keep)]
 
     def shrink(self, live_rows: int, max_len: int) -> None:

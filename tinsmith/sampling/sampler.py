@@ -172,8 +172,10 @@ class Sampler:
 
     def _new_cache(self) -> RowKVCache:
         """The K/V cache for ``self.cfg`` (a sharded sampler's heads), in the chosen layout."""
-        kind = PagedKVCache if self.paged_kv else RowKVCache
-        return kind(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
+        if self.paged_kv:
+            return PagedKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes,
+                                table_rows=self.max_rows)
+        return RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
