@@ -5,19 +5,17 @@ decoding through them as it decodes through SDPA."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
+from tests.gpu.helpers import assert_kernel_samples_as_torch
 from tests.kernels.test_decode_attention import reference
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import decode_attention as da
 from tinsmith.kernels import lora_gather
 from tinsmith.models.loading import load_model
-from tinsmith.sampling.sampler import Sampler, SampleTask
-from tinsmith.types import SampleInput, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -74,24 +72,6 @@ def test_the_kernels_replay_from_a_cuda_graph():
 
 
 def test_the_sampler_decodes_through_the_kernels_as_through_sdpa(tmp_path, monkeypatch):
-    """fp32 on the device: tokens equal, logprobs within 1e-3 (the kernels and SDPA sum in other orders)."""
     model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)
     model = load_model(str(model_dir), device=DEVICE, dtype=torch.float32).model
-    results = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setattr(da, "BACKEND", backend)
-        rng = np.random.default_rng(0)
-        sampler = Sampler(model, lambda t: "")
-        for i in range(5):
-            sampler.add(SampleTask(i, None, SampleInput(rng.integers(4, 500, 9 + 40 * i), 2, SamplingParams(
-                max_tokens=30, temperature=0.9, seed=i, stop=[]))))
-        out = {}
-        while sampler.has_work():
-            for key, res in sampler.step(1.0):
-                assert not isinstance(res, Exception), res
-                out[key] = res
-        results[backend] = out
-    for key, res in results["torch"].items():
-        for a, b in zip(res.sequences, results["triton"][key].sequences):
-            assert a.tokens.tolist() == b.tokens.tolist(), key
-            assert np.abs(a.logprobs - b.logprobs).max() < 1e-3, key
+    assert_kernel_samples_as_torch(model, da, [9 + 40 * i for i in range(5)], 30, monkeypatch)

@@ -15,6 +15,7 @@ import torch
 
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
+from tests.gpu.helpers import run_to_end
 from tests.sampling.conftest import random_adapter
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.models import moe
@@ -34,17 +35,6 @@ def _tasks(slots):
             for i, s in enumerate(slots)]
 
 
-def _run(sampler: Sampler, tasks) -> dict:
-    for t in tasks:
-        sampler.add(t)
-    out = {}
-    while sampler.has_work():
-        for key, res in sampler.step(1.0):
-            assert not isinstance(res, Exception), res
-            out[key] = res
-    return out
-
-
 def _sample(model, mode: str, rounds) -> tuple[list[dict], Sampler]:
     """``rounds``: (slots, adapter to install before) per round, run one after the other on one sampler."""
     sampler = Sampler(model, lambda t: "", max_rows=8, cuda_graphs=(mode == "graphs"))
@@ -54,7 +44,7 @@ def _sample(model, mode: str, rounds) -> tuple[list[dict], Sampler]:
     for slots, new_adapter in rounds:
         if new_adapter is not None:
             random_adapter(model, new_adapter, rank=16, seed=new_adapter)
-        results.append(_run(sampler, _tasks(slots)))
+        results.append(run_to_end(sampler, _tasks(slots)))
     return results, sampler
 
 

@@ -4,20 +4,18 @@ decoding through it as through torch."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
+from tests.gpu.helpers import assert_kernel_samples_as_torch
 from tests.kernels.test_delta_rule import case
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import delta_rule as dr
 from tinsmith.kernels import lora_gather
 from tinsmith.models.gated_deltanet import recurrent_gated_delta_step
 from tinsmith.models.loading import load_model
-from tinsmith.sampling.sampler import Sampler, SampleTask
-from tinsmith.types import SampleInput, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -44,21 +42,4 @@ def test_the_real_layer_shape_matches_the_torch_step(dtype):
 def test_a_hybrid_sampler_decodes_through_the_kernel_as_through_torch(tmp_path, monkeypatch):
     model_dir = make_tiny_model(tmp_path / "qwen3_5", "qwen3_5", SMALL, seed=1)
     model = load_model(str(model_dir), device=DEVICE, dtype=torch.float32).model
-    results = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setattr(dr, "BACKEND", backend)
-        rng = np.random.default_rng(0)
-        sampler = Sampler(model, lambda t: "")
-        for i in range(4):
-            sampler.add(SampleTask(i, None, SampleInput(rng.integers(4, 500, 6 + 30 * i), 2, SamplingParams(
-                max_tokens=25, temperature=0.9, seed=i, stop=[]))))
-        out = {}
-        while sampler.has_work():
-            for key, res in sampler.step(1.0):
-                assert not isinstance(res, Exception), res
-                out[key] = res
-        results[backend] = out
-    for key, res in results["torch"].items():
-        for a, b in zip(res.sequences, results["triton"][key].sequences):
-            assert a.tokens.tolist() == b.tokens.tolist(), key
-            assert np.abs(a.logprobs - b.logprobs).max() < 1e-3, key
+    assert_kernel_samples_as_torch(model, dr, [6 + 30 * i for i in range(4)], 25, monkeypatch)

@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
+from tests.gpu.helpers import run_to_end
 from tests.sampling.conftest import random_adapter
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import lora_gather
@@ -23,16 +24,10 @@ pytestmark = pytest.mark.gpu
 def _sample(model, slots, mode, monkeypatch):
     monkeypatch.setattr(lora_mod, "DECODE_LORA", mode)
     rng = np.random.default_rng(0)
-    sampler = Sampler(model, lambda t: "")
-    for i, s in enumerate(slots):
-        sampler.add(SampleTask(i, s, SampleInput(rng.integers(4, 500, 7 + i), 2,
-                                                 SamplingParams(max_tokens=12, temperature=0.8, seed=i, stop=[]))))
-    out = {}
-    while sampler.has_work():
-        for key, res in sampler.step(1.0):
-            assert not isinstance(res, Exception), res
-            out[key] = res
-    return out
+    return run_to_end(Sampler(model, lambda t: ""), [
+        SampleTask(i, s, SampleInput(rng.integers(4, 500, 7 + i), 2,
+                                     SamplingParams(max_tokens=12, temperature=0.8, seed=i, stop=[])))
+        for i, s in enumerate(slots)])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])

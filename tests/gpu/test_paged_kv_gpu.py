@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
+from tests.gpu.helpers import run_to_end
 from tests.sampling.conftest import random_adapter
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.models.loading import load_model
@@ -22,15 +23,9 @@ pytestmark = pytest.mark.gpu
 def _sample(model, layout: str) -> tuple[dict, Sampler]:
     rng = np.random.default_rng(0)
     sampler = Sampler(model, lambda t: "", max_rows=6, kv_layout=layout, cuda_graphs=DEVICE == "cuda")
-    for i, slot in enumerate([1, None, 2, 1, None, None, 2]):
-        sampler.add(SampleTask(i, slot, SampleInput(rng.integers(4, 500, 5 + 37 * i), 1 + i % 2, SamplingParams(
-            max_tokens=30 + 25 * (i % 3), temperature=0.9, seed=i, stop=[]))))
-    out = {}
-    while sampler.has_work():
-        for key, res in sampler.step(1.0):
-            assert not isinstance(res, Exception), res
-            out[key] = res
-    return out, sampler
+    tasks = [SampleTask(i, slot, SampleInput(rng.integers(4, 500, 5 + 37 * i), 1 + i % 2, SamplingParams(
+        max_tokens=30 + 25 * (i % 3), temperature=0.9, seed=i, stop=[]))) for i, slot in enumerate([1, None, 2, 1, None, None, 2])]
+    return run_to_end(sampler, tasks), sampler
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_5"])

@@ -6,22 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.hopper_build import assert_builds_for_hopper
+from tests.kernels.support import assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import decode_attention as da
-from tinsmith.kernels import lora_gather as lg
 from tinsmith.models.layers import eager_sink_attention
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
-
-def _device() -> str:
-    if not da.triton_available():
-        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
-    if torch.cuda.is_available():
-        return "cuda"
-    if not lg.triton_interpreting():
-        pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before triton was imported")
-    return "cpu"
 
 
 def case(dtype, device, n=5, hq=8, hk=2, d=64, rows=7, capacity=200, seed=0):
@@ -47,7 +37,7 @@ def reference(q, K, V, n_keys, span, sinks=None):
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_kernels_equal_masked_attention(dtype, splits):
     """Rows of different lengths (one key, a block boundary, the whole span), split or not."""
-    device = _device()
+    device = kernel_device()
     q, K, V = case(dtype, device)
     span = 150
     n_keys = torch.tensor([1, 64, 65, 150, 97], device=device)
@@ -60,7 +50,7 @@ def test_kernels_equal_masked_attention(dtype, splits):
 @pytest.mark.parametrize("rep,d", [(1, 32), (3, 80), (16, 128)])
 def test_grouped_heads_and_head_sizes(rep, d):
     """Query heads per K/V head from 1 (no grouping) past a block of 16, head sizes off a power of two."""
-    device = _device()
+    device = kernel_device()
     q, K, V = case(torch.float32, device, n=3, hq=2 * rep, hk=2, d=d, rows=3, capacity=70)
     n_keys = torch.tensor([70, 33, 5], device=device)
     got = da.decode_attention(q, K, V, n_keys, 70, splits=2)
@@ -69,7 +59,7 @@ def test_grouped_heads_and_head_sizes(rep, d):
 
 @pytest.mark.parametrize("splits", [1, 4])
 def test_sinks_join_every_denominator(splits):
-    device = _device()
+    device = kernel_device()
     q, K, V = case(torch.float32, device, n=4, hq=4, hk=2, d=32, rows=4, capacity=130)
     sinks = torch.tensor([0.5, -1.0, 3.0, 8.0], device=device)
     n_keys = torch.tensor([1, 128, 40, 129], device=device)
@@ -82,7 +72,7 @@ def test_sinks_join_every_denominator(splits):
 def test_strided_cache_views():
     """The cache hands over views (its rows past ``n``, its capacity past ``span``) and q with its
     query length of one: strides other than the contiguous ones must be honoured."""
-    device = _device()
+    device = kernel_device()
     q, K, V = case(torch.float32, device, n=2, hq=4, hk=2, d=32, rows=6, capacity=96)
     Kt = K.transpose(0, 1).contiguous().transpose(0, 1)  # heads outermost in memory
     n_keys = torch.tensor([96, 17], device=device)
@@ -107,7 +97,7 @@ def paged(K, pages_per_row, page=64, seed=0):
 def test_paged_pools_equal_row_buffers(dtype, splits):
     """Pages of 64 positions scattered over a pool (what the paged cache holds) read as the rows'
     own buffers; positions past a row's keys (NaN here) are never read."""
-    device = _device()
+    device = kernel_device()
     q, K, V = case(dtype, device, n=5, rows=5, capacity=200)
     span = 200
     n_keys = torch.tensor([1, 64, 65, 200, 129], device=device)

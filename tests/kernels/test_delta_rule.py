@@ -6,20 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.hopper_build import assert_builds_for_hopper
+from tests.kernels.support import assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import delta_rule as dr
-from tinsmith.kernels import lora_gather as lg
 from tinsmith.models.gated_deltanet import recurrent_gated_delta_step
 
-
-def _device() -> str:
-    if dr.triton is None:
-        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
-    if torch.cuda.is_available():
-        return "cuda"
-    if not lg.triton_interpreting():
-        pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before triton was imported")
-    return "cpu"
 
 
 def case(dtype, device, b=3, hk=2, hv=4, dk=16, dv=24, seed=0):
@@ -37,7 +27,7 @@ def case(dtype, device, b=3, hk=2, hv=4, dk=16, dv=24, seed=0):
 @pytest.mark.parametrize("shape", [dict(), dict(hk=1, hv=1, dk=16, dv=16), dict(hk=2, hv=4, dk=128, dv=128, b=2),
                                    dict(hk=4, hv=4, dk=40, dv=72)])
 def test_fused_step_equals_the_torch_step(dtype, shape):
-    device = _device()
+    device = kernel_device()
     q, k, v, g, beta, state = case(dtype, device, **shape)
     want_out, want_state = recurrent_gated_delta_step(q, k, v, g, beta, state.clone())
     got_state = state.clone()
@@ -50,7 +40,7 @@ def test_fused_step_equals_the_torch_step(dtype, shape):
 
 def test_rows_with_no_decay_and_no_write_keep_their_state_exactly():
     """A fixed-shape step's padding rows come with g = 0 and beta = 0: their state is untouched."""
-    device = _device()
+    device = kernel_device()
     q, k, v, g, beta, state = case(torch.float32, device, b=4)
     g[2:], beta[2:] = 0.0, 0.0
     before = state.clone()

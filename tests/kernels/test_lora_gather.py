@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.hopper_build import assert_builds_for_hopper
+from tests.kernels.support import assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import lora_gather as lg
 
 
@@ -51,21 +51,12 @@ def test_torch_ops_equal_per_row_products(dtype):
     assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])  # rows with no adapter untouched
 
 
-def _triton_device() -> str:
-    if not lg.triton_available():
-        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
-    if torch.cuda.is_available():
-        return "cuda"
-    if not lg.triton_interpreting():
-        pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before triton was imported")
-    return "cpu"
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [dict(n=7, k=96, r=12, slots=5, out=70), dict(n=9, k=2100, r=40, slots=6, out=1030)])
 def test_triton_kernels_equal_torch_path(dtype, shape):
     """Ranks and sizes that are not powers of two nor block multiples, -1 rows, a column view."""
-    device = _triton_device()
+    device = kernel_device()
     x, A, B, idx = case(dtype, device, **shape)
     h = lg.shrink_triton(x, A, idx)
     h_ref, d_ref = per_row(x.cpu(), A.cpu(), B.cpu(), idx.cpu())
@@ -131,7 +122,7 @@ def test_expand_parts_equals_each_part_alone(dtype):
 @pytest.mark.parametrize("outs", [(64, 24, 24), (40, 40), (1030, 130, 7)])
 def test_triton_expand_parts_equals_torch_path(dtype, outs):
     """Part boundaries inside an output block, parts of odd widths, -1 rows."""
-    device = _triton_device()
+    device = kernel_device()
     x, A, B, idx, columns, offsets = parts_case(dtype, device, outs=outs)
     h = lg.shrink_triton(x, A, idx)
     base = torch.randn(x.shape[0], B.shape[1]).to(device, dtype)

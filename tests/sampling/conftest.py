@@ -140,3 +140,17 @@ def _single_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def three_rows_in_a_bucket_of_four(model_dir: Path, **sampler_kwargs) -> Sampler:
+    """A fresh model's sampler taking the static step (uncaptured), with 3 rows admitted: a
+    bucket of 4, so one padding row. What the padding-row tests start from."""
+    from tinsmith.sampling.decode_graphs import DecodeGraphs
+
+    model = fresh_model(model_dir)
+    sampler = Sampler(model, decoder(model_dir), decode_burst=2, **sampler_kwargs)
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    with torch.inference_mode():
+        sampler._admit([])
+    return sampler

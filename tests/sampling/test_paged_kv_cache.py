@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task
+from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task, three_rows_in_a_bucket_of_four
 from tinsmith.sampling.decode_graphs import DecodeGraphs
 from tinsmith.sampling.paged_kv_cache import PAGE, PagedKVCache
 from tinsmith.sampling.sampler import Sampler
@@ -39,6 +39,21 @@ def _sample(model_dir, layout: str, static: bool = False, **kw):
     if static:
         sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
     return run(sampler, _tasks(model.config.vocab_size)), sampler
+
+
+def _watch_rows(sampler: Sampler, budget: int) -> dict:
+    """Before each decode step: the most rows decoding at once so far (``peak``), and the cache's
+    buffers checked to stay within ``budget``."""
+    watch = {"peak": 0}
+    step = sampler._decode_step
+
+    def watched(done):
+        watch["peak"] = max(watch["peak"], len(sampler.rows))
+        assert sampler.cache.nbytes() <= budget
+        step(done)
+
+    sampler._decode_step = watched
+    return watch
 
 
 def _assert_same(ref: dict, got: dict) -> None:
@@ -117,19 +132,10 @@ def test_mixed_lengths_admit_more_rows_under_one_budget(qwen3_dir):
     peaks, results = {}, {}
     for layout in ("rows", "paged"):
         sampler = Sampler(model, decoder(qwen3_dir), kv_cache_bytes=budget, prefix_cache_bytes=0, kv_layout=layout)
-        peak = 0
-        real_step = sampler._decode_step
-
-        def counting_step(done, sampler=sampler, real_step=real_step):
-            nonlocal peak
-            peak = max(peak, len(sampler.rows))
-            real_step(done)
-
-        sampler._decode_step = counting_step
+        watch = _watch_rows(sampler, budget)
         rng = np.random.default_rng(3)
         results[layout] = run(sampler, make())
-        peaks[layout] = peak
-        assert sampler.cache.nbytes() <= budget
+        peaks[layout] = watch["peak"]
     _assert_same(results["rows"], results["paged"])
     assert peaks["paged"] == 11 and peaks["rows"] < 11, peaks  # every request at once only in pages
 
@@ -137,13 +143,9 @@ def test_mixed_lengths_admit_more_rows_under_one_budget(qwen3_dir):
 def test_padding_rows_of_a_fixed_step_leave_every_page_untouched(qwen3_dir):
     """3 live rows in a bucket of 4: the padding row (a free row, pointing at page 0) writes back
     what page 0 holds; every page no live row writes is bit for bit as before."""
-    model = fresh_model(qwen3_dir)
-    sampler = Sampler(model, decoder(qwen3_dir), decode_burst=2, kv_layout="paged")
-    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
-    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    sampler = three_rows_in_a_bucket_of_four(qwen3_dir, kv_layout="paged")
     done: list = []
     with torch.inference_mode():
-        sampler._admit(done)
         cache = sampler.cache
         cache.reserve([8, 8, 8])
         for pool in cache.K + cache.V:
@@ -232,18 +234,9 @@ def test_a_shared_prompt_is_counted_once_by_admission(qwen3_dir):
     peaks, results = {}, {}
     for layout in ("rows", "paged"):
         sampler = Sampler(model, decoder(qwen3_dir), kv_cache_bytes=budget, prefix_cache_bytes=0, kv_layout=layout)
-        peak = 0
-        real_step = sampler._decode_step
-
-        def counting_step(done, sampler=sampler, real_step=real_step):
-            nonlocal peak
-            peak = max(peak, len(sampler.rows))
-            assert sampler.cache.nbytes() <= budget
-            real_step(done)
-
-        sampler._decode_step = counting_step
+        watch = _watch_rows(sampler, budget)
         results[layout] = run(sampler, make())
-        peaks[layout] = peak
+        peaks[layout] = watch["peak"]
     _assert_same(results["rows"], results["paged"])
     assert peaks == {"rows": 8, "paged": 16}, peaks
 

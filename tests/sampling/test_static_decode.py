@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task
+from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task, three_rows_in_a_bucket_of_four
 from tinsmith.models import lora as lora_mod
 from tinsmith.sampling.decode_graphs import BUCKETS, DecodeGraphs, bucket_for
 from tinsmith.sampling.sampler import Sampler
@@ -116,13 +116,9 @@ def test_padding_rows_leave_their_cache_rows_untouched(qwen3_dir):
     """Rows past the live ones (3 live rows, bucket 4) may hold someone else's K/V meanwhile."""
     import torch
 
-    model = fresh_model(qwen3_dir)
-    sampler = Sampler(model, decoder(qwen3_dir), decode_burst=2)
-    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
-    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    sampler = three_rows_in_a_bucket_of_four(qwen3_dir)
     done: list = []
     with torch.inference_mode():
-        sampler._admit(done)
         cache = sampler.cache
         cache.ensure(4, 64)
         for t in cache.K + cache.V:
@@ -140,13 +136,9 @@ def test_padding_rows_leave_their_recurrent_states_untouched(qwen3_5_dir):
     """A hybrid's padding rows (3 live rows, bucket 4) keep their Gated DeltaNet states bit for bit."""
     import torch
 
-    model = fresh_model(qwen3_5_dir)
-    sampler = Sampler(model, decoder(qwen3_5_dir), decode_burst=2)
-    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
-    sampler.add(task("three", [5, 6, 7, 8], n=3, max_tokens=20, temperature=1.0, seed=1, stop=[]))
+    sampler = three_rows_in_a_bucket_of_four(qwen3_5_dir)
     done: list = []
     with torch.inference_mode():
-        sampler._admit(done)
         cache = sampler.cache
         cache.ensure(4, 64)
         states = [*cache.recurrent.conv.values(), *cache.recurrent.state.values()]

@@ -1,5 +1,6 @@
-"""Building Triton kernels for sm_90 without a GPU, in a process of its own (the test process may
-have Triton in interpreter mode, which does not compile)."""
+"""What the kernel tests share: where the kernels run (a GPU, or Triton's interpreter on a CPU),
+and building them for sm_90 without a GPU, in a process of its own (the test process may have
+Triton in interpreter mode, which does not compile)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from tinsmith.kernels.lora_gather import triton_available, triton_interpreting
+
+
+def kernel_device() -> str:
+    """"cuda" where there is a GPU, "cpu" where Triton interprets; skips the test otherwise."""
+    if not triton_available():
+        pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
+    if torch.cuda.is_available():
+        return "cuda"
+    if not triton_interpreting():
+        pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before triton was imported")
+    return "cpu"
 
 
 def assert_builds_for_hopper(script: str, tmp_path: Path, *args: str) -> None:
