@@ -213,6 +213,7 @@ def test_rows_of_one_prompt_share_its_full_pages(qwen3_dir, prompt_len):
             in_use = {p for pages in cache.owned for p in pages}
             other = next(r for r, row in enumerate(sampler.rows) if row.state.task.key == "other")
             assert len(in_use) == full + sum(len(t) for t in tails) + len(cache.owned[other])
+            assert cache.used_bytes(len(sampler.rows)) == len(in_use) * cache.page_bytes()  # what /metrics shows
         results[layout] = {**dict(admitted), **run(sampler, [])}
         if layout == "paged":
             assert not any(cache.owned) and not any(cache.refs) and sorted(cache.free) == list(range(cache.pages))

@@ -69,7 +69,7 @@ def test_metrics_parse_and_cover_the_server(app):
     for name in ("tinsmith_http_requests", "tinsmith_queue_depth", "tinsmith_queue_wait_seconds",
                  "tinsmith_step_seconds", "tinsmith_train_tokens", "tinsmith_sampled_tokens", "tinsmith_active_sessions",
                  "tinsmith_training_runs", "tinsmith_lora_adapters", "tinsmith_sampler_snapshots",
-                 "tinsmith_kv_cache_bytes", "tinsmith_prefix_cache_bytes", "tinsmith_process_memory_bytes", "tinsmith_host_memory_available_bytes",
+                 "tinsmith_kv_cache_bytes", "tinsmith_kv_cache_used_bytes", "tinsmith_prefix_cache_bytes", "tinsmith_process_memory_bytes", "tinsmith_host_memory_available_bytes",
                  "tinsmith_device_memory_used_bytes", "tinsmith_device_utilization_percent",
                  "tinsmith_checkpoint_bytes", "tinsmith_requests_in_flight"):
         assert name in families, name

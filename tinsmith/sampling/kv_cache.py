@@ -118,6 +118,10 @@ class RowKVCache:
         states = () if self.recurrent is None else (*self.recurrent.conv.values(), *self.recurrent.state.values())
         return (self.lengths.data_ptr(), *(t.data_ptr() for t in (*self.K, *self.V, *states)))
 
+    def used_bytes(self, rows: int) -> int:
+        """Bytes of K/V that ``rows`` live rows hold (for metrics): here a whole row buffer each."""
+        return rows * self.row_bytes(self.capacity)
+
     def nbytes(self) -> int:
         """Bytes the cache's buffers take (for metrics; its lists may be swapped meanwhile, a copy is read)."""
         recurrent = self.recurrent.nbytes() if self.recurrent is not None else 0

@@ -101,6 +101,11 @@ class PagedKVCache(RowKVCache):
         """The live rows as :meth:`bytes_for` counts them; padding rows own no page (only per-row buffers)."""
         return self.bytes_for(rows) + (bucket - len(rows)) * self.row_bytes(capacity, only=self.rowwise)
 
+    def used_bytes(self, rows: int) -> int:
+        """The pages some row holds (a shared page once), and the live rows' per-row buffers."""
+        in_use = sum(1 for refs in list(self.refs) if refs)
+        return in_use * self.page_bytes() + rows * self.row_bytes(self.capacity, only=self.rowwise)
+
     def addresses(self) -> tuple:
         return (*super().addresses(), self.table.data_ptr())
 

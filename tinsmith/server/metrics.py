@@ -198,6 +198,8 @@ class StateCollector:
         rows = _gauge("tinsmith_sampler_rows", "Sequences being decoded right now")
         kv = _gauge("tinsmith_kv_cache_bytes", "Bytes of the samplers' KV caches (they grow with the batch and "
                     "shrink when it empties)")
+        kv_used = _gauge("tinsmith_kv_cache_used_bytes", "Of those, the bytes the decoding sequences hold (paged "
+                         "caches: the pages some sequence holds, a shared prompt page once)")
         prefix = _gauge("tinsmith_prefix_cache_bytes", "Bytes of prompt K/V (hybrid models: whole prompts' "
                         "states) the samplers keep for later requests (--prefix-cache-bytes each)")
         # name -> (the samplers' counter it reads, help)
@@ -213,17 +215,18 @@ class StateCollector:
         }
         counters = [CounterMetricFamily(name, text) for name, (_, text) in totals.items()]
 
-        def fill(sampled, rows, kv, prefix, *counters):
+        def fill(sampled, rows, kv, kv_used, prefix, *counters):
             samplers = list(self.state.worker.samplers.values())
             sampled.add_metric([], self.state.engine.ops.throughput.sampled.all_time)
             rows.add_metric([], sum(len(s.rows) for s in samplers))
             kv.add_metric([], sum(s.cache.nbytes() for s in samplers))
+            kv_used.add_metric([], sum(s.cache.used_bytes(len(s.rows)) for s in samplers))
             prefix.add_metric([], sum(s.prefix.bytes + s.snapshots.bytes for s in samplers))
             total = self.state.worker.sampler_totals()
             for family, (stat, _) in zip(counters, totals.values()):
                 family.add_metric([], total.get(stat, 0))
 
-        return [sampled, rows, kv, prefix, *counters], fill
+        return [sampled, rows, kv, kv_used, prefix, *counters], fill
 
     def _health(self) -> tuple[list[Metric], Callable]:
         rss = _gauge("tinsmith_process_memory_bytes", "Resident memory of the server process")
