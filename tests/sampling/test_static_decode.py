@@ -177,3 +177,43 @@ def test_masked_choice_equals_indexed_choice(seed):
     assert torch.equal(got_lp, want_lp)
     greedy, _ = choose_tokens_masked(logits, torch.zeros(rows), k, p, u, None, all_greedy=True)
     assert greedy.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+def test_the_static_step_reads_nothing_back_to_the_host(family, layout, request, monkeypatch):
+    """What a CUDA graph records must never ask the host anything: the static step of every family
+    (adapters through the bank, hybrids' states, gpt-oss' rings and sinks, routed experts through
+    the grouped matmul, pages) runs here with every host read of a tensor turned into a failure."""
+    import torch
+
+    from tinsmith.models import moe
+
+    if not hasattr(torch, "_grouped_mm") and family == "qwen3_moe":
+        pytest.skip("this torch has no grouped matmul")
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")  # what bf16 on Hopper takes
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
+    real_step = DecodeGraphs._step
+    steps = []
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read inside the static decode step")
+
+    def guarded_step(self, *args, **kwargs):
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"):
+                m.setattr(torch.Tensor, name, refuse)
+            m.setattr(torch, "bincount", refuse)
+            real_step(self, *args, **kwargs)
+        steps.append(1)
+
+    monkeypatch.setattr(DecodeGraphs, "_step", guarded_step)
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    model = fresh_model(model_dir)
+    random_adapter(model, 1, rank=4, seed=1)
+    sampler = Sampler(model, decoder(model_dir), decode_burst=3, kv_layout=layout)
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    out = run(sampler, [task("a", list(range(4, 80)), slot=1, n=2, max_tokens=20, temperature=1.0, seed=1, stop=[]),
+                        task("b", [5, 6, 7], max_tokens=15, temperature=0.7, top_p=0.9, seed=2, stop=[])])
+    assert not any(isinstance(r, Exception) for r in out.values()), out
+    assert steps and sampler.stats["static_steps"] == len(steps)
