@@ -7,17 +7,20 @@ never asks the host anything. So the static step here reads only persistent buff
 
 - ``B`` rows, the smallest bucket (:data:`BUCKETS`) that holds the live rows; the rows past the
   live ones are inert padding (greedy, no adapter, at position 0, never advanced, and they
-  leave the cache rows they stand on untouched);
-- K/V at the cache's whole capacity, positions past a row's length masked
-  (:meth:`RowKVCache.decode_attention` with ``span`` = capacity);
+  leave the cache rows, pages and recurrent states they stand on untouched);
+- K/V up to the cache's capacity (:meth:`RowKVCache.decode_attention` with ``span`` = capacity):
+  through SDPA every position past a row's length masked, through the decode kernels only each
+  row's own positions read (per-row buffers, or pages through the page table);
+- a hybrid model's per-row Gated DeltaNet states;
 - last tokens, random-stream keys and step counters, temperature / top-k / top-p, the adapter
   bank position per row (:class:`RowSlots` over a persistent index), all updated in place;
 - the sampled tokens and their logprobs written into output buffers.
 
 The same step runs eagerly on CPU (tests check it samples exactly what the eager decode path
 samples), and on CUDA it is captured after one real step on a side stream and replayed for the
-rest. A graph is recaptured when an address it reads changes: the cache grew or shrank, or an
-adapter bank was reallocated. What it cannot express stays on the eager path (the sampler
+rest. Graphs are kept per variant and span (the capacity), and all are recaptured when an
+address they read changes: per-row buffers reallocated, a page pool grown or shrunk, an adapter
+bank reallocated. What it cannot express stays on the eager path (the sampler
 decides; see :meth:`DecodeGraphs.refusal`). A failed capture (a model that reads the device
 from the host inside its step, such as routed experts run by the per-expert loop rather than
 the grouped matmul: fp32, or a GPU older than Hopper) sends every later burst there too, logged

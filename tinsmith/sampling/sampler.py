@@ -1005,12 +1005,12 @@ class Sampler:
         return torch.stack(toks, 1), torch.stack(lps, 1), tops
 
     def _static_decode(self, spans: list[int], wants_top_logprobs: bool) -> bool:
-        """Whether this burst takes the static step (:mod:`tinsmith.sampling.decode_graphs`); when
-        it does, the cache is sized for it: the bucket's rows, and room for the burst.
+        """Whether a burst of rows reaching ``spans`` positions takes the static step
+        (:mod:`tinsmith.sampling.decode_graphs`); when it does, the cache is sized for it: the
+        bucket's rows, and room for the burst.
 
         The capacity grows to at least twice its size (up to the longest any row may reach), so
-        the graphs, which read K/V at the whole capacity, are recaptured a few times per batch
-        rather than every cache block.
+        a batch sees a few spans, each a graph of its own, rather than one per cache block.
         """
         if self.graphs is None:
             return False
