@@ -31,7 +31,8 @@ def _tasks(slots):
     rng = np.random.default_rng(0)
     kinds = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20)]
     return [SampleTask(i, s, SampleInput(rng.integers(4, 500, 5 + 3 * i), 1 + i % 3,
-                                         SamplingParams(max_tokens=40 + 17 * (i % 4), seed=i, stop=[], **kinds[i % 4])))
+                                         SamplingParams(max_tokens=40 + 17 * (i % 4), seed=i, stop=[], **kinds[i % 4]),
+                                         topk_sample_logprobs=3 if i == 2 else 0))
             for i, s in enumerate(slots)]
 
 

@@ -59,6 +59,7 @@ class Variant:
     lora: bool  # some row reads an adapter (the LoRA layers run their gathered ops)
     truncating: bool  # some row uses top-k / top-p (the step sorts every row)
     all_greedy: bool  # every row is greedy (the step only takes the argmax)
+    top: int = 0  # the most top-k sample logprobs a row asks (the step keeps that many per row)
 
 
 class StaticInputs:
@@ -76,6 +77,15 @@ class StaticInputs:
         self.truncates = zeros(torch.bool)
         self.slot_idx = zeros(torch.long)  # bank position per row, -1 for none
         self.tokens, self.logprobs = zeros(torch.long), zeros(torch.float32)  # the step's outputs
+        self.top_ids: dict[int, torch.Tensor] = {}  # k -> (rows, k): each row's k best token ids ...
+        self.top_lps: dict[int, torch.Tensor] = {}  # ... and their logprobs, for rows asking top-k
+
+    def top_buffers(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The persistent (rows, k) outputs of a step keeping each row's ``k`` best logprobs."""
+        if k not in self.top_ids:
+            self.top_ids[k] = torch.zeros(self.rows, k, dtype=torch.long, device=self.tokens.device)
+            self.top_lps[k] = torch.zeros(self.rows, k, dtype=torch.float32, device=self.tokens.device)
+        return self.top_ids[k], self.top_lps[k]
 
     def load(self, batch: Any, n: int, slot_idx: torch.Tensor | None, truncates: torch.Tensor | None) -> None:
         """Copy a decode batch's ``n`` rows in; the rest become inert padding rows."""
@@ -119,18 +129,19 @@ class DecodeGraphs:
         self._side = None
 
     # ----------------------------------------------------------------------------- rows
-    def refusal(self, rows: int, wants_top_logprobs: bool) -> str | None:
+    def refusal(self, rows: int) -> str | None:
         """Why a batch of ``rows`` rows cannot take the static step (None: it can)."""
         if self.broken is not None:
             return f"the decode step could not be captured ({self.broken})"
-        if wants_top_logprobs:
-            return "top-k sample logprobs are cut per row on the host"
         if bucket_for(rows) is None:
             return f"more rows than the largest bucket ({BUCKETS[-1]})"  # no count: logged once, not once per count
         return None
 
-    def burst(self, batch: Any, slots: list[int | None], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``k`` static decode steps for the ``n`` live rows of ``batch``; (n, k) tokens and logprobs.
+    def burst(self, batch: Any, slots: list[int | None], n: int, k: int, top: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Run ``k`` static decode steps for the ``n`` live rows of ``batch``; (n, k) tokens and
+        logprobs, and per step every row's ``top`` best (ids, logprobs), (n, top) each, when some
+        row asks for top-k sample logprobs (``top`` the most one asks; else an empty list).
 
         The cache must already hold ``bucket_for(n)`` rows and the burst's positions. ``batch``'s
         ``last`` and ``steps`` are advanced as the eager path advances them.
@@ -154,19 +165,22 @@ class DecodeGraphs:
             inputs.last[:n].copy_(batch.last)
             inputs.steps[:n].copy_(batch.steps)
         groups = self._groups
-        variant = Variant(B, groups is not None, batch.kinds.truncating is not None, batch.kinds.all_greedy)
+        variant = Variant(B, groups is not None, batch.kinds.truncating is not None, batch.kinds.all_greedy, top)
 
         def step() -> None:
             self._step(inputs, groups, variant)
 
-        toks, lps = [], []
+        toks, lps, tops = [], [], []
         for _ in range(k):
             self._run(variant, step, groups)
             toks.append(inputs.tokens[:n].clone())
             lps.append(inputs.logprobs[:n].clone())
+            if top:
+                ids, vals = inputs.top_buffers(top)
+                tops.append((ids[:n].clone(), vals[:n].clone()))
         self.stats["static_steps"] += k
         batch.last, batch.steps = toks[-1], inputs.steps[:n].clone()
-        return torch.stack(toks, 1), torch.stack(lps, 1)
+        return torch.stack(toks, 1), torch.stack(lps, 1), tops
 
     def _step(self, inputs: StaticInputs, groups: RowSlots | None, variant: Variant) -> None:
         """One decode step that reads and writes only fixed addresses (what a graph records)."""
@@ -179,8 +193,13 @@ class DecodeGraphs:
         logits = self.model.logits(hidden[:, 0], groups)
         lengths.add_(inputs.active)
         u = keyed_uniforms(inputs.keys, inputs.steps)
-        tok, lp = choose_tokens_masked(logits, inputs.temperature, inputs.top_k, inputs.top_p, u,
-                                       inputs.truncates if variant.truncating else None, variant.all_greedy)
+        tok, lp, best = choose_tokens_masked(logits, inputs.temperature, inputs.top_k, inputs.top_p, u,
+                                             inputs.truncates if variant.truncating else None, variant.all_greedy,
+                                             variant.top)
+        if best is not None:
+            ids, vals = inputs.top_buffers(variant.top)
+            ids[:, : best.indices.shape[1]].copy_(best.indices)
+            vals[:, : best.values.shape[1]].copy_(best.values)
         inputs.last.copy_(tok)
         inputs.steps.add_(1)
         inputs.tokens.copy_(tok)

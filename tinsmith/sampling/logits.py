@@ -130,13 +130,15 @@ def choose_tokens_masked(
     u: torch.Tensor,
     truncates: torch.Tensor | None,
     all_greedy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.return_types.topk | None]:
     """:func:`choose_tokens` with shapes that never depend on which rows do what (CUDA graphs).
 
     Where :func:`choose_tokens` picks rows by index, this computes every row both ways and keeps
     each row's own result by mask (``truncates``: bool per row, None when no row truncates), so
     a row gets exactly the token :func:`choose_tokens` gives it. ``all_greedy`` must hold for
-    every row when set. Returns (tokens, their model logprobs).
+    every row when set. Returns (tokens, their model logprobs, every row's ``top`` largest model
+    logprobs, None when ``top`` is 0).
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -150,7 +152,8 @@ def choose_tokens_masked(
         if truncates is not None:
             sampled = torch.where(truncates, _truncated_draw(probs, top_k, top_p, u), sampled)
         tokens = torch.where(greedy, argmax, sampled)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1) if top else None
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), best
 
 
 def _truncated_draw(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

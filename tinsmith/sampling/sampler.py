@@ -955,11 +955,13 @@ class Sampler:
         spans = [len(row.state.task.input.prompt) + len(row.tokens) + k - 1 for row in self.rows]
         span = max(spans)
         asks = [row.state.task.input.topk_sample_logprobs for row in self.rows]
-        if self._static_decode(spans, any(asks)):
+        if self._static_decode(spans):
             assert self.graphs is not None
             self.cache.reserve(spans)
-            tokens, logprobs = self.graphs.burst(batch, [row.state.task.slot for row in self.rows], n, k)
-            top_host: list[list] = [[None] * n for _ in range(k)]
+            tokens, logprobs, best = self.graphs.burst(batch, [row.state.task.slot for row in self.rows], n, k,
+                                                       min(max(asks), self.cfg.vocab_size))
+            top_host: list[list] = ([_host_top_logprobs(_asking_rows(ids, vals, asks), asks) for ids, vals in best]
+                                    if best else [[None] * n for _ in range(k)])
         else:
             self.cache.ensure(n, span)
             self.cache.reserve(spans)
@@ -1004,7 +1006,7 @@ class Sampler:
             tops.append(_device_top_logprobs(full, asks))
         return torch.stack(toks, 1), torch.stack(lps, 1), tops
 
-    def _static_decode(self, spans: list[int], wants_top_logprobs: bool) -> bool:
+    def _static_decode(self, spans: list[int]) -> bool:
         """Whether a burst of rows reaching ``spans`` positions takes the static step
         (:mod:`tinsmith.sampling.decode_graphs`); when it does, the cache is sized for it: the
         bucket's rows, and room for the burst.
@@ -1015,7 +1017,7 @@ class Sampler:
         if self.graphs is None:
             return False
         n, span = len(spans), max(spans)
-        why = self.graphs.refusal(n, wants_top_logprobs)
+        why = self.graphs.refusal(n)
         rows, capacity = bucket_for(n) or n, self.cache.capacity
         if span > capacity:
             longest = max(self._longest(row.state.task.input) for row in self.rows)
@@ -1196,6 +1198,14 @@ def _device_top_logprobs(full: torch.Tensor, ks: list[int]):
     rows = full if len(asking) == full.shape[0] else full.index_select(
         0, torch.tensor(asking, dtype=torch.long, device=full.device))
     return asking, torch.topk(rows, k_max, dim=-1)
+
+
+def _asking_rows(ids: torch.Tensor, vals: torch.Tensor, ks: list[int]):
+    """Every row's best (ids, logprobs) of a static step, as :func:`_device_top_logprobs` gives
+    those of the rows that ask (the rows with ``ks[r] > 0``, whose k is at most their width)."""
+    asking = [r for r, k in enumerate(ks) if k > 0]
+    at = torch.tensor(asking, dtype=torch.long, device=ids.device)
+    return asking, torch.return_types.topk((vals.index_select(0, at), ids.index_select(0, at)))
 
 
 def _host_top_logprobs(top, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
