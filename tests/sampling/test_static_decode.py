@@ -190,7 +190,7 @@ def test_masked_choice_equals_indexed_choice(seed):
 def test_the_static_step_reads_nothing_back_to_the_host(family, layout, request, monkeypatch):
     """What a CUDA graph records must never ask the host anything: the static step of every family
     (adapters through the bank, hybrids' states, gpt-oss' rings and sinks, routed experts through
-    the grouped matmul, pages) runs here with every host read of a tensor turned into a failure."""
+    the grouped matmul, pages, top-k sample logprobs) runs here with every host read of a tensor turned into a failure."""
     import torch
 
     from tinsmith.models import moe
@@ -220,6 +220,7 @@ def test_the_static_step_reads_nothing_back_to_the_host(family, layout, request,
     sampler = Sampler(model, decoder(model_dir), decode_burst=3, kv_layout=layout)
     sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
     out = run(sampler, [task("a", list(range(4, 80)), slot=1, n=2, max_tokens=20, temperature=1.0, seed=1, stop=[]),
-                        task("b", [5, 6, 7], max_tokens=15, temperature=0.7, top_p=0.9, seed=2, stop=[])])
+                        task("b", [5, 6, 7], max_tokens=15, temperature=0.7, top_p=0.9, seed=2, stop=[],
+                             topk_sample_logprobs=2)])
     assert not any(isinstance(r, Exception) for r in out.values()), out
     assert steps and sampler.stats["static_steps"] == len(steps)
