@@ -250,16 +250,21 @@ class RowKVCache:
             pos = pos * live
             keep = live.bool()[:, None, None]
         rows = torch.arange(n, device=self.device)
-        future = torch.arange(span, device=self.device)[None, :] > pos[:, None]  # (n, span)
-        masks: list[torch.Tensor] = []
+        # The masks of the torch path, built once per step for all layers, and only when a layer
+        # takes that path (the decode kernels need none).
+        masks: dict[str, torch.Tensor] = {}
+
+        def future() -> torch.Tensor:
+            if "future" not in masks:
+                masks["future"] = torch.arange(span, device=self.device)[None, :] > pos[:, None]  # (n, span)
+            return masks["future"]
 
         def additive_mask() -> torch.Tensor:
-            # 0 / -inf, built once per step for all layers (when a layer needs it): SDPA takes it
-            # faster than a boolean one.
-            if not masks:
-                masks.append(torch.zeros(future.shape, dtype=self.dtype, device=self.device)
-                             .masked_fill_(future, float("-inf"))[:, None, None, :])
-            return masks[0]
+            # 0 / -inf: SDPA takes it faster than a boolean one.
+            if "additive" not in masks:
+                masks["additive"] = torch.zeros((n, span), dtype=self.dtype, device=self.device).masked_fill_(
+                    future(), float("-inf"))[:, None, None, :]
+            return masks["additive"]
 
         visible: dict[int | None, torch.Tensor] = {}  # window -> (n, 1, keys) keys each row sees
         step: dict = {}  # what a subclass computes once per step for all its layers
@@ -299,7 +304,7 @@ class RowKVCache:
             K, V = self._rows_view(layer, n, span, step)
             if sinks is not None or window is not None:
                 if window not in visible:
-                    seen = ~future if window is None else ~future & (
+                    seen = ~future() if window is None else ~future() & (
                         torch.arange(span, device=self.device)[None, :] > pos[:, None] - window)
                     visible[window] = seen[:, None]
                 return masked_attention(q, K, V, visible[window], sinks)

@@ -87,14 +87,15 @@ class PagedKVCache(RowKVCache):
     def bytes_for(self, rows: Sequence[RowNeed | int]) -> int:
         """Each row at its own positions in whole pages, the full pages of a group's shared prompt
         once for the group; per-row buffers (rings) for every row."""
+        needs = needs_of(rows)
         pages = 0
         groups: dict = {}
-        for need in needs_of(rows):
+        for need in needs:
             full = need.shared // PAGE if need.group is not None else 0
             pages += -(-need.positions // PAGE) - full
             if full:
                 groups[need.group] = max(groups.get(need.group, 0), full)
-        per_row = sum(self.row_bytes(n.positions, only=self.rowwise) for n in needs_of(rows))
+        per_row = sum(self.row_bytes(n.positions, only=self.rowwise) for n in needs)
         return (pages + sum(groups.values())) * self.page_bytes() + per_row
 
     def static_bytes(self, rows: Sequence[RowNeed | int], bucket: int, capacity: int) -> int:
