@@ -78,9 +78,7 @@ def test_pages_sample_what_rows_sample(family, static, request):
     _assert_same(ref, got)
     if static:
         assert paged.stats["static_steps"] > 0
-    cache = paged.cache
-    assert not any(cache.owned) and not any(cache.refs), "every page given back"
-    assert sorted(cache.free) == list(range(cache.pages))
+    _assert_only_the_prefix_cache_holds_pages(paged)  # every page given back, but those it keeps
 
 
 def test_chunked_prefill_and_prefix_cache_over_pages(qwen3_dir):
@@ -207,7 +205,7 @@ def test_rows_of_one_prompt_share_its_full_pages(qwen3_dir, prompt_len):
             first = cache.owned[prompt_rows[0]][:full]
             for r in prompt_rows:
                 assert cache.owned[r][:full] == first  # one copy of the full pages
-            assert all(cache.refs[p] == len(prompt_rows) for p in first)
+            assert all(cache.refs[p] == len(prompt_rows) + 1 for p in first)  # and the prefix cache
             tails = [cache.owned[r][full:] for r in prompt_rows]
             assert len({p for t in tails for p in t}) == sum(len(t) for t in tails)  # own last pages
             in_use = {p for pages in cache.owned for p in pages}
@@ -216,7 +214,8 @@ def test_rows_of_one_prompt_share_its_full_pages(qwen3_dir, prompt_len):
             assert cache.used_bytes(len(sampler.rows)) == len(in_use) * cache.page_bytes()  # what /metrics shows
         results[layout] = {**dict(admitted), **run(sampler, [])}
         if layout == "paged":
-            assert not any(cache.owned) and not any(cache.refs) and sorted(cache.free) == list(range(cache.pages))
+            assert _prefix_pages(sampler)[:full] == first  # and "other"'s full page
+            _assert_only_the_prefix_cache_holds_pages(sampler)
     assert set(results["rows"]) == {"grpo", "again", "other"}
     _assert_same(results["rows"], results["paged"])
 
@@ -276,3 +275,103 @@ def test_growing_batches_move_nothing_a_captured_step_reads(qwen3_dir):
     assert paged.addresses() == before[0] and rows.addresses() != before[1]
     paged.reserve([4 * PAGE] * 40)  # 160 pages: the pool grows
     assert paged.addresses() != before[0]
+
+
+def _prefix_pages(sampler: Sampler) -> list[int]:
+    """The pages the prefix cache holds, in the order its blocks were made (a chain's first first)."""
+    return [e.page for e in sorted(sampler.prefix.entries.values(), key=lambda e: e.id)]
+
+
+def _assert_only_the_prefix_cache_holds_pages(sampler: Sampler) -> None:
+    cache, kept = sampler.cache, _prefix_pages(sampler)
+    assert not any(cache.owned)
+    assert [cache.refs[p] for p in range(cache.pages)] == [int(p in kept) for p in range(cache.pages)]
+    assert sorted(cache.free + kept) == list(range(cache.pages))
+
+
+def test_prefix_cache_blocks_are_pool_pages(qwen3_dir):
+    """Prompts sent again in a later admission (GRPO as separate requests, a longer turn, a prompt
+    of whole pages) hold the prefix cache's pages themselves: no K/V copied into new pages, one
+    copy in the pool. Results equal a sampler without a prefix cache; afterwards the cache alone
+    holds its pages."""
+    model = fresh_model(qwen3_dir)
+    rng = np.random.default_rng(12)
+    prompt = rng.integers(4, 500, 3 * PAGE + 10).tolist()
+    turn = prompt + rng.integers(4, 500, 80).tolist()
+    exact = prompt[: 2 * PAGE]  # whole pages: the cache holds its last token's K/V too
+    first = lambda: [task("first", prompt, max_tokens=20, temperature=1.0, seed=1, stop=[])]  # noqa: E731
+    later = lambda: [task("again", prompt, n=3, max_tokens=20, temperature=1.0, seed=2, stop=[]),  # noqa: E731
+                     task("turn", turn, max_tokens=20, temperature=0.0, stop=[]),
+                     task("exact", exact, n=2, max_tokens=70, temperature=1.0, seed=3, stop=[])]
+    plain = Sampler(model, decoder(qwen3_dir), kv_layout="paged", prefix_cache_bytes=0)
+    want = {**run(plain, first()), **run(plain, later())}
+    sampler = Sampler(model, decoder(qwen3_dir), kv_layout="paged")
+    got = run(sampler, first())
+    cache = sampler.cache
+    _assert_only_the_prefix_cache_holds_pages(sampler)
+    blocks = _prefix_pages(sampler)
+    assert len(blocks) == 3
+    computed = sampler.stats["prefill_tokens"]
+    for t in later():
+        sampler.add(t)
+    admitted: list = []
+    with torch.inference_mode():
+        sampler._admit(admitted)
+    assert sampler.stats["prefill_tokens"] - computed == 10 + (10 + 80) + 1  # only what the cache lacks
+    rows = {key: [r for r, row in enumerate(sampler.rows) if row.state.task.key == key] for key in ("again", "turn", "exact")}
+    for r in rows["again"] + rows["turn"]:
+        assert cache.owned[r][:3] == blocks[:3]  # the cache's pages, read in place
+    for r in rows["exact"]:
+        assert cache.owned[r][:2] == blocks[:2]
+    holders = [len(rows["again"]) + len(rows["turn"]) + len(rows["exact"])] * 2 + [len(rows["again"]) + len(rows["turn"])]
+    assert [cache.refs[p] for p in blocks[:3]] == [1 + h for h in holders]
+    assert len(_prefix_pages(sampler)) == 3 + 1  # the longer turn's fourth full page joined the cache
+    got.update(dict(admitted))
+    got.update(run(sampler, []))
+    _assert_same(want, got)
+    _assert_only_the_prefix_cache_holds_pages(sampler)
+
+
+def test_a_full_pool_evicts_cached_pages_before_it_grows(qwen3_dir):
+    """Under a K/V budget of 8 pages, prompts of different 2-page prefixes fill the prefix cache
+    until the pool is full: then the least recently used cached pages make room, the pool never
+    outgrows the budget, and results stay those of a sampler without a prefix cache."""
+    model = fresh_model(qwen3_dir)
+    page_bytes = PagedKVCache(model.config, torch.device("cpu"), torch.float32).page_bytes()
+    budget = 8 * page_bytes
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(4, 500, 2 * PAGE + 5).tolist() for _ in range(6)]
+    order = [0, 1, 2, 3, 4, 5, 5, 0]  # the last two: a hit, then a prompt evicted meanwhile
+    make = lambda i, j: task(f"p{j}", prompts[i], max_tokens=30, temperature=1.0, seed=j, stop=[])  # noqa: E731
+    plain = Sampler(model, decoder(qwen3_dir), kv_layout="paged", kv_cache_bytes=budget, prefix_cache_bytes=0)
+    sampler = Sampler(model, decoder(qwen3_dir), kv_layout="paged", kv_cache_bytes=budget)
+    for j, i in enumerate(order):
+        want = run(plain, [make(i, j)])
+        got = run(sampler, [make(i, j)])
+        _assert_same(want, got)
+        assert sampler.cache.pages <= 8
+        hit = got[f"p{j}"].prompt_cache_hit_tokens
+        assert hit == (2 * PAGE if j == 6 else 0), (j, hit)
+    assert sampler.prefix.stats["evicted_blocks"] > 0
+    _assert_only_the_prefix_cache_holds_pages(sampler)
+
+
+def test_an_idle_pool_shrinks_keeping_the_cached_pages(qwen3_dir):
+    """After a busy spell the idle pool is reallocated small; the prefix cache's pages move to its
+    first ids with their K/V, and a later hit reads them there."""
+    model = fresh_model(qwen3_dir)
+    rng = np.random.default_rng(30)
+    prompt = rng.integers(4, 500, 2 * PAGE + 3).tolist()
+    busy = [task(f"busy{i}", rng.integers(4, 500, 3 * PAGE).tolist(), n=8, max_tokens=130, temperature=1.0, seed=i,
+                 stop=[]) for i in range(3)]
+    plain = Sampler(model, decoder(qwen3_dir), kv_layout="paged", prefix_cache_bytes=0)
+    sampler = Sampler(model, decoder(qwen3_dir), kv_layout="paged")
+    last = lambda: [task("again", prompt, max_tokens=30, temperature=1.0, seed=9, stop=[])]  # noqa: E731
+    run(sampler, [task("first", prompt, max_tokens=5, temperature=0.0, stop=[])] + busy)
+    cache = sampler.cache
+    kept = len(_prefix_pages(sampler))
+    assert cache.pages == max(cache._initial_pages, kept) and sorted(_prefix_pages(sampler)) == list(range(kept))
+    _assert_only_the_prefix_cache_holds_pages(sampler)
+    got = run(sampler, last())
+    assert got["again"].prompt_cache_hit_tokens == 2 * PAGE
+    _assert_same(run(plain, last()), got)

@@ -43,9 +43,9 @@ def assert_same(got: dict, want: dict) -> None:
             np.testing.assert_allclose(g.prompt_logprobs, w.prompt_logprobs, atol=TOL, rtol=0, equal_nan=True)
 
 
-def multi_turn(seed: int = 0) -> tuple[list[int], list[list[int]]]:
+def multi_turn(seed: int = 0, block: int = BLOCK) -> tuple[list[int], list[list[int]]]:
     """A shared system prompt (three blocks and a bit) and continuations of it, as turns grow."""
-    system = tokens(seed, 3 * BLOCK + 5)
+    system = tokens(seed, 3 * block + 5)
     return system, [system + tokens(seed + 1 + i, 7 + 9 * i) for i in range(4)]
 
 
@@ -55,25 +55,28 @@ def requests(prompts, prefix: str, **kw) -> list:
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cache_hit_equals_whole_prefill(family, temperature, model_dirs, gpt_oss_dir, qwen3_moe_dir):
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+def test_cache_hit_equals_whole_prefill(family, temperature, layout, model_dirs, gpt_oss_dir, qwen3_moe_dir):
     """Greedy and sampled tokens and their logprobs are those of a whole prefill; gpt-oss has
-    sinks and a sliding window shorter than the cached prefix."""
+    sinks and a sliding window shorter than the cached prefix. Over pages the blocks are pool
+    pages (gpt-oss' rings keep their part beside them)."""
     model_dir = {"gpt_oss": gpt_oss_dir, "qwen3_moe": qwen3_moe_dir}.get(family) or model_dirs[family]
     model = fresh_model(model_dir)
-    plain = make_sampler(model, model_dir, prefix_cache_bytes=0)
-    cached = make_sampler(model, model_dir)
-    system, prompts = multi_turn()
+    plain = make_sampler(model, model_dir, prefix_cache_bytes=0, kv_layout=layout)
+    cached = make_sampler(model, model_dir, kv_layout=layout)
+    block = cached.prefix.block
+    system, prompts = multi_turn(block=block)
     want = results(plain, requests(prompts, "t", temperature=temperature))
     results(cached, requests([system + tokens(99, 3)], "warm"))  # fills the system prompt's blocks
     got = results(cached, requests(prompts, "t", temperature=temperature))
     assert_same(got, want)
-    assert all(r.prompt_cache_hit_tokens == 3 * BLOCK for r in got.values())
+    assert all(r.prompt_cache_hit_tokens == 3 * block for r in got.values())
     assert all(r.prompt_cache_hit_tokens == 0 for r in want.values())
     # A second round hits each whole turn's blocks (inserted by the first round).
     again = results(cached, requests(prompts, "t", temperature=temperature))
     assert_same(again, want)
     assert [again[f"t{i}"].prompt_cache_hit_tokens for i in range(4)] == [
-        (len(p) - 1) // BLOCK * BLOCK for p in prompts]
+        min(len(p) // block * block, len(p) - 1) for p in prompts]
 
 
 def test_separate_requests_of_one_prompt_share_one_prefill(qwen3_dir):
@@ -207,7 +210,7 @@ def test_lru_keeps_the_first_blocks_of_a_chain_longest():
     assert len(cache) == 3 and cache.stats["evicted_blocks"] == 1
     got = cache.lookup("w", a + [1], len(a))
     assert len(got) == 3
-    torch.testing.assert_close(torch.cat(got, dim=3), kv[:, :, :, : 3 * BLOCK])
+    torch.testing.assert_close(torch.cat([e.kv for e in got], dim=3), kv[:, :, :, : 3 * BLOCK])
     b = a[:BLOCK] + [7] * BLOCK  # shares the first block only
     assert len(cache.lookup("w", b, len(b))) == 1
     assert cache.lookup("other weights", a, len(a)) == []

@@ -52,6 +52,7 @@ class ShardedSampler(Sampler):
         all_reduce_(budget, tp_of(model), op=dist.ReduceOp.MIN, what="agreeing on the sampler's K/V budget")
         self.kv_cache_bytes = 0 if budget.item() == float("inf") else int(budget.item())
         self.cache = self._new_cache()
+        self.prefix = self._new_prefix_cache()  # its blocks hold this rank's heads (pages of this cache)
         if self.graphs is not None:  # the static decode step reads this rank's cache
             self.graphs.cache = self.cache
 

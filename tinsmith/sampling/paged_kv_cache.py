@@ -15,7 +15,11 @@ a layer's K/V is a pool ``(pages, kv_heads, PAGE, head_dim)`` and row ``r``'s po
   changes as rows grow: a CUDA graph of the decode step stays valid however long rows become
   (graphs are kept per span, see :mod:`tinsmith.sampling.decode_graphs`);
 - admission counts each row at its own positions (:meth:`PagedKVCache.bytes_for`), not every row
-  at the longest one's.
+  at the longest one's;
+- the prefix cache keeps prompts' full pages as its blocks (:mod:`tinsmith.sampling.prefix_cache`):
+  a page is free once neither a row nor the prefix cache holds it, and when the free pages run
+  out with the pool at its budget the prefix cache gives up its least recently used pages
+  (``reclaim``) before the pool grows past it.
 
 Rows that hold nothing point at page 0 (whoever owns it); the padding rows of a fixed-shape step
 write back what position 0 of the first live row holds, which no decode step writes (a row's
@@ -29,10 +33,11 @@ layer and step: on a CPU the per-row cache is the default.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from tinsmith.models.config import ModelConfig
-from collections.abc import Sequence
 
 from tinsmith.sampling.kv_cache import BLOCK, RowKVCache, RowNeed, needs_of
 
@@ -40,6 +45,8 @@ PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
 
 
 class PagedKVCache(RowKVCache):
+    page = PAGE
+
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 8,
                  max_bytes: int = 0, table_rows: int = 256):
         """``table_rows``: rows the page table and lengths hold from the start (the sampler's most
@@ -57,6 +64,10 @@ class PagedKVCache(RowKVCache):
         self.refs = [0] * self.pages  # rows holding each page (a prompt's full pages are shared)
         self._initial_pages = self.pages
         self._skip_pages = 0  # while writing a prefix: its leading pages, shared, are already written
+        # Set by a prefix cache keeping its blocks in these pages: evict its least recently used
+        # block (False: it holds none), and follow pages that a shrink moved (old id -> new id).
+        self.reclaim: Callable[[], bool] | None = None
+        self.on_remap: Callable[[dict[int, int]], None] | None = None
 
     # ----------------------------------------------------------------------------- layout
     def rowwise(self, layer: int) -> bool:
@@ -138,6 +149,9 @@ class PagedKVCache(RowKVCache):
                 pages, dtype=torch.int32, device=self.device)
 
     def _take(self) -> int:
+        if not self.free and self.reclaim is not None and self._pool_within(self.pages + 1) <= self.pages:
+            while not self.free and self.reclaim():  # at the budget: cached prompt pages go first
+                pass
         if not self.free:
             self._grow_pool()
         page = self.free.pop()
@@ -149,13 +163,16 @@ class PagedKVCache(RowKVCache):
         paged layer's K/V reallocated, pages keeping their ids."""
         self._resize_pool(max(self.pages + 1, self._pool_within(2 * self.pages)))
 
-    def _resize_pool(self, pages: int) -> None:
-        keep = min(pages, self.pages)
+    def _resize_pool(self, pages: int, keep: list[int] | None = None) -> None:
+        """Reallocate every paged layer's pool to ``pages`` pages, keeping pages ``[0, pages)``'s
+        contents, or (``keep``) those of pages ``keep``, moved to ids ``0, 1, ...``."""
+        kept = list(range(min(pages, self.pages))) if keep is None else keep
+        at = torch.tensor(kept, dtype=torch.long, device=self.device)
         for store in (self.K, self.V):
             for i, old in enumerate(store):
                 if self.paged[i]:
                     new = torch.zeros((pages, *old.shape[1:]), device=self.device, dtype=self.dtype)
-                    new[:keep] = old[:keep]
+                    new[: len(kept)] = old[at]
                     store[i] = new
         if pages > self.pages:  # the new, higher ids are taken last
             self.free[:0] = range(pages - 1, self.pages - 1, -1)
@@ -198,11 +215,36 @@ class PagedKVCache(RowKVCache):
         self.owned = self.owned[:keep] + [[] for _ in range(rows - keep)]
 
     def shrink(self, live_rows: int, max_len: int) -> None:
+        """As :meth:`RowKVCache.shrink`; once no row holds a page, a pool much larger than what is
+        still held (the prefix cache's pages) is reallocated at that size, those pages moved to
+        its first ids."""
         super().shrink(live_rows, max_len)
-        if not any(self.owned) and self.pages > 4 * self._initial_pages:
-            self.free, self.refs = [], []
-            self.pages = 0
-            self._resize_pool(self._initial_pages)
+        if any(self.owned):
+            return
+        held = [p for p in range(self.pages) if self.refs[p]]
+        size = max(self._initial_pages, len(held))
+        if self.pages <= 4 * size:
+            return
+        refs = [self.refs[p] for p in held]
+        self.free, self.refs = [], []
+        self.pages = 0
+        self._resize_pool(size, keep=held)
+        self.refs[: len(held)] = refs
+        self.free = [p for p in self.free if p >= len(held)]
+        if held and self.on_remap is not None:
+            self.on_remap({old: new for new, old in enumerate(held)})
+
+    def read_pages(self, out: torch.Tensor, pages: list[int]) -> None:
+        """Copy pages ``pages`` of every paged layer into ``out`` ``(attention layers, 2, kv_heads,
+        len(pages) * PAGE, head_dim)`` (a prefill's layout: attention layers in order), the
+        positions they hold in order; layers in per-row buffers are left as they are."""
+        at = torch.tensor(pages, dtype=torch.long, device=self.device)
+        attention = [i for i in range(self.cfg.num_layers) if not self.cfg.is_linear_layer(i)]
+        for j, layer in enumerate(attention):
+            if self.paged[layer]:
+                for kv, pool in enumerate((self.K[layer], self.V[layer])):
+                    x = pool[at]  # (pages, heads, PAGE, d)
+                    out[j, kv] = x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
 
     def write_prefix(self, row, layer_kv, length, states=None, prompt=0, shared=None) -> list[int]:
         """As :meth:`RowKVCache.write_prefix`; ``shared``: the full pages of the same prompt that an

@@ -134,8 +134,13 @@ class Sampler:
         # where reading pages would gather them into row buffers at every step.
         self.paged_kv = kv_layout == "paged" or (kv_layout == "auto" and self.device.type == "cuda")
         self.cache = self._new_cache()
+        # Attention layer -> its index in prefill K/V buffers and prefix blocks (hybrid models'
+        # Gated DeltaNet layers keep no K/V).
+        attention = [i for i in range(self.cfg.num_layers) if not self.cfg.is_linear_layer(i)]
+        self._kv_index = {layer: i for i, layer in enumerate(attention)}
         reuse = model.supports_prefix_reuse and self.cfg.supports_prefix_cache  # hybrids: recurrent state
-        self.prefix = PrefixCache(prefix_cache_bytes if reuse else 0)
+        self._prefix_bytes = prefix_cache_bytes if reuse else 0
+        self.prefix = self._new_prefix_cache()
         # Hybrid models keep whole prompts' prefill results instead (the same budget): a prompt
         # sent again in a later admission (GRPO as separate requests) is not prefilled again.
         self.snapshots = PromptSnapshots(prefix_cache_bytes if self.cfg.has_recurrent_state else 0)
@@ -146,10 +151,6 @@ class Sampler:
                                      else DEFAULT_PREFILL_CHUNK_TOKENS.get(self.device.type, 2048))
         self._can_chunk = model.supports_prefix_reuse and self.prefill_chunk_tokens > 0
         self._chunked: _ChunkedPrefill | None = None  # the long prompt being prefilled, a chunk per step
-        # Attention layer -> its index in prefill K/V buffers and prefix blocks (hybrid models'
-        # Gated DeltaNet layers keep no K/V).
-        attention = [i for i in range(self.cfg.num_layers) if not self.cfg.is_linear_layer(i)]
-        self._kv_index = {layer: i for i, layer in enumerate(attention)}
         # Equal prompts admitted together share one prefill whenever the cache is not turned off:
         # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
         self.share_prompts = prefix_cache_bytes > 0
@@ -176,6 +177,14 @@ class Sampler:
             return PagedKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes,
                                 table_rows=self.max_rows)
         return RowKVCache(self.cfg, self.device, self.dtype, max_bytes=self.kv_cache_bytes)
+
+    def _new_prefix_cache(self) -> PrefixCache:
+        """The prefix cache over ``self.cache``: its blocks are the cache's pages when it is paged
+        (a page each; the layers beside the pages keep their part of a block as a tensor)."""
+        if isinstance(self.cache, PagedKVCache):
+            rowwise = [j for layer, j in self._kv_index.items() if self.cache.rowwise(layer)]
+            return PrefixCache(self._prefix_bytes, PagedKVCache.page, self.cache, rowwise)
+        return PrefixCache(self._prefix_bytes)
 
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
@@ -498,8 +507,13 @@ class Sampler:
         self.stats["cached_prompt_tokens"] += sum(st.cached_tokens for st in batch)
 
         self._grow_cache(sum(s.task.input.num_samples for s in batch), L + 1)
-        shared: dict[int, object] = {}  # unique prompt -> what its rows after the first share of its K/V
+        shared: dict[int, Any] = {}  # unique prompt -> what its rows after the first share of its K/V
         groups: dict[int, object] = {}  # unique prompt -> its rows' group (admission counts its K/V once)
+        for u, i in at.items():
+            if out is not None and out.pages[i]:  # pages of the prefix cache: its rows hold them too
+                shared[u] = out.pages[i]
+                self.cache.hold(shared[u])
+        seeded: set[int] = set()
         try:
             for b_idx, st in enumerate(batch):
                 u = lead[b_idx]
@@ -515,9 +529,14 @@ class Sampler:
                 layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
                 shared[u] = self._seed_rows(st, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
                                             out.lens[i], done, out.states, i, shared.get(u), groups.setdefault(u, object()))
+                if u not in seeded:
+                    seeded.add(u)
+                    if out.cacheable[i]:
+                        self._keep_pages(st.task, shared[u], layer_kv, out.weights[i])
         finally:
             for held in shared.values():
-                self.cache.let_go(held)
+                if held:
+                    self.cache.let_go(held)
         self._rows_changed()
 
     def _kept_snapshots(self, unique: list[_TaskState]) -> dict[int, PromptSnapshot]:
@@ -581,14 +600,30 @@ class Sampler:
             r = len(self.rows)
             self.rows.append(row)
             written = self.cache.write_prefix(r, layer_kv, length, states, prompt, shared)
-            if shared is None and written is not None:
+            if written is not None and len(written) > len(shared or ()):
+                # Its first row may finish at once: the pages stay for the rest (those it was given,
+                # the prefix cache's, are held by the caller until now).
+                self.cache.hold(written)
+                if shared:
+                    self.cache.let_go(shared)
                 shared = written
-                self.cache.hold(shared)  # its first row may finish at once: the pages stay for the rest
             if self._push(row, toks_l[j], lps_l[j], tops[j]):
                 self._retire(r, "stop", done)
             elif st.max_tokens <= 1:
                 self._retire(r, "length", done)
         return shared
+
+    def _keep_pages(self, task: SampleTask, pages: list[int] | None, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                    weights: tuple[int | None, int]) -> None:
+        """A paged cache's prefix cache adopts the full pages a prompt's first row was written into
+        (``layer_kv``: the prompt's K/V, of which it keeps the layers beside the pages)."""
+        if self.prefix.pool is None or not self.prefix.enabled or not pages:
+            return
+        kv = None
+        if self.prefix.rowwise:
+            n = len(pages) * self.prefix.block
+            kv = torch.stack([torch.stack((k[:, :n], v[:, :n])) for _, (k, v) in sorted(layer_kv.items())])
+        self.prefix.adopt(weights, np.asarray(task.input.prompt).tolist(), pages, kv)
 
     def _grow_cache(self, new_rows: int, length: int) -> None:
         """Room in the cache for ``new_rows`` more rows of ``length`` positions beside the running
@@ -687,7 +722,7 @@ class Sampler:
         weights = self._weights_of(st.task.slot)
         try:
             blocks = [] if _needs_prompt_logits(inp) or head is not None else \
-                self.prefix.lookup(weights, prompt, len(prompt) - 1)
+                self.prefix.lookup(weights, prompt, len(prompt))
             kv = self._prefix_buffer([blocks], [len(prompt)])
             if head is not None:
                 for layer, (k, v) in head.kv.items():
@@ -699,7 +734,8 @@ class Sampler:
             log.exception("could not start the chunked prefill of a %d-token prompt", len(prompt))
             self._fail([st], exc, done)
             return
-        st.cached_tokens = head.length if head is not None else len(blocks) * self.prefix.block
+        # At least the last prompt token is computed: its logits give the first sample.
+        st.cached_tokens = head.length if head is not None else min(len(blocks) * self.prefix.block, len(prompt) - 1)
         self._chunked = _ChunkedPrefill(st, prompt, weights, kv, st.cached_tokens,
                                         None if head is None else head.states)
 
@@ -729,7 +765,11 @@ class Sampler:
             layer_kv = {layer: (c.kv[self._kv_index[layer], 0, 0], c.kv[self._kv_index[layer], 1, 0]) for layer in kv}
             prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
             self._keep_chunked(c, last_logits)
-            self.cache.let_go(self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent))
+            pages = self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
+            if pages:
+                if c.weights is not None:
+                    self._keep_pages(st.task, pages, layer_kv, c.weights)
+                self.cache.let_go(pages)
             self._rows_changed()
         except self.fatal_errors:
             raise
@@ -756,7 +796,7 @@ class Sampler:
             c.weights = None
             return
         hi = c.done // self.prefix.block * self.prefix.block
-        if hi:
+        if hi and self.prefix.pool is None:  # a paged cache's prefix cache adopts the rows' pages once written
             self.prefix.insert(c.weights, c.prompt[:hi], c.kv[:, :, 0, :, :hi])
 
     def _weights_of(self, slot: int | None) -> tuple[int | None, int]:
@@ -781,13 +821,14 @@ class Sampler:
         weights = [self._weights_of(s.task.slot) for s in states]
         images = [s.task.input.prompt_images for s in states]
         cacheable = [not im for im in images]
-        blocks: list[list[torch.Tensor]] = [[] for _ in states]
+        blocks: list[list] = [[] for _ in states]
         if not any(images):  # reading needs plain positions for every row of the batch
             for i, st in enumerate(states):
                 if not _needs_prompt_logits(st.task.input):
-                    # at least the last prompt token is computed: its logits give the first sample
-                    blocks[i] = self.prefix.lookup(weights[i], prompts[i], lens[i] - 1)
-        starts = [len(bl) * self.prefix.block for bl in blocks]
+                    blocks[i] = self.prefix.lookup(weights[i], prompts[i], lens[i])
+        # At least the last prompt token is computed: its logits give the first sample. Where the
+        # cache holds it too, its K/V are the cached ones (a paged cache's rows hold that page).
+        starts = [min(len(bl) * self.prefix.block, n - 1) for bl, n in zip(blocks, lens)]
         for st, c in zip(states, starts):
             st.cached_tokens = c
         recurrent = None
@@ -802,11 +843,13 @@ class Sampler:
         last_logits = self.model.logits(last, _row_segments([s.task.slot for s in states], 1))
         for i in range(b):
             done_blocks = len(blocks[i])
-            if cacheable[i] and self.prefix.enabled and lens[i] // self.prefix.block > done_blocks:
+            if (cacheable[i] and self.prefix.enabled and self.prefix.pool is None
+                    and lens[i] // self.prefix.block > done_blocks):
                 lo, hi = starts[i], lens[i] // self.prefix.block * self.prefix.block
                 layer_kv = torch.stack([torch.stack((kv[l][0][i, :, lo:hi], kv[l][1][i, :, lo:hi])) for l in sorted(kv)])
                 self.prefix.insert(weights[i], prompts[i][:hi], layer_kv, lo)
-        return _Prefilled(hidden, kv, last_logits, lens, starts, recurrent)
+        pages = [self.prefix.pages_of(bl) for bl in blocks]
+        return _Prefilled(hidden, kv, last_logits, lens, starts, recurrent, pages, weights, cacheable)
 
     def _forward_whole(self, states: list[_TaskState], lens: list[int], prompts: list[list[int]] | None = None):
         """Prefill whole prompts (right-padded): hidden states ``(b, L, h)``, each attention layer's
@@ -832,15 +875,14 @@ class Sampler:
                                           visual=visual)
         return hidden, kv, recurrent
 
-    def _prefix_buffer(self, blocks: list[list[torch.Tensor]], widths: list[int]) -> torch.Tensor:
+    def _prefix_buffer(self, blocks: list[list], widths: list[int]) -> torch.Tensor:
         """``(attention layers, 2, b, kv_heads, max(widths), head_dim)``: each row's cached prefix blocks
         first, zeros after (where :meth:`_forward_over_prefix` writes the positions it computes)."""
         cfg = self.cfg
         full = torch.zeros((len(self._kv_index), 2, len(blocks), cfg.num_kv_heads, max(widths), cfg.head_dim),
                            device=self.device, dtype=self.dtype)
         for i, bl in enumerate(blocks):
-            if bl:
-                full[:, :, i, :, : len(bl) * self.prefix.block] = torch.cat(bl, dim=3)
+            self.prefix.read_into(full[:, :, i], bl)
         return full
 
     def _forward_over_prefix(self, states, prompts, lens, starts, full: torch.Tensor,
@@ -1107,6 +1149,9 @@ class _Prefilled:
     lens: list[int]
     starts: list[int]
     states: PrefillStates | None = None  # hybrid models: each prompt's recurrent states
+    pages: list[list[int]] = field(default_factory=list)  # a paged cache: each prompt's prefix-cache pages
+    weights: list[tuple[int | None, int]] = field(default_factory=list)  # what computed each prompt's K/V
+    cacheable: list[bool] = field(default_factory=list)  # whether the prefix cache may keep each prompt's
 
 
 @dataclass
