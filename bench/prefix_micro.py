@@ -11,13 +11,18 @@ best of ``--repeats`` interleaved runs):
   the previous prompt, its sampled reply and ``--turn-tokens`` new user tokens, so without the
   cache each turn prefills the whole conversation again.
 
+Each runs over every K/V layout of ``--kv-layouts`` (``rows``: per-row buffers, the prefix
+cache's blocks copied into them on a hit; ``paged``: the blocks are pages of the K/V pool, held
+in place by a hit; ``auto``: the device's default).
+
 Reported: wall seconds, sampled tokens/s, and prompt tokens prefilled (computed) vs taken
 from the cache or shared. The model is made on the spot (``--shape``, ``--family``): prefill is
 a larger share of the work the longer the prompts and the larger the model. With ``--family
 qwen3_5`` (a hybrid: no block cache) "on" is the kept whole prompts: a prompt sent again, and a
 turn continuing from the turn before it.
 
-    python bench/prefix_micro.py [--shape small] [--family qwen3] [--prompt-length 512] [--json OUT]
+    python bench/prefix_micro.py [--shape small] [--family qwen3] [--prompt-length 512] [--kv-layouts rows,paged]
+                                 [--json OUT]
 """
 
 from __future__ import annotations
@@ -84,9 +89,9 @@ def multi_turn(sampler: Sampler, prompts: list[np.ndarray], turns: int, turn_tok
     return out
 
 
-def measure_once(model, workload, cache_bytes: int) -> dict:
+def measure_once(model, workload, cache_bytes: int, kv_layout: str = "auto") -> dict:
     """One run of ``workload(sampler)`` on a fresh sampler (an empty prefix cache)."""
-    sampler = Sampler(model, lambda toks: "", prefix_cache_bytes=cache_bytes)
+    sampler = Sampler(model, lambda toks: "", prefix_cache_bytes=cache_bytes, kv_layout=kv_layout)
     t = time.perf_counter()
     res = workload(sampler)
     wall = time.perf_counter() - t
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=128)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--kv-layouts", default="auto", help="comma-separated K/V layouts to run: auto, rows, paged")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default: torch's own; 1 suffers least from busy neighbours)")
@@ -128,18 +134,21 @@ def main(argv: list[str] | None = None) -> dict:
                                            np.random.default_rng(1)),
     }
     measure_once(model, cases["grpo num_samples"], 0)  # warm-up: first-call costs land in no figure
-    configs = [(name, label, nbytes) for name in cases for label, nbytes in (("off", 0), ("on", a.cache_bytes))]
+    layouts = a.kv_layouts.split(",")
+    configs = [(name, layout, label, nbytes) for name in cases for layout in layouts
+               for label, nbytes in (("off", 0), ("on", a.cache_bytes))]
     best: dict = {}
     for _ in range(a.repeats):  # interleaved, so a busy spell on the machine hits every configuration alike
-        for name, label, nbytes in configs:
-            r = measure_once(model, cases[name], nbytes)
-            key = f"{name} / cache {label}"
+        for name, layout, label, nbytes in configs:
+            r = measure_once(model, cases[name], nbytes, layout)
+            key = f"{name} / {layout} / cache {label}"
             if key not in best or r["wall_s"] < best[key]["wall_s"]:
                 best[key] = r
-    print(f"{'workload':<18} {'cache':>6} {'wall s':>8} {'tok/s':>8} {'computed':>9} {'cached':>8}")
-    for name, label, _ in configs:
-        r = out["runs"][f"{name} / cache {label}"] = best[f"{name} / cache {label}"]
-        print(f"{name:<18} {label:>6} {r['wall_s']:>8.2f} {r['sampled_tokens_per_s']:>8.0f} "
+    print(f"{'workload':<18} {'layout':>6} {'cache':>6} {'wall s':>8} {'tok/s':>8} {'computed':>9} {'cached':>8}")
+    for name, layout, label, _ in configs:
+        key = f"{name} / {layout} / cache {label}"
+        r = out["runs"][key] = best[key]
+        print(f"{name:<18} {layout:>6} {label:>6} {r['wall_s']:>8.2f} {r['sampled_tokens_per_s']:>8.0f} "
               f"{r['prompt_tokens_computed']:>9} {r['prompt_tokens_cached']:>8}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))

@@ -320,7 +320,7 @@ def _full_lora(model, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
+def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto") -> list:
     """The serving sampler, whole or sharded: a greedy base-model request with prompt logprobs
     and a seeded, nucleus-sampled adapter request with two samples and top-k logprobs."""
     from tinsmith.parallel.sampling import ShardedSampler, install_full_lora_weights
@@ -333,10 +333,10 @@ def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
     if tp is not None:
         shard_causal_lm(model, tp)
         install_full_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
-        sampler = ShardedSampler(model, lambda ids: "")
+        sampler = ShardedSampler(model, lambda ids: "", kv_layout=kv_layout)
     else:
         install_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
-        sampler = Sampler(model, lambda ids: "")
+        sampler = Sampler(model, lambda ids: "", kv_layout=kv_layout)
     g = np.random.default_rng(4)
     vocab = model.config.vocab_size
     sampler.add(SampleTask("base", None, SampleInput(g.integers(0, vocab, 7), 1,
@@ -355,9 +355,10 @@ def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
                 results[key] = res
 
     drain()
-    # A 40-token prompt, then the same prompt extended: the second prefills only its last tokens,
-    # reading the first one's K/V (this rank's heads) from the prefix cache.
-    long = g.integers(0, vocab, 40)
+    # A 136-token prompt, then the same prompt extended: the second prefills only its last tokens,
+    # reading the first one's K/V (this rank's heads) from the prefix cache (blocks of 16
+    # positions, or two pages of 64 held in place by a paged cache).
+    long = g.integers(0, vocab, 136)
     sampler.add(SampleTask("long", 1, SampleInput(long, 1, SamplingParams(max_tokens=4, temperature=0.0, stop=[]))))
     drain()
     sampler.add(SampleTask("longer", 1, SampleInput(np.concatenate([long, g.integers(0, vocab, 5)]), 1,
@@ -373,8 +374,8 @@ def sample_scenario(model_dir: str, tp: TPGroup | None) -> list:
     return out
 
 
-def sample_rank_main(tp: TPGroup, model_dir: str) -> list:
-    return sample_scenario(model_dir, tp)
+def sample_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "auto") -> list:
+    return sample_scenario(model_dir, tp, kv_layout)
 
 
 def collective_counts(tp: TPGroup, model_dir: str) -> dict:

@@ -114,8 +114,9 @@ class PagedKVCache(RowKVCache):
         return self.bytes_for(rows) + (bucket - len(rows)) * self.row_bytes(capacity, only=self.rowwise)
 
     def used_bytes(self, rows: int) -> int:
-        """The pages some row holds (a shared page once), and the live rows' per-row buffers."""
-        in_use = sum(1 for refs in list(self.refs) if refs)
+        """The pages some row holds (a shared page once; pages only the prefix cache holds are its
+        bytes), and the live rows' per-row buffers."""
+        in_use = len({page for pages in list(self.owned) for page in list(pages)})
         return in_use * self.page_bytes() + rows * self.row_bytes(self.capacity, only=self.rowwise)
 
     def addresses(self) -> tuple:

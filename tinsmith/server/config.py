@@ -224,7 +224,9 @@ _HELP = {
     "max_sample_tokens": "largest sampling_params.max_tokens (default: the model's context length)",
     "prefix_cache_bytes": "device memory each sampler may keep prompts' K/V in, so later requests that start with "
                           "the same tokens (GRPO's copies of one prompt, earlier turns of a conversation) skip "
-                          "their prefill; least recently used blocks are evicted (0: off)",
+                          "their prefill; least recently used blocks are evicted (0: off). With paged K/V (GPUs) "
+                          "the blocks are pages of the K/V cache, within --sampler-kv-cache-bytes too: running "
+                          "sequences take them back when they need the room",
     "sampler_kv_cache_bytes": "device memory the K/V of each sampler's running sequences may take; requests are "
                               "admitted by what their rows hold and wait for room beyond it, and when running rows "
                               "outgrow it the newest request is preempted and resumes later (default: unlimited "

@@ -199,7 +199,8 @@ class StateCollector:
         kv = _gauge("tinsmith_kv_cache_bytes", "Bytes of the samplers' KV caches (they grow with the batch and "
                     "shrink when it empties)")
         kv_used = _gauge("tinsmith_kv_cache_used_bytes", "Of those, the bytes the decoding sequences hold (paged "
-                         "caches: the pages some sequence holds, a shared prompt page once)")
+                         "caches: the pages some sequence holds, a shared prompt page once; pages only the "
+                         "prefix cache holds count in tinsmith_prefix_cache_bytes)")
         prefix = _gauge("tinsmith_prefix_cache_bytes", "Bytes of prompt K/V (hybrid models: whole prompts' "
                         "states) the samplers keep for later requests (--prefix-cache-bytes each)")
         # name -> (the samplers' counter it reads, help)
