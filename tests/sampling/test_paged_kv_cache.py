@@ -375,3 +375,33 @@ def test_an_idle_pool_shrinks_keeping_the_cached_pages(qwen3_dir):
     got = run(sampler, last())
     assert got["again"].prompt_cache_hit_tokens == 2 * PAGE
     _assert_same(run(plain, last()), got)
+
+
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+def test_an_idle_sampler_keeps_its_cache_until_asked_to_give_it_back(qwen3_dir, layout):
+    """``keep_cache_when_idle`` (the worker's choice on GPUs): after a busy spell the K/V buffers
+    stay where they are, so the next burst reallocates nothing (and CUDA graphs over them stay
+    valid). ``release_memory`` gives them back with the prefix cache; a busy sampler gives nothing."""
+    model = fresh_model(qwen3_dir)
+    rng = np.random.default_rng(40)
+    busy = [task(f"busy{i}", rng.integers(4, 500, 3 * PAGE).tolist(), n=8, max_tokens=130, temperature=1.0,
+                 seed=i, stop=[]) for i in range(3)]
+    later = lambda: [task("later", rng.integers(4, 500, 70).tolist(), n=2, max_tokens=40, temperature=1.0,  # noqa: E731
+                          seed=7, stop=[])]
+    keeping = Sampler(model, decoder(qwen3_dir), kv_layout=layout, keep_cache_when_idle=True)
+    giving = Sampler(model, decoder(qwen3_dir), kv_layout=layout)
+    run(keeping, busy)
+    run(giving, busy)
+    assert giving.cache.nbytes() < keeping.cache.nbytes() // 4  # the default gives it back when idle
+    addresses, kept = keeping.cache.addresses(), keeping.cache.nbytes()
+    rng = np.random.default_rng(41)
+    got = run(keeping, later())
+    assert keeping.cache.addresses() == addresses  # the next burst reallocated nothing
+    keeping.add(later()[0])
+    assert keeping.release_memory() == 0 and keeping.cache.addresses() == addresses  # busy: nothing given back
+    run(keeping, [])
+    assert len(keeping.prefix) > 0
+    released = keeping.release_memory()
+    assert released >= kept - keeping.cache.nbytes() > kept // 2 and len(keeping.prefix) == 0
+    rng = np.random.default_rng(41)
+    _assert_same(run(giving, later()), got)

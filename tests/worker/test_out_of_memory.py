@@ -158,3 +158,42 @@ def test_without_retry_the_error_fails_the_call_as_before(qwen3_dir):
     _device_limit(rt, 10, "forward")
     results = rt.forward_backward(_requests(units))
     assert all(isinstance(r, torch.OutOfMemoryError) for r in results)
+
+
+def test_memory_idle_samplers_keep_is_given_back_before_a_micro_batch_is_split(qwen3_dir):
+    """Out of memory while idle samplers keep theirs (their K/V buffers, for the next sampling
+    phase): that memory is given back and the micro-batch runs again whole, later ones planned as
+    before. When nothing is left to give back, the micro-batch is split as usual."""
+    rt, units = _runtime(qwen3_dir)
+    expected, expected_grads = _step(rt, units, _requests(units))
+    rt2, _ = _runtime(qwen3_dir)
+    limit, calls, kept = [90], [], [1 << 30]
+    real = rt2.model.hidden_states
+
+    def hidden_states(tokens, *args, **kwargs):
+        calls.append(tokens.numel())
+        if tokens.numel() > limit[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(tokens, *args, **kwargs)
+
+    def release() -> int:
+        released, kept[0] = kept[0], 0
+        if released:
+            limit[0] = 1 << 20  # the samplers' memory is free again
+        return released
+
+    rt2.model.hidden_states = hidden_states
+    rt2.release_memory = release
+    results, grads = _step(rt2, units, _requests(units))
+    assert calls[0] == calls[1] > 90, calls  # the same micro-batch, whole, once the memory came back
+    assert rt2.micro_batch_tokens == 4096
+    for a, b in zip(results, expected):
+        assert not isinstance(a, Exception), a
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
+    for key, g in expected_grads.items():
+        assert_rel_close(grads[key], g, 1e-5, str(key))
+    limit[0], calls[:] = 90, []
+    results = rt2.forward_backward(_requests(units))
+    assert all(not isinstance(r, Exception) for r in results)
+    assert max(calls) > 90 and len(calls) > 2 and rt2.micro_batch_tokens < 4096  # nothing kept: split

@@ -114,9 +114,16 @@ class Sampler:
         cuda_graphs: bool = False,
         prefill_chunk_tokens: int | None = None,
         kv_layout: str = "auto",
+        keep_cache_when_idle: bool = False,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
+        # An idle sampler gives its K/V memory back at once (False), or keeps it for the next
+        # burst until :meth:`release_memory` is called (True: whoever owns the sampler calls it when
+        # the device runs short). Kept, the cache's buffers stay where they are, and so do the CUDA
+        # graphs captured over them: an RL loop's next sampling phase neither regrows the cache
+        # nor captures its graphs again.
+        self.keep_cache_when_idle = keep_cache_when_idle
         self.cfg = model.config
         self.decode = decode
         self.max_rows = max_rows
@@ -257,9 +264,22 @@ class Sampler:
                         break
                 if self.inbox and len(self.rows) < self.max_rows:
                     self._admit(done)
-            if not self.rows:
+            if not self.rows and not self.keep_cache_when_idle:
                 self.cache.shrink(0, 1)
         return done
+
+    def release_memory(self) -> int:
+        """Give back what an idle sampler keeps on the device: its K/V buffers beyond their
+        initial size and its prefix cache (the device is short of memory elsewhere). Returns the
+        bytes released; a sampler with work releases nothing."""
+        if self.has_work():
+            return 0
+        before = self.cache.nbytes() + self.prefix.bytes + self.snapshots.bytes
+        self.prefix.clear()
+        self.snapshots.clear()
+        with torch.inference_mode():
+            self.cache.shrink(0, 1)
+        return before - self.cache.nbytes()
 
     def _go_on(self, deadline: float, done: list) -> bool:
         """Whether to run another decode step in this :meth:`step` (its time budget is not spent);

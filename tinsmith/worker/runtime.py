@@ -171,6 +171,9 @@ class TrainingRuntime:
         # training run's own slot), parked last; and what to do when one of those is parked anyway.
         self.busy_slots: Callable[[], set[int]] = set
         self.on_park_busy: Callable[[int], None] | None = None
+        # Set by the worker: give back the memory idle samplers keep (bytes released), tried
+        # first when a micro-batch runs out of memory.
+        self.release_memory: Callable[[], int] | None = None
         if full_finetune:
             self.units[FULL_UNIT] = full_model_trainable(model, full_optimizer, master_weights)
 
@@ -473,8 +476,14 @@ class TrainingRuntime:
         does not fit alone fails its own request, with the size and what is free: that error is
         returned (None when the rows were queued again)."""
         gc.collect()
+        released = self.release_memory() if self.release_memory is not None else 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if released > 0:
+            log.warning("a training micro-batch of %d sequences ran out of device memory (%s); %d bytes that idle "
+                        "samplers kept were given back: running it again as it was", len(rows), message, released)
+            pending.appendleft(rows)
+            return None
         if len(rows) > 1:
             size = batch_tokens(rows, self.sized_by_real_tokens)
             self.micro_batch_tokens = max(1, min(self.micro_batch_tokens, size // 2))

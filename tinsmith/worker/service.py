@@ -218,6 +218,7 @@ class Worker:
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
         rt.busy_slots = lambda: self._sampler_slots(name)
         rt.on_park_busy = lambda slot: self._adapter_parked(name, slot)
+        rt.release_memory = self.release_idle_sampler_memory
         self.bases[name] = base
         log.info("serving %s from %s (%s, %.1fM params)", name, loaded.model_dir, loaded.config.family,
                  loaded.config.num_params / 1e6)
@@ -315,6 +316,7 @@ class Worker:
                                  micro_batch_seqs=self.options.micro_batch_seqs,
                                  gradient_checkpointing=self.options.gradient_checkpointing,
                                  vision=base.loaded.vision, packing=base.lora.packing)
+            rt.release_memory = self.release_idle_sampler_memory
             base.full[model_id] = rt
             placement = Placement(base, rt, FULL_UNIT, False, None, owner)
         self.placements[model_id] = placement
@@ -487,10 +489,17 @@ class Worker:
 
     def _sampler_of(self, key: str, base: BaseModel, model: CausalLM) -> Sampler:
         if key not in self.samplers:
+            # On a GPU an idle sampler keeps its K/V buffers (and the CUDA graphs over them) for the
+            # next sampling phase; training that runs short of memory has them given back first.
             self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir), vision=base.loaded.vision,
                                          cuda_graphs=self.options.sampler_cuda_graphs,
+                                         keep_cache_when_idle=next(model.parameters()).device.type == "cuda",
                                          **sampler_kwargs_of(self.options))
         return self.samplers[key]
+
+    def release_idle_sampler_memory(self) -> int:
+        """Have every idle sampler give back the device memory it keeps; the bytes released."""
+        return sum(sampler.release_memory() for sampler in list(self.samplers.values()))
 
     # ----------------------------------------------------------------------------- inflight sampling
     def publish_inflight(self, model_id: str, key: str) -> None:
