@@ -405,3 +405,33 @@ def test_an_idle_sampler_keeps_its_cache_until_asked_to_give_it_back(qwen3_dir, 
     assert released >= kept - keeping.cache.nbytes() > kept // 2 and len(keeping.prefix) == 0
     rng = np.random.default_rng(41)
     _assert_same(run(giving, later()), got)
+
+
+def test_a_prefill_out_of_memory_has_other_idle_samplers_give_theirs_back(qwen3_dir):
+    """Sampler b's prefill runs out of device memory while idle sampler a keeps its K/V buffers:
+    a gives them back (``release_elsewhere``, as the worker wires it), and b's prefill runs again
+    and gives b's results; when nothing is left to give back, the request fails as before."""
+    model = fresh_model(qwen3_dir)
+    rng = np.random.default_rng(50)
+    a = Sampler(model, decoder(qwen3_dir), kv_layout="paged", keep_cache_when_idle=True, prefix_cache_bytes=0)
+    b = Sampler(model, decoder(qwen3_dir), kv_layout="paged", prefix_cache_bytes=0)
+    run(a, [task("a", rng.integers(4, 500, 3 * PAGE).tolist(), n=16, max_tokens=130, temperature=1.0, seed=1,
+                 stop=[])])
+    kept = a.cache.nbytes()
+    b.release_elsewhere = a.release_memory
+    prompt = rng.integers(4, 500, 40).tolist()
+    want = run(Sampler(model, decoder(qwen3_dir), kv_layout="paged"), [task("b", prompt, max_tokens=9, seed=2)])
+    real, failures = b._forward_prompts, [1]
+
+    def forward_prompts(states):
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(states)
+
+    b._forward_prompts = forward_prompts
+    got = run(b, [task("b", prompt, max_tokens=9, seed=2)])
+    _assert_same(want, got)
+    assert a.cache.nbytes() < kept // 4
+    failures[0] = 1
+    assert isinstance(run(b, [task("again", prompt, max_tokens=9, seed=2)])["again"], torch.OutOfMemoryError)

@@ -124,6 +124,9 @@ class Sampler:
         # graphs captured over them: an RL loop's next sampling phase neither regrows the cache
         # nor captures its graphs again.
         self.keep_cache_when_idle = keep_cache_when_idle
+        # Set by the owner of several samplers: have the others give back what they keep idle
+        # (bytes released), tried when a prefill runs out of memory.
+        self.release_elsewhere: Callable[[], int] | None = None
         self.cfg = model.config
         self.decode = decode
         self.max_rows = max_rows
@@ -435,12 +438,18 @@ class Sampler:
                 try:
                     self._prefill(batch, done)
                 except torch.OutOfMemoryError:
-                    if not (len(self.prefix) or len(self.snapshots)) or len(self.rows) != before:
+                    if len(self.rows) != before:
                         raise
-                    log.warning("out of memory in a prefill: dropping the prefix cache (%d bytes) and trying again",
-                                self.prefix.bytes + self.snapshots.bytes)
+                    kept = self.prefix.bytes + self.snapshots.bytes
                     self.prefix.clear()
                     self.snapshots.clear()
+                    released = self.release_elsewhere() if self.release_elsewhere is not None else 0
+                    if not (kept or released):
+                        raise
+                    log.warning("out of memory in a prefill: dropped the prefix cache (%d bytes), other idle samplers "
+                                "gave back %d bytes; trying again", kept, released)
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
                     self._prefill(batch, done)
             except self.fatal_errors:
                 raise

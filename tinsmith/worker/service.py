@@ -495,11 +495,13 @@ class Worker:
                                          cuda_graphs=self.options.sampler_cuda_graphs,
                                          keep_cache_when_idle=next(model.parameters()).device.type == "cuda",
                                          **sampler_kwargs_of(self.options))
+            self.samplers[key].release_elsewhere = lambda: self.release_idle_sampler_memory(but=key)
         return self.samplers[key]
 
-    def release_idle_sampler_memory(self) -> int:
-        """Have every idle sampler give back the device memory it keeps; the bytes released."""
-        return sum(sampler.release_memory() for sampler in list(self.samplers.values()))
+    def release_idle_sampler_memory(self, but: str | None = None) -> int:
+        """Have every idle sampler (but sampler ``but``) give back the device memory it keeps;
+        the bytes released."""
+        return sum(sampler.release_memory() for key, sampler in list(self.samplers.items()) if key != but)
 
     # ----------------------------------------------------------------------------- inflight sampling
     def publish_inflight(self, model_id: str, key: str) -> None:
@@ -712,7 +714,13 @@ class Worker:
                 return False
             for s in free[:need]:
                 self._offload(s)
-        snap.model = _device_model(snap.base.loaded.model, snap.host)
+        try:
+            snap.model = _device_model(snap.base.loaded.model, snap.host)
+        except torch.OutOfMemoryError:
+            if not self.release_idle_sampler_memory():  # idle samplers' K/V first, then try again once
+                raise
+            torch.cuda.empty_cache()
+            snap.model = _device_model(snap.base.loaded.model, snap.host)
         if snap.model.model.embed_tokens.weight.device.type == "cpu":
             # The device is host memory: the host copy can be the resident one (no second copy).
             snap.host = {n: p.detach() for n, p in snap.model.named_parameters()}
