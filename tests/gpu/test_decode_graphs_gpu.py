@@ -91,3 +91,24 @@ def test_graphed_decode_equals_eager_decode(family, dtype, tmp_path):
                 if dtype == torch.float32:  # padded shapes may round differently: fp32 keeps the tokens
                     assert a.tokens.tolist() == b.tokens.tolist(), key
                     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_kept_idle_cache_replays_the_last_phase_graphs(tmp_path):
+    """An RL loop's second sampling phase on a sampler that keeps its cache when idle (the server's
+    choice on GPUs) replays the graphs of the first, capturing none, and samples what a sampler
+    that gave its memory back samples (tests/sampling/test_paged_kv_cache.py checks the giving back)."""
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("CUDA graphs exist only on CUDA devices")
+    model = load_model(str(make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)), DEVICE, torch.float32).model
+    phase = lambda: _tasks([None] * 6)  # noqa: E731
+    keeping = Sampler(model, lambda t: "", max_rows=8, cuda_graphs=True, keep_cache_when_idle=True)
+    giving = Sampler(model, lambda t: "", max_rows=8, cuda_graphs=True)
+    for sampler in (keeping, giving):
+        run_to_end(sampler, phase())
+    captured = keeping.stats["graph_captures"]
+    assert captured > 0
+    got, want = run_to_end(keeping, phase()), run_to_end(giving, phase())
+    assert keeping.stats["graph_captures"] == captured, "the second phase captured graphs again"
+    for key, res in want.items():
+        for a, b in zip(res.sequences, got[key].sequences):
+            assert a.tokens.tolist() == b.tokens.tolist(), key
