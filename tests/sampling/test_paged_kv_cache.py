@@ -435,3 +435,16 @@ def test_a_prefill_out_of_memory_has_other_idle_samplers_give_theirs_back(qwen3_
     assert a.cache.nbytes() < kept // 4
     failures[0] = 1
     assert isinstance(run(b, [task("again", prompt, max_tokens=9, seed=2)])["again"], torch.OutOfMemoryError)
+
+
+def test_a_burst_grows_the_pool_once(qwen3_dir, monkeypatch):
+    """Rows that together lack many pages grow the pool in one reallocation (each copies the pool
+    and makes captured graphs recapture), not by doubling again and again."""
+    cfg = fresh_model(qwen3_dir).config
+    cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=2)
+    resizes: list[int] = []
+    real = cache._resize_pool
+    monkeypatch.setattr(cache, "_resize_pool", lambda pages, keep=None: (resizes.append(pages), real(pages, keep)))
+    cache.ensure(8, 5 * PAGE)
+    cache.reserve([5 * PAGE] * 8)
+    assert len(resizes) == 1 and cache.pages >= 40 and len({p for pages in cache.owned for p in pages}) == 40

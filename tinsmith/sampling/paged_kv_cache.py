@@ -128,6 +128,9 @@ class PagedKVCache(RowKVCache):
         rows: list[int] = []
         cols: list[int] = []
         pages: list[int] = []
+        # The pool grows once for the whole burst (each reallocation copies the pool and makes
+        # captured graphs recapture), rather than doubling again and again as rows take pages.
+        self._make_free(sum(max(0, -(-span // PAGE) - len(self.owned[r])) for r, span in enumerate(spans)))
         for r, span in enumerate(spans):
             self._reserve_row(r, span, rows, cols, pages)
         self._write_table(rows, cols, pages)
@@ -150,19 +153,28 @@ class PagedKVCache(RowKVCache):
                 pages, dtype=torch.int32, device=self.device)
 
     def _take(self) -> int:
-        if not self.free and self.reclaim is not None and self._pool_within(self.pages + 1) <= self.pages:
-            while not self.free and self.reclaim():  # at the budget: cached prompt pages go first
-                pass
-        if not self.free:
-            self._grow_pool()
+        self._make_free(1)
         page = self.free.pop()
         self.refs[page] = 1
         return page
 
-    def _grow_pool(self) -> None:
-        """Double the pool (at most what the budget holds, but always by at least one page): every
-        paged layer's K/V reallocated, pages keeping their ids."""
-        self._resize_pool(max(self.pages + 1, self._pool_within(2 * self.pages)))
+    def _make_free(self, n: int) -> None:
+        """At least ``n`` free pages: the prefix cache's least recently used pages given up where the
+        pool is at its budget, then the pool grown (see :meth:`_grow_pool`)."""
+        if len(self.free) >= n:
+            return
+        if self.reclaim is not None:
+            room = self._pool_within(self.pages + n) - self.pages  # pages the budget still lets the pool grow by
+            while len(self.free) + room < n and self.reclaim():  # cached prompt pages go before the budget is passed
+                pass
+        if len(self.free) < n:
+            self._grow_pool(n - len(self.free))
+
+    def _grow_pool(self, short: int = 1) -> None:
+        """Grow the pool by ``short`` pages or more: to twice its size where the budget holds that
+        (by at least ``short`` pages whatever the budget), every paged layer's K/V reallocated,
+        pages keeping their ids."""
+        self._resize_pool(max(self.pages + short, self._pool_within(2 * self.pages)))
 
     def _resize_pool(self, pages: int, keep: list[int] | None = None) -> None:
         """Reallocate every paged layer's pool to ``pages`` pages, keeping pages ``[0, pages)``'s
