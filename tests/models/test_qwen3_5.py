@@ -366,6 +366,45 @@ def test_a_prompt_sent_again_later_is_not_prefilled_again(model_dir):
 
 
 @pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
+def test_prompts_continue_kept_ones_together_and_share_a_common_beginning_once(model_dir):
+    """Three conversations' next turns, admitted together, each continue from their kept turn in
+    one prefill. Prompts behind one 70-token system prompt: the first is prefilled whole; the
+    next wave shares the system prompt's prefill once (it is kept then), and a later prompt
+    continues from it. Each admission computes only that; results are a plain sampler's."""
+    model = load_model(str(model_dir)).model
+    rng = np.random.default_rng(11)
+    convs = [rng.integers(4, VOCAB, 20 + 3 * i).tolist() for i in range(3)]
+    system = rng.integers(4, VOCAB, 70).tolist()
+    admissions = [
+        [(f"c{i}", c) for i, c in enumerate(convs)],
+        [(f"next{i}", c + rng.integers(4, VOCAB, 9).tolist()) for i, c in enumerate(convs)],
+        [("w1", system + rng.integers(4, VOCAB, 10).tolist())],
+        [(f"w2-{i}", system + rng.integers(4, VOCAB, 12 + i).tolist()) for i in range(3)],
+        [("w3", system + rng.integers(4, VOCAB, 8).tolist())],
+    ]
+
+    def sample(prefix_cache_bytes: int) -> tuple[dict, list[int]]:
+        sampler = make_sampler(model, model_dir, prefix_cache_bytes=prefix_cache_bytes)
+        out, computed = {}, []
+        for admission in admissions:  # each admitted whole, in one prefill
+            before = sampler.stats["prefill_tokens"]
+            out.update(run(sampler, [task(k, p, max_tokens=6, temperature=1.0, seed=7, stop=[], n=2)
+                                     for k, p in admission]))
+            computed.append(sampler.stats["prefill_tokens"] - before)
+        return out, computed
+
+    want, plain = sample(0)
+    got, computed = sample(1 << 30)
+    assert plain == [sum(len(p) for _, p in admission) for admission in admissions]
+    assert computed == [plain[0], 3 * 9, plain[2], 70 + plain[3] - 3 * 70, plain[4] - 70]
+    assert [got[k].prompt_cache_hit_tokens for k in ("w2-0", "w2-1", "w2-2", "w3")] == [0, 70, 70, 70]
+    for key in want:
+        for w, g in zip(want[key].sequences, got[key].sequences):
+            np.testing.assert_array_equal(w.tokens, g.tokens)
+            np.testing.assert_allclose(w.logprobs, g.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
 def test_a_prompt_extending_a_kept_one_prefills_only_its_new_tokens(model_dir):
     """Multi-turn: each turn's prompt repeats the conversation so far and adds to it. A hybrid
     model continues from the kept states of the turn before (turn 3 from turn 2's, kept after its

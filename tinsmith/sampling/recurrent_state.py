@@ -84,6 +84,19 @@ class PrefillStates:
         self.conv[layer_idx] = x.gather(2, index[:, None, :].expand(-1, x.shape[1], -1))
         self.state[layer_idx] = state
 
+    @classmethod
+    def stacked(cls, parts: list[PrefillStates | None]) -> PrefillStates:
+        """The states of one prompt each (``parts[i]``, as :meth:`select` gives them; None: a prompt
+        that starts from nothing, zeros) as those a prefill of all of them continues from."""
+        ref = next(p for p in parts if p is not None)
+        out = cls(torch.zeros(len(parts), dtype=torch.long, device=ref.lengths.device), 0, ref.kernel)
+        for name in ("conv", "state"):
+            mine, theirs = getattr(out, name), getattr(ref, name)
+            for layer, t in theirs.items():
+                zero = torch.zeros_like(t[0])
+                mine[layer] = torch.stack([zero if p is None else getattr(p, name)[layer][0] for p in parts])
+        return out
+
     def select(self, i: int) -> PrefillStates:
         """Prompt ``i``'s states alone (copies), as prompt 0 of a prefill of one."""
         out = PrefillStates(self.lengths[i : i + 1], int(self.lengths[i]), self.kernel)

@@ -50,6 +50,9 @@ DEVICE_DECODE_BURST = 4  # decode steps per host read-back on a GPU
 # Prompt tokens per prefill chunk when none is configured: on a GPU a chunk this size keeps the
 # matmuls large; a CPU computes far fewer tokens per second, so its chunks are shorter.
 DEFAULT_PREFILL_CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
+# Hybrid models: a beginning at least this long, shared with a kept prompt or another prompt of a
+# prefill, is prefilled once and kept (see Sampler._branch_heads).
+BRANCH_MIN_TOKENS = 64
 KV_LAYOUTS = ("auto", "paged", "rows")  # the K/V cache's layout: auto is paged on CUDA, per-row buffers elsewhere
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
@@ -81,6 +84,8 @@ class _TaskState:
     rope_delta: int = 0  # multimodal RoPE: decoded token i sits at position len(prompt) + i + rope_delta
     order: int = 0  # admission order: the newest requests are preempted first
     paused: list[_Row] = field(default_factory=list)  # rows taken off the batch to free K/V, to resume
+    head: PromptSnapshot | None = None  # hybrid models: the kept prompt its prefill continues from
+    computed_head: bool = False  # its head is a shared beginning computed in its own prefill, not a cached one
 
 
 @dataclass
@@ -386,8 +391,8 @@ class Sampler:
             head = self._kept_head(task)  # hybrid models: a kept prompt this one equals or extends
             if head is not None and head.length == len(task.input.prompt):
                 chunked, P, head = False, 0, None  # the prefill seeds its rows from the kept one
-            elif head is not None and self._chunked is not None:
-                head = None  # one continued prompt at a time: this one is prefilled as usual
+            elif head is not None and P:
+                P -= head.length  # the prefill continues from the kept one: only the new tokens count
             if chunked and self._chunked is not None:
                 break  # one long prompt at a time, in queue order
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
@@ -425,9 +430,10 @@ class Sampler:
                 continue
             st.order = next(self._admissions)
             spans = spans + held
-            if chunked or head is not None:
+            if chunked:
                 self._start_chunked(st, done, head)
                 continue
+            st.head = head
             batch.append(st)
             tokens += P
             if key is not None:
@@ -526,6 +532,7 @@ class Sampler:
             unique.append(st)
         kept = self._kept_snapshots(unique)  # unique index -> a hybrid prompt's kept prefill
         fresh = [u for u in range(len(unique)) if u not in kept]
+        self._branch_heads([unique[u] for u in fresh])
         out = self._forward_prompts([unique[u] for u in fresh]) if fresh else None
         at = {u: i for i, u in enumerate(fresh)}  # unique index -> its row in this prefill
         L = max([out.lens[i] for i in range(len(fresh))] + [snap.length for snap in kept.values()])
@@ -567,6 +574,45 @@ class Sampler:
                 if held:
                     self.cache.let_go(held)
         self._rows_changed()
+
+    def _branch_heads(self, states: list[_TaskState]) -> None:
+        """On hybrid models, prompts that continue no kept prompt but share a beginning of at least
+        ``BRANCH_MIN_TOKENS`` with one (GRPO's prompts behind one system prompt, in a later wave)
+        or with another prompt of this prefill get that beginning prefilled once, kept, and continue
+        from it: later prompts starting with it continue from it too. (A kept prompt holds its
+        recurrent states after its last token only; a beginning shared with it, unlike the blocks of
+        the prefix cache, must be computed again once.)"""
+        if not self.snapshots.enabled or not self.model.supports_prefix_reuse or self.cfg.supports_prefix_cache:
+            return
+        keys = {id(st): self._share_key(st.task) for st in states}
+        tokens = {id(st): np.asarray(st.task.input.prompt, dtype=np.int64) for st in states}
+        kept = [(w, np.frombuffer(t, dtype=np.int64)) for w, logits, t in list(self.snapshots.entries) if not logits]
+        branches: dict[tuple, list[_TaskState]] = {}
+        for st in states:
+            key = keys[id(st)]
+            if st.head is not None or key is None or _needs_prompt_logits(st.task.input):
+                continue
+            mine = tokens[id(st)]
+            others = [t for w, t in kept if w == key[0]] + [
+                tokens[id(o)] for o in states if o is not st and keys[id(o)] is not None and keys[id(o)][0] == key[0]]
+            shared = min(max((_common_prefix(mine, t) for t in others), default=0), len(mine) - 1)
+            if shared >= BRANCH_MIN_TOKENS:
+                branches.setdefault((key[0], False, mine[:shared].tobytes()), []).append(st)
+        if not branches:
+            return
+        firsts = [members[0] for members in branches.values()]
+        lens = [len(key[2]) // 8 for key in branches]
+        hidden, kv, recurrent = self._forward_whole(firsts, lens, [tokens[id(st)][:n].tolist() for st, n in zip(firsts, lens)])
+        last = hidden[torch.arange(len(lens), device=self.device), torch.tensor(lens, device=self.device) - 1]
+        last_logits = self.model.logits(last, _row_segments([st.task.slot for st in firsts], 1))
+        self.stats["prefill_tokens"] += sum(lens)
+        assert recurrent is not None
+        for i, (key, members) in enumerate(branches.items()):
+            snap = PromptSnapshot.of(kv, recurrent, i, last_logits[i], lens[i])
+            self.snapshots.put(key, snap)
+            for st in members:
+                st.head = snap
+            members[0].computed_head = True
 
     def _kept_snapshots(self, unique: list[_TaskState]) -> dict[int, PromptSnapshot]:
         """The prompts of ``unique`` whose whole prefill a hybrid model kept from an earlier
@@ -737,7 +783,8 @@ class Sampler:
         :mod:`tinsmith.sampling.prompt_states`); None when there is none or it cannot be used
         (prompt logprobs asked, images, chunks off)."""
         key = self._share_key(task)
-        if not self.snapshots.enabled or key is None or not self._can_chunk or _needs_prompt_logits(task.input):
+        if (not self.snapshots.enabled or key is None or not self.model.supports_prefix_reuse
+                or _needs_prompt_logits(task.input)):
             return None
         return self.snapshots.longest_prefix(key[0], key[2])
 
@@ -858,12 +905,22 @@ class Sampler:
         # At least the last prompt token is computed: its logits give the first sample. Where the
         # cache holds it too, its K/V are the cached ones (a paged cache's rows hold that page).
         starts = [min(len(bl) * self.prefix.block, n - 1) for bl, n in zip(blocks, lens)]
+        heads = [st.head for st in states]  # hybrid models (which keep no blocks): kept prompts they continue
+        if any(h is not None for h in heads):
+            starts = [0 if h is None else h.length for h in heads]
         for st, c in zip(states, starts):
-            st.cached_tokens = c
+            st.cached_tokens = 0 if st.computed_head else c
         recurrent = None
-        if any(starts):  # never on hybrid models: they keep no prefix cache
+        if any(starts):
             full = self._prefix_buffer(blocks, [c + max(n - c for n, c in zip(lens, starts)) for c in starts])
-            hidden, kv, recurrent = self._forward_over_prefix(states, prompts, lens, starts, full)
+            after = None
+            if any(h is not None for h in heads):  # each prompt from its kept one's K/V and states (or from nothing)
+                for i, h in enumerate(heads):
+                    for layer, (k, v) in (h.kv.items() if h is not None else ()):
+                        full[self._kv_index[layer], 0, i, :, : h.length] = k
+                        full[self._kv_index[layer], 1, i, :, : h.length] = v
+                after = PrefillStates.stacked([None if h is None else h.states for h in heads])
+            hidden, kv, recurrent = self._forward_over_prefix(states, prompts, lens, starts, full, after)
         else:
             hidden, kv, recurrent = self._forward_whole(states, lens)
         b = len(states)
@@ -1199,6 +1256,13 @@ class _ChunkedPrefill:
     def __post_init__(self) -> None:
         if self.started is None:
             self.started = self.weights
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def _needs_prompt_logits(inp: SampleInput) -> bool:
