@@ -7,6 +7,11 @@ best of ``--repeats`` interleaved runs):
   one request per prompt with ``num_samples`` (the prompt is prefilled once either way), and as
   separate single-sample requests (how RL programs send GRPO groups; without the cache each
   request prefills its prompt again). Same sampled tokens in every variant.
+* ``shared_system``: ``2 * --prompts`` different prompts behind one system prompt (the first
+  ``--prompt-length`` minus ``--question-tokens`` tokens), ``--samples`` samples each, sent in two
+  waves (as when a batch of GRPO groups does not fit the sampler at once): the second wave's
+  prompts share only the system prompt with the first's. Dense models reuse its blocks; hybrid
+  models prefill it once and continue each prompt from it.
 * ``multi_turn``: ``--prompts`` conversations, ``--turns`` turns each: every turn's prompt is
   the previous prompt, its sampled reply and ``--turn-tokens`` new user tokens, so without the
   cache each turn prefills the whole conversation again.
@@ -74,6 +79,15 @@ def grpo(sampler: Sampler, prompts: list[np.ndarray], samples: int, max_tokens: 
     return run_all(sampler, tasks)
 
 
+def shared_system(sampler: Sampler, system: np.ndarray, questions: list[np.ndarray], samples: int,
+                  max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[], seed=7)
+    tasks = [SampleTask(i, None, SampleInput(np.concatenate([system, q]), samples, params))
+             for i, q in enumerate(questions)]
+    half = len(tasks) // 2
+    return {**run_all(sampler, tasks[:half]), **run_all(sampler, tasks[half:])}
+
+
 def multi_turn(sampler: Sampler, prompts: list[np.ndarray], turns: int, turn_tokens: int, max_tokens: int,
                rng: np.random.Generator) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[], seed=7)
@@ -111,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=128)
+    p.add_argument("--question-tokens", type=int, default=64)
+    p.add_argument("--workloads", default="grpo num_samples,grpo separate,shared_system,multi_turn",
+                   help="comma-separated workloads to run")
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
     p.add_argument("--kv-layouts", default="auto", help="comma-separated K/V layouts to run: auto, rows, paged")
     p.add_argument("--repeats", type=int, default=3)
@@ -125,15 +142,19 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(4, vocab, a.prompt_length) for _ in range(a.prompts)]
+    system = rng.integers(4, vocab, a.prompt_length - a.question_tokens)
+    questions = [rng.integers(4, vocab, a.question_tokens) for _ in range(2 * a.prompts)]
     out: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
                  "shape": a.shape, "family": a.family, "params": sum(p.numel() for p in model.parameters()), "args": vars(a), "runs": {}}
     cases: dict = {
         "grpo num_samples": lambda s: grpo(s, prompts, a.samples, a.max_tokens, separate=False),
         "grpo separate": lambda s: grpo(s, prompts, a.samples, a.max_tokens, separate=True),
+        "shared_system": lambda s: shared_system(s, system, questions, a.samples, a.max_tokens),
         "multi_turn": lambda s: multi_turn(s, prompts, a.turns, a.turn_tokens, a.max_tokens,
                                            np.random.default_rng(1)),
     }
-    measure_once(model, cases["grpo num_samples"], 0)  # warm-up: first-call costs land in no figure
+    cases = {name: cases[name] for name in a.workloads.split(",")}
+    measure_once(model, next(iter(cases.values())), 0)  # warm-up: first-call costs land in no figure
     layouts = a.kv_layouts.split(",")
     configs = [(name, layout, label, nbytes) for name in cases for layout in layouts
                for label, nbytes in (("off", 0), ("on", a.cache_bytes))]
