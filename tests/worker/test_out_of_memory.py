@@ -48,6 +48,18 @@ def _step(rt: TrainingRuntime, units: list[int], requests: list[TrainRequest]):
     return results, grads
 
 
+def _assert_same_step(results, grads: dict, expected, expected_grads: dict) -> None:
+    """A step's logprobs and gradients are those of the step that fitted (gradients summed over
+    other micro-batches: equal up to summation order)."""
+    for a, b in zip(results, expected):
+        assert not isinstance(a, Exception), a
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(expected_grads)
+    for key, g in expected_grads.items():
+        assert_rel_close(grads[key], g, 1e-5, str(key))
+
+
 def _device_limit(rt: TrainingRuntime, max_padded_tokens: int, where: str, checkpointing_fits: bool = False
                   ) -> list[int]:
     """Micro-batches above ``max_padded_tokens`` run out of memory: at once in the forward, or in
@@ -86,13 +98,7 @@ def test_split_micro_batches_give_the_results_of_one_that_fits(qwen3_dir, where,
     results, grads = _step(rt2, units, _requests(units))
     assert max(calls) > 90 and len(calls) > 2, calls  # it ran out, then ran smaller pieces
     assert rt2.micro_batch_tokens < 4096  # later steps plan smaller micro-batches
-    for a, b in zip(results, expected):
-        assert not isinstance(a, Exception), a
-        for x, y in zip(a.outputs, b.outputs):
-            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-    assert set(grads) == set(expected_grads)
-    for key, g in expected_grads.items():  # summed over other micro-batches: equal up to summation order
-        assert_rel_close(grads[key], g, 1e-5, str(key))
+    _assert_same_step(results, grads, expected, expected_grads)
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -104,12 +110,7 @@ def test_a_sequence_that_fits_only_with_checkpointing_is_run_again_with_it(qwen3
     results, grads = _step(rt2, units, _requests(units, lengths=((40,), (12, 9))))
     assert calls.count(40) == 2  # out of memory once, then recomputing activations
     assert not rt2.model.gradient_checkpointing and not rt2._checkpoint_rows
-    for a, b in zip(results, expected):
-        assert not isinstance(a, Exception), a
-        for x, y in zip(a.outputs, b.outputs):
-            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-    for key, g in expected_grads.items():
-        assert_rel_close(grads[key], g, 1e-5, str(key))
+    _assert_same_step(results, grads, expected, expected_grads)
 
 
 def test_micro_batches_above_the_planned_size_recompute_activations(qwen3_dir):
@@ -187,12 +188,7 @@ def test_memory_idle_samplers_keep_is_given_back_before_a_micro_batch_is_split(q
     results, grads = _step(rt2, units, _requests(units))
     assert calls[0] == calls[1] > 90, calls  # the same micro-batch, whole, once the memory came back
     assert rt2.micro_batch_tokens == 4096
-    for a, b in zip(results, expected):
-        assert not isinstance(a, Exception), a
-        for x, y in zip(a.outputs, b.outputs):
-            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-    for key, g in expected_grads.items():
-        assert_rel_close(grads[key], g, 1e-5, str(key))
+    _assert_same_step(results, grads, expected, expected_grads)
     limit[0], calls[:] = 90, []
     results = rt2.forward_backward(_requests(units))
     assert all(not isinstance(r, Exception) for r in results)
