@@ -586,15 +586,19 @@ class Sampler:
             return
         keys = {id(st): self._share_key(st.task) for st in states}
         tokens = {id(st): np.asarray(st.task.input.prompt, dtype=np.int64) for st in states}
+        # Prompts (kept ones and this prefill's) by weights and first BRANCH_MIN_TOKENS tokens: only
+        # those that agree on these can share enough.
+        lead: dict[tuple, list[np.ndarray]] = {}
         kept = [(w, np.frombuffer(t, dtype=np.int64)) for w, logits, t in list(self.snapshots.entries) if not logits]
+        for w, t in kept + [(keys[id(st)][0], tokens[id(st)]) for st in states if keys[id(st)] is not None]:
+            if len(t) >= BRANCH_MIN_TOKENS:
+                lead.setdefault((w, t[:BRANCH_MIN_TOKENS].tobytes()), []).append(t)
         branches: dict[tuple, list[_TaskState]] = {}
         for st in states:
-            key = keys[id(st)]
-            if st.head is not None or key is None or _needs_prompt_logits(st.task.input):
+            key, mine = keys[id(st)], tokens[id(st)]
+            if st.head is not None or key is None or _needs_prompt_logits(st.task.input) or len(mine) <= BRANCH_MIN_TOKENS:
                 continue
-            mine = tokens[id(st)]
-            others = [t for w, t in kept if w == key[0]] + [
-                tokens[id(o)] for o in states if o is not st and keys[id(o)] is not None and keys[id(o)][0] == key[0]]
+            others = [t for t in lead.get((key[0], mine[:BRANCH_MIN_TOKENS].tobytes()), []) if t is not mine]
             shared = min(max((_common_prefix(mine, t) for t in others), default=0), len(mine) - 1)
             if shared >= BRANCH_MIN_TOKENS:
                 branches.setdefault((key[0], False, mine[:shared].tobytes()), []).append(st)
