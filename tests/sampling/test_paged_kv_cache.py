@@ -448,3 +448,36 @@ def test_a_burst_grows_the_pool_once(qwen3_dir, monkeypatch):
     cache.ensure(8, 5 * PAGE)
     cache.reserve([5 * PAGE] * 8)
     assert len(resizes) == 1 and cache.pages >= 40 and len({p for pages in cache.owned for p in pages}) == 40
+
+
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+def test_a_cache_that_cannot_grow_has_idle_samplers_give_memory_back(qwen3_dir, layout):
+    """The K/V cache runs out of device memory growing for a decode burst while idle sampler a
+    keeps its buffers: a gives them back and the burst goes on, the requests sampling what they
+    would have; with nothing to give back, the burst's requests fail as before."""
+    model = fresh_model(qwen3_dir)
+    rng = np.random.default_rng(60)
+    a = Sampler(model, decoder(qwen3_dir), kv_layout=layout, keep_cache_when_idle=True, prefix_cache_bytes=0)
+    b = Sampler(model, decoder(qwen3_dir), kv_layout=layout, prefix_cache_bytes=0)
+    run(a, [task("a", rng.integers(4, 500, 3 * PAGE).tolist(), n=16, max_tokens=130, temperature=1.0, seed=1,
+                 stop=[])])
+    kept = a.cache.nbytes()
+    b.release_elsewhere = a.release_memory
+    make = lambda key: [task(key, rng.integers(4, 500, 60).tolist(), n=3, max_tokens=90, temperature=1.0,  # noqa: E731
+                             seed=2, stop=[])]
+    rng = np.random.default_rng(61)
+    want = run(Sampler(model, decoder(qwen3_dir), kv_layout=layout), make("b"))
+    grow, failures = b.cache.reserve, [1]
+
+    def reserve(spans):
+        if failures[0] and max(spans) > 64:  # growing past the first block / page
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return grow(spans)
+
+    b.cache.reserve = reserve
+    rng = np.random.default_rng(61)
+    _assert_same(want, run(b, make("b")))
+    assert failures == [0] and a.cache.nbytes() < kept // 4
+    failures[0] = 1
+    assert isinstance(run(b, make("again"))["again"], torch.OutOfMemoryError)

@@ -1089,14 +1089,13 @@ class Sampler:
         asks = [row.state.task.input.topk_sample_logprobs for row in self.rows]
         if self._static_decode(spans):
             assert self.graphs is not None
-            self.cache.reserve(spans)
+            self._grow(lambda: self.cache.reserve(spans))
             tokens, logprobs, best = self.graphs.burst(batch, [row.state.task.slot for row in self.rows], n, k,
                                                        min(max(asks), self.cfg.vocab_size))
             top_host: list[list] = ([_host_top_logprobs(_asking_rows(ids, vals, asks), asks) for ids, vals in best]
                                     if best else [[None] * n for _ in range(k)])
         else:
-            self.cache.ensure(n, span)
-            self.cache.reserve(spans)
+            self._grow(lambda: (self.cache.ensure(n, span), self.cache.reserve(spans)))
             tokens, logprobs, tops = self._eager_burst(batch, n, k, span, asks)
             top_host = [_host_top_logprobs(t, asks) for t in tops]
         self.stats["decode_steps"] += k
@@ -1162,8 +1161,27 @@ class Sampler:
                 self._eager_reasons.add(why)
                 log.info("decoding eagerly (no CUDA graph): %s", why)
             return False
-        self.cache.ensure(rows, capacity)
+        self._grow(lambda: self.cache.ensure(rows, capacity))
         return True
+
+    def _grow(self, grow: Callable[[], None]) -> None:
+        """Run ``grow`` (the cache growing for a decode burst). Out of device memory, the prefix cache's
+        blocks, then what other idle samplers keep, are given up, and it runs once more: growing
+        stops where it failed and goes on from there, so the cache is whole either way."""
+        try:
+            grow()
+        except torch.OutOfMemoryError:
+            kept = self.prefix.bytes + self.snapshots.bytes
+            self.prefix.clear()
+            self.snapshots.clear()
+            released = self.release_elsewhere() if self.release_elsewhere is not None else 0
+            if not (kept or released):
+                raise
+            log.warning("out of memory growing the K/V cache: dropped the prefix cache (%d bytes), other idle "
+                        "samplers gave back %d bytes; trying again", kept, released)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            grow()
 
     def _push(self, row: _Row, token: int, logprob: float, top: tuple[list[int], list[float]] | None) -> bool:
         """Record a sampled token (and its row's top-k logprobs when asked); True if it ends the
