@@ -582,7 +582,8 @@ class Sampler:
         from it: later prompts starting with it continue from it too. (A kept prompt holds its
         recurrent states after its last token only; a beginning shared with it, unlike the blocks of
         the prefix cache, must be computed again once.)"""
-        if not self.snapshots.enabled or not self.model.supports_prefix_reuse or self.cfg.supports_prefix_cache:
+        if (not self.snapshots.enabled or not self.model.supports_prefix_reuse or self.cfg.supports_prefix_cache
+                or any(st.task.input.prompt_images for st in states)):
             return
         keys = {id(st): self._share_key(st.task) for st in states}
         tokens = {id(st): np.asarray(st.task.input.prompt, dtype=np.int64) for st in states}
@@ -909,6 +910,9 @@ class Sampler:
         # At least the last prompt token is computed: its logits give the first sample. Where the
         # cache holds it too, its K/V are the cached ones (a paged cache's rows hold that page).
         starts = [min(len(bl) * self.prefix.block, n - 1) for bl, n in zip(blocks, lens)]
+        if any(images):  # image positions follow the image grid: every prompt of the prefill is computed whole
+            for st in states:
+                st.head, st.computed_head = None, False
         heads = [st.head for st in states]  # hybrid models (which keep no blocks): kept prompts they continue
         if any(h is not None for h in heads):
             starts = [0 if h is None else h.length for h in heads]
