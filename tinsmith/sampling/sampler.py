@@ -444,18 +444,8 @@ class Sampler:
                 try:
                     self._prefill(batch, done)
                 except torch.OutOfMemoryError:
-                    if len(self.rows) != before:
+                    if len(self.rows) != before or not self._give_memory_up("in a prefill"):
                         raise
-                    kept = self.prefix.bytes + self.snapshots.bytes
-                    self.prefix.clear()
-                    self.snapshots.clear()
-                    released = self.release_elsewhere() if self.release_elsewhere is not None else 0
-                    if not (kept or released):
-                        raise
-                    log.warning("out of memory in a prefill: dropped the prefix cache (%d bytes), other idle samplers "
-                                "gave back %d bytes; trying again", kept, released)
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
                     self._prefill(batch, done)
             except self.fatal_errors:
                 raise
@@ -1175,17 +1165,24 @@ class Sampler:
         try:
             grow()
         except torch.OutOfMemoryError:
-            kept = self.prefix.bytes + self.snapshots.bytes
-            self.prefix.clear()
-            self.snapshots.clear()
-            released = self.release_elsewhere() if self.release_elsewhere is not None else 0
-            if not (kept or released):
+            if not self._give_memory_up("growing the K/V cache"):
                 raise
-            log.warning("out of memory growing the K/V cache: dropped the prefix cache (%d bytes), other idle "
-                        "samplers gave back %d bytes; trying again", kept, released)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
             grow()
+
+    def _give_memory_up(self, where: str) -> bool:
+        """Out of device memory ``where``: drop the prefix cache and have other idle samplers give
+        back what they keep; whether anything was given up (worth trying once more)."""
+        kept = self.prefix.bytes + self.snapshots.bytes
+        self.prefix.clear()
+        self.snapshots.clear()
+        released = self.release_elsewhere() if self.release_elsewhere is not None else 0
+        if not (kept or released):
+            return False
+        log.warning("out of memory %s: dropped the prefix cache (%d bytes), other idle samplers gave back %d bytes; "
+                    "trying again", where, kept, released)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
 
     def _push(self, row: _Row, token: int, logprob: float, top: tuple[list[int], list[float]] | None) -> bool:
         """Record a sampled token (and its row's top-k logprobs when asked); True if it ends the
