@@ -99,6 +99,18 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {layout} | {standard or '-'} | {_get(lay, 'mixed_tokens_per_s')} | "
                          f"{_get(lay, 'mixed_peak_rows')} | {_status(kv)} |")
         L.append("")
+        L += ["### GRPO's separate requests in two waves: the second wave's prompts in the prefix cache", "",
+              "| shape | layout | prefix cache | second wave tok/s | its prompt tokens computed | K/V MB held | notes |",
+              "|" + "---|" * 7]
+        for name in s["shapes"]:
+            pw = sa.get(f"{name}/prefix_waves", {})
+            for layout in ("rows", "paged"):
+                for cache in ("on", "off"):
+                    r = pw.get(f"{layout}/cache_{cache}", {})
+                    L.append(f"| {name} | {layout} | {cache} | {_get(r, 'second_wave_tokens_per_s')} | "
+                             f"{_get(r, 'second_wave_prompt_tokens_computed')} | {_get(r, 'kv_mbytes_held')} | "
+                             f"{_status(pw)} |")
+        L.append("")
         dr = sa.get("qwen3_5/delta_rule_step", {})
         L += ["### One Gated DeltaNet layer's decode step, Qwen3.5 shape (us; share of copy bandwidth)", "",
               "| rows | state MB | torch (+ copy into rows) | fused, in place | fused vs torch | notes |", "|" + "---|" * 6]

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         sa.item(f"{big}/decode_attention", lambda: sample.decode_attention(dirs[big], device, peaks, a.quick))
         sa.item("qwen3_5/delta_rule_step", lambda: sample.delta_rule_step(device, peaks, a.quick))
         sa.item(f"{big}/kv_layout", lambda: sample.kv_layouts(dirs[big], device, a.quick))
+        sa.item(f"{big}/prefix_waves", lambda: sample.prefix_waves(dirs[big], device, a.quick))
         summary["sample"] = sa.results
         (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
 

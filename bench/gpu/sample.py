@@ -340,3 +340,51 @@ def kv_layouts(model_dir, device, quick: bool) -> dict:
     out["paged_vs_rows_mixed"] = out["paged"]["mixed_tokens_per_s"] / out["rows"]["mixed_tokens_per_s"]
     del lm
     return out
+
+
+def prefix_waves(model_dir, device, quick: bool) -> dict:
+    """GRPO groups sent as separate single-sample requests in two waves of the same prompts (the
+    second wave arriving after the first finished, as when a batch does not fit the sampler at
+    once): the second wave's prompts are in the prefix cache. Per K/V layout (CUDA graphs on):
+    the second wave's decode tokens/s, the prompt tokens it computed, and the K/V memory the
+    sampler holds at its end (per-row buffers copy a hit into each row and keep the blocks apart;
+    pages hold the cached pages in place), with the prefix cache on and off."""
+    z = sizes(quick)
+    lm = load_model(str(model_dir), device=device)
+    prompts_n, group = (2, 4) if quick else (8, 16)
+    rng = np.random.default_rng(3)
+    prompt_len = 130 if quick else z["prompt"]  # quick: still two whole 64-token pages
+    prompts = [rng.integers(4, 2000, prompt_len) for _ in range(prompts_n)]
+    params = SamplingParams(max_tokens=z["new"], temperature=1.0, stop=[], seed=11)
+    out: dict = {"prompts": prompts_n, "group": group, "prompt_tokens": prompt_len, "new_tokens": z["new"]}
+
+    def wave(sampler: Sampler, tag: str) -> float:
+        for i, p in enumerate(prompts):
+            for j in range(group):
+                sampler.add(SampleTask((tag, i, j), None, SampleInput(p, 1, params)))
+        sync(device)
+        t = time.perf_counter()
+        finished = 0
+        with torch.inference_mode():
+            while finished < prompts_n * group:
+                for _, res in sampler.step(budget_s=1.0):
+                    if isinstance(res, Exception):
+                        raise res
+                    finished += 1
+        sync(device)
+        return time.perf_counter() - t
+
+    for layout in ("rows", "paged"):
+        for cache in ("on", "off"):
+            sampler = Sampler(lm.model, lambda toks: "", max_rows=prompts_n * group, cuda_graphs=True, kv_layout=layout,
+                              prefix_cache_bytes=(1 << 30) if cache == "on" else 0, keep_cache_when_idle=True)
+            wave(sampler, "first")
+            before = sampler.stats["prefill_tokens"]
+            seconds = wave(sampler, "second")
+            out[f"{layout}/cache_{cache}"] = {
+                "second_wave_tokens_per_s": prompts_n * group * z["new"] / seconds,
+                "second_wave_prompt_tokens_computed": sampler.stats["prefill_tokens"] - before,
+                "kv_mbytes_held": (sampler.cache.nbytes() + sampler.prefix.bytes * (layout == "rows")) / 1e6}
+            del sampler
+    del lm
+    return out
