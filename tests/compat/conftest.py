@@ -129,7 +129,7 @@ def service_client(compat_server):
     sc = tinker.ServiceClient(base_url=compat_server.base_url, api_key=API_KEY)
     yield sc
     try:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)
     except Exception:  # noqa: BLE001 - the server may already be gone at teardown
         pass
 

@@ -85,7 +85,7 @@ def service_client(server) -> Iterator[Callable[..., tinker.ServiceClient]]:
         if not srv.running:  # the test stopped or killed it: nothing to finish the session on
             continue
         try:
-            sc.close("success").result(timeout=10)
+            sc.close("success").result(timeout=60)
         except Exception:  # noqa: BLE001 - already closed by the test, or its session is gone
             pass
 

@@ -55,7 +55,7 @@ class Bystander:
 def bystander(server, base_model):
     b = Bystander(server.base_url, base_model)
     yield b
-    b.sc.close("success").result(timeout=10)
+    b.sc.close("success").result(timeout=60)
 
 
 @pytest.fixture(autouse=True)

@@ -65,7 +65,7 @@ def runs(dash_server, base_model) -> Iterator[dict]:
     finally:
         for sc in clients:
             try:
-                sc.close("success").result(timeout=10)
+                sc.close("success").result(timeout=60)
             except Exception:  # noqa: BLE001 - the server may already be gone
                 pass
 

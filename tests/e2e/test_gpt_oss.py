@@ -45,7 +45,7 @@ def trained(gpt_oss_server, gpt_oss_model):
     # Rows longer than the 16-token window, so training runs through the sliding layer's mask.
     data = repeated_pattern_batch(seed=2, n_seqs=3, seq_len=40, vocab=VOCAB)
     yield lora_round_trip(sc, str(gpt_oss_model), data, "gpt-oss")
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 def test_lora_training_lowers_the_loss(trained):

@@ -187,7 +187,7 @@ def test_vl_model_trains_and_samples_with_images(vl_server):
     got = np.asarray(tc.forward([whole], "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
                      .loss_fn_outputs[0]["logprobs"].to_numpy())
     np.testing.assert_allclose(got[-4:], np.asarray(out.sequences[0].logprobs), atol=1e-4)
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 def test_vl_model_refuses_mismatched_images(vl_server):
@@ -219,4 +219,4 @@ def test_vl_model_refuses_mismatched_images(vl_server):
     n_dot = _image_tokens(model_dir, png((1, 1)))
     out = tc.forward([datum([types.EncodedTextChunk(tokens=[1]), dot], 1 + n_dot)], "cross_entropy")
     assert np.isfinite(out.result(timeout=RESULT_TIMEOUT_S).loss_fn_outputs[0]["logprobs"].to_numpy()).all()
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)

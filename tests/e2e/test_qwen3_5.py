@@ -38,7 +38,7 @@ def trained(hybrid_server, hybrid_model):
     sc = tinker.ServiceClient(base_url=hybrid_server.base_url, api_key="tml-e2e-qwen3_5")
     data = repeated_pattern_batch(seed=2, n_seqs=3, seq_len=24, vocab=VOCAB)
     yield lora_round_trip(sc, str(hybrid_model), data, "hybrid", save_state=True)
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 def test_capabilities_list_the_model(hybrid_server, hybrid_model):

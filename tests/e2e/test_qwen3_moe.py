@@ -41,7 +41,7 @@ def trained(moe_server, moe_model):
     sc = tinker.ServiceClient(base_url=moe_server.base_url, api_key="tml-e2e-moe")
     data = repeated_pattern_batch(seed=2, n_seqs=3, seq_len=24, vocab=VOCAB)
     yield lora_round_trip(sc, str(moe_model), data, "moe")
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 def test_lora_training_lowers_the_loss(trained):

@@ -100,6 +100,6 @@ def sc(gpu_server) -> Iterator[tinker.ServiceClient]:
     client = tinker.ServiceClient(base_url=gpu_server.base_url, api_key="tml-gpu-tier")
     yield client
     try:
-        client.close("success").result(timeout=10)
+        client.close("success").result(timeout=60)
     except Exception:  # noqa: BLE001 - already closed, or the session is gone
         pass

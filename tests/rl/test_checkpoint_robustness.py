@@ -117,7 +117,7 @@ def test_quota_refuses_the_save_past_it(make_server, base_model, tiny_model):
         rest.delete_checkpoint_from_tinker_path(first).result(timeout=RESULT_TIMEOUT_S)
         assert tc.save_state("q2").result(timeout=RESULT_TIMEOUT_S).path.endswith("/weights/q2")
     finally:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)
 
 
 # ------------------------------------------------------------------------------ formats, in-process

@@ -35,7 +35,7 @@ def lora_run(ext_server, base_model):
     tc = sc.create_lora_training_client(base_model=base_model, rank=4, seed=7).result(timeout=RESULT_TIMEOUT_S)
     train_steps_on(tc, sft_batch(seed=3, n_seqs=2, seq_len=12, vocab=VOCAB), 2, 1e-2)
     yield {"sc": sc, "tc": tc, "run_id": str(tc.model_id)}
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_full_finetune_export_is_a_hugging_face_model(ext_server, base_model, re
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype="float32")
         assert not np.allclose(gathered_logprobs(base, data)[0], ours[0], atol=1e-4)  # it did train
     finally:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)
 
 
 @pytest.mark.e2e
@@ -190,7 +190,7 @@ def test_cli_download_of_a_full_finetune_state(ext_server, base_model, rest, tmp
         train_steps_on(tc, sft_batch(seed=4, n_seqs=2, seq_len=10, vocab=VOCAB), 1, 1e-3)
         state_path = tc.save_state("cli").result(timeout=RESULT_TIMEOUT_S).path
     finally:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)
     env = {**os.environ, "TINKER_BASE_URL": ext_server.base_url, "TINKER_API_KEY": API_KEY}
     cli = Path(sys.executable).with_name("tinker")
     r = subprocess.run([str(cli), "checkpoint", "download", state_path, "--output", str(tmp_path)], env=env,

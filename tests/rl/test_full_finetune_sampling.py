@@ -28,7 +28,7 @@ def trained(full_server, base_model):
     data = sft_batch(seed=2, n_seqs=2, seq_len=10, vocab=VOCAB)
     train_steps_on(tc, data, 2, 1e-3)
     yield tc, data
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 def _forward_lp(tc) -> np.ndarray:
@@ -60,7 +60,7 @@ def test_snapshot_samples_the_weights_saved_and_ignores_later_steps(trained, ful
     assert not np.allclose(after, at_save, atol=1e-3)  # training went on
     np.testing.assert_allclose(_sampler_lp(sampler), at_save, atol=1e-4)  # the snapshot did not
     np.testing.assert_array_equal(_sampler_lp(base_sampler), base_before)  # nor did the shared base model
-    other.close("success").result(timeout=10)
+    other.close("success").result(timeout=60)
 
 
 @pytest.mark.e2e
@@ -81,4 +81,4 @@ def test_named_full_snapshot_reloads_from_disk_after_eviction(trained, full_serv
         with pytest.raises(tinker.TinkerError, match="no longer held"):
             _sampler_lp(ephemeral)
     finally:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)

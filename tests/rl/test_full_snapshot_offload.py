@@ -54,4 +54,4 @@ def test_three_snapshots_share_one_device_place_and_each_keeps_its_weights(offlo
         device = total(m, "tinsmith_full_sampler_snapshot_bytes", where="device")
         assert host > 0 and device == pytest.approx(host / 3)  # three held, one resident
     finally:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)

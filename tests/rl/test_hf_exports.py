@@ -54,7 +54,7 @@ def trained(bf16_model, tmp_path_factory):
         data = sft_batch(seed=78, n_seqs=3, seq_len=18, vocab=VOCAB)
         ours = logprobs_of(tc.forward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S))
         yield {"server": server, "state": state, "dir": checkpoint_dir(server, state), "data": data, "ours": ours}
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)
     finally:
         server.stop()
 

@@ -69,7 +69,7 @@ def test_inflight_sampler_follows_each_step_and_a_snapshot_does_not(inflight_ser
         again = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=RESULT_TIMEOUT_S)
         np.testing.assert_allclose(_sampler_lp(again), seen[-1], atol=1e-4)
     finally:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)
 
 
 @pytest.mark.e2e
@@ -87,4 +87,4 @@ def test_inflight_with_a_path_or_an_unknown_kind_is_refused(inflight_server, bas
             assert r.status_code == 400, r.text
             assert field in r.text
     finally:
-        sc.close("success").result(timeout=10)
+        sc.close("success").result(timeout=60)

@@ -64,7 +64,7 @@ def trained(server, base_model):
     ours = logprobs_of(tc.forward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S))
     yield {"tc": tc, "data": data, "ours": ours, "sampler": sampler_path, "external": external_path,
            "state": state_path}
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 def test_paths_and_peft_layout(trained, server):

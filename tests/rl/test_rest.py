@@ -40,7 +40,7 @@ def run(rest_server, base_model):
         "d": tc.save_state("d").result(timeout=RESULT_TIMEOUT_S).path,
     }
     yield {"sc": sc, "tc": tc, "run_id": str(tc.model_id), "paths": paths}
-    sc.close("success").result(timeout=10)
+    sc.close("success").result(timeout=60)
 
 
 @pytest.fixture

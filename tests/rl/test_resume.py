@@ -75,7 +75,7 @@ def test_resume_with_optimizer_across_restart(make_server, base_model):
     finally:
         for client in (sc2, sc):
             try:
-                client.close("success").result(timeout=10)
+                client.close("success").result(timeout=60)
             except Exception:  # noqa: BLE001 - the first session's in-memory state did not survive
                 pass
 

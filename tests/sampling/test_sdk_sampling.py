@@ -49,7 +49,7 @@ def sc(server):
     client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-sampling-tests")
     yield client
     try:
-        client.close("success").result(timeout=10)
+        client.close("success").result(timeout=60)
     except Exception:  # noqa: BLE001 - closing is best effort
         pass
 
