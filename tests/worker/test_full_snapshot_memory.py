@@ -138,3 +138,26 @@ def test_an_inflight_lora_sample_fails_clearly_when_its_adapter_is_parked(make_w
     [(key, result)] = sampler.step(1.0)
     assert key == "job-a" and isinstance(result, CapacityError) and "--max-lora-adapters" in str(result)
     assert not sampler.has_work()
+
+
+def test_idle_samplers_of_this_process_give_back_memory_and_group_samplers_are_left_alone(make_worker):
+    """``release_idle_sampler_memory`` (what training, prefills and snapshot placement call when out
+    of memory) reaches this process's samplers, and leaves a process group's proxy sampler alone
+    (it has no memory of its own here; its ranks must keep their caches alike)."""
+    w = make_worker()
+    base = next(iter(w.bases.values()))
+    sampler = w.sampler(base)
+    sampler.keep_cache_when_idle = True
+    prompt = np.random.default_rng(1).integers(4, 500, 300)
+    sampler.add(SampleTask("k", None, SampleInput(prompt, 8, SamplingParams(max_tokens=200, stop=[], seed=1))))
+    while sampler.has_work():
+        sampler.step(1.0)
+
+    class GroupProxy:  # as tinsmith.parallel's TPSampler / ReplicaSampler: no release_memory
+        def has_work(self) -> bool:
+            return False
+
+    w.samplers["group"] = GroupProxy()  # type: ignore[assignment]
+    kept = sampler.cache.nbytes()
+    assert w.release_idle_sampler_memory() > 0 and sampler.cache.nbytes() < kept
+    assert w.release_idle_sampler_memory() == 0  # nothing kept any more

@@ -499,9 +499,11 @@ class Worker:
         return self.samplers[key]
 
     def release_idle_sampler_memory(self, but: str | None = None) -> int:
-        """Have every idle sampler (but sampler ``but``) give back the device memory it keeps;
-        the bytes released."""
-        return sum(sampler.release_memory() for key, sampler in list(self.samplers.items()) if key != but)
+        """Have every idle sampler of this process (but sampler ``but``) give back the device memory it
+        keeps; the bytes released. Samplers of a process group (tensor-parallel or data-parallel
+        ranks) are left alone: their ranks must keep their caches alike."""
+        return sum(sampler.release_memory() for key, sampler in list(self.samplers.items())
+                   if key != but and isinstance(sampler, Sampler))
 
     # ----------------------------------------------------------------------------- inflight sampling
     def publish_inflight(self, model_id: str, key: str) -> None:
