@@ -98,6 +98,56 @@ def test_separate_requests_of_one_prompt_share_one_prefill(qwen3_dir):
     assert tight.stats["prefills"] == 1 and tight.stats["decode_steps"] == plain.stats["decode_steps"]
 
 
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+def test_prompts_behind_one_system_prompt_sent_together_compute_it_once(layout, qwen3_dir):
+    """GRPO groups of different questions behind one system prompt, all queued at once: the first
+    prompt is prefilled whole, the others wait one admission for its blocks and compute only what
+    follows them; identical prompts still share the first prefill. Results equal a sampler
+    without the cache."""
+    model = fresh_model(qwen3_dir)
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0, kv_layout=layout)
+    cached = make_sampler(model, qwen3_dir, kv_layout=layout)
+    block = cached.prefix.block
+    system = tokens(5, 2 * 64 + 7)  # at least BRANCH_MIN_TOKENS past whole blocks, in either layout
+    prompts = [system + tokens(60 + i, 9 + i) for i in range(4)]
+    make = lambda: [task(f"q{i}s{j}", p, max_tokens=5, seed=10 * i + j, temperature=1.0)  # noqa: E731
+                    for i, p in enumerate(prompts) for j in range(3)]
+    want = results(plain, make())
+    got = results(cached, make())
+    assert_same(got, want)
+    shared = len(system) // block * block
+    assert cached.stats["prefills"] == 4 and cached.stats["prefill_tokens"] == len(prompts[0]) + sum(
+        len(p) - shared for p in prompts[1:])
+    hits = {key: r.prompt_cache_hit_tokens for key, r in got.items()}
+    assert hits["q0s0"] == 0 and hits["q0s1"] == hits["q0s2"] == len(prompts[0])  # shared the first prefill
+    assert all(hits[f"q{i}s0"] == shared for i in (1, 2, 3))
+
+
+def test_a_request_waits_for_a_shared_beginning_at_most_once(qwen3_dir):
+    """Where the prefix cache cannot keep the shared blocks (a budget below one block), the
+    requests that waited for them are admitted at the next admission all the same."""
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * BLOCK * cfg.head_dim * 4
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0)
+    tiny = make_sampler(model, qwen3_dir, prefix_cache_bytes=block_bytes // 2, kv_layout="rows")
+    system = tokens(7, 100)
+    make = lambda: [task(f"w{i}", system + tokens(70 + i, 5), max_tokens=4, seed=i) for i in range(3)]  # noqa: E731
+    want = results(plain, make())
+    for t in make():
+        tiny.add(t)
+    with torch.inference_mode():
+        tiny._admit([])
+        assert [row.state.task.key for row in tiny.rows] == ["w0"] and len(tiny.inbox) == 2
+        tiny._admit([])  # nothing was cached: they do not wait again
+        assert sorted(row.state.task.key for row in tiny.rows) == ["w0", "w1", "w2"] and not tiny.inbox
+    got = {}
+    while tiny.has_work():
+        got.update(tiny.step(0.05))
+    assert_same(got, want)
+    assert tiny.stats["cached_prompt_tokens"] == 0 and not tiny._waited
+
+
 def test_live_adapter_never_reads_entries_of_older_weights(qwen3_dir):
     """After an optimizer step (and after loading weights) the live adapter's prompts are
     prefilled again: results equal a sampler without a cache, and differ from before the step."""

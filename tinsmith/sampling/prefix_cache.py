@@ -114,6 +114,13 @@ class PrefixCache:
         self.stats["hit_tokens"] += len(entries) * self.block
         return entries
 
+    def cached_tokens(self, weights: Hashable, tokens: list[int], limit: int) -> int:
+        """Positions of ``tokens`` (at most ``limit``) that :meth:`lookup` would find, without
+        marking anything used: for admission deciding what a prefill would compute."""
+        if not self.enabled:
+            return 0
+        return sum(entry is not None for _, entry in self._chain(weights, tokens, limit)) * self.block
+
     @staticmethod
     def pages_of(entries: list[_Entry]) -> list[int]:
         """The pool pages of looked-up blocks (empty for blocks that are tensors)."""

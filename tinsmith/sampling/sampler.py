@@ -170,6 +170,7 @@ class Sampler:
         # that needs no kept K/V, so hybrid models (whose prefix K/V are not reused) do it too.
         self.share_prompts = prefix_cache_bytes > 0
         self.inbox: deque[SampleTask] = deque()
+        self._waited: set[int] = set()  # ids of queued requests that waited once for a prefill's blocks
         self._resume: deque[_TaskState] = deque()  # preempted requests: admitted again before the inbox
         self._admissions = itertools.count(1)
         self.rows: list[_Row] = []
@@ -367,8 +368,6 @@ class Sampler:
 
     def _admit(self, done: list) -> None:
         batch: list[_TaskState] = []
-        tokens = 0  # prompt tokens this prefill computes (a prompt shared with an earlier request counts once)
-        shared: set[tuple] = set()
         # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
         # budget the newest requests are preempted (_make_room) and resume later.
         spans = self._occupancy()
@@ -382,11 +381,46 @@ class Sampler:
             self._resume.popleft()
             self._resume_rows(st, done)
             spans = spans + need
+        waiting: list[SampleTask] = []
+        try:
+            batch = self._admit_inbox(done, spans, waiting)
+        finally:  # the requests that wait keep their place at the head of the queue
+            self.inbox.extendleft(reversed(waiting))
+            if not self.inbox:
+                self._waited.clear()
+        if batch:
+            try:
+                before = len(self.rows)
+                try:
+                    self._prefill(batch, done)
+                except torch.OutOfMemoryError:
+                    if len(self.rows) != before or not self._give_memory_up("in a prefill"):
+                        raise
+                    self._prefill(batch, done)
+            except self.fatal_errors:
+                raise
+            except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
+                log.exception("prefill of %d requests failed", len(batch))
+                self._fail(batch, exc, done)
+
+    def _admit_inbox(self, done: list, spans: list[RowNeed], waiting: list[SampleTask]) -> list[_TaskState]:
+        """Take requests off the inbox for one prefill while rows, the prefill's token budget and
+        the K/V budget allow (``spans``: what rows hold already); ``waiting`` gets those that wait
+        for this prefill's blocks. Long prompts start their chunked prefill instead."""
+        batch: list[_TaskState] = []
+        tokens = 0  # prompt tokens this prefill computes (a prompt shared with an earlier request counts once)
+        shared: set[tuple] = set()
+        # Prompts of this prefill by weights and first BRANCH_MIN_TOKENS tokens: requests sharing a
+        # longer beginning with one of them may wait for the next admission (_waits_for_prefill).
+        leads: dict[tuple, list[np.ndarray]] = {}
         while self.inbox:
             task = self.inbox[0]
             n = task.input.num_samples
             key = self._share_key(task)
             P = 0 if key is not None and key in shared else len(task.input.prompt)
+            if P and batch and self._waits_for_prefill(task, key, leads):
+                waiting.append(self.inbox.popleft())
+                continue
             chunked = self._prefilled_in_chunks(task)
             head = self._kept_head(task)  # hybrid models: a kept prompt this one equals or extends
             if head is not None and head.length == len(task.input.prompt):
@@ -423,6 +457,7 @@ class Sampler:
                     f"{self.kv_cache_bytes} (--sampler-kv-cache-bytes); lower num_samples or max_tokens")))
                 continue
             self.inbox.popleft()
+            self._waited.discard(id(task))
             try:
                 st = self._validate(task)
             except TinsmithError as e:
@@ -438,20 +473,32 @@ class Sampler:
             tokens += P
             if key is not None:
                 shared.add(key)
-        if batch:
-            try:
-                before = len(self.rows)
-                try:
-                    self._prefill(batch, done)
-                except torch.OutOfMemoryError:
-                    if len(self.rows) != before or not self._give_memory_up("in a prefill"):
-                        raise
-                    self._prefill(batch, done)
-            except self.fatal_errors:
-                raise
-            except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
-                log.exception("prefill of %d requests failed", len(batch))
-                self._fail(batch, exc, done)
+                if P and len(task.input.prompt) >= BRANCH_MIN_TOKENS:
+                    prompt = np.asarray(task.input.prompt, dtype=np.int64)
+                    leads.setdefault((key[0], prompt[:BRANCH_MIN_TOKENS].tobytes()), []).append(prompt)
+        return batch
+
+    def _waits_for_prefill(self, task: SampleTask, key: tuple | None, leads: dict[tuple, list[np.ndarray]]) -> bool:
+        """Whether ``task`` waits for the next admission because a prompt of the prefill being
+        formed shares at least ``BRANCH_MIN_TOKENS`` more of its beginning than the prefix cache
+        holds: that prefill puts those blocks in the cache, and ``task`` then computes only the
+        rest, rather than both computing the beginning (GRPO's prompts behind one system prompt,
+        sent together; SGLang's scheduler holds such requests back likewise). Dense models only
+        (hybrids prefill a shared beginning once in the same admission: :meth:`_branch_heads`); a
+        request waits at most once, so the queue always moves."""
+        inp = task.input
+        if (key is None or not self.prefix.enabled or id(task) in self._waited or _needs_prompt_logits(inp)
+                or len(inp.prompt) <= BRANCH_MIN_TOKENS):
+            return False
+        mine = np.asarray(inp.prompt, dtype=np.int64)
+        others = leads.get((key[0], mine[:BRANCH_MIN_TOKENS].tobytes()), [])
+        common = max((_common_prefix(mine, t) for t in others), default=0)
+        block = self.prefix.block
+        blocks = min(common, len(mine)) // block * block  # what the prefill will cache of it
+        if blocks - self.prefix.cached_tokens(key[0], mine.tolist(), len(mine)) < BRANCH_MIN_TOKENS:
+            return False
+        self._waited.add(id(task))
+        return True
 
     def _drop_cancelled(self, done: list) -> None:
         """Drop queued and running requests posted on the cancellation board since the last look:
