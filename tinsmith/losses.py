@@ -54,10 +54,14 @@ class LossSpec:
 
 
 def _metrics(out: torch.Tensor, **extra: torch.Tensor | float) -> dict[str, float]:
-    m = {"loss:sum": float(out.detach().sum())}
-    for k, v in extra.items():
-        m[k.replace("__", ":")] = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
-    return m
+    """The loss's sum and ``extra`` metrics as floats, read from the device at once."""
+    names = ["loss:sum"] + [k.replace("__", ":") for k in extra]
+    values = [out.detach().sum()] + [v.detach() if isinstance(v, torch.Tensor) else float(v) for v in extra.values()]
+    on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    read = torch.stack([values[i].to(out.device, torch.float64).reshape(()) for i in on_device]).tolist()
+    for i, x in zip(on_device, read):
+        values[i] = x
+    return {name: float(v) for name, v in zip(names, values)}
 
 
 def cross_entropy(b: LossBatch) -> LossOutput:
@@ -71,11 +75,14 @@ def _ratio(b: LossBatch) -> torch.Tensor:
     return torch.exp(b.logprobs - b.inputs["logprobs"])
 
 
-def _sampled_mean(x: torch.Tensor, b: LossBatch) -> torch.Tensor | float:
+def _sampled_mean(x: torch.Tensor, b: LossBatch) -> torch.Tensor:
     """Mean over sampled positions (sampler logprob known, i.e. != 0): RL datums send 0 for the
     prompt, where a ratio means nothing and would drag the average down."""
     sampled = b.inputs["logprobs"] != 0
-    return x.detach()[sampled].mean() if bool(sampled.any()) else 0.0
+    # A masked sum over a count, not x[sampled].mean(): indexing by a mask (and asking whether
+    # any is set) would read from the device. No sampled position: 0.
+    total = torch.where(sampled, x.detach(), torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    return total / sampled.sum().clamp(min=1).to(total.dtype)
 
 
 def importance_sampling(b: LossBatch) -> LossOutput:

@@ -16,8 +16,11 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.nn import functional as F
+
+from tinsmith.transfers import to_device
 
 if TYPE_CHECKING:
     from tinsmith.models.lora import LoraWeights
@@ -35,8 +38,7 @@ def group_offsets(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     layout, not once per layer: one host-to-device copy instead of one per projection, forward
     and backward (the tensor is only read, so sharing it is safe).
     """
-    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return ends.to(device)
+    return to_device(np.cumsum(sizes, dtype=np.int64).astype(np.int32), device)
 
 
 def grouped_lora_usable(x: torch.Tensor, weights: list[LoraWeights | None], out_features: int) -> bool:

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import grouped_lora_delta, grouped_lora_usable
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
+from tinsmith.transfers import to_device
 
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
 Segments = list[tuple[int | None, int, int]]
@@ -61,7 +62,7 @@ def decode_rows(model: nn.Module, slots: list[int | None], device: torch.device)
         mode = "bank" if cuda or len(by_slot) >= CPU_BANK_MIN_ADAPTERS else "grouped"
     if mode == "bank":
         return RowSlots.of(model, slots, device)
-    return [(s, torch.tensor(ix, device=device)) for s, ix in by_slot.items()]
+    return [(s, to_device(ix, device, torch.long)) for s, ix in by_slot.items()]
 
 
 @dataclass

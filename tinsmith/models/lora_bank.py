@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tinsmith.transfers import to_device
+
 if TYPE_CHECKING:
     from tinsmith.models.lora import LoraWeights
 
@@ -176,8 +178,8 @@ class RowSlots:
         batch = {s for s in slots if s is not None}
         table.release(model, keep=batch)
         table.assign(batch)
-        idx = torch.tensor([-1 if s is None else table.positions[s] for s in slots], dtype=torch.long)
-        return cls(table, idx.to(device), tuple(slots))
+        idx = to_device([-1 if s is None else table.positions[s] for s in slots], device, torch.long)
+        return cls(table, idx, tuple(slots))
 
     def __bool__(self) -> bool:
         return any(s is not None for s in self.slots)

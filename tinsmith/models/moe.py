@@ -321,7 +321,8 @@ class SparseMoeBlock(nn.Module):
             order, groups = self._own_pairs(order, counts, num_experts)
             sorted_experts = flat[order] - self.expert_start
         token_of = order // router.top_k
-        lora = _adapter_rows(segments, x2.shape[0], token_of, sorted_experts, num_experts, groups)
+        lora = _adapter_rows(segments, x2.shape[0], token_of, sorted_experts, num_experts, groups,
+                             router.top_k if num_experts == counts.shape[0] else None)
         rows = x2.index_select(0, token_of)
         packed = ex.packed_gate_up
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
@@ -343,9 +344,14 @@ class SparseMoeBlock(nn.Module):
 
 
 def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: int, token_of: torch.Tensor,
-                  sorted_experts: torch.Tensor, num_experts: int,
-                  all_groups: ExpertGroups) -> list[AdapterRows] | list[BankRows]:
-    """Which sorted rows each adapter in ``segments`` owns (rows stay sorted by expert)."""
+                  sorted_experts: torch.Tensor, num_experts: int, all_groups: ExpertGroups,
+                  top_k: int | None = None) -> list[AdapterRows] | list[BankRows]:
+    """Which sorted rows each adapter in ``segments`` owns (rows stay sorted by expert).
+
+    ``top_k``: the pairs per token when the rows are every token's pairs (not one rank's range
+    of experts): then each adapter's number of rows is known on the host (its tokens times
+    ``top_k``), and its rows are a slice of the rows sorted by adapter, found without reading
+    anything back from the device (one read per adapter and layer would stall a GPU's queue)."""
     if not segments:
         return []
     if isinstance(segments, RowSlots):  # no host read: every row's bank row, as a tensor
@@ -370,11 +376,21 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
         slots.append(slot)
     pair_owner = owner[token_of]
     out = []
-    for i, slot in enumerate(slots):
-        index = (pair_owner == i).nonzero().squeeze(1)
-        if index.numel():
-            counts = torch.bincount(sorted_experts.index_select(0, index), minlength=num_experts)
-            out.append(AdapterRows(slot, index, ExpertGroups(counts)))
+    if top_k is None:  # a range of experts: how many of its pairs each adapter owns is known on the device only
+        for i, slot in enumerate(slots):
+            index = (pair_owner == i).nonzero().squeeze(1)
+            if index.numel():
+                counts = expert_counts(sorted_experts.index_select(0, index), num_experts)
+                out.append(AdapterRows(slot, index, ExpertGroups(counts)))
+        return out
+    tokens = [seg[2] - seg[1] if len(seg) == 3 else seg[1].numel() for seg in segments if seg[0] is not None]  # type: ignore[misc, union-attr]
+    by_adapter = torch.sort(pair_owner, stable=True).indices  # tokens of no adapter (-1) first; each adapter's rows in order
+    lo = (num_tokens - sum(tokens)) * top_k
+    for slot, n in zip(slots, tokens):
+        if n:
+            index = by_adapter[lo: lo + n * top_k]
+            out.append(AdapterRows(slot, index, ExpertGroups(expert_counts(sorted_experts.index_select(0, index), num_experts))))
+        lo += n * top_k
     return out
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinsmith.transfers import to_device
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -77,7 +79,7 @@ class RowKinds:
         truncated = set(trunc)
         plain = [i for i in range(len(temperature)) if i not in truncated]
         greedy = [t <= 0 for t in temperature]
-        as_index = (lambda ix: torch.tensor(ix, dtype=torch.long, device=device) if ix else None)
+        as_index = (lambda ix: to_device(ix, device, torch.long) if ix else None)
         return cls(all(greedy), any(greedy), as_index(trunc), as_index(plain))
 
 

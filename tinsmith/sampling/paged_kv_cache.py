@@ -35,11 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from tinsmith.models.config import ModelConfig
 
 from tinsmith.sampling.kv_cache import BLOCK, RowKVCache, RowNeed, needs_of
+from tinsmith.transfers import to_device
 
 PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
 
@@ -63,7 +65,9 @@ class PagedKVCache(RowKVCache):
         self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: low ids first
         self.refs = [0] * self.pages  # rows holding each page (a prompt's full pages are shared)
         self._initial_pages = self.pages
-        self._skip_pages = 0  # while writing a prefix: its leading pages, shared, are already written
+        # While a prefix is written: its leading pages that are shared (already written), and the
+        # pages each paged layer writes, as a device index (None: none).
+        self._writing: tuple[int, torch.Tensor | None] = (0, None)
         # Set by a prefix cache keeping its blocks in these pages: evict its least recently used
         # block (False: it holds none), and follow pages that a shrink moved (old id -> new id).
         self.reclaim: Callable[[], bool] | None = None
@@ -149,8 +153,8 @@ class PagedKVCache(RowKVCache):
 
     def _write_table(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
         if pages:
-            self.table[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = torch.tensor(
-                pages, dtype=torch.int32, device=self.device)
+            at = to_device(np.array([rows, cols, pages], dtype=np.int64), self.device)  # one copy, no wait
+            self.table[at[0], at[1]] = at[2].to(torch.int32)
 
     def _take(self) -> int:
         self._make_free(1)
@@ -180,7 +184,7 @@ class PagedKVCache(RowKVCache):
         """Reallocate every paged layer's pool to ``pages`` pages, keeping pages ``[0, pages)``'s
         contents, or (``keep``) those of pages ``keep``, moved to ids ``0, 1, ...``."""
         kept = list(range(min(pages, self.pages))) if keep is None else keep
-        at = torch.tensor(kept, dtype=torch.long, device=self.device)
+        at = to_device(kept, self.device, torch.long)
         for store in (self.K, self.V):
             for i, old in enumerate(store):
                 if self.paged[i]:
@@ -251,7 +255,7 @@ class PagedKVCache(RowKVCache):
         """Copy pages ``pages`` of every paged layer into ``out`` ``(attention layers, 2, kv_heads,
         len(pages) * PAGE, head_dim)`` (a prefill's layout: attention layers in order), the
         positions they hold in order; layers in per-row buffers are left as they are."""
-        at = torch.tensor(pages, dtype=torch.long, device=self.device)
+        at = to_device(pages, self.device, torch.long)
         attention = [i for i in range(self.cfg.num_layers) if not self.cfg.is_linear_layer(i)]
         for j, layer in enumerate(attention):
             if self.paged[layer]:
@@ -277,24 +281,24 @@ class PagedKVCache(RowKVCache):
         self.owned[row] = list(shared)
         self._reserve_row(row, length, rows, cols, pages)
         self._write_table(rows, cols, pages)
-        self._skip_pages = len(shared)
+        # The pages every paged layer writes (those past the shared ones), on the device once for all layers.
+        writes = self.owned[row][len(shared): -(-length // PAGE)]
+        self._writing = (len(shared), to_device(writes, self.device, torch.long) if writes else None)
         try:
             super().write_prefix(row, layer_kv, length, states, prompt)
         finally:
-            self._skip_pages = 0
+            self._writing = (0, None)
         return self.owned[row][: length // PAGE]
 
     def _write_pages(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
-        first = self._skip_pages
-        pages = self.owned[row][first: -(-length // PAGE)]
-        if not pages:
+        first, at = self._writing
+        if at is None:
             return
-        at = torch.tensor(pages, device=self.device)
-        start = first * PAGE
+        start, n = first * PAGE, at.shape[0]
         for pool, x in ((self.K[layer], k), (self.V[layer], v)):
             heads, _, d = x.shape
-            x = _pad_positions(x[:, start:length], len(pages) * PAGE)
-            pool[at] = x.view(heads, len(pages), PAGE, d).transpose(0, 1).to(pool.dtype)
+            x = _pad_positions(x[:, start:length], n * PAGE)
+            pool[at] = x.view(heads, n, PAGE, d).transpose(0, 1).to(pool.dtype)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``dst`` leaves (its pages freed) and row ``src`` takes its place (its table row moves)."""

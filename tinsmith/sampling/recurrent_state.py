@@ -99,7 +99,9 @@ class PrefillStates:
 
     def select(self, i: int) -> PrefillStates:
         """Prompt ``i``'s states alone (copies), as prompt 0 of a prefill of one."""
-        out = PrefillStates(self.lengths[i : i + 1], int(self.lengths[i]), self.kernel)
+        # The prefill's width, not the prompt's own length: reading that would wait for the device,
+        # and the mask it sizes is the same over the prompt's positions.
+        out = PrefillStates(self.lengths[i : i + 1], self.valid.shape[1], self.kernel)
         out.conv = {layer: t[i : i + 1].clone() for layer, t in self.conv.items()}
         out.state = {layer: t[i : i + 1].clone() for layer, t in self.state.items()}
         return out

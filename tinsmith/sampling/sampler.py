@@ -43,6 +43,7 @@ from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from tinsmith.sampling.prompt_states import PromptSnapshot, PromptSnapshots
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
+from tinsmith.transfers import to_device
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
 TOPK_SENTINEL = -99999.0
@@ -57,6 +58,8 @@ KV_LAYOUTS = ("auto", "paged", "rows")  # the K/V cache's layout: auto is paged 
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
 log = logging.getLogger(__name__)
+# A request's first sampled token for each of its rows: tokens, their logprobs, top logprobs (or None).
+_FirstTokens = tuple[list[int], list[float], list]
 
 
 @dataclass
@@ -587,13 +590,15 @@ class Sampler:
                 shared[u] = out.pages[i]
                 self.cache.hold(shared[u])
         seeded: set[int] = set()
+        firsts = self._first_tokens(batch, [kept[u].last_logits if u in kept else out.last_logits[at[u]]  # type: ignore[union-attr]
+                                            for u in lead])
         try:
             for b_idx, st in enumerate(batch):
                 u = lead[b_idx]
                 if u in kept:
                     snap = kept[u]
                     shared[u] = self._seed_rows(st, None, snap.last_logits, snap.kv, snap.length, done, snap.states,
-                                                0, shared.get(u), groups.setdefault(u, object()))
+                                                0, shared.get(u), groups.setdefault(u, object()), firsts[b_idx])
                     continue
                 assert out is not None
                 i = at[u]
@@ -601,7 +606,8 @@ class Sampler:
                     assert out.starts[i] == 0  # such prompts never read the prefix cache
                 layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
                 shared[u] = self._seed_rows(st, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
-                                            out.lens[i], done, out.states, i, shared.get(u), groups.setdefault(u, object()))
+                                            out.lens[i], done, out.states, i, shared.get(u), groups.setdefault(u, object()),
+                                            firsts[b_idx])
                 if u not in seeded:
                     seeded.add(u)
                     if out.cacheable[i]:
@@ -645,7 +651,7 @@ class Sampler:
         firsts = [members[0] for members in branches.values()]
         lens = [len(key[2]) // 8 for key in branches]
         hidden, kv, recurrent = self._forward_whole(firsts, lens, [tokens[id(st)][:n].tolist() for st, n in zip(firsts, lens)])
-        last = hidden[torch.arange(len(lens), device=self.device), torch.tensor(lens, device=self.device) - 1]
+        last = hidden[torch.arange(len(lens), device=self.device), to_device(lens, self.device) - 1]
         last_logits = self.model.logits(last, _row_segments([st.task.slot for st in firsts], 1))
         self.stats["prefill_tokens"] += sum(lens)
         assert recurrent is not None
@@ -681,10 +687,35 @@ class Sampler:
             if key is not None and not _needs_prompt_logits(st.task.input):
                 self.snapshots.put(key, PromptSnapshot.of(out.kv, out.states, i, out.last_logits[i], out.lens[i]))
 
+    def _first_tokens(self, states: list[_TaskState], last_logits: list[torch.Tensor]) -> list[_FirstTokens]:
+        """Each request's first sampled token, its logprob and top logprobs, for every one of its
+        rows (``num_samples``), from its prompt's last logits: drawn for all the requests of a
+        prefill at once, so a prefill of many requests reads the device once, not once each.
+        A row's draw depends only on its seed, sample index and step, as in :meth:`_decode_step`."""
+        ns = [st.task.input.num_samples for st in states]
+        rows = [(st, j) for st in states for j in range(st.task.input.num_samples)]
+        params = [st.task.input.params for st, _ in rows]
+        logits = torch.cat([lg[None].expand(n, -1) for lg, n in zip(last_logits, ns)])
+        ints = to_device(np.array([[st.seed for st, _ in rows], [j for _, j in rows], [p.top_k for p in params]],
+                                  dtype=np.int64), self.device)
+        floats = to_device(np.array([[p.temperature for p in params], [p.top_p for p in params]], dtype=np.float32),
+                           self.device)
+        u = uniforms(ints[0], ints[1], torch.zeros(len(rows), dtype=torch.long, device=self.device))
+        kinds = RowKinds.of([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                            logits.shape[-1], self.device)
+        tok, lp, full = choose_tokens(logits, floats[0], ints[2], floats[1], u, kinds)
+        tops = _top_logprobs(full, [st.task.input.topk_sample_logprobs for st, _ in rows])
+        toks, lps = tok.tolist(), lp.tolist()
+        out, a = [], 0
+        for n in ns:
+            out.append((toks[a:a + n], lps[a:a + n], tops[a:a + n]))
+            a += n
+        return out
+
     def _seed_rows(self, st: _TaskState, hidden: torch.Tensor | None, last_logits: torch.Tensor,
                    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
                    states: PrefillStates | None = None, prompt: int = 0, shared: object = None,
-                   group: object = None) -> object:
+                   group: object = None, first: _FirstTokens | None = None) -> object:
         """Start a prefilled request's rows: its prompt logprobs when asked (``hidden``: every
         prompt position's hidden state), the first token of each sample drawn from
         ``last_logits``, and each row's K/V (and recurrent states) put into the cache.
@@ -697,18 +728,7 @@ class Sampler:
             assert hidden is not None, "prompt logprobs need every prompt position's hidden state"
             self._prompt_logprobs(st, hidden)
         n = inp.num_samples
-        p = inp.params
-        logits = last_logits[None].expand(n, -1)
-        dev = self.device
-        u = uniforms(torch.full((n,), st.seed, dtype=torch.long, device=dev), torch.arange(n, device=dev),
-                     torch.zeros(n, dtype=torch.long, device=dev))
-        kinds = RowKinds.of([p.temperature] * n, [p.top_k] * n, [p.top_p] * n, logits.shape[-1], dev)
-        tok, lp, full = choose_tokens(
-            logits, torch.full((n,), float(p.temperature), device=dev), torch.full((n,), p.top_k, device=dev),
-            torch.full((n,), float(p.top_p), device=dev), u, kinds,
-        )
-        toks_l, lps_l = tok.tolist(), lp.tolist()
-        tops = _top_logprobs(full, [inp.topk_sample_logprobs] * n)
+        toks_l, lps_l, tops = first if first is not None else self._first_tokens([st], [last_logits])[0]
         group = group if group is not None else object()
         for j in range(n):
             row = _Row(st, j, group=group)
@@ -969,7 +989,7 @@ class Sampler:
         else:
             hidden, kv, recurrent = self._forward_whole(states, lens)
         b = len(states)
-        ends = torch.tensor([n - c - 1 for n, c in zip(lens, starts)], device=self.device)
+        ends = to_device([n - c - 1 for n, c in zip(lens, starts)], self.device)
         last = hidden[torch.arange(b, device=self.device), ends]
         last_logits = self.model.logits(last, _row_segments([s.task.slot for s in states], 1))
         for i in range(b):
@@ -990,7 +1010,7 @@ class Sampler:
         toks = np.zeros((b, L), dtype=np.int64)
         for i, s in enumerate(states):
             toks[i, : lens[i]] = s.task.input.prompt if prompts is None else prompts[i]
-        tokens = torch.from_numpy(toks).to(self.device)
+        tokens = to_device(toks, self.device)
         positions = torch.arange(L, device=self.device).expand(b, L)
         visual = None
         images = [s.task.input.prompt_images for s in states]
@@ -1001,7 +1021,7 @@ class Sampler:
                 st.rope_delta = delta
         segments = _row_segments([s.task.slot for s in states], L)
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        recurrent = self.cache.prefill_states(torch.tensor(lens, device=self.device), L)
+        recurrent = self.cache.prefill_states(to_device(lens, self.device), L)
         hidden = self.model.hidden_states(tokens, positions, segments, attend=recording_attention(kv, recurrent),
                                           visual=visual)
         return hidden, kv, recurrent
@@ -1035,8 +1055,8 @@ class Sampler:
         toks = np.zeros((b, S), dtype=np.int64)
         for i in range(b):
             toks[i, : lens[i] - starts[i]] = prompts[i][starts[i]: lens[i]]
-        tokens = torch.from_numpy(toks).to(self.device)
-        start = torch.tensor(starts, device=self.device)
+        tokens = to_device(toks, self.device)
+        start = to_device(starts, self.device)
         positions = start[:, None] + torch.arange(S, device=self.device)[None, :]  # (b, S)
         cfg = self.cfg
         keys = torch.arange(width, device=self.device)[None, None, :]  # (1, 1, width)
@@ -1055,7 +1075,7 @@ class Sampler:
                 masks[window] = before & (keys > positions[:, :, None] - window)
             return masked_attention(q, K, V, masks[window], sinks)
 
-        new = torch.tensor([n - c for n, c in zip(lens, starts)], device=self.device)
+        new = to_device([n - c for n, c in zip(lens, starts)], self.device)
         recurrent = self.cache.prefill_states(new, S, after)
         attend.recurrent = recurrent  # type: ignore[attr-defined]
         segments = _row_segments([s.task.slot for s in states], S)
@@ -1364,19 +1384,25 @@ class _DecodeBatch:
         vocab = model.config.vocab_size
         groups = decode_rows(model, [row.state.task.slot for row in rows], device)
         params = [r.state.task.input.params for r in rows]
+        # Two copies to the device for all of it (each copy of its own would wait for the stream).
+        ints = to_device(np.array([[r.tokens[-1] for r in rows], [r.state.seed for r in rows],
+                                   [r.sample_idx for r in rows], [len(r.tokens) for r in rows],
+                                   [p.top_k for p in params], [r.state.rope_delta for r in rows]],
+                                  dtype=np.int64), device)
+        floats = to_device(np.array([[p.temperature for p in params], [p.top_p for p in params]],
+                                    dtype=np.float32), device)
+        last, seeds, samples, steps, top_k, deltas = ints.unbind(0)
         return cls(
             groups=groups,
-            last=torch.tensor([r.tokens[-1] for r in rows], device=device),
-            keys=row_keys(torch.tensor([r.state.seed for r in rows], dtype=torch.long, device=device),
-                          torch.tensor([r.sample_idx for r in rows], dtype=torch.long, device=device)),
-            steps=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long, device=device),
-            temperature=torch.tensor([float(p.temperature) for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([float(p.top_p) for p in params], device=device),
+            last=last,
+            keys=row_keys(seeds, samples),
+            steps=steps,
+            temperature=floats[0],
+            top_k=top_k,
+            top_p=floats[1],
             kinds=RowKinds.of([p.temperature for p in params], [p.top_k for p in params],
                               [p.top_p for p in params], vocab, device),
-            rope_deltas=(torch.tensor([r.state.rope_delta for r in rows], device=device)
-                         if any(r.state.rope_delta for r in rows) else None),
+            rope_deltas=deltas if any(r.state.rope_delta for r in rows) else None,
         )
 
 
@@ -1404,7 +1430,7 @@ def _device_top_logprobs(full: torch.Tensor, ks: list[int]):
         return None
     k_max = min(max(ks), full.shape[-1])
     rows = full if len(asking) == full.shape[0] else full.index_select(
-        0, torch.tensor(asking, dtype=torch.long, device=full.device))
+        0, to_device(asking, full.device, torch.long))
     return asking, torch.topk(rows, k_max, dim=-1)
 
 
@@ -1412,7 +1438,7 @@ def _asking_rows(ids: torch.Tensor, vals: torch.Tensor, ks: list[int]):
     """Every row's best (ids, logprobs) of a static step, as :func:`_device_top_logprobs` gives
     those of the rows that ask (the rows with ``ks[r] > 0``, whose k is at most their width)."""
     asking = [r for r, k in enumerate(ks) if k > 0]
-    at = torch.tensor(asking, dtype=torch.long, device=ids.device)
+    at = to_device(asking, ids.device, torch.long)
     return asking, torch.return_types.topk((vals.index_select(0, at), ids.index_select(0, at)))
 
 

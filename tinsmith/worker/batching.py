@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tinsmith.models.lora import Segments
+from tinsmith.transfers import to_device
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,12 @@ def build_micro_batch(rows: list[SequenceRef], token_arrays: list[np.ndarray], d
     row_bounds = [i * L for i in range(b + 1)]
     return MicroBatch(
         rows=rows,
-        tokens=torch.from_numpy(tokens).to(device),
+        tokens=to_device(tokens, device),
         positions=torch.arange(L, device=device).unsqueeze(0).expand(b, L),
         row_segments=_segments(slots, row_bounds),
         token_segments=_segments(slots, token_offsets),
         token_offsets=token_offsets,
-        valid=torch.from_numpy(np.flatnonzero(valid)).to(device),
+        valid=to_device(np.flatnonzero(valid), device),
         needs_grad=rows[0].needs_grad,
     )
 
@@ -136,8 +137,8 @@ def _packed_micro_batch(rows: list[SequenceRef], arrays: list[np.ndarray], devic
     segments = _segments([r.slot for r in rows], bounds)
     return MicroBatch(
         rows=rows,
-        tokens=torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)).to(device).unsqueeze(0),
-        positions=torch.from_numpy(positions).to(device).unsqueeze(0),
+        tokens=to_device(np.concatenate(arrays).astype(np.int64, copy=False), device).unsqueeze(0),
+        positions=to_device(positions, device).unsqueeze(0),
         row_segments=segments,
         token_segments=segments,
         token_offsets=bounds,

@@ -27,6 +27,7 @@ from tinsmith.models.layers import CausalLM, causal_attention
 from tinsmith.models.lora import Segments
 from tinsmith.models.vision import VisionTower
 from tinsmith.optim import ADAMW
+from tinsmith.transfers import to_device
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
 from tinsmith.worker.activation_memory import layers_to_recompute, recomputed_layer_indices
 from tinsmith.worker.batching import MicroBatch, SequenceRef, batch_tokens, build_micro_batch, plan_micro_batches
@@ -314,7 +315,7 @@ class TrainingRuntime:
                 arr = np.asarray(v, dtype=np.float32)
                 if not np.isfinite(arr).all():
                     raise InvalidInputError(f"data[{i}].loss_fn_inputs[{k!r}] contains NaN or infinite values")
-                flat[k] = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1))).to(self.device)
+                flat[k] = to_device(arr.reshape(-1), self.device)
             for k in spec.optional_inputs:  # absent optional inputs take their neutral value
                 if k == "weights" and k not in flat:
                     flat[k] = torch.ones(tgt.size, dtype=torch.float32, device=self.device)
@@ -634,14 +635,20 @@ class TrainingRuntime:
         """Outputs and metrics over the whole request, from detached logprobs (micro-batching invariant)."""
         with torch.no_grad():
             out = p.spec.fn(self._loss_batch(p, list(range(len(lps))), lps))
+        # One read from the device for every datum (a read each would wait on the device each time).
+        flat = torch.cat([lp.reshape(-1) for lp in lps]).float()
+        if out.elementwise is not None:
+            flat = torch.stack((flat, out.elementwise.reshape(-1).float()))
+        host = flat.cpu().numpy()
+        logprobs, elementwise = (host[0], host[1]) if out.elementwise is not None else (host, None)
         outputs = []
         a = 0
         for d, lp in enumerate(lps):
             shape = tuple(p.targets[d].shape)
             b = a + lp.numel()
-            fields = {"logprobs": lp.float().cpu().numpy().reshape(shape)}
-            if out.elementwise is not None:
-                fields["elementwise_loss"] = out.elementwise[a:b].float().cpu().numpy().reshape(shape)
+            fields = {"logprobs": logprobs[a:b].reshape(shape)}
+            if elementwise is not None:
+                fields["elementwise_loss"] = elementwise[a:b].reshape(shape)
             outputs.append(fields)
             a = b
         return ForwardBackwardResult(outputs=outputs, metrics=out.metrics)

@@ -1,0 +1,62 @@
+"""The host-sync finder itself: what it counts as a read or a copy on a CPU, and what it does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tinsmith.devtools.host_syncs import HostSyncs
+from tinsmith.transfers import to_device
+
+DEV = torch.device("cpu")
+
+
+def test_reads_of_device_tensors_count_and_host_tensors_do_not():
+    x = torch.arange(6, device=DEV).float()  # made before the block: a device tensor
+    with HostSyncs() as h:
+        x.sum().item()
+        x.tolist()
+        bool(x[0] > 0)
+        float(x[1])
+        x.cpu().numpy()  # one read: what .cpu() returns is on the host
+        host = torch.tensor([1.0, 2.0])  # made from host data: a host tensor
+        host.tolist()
+        torch.from_numpy(np.ones(1)).item()
+    assert [e.what for e in h.events] == ["Tensor.item", "Tensor.tolist", "Tensor.__bool__", "Tensor.__float__",
+                                          "Tensor.cpu"]
+    assert h.count("read") == 5 and h.count("copy") == 0
+    assert all(e.where.startswith("?") or "host_syncs" not in e.where for e in h.events)
+
+
+def test_data_dependent_operators_count_as_reads():
+    x = torch.tensor([0, 3, 0, 5], device=DEV) * 1  # computed: a device tensor
+    with HostSyncs() as h:
+        x.nonzero()
+        x[x > 0]
+        torch.bincount(x)
+        x.index_select(0, torch.arange(2, device=DEV))  # sized by its index: no read
+    assert [e.what for e in h.events] == ["nonzero", "boolean mask index", "bincount"]
+
+
+def test_copies_to_the_device_count_unless_non_blocking():
+    a = np.arange(4)
+    with HostSyncs() as h:
+        torch.tensor([1, 2], device=DEV)
+        torch.from_numpy(a).to(DEV)
+        torch.zeros(2, dtype=torch.long, device=DEV).copy_(torch.from_numpy(a[:2]))
+        torch.from_numpy(a).to(DEV, non_blocking=True)
+        to_device([1, 2], DEV)
+        to_device(a, DEV, torch.int32)
+        torch.tensor([1, 2], device="cpu")  # asked for the host itself: no copy
+        torch.arange(3, device=DEV)  # made on the device: no copy
+    assert [e.what for e in h.events] == ["torch.tensor", "Tensor.to", "Tensor.copy_"]
+    assert h.count("copy") == 3 and h.count("read") == 0
+
+
+def test_torch_is_itself_again_after_the_block():
+    originals = (torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.to, torch.Tensor.item)
+    with HostSyncs():
+        assert torch.tensor is not originals[0]
+    assert (torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.to, torch.Tensor.item) == originals
+    t = torch.tensor([1.0])
+    assert not hasattr(t, "_tinsmith_host")

@@ -1,0 +1,204 @@
+"""Where a block of torch code would make the host wait for a GPU, found on any device.
+
+On a GPU the host queues kernels and runs ahead. It stops and waits for everything queued
+whenever it needs a value computed there (``.item()``, ``.tolist()``, ``bool(t)``, an operator
+whose output shape depends on the data, such as ``nonzero``) or copies host memory to the device
+without ``non_blocking`` (PyTorch synchronises the stream after such a copy). One of these in a
+decode step or a layer's forward drains the launch queue at every call, and the GPU idles while
+Python catches up. ``torch.cuda.set_sync_debug_mode`` finds reads on a GPU only, and no copies;
+this finds both on a CPU, where the same code runs, so tests hold hot loops to a budget of them
+without a GPU:
+
+* ``read`` (device to host): ``Tensor.item / tolist / numpy / cpu / __bool__ / __int__ /
+  __float__ / __index__ / __array__`` of a device tensor, and the operators that size their
+  output from the data (:data:`DATA_DEPENDENT_OPS`, and indexing by a boolean mask), seen at
+  dispatch, so calls from inside torch count too;
+* ``copy`` (host to device): ``torch.tensor`` / ``torch.as_tensor`` of Python or NumPy data for
+  the device, and ``Tensor.to`` / ``copy_`` of a host tensor onto it, unless ``non_blocking``.
+
+On a CPU host and device are one, so the mode tells them apart by where tensors come from: a
+tensor made from host data (``torch.tensor``, ``torch.as_tensor`` or ``torch.from_numpy`` not
+asking for the device) is a host tensor, and so is what ``.cpu()`` returns; every other tensor is
+a device tensor, tensors made before the block included. (What an operator makes from a host
+tensor counts as a device tensor: code that computes on host tensors shows up as reads, which on
+a GPU it may not be.)
+
+``with HostSyncs() as h: ...`` then ``h.events`` (kind, what, where: the innermost ``tinsmith``
+frame), ``h.count(kind)`` and ``h.by_site()``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+# Operators whose output size (or a value on the host) depends on the data: on CUDA they copy a
+# count or a flag to the host and wait for it.
+DATA_DEPENDENT_OPS = {
+    aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+    aten.bincount.default, aten.equal.default, aten.is_nonzero.default,
+}
+_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__array__")
+_HOST = "_tinsmith_host"  # attribute marking a host tensor
+
+
+@dataclass(frozen=True)
+class HostSync:
+    kind: str  # "read" (device to host) or "copy" (host to device)
+    what: str
+    where: str  # path:line of the innermost tinsmith frame that asked for it
+
+
+def _is_host(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, _HOST, False)
+
+
+def _mark_host(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        setattr(t, _HOST, True)
+    return t
+
+
+def _caller() -> str:
+    frames = [f for f in traceback.extract_stack()[:-3]
+              if "/tinsmith/" in f.filename and not f.filename.endswith("host_syncs.py")]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{f.filename.rsplit('/tinsmith/', 1)[-1]}:{f.lineno}"
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records every point of a block that would synchronise a GPU's stream with the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[HostSync] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._inside = 0  # > 0 while a patched call runs: its own inner calls are not counted again
+
+    # ------------------------------------------------------------------ results
+    def count(self, kind: str | None = None) -> int:
+        return sum(1 for e in self.events if kind is None or e.kind == kind)
+
+    def by_site(self) -> Counter:
+        return Counter(f"{e.kind} {e.what} @ {e.where}" for e in self.events)
+
+    # ------------------------------------------------------------------ mode
+    def __enter__(self):
+        for name in _READS:
+            self._patch(torch.Tensor, name, self._reader(name))
+        self._patch(torch, "tensor", self._maker("torch.tensor"))
+        self._patch(torch, "as_tensor", self._maker("torch.as_tensor"))
+        self._patch(torch, "from_numpy", lambda original: lambda a: _mark_host(original(a)))
+        self._patch(torch.Tensor, "to", self._mover())
+        self._patch(torch.Tensor, "copy_", self._copier())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for owner, name, original in reversed(self._saved):
+                setattr(owner, name, original)
+            self._saved.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside and not any(_is_host(a) for a in args):
+            if func in DATA_DEPENDENT_OPS:
+                self._record("read", func.overloadpacket.__name__)
+            elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+                self._record("read", "boolean mask index")
+        return func(*args, **(kwargs or {}))
+
+    # ------------------------------------------------------------------ patching
+    def _patch(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def _record(self, kind: str, what: str) -> None:
+        self.events.append(HostSync(kind, what, _caller()))
+
+    def _counted(self, original: Callable, classify: Callable[..., tuple[str, str] | None],
+                 host_result: Callable[..., bool] = lambda *a, **k: False) -> Callable:
+        """``original`` with its calls classified (kind, what) before it runs, none of its
+        inner calls counted, and its result marked a host tensor where ``host_result`` says."""
+        def call(*args, **kwargs):
+            if self._inside:
+                return original(*args, **kwargs)
+            found = classify(*args, **kwargs)
+            if found:
+                self._record(*found)
+            self._inside += 1
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._inside -= 1
+            return _mark_host(out) if host_result(*args, **kwargs) else out
+        return call
+
+    def _reader(self, name: str) -> Callable[[Callable], Callable]:
+        def classify(t, *a, **k):
+            if t.device.type == "meta" or _is_host(t) or (name != "cpu" and not t.numel()):
+                return None
+            return "read", f"Tensor.{name}"
+        return lambda original: self._counted(original, classify, lambda *a, **k: name == "cpu")
+
+    def _maker(self, name: str) -> Callable[[Callable], Callable]:
+        def classify(data, *a, device=None, **k):
+            if device is None or _names_cpu((), {"device": device}) or (
+                    isinstance(data, torch.Tensor) and not _is_host(data)):
+                return None
+            return "copy", name
+
+        def host(data, *a, device=None, **k):
+            return ((device is None and (not isinstance(data, torch.Tensor) or _is_host(data)))
+                    or _names_cpu((), {"device": device}))
+        return lambda original: self._counted(original, classify, host)
+
+    def _mover(self) -> Callable[[Callable], Callable]:
+        def target(a, k) -> Any:
+            for x in (*a, k.get("device"), k.get("other")):
+                if isinstance(x, torch.Tensor):
+                    return x
+                if isinstance(x, (str, torch.device)):
+                    return torch.device(x)
+            return None
+
+        def classify(t, *a, **k):
+            to = target(a, k)
+            if not _is_host(t) or to is None or k.get("non_blocking") or True in a[1:]:
+                return None
+            if isinstance(to, torch.Tensor) and _is_host(to):
+                return None
+            if isinstance(to, torch.device) and to.type == "cpu" and t.device.type == "cpu" and _names_cpu(a, k):
+                return None  # .to("cpu") of a host tensor: stays on the host
+            return "copy", "Tensor.to"
+
+        def host(t, *a, **k):
+            to = target(a, k)
+            return _is_host(t) and (to is None or (isinstance(to, torch.Tensor) and _is_host(to)) or _names_cpu(a, k))
+        return lambda original: self._counted(original, classify, host)
+
+    def _copier(self) -> Callable[[Callable], Callable]:
+        def classify(dst, src, non_blocking=False):
+            if non_blocking or not _is_host(src) or _is_host(dst):
+                return None
+            return "copy", "Tensor.copy_"
+        return lambda original: self._counted(original, classify)
+
+
+def _names_cpu(a: tuple, k: dict) -> bool:
+    """Whether a ``.to`` call names the CPU itself (rather than a device that is the CPU here)."""
+    for x in (*a, k.get("device")):
+        if isinstance(x, str):
+            return x == "cpu" or x.startswith("cpu:")
+    return False
