@@ -16,6 +16,7 @@ token, ``q`` the sampler's logprob (input ``logprobs``), ``A`` the advantage, ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -40,7 +41,15 @@ class LossBatch:
 class LossOutput:
     loss: torch.Tensor  # scalar
     elementwise: torch.Tensor | None  # (E,); None for a loss that is not a sum over elements
-    metrics: dict[str, float] = field(default_factory=dict)
+    # The metrics, or how to read them: they are read from the device on first use, so the
+    # backward pass, which takes only ``loss``, never waits for them.
+    metrics_source: dict[str, float] | Callable[[], dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        if callable(self.metrics_source):
+            self.metrics_source = self.metrics_source()
+        return self.metrics_source
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,12 @@ class LossSpec:
     allows_2d_targets: bool = False
 
 
-def _metrics(out: torch.Tensor, **extra: torch.Tensor | float) -> dict[str, float]:
+def _metrics(out: torch.Tensor, **extra: torch.Tensor | float) -> Callable[[], dict[str, float]]:
+    """How to read the loss's sum and ``extra`` metrics (see :attr:`LossOutput.metrics_source`)."""
+    return functools.partial(_read_metrics, out, **extra)
+
+
+def _read_metrics(out: torch.Tensor, **extra: torch.Tensor | float) -> dict[str, float]:
     """The loss's sum and ``extra`` metrics as floats, read from the device at once."""
     names = ["loss:sum"] + [k.replace("__", ":") for k in extra]
     values = [out.detach().sum()] + [v.detach() if isinstance(v, torch.Tensor) else float(v) for v in extra.values()]
