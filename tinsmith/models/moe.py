@@ -122,6 +122,23 @@ class AdapterRows:
 
 
 @dataclass
+class JointAdapterRows:
+    """Several adapters' rows, adapter after adapter, each adapter's sorted by expert: one grouped
+    shrink and one grouped expand over every (adapter, expert) group serve them all, where the
+    grouped matmul runs (else each of ``parts`` on its own)."""
+
+    parts: list[AdapterRows]
+    index: torch.Tensor  # the sorted rows of every part, in order
+    offsets: torch.Tensor  # int32 end row (within ``index``) of each (adapter, expert) group
+
+    @classmethod
+    def of(cls, parts: list[AdapterRows]) -> JointAdapterRows:
+        index = torch.cat([p.index for p in parts])  # type: ignore[misc]
+        counts = torch.cat([p.groups.counts for p in parts])
+        return cls(parts, index, torch.cumsum(counts, 0, dtype=torch.int32))
+
+
+@dataclass
 class BankRows:
     """The decode path: each sorted row's bank row (``position * experts + expert``; -1: no adapter)."""
 
@@ -173,10 +190,20 @@ class ExpertLinear(nn.Module):
         """``x``: rows sorted by expert. Adds ``scale * (x A_e^T) B_e^T`` on each adapter's rows."""
         return self.add_lora(x, add_expert_bias(grouped_linear(x, self.weight, groups), self.bias, groups), lora)
 
-    def add_lora(self, x: torch.Tensor, y: torch.Tensor, lora: list[AdapterRows] | list[BankRows]) -> torch.Tensor:
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor,
+                 lora: list[AdapterRows | JointAdapterRows] | list[BankRows] | list[AdapterRows]) -> torch.Tensor:
         """``y`` plus the adapters' deltas; in place when no graph is recorded (``y`` may then be a
         view, e.g. this projection's columns of a packed gate/up output)."""
         for rows in lora:
+            if isinstance(rows, JointAdapterRows):
+                delta = self._joint_delta(x, rows)
+                if delta is None:  # no grouped matmul here: each adapter on its own
+                    y = self.add_lora(x, y, rows.parts)
+                elif torch.is_grad_enabled():
+                    y = y.index_add(0, rows.index, delta)
+                else:
+                    y.index_add_(0, rows.index, delta)
+                continue
             if isinstance(rows, BankRows):
                 if not self.adapters:
                     continue
@@ -198,6 +225,32 @@ class ExpertLinear(nn.Module):
             else:
                 y.index_add_(0, rows.index, delta)
         return y
+
+    def _joint_delta(self, x: torch.Tensor, rows: JointAdapterRows) -> torch.Tensor | None:
+        """``scale * (x A_e^T) B_e^T`` of every part's rows, one grouped matmul pair for all: the
+        parts' per-expert A and B stacked (ranks zero-padded to a multiple of 8, the scale folded
+        into B, a part whose adapter has no weights here a zero group). Gradients flow back through
+        the stack to each adapter's own tensors. None where the grouped matmul does not run."""
+        weights = [self.adapters.get(p.slot) for p in rows.parts]
+        present = [w for w in weights if w is not None]
+        if not present:
+            return None
+        rank = -(-max(w.A.shape[1] for w in present) // 8) * 8
+        if not (grouped_mm_fits(x, x.dtype, rank, self.in_features) and grouped_mm_fits(x, x.dtype, self.out_features, rank)):
+            return None
+        e = self.num_experts
+        a_parts, b_parts = [], []
+        for w in weights:
+            if w is None:
+                a_parts.append(x.new_zeros(e, rank, self.in_features))
+                b_parts.append(x.new_zeros(e, self.out_features, rank))
+                continue
+            pad = rank - w.A.shape[1]
+            a_parts.append(F.pad(w.A.to(x.dtype), (0, 0, 0, pad)))
+            b_parts.append(F.pad((w.B * w.scale).to(x.dtype), (0, pad)))
+        A, B = torch.cat(a_parts), torch.cat(b_parts)  # (parts x experts, rank, in), (parts x experts, out, rank)
+        h = torch._grouped_mm(x.index_select(0, rows.index), A.transpose(1, 2), offs=rows.offsets)
+        return torch._grouped_mm(h, B.transpose(1, 2), offs=rows.offsets)
 
 
 class PackedGateUp:
@@ -391,7 +444,7 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
             index = by_adapter[lo: lo + n * top_k]
             out.append(AdapterRows(slot, index, ExpertGroups(expert_counts(sorted_experts.index_select(0, index), num_experts))))
         lo += n * top_k
-    return out
+    return [JointAdapterRows.of(out)] if len(out) > 1 else out
 
 
 # ----------------------------------------------------------------------------- checkpoint layouts
