@@ -58,21 +58,40 @@ def grouped_lora_delta(x: torch.Tensor, weights: list[LoraWeights | None], sizes
     """``scale_i * x_i A_i^T B_i^T`` for consecutive row groups ``x_i`` of ``sizes`` (a group with
     no adapter gets zeros), as one (rows, out) tensor."""
     present = [w for w in weights if w is not None]
-    rank = _round_up(max(w.A.shape[0] for w in present), 8)
-    zeros_a = x.new_zeros(rank, x.shape[-1])
-    zeros_b = x.new_zeros(out_features, rank)
-    a_stack, b_stack = [], []
-    for w in weights:
-        if w is None:
-            a_stack.append(zeros_a)
-            b_stack.append(zeros_b)
-            continue
-        a, b = w.A.to(x.dtype), (w.B * w.scale).to(x.dtype)
-        pad = rank - a.shape[0]
-        a_stack.append(F.pad(a, (0, 0, 0, pad)) if pad else a)
-        b_stack.append(F.pad(b, (0, pad)) if pad else b)
-    A = torch.stack(a_stack)  # (groups, rank, in)
-    B = torch.stack(b_stack)  # (groups, out, rank)
+    A, B = stack_lora(weights, _round_up(max(w.A.shape[0] for w in present), 8), x.dtype, x.shape[-1], out_features)
     offs = group_offsets(tuple(sizes), x.device)
     h = torch._grouped_mm(x, A.transpose(1, 2), offs=offs)
     return torch._grouped_mm(h, B.transpose(1, 2), offs=offs)
+
+
+def stack_lora(weights: list[LoraWeights | None], rank: int, dtype: torch.dtype, in_features: int,
+               out_features: int, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adapters' A and B stacked for one grouped shrink and expand: ``(adapters x groups, rank,
+    in)`` and ``(adapters x groups, out, rank)`` in ``dtype``, ranks zero-padded to ``rank``, each
+    adapter's scale folded into its B, an absent adapter's groups zeros. ``groups``: the stacked
+    projections each adapter holds (its experts; 1 for a plain projection, whose A is ``(r, in)``).
+
+    A few operations whatever the number of adapters (an adapter whose rank is ``rank`` is not
+    copied before the stack): the stack, one cast each, and the scales. Gradients flow back
+    through it to each adapter's own tensors."""
+    present = [w for w in weights if w is not None]
+    like = present[0].A
+    a_parts, b_parts = [], []
+    for w in weights:
+        if w is None:
+            a_parts.append(like.new_zeros(groups, rank, in_features))
+            b_parts.append(like.new_zeros(groups, out_features, rank))
+            continue
+        a = w.A.to(like.dtype).reshape(groups, -1, in_features)
+        b = w.B.to(like.dtype).reshape(groups, out_features, -1)
+        pad = rank - a.shape[1]
+        a_parts.append(F.pad(a, (0, 0, 0, pad)) if pad else a)
+        b_parts.append(F.pad(b, (0, pad)) if pad else b)
+    scales = _group_scales(tuple(0.0 if w is None else float(w.scale) for w in weights), groups, like.dtype, like.device)
+    return torch.cat(a_parts).to(dtype), (torch.cat(b_parts) * scales).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_scales(scales: tuple[float, ...], groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Each adapter's scale for each of its ``groups``, ``(adapters x groups, 1, 1)`` (read only)."""
+    return to_device(np.repeat(np.asarray(scales, dtype=np.float64), groups), device, dtype).reshape(-1, 1, 1)

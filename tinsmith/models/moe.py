@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from tinsmith.models.config import ModelConfig
 from tinsmith.kernels.lora_gather import expand, shrink
+from tinsmith.models.grouped_lora import stack_lora
 from tinsmith.models.lora import LoraWeights, RowGroups, Segments, new_lora_weights
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 
@@ -238,17 +239,7 @@ class ExpertLinear(nn.Module):
         rank = -(-max(w.A.shape[1] for w in present) // 8) * 8
         if not (grouped_mm_fits(x, x.dtype, rank, self.in_features) and grouped_mm_fits(x, x.dtype, self.out_features, rank)):
             return None
-        e = self.num_experts
-        a_parts, b_parts = [], []
-        for w in weights:
-            if w is None:
-                a_parts.append(x.new_zeros(e, rank, self.in_features))
-                b_parts.append(x.new_zeros(e, self.out_features, rank))
-                continue
-            pad = rank - w.A.shape[1]
-            a_parts.append(F.pad(w.A.to(x.dtype), (0, 0, 0, pad)))
-            b_parts.append(F.pad((w.B * w.scale).to(x.dtype), (0, pad)))
-        A, B = torch.cat(a_parts), torch.cat(b_parts)  # (parts x experts, rank, in), (parts x experts, out, rank)
+        A, B = stack_lora(weights, rank, x.dtype, self.in_features, self.out_features, self.num_experts)
         h = torch._grouped_mm(x.index_select(0, rows.index), A.transpose(1, 2), offs=rows.offsets)
         return torch._grouped_mm(h, B.transpose(1, 2), offs=rows.offsets)
 
