@@ -510,15 +510,16 @@ class TrainingRuntime:
             f"{_free_memory(self.device)}): send shorter sequences")
 
     def _grads_before_backward(self, mb: MicroBatch, prepared: dict) -> list[tuple[Trainable, list]] | None:
-        """Copies of the LoRA gradients the micro-batch's backward adds to, so that a backward that
-        runs out of memory halfway can be undone (None when not retrying, or for the full model,
-        whose gradient copy would itself take the memory of the model)."""
+        """The LoRA gradients the micro-batch's backward would add to, taken off their parameters
+        (no copy) so that a backward that runs out of memory halfway can be undone: the backward
+        fills fresh gradients, added to these after it (None when not retrying, or for the full
+        model, whose hooks accumulate into fp32 masters)."""
         if not self.oom_retry:
             return None
         units = {id(prepared[r.request].unit): prepared[r.request].unit for r in mb.rows}
         if any(u.slot is None for u in units.values()):
             return None
-        return [(u, u.snapshot_grads()) for u in units.values()]
+        return [(u, u.take_grads()) for u in units.values()]
 
     def _run_micro_batch(self, mb: MicroBatch, prepared: dict[int, _Prepared], lps: dict,
                          images: list[list[ImageInput]]) -> dict[int, Exception]:
@@ -598,12 +599,12 @@ class TrainingRuntime:
                     before = self._grads_before_backward(mb, prepared)
                     try:
                         torch.stack(losses).sum().backward()
-                    except torch.OutOfMemoryError:
-                        if before is None:
-                            raise
-                        for unit, saved in before:
+                    except BaseException:  # out of memory halfway (retried), or any other failure
+                        for unit, saved in before or ():
                             unit.restore_grads(saved)
                         raise
+                    for unit, taken in before or ():
+                        unit.merge_grads(taken)
         for i, ref in enumerate(mb.rows):
             lps[(ref.request, ref.datum)] = lps[(ref.request, ref.datum)].detach()
         return failed

@@ -114,6 +114,29 @@ class Trainable:
     def snapshot_grads(self) -> list[torch.Tensor | None]:
         return [None if p.grad is None else p.grad.clone() for p in self.params]
 
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """The gradients so far, taken off the parameters (no copy): a backward then fills fresh
+        ones, which :meth:`merge_grads` adds these to, or :meth:`restore_grads` drops for these."""
+        taken = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return taken
+
+    def merge_grads(self, taken: list[torch.Tensor | None]) -> None:
+        """Add the gradients :meth:`take_grads` took to those of the backward since (one foreach
+        add for all, not a kernel per parameter); the same sums as accumulating in place."""
+        fresh, earlier = [], []
+        for p, g in zip(self.params, taken):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                fresh.append(p.grad)
+                earlier.append(g.to(p.grad.device))
+        if fresh:
+            torch._foreach_add_(fresh, earlier)
+
     def restore_grads(self, saved: list[torch.Tensor | None]) -> None:
         for p, g in zip(self.params, saved):  # the unit may have been parked or unparked since
             p.grad = None if g is None else g.to(p.device)
