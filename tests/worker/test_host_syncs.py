@@ -50,6 +50,9 @@ def test_waits_per_request_do_not_grow_with_datums_or_tenants(family, qwen3_dir,
         # outputs, one read each (the backward takes the loss only: its metrics are never read).
         assert small.count("read") == 1 + 2 * 1, small.by_site()
         assert large.count("read") == 1 + 2 * 4, large.by_site()
+    for u in units:  # the optimizer's state made, then a step over it
+        rt.optim_step(u, AdamParams(learning_rate=1e-3))
+    step(4, 2, "cross_entropy")
     with HostSyncs() as h:
         for u in units:
             rt.optim_step(u, AdamParams(learning_rate=1e-3))

@@ -149,6 +149,8 @@ class HostSyncs(TorchDispatchMode):
         def classify(t, *a, **k):
             if t.device.type == "meta" or _is_host(t) or (name != "cpu" and not t.numel()):
                 return None
+            if t.dim() == 0 and _in_torch_optim():
+                return None  # torch.optim's step counters live on the host (unless capturable)
             return "read", f"Tensor.{name}"
         return lambda original: self._counted(original, classify, lambda *a, **k: name == "cpu")
 
@@ -194,6 +196,10 @@ class HostSyncs(TorchDispatchMode):
                 return None
             return "copy", "Tensor.copy_"
         return lambda original: self._counted(original, classify)
+
+
+def _in_torch_optim() -> bool:
+    return any("/torch/optim/" in f.filename for f in traceback.extract_stack(limit=12))
 
 
 def _names_cpu(a: tuple, k: dict) -> bool:
