@@ -482,3 +482,42 @@ def test_a_cache_that_cannot_grow_has_idle_samplers_give_memory_back(qwen3_dir, 
     assert failures == [0] and a.cache.nbytes() < kept // 4
     failures[0] = 1
     assert isinstance(run(b, make("again"))["again"], torch.OutOfMemoryError)
+
+
+def test_admission_counts_a_cached_beginning_held_by_running_rows_once(qwen3_dir):
+    """Prompts behind one system prompt whose pages a running row and the prefix cache hold:
+    each new request is counted at its own pages only, so under a budget that holds the running
+    row and the others' own pages, all of them are admitted together (counting each one's whole
+    prompt, only one would be). Results equal a sampler without a budget."""
+    rng = np.random.default_rng(12)
+    system = rng.integers(4, 500, 4 * PAGE).tolist()
+    first = task("first", system + rng.integers(4, 500, 10).tolist(), max_tokens=120, temperature=1.0, seed=1, stop=[])
+    later = [task(f"q{i}", system + rng.integers(4, 500, 10).tolist(), max_tokens=20, temperature=1.0, seed=2 + i,
+                  stop=[]) for i in range(3)]
+    model = fresh_model(qwen3_dir)
+    want = run(Sampler(model, decoder(qwen3_dir), kv_layout="paged"), [first, *later])
+
+    probe = Sampler(model, decoder(qwen3_dir), kv_layout="paged")
+    probe.add(first)
+    with torch.inference_mode():
+        probe._admit([])
+        running = probe.cache.tally(probe._occupancy()).bytes()
+        need = probe._prompt_need(later[0], probe._held(later[0].input, 0), "q", False)
+    assert need.pages == tuple(probe.cache.owned[0][:4]), "the system prompt's pages, which the first row holds"
+    own = -(-need.positions // PAGE) - len(need.pages)
+    budget = running + 3 * own * probe.cache.page_bytes()
+
+    sampler = Sampler(model, decoder(qwen3_dir), kv_layout="paged", kv_cache_bytes=budget)
+    sampler.add(first)
+    with torch.inference_mode():
+        sampler._admit([])
+        for t in later:
+            sampler.add(t)
+        sampler._admit([])
+    assert [row.state.task.key for row in sampler.rows] == ["first", "q0", "q1", "q2"]
+    assert sampler.stats["cached_prompt_tokens"] == 3 * len(system)
+    got = {}
+    while sampler.has_work():
+        got.update(sampler.step(0.05))
+    _assert_same(want, got)
+    assert sampler.stats["preempted"] == 0

@@ -38,15 +38,42 @@ def _round_up(n: int, block: int) -> int:
 
 class RowNeed(NamedTuple):
     """What admission counts a row at: ``positions``, of which the first ``shared`` (its prompt)
-    rows of the same ``group`` (one prompt's rows, seeded together) may hold as one copy."""
+    rows of the same ``group`` (one prompt's rows, seeded together) may hold as one copy.
+    ``pages``: pages of a paged cache the row holds (a running row) or will hold (a prompt's
+    prefix-cache hits) for its first positions; any other row holding one of them shares it."""
 
     positions: int
     group: Hashable | None = None
     shared: int = 0
+    pages: tuple[int, ...] = ()
 
 
 def needs_of(rows: Sequence[RowNeed | int]) -> list[RowNeed]:
     return [RowNeed(r) if isinstance(r, int) else r for r in rows]
+
+
+class KVTally:
+    """The bytes of K/V some rows take, as :meth:`RowKVCache.bytes_for` counts them, kept as rows
+    are added: admission weighs each waiting request against the rows counted so far without
+    counting those again (per-row buffers: every row at the longest one's positions)."""
+
+    def __init__(self, cache: RowKVCache, needs: Sequence[RowNeed | int] = ()):
+        self.cache = cache
+        self.rows = 0
+        self.longest = 0
+        self.add(needs)
+
+    def add(self, needs: Sequence[RowNeed | int]) -> None:
+        for need in needs_of(needs):
+            self.rows += 1
+            self.longest = max(self.longest, need.positions)
+
+    def bytes(self, more: Sequence[RowNeed | int] = ()) -> int:
+        """Bytes of the rows counted, and of ``more`` beside them (not added)."""
+        more = needs_of(more)
+        rows = self.rows + len(more)
+        longest = max([self.longest] + [n.positions for n in more])
+        return rows * self.cache.row_bytes(_round_up(longest, BLOCK)) if rows else 0
 
 
 class RowKVCache:
@@ -101,8 +128,15 @@ class RowKVCache:
     def bytes_for(self, rows: Sequence[RowNeed | int]) -> int:
         """Bytes of K/V that ``rows`` (positions each, or :class:`RowNeed`) take: every row at the
         longest one's (per-row buffers share nothing)."""
-        needs = needs_of(rows)
-        return len(needs) * self.row_bytes(_round_up(max(n.positions for n in needs), BLOCK)) if needs else 0
+        return self.tally(rows).bytes()
+
+    def tally(self, rows: Sequence[RowNeed | int] = ()) -> KVTally:
+        """A running count of what rows take, starting from ``rows`` (see :class:`KVTally`)."""
+        return KVTally(self, rows)
+
+    def held_pages(self, row: int) -> tuple[int, ...]:
+        """The pages row ``row`` holds (per-row buffers: none)."""
+        return ()
 
     def static_bytes(self, rows: Sequence[RowNeed | int], bucket: int, capacity: int) -> int:
         """Bytes of K/V a fixed-shape step of ``bucket`` rows (the live ``rows``, then padding) at

@@ -40,7 +40,7 @@ import torch
 
 from tinsmith.models.config import ModelConfig
 
-from tinsmith.sampling.kv_cache import BLOCK, RowKVCache, RowNeed, needs_of
+from tinsmith.sampling.kv_cache import BLOCK, KVTally, RowKVCache, RowNeed, needs_of
 from tinsmith.transfers import to_device
 
 PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
@@ -99,19 +99,14 @@ class PagedKVCache(RowKVCache):
             return pages
         return max(1, min(pages, self.max_bytes // max(1, self.page_bytes())))
 
-    def bytes_for(self, rows: Sequence[RowNeed | int]) -> int:
-        """Each row at its own positions in whole pages, the full pages of a group's shared prompt
-        once for the group; per-row buffers (rings) for every row."""
-        needs = needs_of(rows)
-        pages = 0
-        groups: dict = {}
-        for need in needs:
-            full = need.shared // PAGE if need.group is not None else 0
-            pages += -(-need.positions // PAGE) - full
-            if full:
-                groups[need.group] = max(groups.get(need.group, 0), full)
-        per_row = sum(self.row_bytes(n.positions, only=self.rowwise) for n in needs)
-        return (pages + sum(groups.values())) * self.page_bytes() + per_row
+    def tally(self, rows: Sequence[RowNeed | int] = ()) -> PageTally:
+        """Each row at its own positions in whole pages: a page some rows hold (``RowNeed.pages``)
+        once, the other full pages of a group's shared prompt once for the group; per-row buffers
+        (rings) for every row (see :class:`PageTally`)."""
+        return PageTally(self, rows)
+
+    def held_pages(self, row: int) -> tuple[int, ...]:
+        return tuple(self.owned[row])
 
     def static_bytes(self, rows: Sequence[RowNeed | int], bucket: int, capacity: int) -> int:
         """The live rows as :meth:`bytes_for` counts them; padding rows own no page (only per-row buffers)."""
@@ -349,3 +344,49 @@ class PagedKVCache(RowKVCache):
 def _pad_positions(x: torch.Tensor, positions: int) -> torch.Tensor:
     """``x`` (heads, length, d) zero-padded to ``positions`` along its positions."""
     return torch.nn.functional.pad(x, (0, 0, 0, positions - x.shape[1]))
+
+
+class PageTally(KVTally):
+    """:class:`KVTally` for pages. A row's positions take whole pages: those it holds or will hold
+    (``pages``: a running row's, a prompt's prefix-cache hits), counted once however many rows
+    hold them; then the rest of its prompt's full pages, once per group; then its own pages."""
+
+    cache: PagedKVCache
+
+    def __init__(self, cache: PagedKVCache, needs: Sequence[RowNeed | int] = ()):
+        self.own = 0  # pages of single rows
+        self.groups: dict = {}  # group -> its shared full pages (beyond pages rows hold already)
+        self.held: set[int] = set()  # pages rows hold or will hold
+        self.per_row = 0  # bytes of per-row buffers
+        super().__init__(cache, needs)
+
+    @staticmethod
+    def _pages(need: RowNeed) -> tuple[int, int]:
+        """(own pages, the group's shared full pages) of ``need`` beyond the pages it names."""
+        named = len(need.pages)
+        full = max(0, need.shared // PAGE - named) if need.group is not None else 0
+        return max(0, -(-need.positions // PAGE) - named - full), full
+
+    def add(self, needs: Sequence[RowNeed | int]) -> None:
+        for need in needs_of(needs):
+            self.rows += 1
+            own, full = self._pages(need)
+            self.own += own
+            if full:
+                self.groups[need.group] = max(self.groups.get(need.group, 0), full)
+            self.held.update(need.pages)
+            self.per_row += self.cache.row_bytes(need.positions, only=self.cache.rowwise)
+
+    def bytes(self, more: Sequence[RowNeed | int] = ()) -> int:
+        own, per_row = self.own, self.per_row
+        grown: dict = {}  # groups of ``more`` whose shared pages pass what is counted
+        held: set[int] = set()  # pages ``more`` names that no counted row holds
+        for need in needs_of(more):
+            mine, full = self._pages(need)
+            own += mine
+            if full > max(self.groups.get(need.group, 0), grown.get(need.group, 0)):
+                grown[need.group] = full
+            held.update(p for p in need.pages if p not in self.held)
+            per_row += self.cache.row_bytes(need.positions, only=self.cache.rowwise)
+        shared = sum(self.groups.values()) + sum(full - self.groups.get(g, 0) for g, full in grown.items())
+        return (own + shared + len(self.held) + len(held)) * self.cache.page_bytes() + per_row

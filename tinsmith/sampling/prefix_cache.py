@@ -114,12 +114,16 @@ class PrefixCache:
         self.stats["hit_tokens"] += len(entries) * self.block
         return entries
 
-    def cached_tokens(self, weights: Hashable, tokens: list[int], limit: int) -> int:
-        """Positions of ``tokens`` (at most ``limit``) that :meth:`lookup` would find, without
-        marking anything used: for admission deciding what a prefill would compute."""
+    def peek(self, weights: Hashable, tokens: list[int], limit: int) -> list[_Entry]:
+        """What :meth:`lookup` would find, without marking anything used: for admission weighing
+        what a prefill would compute and hold."""
         if not self.enabled:
-            return 0
-        return sum(entry is not None for _, entry in self._chain(weights, tokens, limit)) * self.block
+            return []
+        return [entry for _, entry in self._chain(weights, tokens, limit) if entry is not None]
+
+    def cached_tokens(self, weights: Hashable, tokens: list[int], limit: int) -> int:
+        """Positions of ``tokens`` (at most ``limit``) that :meth:`lookup` would find (see :meth:`peek`)."""
+        return len(self.peek(weights, tokens, limit)) * self.block
 
     @staticmethod
     def pages_of(entries: list[_Entry]) -> list[int]:

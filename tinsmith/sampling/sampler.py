@@ -36,7 +36,7 @@ from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.decode_graphs import DecodeGraphs, bucket_for
 from tinsmith.sampling.kv_cache import BLOCK as KV_BLOCK
-from tinsmith.sampling.kv_cache import RowKVCache, RowNeed, recording_attention
+from tinsmith.sampling.kv_cache import KVTally, RowKVCache, RowNeed, recording_attention
 from tinsmith.sampling.paged_kv_cache import PagedKVCache
 from tinsmith.sampling.recurrent_state import PrefillStates
 from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
@@ -356,14 +356,28 @@ class Sampler:
             return self._longest(inp)
         return min(self._longest(inp), len(inp.prompt) + sampled + KV_BLOCK)
 
-    def _need(self, row: _Row, positions: int) -> RowNeed:
-        """Row ``row`` at ``positions``, its prompt shared with the rows of its group."""
-        return RowNeed(positions, row.group, len(row.state.task.input.prompt) if row.group is not None else 0)
+    def _need(self, r: int, positions: int) -> RowNeed:
+        """Row ``r`` at ``positions``: the pages it holds (shared with any row holding them), its
+        prompt shared with the rows of its group."""
+        row = self.rows[r]
+        return RowNeed(positions, row.group, len(row.state.task.input.prompt) if row.group is not None else 0,
+                       self.cache.held_pages(r))
+
+    def _prompt_need(self, task: SampleTask, positions: int, group: object, chunked: bool) -> RowNeed:
+        """A row of ``task`` not yet admitted at ``positions``, sharing its prompt within ``group``
+        and the pages the prefix cache holds of it (its prefill's rows hold them: not a prompt
+        prefilled in chunks, which writes pages of its own) with any row holding them."""
+        inp = task.input
+        pages: tuple[int, ...] = ()
+        key = self._share_key(task)
+        if self.prefix.pool is not None and key is not None and not chunked and not _needs_prompt_logits(inp):
+            pages = tuple(self.prefix.pages_of(self.prefix.peek(key[0], np.asarray(inp.prompt).tolist(), len(inp.prompt))))
+        return RowNeed(positions, group, len(inp.prompt), pages)
 
     def _occupancy(self) -> list[RowNeed]:
         """What each running row, and each row of the prompt being chunked, is counted at by
         admission (the cache says what rows of those take: :meth:`RowKVCache.bytes_for`)."""
-        needs = [self._need(r, self._held(r.state.task.input, len(r.tokens))) for r in self.rows]
+        needs = [self._need(i, self._held(r.state.task.input, len(r.tokens))) for i, r in enumerate(self.rows)]
         if self._chunked is not None:  # it holds its rows already: they decode once its last chunk is done
             inp = self._chunked.state.task.input
             needs += [RowNeed(self._held(inp, 0), id(self._chunked.state), len(inp.prompt))] * inp.num_samples
@@ -373,17 +387,17 @@ class Sampler:
         batch: list[_TaskState] = []
         # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
         # budget the newest requests are preempted (_make_room) and resume later.
-        spans = self._occupancy()
+        spans = self.cache.tally(self._occupancy())
         while self._resume:  # preempted requests come back first, oldest first
             st = self._resume[0]
             n = len(st.paused)
             need = [RowNeed(self._held(st.task.input, len(r.tokens))) for r in st.paused]  # each recomputed alone
-            over_budget = self.kv_cache_bytes and self.cache.bytes_for(spans + need) > self.kv_cache_bytes
-            if spans and (len(spans) + n > self.max_rows or over_budget):
+            over_budget = self.kv_cache_bytes and spans.bytes(need) > self.kv_cache_bytes
+            if spans.rows and (spans.rows + n > self.max_rows or over_budget):
                 return  # nothing overtakes a preempted request
             self._resume.popleft()
             self._resume_rows(st, done)
-            spans = spans + need
+            spans.add(need)
         waiting: list[SampleTask] = []
         try:
             batch = self._admit_inbox(done, spans, waiting)
@@ -406,7 +420,7 @@ class Sampler:
                 log.exception("prefill of %d requests failed", len(batch))
                 self._fail(batch, exc, done)
 
-    def _admit_inbox(self, done: list, spans: list[RowNeed], waiting: list[SampleTask]) -> list[_TaskState]:
+    def _admit_inbox(self, done: list, spans: KVTally, waiting: list[SampleTask]) -> list[_TaskState]:
         """Take requests off the inbox for one prefill while rows, the prefill's token budget and
         the K/V budget allow (``spans``: what rows hold already); ``waiting`` gets those that wait
         for this prefill's blocks. Long prompts start their chunked prefill instead."""
@@ -435,7 +449,7 @@ class Sampler:
             # A request that can never fit (num_samples > max_rows) goes straight to validation,
             # which rejects it; waiting for rows would block the queue behind it forever.
             fits = n <= self.max_rows
-            rows = len(spans)
+            rows = spans.rows
             if fits and batch and (rows + n > self.max_rows or (not chunked and tokens + P > self.prefill_tokens)):
                 break
             if fits and not batch and rows + n > self.max_rows:
@@ -443,9 +457,10 @@ class Sampler:
             # The rows of one prefill of a prompt (num_samples, and requests of it admitted together)
             # may hold its K/V once.
             group = ("prompt", key) if key is not None and not chunked and head is None else ("task", id(task))
-            held = [RowNeed(self._held(task.input, 0), group, len(task.input.prompt))] * n
-            alone = self.cache.bytes_for([RowNeed(self._longest(task.input), group, len(task.input.prompt))] * n)
-            if fits and self.kv_cache_bytes and max(alone, self.cache.bytes_for(spans + held)) > self.kv_cache_bytes:
+            need = self._prompt_need(task, self._held(task.input, 0), group, chunked)
+            held = [need] * n
+            alone = self.cache.bytes_for([need._replace(positions=self._longest(task.input))] * n)
+            if fits and self.kv_cache_bytes and max(alone, spans.bytes(held)) > self.kv_cache_bytes:
                 if batch or rows:
                     break  # wait for running sequences to finish and give their K/V back
                 self.inbox.popleft()
@@ -467,7 +482,7 @@ class Sampler:
                 done.append((task.key, e))
                 continue
             st.order = next(self._admissions)
-            spans = spans + held
+            spans.add(held)
             if chunked:
                 self._start_chunked(st, done, head)
                 continue
@@ -776,8 +791,8 @@ class Sampler:
             return
         while True:
             # each row after a burst (see _decode_step), and room for the rows of the prompt being chunked
-            needs = [self._need(r, len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1)
-                     for r in self.rows]
+            needs = [self._need(i, len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1)
+                     for i, r in enumerate(self.rows)]
             if self._chunked is not None:
                 inp = self._chunked.state.task.input
                 needs += [RowNeed(self._held(inp, 0), id(self._chunked.state), len(inp.prompt))] * inp.num_samples
@@ -1214,7 +1229,7 @@ class Sampler:
         if span > capacity:
             longest = max(self._longest(row.state.task.input) for row in self.rows)
             capacity = max(span, min(longest, 2 * capacity))
-        needs = [self._need(row, positions) for row, positions in zip(self.rows, spans)]
+        needs = [self._need(i, positions) for i, positions in enumerate(spans)]
         if why is None and self.kv_cache_bytes and self.cache.static_bytes(needs, rows, capacity) > self.kv_cache_bytes:
             why = "the bucket's padding rows would pass the K/V cache budget"
         if why is not None:
