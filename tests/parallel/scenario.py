@@ -403,3 +403,34 @@ def collective_counts(tp: TPGroup, model_dir: str) -> dict:
     rt.optim_step(unit, AdamParams(learning_rate=1e-3))
     out["step"] = dict(counts)
     return out
+
+
+def host_waits_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "paged") -> dict:
+    """What a sharded sampler's admission and decode bursts wait for on the host (see
+    :mod:`tinsmith.devtools.host_syncs`), on this rank: {"admission"|"bursts": {site: count}}."""
+    from tinsmith.devtools.host_syncs import HostSyncs
+    from tinsmith.parallel.sampling import ShardedSampler, install_full_lora_weights
+    from tinsmith.sampling.sampler import SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    model = load_model(model_dir, "cpu", torch.float32).model
+    spec = LoraSpec(rank=4, seed=0)
+    shard_causal_lm(model, tp)
+    install_full_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
+    sampler = ShardedSampler(model, lambda ids: "", kv_layout=kv_layout, decode_burst=4)
+    g = np.random.default_rng(4)
+    for i in range(4):
+        sampler.add(SampleTask(f"r{i}", 1 if i % 2 else None, SampleInput(
+            g.integers(0, model.config.vocab_size, 40 + 9 * i), 1 + i % 2,
+            SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9 if i == 3 else 1.0, seed=i, stop=[]))))
+    out = {}
+    with torch.inference_mode():
+        with HostSyncs() as h:
+            sampler._admit([])
+        out["admission"] = dict(h.by_site())
+        sampler._decode_step([])
+        with HostSyncs() as h:
+            for _ in range(3):
+                sampler._decode_step([])
+        out["bursts"] = dict(h.by_site())
+    return out

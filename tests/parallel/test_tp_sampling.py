@@ -33,3 +33,17 @@ def test_sharded_sampler_matches_one_process(request, fixture, ranks, layout, tm
     assert not torch.equal(a[0], b[0])  # the two samples differ: really sampled, not greedy
     for o in outcomes:
         assert_same(ref, o.result, f"rank {o.rank}")
+
+
+def test_sharded_decode_waits_for_the_device_once_per_burst(qwen3_dir, tmp_path):
+    """On every rank of a tensor-parallel sampler, an admission reads its first tokens back once
+    and a decode burst its tokens and logprobs, nothing else: no blocking copy, no read inside a
+    step (the collectives need none)."""
+    from tests.parallel.scenario import host_waits_rank_main
+
+    outcomes = run_ranks(host_waits_rank_main, 2, tmp_path, (str(qwen3_dir), "paged"), timeout_s=60, deadline_s=180)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        admission, bursts = o.result["admission"], o.result["bursts"]
+        assert not any(site.startswith("copy") for site in [*admission, *bursts]), o.result
+        assert sum(admission.values()) == 2 and sum(bursts.values()) == 2 * 3, o.result
