@@ -374,8 +374,19 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto")
     return out
 
 
-def sample_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "auto") -> list:
+def sample_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "auto", gpu_paths: bool = False) -> list:
+    if gpu_paths:
+        take_gpu_paths()
     return sample_scenario(model_dir, tp, kv_layout)
+
+
+def take_gpu_paths() -> None:
+    """In this (rank) process, the paths bf16 on a GPU takes: experts (and several adapters) by
+    the grouped matmul, decoding adapters through the banks."""
+    from tinsmith.models import lora, moe
+
+    moe.GROUPED_MM = "grouped"
+    lora.DECODE_LORA = "bank"
 
 
 def collective_counts(tp: TPGroup, model_dir: str) -> dict:
@@ -405,9 +416,11 @@ def collective_counts(tp: TPGroup, model_dir: str) -> dict:
     return out
 
 
-def host_waits_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "paged") -> dict:
+def host_waits_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "paged", gpu_paths: bool = False) -> dict:
     """What a sharded sampler's admission and decode bursts wait for on the host (see
     :mod:`tinsmith.devtools.host_syncs`), on this rank: {"admission"|"bursts": {site: count}}."""
+    if gpu_paths:
+        take_gpu_paths()
     from tinsmith.devtools.host_syncs import HostSyncs
     from tinsmith.parallel.sampling import ShardedSampler, install_full_lora_weights
     from tinsmith.sampling.sampler import SampleTask

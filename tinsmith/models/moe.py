@@ -38,9 +38,14 @@ GROUPED_MM = "auto"
 
 @dataclass
 class ExpertGroups:
-    """Row counts per expert for rows sorted by expert (``counts[e]`` rows of expert ``e``)."""
+    """Row counts per expert for rows sorted by expert (``counts[e]`` rows of expert ``e``).
+
+    ``rest``: the count of rows after every group's that no group computes (under expert
+    parallelism, the other ranks' pairs kept beside this rank's; None: there are none). The
+    grouped matmul leaves such rows undefined; whoever keeps them drops their results."""
 
     counts: torch.Tensor  # (experts,) int64, on the rows' device
+    rest: torch.Tensor | None = None  # () int64, on the rows' device
     _host: list[int] | None = field(default=None, repr=False)
     _offsets: torch.Tensor | None = field(default=None, repr=False)
 
@@ -110,6 +115,9 @@ def add_expert_bias(y: torch.Tensor, bias: torch.Tensor | None, groups: ExpertGr
     """``y`` (rows sorted by expert) plus each row's expert's bias."""
     if bias is None:
         return y
+    if groups.rest is not None:  # rows no group computes take a zero bias
+        bias, counts = torch.cat((bias, bias.new_zeros(1, bias.shape[1]))), torch.cat((groups.counts, groups.rest[None]))
+        return y + bias.repeat_interleave(counts, dim=0, output_size=y.shape[0])
     return y + bias.repeat_interleave(groups.counts, dim=0, output_size=y.shape[0])
 
 
@@ -359,14 +367,17 @@ class SparseMoeBlock(nn.Module):
         counts = expert_counts(flat, router.weight.shape[0])
         ex = self.experts
         num_experts = ex.gate_proj.num_experts
+        mine = None  # under expert parallelism, which kept pairs are this block's (None: all of them)
         if num_experts == counts.shape[0]:
             groups, sorted_experts = ExpertGroups(counts), flat[order]
+        elif self._keeps_every_pair(x2, segments):
+            order, groups, sorted_experts, mine = self._own_pairs_first(flat, counts, num_experts)
         else:  # this block's range of experts: its pairs are one contiguous run of the sorted pairs
             order, groups = self._own_pairs(order, counts, num_experts)
             sorted_experts = flat[order] - self.expert_start
         token_of = order // router.top_k
         lora = _adapter_rows(segments, x2.shape[0], token_of, sorted_experts, num_experts, groups,
-                             router.top_k if num_experts == counts.shape[0] else None)
+                             router.top_k if num_experts == counts.shape[0] else None, mine)
         rows = x2.index_select(0, token_of)
         packed = ex.packed_gate_up
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
@@ -374,8 +385,35 @@ class SparseMoeBlock(nn.Module):
         else:
             h = ex.activation(ex.gate_proj(rows, groups, lora), ex.up_proj(rows, groups, lora))
         out = ex.down_proj(h, groups, lora) * weights.reshape(-1)[order, None]
+        if mine is not None:  # the other ranks' pairs: computed by no group, undefined
+            out = torch.where(mine[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         # index_add over rows sorted by expert sums each token's experts in ascending expert order.
         return torch.zeros_like(x2).index_add(0, token_of, out).view(x.shape)
+
+    def _keeps_every_pair(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> bool:
+        """Whether this block, a range of the experts, keeps every routed pair rather than cutting
+        out its own (which reads where they start from the device, once per layer): when the
+        grouped matmul computes only the groups it is given (the others' pairs then cost a gather,
+        not a matmul), and nothing needs the rows cut out: no gradients, and adapters (if any)
+        read through the bank (decoding) or cover every token."""
+        if torch.is_grad_enabled() or not grouped_mm_usable(x, self.experts.gate_proj.weight):
+            return False
+        if segments is None or isinstance(segments, RowSlots):
+            return True
+        return len(segments) == 1 and len(segments[0]) == 3 and segments[0][1] == 0 and segments[0][2] == x.shape[0]  # type: ignore[misc]
+
+    def _own_pairs_first(self, flat: torch.Tensor, counts: torch.Tensor, num_experts: int
+                         ) -> tuple[torch.Tensor, ExpertGroups, torch.Tensor, torch.Tensor]:
+        """Every pair, sorted with the experts renumbered from ``expert_start`` (so this block's
+        range comes first, in order, and the others' pairs after it): the order, this range's
+        groups (the rest counted apart), each sorted pair's renumbered expert, and which are this
+        block's. Nothing is read from the device."""
+        mine_first = (flat - self.expert_start) % counts.shape[0]
+        order = torch.argsort(mine_first, stable=True)
+        sorted_experts = mine_first[order]
+        own = counts[self.expert_start: self.expert_start + num_experts]
+        groups = ExpertGroups(own, rest=counts.sum() - own.sum())
+        return order, groups, sorted_experts, sorted_experts < num_experts
 
     def _own_pairs(self, order: torch.Tensor, counts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ExpertGroups]:
         """The sorted pairs of experts ``expert_start ..`` (``num_experts`` of them), and their groups.
@@ -389,7 +427,7 @@ class SparseMoeBlock(nn.Module):
 
 def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: int, token_of: torch.Tensor,
                   sorted_experts: torch.Tensor, num_experts: int, all_groups: ExpertGroups,
-                  top_k: int | None = None) -> list[AdapterRows] | list[BankRows]:
+                  top_k: int | None = None, mine: torch.Tensor | None = None) -> list[AdapterRows] | list[BankRows]:
     """Which sorted rows each adapter in ``segments`` owns (rows stay sorted by expert).
 
     ``top_k``: the pairs per token when the rows are every token's pairs (not one rank's range
@@ -400,7 +438,8 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
         return []
     if isinstance(segments, RowSlots):  # no host read: every row's bank row, as a tensor
         pos = segments.idx.index_select(0, token_of)
-        return [BankRows(segments, torch.where(pos >= 0, pos * num_experts + sorted_experts, -1))]
+        use = pos >= 0 if mine is None else (pos >= 0) & mine  # (another rank's pair: no adapter here)
+        return [BankRows(segments, torch.where(use, pos * num_experts + sorted_experts, -1))]
     if len(segments[0]) == 3 and len(segments) == 1:
         slot, a, b = segments[0]  # type: ignore[misc]
         if slot is None:
