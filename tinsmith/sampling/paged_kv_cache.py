@@ -72,6 +72,10 @@ class PagedKVCache(RowKVCache):
         # block (False: it holds none), and follow pages that a shrink moved (old id -> new id).
         self.reclaim: Callable[[], bool] | None = None
         self.on_remap: Callable[[dict[int, int]], None] | None = None
+        # Bytes of a row's per-row buffers (rings beside the pages), by its positions up to the
+        # longest ring: admission asks for every row at every burst.
+        self._longest_ring = max([r for r in self.rings if r is not None], default=0)
+        self._ring_bytes: dict[int, int] = {}
 
     # ----------------------------------------------------------------------------- layout
     def rowwise(self, layer: int) -> bool:
@@ -107,6 +111,14 @@ class PagedKVCache(RowKVCache):
 
     def held_pages(self, row: int) -> tuple[int, ...]:
         return tuple(self.owned[row])
+
+    def ring_bytes(self, positions: int) -> int:
+        """Bytes of the per-row buffers (sliding-window rings) of a row of ``positions``."""
+        key = min(positions, self._longest_ring)
+        found = self._ring_bytes.get(key)
+        if found is None:
+            found = self._ring_bytes[key] = self.row_bytes(key, only=self.rowwise) if key else 0
+        return found
 
     def static_bytes(self, rows: Sequence[RowNeed | int], bucket: int, capacity: int) -> int:
         """The live rows as :meth:`bytes_for` counts them; padding rows own no page (only per-row buffers)."""
@@ -375,7 +387,7 @@ class PageTally(KVTally):
             if full:
                 self.groups[need.group] = max(self.groups.get(need.group, 0), full)
             self.held.update(need.pages)
-            self.per_row += self.cache.row_bytes(need.positions, only=self.cache.rowwise)
+            self.per_row += self.cache.ring_bytes(need.positions)
 
     def bytes(self, more: Sequence[RowNeed | int] = ()) -> int:
         own, per_row = self.own, self.per_row
@@ -387,6 +399,6 @@ class PageTally(KVTally):
             if full > max(self.groups.get(need.group, 0), grown.get(need.group, 0)):
                 grown[need.group] = full
             held.update(p for p in need.pages if p not in self.held)
-            per_row += self.cache.row_bytes(need.positions, only=self.cache.rowwise)
+            per_row += self.cache.ring_bytes(need.positions)
         shared = sum(self.groups.values()) + sum(full - self.groups.get(g, 0) for g, full in grown.items())
         return (own + shared + len(self.held) + len(held)) * self.cache.page_bytes() + per_row
