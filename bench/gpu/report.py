@@ -27,6 +27,11 @@ def _status(d: dict) -> str:
     return "error: " + d["error"].splitlines()[0][:80] if "error" in d else d.get("skipped", "")
 
 
+def _heading(title: str, header: str) -> list[str]:
+    """A table's title, its header row and the separator, as many columns as the header names."""
+    return [title, "", header, "|" + "---|" * (header.count("|") - 1)]
+
+
 def markdown(s: dict) -> str:
     pk = s["peak"]
     L = [f"# bench/gpu on {pk.get('device_name')} (torch {s['torch']}{', quick' if s['quick'] else ''})", "",
@@ -35,10 +40,10 @@ def markdown(s: dict) -> str:
     L += targets.markdown(s, _fmt)
     tr = s.get("train", {})
     if tr:
-        L += ["## Training (tokens/s; MFU 4NT LoRA, 6NT full)", "",
-              "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | packed tok/s | packed MFU | "
-              "packed vs padded | long ctx (auto) tok/s | peft tok/s | peft MFU | full FT MFU | peak GiB | notes |",
-              "|" + "---|" * 16]
+        L += _heading("## Training (tokens/s; MFU 4NT LoRA, 6NT full)",
+                      "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | "
+                      "packed tok/s | packed MFU | packed vs padded | long ctx (auto) tok/s | peft tok/s | "
+                      "peft MFU | full FT MFU | peak GiB | notes |")
         for name in s["shapes"]:
             lo, pf, ff = tr.get(f"{name}/lora", {}), tr.get(f"{name}/peft_baseline", {}), tr.get(f"{name}/full_finetune", {})
             keys = [k for k in lo if "x" in k and isinstance(lo[k], dict)]
@@ -54,9 +59,9 @@ def markdown(s: dict) -> str:
         L.append("")
     sa = s.get("sample", {})
     if sa:
-        L += ["## Sampling (tokens/s)", "",
-              "| shape | rows | tok/s | of HBM bound | 8 adapters vs base | 64 adapters vs base | HF generate tok/s | "
-              "GRPO separate / num_samples | first call s | second call s | notes |", "|" + "---|" * 11]
+        L += _heading("## Sampling (tokens/s)",
+                      "| shape | rows | tok/s | of HBM bound | 8 adapters vs base | 64 adapters vs base | HF generate tok/s | "
+                      "GRPO separate / num_samples | first call s | second call s | notes |")
         for name in s["shapes"]:
             de, ge, sd = sa.get(f"{name}/decode", {}), sa.get(f"{name}/generate_baseline", {}), sa.get(f"{name}/sdk", {})
             for rk in [k for k in de if k.startswith("rows_")] or ["-"]:
@@ -65,9 +70,8 @@ def markdown(s: dict) -> str:
                          f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
                          f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")
         L.append("")
-        L += ["## Decode with CUDA graphs vs eager (tokens/s)", "",
-              "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |",
-              "|" + "---|" * 8]
+        L += _heading("## Decode with CUDA graphs vs eager (tokens/s)",
+                      "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |")
         for name in s["shapes"]:
             cg = sa.get(f"{name}/cuda_graphs", {})
             for rk in [k for k in cg if k.startswith("rows_")] or ["-"]:
@@ -76,9 +80,9 @@ def markdown(s: dict) -> str:
                          f"{_get(cg, rk, 'graphs_tokens_per_s')} | {_get(cg, rk, 'graphs_vs_eager')} | "
                          f"{_get(cg, rk, 'graph_captures')} | {_status(cg)} |")
         L.append("")
-        L += ["### One layer's decode attention, rows of mixed lengths (us; share of copy bandwidth)", "",
-              "| shape | rows | SDPA at span | SDPA at capacity (graphs) | kernels at span | kernels at capacity | "
-              "kernels over pages | kernels vs SDPA at capacity | notes |", "|" + "---|" * 9]
+        L += _heading("### One layer's decode attention, rows of mixed lengths (us; share of copy bandwidth)",
+                      "| shape | rows | SDPA at span | SDPA at capacity (graphs) | kernels at span | kernels at capacity | "
+                      "kernels over pages | kernels vs SDPA at capacity | notes |")
         for name in s["shapes"]:
             da = sa.get(f"{name}/decode_attention", {})
             for rk in [k for k in da if k.startswith("rows_")]:
@@ -88,9 +92,8 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {rk[5:]} | {' | '.join(cells)} | {_get(da, rk, 'kernels_vs_sdpa_capacity')} | "
                          f"{_status(da)} |")
         L.append("")
-        L += ["### K/V cache layout: per-row buffers vs pages (CUDA graphs on)", "",
-              "| shape | layout | tok/s (rows, standard) | mixed batch tok/s | mixed: most rows at once | notes |",
-              "|" + "---|" * 6]
+        L += _heading("### K/V cache layout: per-row buffers vs pages (CUDA graphs on)",
+                      "| shape | layout | tok/s (rows, standard) | mixed batch tok/s | mixed: most rows at once | notes |")
         for name in s["shapes"]:
             kv = sa.get(f"{name}/kv_layout", {})
             for layout in ("rows", "paged"):
@@ -99,9 +102,9 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {layout} | {standard or '-'} | {_get(lay, 'mixed_tokens_per_s')} | "
                          f"{_get(lay, 'mixed_peak_rows')} | {_status(kv)} |")
         L.append("")
-        L += ["### GRPO's separate requests in two waves: the second wave's prompts in the prefix cache", "",
-              "| shape | layout | prefix cache | second wave tok/s | its prompt tokens computed | K/V MB held | notes |",
-              "|" + "---|" * 7]
+        L += _heading("### GRPO's separate requests in two waves: the second wave's prompts in the prefix cache",
+                      "| shape | layout | prefix cache | second wave tok/s | its prompt tokens computed | "
+                      "K/V MB held | notes |")
         for name in s["shapes"]:
             pw = sa.get(f"{name}/prefix_waves", {})
             for layout in ("rows", "paged"):
@@ -112,17 +115,17 @@ def markdown(s: dict) -> str:
                              f"{_status(pw)} |")
         L.append("")
         dr = sa.get("qwen3_5/delta_rule_step", {})
-        L += ["### One Gated DeltaNet layer's decode step, Qwen3.5 shape (us; share of copy bandwidth)", "",
-              "| rows | state MB | torch (+ copy into rows) | fused, in place | fused vs torch | notes |", "|" + "---|" * 6]
+        L += _heading("### One Gated DeltaNet layer's decode step, Qwen3.5 shape (us; share of copy bandwidth)",
+                      "| rows | state MB | torch (+ copy into rows) | fused, in place | fused vs torch | notes |")
         for rk in [k for k in dr if k.startswith("rows_")]:
             L.append(f"| {rk[5:]} | {_get(dr, rk, 'state_mbytes')} | {_get(dr, rk, 'torch', 'us')} "
                      f"({_get(dr, rk, 'torch', 'of_copy_bw', pct=True)}) | {_get(dr, rk, 'fused', 'us')} "
                      f"({_get(dr, rk, 'fused', 'of_copy_bw', pct=True)}) | {_get(dr, rk, 'fused_vs_torch')} | "
                      f"{_status(dr)} |")
         L.append("")
-        L += ["### Decode stall while a long prompt is prefilled (ms)", "",
-              "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
-              "chunked: long TTFT | same tokens | notes |", "|" + "---|" * 10]
+        L += _heading("### Decode stall while a long prompt is prefilled (ms)",
+                      "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
+                      "chunked: long TTFT | same tokens | notes |")
         for name in s["shapes"]:
             cp = sa.get(f"{name}/chunked_prefill", {})
             runs = cp.get("runs", {})
