@@ -25,7 +25,17 @@ def test_reads_of_device_tensors_count_and_host_tensors_do_not():
     assert [e.what for e in h.events] == ["Tensor.item", "Tensor.tolist", "Tensor.__bool__", "Tensor.__float__",
                                           "Tensor.cpu"]
     assert h.count("read") == 5 and h.count("copy") == 0
-    assert all(e.where.startswith("?") or "host_syncs" not in e.where for e in h.events)
+    assert {e.where for e in h.events} == {"?"}  # asked from outside tinsmith
+
+
+def test_a_wait_is_placed_at_the_tinsmith_line_that_asks_for_it():
+    from tinsmith.models.moe import ExpertGroups
+
+    groups = ExpertGroups(torch.tensor([2, 0, 3], device=DEV) * 1)
+    with HostSyncs() as h:
+        groups.host_counts  # reads the counts back
+    (event,) = h.events
+    assert (event.kind, event.what) == ("read", "Tensor.tolist") and event.where.startswith("models/moe.py:")
 
 
 def test_data_dependent_operators_count_as_reads():

@@ -502,7 +502,7 @@ def test_admission_counts_a_cached_beginning_held_by_running_rows_once(qwen3_dir
     with torch.inference_mode():
         probe._admit([])
         running = probe.cache.tally(probe._occupancy()).bytes()
-        need = probe._prompt_need(later[0], probe._held(later[0].input, 0), "q", False)
+        need = probe._prompt_need(later[0], probe._share_key(later[0]), probe._held(later[0].input, 0), "q", False)
     assert need.pages == tuple(probe.cache.owned[0][:4]), "the system prompt's pages, which the first row holds"
     own = -(-need.positions // PAGE) - len(need.pages)
     budget = running + 3 * own * probe.cache.page_bytes()

@@ -363,13 +363,13 @@ class Sampler:
         return RowNeed(positions, row.group, len(row.state.task.input.prompt) if row.group is not None else 0,
                        self.cache.held_pages(r))
 
-    def _prompt_need(self, task: SampleTask, positions: int, group: object, chunked: bool) -> RowNeed:
-        """A row of ``task`` not yet admitted at ``positions``, sharing its prompt within ``group``
-        and the pages the prefix cache holds of it (its prefill's rows hold them: not a prompt
-        prefilled in chunks, which writes pages of its own) with any row holding them."""
+    def _prompt_need(self, task: SampleTask, key: tuple | None, positions: int, group: object, chunked: bool) -> RowNeed:
+        """A row of ``task`` (its :meth:`_share_key` ``key``) not yet admitted at ``positions``,
+        sharing its prompt within ``group`` and the pages the prefix cache holds of it (its
+        prefill's rows hold them: not a prompt prefilled in chunks, which writes pages of its own)
+        with any row holding them."""
         inp = task.input
         pages: tuple[int, ...] = ()
-        key = self._share_key(task)
         if self.prefix.pool is not None and key is not None and not chunked and not _needs_prompt_logits(inp):
             pages = tuple(self.prefix.pages_of(self.prefix.peek(key[0], np.asarray(inp.prompt).tolist(), len(inp.prompt))))
         return RowNeed(positions, group, len(inp.prompt), pages)
@@ -457,7 +457,7 @@ class Sampler:
             # The rows of one prefill of a prompt (num_samples, and requests of it admitted together)
             # may hold its K/V once.
             group = ("prompt", key) if key is not None and not chunked and head is None else ("task", id(task))
-            need = self._prompt_need(task, self._held(task.input, 0), group, chunked)
+            need = self._prompt_need(task, key, self._held(task.input, 0), group, chunked)
             held = [need] * n
             alone = self.cache.bytes_for([need._replace(positions=self._longest(task.input))] * n)
             if fits and self.kv_cache_bytes and max(alone, spans.bytes(held)) > self.kv_cache_bytes:
