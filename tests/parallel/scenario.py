@@ -18,6 +18,7 @@ from tinsmith.parallel.decode import greedy_decode
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.shard import shard_causal_lm
+from tinsmith.sampling.decode_graphs import DecodeGraphs
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 
@@ -320,9 +321,11 @@ def _full_lora(model, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto") -> list:
+def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto", static: bool = False) -> list:
     """The serving sampler, whole or sharded: a greedy base-model request with prompt logprobs
-    and a seeded, nucleus-sampled adapter request with two samples and top-k logprobs."""
+    and a seeded, nucleus-sampled adapter request with two samples and top-k logprobs.
+    ``static``: decode by the static step a CUDA graph records, run uncaptured (the step's
+    tensors padded to a bucket of rows, K/V read up to the cache's capacity)."""
     from tinsmith.parallel.sampling import ShardedSampler, install_full_lora_weights
     from tinsmith.sampling.sampler import Sampler, SampleTask
     from tinsmith.types import SampleInput, SamplingParams
@@ -337,6 +340,8 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto")
     else:
         install_lora_weights(model, 1, spec, _full_lora(model, spec, seed=9))
         sampler = Sampler(model, lambda ids: "", kv_layout=kv_layout)
+    if static:
+        sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
     g = np.random.default_rng(4)
     vocab = model.config.vocab_size
     sampler.add(SampleTask("base", None, SampleInput(g.integers(0, vocab, 7), 1,
@@ -365,6 +370,8 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto")
                                                     SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[]))))
     drain()
     out = [{"cached_prompt_tokens": torch.tensor(sampler.stats["cached_prompt_tokens"])}]
+    if static:
+        assert sampler.stats["static_steps"] == sampler.stats["decode_steps"] > 0, sampler.stats
     for key in ("base", "lora", "long", "longer"):
         r = results[key]
         out.append({"prompt_logprobs": None if r.prompt_logprobs is None else torch.from_numpy(r.prompt_logprobs[1:]),
@@ -374,10 +381,11 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto")
     return out
 
 
-def sample_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "auto", gpu_paths: bool = False) -> list:
+def sample_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "auto", gpu_paths: bool = False,
+                     static: bool = False) -> list:
     if gpu_paths:
         take_gpu_paths()
-    return sample_scenario(model_dir, tp, kv_layout)
+    return sample_scenario(model_dir, tp, kv_layout, static)
 
 
 def take_gpu_paths() -> None:

@@ -35,6 +35,31 @@ def test_sharded_sampler_matches_one_process(request, fixture, ranks, layout, tm
         assert_same(ref, o.result, f"rank {o.rank}")
 
 
+@pytest.mark.parametrize("fixture,layout,gpu_paths", [
+    ("qwen3_dir", "paged", False), ("qwen3_dir", "paged", True),  # adapters gathered, or through the banks
+    ("qwen3_moe_dir", "paged", True),  # each rank's experts, every pair kept
+    ("gpt_oss_dir", "auto", False),  # sinks, sliding-window rings
+    ("qwen3_5_dir", "auto", False),  # each rank's Gated DeltaNet states
+])
+def test_sharded_static_decode_step_matches_one_process(request, fixture, layout, gpu_paths, tmp_path, monkeypatch):
+    """The decode step a CUDA graph records (run uncaptured here), on every rank of a sharded
+    sampler: rows padded to a bucket, K/V read up to the capacity, the collectives inside the
+    step. Same draws as one process decoding eagerly."""
+    from tests.parallel.scenario import take_gpu_paths
+    from tinsmith.models import lora, moe
+
+    model_dir = str(request.getfixturevalue(fixture))
+    monkeypatch.setattr(moe, "GROUPED_MM", moe.GROUPED_MM)
+    monkeypatch.setattr(lora, "DECODE_LORA", lora.DECODE_LORA)
+    if gpu_paths:
+        take_gpu_paths()
+    ref = sample_scenario(model_dir, None, layout)
+    outcomes = run_ranks(sample_rank_main, 2, tmp_path, (model_dir, layout, gpu_paths, True), timeout_s=60, deadline_s=180)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        assert_same(ref, o.result, f"rank {o.rank}")
+
+
 def test_sharded_decode_waits_for_the_device_once_per_burst(qwen3_dir, tmp_path):
     """On every rank of a tensor-parallel sampler, an admission reads its first tokens back once
     and a decode burst its tokens and logprobs, nothing else: no blocking copy, no read inside a

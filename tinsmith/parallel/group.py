@@ -87,12 +87,27 @@ def init_tp_group(rank: int | None = None, world_size: int | None = None, *, bac
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         kwargs = {}
+        if backend == "nccl":
+            nccl_errors_fail_collectives()
         if backend == "nccl" and device is not None:
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
     return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), timeout_s=timeout_s)
+
+
+# How ProcessGroupNCCL's watchdog handles a collective that failed or passed the timeout: "2"
+# aborts the communicator, so the collective (and every later one) raises on this rank and
+# :func:`guarded` turns that into a ParallelError. PyTorch's default ("3") ends the process
+# instead, and rank 0 is the server's own process.
+NCCL_ERROR_HANDLING = "2"
+
+
+def nccl_errors_fail_collectives() -> None:
+    """Have a failed or timed-out NCCL collective raise here rather than end the process (unless
+    the operator set ``TORCH_NCCL_ASYNC_ERROR_HANDLING``); read when the process group is made."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
 
 
 def split_grid(world: TPGroup, tp_size: int) -> tuple[TPGroup, TPGroup]:

@@ -210,7 +210,6 @@ class ReplicaBase:
             self.loaded = dataclasses.replace(loaded, model=model, vision=vision)
             self.runtime: ReplicaTrainingRuntime = ReplicaTPTrainingRuntime(model, dp, vision=vision, **runtime_kwargs)
             self.runtime.oom_retry = False  # a split micro-batch would run on one shard only
-            sampler_kwargs = {k: v for k, v in sampler_kwargs.items() if k != "cuda_graphs"}
             sampler_cls: type[Sampler] = LockstepSampler
         else:
             self.loaded = load_model(model_dir, device, dtype)

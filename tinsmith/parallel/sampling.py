@@ -23,7 +23,7 @@ from tinsmith.models.layers import CausalLM
 from tinsmith.sampling.cancel import SampleCancelled
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.parallel.comm import all_reduce_
-from tinsmith.parallel.group import ParallelError, group_rank_zero, guarded
+from tinsmith.parallel.group import ParallelError, TPGroup, group_rank_zero, guarded
 from tinsmith.parallel.shard import tp_of
 from tinsmith.parallel.state import lora_shard_dims, scatter_full
 from tinsmith.types import LoraSpec
@@ -53,8 +53,26 @@ class ShardedSampler(Sampler):
         self.kv_cache_bytes = 0 if budget.item() == float("inf") else int(budget.item())
         self.cache = self._new_cache()
         self.prefix = self._new_prefix_cache()  # its blocks hold this rank's heads (pages of this cache)
-        if self.graphs is not None:  # the static decode step reads this rank's cache
+        if self.graphs is not None:  # the static decode step reads this rank's cache, and captures agree
             self.graphs.cache = self.cache
+            self.graphs.peers = GraphPeers(tp_of(model), self.device)
+
+
+class GraphPeers:
+    """The tensor-parallel group as the decode graphs' :class:`~tinsmith.sampling.decode_graphs.Peers`."""
+
+    def __init__(self, tp: TPGroup, device: torch.device):
+        self.tp = tp
+        self.device = device if device.type == "cuda" else torch.device("cpu")  # NCCL: device tensors
+        self._fence = torch.zeros(1, device=self.device)
+
+    def all_ok(self, ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], dtype=torch.long, device=self.device)
+        all_reduce_(flag, self.tp, op=dist.ReduceOp.MIN, what="agreeing on a decode graph capture")
+        return bool(flag.item())
+
+    def fence(self) -> None:
+        all_reduce_(self._fence, self.tp, what="decode burst fence")
 
 
 class LockstepSampler(ShardedSampler):

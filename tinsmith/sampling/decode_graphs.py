@@ -25,13 +25,15 @@ decides; see :meth:`DecodeGraphs.refusal`). A failed capture (a model that reads
 from the host inside its step, such as routed experts run by the per-expert loop rather than
 the grouped matmul: fp32, or a GPU older than Hopper) sends every later burst there too, logged
 once: uncaptured, the padded static step only costs more than the eager one.
+Under tensor parallelism every rank captures and replays the same steps, their collectives
+(NCCL, which graphs can record) inside; the ranks agree on each capture (:class:`Peers`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -60,6 +62,24 @@ class Variant:
     truncating: bool  # some row uses top-k / top-p (the step sorts every row)
     all_greedy: bool  # every row is greedy (the step only takes the argmax)
     top: int = 0  # the most top-k sample logprobs a row asks (the step keeps that many per row)
+
+
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel sampler, whose decode steps hold collectives.
+
+    Every rank captures and replays the same graphs at the same steps (the lockstep sampler keeps
+    their batches equal), so a captured step's collectives meet the other ranks'. Two things need
+    the ranks to talk: a capture that failed on any rank must send every rank back to the eager
+    step (a padded static step and an eager one do not exchange the same tensors), and a replay
+    whose peer died must not leave the host waiting forever for its results."""
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank's ``ok`` is true (each rank passes its own; all must call it)."""
+
+    def fence(self) -> None:
+        """Queue, after a burst's replays, one collective the process group watches: a replayed
+        collective is invisible to its timeout, so without it a dead peer would hang the host's
+        read-back of the burst instead of failing it."""
 
 
 class StaticInputs:
@@ -127,6 +147,7 @@ class DecodeGraphs:
         self._bank_layout: tuple = ()
         self._pool = None
         self._side = None
+        self.peers: Peers | None = None  # set by a tensor-parallel sampler
 
     # ----------------------------------------------------------------------------- rows
     def refusal(self, rows: int) -> str | None:
@@ -171,6 +192,7 @@ class DecodeGraphs:
             self._step(inputs, groups, variant)
 
         toks, lps, tops = [], [], []
+        replays = self.stats["graph_replays"]
         for _ in range(k):
             self._run(variant, step, groups)
             toks.append(inputs.tokens[:n].clone())
@@ -178,6 +200,8 @@ class DecodeGraphs:
             if top:
                 ids, vals = inputs.top_buffers(top)
                 tops.append((ids[:n].clone(), vals[:n].clone()))
+        if self.peers is not None and self.stats["graph_replays"] > replays:
+            self.peers.fence()
         self.stats["static_steps"] += k
         batch.last, batch.steps = toks[-1], inputs.steps[:n].clone()
         return torch.stack(toks, 1), torch.stack(lps, 1), tops
@@ -236,6 +260,12 @@ class DecodeGraphs:
             log.warning("the decode step (%s) cannot be captured as a CUDA graph; decoding eagerly from now on",
                         variant, exc_info=True)
             self.broken = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if self.peers is not None and not self.peers.all_ok(self.broken is None) and self.broken is None:
+            log.warning("the decode step (%s) could not be captured on another tensor-parallel rank; "
+                        "decoding eagerly from now on", variant)
+            self.broken = "another tensor-parallel rank's capture failed"
+        if self.broken is not None:
+            self._graphs.clear()
             return
         self._graphs[key] = graph
         self.stats["graph_captures"] += 1

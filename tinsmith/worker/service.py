@@ -245,8 +245,6 @@ class Worker:
             group_kwargs = dict(make_target=functools.partial(replica_rank, o.tensor_parallel_size),
                                 option="--data-parallel-size", label="data-parallel")
             classes = dict(runtime_class=ReplicaRuntime, sampler_class=ReplicaSampler)
-            if o.tensor_parallel_size == 1:  # a replica that decodes alone may replay CUDA graphs
-                sampler_kwargs["cuda_graphs"] = o.sampler_cuda_graphs
         if self.tp_group is None:
             self.tp_group = start_group(size, o.device, follower_threads=max(1, torch.get_num_threads() // size),
                                         ray_address=o.ray_address, ray_strategy=o.ray_placement_strategy,
@@ -492,7 +490,6 @@ class Worker:
             # On a GPU an idle sampler keeps its K/V buffers (and the CUDA graphs over them) for the
             # next sampling phase; training that runs short of memory has them given back first.
             self.samplers[key] = Sampler(model, _tokenizer_decoder(base.loaded.model_dir), vision=base.loaded.vision,
-                                         cuda_graphs=self.options.sampler_cuda_graphs,
                                          keep_cache_when_idle=next(model.parameters()).device.type == "cuda",
                                          **sampler_kwargs_of(self.options))
             self.samplers[key].release_elsewhere = lambda: self.release_idle_sampler_memory(but=key)
@@ -951,9 +948,10 @@ def auto_checkpoint_above(micro_batch_tokens: int, model, o: RuntimeOptions) -> 
 
 def sampler_kwargs_of(options: RuntimeOptions) -> dict:
     """The sampler arguments every sampler of a base model takes from the options, in one process
-    or on every tensor-parallel rank alike (CUDA graphs stay off under tensor parallelism: a
-    captured step would hold the ranks' collectives)."""
-    return dict(max_rows=options.max_sampling_rows, prefix_cache_bytes=options.prefix_cache_bytes,
+    or on every tensor-parallel rank alike (a rank's captured decode steps hold its collectives:
+    the ranks capture and replay in step)."""
+    return dict(cuda_graphs=options.sampler_cuda_graphs,
+                max_rows=options.max_sampling_rows, prefix_cache_bytes=options.prefix_cache_bytes,
                 kv_cache_bytes=options.sampler_kv_cache_bytes, prefill_chunk_tokens=options.sampler_prefill_chunk_tokens,
                 kv_layout=options.sampler_kv_cache_layout)
 
