@@ -264,3 +264,58 @@ def test_grouped_decode_step_never_reads_the_device(family, monkeypatch, request
             except AssertionError:
                 read = True
         assert read == reads, mode
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
+def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_dir, monkeypatch):
+    """Under expert parallelism each rank's block computes a range of the experts. With several
+    adapters in one batch (and rows of none), the ranges' outputs and the adapters' gradients add
+    up to the whole block's, on the expert loop and on the grouped matmul; on the grouped matmul
+    a range reads the device once (where its pairs start), not once more per adapter."""
+    import copy
+
+    from tinsmith.devtools.host_syncs import HostSyncs
+    from tinsmith.models.lora import LoraWeights
+    from tinsmith.parallel.group import TPGroup
+    from tinsmith.parallel.layers import ExpertParallelMoeBlock
+
+    block = load_model(str(qwen3_moe_dir)).model.model.layers[0].mlp
+    g = torch.Generator().manual_seed(3)
+    slots = (1, 2, 3)
+    for slot, rank in zip(slots, (4, 8, 4)):
+        for proj in (block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj):
+            w = proj.add_adapter(slot, rank, 2.0 * rank, g)
+            with torch.no_grad():
+                w.B.normal_(0.0, 0.05, generator=g)
+    x = torch.randn(14, block.experts.gate_proj.in_features, generator=g)
+    segments = [(1, 0, 4), (None, 4, 6), (2, 6, 10), (3, 10, 14)]
+    n = block.experts.gate_proj.num_experts
+    for mode in ("loop", "grouped"):
+        monkeypatch.setattr(moe, "GROUPED_MM", mode)
+        whole = block(x, segments)
+        whole.square().sum().backward()
+        expected = {(name, s): (w.A.grad.clone(), w.B.grad.clone())
+                    for name in ("gate_proj", "up_proj", "down_proj")
+                    for s, w in getattr(block.experts, name).adapters.items()}
+        block.zero_grad(set_to_none=True)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            for w in getattr(block.experts, name).adapters.values():
+                w.A.grad = w.B.grad = None
+        total, reads = 0, []
+        for experts in (slice(0, n // 2), slice(n // 2, n)):
+            part = ExpertParallelMoeBlock(copy.deepcopy(block), experts, TPGroup(0, 1))
+            for name in ("gate_proj", "up_proj", "down_proj"):  # this range's rows of the whole adapters
+                for s, w in getattr(block.experts, name).adapters.items():
+                    getattr(part.experts, name).adapters[s] = LoraWeights(w.A[experts], w.B[experts], w.scale)
+            with HostSyncs() as h:
+                total = total + part(x, segments)
+            reads.append(h.count("read"))
+        total.square().sum().backward()
+        torch.testing.assert_close(total, whole.detach(), rtol=1e-5, atol=1e-5)
+        for (name, s), (a, b) in expected.items():
+            w = getattr(block.experts, name).adapters[s]
+            torch.testing.assert_close(w.A.grad, a, rtol=1e-4, atol=1e-6, msg=f"{mode} {name} {s} A")
+            torch.testing.assert_close(w.B.grad, b, rtol=1e-4, atol=1e-6, msg=f"{mode} {name} {s} B")
+            w.A.grad = w.B.grad = None
+        if mode == "grouped":
+            assert reads == [1, 1], reads

@@ -134,17 +134,25 @@ class AdapterRows:
 class JointAdapterRows:
     """Several adapters' rows, adapter after adapter, each adapter's sorted by expert: one grouped
     shrink and one grouped expand over every (adapter, expert) group serve them all, where the
-    grouped matmul runs (else each of ``parts`` on its own)."""
+    grouped matmul runs (else each adapter's rows on their own, :meth:`parts`)."""
 
-    parts: list[AdapterRows]
+    slots: list[int | None]  # each part's adapter (None: rows of no adapter, a zero group)
     index: torch.Tensor  # the sorted rows of every part, in order
     offsets: torch.Tensor  # int32 end row (within ``index``) of each (adapter, expert) group
+    split: Callable[[], list[AdapterRows]]  # the parts on their own (may read the device: not the fast path)
+    _parts: list[AdapterRows] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, parts: list[AdapterRows]) -> JointAdapterRows:
         index = torch.cat([p.index for p in parts])  # type: ignore[misc]
         counts = torch.cat([p.groups.counts for p in parts])
-        return cls(parts, index, torch.cumsum(counts, 0, dtype=torch.int32))
+        return cls([p.slot for p in parts], index, torch.cumsum(counts, 0, dtype=torch.int32), lambda: parts)
+
+    def parts(self) -> list[AdapterRows]:
+        """Each adapter's rows on its own (computed once, for the layer's three projections)."""
+        if self._parts is None:
+            self._parts = self.split()
+        return self._parts
 
 
 @dataclass
@@ -207,7 +215,7 @@ class ExpertLinear(nn.Module):
             if isinstance(rows, JointAdapterRows):
                 delta = self._joint_delta(x, rows)
                 if delta is None:  # no grouped matmul here: each adapter on its own
-                    y = self.add_lora(x, y, rows.parts)
+                    y = self.add_lora(x, y, rows.parts())
                 elif torch.is_grad_enabled():
                     y = y.index_add(0, rows.index, delta)
                 else:
@@ -240,7 +248,7 @@ class ExpertLinear(nn.Module):
         parts' per-expert A and B stacked (ranks zero-padded to a multiple of 8, the scale folded
         into B, a part whose adapter has no weights here a zero group). Gradients flow back through
         the stack to each adapter's own tensors. None where the grouped matmul does not run."""
-        weights = [self.adapters.get(p.slot) for p in rows.parts]
+        weights = [None if slot is None else self.adapters.get(slot) for slot in rows.slots]
         present = [w for w in weights if w is not None]
         if not present:
             return None
@@ -377,7 +385,8 @@ class SparseMoeBlock(nn.Module):
             sorted_experts = flat[order] - self.expert_start
         token_of = order // router.top_k
         lora = _adapter_rows(segments, x2.shape[0], token_of, sorted_experts, num_experts, groups,
-                             router.top_k if num_experts == counts.shape[0] else None, mine)
+                             router.top_k if num_experts == counts.shape[0] else None, mine,
+                             grouped_mm_usable(x2, ex.gate_proj.weight))
         rows = x2.index_select(0, token_of)
         packed = ex.packed_gate_up
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
@@ -427,13 +436,17 @@ class SparseMoeBlock(nn.Module):
 
 def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: int, token_of: torch.Tensor,
                   sorted_experts: torch.Tensor, num_experts: int, all_groups: ExpertGroups,
-                  top_k: int | None = None, mine: torch.Tensor | None = None) -> list[AdapterRows] | list[BankRows]:
+                  top_k: int | None = None, mine: torch.Tensor | None = None, grouped: bool = False
+                  ) -> list[AdapterRows] | list[JointAdapterRows] | list[BankRows]:
     """Which sorted rows each adapter in ``segments`` owns (rows stay sorted by expert).
 
     ``top_k``: the pairs per token when the rows are every token's pairs (not one rank's range
     of experts): then each adapter's number of rows is known on the host (its tokens times
     ``top_k``), and its rows are a slice of the rows sorted by adapter, found without reading
-    anything back from the device (one read per adapter and layer would stall a GPU's queue)."""
+    anything back from the device (one read per adapter and layer would stall a GPU's queue).
+    Without it (one rank's range of experts), each adapter's number of rows is known on the
+    device only: where the grouped matmul runs (``grouped``), the adapters' groups are sized
+    there and nothing is read; elsewhere each adapter's rows are found by one read each."""
     if not segments:
         return []
     if isinstance(segments, RowSlots):  # no host read: every row's bank row, as a tensor
@@ -460,12 +473,23 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
     pair_owner = owner[token_of]
     out = []
     if top_k is None:  # a range of experts: how many of its pairs each adapter owns is known on the device only
-        for i, slot in enumerate(slots):
-            index = (pair_owner == i).nonzero().squeeze(1)
-            if index.numel():
-                counts = expert_counts(sorted_experts.index_select(0, index), num_experts)
-                out.append(AdapterRows(slot, index, ExpertGroups(counts)))
-        return out
+        def split() -> list[AdapterRows]:
+            parts = []
+            for i, slot in enumerate(slots):
+                index = (pair_owner == i).nonzero().squeeze(1)  # reads the device, once per adapter
+                if index.numel():
+                    counts = expert_counts(sorted_experts.index_select(0, index), num_experts)
+                    parts.append(AdapterRows(slot, index, ExpertGroups(counts)))
+            return parts
+
+        if not slots or not grouped or mine is not None:
+            return split() if slots else []
+        # One grouped shrink and expand over every (owner, expert) group, sizes left on the device:
+        # rows sorted by owner (stable, so each owner's stay sorted by expert), the rows of no
+        # adapter (owner -1) first as a zero group.
+        index = torch.sort(pair_owner, stable=True).indices
+        counts = expert_counts((pair_owner + 1) * num_experts + sorted_experts, (len(slots) + 1) * num_experts)
+        return [JointAdapterRows([None, *slots], index, torch.cumsum(counts, 0, dtype=torch.int32), split)]
     tokens = [seg[2] - seg[1] if len(seg) == 3 else seg[1].numel() for seg in segments if seg[0] is not None]  # type: ignore[misc, union-attr]
     by_adapter = torch.sort(pair_owner, stable=True).indices  # tokens of no adapter (-1) first; each adapter's rows in order
     lo = (num_tokens - sum(tokens)) * top_k
