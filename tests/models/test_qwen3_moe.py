@@ -271,7 +271,8 @@ def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_di
     """Under expert parallelism each rank's block computes a range of the experts. With several
     adapters in one batch (and rows of none), the ranges' outputs and the adapters' gradients add
     up to the whole block's, on the expert loop and on the grouped matmul; on the grouped matmul
-    a range reads the device once (where its pairs start), not once more per adapter."""
+    a range reads the device once (where its pairs start), not once more per adapter, and
+    nothing without gradients (a prefill: it keeps every pair, the others' in a zero group)."""
     import copy
 
     from tinsmith.devtools.host_syncs import HostSyncs
@@ -301,7 +302,7 @@ def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_di
         for name in ("gate_proj", "up_proj", "down_proj"):
             for w in getattr(block.experts, name).adapters.values():
                 w.A.grad = w.B.grad = None
-        total, reads = 0, []
+        total, prefill, reads, prefill_reads = 0, 0, [], []
         for experts in (slice(0, n // 2), slice(n // 2, n)):
             part = ExpertParallelMoeBlock(copy.deepcopy(block), experts, TPGroup(0, 1))
             for name in ("gate_proj", "up_proj", "down_proj"):  # this range's rows of the whole adapters
@@ -310,12 +311,16 @@ def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_di
             with HostSyncs() as h:
                 total = total + part(x, segments)
             reads.append(h.count("read"))
+            with torch.inference_mode(), HostSyncs() as h:
+                prefill = prefill + part(x, segments)
+            prefill_reads.append(h.count("read"))
         total.square().sum().backward()
         torch.testing.assert_close(total, whole.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(prefill, whole.detach(), rtol=1e-5, atol=1e-5)
         for (name, s), (a, b) in expected.items():
             w = getattr(block.experts, name).adapters[s]
             torch.testing.assert_close(w.A.grad, a, rtol=1e-4, atol=1e-6, msg=f"{mode} {name} {s} A")
             torch.testing.assert_close(w.B.grad, b, rtol=1e-4, atol=1e-6, msg=f"{mode} {name} {s} B")
             w.A.grad = w.B.grad = None
         if mode == "grouped":
-            assert reads == [1, 1], reads
+            assert reads == [1, 1] and prefill_reads == [0, 0], (reads, prefill_reads)

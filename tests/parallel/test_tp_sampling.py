@@ -77,8 +77,9 @@ def test_sharded_decode_waits_for_the_device_once_per_burst(qwen3_dir, tmp_path)
 @pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "gpt_oss_dir"])
 def test_expert_parallel_decode_keeps_every_pair_and_waits_for_nothing(request, fixture, tmp_path, monkeypatch):
     """On the GPU's paths (grouped matmul, adapters through the banks), a rank's range of experts
-    decodes without cutting its pairs out (which reads where they start, at every layer): every
-    pair is kept, the others' dropped at the end. Same draws as one process; a burst waits for its
+    prefills and decodes without cutting its pairs out (which reads where they start, at every
+    layer): every pair is kept, the others' dropped at the end. Same draws as one process; an
+    admission of base-model and adapter prompts waits for its first tokens only, a burst for its
     tokens and logprobs only."""
     from tests.parallel.scenario import host_waits_rank_main, take_gpu_paths
     from tinsmith.models import lora, moe
@@ -96,5 +97,6 @@ def test_expert_parallel_decode_keeps_every_pair_and_waits_for_nothing(request, 
                          deadline_s=180)
     for o in outcomes:
         assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
-        bursts = o.result["bursts"]
-        assert not any(site.startswith("copy") for site in bursts) and sum(bursts.values()) == 2 * 3, o.result
+        admission, bursts = o.result["admission"], o.result["bursts"]
+        assert not any(site.startswith("copy") for site in [*admission, *bursts]), o.result
+        assert sum(admission.values()) == 2 and sum(bursts.values()) == 2 * 3, o.result

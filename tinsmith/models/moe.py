@@ -403,13 +403,9 @@ class SparseMoeBlock(nn.Module):
         """Whether this block, a range of the experts, keeps every routed pair rather than cutting
         out its own (which reads where they start from the device, once per layer): when the
         grouped matmul computes only the groups it is given (the others' pairs then cost a gather,
-        not a matmul), and nothing needs the rows cut out: no gradients, and adapters (if any)
-        read through the bank (decoding) or cover every token."""
-        if torch.is_grad_enabled() or not grouped_mm_usable(x, self.experts.gate_proj.weight):
-            return False
-        if segments is None or isinstance(segments, RowSlots):
-            return True
-        return len(segments) == 1 and len(segments[0]) == 3 and segments[0][1] == 0 and segments[0][2] == x.shape[0]  # type: ignore[misc]
+        not a matmul; adapters run over every pair, the others' in a zero group), and no gradient
+        is recorded (a backward would keep every pair's rows, not this range's, for every layer)."""
+        return not torch.is_grad_enabled() and grouped_mm_usable(x, self.experts.gate_proj.weight)
 
     def _own_pairs_first(self, flat: torch.Tensor, counts: torch.Tensor, num_experts: int
                          ) -> tuple[torch.Tensor, ExpertGroups, torch.Tensor, torch.Tensor]:
@@ -471,6 +467,9 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
             owner[seg[1]] = len(slots)  # type: ignore[misc]
         slots.append(slot)
     pair_owner = owner[token_of]
+    if mine is not None:  # another rank's pair: no adapter here
+        pair_owner = torch.where(mine, pair_owner, -1)
+        sorted_experts = torch.where(mine, sorted_experts, 0)
     out = []
     if top_k is None:  # a range of experts: how many of its pairs each adapter owns is known on the device only
         def split() -> list[AdapterRows]:
@@ -482,7 +481,7 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
                     parts.append(AdapterRows(slot, index, ExpertGroups(counts)))
             return parts
 
-        if not slots or not grouped or mine is not None:
+        if not slots or not grouped:
             return split() if slots else []
         # One grouped shrink and expand over every (owner, expert) group, sizes left on the device:
         # rows sorted by owner (stable, so each owner's stay sorted by expert), the rows of no
