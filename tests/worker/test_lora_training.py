@@ -401,3 +401,32 @@ def test_a_pass_that_fails_midway_leaves_its_gradients_as_before(rt, monkeypatch
     assert p.done and isinstance(p.results[0], RuntimeError)
     for n, g in _grads(rt, u).items():
         assert torch.equal(before[n], g), n
+
+
+def test_an_accumulating_pass_copies_no_gradient(rt):
+    """A second forward/backward before the optimizer step adds to the gradients so far. The
+    earlier ones are taken off the parameters for the pass (in case it fails), not copied: one
+    copy per LoRA tensor and pass is a kernel launch each on a GPU, hundreds per tenant."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Clones(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.clone.default:
+                Clones.count += 1
+            return func(*args, **(kwargs or {}))
+
+    rng = np.random.default_rng(23)
+    u = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    first, second = [sft_datum(rng, 16, VOCAB)], [sft_datum(rng, 16, VOCAB)]
+    _fb(rt, u, first)
+    params = len(rt.unit(u).params)
+    with Clones():
+        _fb(rt, u, second)
+    assert Clones.count < params // 2, (Clones.count, params)
+    accumulated = _grads(rt, u)
+    rt.unit(u).restore_grads([None] * params)
+    _fb(rt, u, first + second)
+    for n, g in _grads(rt, u).items():
+        torch.testing.assert_close(accumulated[n], g, rtol=1e-4, atol=1e-6, msg=n)

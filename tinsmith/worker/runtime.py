@@ -75,7 +75,9 @@ class FbPass:
     todo: deque[SequenceRef] = field(default_factory=deque)  # datums not run yet
     lps: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (request, datum) -> logprobs
     unit: Trainable | None = None
-    saved_grads: list[torch.Tensor | None] | None = None
+    # The unit's gradients from before the pass, taken off its parameters (no copy): the pass's
+    # backward fills fresh ones; completing adds these to them, failing puts these back.
+    earlier_grads: list[torch.Tensor | None] | None = None
     tokens_run: int = 0
     done: bool = False
 
@@ -98,12 +100,14 @@ class FbPass:
             return
         for r, res in results.items():
             self.results[r] = res
+        if self.earlier_grads is not None and self.unit is not None:
+            self.unit.merge_grads(self.earlier_grads)
         self._close()
 
     def fail(self, exc: Exception) -> None:
         """Put the unit's gradients back as before the pass and fail its valid requests."""
-        if self.saved_grads is not None and self.unit is not None:
-            self.unit.restore_grads(self.saved_grads)
+        if self.earlier_grads is not None and self.unit is not None:
+            self.unit.restore_grads(self.earlier_grads)
         for r in self.prepared:
             self.results[r] = exc
         self.todo.clear()
@@ -112,7 +116,7 @@ class FbPass:
     def _close(self) -> None:
         self.done = True
         self.lps.clear()
-        self.saved_grads = None
+        self.earlier_grads = None
 
 
 class TrainingRuntime:
@@ -350,7 +354,9 @@ class TrainingRuntime:
         """Validate one unit's requests and queue their datums; nothing runs yet.
 
         A request that fails validation fails alone (its result is the error). The unit's
-        gradients are saved so that a failure while running puts them back as they were.
+        gradients so far are taken off its parameters (no copy; one pass per unit runs at a
+        time): the pass accumulates into fresh ones, and adds these to them when it completes,
+        so a failure while running puts them back as they were.
         """
         if len({req.unit for req in requests}) > 1:
             raise ValueError("a forward/backward pass serves one trainable unit")
@@ -366,7 +372,7 @@ class TrainingRuntime:
         if p.prepared:
             p.unit = next(iter(p.prepared.values())).unit
             if p.unit.slot is not None and any(not x.forward_only for x in p.prepared.values()):
-                p.saved_grads = p.unit.snapshot_grads()
+                p.earlier_grads = p.unit.take_grads()
         if not p.todo:  # every request was refused: nothing to run
             p.complete()
         return p

@@ -111,12 +111,10 @@ class Trainable:
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
 
-    def snapshot_grads(self) -> list[torch.Tensor | None]:
-        return [None if p.grad is None else p.grad.clone() for p in self.params]
-
     def take_grads(self) -> list[torch.Tensor | None]:
         """The gradients so far, taken off the parameters (no copy): a backward then fills fresh
-        ones, which :meth:`merge_grads` adds these to, or :meth:`restore_grads` drops for these."""
+        ones, which :meth:`merge_grads` adds these to, or :meth:`restore_grads` drops for these
+        (a forward/backward pass, and each of its micro-batches, in case it fails)."""
         taken = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
