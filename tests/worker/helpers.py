@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
@@ -50,3 +52,20 @@ def assert_rel_close(a: torch.Tensor, b: torch.Tensor, tol: float, name: str = "
     denom = float(b.norm()) or 1.0
     rel = float((a - b).norm()) / denom
     assert rel < tol, f"{name}: relative error {rel:.2e} >= {tol:.0e}"
+
+
+def dispatched(fn) -> Counter:
+    """The operators ``fn()`` dispatches, counted by name (each one that computes is a kernel
+    launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: Counter = Counter()
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        fn()
+    return ops

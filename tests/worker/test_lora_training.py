@@ -12,7 +12,7 @@ from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
-from tests.worker.helpers import assert_rel_close, peft_grads, peft_reference, sft_datum
+from tests.worker.helpers import assert_rel_close, dispatched, peft_grads, peft_reference, sft_datum
 
 VOCAB = 512
 
@@ -407,26 +407,29 @@ def test_an_accumulating_pass_copies_no_gradient(rt):
     """A second forward/backward before the optimizer step adds to the gradients so far. The
     earlier ones are taken off the parameters for the pass (in case it fails), not copied: one
     copy per LoRA tensor and pass is a kernel launch each on a GPU, hundreds per tenant."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Clones(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.clone.default:
-                Clones.count += 1
-            return func(*args, **(kwargs or {}))
-
     rng = np.random.default_rng(23)
     u = rt.create_adapter(LoraSpec(rank=4, seed=1))
     first, second = [sft_datum(rng, 16, VOCAB)], [sft_datum(rng, 16, VOCAB)]
     _fb(rt, u, first)
     params = len(rt.unit(u).params)
-    with Clones():
-        _fb(rt, u, second)
-    assert Clones.count < params // 2, (Clones.count, params)
+    clones = dispatched(lambda: _fb(rt, u, second))["aten.clone.default"]
+    assert clones < params // 2, (clones, params)
     accumulated = _grads(rt, u)
     rt.unit(u).restore_grads([None] * params)
     _fb(rt, u, first + second)
     for n, g in _grads(rt, u).items():
         torch.testing.assert_close(accumulated[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_an_optimizer_step_takes_every_gradient_norm_at_once(rt):
+    """The global gradient norm (reported, and used to clip) comes from one multi-tensor norm,
+    not a cast and a norm kernel per LoRA tensor, and equals the norm of all the gradients."""
+    rng = np.random.default_rng(24)
+    u = rt.create_adapter(LoraSpec(rank=4, seed=1))
+    _fb(rt, u, [sft_datum(rng, 16, VOCAB)])
+    grads = [p.grad.clone() for p in rt.unit(u).params]
+    out = {}
+    ops = dispatched(lambda: out.update(rt.optim_step(u, AdamParams(learning_rate=1e-3))))
+    assert ops["aten._foreach_norm.Scalar"] == 1 and ops["aten.linalg_vector_norm.default"] == 0, ops
+    expected = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])))
+    assert abs(out["grad_norm"] - expected) <= 1e-5 * expected, (out, expected)

@@ -45,7 +45,7 @@ from tinsmith.parallel.sharded_save import SaveSource, save_sharded
 from tinsmith.types import OptimParams
 from tinsmith.worker.batching import SequenceRef, build_micro_batch, plan_micro_batches
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest, _Prepared
-from tinsmith.worker.trainables import Trainable
+from tinsmith.worker.trainables import Trainable, squared_grad_norms
 
 PAD_KEY = ("pad", 0)  # the request key of padding micro-batches
 
@@ -208,10 +208,7 @@ class ShardedFullTrainable(Trainable):
         return self.export_everywhere or self.dp.rank == 0
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        for p in params:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            sq += g.float().pow(2).sum()
+        sq = squared_grad_norms([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]).sum()
         if self.dp.size > 1:
             guarded(self.dp, "gradient-norm all_reduce", lambda: dist.all_reduce(sq))
         return sq.sqrt()

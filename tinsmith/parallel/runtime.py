@@ -24,7 +24,7 @@ from tinsmith.parallel.shard import tp_of
 from tinsmith.parallel.state import gather_full, lora_shard_dims, scatter_full
 from tinsmith.types import LoraSpec, OptimParams
 from tinsmith.worker.runtime import TrainingRuntime
-from tinsmith.worker.trainables import Trainable
+from tinsmith.worker.trainables import Trainable, squared_grad_norms
 
 
 @dataclass
@@ -42,11 +42,15 @@ class ShardedTrainable(Trainable):
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         # A part several ranks hold alike (a shared key/value head's B) is counted once in all.
-        sharded = [p.grad.float().pow(2).sum() / shared_copies(p, self.tp) for p in params if not is_replicated(p)]
-        whole = [p.grad.float().pow(2).sum() for p in params if is_replicated(p)]
         zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        sq = all_reduce_(torch.stack(sharded).sum() if sharded else zero, self.tp, what="gradient-norm all_reduce")
-        return (sq + (torch.stack(whole).sum() if whole else zero)).sqrt()
+        by_copies: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            if not is_replicated(p):
+                by_copies.setdefault(shared_copies(p, self.tp), []).append(p.grad)
+        sharded = sum((squared_grad_norms(grads).sum() / copies for copies, grads in by_copies.items()), zero)
+        whole = [p.grad for p in params if is_replicated(p)]
+        sq = all_reduce_(sharded, self.tp, what="gradient-norm all_reduce")
+        return (sq + (squared_grad_norms(whole).sum() if whole else zero)).sqrt()
 
 
 class TPTrainingRuntime(TrainingRuntime):

@@ -29,6 +29,13 @@ from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optim
 from tinsmith.types import LoraSpec, OptimParams
 
 
+def squared_grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's squared L2 norm, in fp32, as one ``(n,)`` tensor: one multi-tensor kernel
+    on a GPU (``torch._foreach_norm``) rather than a cast and a norm per tensor, which cost a
+    tenant's optimizer step ~800 launches on a 28-layer model with every linear layer adapted."""
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
+
+
 @dataclass
 class Trainable:
     """One independently optimised set of parameters.
@@ -196,7 +203,7 @@ class Trainable:
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of ``params``' gradients (a sharded unit sums its shards' squares)."""
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        return squared_grad_norms([p.grad for p in params]).sum().sqrt()
 
     def step(self, hp: OptimParams) -> dict[str, float]:
         """One optimizer step over this unit only; clip by its own global grad norm when asked."""
