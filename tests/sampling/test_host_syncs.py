@@ -73,6 +73,43 @@ def test_a_decode_burst_reads_back_once_and_copies_nothing(case):
         assert sampler.cache.pages > 0
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_top_k_sample_logprobs_are_read_back_once_per_burst(model_dirs, static):
+    """Rows asking for top-k sample logprobs add one read of every step's best ids and one of
+    their logprobs per burst, not two per step; each row still gets its own k, as the results of
+    a sampler decoding one step per burst."""
+    from tests.sampling.conftest import run
+
+    def requests():
+        rng = np.random.default_rng(5)
+        return [task(f"r{i}", rng.integers(4, 400, 20 + 5 * i).tolist(), max_tokens=40, temperature=1.0,
+                     seed=i, stop=[], topk_sample_logprobs=(0, 2, 5)[i % 3]) for i in range(5)]
+
+    sampler = _sampler(model_dirs["qwen3"], "paged", static, 0)
+    for t in requests():
+        sampler.add(t)
+    with torch.inference_mode():
+        sampler._admit([])
+        sampler._decode_step([])
+        with HostSyncs() as h:
+            for _ in range(BURSTS):
+                sampler._decode_step([])
+    assert h.count("copy") == 0, h.by_site()
+    assert h.count("read") == 4 * BURSTS, h.by_site()
+    one_step = make_sampler(fresh_model(model_dirs["qwen3"]), model_dirs["qwen3"], kv_layout="paged", decode_burst=1)
+    reference = run(one_step, requests())
+    results = run(_sampler(model_dirs["qwen3"], "paged", static, 0), requests())
+    for key, ref in reference.items():
+        got, want = results[key].sequences[0], ref.sequences[0]
+        assert got.tokens.tolist() == want.tokens.tolist(), key
+        if want.topk_token_ids is None:
+            assert got.topk_token_ids is None, key
+            continue
+        assert got.topk_token_ids.shape[1] == (0, 2, 5)[int(key[1:]) % 3], key
+        np.testing.assert_array_equal(got.topk_token_ids, want.topk_token_ids, err_msg=key)
+        np.testing.assert_allclose(got.topk_logprobs, want.topk_logprobs, rtol=1e-5, atol=1e-5, err_msg=key)
+
+
 def test_an_admission_reads_its_first_tokens_back_once_whatever_it_seeds(case):
     model_dir, layout, static, adapters = case
     counts = []

@@ -1168,12 +1168,11 @@ class Sampler:
             self._grow(lambda: self.cache.reserve(spans))
             tokens, logprobs, best = self.graphs.burst(batch, [row.state.task.slot for row in self.rows], n, k,
                                                        min(max(asks), self.cfg.vocab_size))
-            top_host: list[list] = ([_host_top_logprobs(_asking_rows(ids, vals, asks), asks) for ids, vals in best]
-                                    if best else [[None] * n for _ in range(k)])
+            tops = _asking_rows(best, asks) if best else [None] * k
         else:
             self._grow(lambda: (self.cache.ensure(n, span), self.cache.reserve(spans)))
             tokens, logprobs, tops = self._eager_burst(batch, n, k, span, asks)
-            top_host = [_host_top_logprobs(t, asks) for t in tops]
+        top_host = _host_top_logprobs_steps(tops, asks)
         self.stats["decode_steps"] += k
         self.stats["decode_reads"] += 1
         self.stats["sampled_tokens"] += n * k
@@ -1449,24 +1448,34 @@ def _device_top_logprobs(full: torch.Tensor, ks: list[int]):
     return asking, torch.topk(rows, k_max, dim=-1)
 
 
-def _asking_rows(ids: torch.Tensor, vals: torch.Tensor, ks: list[int]):
-    """Every row's best (ids, logprobs) of a static step, as :func:`_device_top_logprobs` gives
-    those of the rows that ask (the rows with ``ks[r] > 0``, whose k is at most their width)."""
+def _asking_rows(best: list[tuple[torch.Tensor, torch.Tensor]], ks: list[int]):
+    """Every row's best (ids, logprobs) of each static step, as :func:`_device_top_logprobs`
+    gives those of the rows that ask (the rows with ``ks[r] > 0``, whose k is at most their width)."""
     asking = [r for r, k in enumerate(ks) if k > 0]
-    at = to_device(asking, ids.device, torch.long)
-    return asking, torch.return_types.topk((vals.index_select(0, at), ids.index_select(0, at)))
+    at = to_device(asking, best[0][0].device, torch.long)
+    return [(asking, torch.return_types.topk((vals.index_select(0, at), ids.index_select(0, at))))
+            for ids, vals in best]
 
 
 def _host_top_logprobs(top, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
     """The host half of :func:`_top_logprobs`: read back, cut to each row's own k."""
-    out: list[tuple[list[int], list[float]] | None] = [None] * len(ks)
-    if top is None:
+    return _host_top_logprobs_steps([top], ks)[0]
+
+
+def _host_top_logprobs_steps(tops: list, ks: list[int]) -> list[list[tuple[list[int], list[float]] | None]]:
+    """The host half of :func:`_top_logprobs` for each step of a burst (``tops``: what
+    :func:`_device_top_logprobs` gave per step, the same rows asking throughout), every step's
+    read back at once, cut to each row's own k; per step, per row."""
+    out: list[list[tuple[list[int], list[float]] | None]] = [[None] * len(ks) for _ in tops]
+    if not tops or tops[0] is None:
         return out
-    asking, found = top
-    ids, vals = found.indices.tolist(), found.values.tolist()
-    for i, r in enumerate(asking):
-        k = min(ks[r], len(ids[i]))
-        out[r] = (ids[i][:k], vals[i][:k])
+    asking = tops[0][0]
+    ids = torch.stack([found.indices for _, found in tops]).tolist()  # (steps, asking rows, k)
+    vals = torch.stack([found.values for _, found in tops]).tolist()
+    for step, row in enumerate(out):
+        for i, r in enumerate(asking):
+            k = min(ks[r], len(ids[step][i]))
+            row[r] = (ids[step][i][:k], vals[step][i][:k])
     return out
 
 
