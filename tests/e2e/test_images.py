@@ -18,6 +18,7 @@ import pytest
 import tinker
 import torch
 import transformers
+from transformers.models.auto.image_processing_auto import AutoImageProcessor  # not transformers.AutoImageProcessor: 5.17 demands torchvision there
 from PIL import Image
 from tinker import types
 
@@ -122,13 +123,13 @@ def _vl_ids(model_dir: str) -> dict:
 
 def _image_tokens(model_dir: str, data: bytes) -> int:
     w, h = Image.open(io.BytesIO(data)).size
-    return transformers.AutoImageProcessor.from_pretrained(model_dir).get_number_of_image_patches(h, w, {}) // 4
+    return AutoImageProcessor.from_pretrained(model_dir).get_number_of_image_patches(h, w, {}) // 4
 
 
 def _hf_logprobs(model_dir: str, tokens: list[int], data: bytes) -> np.ndarray:
     """transformers' Qwen3-VL: log p(tokens[i+1] | tokens[:i+1]) with the image in place."""
     model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    proc = transformers.AutoImageProcessor.from_pretrained(model_dir)
+    proc = AutoImageProcessor.from_pretrained(model_dir)
     batch = proc(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
     ids = torch.tensor(tokens)[None]
     with torch.no_grad():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from transformers.models.auto.image_processing_auto import AutoImageProcessor  # not transformers.AutoImageProcessor: 5.17 demands torchvision there
 from PIL import Image
 
 from tinsmith.models.layers import VisualFeatures
@@ -46,7 +47,7 @@ def ours(loaded, text: np.ndarray, images: list[ImageInput]):
 
 def reference(vl_dir, tokens: np.ndarray, images: list[ImageInput]):
     model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
-    proc = transformers.AutoImageProcessor.from_pretrained(vl_dir)
+    proc = AutoImageProcessor.from_pretrained(vl_dir)
     batch = proc(images=[Image.open(io.BytesIO(im.data)).convert("RGB") for im in images], return_tensors="pt")
     ids = torch.tensor(tokens)[None]
     with torch.no_grad():

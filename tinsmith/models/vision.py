@@ -42,7 +42,8 @@ class VisionTower:
 
     def __init__(self, cfg: VisionConfig, model_dir: Path, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype):
-        from transformers import AutoImageProcessor
+        # From its module: transformers 5.17's lazy top-level name wrongly demands torchvision.
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionConfig, Qwen3VLVisionModel
 
         self.cfg = cfg
