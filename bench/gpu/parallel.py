@@ -6,7 +6,8 @@
 For each shape and each tensor-parallel size N (at most the GPUs present; on a CPU, gloo
 processes): LoRA r32 fwd+bwd tokens/s at 8 x 1024 and its MFU (4NT over the active weight
 matrices, against N times the matmul peak measured on rank 0's GPU), sampling tokens/s at 64
-rows (128-token prompts, 128 new tokens), and each rank's peak memory. The mixture-of-experts
+rows (128-token prompts, 128 new tokens; decode steps replayed from CUDA graphs, as the server
+runs them, each rank's with its collectives inside), and each rank's peak memory. The mixture-of-experts
 shape (Qwen3-30B-A3B) runs its experts split over the ranks (expert parallel) and its attention
 split by heads.
 
@@ -160,7 +161,7 @@ def rank_bench(tp: TPGroup, config_path: str, device_kind: str, layout: str, qui
         rt.micro_batch_tokens = max(rt.micro_batch_tokens, rows * length // tp.size)
     train = step_rate(rt, {unit: batch(cfg.vocab_size, rows, length)}, steps=2 if quick else 5)
     sampler_cls = ShardedSampler if sharded else Sampler
-    sampler = sampler_cls(model, lambda ids: "", max_rows=64)
+    sampler = sampler_cls(model, lambda ids: "", max_rows=64, cuda_graphs=True)  # as served (CUDA only)
     s_rows, prompt, new = (4, 16, 8) if quick else (64, 128, 128)
     # Every rank runs the same decode steps: no time budget (it would differ between ranks).
     run_sampler(sampler, 2, prompt, 4, [None], seed=99, budget_s=math.inf)  # warm-up
