@@ -69,3 +69,18 @@ def test_rows_without_an_adapter_get_nothing(monkeypatch):
     torch.testing.assert_close(y, layer(x, segments), rtol=1e-5, atol=1e-6)
     delta = grouped_lora_delta(x, [layer.adapters[0], None, layer.adapters[1]], [3, 3, 4], 24)
     assert not delta[3:6].any()
+
+
+def test_more_tenants_than_one_grouped_call_takes_run_adapter_by_adapter(qwen3_dir, monkeypatch):
+    """Past the groups one grouped matmul takes (a GPU's refuses 1024 or more), a projection's
+    tenants run one by one instead, with the same results (here: a limit of 2, three tenants)."""
+    monkeypatch.setattr(moe, "MAX_GROUPS", 2)
+    loop, loop_grads = _step(qwen3_dir, "loop", monkeypatch)
+    calls: list = []
+    grouped, grouped_grads = _step(qwen3_dir, "grouped", monkeypatch, calls)
+    assert not calls  # no dense projection took the grouped path with three tenants
+    for a, b in zip(grouped, loop):
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
+    for key, g in loop_grads.items():
+        assert_rel_close(grouped_grads[key], g, 1e-5, str(key))

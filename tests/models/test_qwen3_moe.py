@@ -141,6 +141,34 @@ def test_grouped_matmul_path_equals_the_expert_loop(qwen3_moe_dir, monkeypatch):
     _assert_same(*results["loop"], *results["grouped"], 1e-5)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
+def test_tenants_past_one_grouped_call_are_cut_into_several(qwen3_moe_dir, monkeypatch):
+    """A GPU's grouped matmul takes fewer than 1024 groups; adapters x experts can pass that
+    (8 tenants of a 128-expert model). Tenants then go through several grouped calls, none past
+    the limit, with the same logprobs and gradients as the expert loop (here: a limit of 8 groups
+    and 4 experts, so 3 tenants take two calls)."""
+    groups = []
+    grouped_mm = torch._grouped_mm
+
+    def counted(a, b, *args, offs=None, **kwargs):
+        groups.append(offs.numel())
+        return grouped_mm(a, b, *args, offs=offs, **kwargs)
+
+    monkeypatch.setattr(moe, "MAX_GROUPS", 8)
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    rng = np.random.default_rng(4)
+    batches = [[sft_datum(rng, n, VOCAB, signed=True) for n in (13, 7)] for _ in range(3)]
+    results = {}
+    for mode in ("loop", "grouped"):
+        monkeypatch.setattr(moe, "GROUPED_MM", mode)
+        rt = TrainingRuntime(load_model(str(qwen3_moe_dir)).model, max_lora_adapters=4, max_lora_rank=8)
+        units = [perturbed_adapter(rt, LoraSpec(rank=r, seed=s), s) for r, s in ((4, 1), (8, 2), (4, 3))]
+        groups.clear()
+        results[mode] = (rt, units, _run(rt, list(zip(units, batches))))
+    assert groups and max(groups) <= 8 and 8 in groups, groups  # two tenants' experts per call, at most
+    _assert_same(*results["loop"], *results["grouped"], 1e-5)
+
+
 def test_single_token_steps_equal_the_full_forward(qwen3_moe_dir):
     """Decode feeds one token per step (one routed row per token, a kv cache for attention)."""
     from tinsmith.models.layers import causal_attention
@@ -267,7 +295,8 @@ def test_grouped_decode_step_never_reads_the_device(family, monkeypatch, request
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
-def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_dir, monkeypatch):
+@pytest.mark.parametrize("max_groups", [moe.MAX_GROUPS, 6])  # 6: a range's 2 experts take 2 adapters a call
+def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_dir, monkeypatch, max_groups):
     """Under expert parallelism each rank's block computes a range of the experts. With several
     adapters in one batch (and rows of none), the ranges' outputs and the adapters' gradients add
     up to the whole block's, on the expert loop and on the grouped matmul; on the grouped matmul
@@ -276,6 +305,8 @@ def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_di
     import copy
 
     from tinsmith.devtools.host_syncs import HostSyncs
+
+    monkeypatch.setattr(moe, "MAX_GROUPS", max_groups)
     from tinsmith.models.lora import LoraWeights
     from tinsmith.parallel.group import TPGroup
     from tinsmith.parallel.layers import ExpertParallelMoeBlock

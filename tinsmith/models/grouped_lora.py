@@ -42,12 +42,13 @@ def group_offsets(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def grouped_lora_usable(x: torch.Tensor, weights: list[LoraWeights | None], out_features: int) -> bool:
-    """Whether the grouped path runs for these rows: at least two adapters, on a device whose
-    grouped matmul kernel is fast (see :func:`tinsmith.models.moe.grouped_mm_usable`)."""
+    """Whether the grouped path runs for these rows: at least two adapters (and no more groups
+    than one grouped matmul takes), on a device whose grouped matmul kernel is fast (see
+    :func:`tinsmith.models.moe.grouped_mm_usable`)."""
     from tinsmith.models import moe  # late: moe imports the LoRA layers that import this module
 
     present = [w for w in weights if w is not None]
-    if len(present) < 2:
+    if len(present) < 2 or len(weights) > moe.MAX_GROUPS:
         return False
     rank = _round_up(max(w.A.shape[0] for w in present), 8)
     return moe.grouped_mm_fits(x, x.dtype, rank, x.shape[-1]) and moe.grouped_mm_fits(x, x.dtype, out_features, rank)

@@ -34,6 +34,10 @@ EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 # "auto" (grouped on GPUs that support it, a loop elsewhere), "loop" or "grouped" (forced; tests
 # compare the two).
 GROUPED_MM = "auto"
+# The most groups one ``torch._grouped_mm`` takes: its CUDA kernels refuse 1024 or more (the CPU's
+# has no limit). Several adapters' experts (adapters x experts groups) are cut into calls of at
+# most this many.
+MAX_GROUPS = 1023
 
 
 @dataclass
@@ -65,7 +69,7 @@ class ExpertGroups:
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` of ``x`` with stacked ``weight`` (groups x out x in) is the fast path here."""
-    return grouped_mm_fits(x, weight.dtype, weight.shape[-2], weight.shape[-1])
+    return weight.shape[0] <= MAX_GROUPS and grouped_mm_fits(x, weight.dtype, weight.shape[-2], weight.shape[-1])
 
 
 def grouped_mm_fits(x: torch.Tensor, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
@@ -253,7 +257,7 @@ class ExpertLinear(nn.Module):
         if not present:
             return None
         rank = -(-max(w.A.shape[1] for w in present) // 8) * 8
-        if not (grouped_mm_fits(x, x.dtype, rank, self.in_features) and grouped_mm_fits(x, x.dtype, self.out_features, rank)):
+        if len(weights) * self.num_experts > MAX_GROUPS or not (grouped_mm_fits(x, x.dtype, rank, self.in_features) and grouped_mm_fits(x, x.dtype, self.out_features, rank)):
             return None
         A, B = stack_lora(weights, rank, x.dtype, self.in_features, self.out_features, self.num_experts)
         h = torch._grouped_mm(x.index_select(0, rows.index), A.transpose(1, 2), offs=rows.offsets)
@@ -472,23 +476,23 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
         sorted_experts = torch.where(mine, sorted_experts, 0)
     out = []
     if top_k is None:  # a range of experts: how many of its pairs each adapter owns is known on the device only
-        def split() -> list[AdapterRows]:
-            parts = []
-            for i, slot in enumerate(slots):
-                index = (pair_owner == i).nonzero().squeeze(1)  # reads the device, once per adapter
-                if index.numel():
-                    counts = expert_counts(sorted_experts.index_select(0, index), num_experts)
-                    parts.append(AdapterRows(slot, index, ExpertGroups(counts)))
-            return parts
-
-        if not slots or not grouped:
-            return split() if slots else []
+        per = MAX_GROUPS // num_experts - 1  # adapters per grouped call, beside the zero group
+        if not slots or not grouped or per < 1:
+            return _rows_of(pair_owner, sorted_experts, slots, num_experts)() if slots else []
         # One grouped shrink and expand over every (owner, expert) group, sizes left on the device:
         # rows sorted by owner (stable, so each owner's stay sorted by expert), the rows of no
-        # adapter (owner -1) first as a zero group.
-        index = torch.sort(pair_owner, stable=True).indices
-        counts = expert_counts((pair_owner + 1) * num_experts + sorted_experts, (len(slots) + 1) * num_experts)
-        return [JointAdapterRows([None, *slots], index, torch.cumsum(counts, 0, dtype=torch.int32), split)]
+        # adapter (owner -1) first as a zero group. Past MAX_GROUPS, the adapters are taken a
+        # chunk at a time, the other chunks' rows in the zero group.
+        joint = []
+        for lo in range(0, len(slots), per):
+            chunk = slots[lo: lo + per]
+            mine_here = (pair_owner >= lo) & (pair_owner < lo + len(chunk))
+            local = torch.where(mine_here, pair_owner - lo, -1)
+            index = torch.sort(local, stable=True).indices
+            counts = expert_counts((local + 1) * num_experts + sorted_experts, (len(chunk) + 1) * num_experts)
+            joint.append(JointAdapterRows([None, *chunk], index, torch.cumsum(counts, 0, dtype=torch.int32),
+                                          _rows_of(local, sorted_experts, chunk, num_experts)))
+        return joint
     tokens = [seg[2] - seg[1] if len(seg) == 3 else seg[1].numel() for seg in segments if seg[0] is not None]  # type: ignore[misc, union-attr]
     by_adapter = torch.sort(pair_owner, stable=True).indices  # tokens of no adapter (-1) first; each adapter's rows in order
     lo = (num_tokens - sum(tokens)) * top_k
@@ -497,7 +501,23 @@ def _adapter_rows(segments: Segments | RowGroups | RowSlots | None, num_tokens: 
             index = by_adapter[lo: lo + n * top_k]
             out.append(AdapterRows(slot, index, ExpertGroups(expert_counts(sorted_experts.index_select(0, index), num_experts))))
         lo += n * top_k
-    return [JointAdapterRows.of(out)] if len(out) > 1 else out
+    per = max(1, MAX_GROUPS // num_experts)  # adapters per grouped call
+    chunks = [out[i: i + per] for i in range(0, len(out), per)]
+    return [JointAdapterRows.of(c) if len(c) > 1 else c[0] for c in chunks]
+
+
+def _rows_of(owner: torch.Tensor, sorted_experts: torch.Tensor, slots: list[int], num_experts: int
+             ) -> Callable[[], list[AdapterRows]]:
+    """Each of ``slots``' rows on its own (``owner``: each sorted row's index in ``slots``, -1 for
+    none), found when asked (one read per adapter: off the grouped matmul only)."""
+    def split() -> list[AdapterRows]:
+        parts = []
+        for i, slot in enumerate(slots):
+            index = (owner == i).nonzero().squeeze(1)  # reads the device, once per adapter
+            if index.numel():
+                parts.append(AdapterRows(slot, index, ExpertGroups(expert_counts(sorted_experts.index_select(0, index), num_experts))))
+        return parts
+    return split
 
 
 # ----------------------------------------------------------------------------- checkpoint layouts
