@@ -323,10 +323,16 @@ def test_grouped_matmul_path_equals_the_expert_loop(gpt_oss_dir, monkeypatch):
             assert_rel_close(gb[n], ga[n], 1e-4, n)
 
 
-def test_sink_attention_through_sdpa_equals_the_eager_softmax():
+@pytest.mark.parametrize("heads", ["grouped", "repeat"])
+def test_sink_attention_through_sdpa_equals_the_eager_softmax(heads, monkeypatch):
     """The SDPA form (the sink as one extra key) equals transformers' eager softmax with sinks,
-    values and gradients (q, k, v and the sinks), under a sliding-window mask with GQA."""
+    values and gradients (q, k, v and the sinks), under a sliding-window mask with GQA: with the
+    grouped heads handed to SDPA (CPUs), or K/V repeated per query head (CUDA, where no fused
+    kernel takes a mask and grouped heads together)."""
+    from tinsmith.models import layers
     from tinsmith.models.layers import _sink_as_key, eager_sink_attention
+
+    monkeypatch.setattr(layers, "MASKED_GQA", heads)
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
@@ -340,6 +346,26 @@ def test_sink_attention_through_sdpa_equals_the_eager_softmax():
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum(),
                                     (q, k, v, sinks))
         outs.append((out.detach(), grads))
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+    for x, y in zip(gb, ga):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)
+
+
+def test_masked_attention_repeating_key_value_heads_equals_grouped_heads(monkeypatch):
+    """Masked attention without sinks (a prompt over a cached prefix, packed documents): K/V
+    repeated per query head (CUDA) and grouped heads (CPUs) give the same values and gradients."""
+    from tinsmith.models import layers
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+               for shape in ((2, 6, 12, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
+    allowed = torch.arange(40)[None, :] <= torch.arange(28, 40)[:, None]  # 12 queries after 28 cached keys
+    outs = []
+    for heads in ("grouped", "repeat"):
+        monkeypatch.setattr(layers, "MASKED_GQA", heads)
+        out = layers.masked_attention(q, k, v, allowed[None], None)
+        outs.append((out.detach(), torch.autograd.grad(out.square().sum(), (q, k, v))))
     (a, ga), (b, gb) = outs
     torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
     for x, y in zip(gb, ga):

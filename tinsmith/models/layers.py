@@ -26,6 +26,11 @@ from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 _WEIGHT_VERSIONS = itertools.count(1)  # one sequence for every model: a version is never handed out twice
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# How masked attention meets grouped-query heads: "auto" (K/V repeated per query head on CUDA,
+# where SDPA's fused kernels take a mask or grouped heads but not both: flash no mask, memory-
+# efficient no grouped heads, cuDNN off (slow first calls); left grouped elsewhere), or forced
+# "repeat" / "grouped" (tests compare the two).
+MASKED_GQA = "auto"
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -189,12 +194,24 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     queries go through SDPA with the sink as one extra key (see :func:`_sink_as_key`), so no
     (Lq x Lk) float score matrix per head is kept for backward by fused kernels.
     """
-    hq, hk = q.shape[1], k.shape[1]
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=hk != hq)
+        return _masked_sdpa(q, k, v, allowed[:, None])
     if q.shape[2] == 1:
         return eager_sink_attention(q, k, v, allowed, sinks)
     return _sink_as_key(q, k, v, allowed, sinks)
+
+
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+    """SDPA with a boolean ``mask``. With grouped-query heads on CUDA, K/V are repeated per query
+    head (:data:`MASKED_GQA`): otherwise no fused kernel takes the call and SDPA's math fallback
+    keeps a (heads x Lq x Lk) probability matrix per layer (gigabytes at 8k tokens) for backward.
+    The copies cost ``Hq / Hk`` times the K/V, a small share of that."""
+    hq, hk = q.shape[1], k.shape[1]
+    repeat = hk != hq and (MASKED_GQA == "repeat" or (MASKED_GQA == "auto" and q.is_cuda))
+    if repeat:
+        k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hk != hq and not repeat)
 
 
 def eager_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -238,8 +255,7 @@ def _sink_as_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: tor
     k_ext = torch.cat((k_ext, sink_key), dim=2)
     v_ext = torch.cat((v, v.new_zeros(b, hk, 1, v.shape[-1])), dim=2)
     mask = torch.cat((allowed, allowed.new_ones(*allowed.shape[:-1], 1)), dim=-1)
-    return F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask[:, None], scale=scale,
-                                          enable_gqa=hk != hq)
+    return _masked_sdpa(q_ext, k_ext, v_ext, mask[:, None], scale)
 
 
 class Attention(nn.Module):
