@@ -39,43 +39,46 @@ DEFAULT_RANK_LR_CORRECTION_EXPONENT = DimuonParams.rank_lr_correction_exponent
 
 
 def newton_schulz(x: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
-    """Approximate the matrix sign (orthogonal polar factor) of 2-D ``x`` in float32.
+    """Approximate the matrix sign (orthogonal polar factor) of ``x`` in float32: a matrix, or a
+    stack of them (``(..., rows, cols)``, each on its own, all in the same batched matmuls).
 
     Works on the wide orientation so the Gram matrix is the small side squared (r x r for a
     LoRA factor)."""
     a, b, c = NS_COEFFICIENTS
     y = x.float()
-    tall = y.shape[0] > y.shape[1]
+    tall = y.shape[-2] > y.shape[-1]
     if tall:
-        y = y.T
-    y = y / (torch.linalg.matrix_norm(y) + NORM_EPS)
+        y = y.mT
+    y = y / (torch.linalg.matrix_norm(y, keepdim=True) + NORM_EPS)
     for _ in range(steps):
-        gram = y @ y.T
+        gram = y @ y.mT
         y = a * y + (b * gram + c * gram @ gram) @ y
-    return y.T if tall else y
+    return y.mT if tall else y
 
 
 def precondition(m: torch.Tensor, damping: float) -> torch.Tensor:
-    """Scale rows and columns of ``m`` by their damped inverse RMS, relative to the mean energy."""
+    """Scale rows and columns of ``m`` (each matrix of a stack on its own) by their damped inverse
+    RMS, relative to the matrix's mean energy."""
     sq = m.float().square()
-    mean = sq.mean() + NORM_EPS * NORM_EPS
-    rows = sq.mean(dim=1) / mean
-    cols = sq.mean(dim=0) / mean
-    return m.float() * (rows + damping).rsqrt()[:, None] * (cols + damping).rsqrt()[None, :]
+    mean = sq.mean(dim=(-2, -1), keepdim=True) + NORM_EPS * NORM_EPS
+    rows = sq.mean(dim=-1, keepdim=True) / mean
+    cols = sq.mean(dim=-2, keepdim=True) / mean
+    return m.float() * (rows + damping).rsqrt() * (cols + damping).rsqrt()
 
 
 def matrix_direction(m: torch.Tensor, damping: float, norm: float) -> torch.Tensor:
-    """The orthogonalised, preconditioned direction of momentum ``m``, Frobenius norm ``norm``
-    (zero when the momentum is zero: nothing to follow yet)."""
+    """The orthogonalised, preconditioned direction of momentum ``m`` (a matrix, or a stack of
+    them: one per routed expert), Frobenius norm ``norm`` each (zero where the momentum is zero:
+    nothing to follow yet). Decided on the device: no value is read back."""
     o = newton_schulz(precondition(m, damping))
-    fro = torch.linalg.matrix_norm(o)
-    return o * (norm / fro) if float(fro) > 0 else torch.zeros_like(o)
+    fro = torch.linalg.matrix_norm(o, keepdim=True)
+    return torch.where(fro > 0, o * (norm / fro), 0.0)
 
 
 def vector_direction(m: torch.Tensor) -> torch.Tensor:
     """Momentum of a non-matrix tensor normalised to RMS 1 (zero stays zero)."""
     rms = m.float().square().mean().sqrt()
-    return m.float() / rms if float(rms) > 0 else torch.zeros_like(m, dtype=torch.float32)
+    return torch.where(rms > 0, m.float() / rms, 0.0)
 
 
 def rank_lr_factor(rank: int | None, exponent: float) -> float:
@@ -120,10 +123,9 @@ class Dimuon(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros_like(p)
                 m = state["momentum"]
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                if p.ndim in (2, 3):  # a matrix, or a stack of them (one per routed expert)
+                if p.ndim in (2, 3):  # a matrix, or a stack of them (one per routed expert), batched
                     norm = math.sqrt(rank if rank is not None else min(p.shape[-2:]))
-                    d = (matrix_direction(m, group["damping"], norm) if p.ndim == 2 else
-                         torch.stack([matrix_direction(e, group["damping"], norm) for e in m.unbind(0)]))
+                    d = matrix_direction(m, group["damping"], norm)
                 else:
                     d = vector_direction(m)
                 p.add_(d.to(p.dtype), alpha=-lr)
