@@ -45,9 +45,14 @@ _process = psutil.Process()
 def _device_reading(index: int) -> DeviceReading:
     reading = DeviceReading(index=index, name=torch.cuda.get_device_name(index))
     try:
-        free, total = torch.cuda.mem_get_info(index)
-        reading.total_bytes, reading.used_bytes = int(total), int(total - free)
-    except RuntimeError:
+        reading.total_bytes = int(torch.cuda.get_device_properties(index).total_memory)
+        if torch.cuda.memory_reserved(index) > 0:  # a device this process computes on
+            free, total = torch.cuda.mem_get_info(index)
+            reading.used_bytes = int(total - free)
+        else:  # asked without a CUDA context of this process there (mem_get_info would make one,
+            # ~0.5 GB on each GPU that other ranks use): from NVML, when installed
+            reading.used_bytes = int(torch.cuda.device_memory_used(index))
+    except Exception:  # noqa: BLE001 - no NVML (ModuleNotFoundError), or a driver that refuses
         pass
     reading.allocated_bytes = int(torch.cuda.memory_allocated(index))
     reading.reserved_bytes = int(torch.cuda.memory_reserved(index))
