@@ -382,7 +382,7 @@ class SparseMoeBlock(nn.Module):
         mine = None  # under expert parallelism, which kept pairs are this block's (None: all of them)
         if num_experts == counts.shape[0]:
             groups, sorted_experts = ExpertGroups(counts), flat[order]
-        elif self._keeps_every_pair(x2, segments):
+        elif self._keeps_every_pair(x2):
             order, groups, sorted_experts, mine = self._own_pairs_first(flat, counts, num_experts)
         else:  # this block's range of experts: its pairs are one contiguous run of the sorted pairs
             order, groups = self._own_pairs(order, counts, num_experts)
@@ -403,7 +403,7 @@ class SparseMoeBlock(nn.Module):
         # index_add over rows sorted by expert sums each token's experts in ascending expert order.
         return torch.zeros_like(x2).index_add(0, token_of, out).view(x.shape)
 
-    def _keeps_every_pair(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> bool:
+    def _keeps_every_pair(self, x: torch.Tensor) -> bool:
         """Whether this block, a range of the experts, keeps every routed pair rather than cutting
         out its own (which reads where they start from the device, once per layer): when the
         grouped matmul computes only the groups it is given (the others' pairs then cost a gather,
