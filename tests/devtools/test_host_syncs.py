@@ -70,3 +70,31 @@ def test_torch_is_itself_again_after_the_block():
     assert (torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.to, torch.Tensor.item) == originals
     t = torch.tensor([1.0])
     assert not hasattr(t, "_tinsmith_host")
+
+
+def test_torch_optims_own_step_counters_are_not_reads_but_an_optimizer_of_ours_is_watched():
+    """AdamW reads its per-parameter step counts, which live on the host (not a wait on a GPU);
+    an optimizer subclass of ours runs under torch.optim's step wrapper too, and its reads of
+    device values count."""
+
+    class ReadsANorm(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if float(p.grad.norm()) > 0:
+                        p.add_(p.grad)
+
+    ours, adamw = (torch.zeros(3, requires_grad=True) for _ in range(2))
+    ours.grad, adamw.grad = torch.ones(3), torch.ones(3)
+    optimizer = torch.optim.AdamW([adamw], foreach=True)
+    with HostSyncs() as h:
+        optimizer.step()
+        optimizer.step()
+    assert h.count() == 0, h.events
+    with HostSyncs() as h:
+        ReadsANorm([ours]).step()
+    assert [e.what for e in h.events] == ["Tensor.__float__"], h.events
