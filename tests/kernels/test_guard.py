@@ -54,3 +54,31 @@ def test_switched_off_kernels_are_not_usable(monkeypatch):
     monkeypatch.setattr(da.GUARD, "failed", "RuntimeError: x")
     monkeypatch.setattr(dr.GUARD, "failed", "RuntimeError: x")
     assert not da.usable(torch.zeros(1)) and not dr.usable(torch.zeros(1, 1, 2, 2))
+
+
+def test_gathered_lora_kernels_that_cannot_run_fall_back_to_torch(monkeypatch):
+    """The multi-adapter decode kernels (shrink, expand) are guarded like the others: a build or
+    launch failure switches them off once and the torch gathers give the same result."""
+    from tinsmith.kernels import lora_gather as lg
+
+    if lg.triton is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(guard_mod, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(lg, "BACKEND", "triton")
+    monkeypatch.setattr(lg.GUARD, "failed", None)
+
+    def broken(*args):
+        raise RuntimeError("PTX assembly aborted")
+
+    monkeypatch.setattr(lg, "shrink_triton", broken)
+    monkeypatch.setattr(lg, "expand_triton", broken)
+    g = torch.Generator().manual_seed(0)
+    x, A, B = torch.randn(5, 16, generator=g), torch.randn(3, 4, 16, generator=g), torch.randn(3, 24, 4, generator=g)
+    idx = torch.tensor([0, 2, -1, 1, 2])
+    h = lg.shrink(x, A, idx)
+    assert "PTX assembly aborted" in lg.GUARD.failed and not lg.triton_usable(x)
+    torch.testing.assert_close(h, lg.shrink_torch(x, A, idx))
+    y, want = torch.zeros(5, 24), torch.zeros(5, 24)
+    lg.expand(y, h, B, idx)
+    lg.expand_torch(want, h, B, idx)
+    torch.testing.assert_close(y, want)

@@ -23,9 +23,10 @@ reference the kernels are tested against.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from tinsmith.kernels import guard
+from tinsmith.kernels.guard import KernelGuard
 
 try:  # optional: ``pip install 'tinsmith[gpu]'``
     import triton
@@ -45,14 +46,14 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels in its interpreter (on CPU tensors), as tests have it."""
-    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+triton_interpreting = guard.triton_interpreting  # asked here by the kernels' users and tests
+GUARD = KernelGuard("gathered LoRA kernels", "gathering adapters in torch")
 
 
 def triton_usable(x: torch.Tensor) -> bool:
-    """Whether :func:`shrink`/:func:`expand` take the Triton path for tensors like ``x``."""
-    if triton is None or BACKEND == "torch":
+    """Whether :func:`shrink`/:func:`expand` take the Triton path for tensors like ``x`` (not once
+    the kernels failed to build or launch here: :data:`GUARD`)."""
+    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
         return False
     return BACKEND == "triton" or x.device.type == "cuda"
 
@@ -175,14 +176,21 @@ def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: t
 # ----------------------------------------------------------------------------- dispatch
 def shrink(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """(rows, r) fp32: each row's ``x`` through its slot's A (zeros for slot -1). Triton where usable."""
-    return shrink_triton(x, A_bank, idx) if triton_usable(x) else shrink_torch(x, A_bank, idx)
+    if triton_usable(x):
+        out = GUARD.call(shrink_triton, x, A_bank, idx, on=x)
+        if out is not None:
+            return out
+    return shrink_torch(x, A_bank, idx)
+
+
+def _ran(kernel, *args) -> bool:
+    kernel(*args)
+    return True
 
 
 def expand(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: torch.Tensor) -> None:
     """Add each row's ``B_bank[slot] @ h`` into ``y`` in place (nothing for slot -1). Triton where usable."""
-    if triton_usable(y):
-        expand_triton(y, h, B_bank, idx)
-    else:
+    if not (triton_usable(y) and GUARD.call(_ran, expand_triton, y, h, B_bank, idx, on=y)):
         expand_torch(y, h, B_bank, idx)
 
 
@@ -190,7 +198,5 @@ def expand_parts(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: to
                  columns: list[tuple[int, int]], h_offsets: torch.Tensor) -> None:
     """:func:`expand` for packed projections: columns ``[a, b)`` of part ``j`` read part ``j`` of
     ``h`` (``h_offsets`` says so per column, for the kernel). One launch where Triton is usable."""
-    if triton_usable(y):
-        expand_triton(y, h, B_bank, idx, h_offsets)
-    else:
+    if not (triton_usable(y) and GUARD.call(_ran, expand_triton, y, h, B_bank, idx, h_offsets, on=y)):
         expand_parts_torch(y, h, B_bank, idx, columns)
