@@ -63,7 +63,8 @@ def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
     z = sizes(quick)
     lm = load_model(str(model_dir), device=device)
     dtype_bytes = next(lm.model.parameters()).element_size()
-    sampler = Sampler(lm.model, lambda toks: "", max_rows=max(z["rows"]))
+    # As the server runs it: decode steps replayed from CUDA graphs on a GPU (graphs_vs_eager compares).
+    sampler = Sampler(lm.model, lambda toks: "", max_rows=max(z["rows"]), cuda_graphs=device.type == "cuda")
     out: dict = {"prompt_tokens": z["prompt"], "new_tokens": z["new"]}
     run_sampler(sampler, 2, z["prompt"], 4, [None], seed=99)  # warm-up
     for rows in z["rows"]:
@@ -80,6 +81,9 @@ def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
         multi_s = run_sampler(sampler, rows, z["prompt"], z["new"], units[:n], seed=1)
         out[f"adapters_{n}"] = {"rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
                                 "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s}
+    if sampler.graphs is not None:
+        out["graphs"] = {"captures": sampler.stats["graph_captures"], "replays": sampler.stats["graph_replays"],
+                         "broken": sampler.graphs.broken}
     del rt, sampler, lm
     return out
 

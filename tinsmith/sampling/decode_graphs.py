@@ -265,7 +265,7 @@ class DecodeGraphs:
                         "decoding eagerly from now on", variant)
             self.broken = "another tensor-parallel rank's capture failed"
         if self.broken is not None:
-            self._graphs.clear()
+            self._forget_graphs()
             return
         self._graphs[key] = graph
         self.stats["graph_captures"] += 1
@@ -279,8 +279,21 @@ class DecodeGraphs:
         """Forget every graph when an address they read moved (cache reallocated, bank regrown)."""
         layout = (*self.cache.addresses(), self._banks(groups))
         if layout != self._layout:
-            self._graphs.clear()
+            self._forget_graphs()
             self._layout = layout
+
+    def _forget_graphs(self) -> None:
+        """Drop every graph and the memory pool they shared; the next capture starts a new pool.
+
+        A pool whose graphs are all gone cannot take another capture while it still caches
+        blocks (PyTorch's allocator asserts on it), and its blocks serve no other allocation:
+        so a new pool handle, and the old pool's blocks handed back to the allocator.
+        """
+        had_pool = self._pool is not None and bool(self._graphs)
+        self._graphs.clear()
+        self._pool = None
+        if had_pool:
+            torch.cuda.empty_cache()  # frees the released pool's cached blocks (rare: a layout change)
 
     def _banks(self, groups: RowSlots | None) -> tuple:
         """Bring every adapter bank up to date (a replay runs no Python, so no layer syncs its own)

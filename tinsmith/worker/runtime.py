@@ -582,7 +582,7 @@ class TrainingRuntime:
                 cols.append(tgt.reshape(-1))
                 elem_bounds.append(elem_bounds[-1] + n * k)
             rows_host = torch.cat(rows_idx)
-            lp = self._target_logprobs(h, mb.token_segments, rows_host.to(self.device), torch.cat(cols).to(self.device),
+            lp = self._target_logprobs(h, mb.token_segments, to_device(rows_host, self.device), to_device(torch.cat(cols), self.device),
                                        rows_host)
             losses = []
             by_request: dict[int, list[int]] = {}
