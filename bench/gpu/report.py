@@ -57,6 +57,7 @@ def markdown(s: dict) -> str:
                      f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
                      f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")
         L.append("")
+    L += _profiles(s)
     sa = s.get("sample", {})
     if sa:
         L += _heading("## Sampling (tokens/s)",
@@ -144,3 +145,25 @@ def markdown(s: dict) -> str:
                      f"{_get(mo, kind, 'decode_tokens_per_s')} | {_status(mo)} |")
         L += [f"| MoE / dense | {_get(mo, 'train_moe_vs_dense')} | | {_get(mo, 'decode_moe_vs_dense')} | |", ""]
     return "\n".join(L)
+
+
+def _profiles(s: dict) -> list[str]:
+    """Per profiled step (bench/gpu/profile.py): where its device time goes, then its costliest kernels."""
+    found = [(f"{part}/{key}", item) for part in ("train", "sample") for key, item in s.get(part, {}).items()
+             if key.endswith("profile")]
+    if not found:
+        return []
+    L = _heading("## Where a step's time goes (ms per step; profiled eagerly)",
+                 "| step | source | device ms | wall ms | kernels | by family (ms) | notes |")
+    tops: list[str] = []
+    for key, item in found:
+        for case, t in item.items():
+            if not isinstance(t, dict) or "families_ms" not in t:
+                continue
+            fam = ", ".join(f"{k} {v:.2f}" for k, v in t["families_ms"].items())
+            L.append(f"| {key} {case} | {t['source']} | {_fmt(t['device_ms'])} | {_fmt(t['wall_ms'])} | "
+                     f"{_fmt(t['kernels'])} | {fam} | |")
+            tops += [f"{key} {case}: " + "; ".join(f"{n} {ms:.3g} ms x{c:g}" for n, ms, c in t["top"][:8])]
+        if _status(item):
+            L.append(f"| {key} | - | - | - | - | - | {_status(item)} |")
+    return L + [""] + [f"- {line}" for line in tops] + [""]

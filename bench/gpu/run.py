@@ -1,9 +1,9 @@
 """Run the GPU benchmarks and write their results: one JSON per part, summary.json, summary.md.
 
-    python -m bench.gpu.run --out DIR [--shapes 0.6B,1.7B] [--quick] [--device cuda|cpu]
+    python -m bench.gpu.run --out DIR [--shapes 1.7B] [--quick] [--device cuda|cpu]
 
 Parts: ``peak`` (the machine's measured ceilings), ``train`` (LoRA / full fine-tune / peft
-baseline), ``sample`` (decode vs the HBM bound, 8 adapters, generate baseline, SDK GRPO and
+baseline, and the kernels of a training step: profile.py), ``sample`` (and the kernels of a decode step) (decode vs the HBM bound, 8 adapters, generate baseline, SDK GRPO and
 first-call latency, decode stall while a long prompt is prefilled whole vs chunked), ``moe`` (a Qwen3-30B-A3B-sized layer stack against the dense model of
 equal active parameters). Each item runs guarded: a failure is recorded and the rest still run. Each
 part has a time budget; items that would start after it are recorded as skipped, so the whole
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu import peak as peak_mod
-from bench.gpu import moe, sample, targets, train
+from bench.gpu import moe, profile, sample, targets, train
 from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
 
@@ -59,7 +59,8 @@ class Part:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--shapes", default="0.6B,1.7B", help=f"comma-separated, of {', '.join(SHAPES)}")
+    # 1.7B alone by default: the issues' targets are set on it, and one device call holds one shape's parts.
+    p.add_argument("--shapes", default="1.7B", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--quick", action="store_true", help="small batches and lengths (a CPU check of the whole run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--parts", default="peak,train,sample,moe")
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name in shapes:
             n = counts[name]["matmul"]
             tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
+            if name == shapes[-1]:  # why the figures are what they are: the step's kernels
+                tr.item(f"{name}/profile", lambda: profile.train_step(dirs[name], device, a.quick))
             tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
             if name in ("tiny", "0.6B", "1.7B"):  # a bf16 full copy + AdamW state of 4B/8B does not fit beside the rest
                 tr.item(f"{name}/full_finetune", lambda: train.full_finetune(dirs[name], device, peaks, n, a.quick))
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
         # generate baseline), so that a run cut short by its budget still has them.
         for name in shapes:
             sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
+            if name == shapes[-1]:
+                sa.item(f"{name}/decode_profile", lambda: profile.decode_step(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))

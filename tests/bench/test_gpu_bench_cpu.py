@@ -31,3 +31,14 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
         assert waves[f"{layout}/cache_on"]["second_wave_prompt_tokens_computed"] == 2 * 2
         assert waves[f"{layout}/cache_off"]["second_wave_prompt_tokens_computed"] == 2 * 4 * 130
     assert "second wave tok/s" in (out / "summary.md").read_text()
+    # The profiled steps: each case's time by family adds up to its total, the top kernels within it.
+    for part, key, cases in (("train", "tiny/profile", ("one_tenant", "four_tenants")),
+                             ("sample", "tiny/decode_profile", ("base", "adapters_8"))):
+        for case in cases:
+            t = summary[part][key][case]
+            assert t["source"] == "cpu aten ops" and t["kernels"] > 0 and t["steps"] >= 1
+            assert sum(t["families_ms"].values()) == pytest.approx(t["device_ms"], rel=1e-2)
+            assert 0 < t["top"][0][1] <= t["device_ms"]
+    four, one = summary["train"]["tiny/profile"]["four_tenants"], summary["train"]["tiny/profile"]["one_tenant"]
+    assert four["kernels"] > one["kernels"]  # four adapters' own LoRA work
+    assert "Where a step's time goes" in (out / "summary.md").read_text()

@@ -1,0 +1,130 @@
+"""Where a step's device time goes: the kernels of a decode step and of a LoRA training step
+(one tenant, then four in one step), read with ``torch.profiler``.
+
+Device time is short, so the call that measures a figure also says why it is what it is. Each
+item reports, per step: ``device_ms`` (the kernels' summed durations: what the step costs once
+launches are free, as under CUDA graphs), ``wall_ms`` (the profiled step's wall time, launches
+and profiler included), ``kernels`` (how many ran), those milliseconds by family (matmul,
+attention, sort/scan, copies and indexing, the rest), and the most expensive kernels. On a CPU
+(``--device cpu``) the same tables list the ATen operators' own CPU time instead.
+
+The decode step is profiled eagerly (no graphs): its kernels are the graphs' kernels, each named.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+
+from bench.gpu.peak import sync
+from bench.gpu.train import RANK, batch
+from tinsmith.models.loading import load_model
+from tinsmith.sampling.sampler import Sampler, SampleTask
+from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
+from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+
+TOP = 15
+# First match wins; names are CUDA kernels (cuBLAS / CUTLASS / Triton / ATen) or, on a CPU, ATen ops.
+FAMILIES = (
+    ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|grouped_mm|aten::(mm|bmm|addmm|matmul|linear)\b", re.I)),
+    ("attention", re.compile(r"attention|flash|fmha|sdpa|_split_kernel|_combine_kernel|decode_attn", re.I)),
+    ("sort/scan", re.compile(r"sort|scan|cumsum|radix|topk|searchsorted", re.I)),
+    ("copy/index", re.compile(r"memcpy|memset|copy|index|gather|scatter|cat_|aten::(cat|to|_to_copy|clone)\b", re.I)),
+)
+
+
+def family(name: str) -> str:
+    return next((f for f, pattern in FAMILIES if pattern.search(name)), "other")
+
+
+def kernel_table(prof, steps: int, wall_s: float) -> dict:
+    """Per step: device ms, wall ms, kernel count, ms by family, the ``TOP`` kernels (name, ms, calls)."""
+    events = list(prof.key_averages())
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    if kernels:
+        rows = [(e.key, e.self_device_time_total, e.count) for e in kernels]
+        source = "cuda kernels"
+    else:  # a CPU run: ATen operators' own time
+        rows = [(e.key, e.self_cpu_time_total, e.count) for e in events
+                if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
+        source = "cpu aten ops"
+    total_us = sum(us for _, us, _ in rows)
+    families: dict[str, float] = {}
+    for name, us, _ in rows:
+        families[family(name)] = families.get(family(name), 0.0) + us / 1e3 / steps
+    top = sorted(rows, key=lambda r: -r[1])[:TOP]
+    return {"source": source, "steps": steps, "device_ms": total_us / 1e3 / steps, "wall_ms": 1e3 * wall_s / steps,
+            "kernels": sum(c for _, _, c in rows) / steps,
+            "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+            "top": [[name[:90], round(us / 1e3 / steps, 3), round(c / steps, 1)] for name, us, c in top]}
+
+
+def _profiled(fn, device: torch.device):
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with torch_profile(activities=activities) as prof:
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t
+    return prof, wall
+
+
+def decode_step(model_dir, device, quick: bool) -> dict:
+    """The kernels of eager decode steps of 64 rows (128-token prompts), base model, then with
+    8 adapters in turn."""
+    rows, prompt, new = (4, 16, 64) if quick else (64, 128, 256)
+    lm = load_model(str(model_dir), device=device)
+    rt = TrainingRuntime(lm.model, max_lora_adapters=8, max_lora_rank=RANK, max_training_runs=8)
+    units = [rt.create_adapter(LoraSpec(rank=RANK, seed=i)) for i in range(8)]
+    out: dict = {"rows": rows, "prompt_tokens": prompt}
+    for name, slots in (("base", [None]), ("adapters_8", units)):
+        sampler = Sampler(lm.model, lambda toks: "", max_rows=rows, cuda_graphs=False)
+        rng = np.random.default_rng(0)
+        for i in range(rows):
+            params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=i)
+            sampler.add(SampleTask(i, slots[i % len(slots)], SampleInput(rng.integers(4, 2000, prompt), 1, params)))
+        with torch.inference_mode():
+            sampler.step(budget_s=0.0)  # admission and prefill (and the first burst)
+            sampler.step(budget_s=0.05)  # warm
+            before = sampler.stats["decode_steps"]
+            prof, wall = _profiled(lambda: sampler.step(budget_s=0.02 if quick else 0.3), device)
+            steps = sampler.stats["decode_steps"] - before
+            sampler.abort()
+        out[name] = kernel_table(prof, max(steps, 1), wall)
+        del sampler
+    del rt, lm
+    return out
+
+
+def train_step(model_dir, device, quick: bool) -> dict:
+    """The kernels of one LoRA r32 forward_backward + optim_step: one tenant with 8 x 1024 tokens,
+    then four tenants with 2 x 1024 each (the same tokens)."""
+    L, rows = (32, 4) if quick else (1024, 8)
+    lm = load_model(str(model_dir), device=device)
+    vocab = lm.config.vocab_size
+    rt = TrainingRuntime(lm.model, max_lora_adapters=4, max_lora_rank=RANK)
+    units = [rt.create_adapter(LoraSpec(rank=RANK, seed=i)) for i in range(4)]
+    out: dict = {"tokens": rows * L}
+    for name, work in (("one_tenant", {units[0]: batch(vocab, rows, L)}),
+                       ("four_tenants", {u: batch(vocab, rows // 4, L, seed=i) for i, u in enumerate(units)})):
+        reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in work.items()]
+
+        def one() -> None:
+            for res in rt.forward_backward(reqs):
+                if isinstance(res, Exception):
+                    raise res
+            for u in work:
+                rt.optim_step(u, AdamParams(learning_rate=1e-5))
+
+        one()  # warm-up
+        prof, wall = _profiled(one, device)
+        out[name] = kernel_table(prof, 1, wall)
+    del rt, lm
+    return out
