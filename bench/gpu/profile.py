@@ -98,8 +98,6 @@ def decode_step(model_dir, device, quick: bool) -> dict:
             steps = sampler.stats["decode_steps"] - before
             sampler.abort()
         out[name] = kernel_table(prof, max(steps, 1), wall)
-        del sampler
-    del rt, lm
     return out
 
 
@@ -126,5 +124,4 @@ def train_step(model_dir, device, quick: bool) -> dict:
         one()  # warm-up
         prof, wall = _profiled(one, device)
         out[name] = kernel_table(prof, 1, wall)
-    del rt, lm
     return out
