@@ -191,11 +191,53 @@ def _tempered_probs(logits: torch.Tensor, temperature: torch.Tensor | float) -> 
     return torch.softmax(shifted / temperature, dim=-1)
 
 
+# Vocabularies above FLAT_CDF_MAX entries are searched in blocks of CDF_BLOCK (see _inverse_cdf):
+# BLOCKED_CDF "auto" on CUDA devices only, "always", or "never".
+CDF_BLOCK = 1024
+FLAT_CDF_MAX = 4 * CDF_BLOCK
+BLOCKED_CDF = "auto"
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Indices drawn from unnormalised non-negative ``weights`` (rows) with uniforms ``u``.
 
     ``u`` is (rows,) for one draw per row, or (rows, k) for k draws from each row's one CDF.
+
+    On a GPU a large vocabulary is searched in blocks (:func:`_inverse_cdf_blocked`): a scan
+    along a 150k-entry row is a long serial loop there (a few rows per thread block). On a CPU
+    one running sum is cheapest, and it stays the reference.
     """
+    blocked = BLOCKED_CDF == "always" or (BLOCKED_CDF == "auto" and weights.is_cuda)
+    if weights.shape[-1] <= FLAT_CDF_MAX or not blocked:
+        return _inverse_cdf_flat(weights, u)
+    return _inverse_cdf_blocked(weights, u)
+
+
+def _inverse_cdf_blocked(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`_inverse_cdf` in two levels, which picks the same index as one running sum over the
+    row (up to the rounding of float64 sums in another order): the blocks' sums, their running
+    total, the block the draw falls in, then a running sum inside that block only."""
+    V = weights.shape[-1]
+    one = u.dim() == 1
+    uk = u[:, None] if one else u  # (rows, k)
+    rows, k = uk.shape
+    nb = -(-V // CDF_BLOCK)
+    blocks = torch.nn.functional.pad(weights, (0, nb * CDF_BLOCK - V)).view(rows, nb, CDF_BLOCK)
+    block_cdf = blocks.sum(-1).cumsum(-1)  # (rows, nb)
+    target = uk * block_cdf[:, -1:]
+    b = torch.searchsorted(block_cdf, target).clamp_(max=nb - 1)  # (rows, k)
+    before = block_cdf.gather(-1, (b - 1).clamp(min=0)) * (b > 0)
+    chosen = blocks.gather(1, b[:, :, None].expand(rows, k, CDF_BLOCK))  # (rows, k, CDF_BLOCK)
+    j = torch.searchsorted(chosen.cumsum(-1), (target - before)[:, :, None]).squeeze(-1)
+    # The block's running sum may end a rounding error short of the draw: stay on its last
+    # entry that has weight (never a zero-weight one, nor the padding).
+    last = CDF_BLOCK - 1 - (chosen > 0).flip(-1).to(torch.int8).argmax(-1)
+    idx = b * CDF_BLOCK + torch.minimum(j, last)
+    return idx[:, 0] if one else idx
+
+
+def _inverse_cdf_flat(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`_inverse_cdf` with one running sum over the whole row (small vocabularies)."""
     cdf = torch.cumsum(weights, dim=-1)
     one = u.dim() == 1
     target = (u[:, None] if one else u) * cdf[:, -1:]
