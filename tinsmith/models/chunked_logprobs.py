@@ -169,7 +169,8 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if lo >= hi:
             continue
         A, B = factors[2 * i].to(h.dtype), factors[2 * i + 1].to(h.dtype)
-        y[lo - a : hi - a] = torch.addmm(y[lo - a : hi - a], F.linear(h[lo - a : hi - a], A), B.t(), alpha=scale)
+        # In place on the rows' slice (contiguous): no second chunk-sized buffer, no copy back.
+        y[lo - a : hi - a].addmm_(F.linear(h[lo - a : hi - a], A), B.t(), alpha=scale)
     return y.float()
 
 
