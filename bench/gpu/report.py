@@ -93,6 +93,27 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {rk[5:]} | {' | '.join(cells)} | {_get(da, rk, 'kernels_vs_sdpa_capacity')} | "
                          f"{_status(da)} |")
         L.append("")
+        L += _heading("### Through the SDK: GRPO's requests as the server counts them; sampling beside a training tenant",
+                      "| shape | GRPO traffic | asample HTTP ms | queue wait ms | sampling step s | prompt tokens computed | "
+                      "notes |")
+        for name in s["shapes"]:
+            g = sa.get(f"{name}/sdk", {}).get("grpo", {})
+            for kind in ("separate", "num_samples"):
+                c = g.get(f"{kind}_server", {})
+                ms = {k: (None if c.get(f"{k}_mean_s") is None else 1e3 * c[f"{k}_mean_s"]) for k in ("asample_http", "queue_wait")}
+                L.append(f"| {name} | {kind} | {_fmt(ms['asample_http'])} | {_fmt(ms['queue_wait'])} | "
+                         f"{_get(c, 'step_mean_s')} | {_get(c, 'prefill_tokens')} | |")
+        L.append("")
+        L.append("| shape | train tok/s alone | with a sampling tenant | kept | sample tok/s alone | with a training tenant | kept | notes |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for name in s["shapes"]:
+            b = sa.get(f"{name}/beside_training")
+            if b is None:
+                continue
+            L.append(f"| {name} | {_get(b, 'alone', 'train_tokens_per_s')} | {_get(b, 'together', 'train_tokens_per_s')} | "
+                     f"{_get(b, 'train_kept')} | {_get(b, 'alone', 'sample_tokens_per_s')} | "
+                     f"{_get(b, 'together', 'sample_tokens_per_s')} | {_get(b, 'sample_kept')} | {_status(b)} |")
+        L.append("")
         L += _heading("### K/V cache layout: per-row buffers vs pages (CUDA graphs on)",
                       "| shape | layout | tok/s (rows, standard) | mixed batch tok/s | mixed: most rows at once | notes |")
         for name in s["shapes"]:

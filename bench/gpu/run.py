@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
+        sa.item(f"{big}/beside_training", lambda: sample.beside_training(
+            dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-"))))
         # Then the components, on the largest shape only: decode attention and K/V layouts, a
         # Qwen3.5-shaped Gated DeltaNet step, prefix waves, chunked prefill; graphs against eager
         # (its eager runs are the longest item) last.

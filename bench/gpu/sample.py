@@ -179,14 +179,111 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
             results = [f.result(timeout=600) for f in submit()]
             return time.perf_counter() - t, sum(len(q.tokens) for r in results for q in r.sequences)
 
+        before = server_counters(srv.base_url)
         sep_s, sep_tok = timed_tokens(lambda: [s.sample(p, 1, params) for p in prompts for _ in range(group)])
+        between = server_counters(srv.base_url)
         ns_s, ns_tok = timed_tokens(lambda: [s.sample(p, group, params) for p in prompts])
+        after = server_counters(srv.base_url)
         return {"first_call_s": first[0], "second_call_s": first[1], "new_tokens": new,
                 "grpo": {"prompts": prompts_n, "group": group,
                          "separate_requests_tokens_per_s": sep_tok / sep_s,
-                         "num_samples_tokens_per_s": ns_tok / ns_s, "separate_vs_num_samples": ns_s / sep_s}}
+                         "num_samples_tokens_per_s": ns_tok / ns_s, "separate_vs_num_samples": ns_s / sep_s,
+                         # where the time went, as the server counts it (means per request, seconds)
+                         "separate_server": counter_means(before, between),
+                         "num_samples_server": counter_means(between, after)}}
     finally:
         srv.stop()
+
+
+def beside_training(model_dir, device, quick: bool, log_dir: Path) -> dict:
+    """A real server, two tenants: one trains (LoRA r32, forward_backward + optim_step) while the
+    other samples (8 prompts x 8 samples). Each alone, then both at once: tokens/s of each, and
+    what each keeps of its speed alone (both must go on; neither may starve the other)."""
+    import threading
+
+    import tinker
+    from tinker import types
+
+    from tests.e2e.helpers import sft_batch
+    from tests.e2e.server import ServerProcess
+
+    rows, length, steps = (2, 32, 2) if quick else (8, 1024, 4)
+    prompts_n, group, new = (2, 2, 8) if quick else (8, 8, 256)
+    srv = ServerProcess(model_dir, log_dir / "server-data", extra_args=["--device", device.type], log_dir=log_dir)
+    srv.start(timeout=600)
+    try:
+        sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench-trainer")
+        tc = sc.create_lora_training_client(base_model=str(model_dir), rank=32).result(timeout=600)
+        data = sft_batch(0, rows, length, 2000)
+        sampler_sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench-sampler")
+        s = sampler_sc.create_sampling_client(base_model=str(model_dir)).result(timeout=600)
+        rng = np.random.default_rng(1)
+        prompts = [types.ModelInput.from_ints(rng.integers(4, 2000, 128 if not quick else 16).tolist())
+                   for _ in range(prompts_n)]
+        params = types.SamplingParams(max_tokens=new, temperature=1.0, stop=[])
+
+        def train() -> float:
+            t = time.perf_counter()
+            for _ in range(steps):
+                fb = tc.forward_backward(data, "cross_entropy")
+                op = tc.optim_step(types.AdamParams(learning_rate=1e-5))
+                fb.result(timeout=600)
+                op.result(timeout=600)
+            return rows * length * steps / (time.perf_counter() - t)
+
+        def sample_all() -> float:
+            t = time.perf_counter()
+            results = [f.result(timeout=600) for f in [s.sample(p, group, params) for p in prompts]]
+            return sum(len(q.tokens) for r in results for q in r.sequences) / (time.perf_counter() - t)
+
+        train(), sample_all()  # warm: first-call costs out of the figures
+        alone = {"train_tokens_per_s": train(), "sample_tokens_per_s": sample_all()}
+        together: dict[str, float] = {}
+        trainer = threading.Thread(target=lambda: together.__setitem__("train_tokens_per_s", train()))
+        trainer.start()
+        together["sample_tokens_per_s"] = sample_all()
+        trainer.join()
+        return {"alone": alone, "together": together,
+                "train_kept": together["train_tokens_per_s"] / alone["train_tokens_per_s"],
+                "sample_kept": together["sample_tokens_per_s"] / alone["sample_tokens_per_s"]}
+    finally:
+        srv.stop()
+
+
+# The server's Prometheus series that say where a sample request's time goes: (name, labels).
+_COUNTERS = {
+    "asample_http": ("tinsmith_http_request_duration_seconds", {"route": "/api/v1/asample"}),
+    "queue_wait": ("tinsmith_queue_wait_seconds", {"operation": "sample"}),
+    "step": ("tinsmith_step_seconds", {"operation": "sample"}),
+}
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    """Sums and counts of :data:`_COUNTERS` and the prefill/sampled token totals, from ``/metrics``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            for key, (name, labels) in _COUNTERS.items():
+                if sample.name in (name + "_sum", name + "_count") and labels.items() <= sample.labels.items():
+                    field = f"{key}_{sample.name.rsplit('_', 1)[1]}"
+                    out[field] = out.get(field, 0.0) + sample.value
+            if sample.name in ("tinsmith_prefill_tokens_total", "tinsmith_sampled_tokens_total"):
+                out[sample.name] = sample.value
+    return out
+
+
+def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per-request means of each series between two reads (HTTP time of ``asample`` itself, the
+    wait in the engine's queue, the sampling step), and the prompt tokens computed meanwhile."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    out = {f"{key}_mean_s": delta[f"{key}_sum"] / delta[f"{key}_count"]
+           for key in _COUNTERS if delta.get(f"{key}_count")}
+    out["requests"] = delta.get("asample_http_count", 0.0)
+    out["prefill_tokens"] = delta.get("tinsmith_prefill_tokens_total", 0.0)
+    return out
 
 
 def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:

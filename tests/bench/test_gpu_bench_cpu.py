@@ -42,3 +42,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     four, one = summary["train"]["tiny/profile"]["four_tenants"], summary["train"]["tiny/profile"]["one_tenant"]
     assert four["kernels"] > one["kernels"]  # four adapters' own LoRA work
     assert "Where a step's time goes" in (out / "summary.md").read_text()
+    grpo = summary["sample"]["tiny/sdk"]["grpo"]
+    assert grpo["separate_server"]["requests"] == 2 * 4 and grpo["num_samples_server"]["requests"] == 2
+    assert grpo["separate_server"]["asample_http_mean_s"] > 0
+    beside = summary["sample"]["tiny/beside_training"]
+    assert beside["train_kept"] > 0 and beside["sample_kept"] > 0
