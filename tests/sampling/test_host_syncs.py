@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tinsmith.models.moe as moe
-from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, task
+from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
 from tinsmith.devtools.host_syncs import HostSyncs
 from tinsmith.sampling.decode_graphs import DecodeGraphs
 
@@ -71,6 +71,37 @@ def test_a_decode_burst_reads_back_once_and_copies_nothing(case):
     assert h.count("read") == 2 * BURSTS, h.by_site()
     if layout == "paged":
         assert sampler.cache.pages > 0
+
+
+def test_rows_that_finish_leave_without_a_read(case):
+    """Rows of different max_tokens finish in different bursts; each leaves the batch (the last row
+    moving into its place, K/V and length) without reading the device, and every row samples
+    what it samples alone."""
+    model_dir, layout, static, adapters = case
+    rng = np.random.default_rng(5)
+    tasks = [task(f"f{i}", rng.integers(4, 400, 20 + 9 * i).tolist(), slot=(i % adapters + 1) if adapters else None,
+                  max_tokens=3 + 5 * i, temperature=1.0, seed=i, stop=[]) for i in range(5)]
+    sampler = _sampler(model_dir, layout, static, adapters)
+    for t in tasks:
+        sampler.add(t)
+    first: list = []
+    with torch.inference_mode():
+        sampler._admit(first)
+        sampler._decode_step(first)  # the batch's device tensors are made once per set of rows
+        results = dict(first)
+        while sampler.rows:
+            done: list = []
+            with HostSyncs() as h:
+                sampler._decode_step(done)
+            results.update(done)
+            # The burst's tokens and logprobs only, however many rows left in it.
+            assert h.count("read") == 2 and h.count("copy") == 0, h.by_site()
+    assert set(results) == {t.key for t in tasks}
+    for t in tasks:  # alone: nothing ever moves into its row
+        alone = _sampler(model_dir, layout, static, adapters)
+        with torch.inference_mode():
+            (key, want), = run(alone, [t]).items()
+        np.testing.assert_array_equal(results[key].sequences[0].tokens, want.sequences[0].tokens, err_msg=key)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])

@@ -253,17 +253,21 @@ class RowKVCache:
             return None
         return PrefillStates(lengths, width, self.recurrent.kernel, after)
 
-    def move_row(self, src: int, dst: int) -> None:
+    def move_row(self, src: int, dst: int, upto: int | None = None) -> None:
+        """Row ``src`` takes row ``dst``'s place (``dst`` leaves). ``upto``: at least the positions
+        ``src`` holds, known on the host (the sampler's count); the positions past its length are
+        copied too, harmlessly. Without it the whole capacity is copied: the row's length is
+        never read back (a read is a wait for the device, once per finished row)."""
         if src == dst:
             return
-        n = int(self.lengths[src])
+        width = self.capacity if upto is None else min(upto, self.capacity)
         for store in (self.K, self.V):
             for i, t in enumerate(store):
                 if self.rowwise(i):
-                    t[dst, :, :n] = t[src, :, :n]  # a ring: all of it, once the row has outgrown it
+                    t[dst, :, :width] = t[src, :, :width]  # a ring: all of it, once the row has outgrown it
         if self.recurrent is not None:
             self.recurrent.move_row(src, dst)
-        self.lengths[dst] = n
+        self.lengths[dst] = self.lengths[src]  # on the device
 
     # ----------------------------------------------------------------------------- attention
     def decode_attention(self, n: int, span: int, live: torch.Tensor | None = None):

@@ -307,14 +307,14 @@ class PagedKVCache(RowKVCache):
             x = _pad_positions(x[:, start:length], n * PAGE)
             pool[at] = x.view(heads, n, PAGE, d).transpose(0, 1).to(pool.dtype)
 
-    def move_row(self, src: int, dst: int) -> None:
+    def move_row(self, src: int, dst: int, upto: int | None = None) -> None:
         """Row ``dst`` leaves (its pages freed) and row ``src`` takes its place (its table row moves)."""
         self._release(dst)
         if src != dst:
             self.owned[dst], self.owned[src] = self.owned[src], []
             self.table[dst] = self.table[src]
             self.table[src].fill_(0)
-        super().move_row(src, dst)
+        super().move_row(src, dst, upto)
 
     # ----------------------------------------------------------------------------- decode steps
     def _write_step(self, layer, rows, pos, keep, k, v, step) -> None:

@@ -1312,7 +1312,9 @@ class Sampler:
     def _drop_row(self, r: int) -> None:
         """Remove row ``r``; the last row moves into its place (rows stay dense)."""
         last = len(self.rows) - 1
-        self.cache.move_row(last, r)
+        # The moving row holds its prompt and every sampled token but the last (see _decode_step).
+        moving = self.rows[last]
+        self.cache.move_row(last, r, upto=len(moving.state.task.input.prompt) + len(moving.tokens))
         self.rows[r] = self.rows[last]
         self.rows.pop()
         self._rows_changed()
