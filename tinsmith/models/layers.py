@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tinsmith.kernels import rms_norm as rms_kernel
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
@@ -56,7 +57,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in fp32, cast back, then scale (the order Hugging Face uses, so bf16 matches).
 
     ``weight`` broadcasts against ``x``'s trailing dimensions (one row per head is allowed).
+    Outside autograd on a GPU the same arithmetic runs as one kernel (:mod:`tinsmith.kernels.rms_norm`).
     """
+    if rms_kernel.usable(x, weight):
+        out = rms_kernel.rms_norm(x, weight, eps)
+        if out is not None:
+            return out
     if x.dtype == torch.float32 and weight.dim() == 1:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

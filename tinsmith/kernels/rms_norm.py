@@ -1,0 +1,93 @@
+"""RMSNorm as one kernel when sampling on a GPU.
+
+The models normalise the way Hugging Face does, so that bf16 results match it: the input cast to
+fp32, normalised, cast back to the input's dtype, then scaled by the weight in that dtype
+(:func:`tinsmith.models.layers.rms_norm`). In torch that is four kernels (the cast up, the norm,
+the cast down, the scale) for every norm of every layer: three norms a layer (before attention,
+the q/k heads', before the MLP), about 330 of a Qwen3-1.7B decode step's kernels. At decode sizes
+each of them is launch and tail, not work. :func:`rms_norm` does the same arithmetic, in the same
+order and dtypes, in one.
+
+Inference only (no autograd): training keeps the torch path. The input may be a strided view of
+``rows x heads`` vectors (the q/k heads of a packed q/k/v output); the weight has one row, or one
+row per head (q's weight for q's heads, k's for k's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinsmith.kernels.guard import KernelGuard
+
+try:  # optional: ``pip install 'tinsmith[gpu]'``
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+# "auto": the kernel for CUDA tensors outside autograd, torch for the rest; "torch"; "triton": the
+# kernel wherever no gradient is needed (CPU tensors need TRITON_INTERPRET=1: tests).
+BACKEND = "auto"
+GUARD = KernelGuard("RMSNorm kernel", "normalising in torch")
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` takes the kernel for ``x``: outside autograd (sampling, no-grad
+    forwards), and not once the kernel failed to build or launch here (:data:`GUARD`)."""
+    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
+        return False
+    if torch.is_grad_enabled():
+        return False
+    if x.dim() < 2 or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[-1]:
+        return False
+    if weight.dtype != x.dtype:  # torch's product would promote; the kernel writes x's dtype
+        return False
+    if weight.dim() == 2 and (x.dim() < 3 or weight.shape[0] != x.shape[-2]):
+        return False
+    return BACKEND == "triton" or x.is_cuda
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * F.rms_norm(x.float(), eps=eps).to(x.dtype)`` in one kernel (a new contiguous
+    tensor), or None when the kernel failed here (the caller takes the torch path).
+
+    ``x`` (..., heads, d) with unit stride in ``d``, its heads at any stride and everything before
+    them flattening into one stride; ``weight`` (d,) or (heads, d).
+    """
+    d = x.shape[-1]
+    heads = x.shape[-2] if weight.dim() == 2 else 1
+    vectors = x.unflatten(-1, (1, d)) if weight.dim() == 1 else x  # (..., heads, d), heads = 1 for a plain norm
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    flat = vectors.reshape(-1, heads, d)  # a view where the leading dimensions share one stride
+    return GUARD.call(_launch, flat, weight.reshape(-1, d), out, eps, on=x)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+    n, heads, d = x.shape
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(n * heads,)](
+        x, weight, out, heads, d, eps, x.stride(0), x.stride(1), weight.stride(0) if weight.shape[0] > 1 else 0,
+        BLOCK_D=block, num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, heads, d, eps, stride_row, stride_head, stride_w,
+                         BLOCK_D: tl.constexpr):
+        """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
+        weight (in fp32, rounded once to the output dtype: what a bf16 product does)."""
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid // heads
+        head = pid % heads
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < d
+        x = tl.load(x_ptr + row * stride_row + head * stride_head + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
+        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + head * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pid * d + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
