@@ -11,7 +11,7 @@ import torch
 
 from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task, three_rows_in_a_bucket_of_four
 from tinsmith.sampling.decode_graphs import DecodeGraphs
-from tinsmith.sampling.paged_kv_cache import PAGE, PagedKVCache
+from tinsmith.sampling.paged_kv_cache import PAGE, SCRATCH, PagedKVCache
 from tinsmith.sampling.sampler import Sampler
 
 
@@ -140,25 +140,23 @@ def test_mixed_lengths_admit_more_rows_under_one_budget(qwen3_dir):
 
 
 def test_padding_rows_of_a_fixed_step_leave_every_page_untouched(qwen3_dir):
-    """3 live rows in a bucket of 4: the padding row (a free row, pointing at page 0) writes back
-    what page 0 holds; every page no live row writes is bit for bit as before."""
+    """3 live rows in a bucket of 4: the padding row (a free row, pointing at the scratch page)
+    writes there; every page no live row writes is bit for bit as before."""
     sampler = three_rows_in_a_bucket_of_four(qwen3_dir, kv_layout="paged")
     done: list = []
     with torch.inference_mode():
         cache = sampler.cache
         cache.reserve([8, 8, 8])
-        for pool in cache.K + cache.V:
-            pool[3:].normal_()  # pages no row owns
         live = {p for pages in cache.owned for p in pages}
-        idle = [p for p in range(cache.pages) if p not in live]
+        assert SCRATCH not in live and cache.table[3].eq(SCRATCH).all()
+        idle = [p for p in range(cache.pages) if p not in live and p != SCRATCH]
+        for pool in cache.K + cache.V:
+            pool[idle] = torch.randn_like(pool[idle])  # pages no row owns
         before = [pool[idle].clone() for pool in cache.K + cache.V]
-        page0 = [pool[0].clone() for pool in cache.K + cache.V]
         sampler._decode_step(done)
     assert sampler.stats["static_steps"] == 2 and cache.lengths[:3].tolist() == [6, 6, 6]
     for old, pool in zip(before, cache.K + cache.V):
         assert torch.equal(old, pool[idle])
-    for old, pool in zip(page0, cache.K + cache.V):
-        assert torch.equal(old[:, 0], pool[0][:, 0])  # position 0 of page 0 (a prompt's first token)
 
 
 def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
@@ -176,7 +174,7 @@ def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
     cache.move_row(0, 0)
     assert not any(cache.owned)
     cache.shrink(0, 1)
-    assert cache.pages == cache._initial_pages and sorted(cache.free) == list(range(cache.pages))
+    assert cache.pages == cache._initial_pages and sorted(cache.free) == list(range(1, cache.pages))
 
 
 @pytest.mark.parametrize("prompt_len", [200, 2 * PAGE], ids=["partial-last-page", "whole-pages"])
@@ -243,24 +241,26 @@ def test_a_shared_prompt_is_counted_once_by_admission(qwen3_dir):
 
 
 def test_a_padding_row_never_overwrites_a_live_write(qwen3_dir):
-    """A free row's table points at page 0, which may be a live row's later page, written this very
-    step: padding rows write back elsewhere (position 0 of the first live row's first page)."""
+    """A page a row let go of is the next one taken, possibly written this very step by a live row,
+    while a free row's table points at the scratch page: padding rows write there, never on a page
+    a row holds."""
     cfg = fresh_model(qwen3_dir).config
     cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=4)
     kv = lambda n: {0: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2,  # noqa: E731
                     1: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2}
-    cache.write_prefix(0, kv(PAGE), PAGE)  # row 0 takes page 0
-    cache.write_prefix(1, kv(PAGE), PAGE)  # row 1 takes page 1
-    cache.move_row(1, 0)  # row 0 leaves (page 0 is free again); row 1 becomes row 0
-    cache.reserve([PAGE + 1])  # row 0's second page: page 0
-    assert cache.owned[0] == [1, 0] and cache.table[1].eq(0).all()
-    before = cache.K[0][1].clone()
+    cache.write_prefix(0, kv(PAGE), PAGE)  # row 0 takes page 1 (page 0 is scratch)
+    cache.write_prefix(1, kv(PAGE), PAGE)  # row 1 takes page 2
+    cache.move_row(1, 0)  # row 0 leaves (page 1 is free again); row 1 becomes row 0
+    cache.reserve([PAGE + 1])  # row 0's second page: page 1
+    assert cache.owned[0] == [2, 1] and cache.table[1].eq(SCRATCH).all()
+    before = cache.K[0][2].clone()
     attend = cache.decode_attention(2, PAGE + 1, live=torch.tensor([1, 0]))
     q = torch.randn(2, cfg.num_heads, 1, cfg.head_dim)
     k, v = torch.randn(2, cfg.num_kv_heads, 1, cfg.head_dim), torch.randn(2, cfg.num_kv_heads, 1, cfg.head_dim)
     attend(0, q, k, v)
-    assert torch.equal(cache.K[0][0, :, 0], k[0, :, 0])  # row 0's position 64: page 0, slot 0
-    assert torch.equal(cache.K[0][1], before)  # the padding row's write-back changed nothing
+    assert torch.equal(cache.K[0][1, :, 0], k[0, :, 0])  # row 0's position 64: page 1, slot 0
+    assert torch.equal(cache.K[0][2], before)  # row 0's first page: untouched
+    assert torch.equal(cache.K[0][SCRATCH, :, 0], k[1, :, 0])  # the padding row's write landed on scratch
 
 
 def test_growing_batches_move_nothing_a_captured_step_reads(qwen3_dir):
@@ -286,8 +286,8 @@ def _prefix_pages(sampler: Sampler) -> list[int]:
 def _assert_only_the_prefix_cache_holds_pages(sampler: Sampler) -> None:
     cache, kept = sampler.cache, _prefix_pages(sampler)
     assert not any(cache.owned)
-    assert [cache.refs[p] for p in range(cache.pages)] == [int(p in kept) for p in range(cache.pages)]
-    assert sorted(cache.free + kept) == list(range(cache.pages))
+    assert [cache.refs[p] for p in range(cache.pages)] == [int(p in kept or p == SCRATCH) for p in range(cache.pages)]
+    assert sorted(cache.free + kept + [SCRATCH]) == list(range(cache.pages))
 
 
 def test_prefix_cache_blocks_are_pool_pages(qwen3_dir):
@@ -350,7 +350,7 @@ def test_a_full_pool_evicts_cached_pages_before_it_grows(qwen3_dir):
         want = run(plain, [make(i, j)])
         got = run(sampler, [make(i, j)])
         _assert_same(want, got)
-        assert sampler.cache.pages <= 8
+        assert sampler.cache.pages <= 8 + 1  # the budget's pages, and the scratch page beside them
         hit = got[f"p{j}"].prompt_cache_hit_tokens
         assert hit == (2 * PAGE if j == 6 else 0), (j, hit)
     assert sampler.prefix.stats["evicted_blocks"] > 0
@@ -371,7 +371,8 @@ def test_an_idle_pool_shrinks_keeping_the_cached_pages(qwen3_dir):
     run(sampler, [task("first", prompt, max_tokens=5, temperature=0.0, stop=[])] + busy)
     cache = sampler.cache
     kept = len(_prefix_pages(sampler))
-    assert cache.pages == max(cache._initial_pages, kept) and sorted(_prefix_pages(sampler)) == list(range(kept))
+    assert cache.pages == max(cache._initial_pages, kept + 1)  # the scratch page keeps id 0
+    assert sorted(_prefix_pages(sampler)) == list(range(1, kept + 1))
     _assert_only_the_prefix_cache_holds_pages(sampler)
     got = run(sampler, last())
     assert got["again"].prompt_cache_hit_tokens == 2 * PAGE

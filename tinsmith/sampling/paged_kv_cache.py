@@ -21,9 +21,9 @@ a layer's K/V is a pool ``(pages, kv_heads, PAGE, head_dim)`` and row ``r``'s po
   out with the pool at its budget the prefix cache gives up its least recently used pages
   (``reclaim``) before the pool grows past it.
 
-Rows that hold nothing point at page 0 (whoever owns it); the padding rows of a fixed-shape step
-write back what position 0 of the first live row holds, which no decode step writes (a row's
-first position is its prompt's). Sliding-window layers keep their per-row rings and hybrid models
+Page 0 is scratch: no row or prefix block ever holds it. Rows that hold nothing point at it, and
+the padding rows of a fixed-shape step write their K/V there (one plain write per layer, like the
+live rows'; nothing reads it but those padding rows, whose outputs are dropped). Sliding-window layers keep their per-row rings and hybrid models
 their per-row recurrent states (both fixed per row); only full-attention layers are paged.
 
 On a GPU the decode kernels (:mod:`tinsmith.kernels.decode_attention`) read the pages through the
@@ -44,6 +44,7 @@ from tinsmith.sampling.kv_cache import BLOCK, KVTally, RowKVCache, RowNeed, need
 from tinsmith.transfers import to_device
 
 PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
+SCRATCH = 0  # the page padding rows write to and free rows point at (see the module's docstring)
 
 
 class PagedKVCache(RowKVCache):
@@ -56,14 +57,15 @@ class PagedKVCache(RowKVCache):
         self.paged = [cfg.window_of(i) is None and not cfg.is_linear_layer(i) for i in range(cfg.num_layers)]
         self.width = -(-cfg.max_position_embeddings // PAGE)  # table columns: the longest row's pages
         self.cfg, self.dtype, self.max_bytes = cfg, dtype, max_bytes  # what sizing the pool reads
-        self.pages = self._pool_within(max(1, rows))  # a page per row to start with
+        self.pages = self._pool_within(1 + max(1, rows))  # the scratch page, and a page per row to start with
         super().__init__(cfg, device, dtype, rows, max_bytes)
         table_rows = max(table_rows, self.row_capacity)
         self.lengths = torch.zeros(table_rows, dtype=torch.long, device=device)
         self.table = torch.zeros(table_rows, self.width, dtype=torch.int32, device=device)
         self.owned: list[list[int]] = [[] for _ in range(table_rows)]  # pages per row, in order
-        self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: low ids first
-        self.refs = [0] * self.pages  # rows holding each page (a prompt's full pages are shared)
+        self.free: list[int] = list(range(self.pages - 1, SCRATCH, -1))  # popped from the end: low ids first
+        # Rows holding each page (a prompt's full pages are shared); the scratch page is held for good.
+        self.refs = [1] + [0] * (self.pages - 1)
         self._initial_pages = self.pages
         # While a prefix is written: its leading pages that are shared (already written), and the
         # pages each paged layer writes, as a device index (None: none).
@@ -98,10 +100,11 @@ class PagedKVCache(RowKVCache):
         return sum(2 * self.cfg.num_kv_heads * PAGE * self.cfg.head_dim * width for p in self.paged if p)
 
     def _pool_within(self, pages: int) -> int:
-        """``pages``, or fewer (at least 1) where the budget holds fewer."""
+        """A pool of ``pages`` (the scratch page counted), or fewer (at least the scratch page and one
+        more) where the budget holds fewer pages for rows: the scratch page is beside the budget."""
         if not self.max_bytes:
             return pages
-        return max(1, min(pages, self.max_bytes // max(1, self.page_bytes())))
+        return max(2, min(pages, 1 + self.max_bytes // max(1, self.page_bytes())))
 
     def tally(self, rows: Sequence[RowNeed | int] = ()) -> PageTally:
         """Each row at its own positions in whole pages: a page some rows hold (``RowNeed.pages``)
@@ -217,7 +220,7 @@ class PagedKVCache(RowKVCache):
 
     def _release(self, row: int) -> None:
         """Row ``row`` lets go of its pages (those no other row holds go back to the free list);
-        its table row points at page 0."""
+        its table row points at the scratch page."""
         if self.owned[row]:
             self.let_go(self.owned[row][::-1])
             self.owned[row] = []
@@ -245,7 +248,7 @@ class PagedKVCache(RowKVCache):
         super().shrink(live_rows, max_len)
         if any(self.owned):
             return
-        held = [p for p in range(self.pages) if self.refs[p]]
+        held = [p for p in range(self.pages) if self.refs[p]]  # the scratch page first: it keeps id 0
         size = max(self._initial_pages, len(held))
         if self.pages <= 4 * size:
             return
@@ -322,19 +325,12 @@ class PagedKVCache(RowKVCache):
             return super()._write_step(layer, rows, pos, keep, k, v, step)
         if "page" not in step:  # where each row writes, the same for every paged layer
             page = self.table[rows, pos // PAGE].long()
-            if keep is not None:
-                # Padding rows (at position 0) write back position 0 of row 0's first page: no decode
-                # step writes a position 0, while their own table rows may point at any row's page.
-                page = torch.where(keep.view(-1), page, self.table[0, 0].long())
+            if keep is not None:  # padding rows write to the scratch page (their tables point there too)
+                page = torch.where(keep.view(-1), page, SCRATCH)
             step["page"], step["at"] = page, pos % PAGE
         page, at = step["page"], step["at"]
-        K, V = self.K[layer], self.V[layer]
-        if keep is None:
-            K[page, :, at] = k[:, :, 0]
-            V[page, :, at] = v[:, :, 0]
-        else:  # padding rows (at position 0) write back what is there
-            K[page, :, at] = torch.where(keep, k[:, :, 0], K[page, :, at])
-            V[page, :, at] = torch.where(keep, v[:, :, 0], V[page, :, at])
+        self.K[layer][page, :, at] = k[:, :, 0]
+        self.V[layer][page, :, at] = v[:, :, 0]
 
     def _rows_view(self, layer: int, n: int, span: int, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[0, n)``'s pages gathered into row buffers (the torch path; the kernels read pages)."""
