@@ -23,11 +23,11 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 from bench.gpu.peak import sync
-from bench.gpu.train import RANK, batch
+from bench.gpu.train import RANK, batch, training_step
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.sampler import Sampler, SampleTask
-from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
-from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+from tinsmith.types import LoraSpec, SampleInput, SamplingParams
+from tinsmith.worker.runtime import TrainingRuntime
 
 TOP = 15
 # First match wins; names are CUDA kernels (cuBLAS / CUTLASS / Triton / ATen) or, on a CPU, ATen ops.
@@ -112,15 +112,7 @@ def train_step(model_dir, device, quick: bool) -> dict:
     out: dict = {"tokens": rows * L}
     for name, work in (("one_tenant", {units[0]: batch(vocab, rows, L)}),
                        ("four_tenants", {u: batch(vocab, rows // 4, L, seed=i) for i, u in enumerate(units)})):
-        reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in work.items()]
-
-        def one() -> None:
-            for res in rt.forward_backward(reqs):
-                if isinstance(res, Exception):
-                    raise res
-            for u in work:
-                rt.optim_step(u, AdamParams(learning_rate=1e-5))
-
+        one = training_step(rt, work)
         one()  # warm-up
         prof, wall = _profiled(one, device)
         out[name] = kernel_table(prof, 1, wall)

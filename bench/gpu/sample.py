@@ -150,10 +150,19 @@ def generate_baseline(model_dir, device, quick: bool) -> dict:
     return {"rows": rows, "tokens_per_s": rows * z["new"] / s, "transformers": transformers.__version__}
 
 
+def sdk_prompts(seed: int, n: int, new: int, quick: bool) -> tuple[list, object]:
+    """``n`` random prompts of 128 tokens (16 when quick) as the SDK sends them, and sampling
+    parameters for exactly ``new`` tokens at temperature 1."""
+    from tinker import types
+
+    rng = np.random.default_rng(seed)
+    prompts = [types.ModelInput.from_ints(rng.integers(4, 2000, 16 if quick else 128).tolist()) for _ in range(n)]
+    return prompts, types.SamplingParams(max_tokens=new, temperature=1.0, stop=[])
+
+
 def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
     """A real server: first-call latency, then GRPO traffic as separate requests vs num_samples."""
     import tinker
-    from tinker import types
 
     from tests.e2e.server import ServerProcess
 
@@ -163,10 +172,7 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
     try:
         sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench-gpu")
         s = sc.create_sampling_client(base_model=str(model_dir)).result(timeout=600)
-        rng = np.random.default_rng(0)
-        prompts = [types.ModelInput.from_ints(rng.integers(4, 2000, 128 if not quick else 16).tolist())
-                   for _ in range(prompts_n)]
-        params = types.SamplingParams(max_tokens=new, temperature=1.0, stop=[])
+        prompts, params = sdk_prompts(0, prompts_n, new, quick)
         first = []
         for _ in range(2):
             t = time.perf_counter()
@@ -217,10 +223,7 @@ def beside_training(model_dir, device, quick: bool, log_dir: Path) -> dict:
         data = sft_batch(0, rows, length, 2000)
         sampler_sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench-sampler")
         s = sampler_sc.create_sampling_client(base_model=str(model_dir)).result(timeout=600)
-        rng = np.random.default_rng(1)
-        prompts = [types.ModelInput.from_ints(rng.integers(4, 2000, 128 if not quick else 16).tolist())
-                   for _ in range(prompts_n)]
-        params = types.SamplingParams(max_tokens=new, temperature=1.0, stop=[])
+        prompts, params = sdk_prompts(1, prompts_n, new, quick)
 
         def train() -> float:
             t = time.perf_counter()

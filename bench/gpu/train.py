@@ -9,6 +9,7 @@ gradients for the frozen base), full fine-tuning 6NT; N = every weight matrix a 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -51,10 +52,9 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
-    """tokens/s of forward_backward + optim_step over every unit in ``work`` together, in one pass."""
+def training_step(rt: TrainingRuntime, work: dict[int, list[Datum]]) -> Callable[[], None]:
+    """One forward_backward over every unit in ``work`` together, then each unit's optim_step."""
     reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in work.items()]
-    tokens = sum(len(x.tokens) for d in work.values() for x in d)
 
     def one() -> None:
         for res in rt.forward_backward(reqs):
@@ -63,6 +63,13 @@ def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> 
         for u in work:
             rt.optim_step(u, AdamParams(learning_rate=1e-5))
 
+    return one
+
+
+def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
+    """tokens/s of forward_backward + optim_step over every unit in ``work`` together, in one pass."""
+    tokens = sum(len(x.tokens) for d in work.values() for x in d)
+    one = training_step(rt, work)
     reset_peak(rt.device)
     t0 = time.perf_counter()
     one()
