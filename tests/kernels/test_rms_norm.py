@@ -11,12 +11,13 @@ from tinsmith.kernels import rms_norm as rk
 from tinsmith.models import layers
 
 
-def assert_same_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_same_rounding(got: torch.Tensor, want: torch.Tensor, interpreted_atol: float = 2e-2) -> None:
     """Equal up to the last bit of a rare element (fp32 sums in another order), and within a bf16
     step. Triton's interpreter rounds fp32 to bf16 toward zero (a GPU rounds to nearest), so there
-    bf16 results, rounded twice (the norm, then the scale), are held to two steps only."""
-    if got.dtype == torch.bfloat16 and got.device.type == "cpu":  # rounded twice toward zero: two steps
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6 * 1.01, atol=2e-2)
+    bf16 results, rounded twice (the norm, then the scale), are held to two steps only (and to
+    ``interpreted_atol`` where more roundings follow: the rotary's)."""
+    if got.dtype == torch.bfloat16 and got.device.type == "cpu":  # rounded toward zero: a few steps
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6 * 1.01, atol=interpreted_atol)
         return
     assert (got != want).float().mean() < 0.01
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
@@ -60,6 +61,29 @@ def test_q_and_k_heads_of_a_packed_projection():
     assert_same_rounding(got, torch_path(qk, w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_and_k_heads_normalised_and_turned_in_one_kernel(dtype):
+    """The packed q/k heads' norm and then their rotary (layers.apply_rotary) in one kernel."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(1)
+    b, L, H, Hk, d = 2, 5, 4, 2, 64
+    y = (torch.randn(b * L, (H + 2 * Hk) * d, generator=g) * 2).to(device, dtype)
+    qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
+    w = (1 + 0.1 * torch.randn(H + Hk, d, generator=g)).to(device, dtype)
+    rotary = layers.Rotary(d, layers.RopeConfig(theta=1e6)).to(device)
+    positions = torch.arange(b * L, device=device).view(b, L) * 37
+    cos, sin = rotary(positions, dtype)
+    assert rk.rotary_usable(qk, cos, sin)
+    with torch.no_grad():
+        got = rk.rms_norm(qk, w, 1e-6, (cos, sin))
+    want = layers.apply_rotary(torch_path(qk, w, 1e-6), cos, sin)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert_same_rounding(got, want, interpreted_atol=0.1)
+    assert not rk.rotary_usable(qk, cos[..., : d // 2], sin[..., : d // 2])  # partial rotary: two steps
+
+
 def test_layers_take_the_kernel_only_outside_autograd(monkeypatch):
     device = kernel_device()
     monkeypatch.setattr(rk, "BACKEND", "triton")
@@ -99,11 +123,13 @@ from tinsmith.kernels import rms_norm as rk
 target = GPUTarget("cuda", 90, 32)
 fn = rk._rms_norm_kernel
 for dt in sys.argv[1:]:
-    sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "heads": "i32", "d": "i32", "eps": "fp32",
-           "stride_row": "i64", "stride_head": "i64", "stride_w": "i64", "BLOCK_D": "constexpr"}
-    for block in (128, 2048):
+    sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
+           "heads": "i32", "d": "i32", "eps": "fp32", "stride_row": "i64", "stride_head": "i64", "stride_w": "i64",
+           "stride_rot": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr"}
+    for block, rotary in ((128, True), (128, False), (2048, False)):
         sig_ = {name: sig[name] for name in fn.arg_names}
-        assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs={"BLOCK_D": block}), target=target).asm["cubin"]
+        const = {"BLOCK_D": block, "ROTARY": rotary}
+        assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
 '''
 
 

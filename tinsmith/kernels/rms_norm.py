@@ -48,12 +48,25 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return BACKEND == "triton" or x.is_cuda
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rotary_usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` can also turn ``x`` (..., heads, d) by ``cos``/``signed_sin``
+    (..., 1, d), as :func:`tinsmith.models.layers.apply_rotary` does: full-width rotary only."""
+    d = x.shape[-1]
+    return (x.dim() >= 3 and d % 2 == 0 and cos.shape == signed_sin.shape and cos.shape[-2:] == (1, d)
+            and cos.shape[:-2] == x.shape[:-2] and cos.dtype == signed_sin.dtype == x.dtype
+            and cos.is_contiguous() and signed_sin.is_contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """``weight * F.rms_norm(x.float(), eps=eps).to(x.dtype)`` in one kernel (a new contiguous
     tensor), or None when the kernel failed here (the caller takes the torch path).
 
     ``x`` (..., heads, d) with unit stride in ``d``, its heads at any stride and everything before
-    them flattening into one stride; ``weight`` (d,) or (heads, d).
+    them flattening into one stride; ``weight`` (d,) or (heads, d). ``rotary``: ``(cos,
+    signed_sin)`` (see :func:`rotary_usable`), applied to the normalised vectors in the same
+    kernel with :func:`tinsmith.models.layers.apply_rotary`'s roundings (the q/k heads' norm
+    then their rotary: one kernel instead of five).
     """
     d = x.shape[-1]
     heads = x.shape[-2] if weight.dim() == 2 else 1
@@ -62,32 +75,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if x.numel() == 0:
         return out
     flat = vectors.reshape(-1, heads, d)  # a view where the leading dimensions share one stride
-    return GUARD.call(_launch, flat, weight.reshape(-1, d), out, eps, on=x)
+    turn = None if rotary is None else tuple(t.reshape(-1, d) for t in rotary)
+    return GUARD.call(_launch, flat, weight.reshape(-1, d), out, eps, turn, on=x)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+            rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     n, heads, d = x.shape
     block = triton.next_power_of_2(d)
+    cos, sin = rotary if rotary is not None else (x, x)  # unread without ROTARY
     _rms_norm_kernel[(n * heads,)](
-        x, weight, out, heads, d, eps, x.stride(0), x.stride(1), weight.stride(0) if weight.shape[0] > 1 else 0,
-        BLOCK_D=block, num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
+        x, weight, out, cos, sin, heads, d, eps, x.stride(0), x.stride(1),
+        weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0),
+        BLOCK_D=block, ROTARY=rotary is not None, num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, heads, d, eps, stride_row, stride_head, stride_w,
-                         BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, heads, d, eps, stride_row, stride_head,
+                         stride_w, stride_rot, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr):
         """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
-        weight (in fp32, rounded once to the output dtype: what a bf16 product does)."""
+        weight (in fp32, rounded once to the output dtype: what a bf16 product does). ``ROTARY``:
+        then ``n * cos + roll(n, d/2) * signed_sin`` with each product and the sum rounded, as
+        three bf16 operations round (the rolled half is normalised again from its own inputs)."""
         pid = tl.program_id(0).to(tl.int64)
         row = pid // heads
         head = pid % heads
         cols = tl.arange(0, BLOCK_D)
         mask = cols < d
-        x = tl.load(x_ptr + row * stride_row + head * stride_head + cols, mask=mask, other=0.0).to(tl.float32)
+        base = x_ptr + row * stride_row + head * stride_head
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
-        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + head * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pid * d + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+        normed = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
+        if ROTARY:
+            rolled = (cols + d // 2) % d  # roll(x, d/2)[i] = x[(i - d/2) mod d]
+            xr = tl.load(base + rolled, mask=mask, other=0.0).to(tl.float32)
+            wr = tl.load(w_ptr + head * stride_w + rolled, mask=mask, other=0.0).to(tl.float32)
+            normed_r = (wr * (xr * rstd).to(dtype).to(tl.float32)).to(dtype)
+            c = tl.load(cos_ptr + row * stride_rot + cols, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + row * stride_rot + cols, mask=mask, other=0.0).to(tl.float32)
+            a = (normed.to(tl.float32) * c).to(dtype).to(tl.float32)
+            b = (normed_r.to(tl.float32) * s).to(dtype).to(tl.float32)
+            normed = (a + b).to(dtype)
+        tl.store(out_ptr + pid * d + cols, normed, mask=mask)

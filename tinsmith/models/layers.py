@@ -68,6 +68,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    signed_sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(rms_norm(x, weight, eps), cos, signed_sin)``: the q/k heads' norm then their
+    rotary, in one kernel where :mod:`tinsmith.kernels.rms_norm` takes both (outside autograd on
+    a GPU), else as the two steps."""
+    if rms_kernel.usable(x, weight) and rms_kernel.rotary_usable(x, cos, signed_sin):
+        out = rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin))
+        if out is not None:
+            return out
+    return apply_rotary(rms_norm(x, weight, eps), cos, signed_sin)
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """Inverse frequencies, including the Llama 3 or YaRN long-context rescaling when configured."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -299,8 +311,9 @@ class Attention(nn.Module):
             v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
             if self.q_norm is not None:
                 w = torch.cat((self.q_norm.weight.expand(H, d), self.k_norm.weight.expand(Hk, d)))
-                qk = rms_norm(qk, w, self.q_norm.eps)
-            qk = apply_rotary(qk, cos, sin)
+                qk = norm_and_rotary(qk, w, self.q_norm.eps, cos, sin)
+            else:
+                qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
             gate = None
