@@ -44,7 +44,9 @@ def family(name: str) -> str:
 
 
 def kernel_table(prof, steps: int, wall_s: float) -> dict:
-    """Per step: device ms, wall ms, kernel count, ms by family, the ``TOP`` kernels (name, ms, calls)."""
+    """Per step: device ms, wall ms, kernel count, ms by family, the ``TOP`` kernels (name, ms, calls).
+    ``steps`` is reported as counted; a profile of no step is divided by one."""
+    counted, steps = steps, max(steps, 1)
     events = list(prof.key_averages())
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     if kernels:
@@ -59,7 +61,7 @@ def kernel_table(prof, steps: int, wall_s: float) -> dict:
     for name, us, _ in rows:
         families[family(name)] = families.get(family(name), 0.0) + us / 1e3 / steps
     top = sorted(rows, key=lambda r: -r[1])[:TOP]
-    return {"source": source, "steps": steps, "device_ms": total_us / 1e3 / steps, "wall_ms": 1e3 * wall_s / steps,
+    return {"source": source, "steps": counted, "device_ms": total_us / 1e3 / steps, "wall_ms": 1e3 * wall_s / steps,
             "kernels": sum(c for _, _, c in rows) / steps,
             "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
             "top": [[name[:90], round(us / 1e3 / steps, 3), round(c / steps, 1)] for name, us, c in top]}
@@ -97,7 +99,7 @@ def decode_step(model_dir, device, quick: bool) -> dict:
             prof, wall = _profiled(lambda: sampler.step(budget_s=0.02 if quick else 0.3), device)
             steps = sampler.stats["decode_steps"] - before
             sampler.abort()
-        out[name] = kernel_table(prof, max(steps, 1), wall)
+        out[name] = kernel_table(prof, steps, wall)
     return out
 
 

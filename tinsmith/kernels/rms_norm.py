@@ -37,15 +37,13 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     forwards), and not once the kernel failed to build or launch here (:data:`GUARD`)."""
     if triton is None or BACKEND == "torch" or GUARD.failed is not None:
         return False
-    if torch.is_grad_enabled():
+    if (BACKEND == "auto" and not x.is_cuda) or torch.is_grad_enabled():  # the CPU's norms: asked first
         return False
     if x.dim() < 2 or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[-1]:
         return False
     if weight.dtype != x.dtype:  # torch's product would promote; the kernel writes x's dtype
         return False
-    if weight.dim() == 2 and (x.dim() < 3 or weight.shape[0] != x.shape[-2]):
-        return False
-    return BACKEND == "triton" or x.is_cuda
+    return weight.dim() == 1 or (x.dim() >= 3 and weight.shape[0] == x.shape[-2])
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
