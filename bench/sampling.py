@@ -11,6 +11,8 @@ Workloads (a warm-up run first, then the median of ``--repeats`` timed runs):
 * ``b``: 64 concurrent single-sample requests x 64 tokens; sampled tokens / wall time.
 * ``c``: latency of one ``max_tokens=1`` scoring call (prompt logprobs of a 64-token prompt),
   requests one after another.
+* ``d``: the request path: 128 concurrent single-sample requests of one new token each (GRPO's
+  separate requests, without the decoding); requests per second and wall ms per request.
 
 Without ``--model`` a ~4.2M-parameter Qwen3 (``make_tiny_model``'s default shape) is made in a
 temporary directory. ``--peer-url`` also runs workload ``a`` against an already running peer
@@ -120,7 +122,17 @@ def workload_c(url: str, base_model: str, repeats: int, vocab: int) -> dict:
             "calls": calls}
 
 
-WORKLOADS = {"a": workload_a, "b": workload_b, "c": workload_c}
+def workload_d(url: str, base_model: str, repeats: int, vocab: int) -> dict:
+    sampler = _sampler(url, base_model)
+    prompts = _prompts(128, 16, vocab, seed=4)
+    _timed_batch(sampler, prompts, 1, 1)  # warm-up
+    walls = [_timed_batch(sampler, prompts, 1, 1)[1] for _ in range(max(3, repeats))]
+    wall = statistics.median(walls)
+    return {"requests_per_s": len(prompts) / wall, "min": len(prompts) / max(walls), "max": len(prompts) / min(walls),
+            "ms_per_request": 1000 * wall / len(prompts), "requests": len(prompts), "repeats": len(walls)}
+
+
+WORKLOADS = {"a": workload_a, "b": workload_b, "c": workload_c, "d": workload_d}
 
 
 # ------------------------------------------------------------------------------------ servers
@@ -191,6 +203,7 @@ LABELS = {
     "a": "(a) 4 prompts x 4 samples x 64 tok",
     "b": "(b) 64 concurrent requests x 64 tok",
     "c": "(c) max_tokens=1 scoring call",
+    "d": "(d) 128 concurrent requests x 1 tok",
 }
 
 
@@ -202,6 +215,9 @@ def table(rows: list[dict]) -> str:
         if "latency_ms" in res:
             med, lo, hi, unit = res["latency_ms"], res["min"], res["max"], "ms"
             detail = f"{res['calls']} calls"
+        elif "requests_per_s" in res:
+            med, lo, hi, unit = res["requests_per_s"], res["min"], res["max"], "r/s"
+            detail = f"{res['ms_per_request']:.1f} ms a request, {res['requests']} requests, {res['repeats']} repeats"
         else:
             med, lo, hi, unit = res["tokens_per_s"], res["min"], res["max"], "tok/s"
             detail = f"{res['tokens']}/{res['expected_tokens']} tokens in {res['wall_s']:.3f} s, {res['repeats']} repeats"
@@ -218,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--threads", type=int, default=0,
                    help="OMP_NUM_THREADS for the tinsmith server (default: torch's own choice)")
-    p.add_argument("--workloads", default="abc", help="which of a, b, c to run against tinsmith")
+    p.add_argument("--workloads", default="abc", help="which of a, b, c, d to run against tinsmith")
     p.add_argument("--peer-url", help="an already running peer server: run workload a against it too")
     p.add_argument("--peer-python", default=str(ROOT / ".venv-sdk-0.22.2" / "bin" / "python"),
                    help="interpreter whose tinker SDK drives the peer")

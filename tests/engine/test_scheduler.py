@@ -98,11 +98,8 @@ class FakeOps:
 
 
 class NullSink:
-    def complete_request(self, request_id, result, content_type):
-        return True
-
-    def fail_request(self, request_id, error, category="server"):
-        return True
+    def finish_requests(self, outcomes):
+        return [True] * len(outcomes)
 
 
 def run(coro):
@@ -343,9 +340,9 @@ def test_a_failed_device_stops_the_work_and_every_request_says_why(error):
     class Recording(NullSink):
         failed: dict[str, str] = {}
 
-        def fail_request(self, request_id, error, category="server"):
-            self.failed[request_id] = error
-            return True
+        def finish_requests(self, outcomes):
+            self.failed.update({o.request_id: o.error for o in outcomes if o.error is not None})
+            return [True] * len(outcomes)
 
     async def scenario():
         ops, sink = Failing(chunk_delay_s=0.01), Recording()
@@ -374,3 +371,55 @@ def test_out_of_memory_and_other_errors_are_not_device_faults():
     assert device_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
     assert device_fault(ValueError("bad shape")) is None
     assert device_fault(RuntimeError("CUDA error: unspecified launch failure")).startswith("RuntimeError: CUDA error")
+
+
+class SlicedSampling(FakeOps):
+    """Sample jobs finish together in the next slice; the one named ``bad`` fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.inbox: list[Job] = []
+
+    def sample_submit(self, job: Job) -> None:
+        self.inbox.append(job)
+
+    def sample_has_work(self) -> bool:
+        return bool(self.inbox)
+
+    def sample_step(self, budget_s: float):
+        done, self.inbox = self.inbox, []
+        return [(j, Outcome(error="no", category="user") if j.request_id == "bad" else Outcome(result=j.request_id.encode()))
+                for j in done]
+
+
+def test_a_slices_outcomes_are_stored_in_one_call_and_alone_when_that_fails():
+    """The requests one sampling slice finishes are stored together; when storing them
+    together fails, each is stored alone, so the others keep their records."""
+    class Batches(NullSink):
+        def __init__(self, broken: bool):
+            self.calls: list[list[str]] = []
+            self.broken = broken
+
+        def finish_requests(self, outcomes):
+            self.calls.append([o.request_id for o in outcomes])
+            if self.broken and len(outcomes) > 1:
+                raise RuntimeError("database hiccup")
+            return [True] * len(outcomes)
+
+    async def scenario(broken: bool):
+        ops, sink = SlicedSampling(), Batches(broken)
+        engine = Engine(ops, sink)
+        for rid in ("a", "bad", "c"):  # queued before the engine runs: one slice takes all three
+            engine.submit(Job(rid, "sample", None, None, None, owner="o"))
+        futures = waiting(engine, "a", "bad", "c")
+        await engine.start()
+        outs = await asyncio.gather(*futures)
+        await engine.stop()
+        return sink.calls, outs
+
+    calls, outs = run(scenario(False))
+    assert calls == [["a", "bad", "c"]]
+    assert [o.result for o in outs] == [b"a", None, b"c"] and outs[1].error == "no"
+    calls, outs = run(scenario(True))
+    assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
+    assert [o.result for o in outs] == [b"a", None, b"c"]

@@ -138,3 +138,82 @@ def test_0006_upgrades_existing_samplers_and_round_trips(db_url: str) -> None:
         assert store.get_request(rid).completion_seq is None  # numbers are not restored by a downgrade
     finally:
         store.close()
+
+
+def test_outcomes_stored_together_are_numbered_in_their_order(store: Store) -> None:
+    """``finish_requests`` (one sampling slice's outcomes in one transaction): each sampler's
+    completions take consecutive numbers in the list's order, failures included; the first
+    outcome of a request wins, within the list and against an earlier one; training outcomes
+    take no number and add their metric point."""
+    from tinsmith.store import MetricPoint, RequestOutcome
+
+    store.create_sampling_session("s", owner="o", base_model="b")
+    store.create_sampling_session("t", owner="o", base_model="b")
+    a, b, c = (_sample(store, "s", i, "o") for i in (1, 2, 3))
+    other = _sample(store, "t", 1, "o")
+    store.create_model("m", owner="o", base_model="b")
+    train, _ = store.create_request(owner="o", kind="forward_backward", payload=b"{}", payload_type="json",
+                                    model_id="m", seq_id=1)
+    assert store.complete_request(a, b"first", "application/json")
+    point = MetricPoint("m", "o", 1, "forward_backward", {"loss": 0.5})
+    done = store.finish_requests([
+        RequestOutcome(c, b"ccc", "application/x-protobuf"),
+        RequestOutcome(other, error="bad prompt", category="user"),
+        RequestOutcome(a, b"late", "application/json"),  # already finished
+        RequestOutcome(b, error="cancelled", category="user"),
+        RequestOutcome(c, b"again", "application/json"),  # the list's second outcome of c
+        RequestOutcome(train.request_id, b"{}", "application/json", metric_point=point),
+    ])
+    assert done == [True, True, False, True, False, True]
+    found, cursor = store.sampling_completions("s", 0, 0)
+    assert [(f.request_id, f.status, f.result_size, f.completion_seq) for f in found] == [
+        (a, "completed", 5, 1), (c, "completed", 3, 2), (b, "failed", None, 3)]
+    assert cursor == 3
+    rec = store.get_request(c)
+    assert rec.result == b"ccc" and rec.result_content_type == "application/x-protobuf" and rec.error is None
+    failed = store.get_request(other)
+    assert (failed.status, failed.error, failed.error_category, failed.completion_seq) == ("failed", "bad prompt", "user", 1)
+    assert store.get_request(a).result == b"first"
+    t = store.get_request(train.request_id)
+    assert t.status == "completed" and t.completion_seq is None and t.completed_at is not None
+    assert [(p.step, p.metrics) for p in store.list_run_metrics("m")] == [(1, {"loss": 0.5})]
+    assert store.finish_requests([RequestOutcome(b, b"x", "application/json")]) == [False]
+    assert store.finish_requests([]) == []
+
+
+def test_a_sample_request_reserves_its_numbers_in_the_same_transaction(store: Store) -> None:
+    """``create_sample_request``: the sampler's numbers and the request are one commit; a
+    replay of the same seq_id reserves nothing and answers with the first request; an unknown
+    sampler gives None."""
+    store.create_sampling_session("s", owner="o", base_model="b")
+
+    def create(seq_id: int, n: int):
+        return store.create_sample_request(owner="o", sampling_session_id="s", num_samples=n, payload=b"{}",
+                                           payload_type="json", seq_id=seq_id,
+                                           submit_info_for=lambda first: {"ids": list(range(first, first + n))})
+
+    rec, created = create(1, 3)
+    assert created and rec.submit_info == {"ids": [0, 1, 2]} and rec.status == "pending" and rec.kind == "sample"
+    again, created = create(1, 3)
+    assert not created and again.request_id == rec.request_id and again.submit_info == {"ids": [0, 1, 2]}
+    nxt, _ = create(2, 2)
+    assert nxt.submit_info == {"ids": [3, 4]}
+    assert create(3, 1)[0].submit_info == {"ids": [5]}  # the replay took no numbers
+    assert store.create_sample_request(owner="o", sampling_session_id="nope", num_samples=1, payload=b"{}",
+                                       payload_type="json", submit_info_for=lambda first: {}) is None
+
+
+def test_sampler_records_are_kept_once_read(store: Store, db_url: str) -> None:
+    """A sampler's record never changes, so the store keeps those it read or wrote; another
+    store on the same database reads it from there first."""
+    assert store.cached_sampling_session("s") is None
+    made, _ = store.create_sampling_session("s", owner="o", base_model="b", model_path="tinker://r/sampler_weights/x")
+    assert store.cached_sampling_session("s") == made
+    other = Store(db_url)
+    try:
+        assert other.cached_sampling_session("s") is None
+        assert other.get_sampling_session("s") == made
+        assert other.cached_sampling_session("s") == made
+        assert other.get_sampling_session("missing") is None and other.cached_sampling_session("missing") is None
+    finally:
+        other.close()

@@ -31,13 +31,17 @@ def test_create_get_idempotent(store: Store) -> None:
 def test_join_counter_and_sequence_numbers(store: Store) -> None:
     store.create_sampling_session("s", owner="o", base_model="b")
     assert [store.join_sampling_session("s") for _ in range(3)] == [1, 2, 3]
-    assert store.reserve_sequence_numbers("s", 4) == 0
-    assert store.reserve_sequence_numbers("s", 1) == 4
-    assert store.reserve_sequence_numbers("s", 2) == 5
+
+    def first_number(sid: str, n: int) -> int | None:
+        made = store.create_sample_request(owner="o", sampling_session_id=sid, num_samples=n, payload=b"{}",
+                                           payload_type="json", submit_info_for=lambda first: {"first": first})
+        return None if made is None else made[0].submit_info["first"]
+
+    assert [first_number("s", 4), first_number("s", 1), first_number("s", 2)] == [0, 4, 5]
     assert store.join_sampling_session("missing") is None
-    assert store.reserve_sequence_numbers("missing", 1) is None
+    assert first_number("missing", 1) is None
     with pytest.raises(ValueError):
-        store.reserve_sequence_numbers("s", 0)
+        first_number("s", 0)
 
 
 def test_counters_are_unique_under_concurrency(store: Store) -> None:

@@ -13,7 +13,7 @@ from tinsmith.checkpoints.paths import parse_tinker_path
 from tinsmith.engine.scheduler import Job
 from tinsmith.errors import InvalidInputError, NotFoundError, StateLostError
 from tinsmith.server.state import ServerState
-from tinsmith.store.records import ModelRecord, SessionRecord
+from tinsmith.store.records import ModelRecord, RequestRecord, SessionRecord
 
 
 def state_of(request: Request) -> ServerState:
@@ -119,29 +119,41 @@ async def submit(
     A key that already has its most requests queued or running gets a 429 first, before anything
     is stored: the SDK backs off and resubmits, so one key's flood never fills the queue for all.
     """
-    note_request(run=model_id, tokens=request_tokens(kind, args))
-    state.limits.admit(caller.owner, state.engine.in_flight(caller.owner))
+    admit(state, caller, kind, args, model_id)
     rec, created = await run_in_threadpool(
         lambda: state.store.create_request(
             owner=caller.owner, kind=kind, payload=payload, payload_type=payload_type, model_id=model_id,
             seq_id=seq_id, sampling_session_id=sampling_session_id, submit_info=submit_info,
         )
     )
+    return queue_stored(state, caller, kind, rec, created, args, wire)
+
+
+def admit(state: ServerState, caller: Caller, kind: str, args: Any, model_id: str | None = None) -> None:
+    """Count the request for its log line and admit it under the key's limit (429 otherwise)."""
+    note_request(run=model_id, tokens=request_tokens(kind, args))
+    state.limits.admit(caller.owner, state.engine.in_flight(caller.owner))
+
+
+def queue_stored(state: ServerState, caller: Caller, kind: str, rec: RequestRecord, created: bool, args: Any,
+                 wire: str = "json") -> dict[str, Any]:
+    """Queue a request just stored (``created``), or answer a replay with the stored request's
+    future; either way the submit answer."""
     if not created and rec.kind != kind:
         # Only a replay of the same request may share its sequence number; answering with the
         # other request's future would hand the client a result of the wrong type.
-        owner = model_id if model_id is not None else sampling_session_id
+        owner = rec.model_id if rec.model_id is not None else rec.sampling_session_id
         raise InvalidInputError(
-            f"seq_id {seq_id} of {owner!r} was already used by a {rec.kind} request ({rec.request_id}); "
+            f"seq_id {rec.seq_id} of {owner!r} was already used by a {rec.kind} request ({rec.request_id}); "
             "every request of a run needs its own seq_id"
         )
     if created:
         # A sampler's retrieve_futures long-polls listen on its id: they wake when the job finishes.
-        state.engine.submit(Job(rec.request_id, kind, model_id, seq_id, args, wire, caller.owner,
-                                topic=sampling_session_id))
+        state.engine.submit(Job(rec.request_id, rec.kind, rec.model_id, rec.seq_id, args, wire, caller.owner,
+                                topic=rec.sampling_session_id))
     answer: dict[str, Any] = {"request_id": rec.request_id}
-    if model_id is not None:
-        answer["model_id"] = model_id
+    if rec.model_id is not None:
+        answer["model_id"] = rec.model_id
     if rec.submit_info:
         answer.update(rec.submit_info)
     return answer

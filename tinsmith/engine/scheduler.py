@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from tinsmith.engine.device_faults import device_fault
 from tinsmith.errors import TinsmithError
+from tinsmith.store.records import RequestOutcome
 from tinsmith.tenants import key_id
 
 log = logging.getLogger(__name__)
@@ -122,10 +123,7 @@ class Operations(Protocol):
 
 
 class ResultSink(Protocol):
-    def complete_request(self, request_id: str, result: bytes, content_type: str,
-                         metric_point: Any = None) -> bool: ...
-
-    def fail_request(self, request_id: str, error: str, category: str = "server") -> bool: ...
+    def finish_requests(self, outcomes: list[RequestOutcome]) -> list[bool]: ...  # one transaction
 
 
 @dataclass
@@ -593,7 +591,11 @@ class Engine:
         return [(j, self._fault_outcome()) for j in jobs]
 
     def _persist(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
+        """Store the outcomes of client jobs, all in one transaction (a sampling slice finishes
+        many requests at once); if that fails, one at a time, so that one bad outcome costs no
+        other its record. Notes a device fault reported by any of them."""
         now = time.monotonic()
+        stored: list[RequestOutcome] = []
         for job, out in zip(jobs, outcomes):
             job.finished_at = now
             if out.device_fault is not None:
@@ -602,16 +604,24 @@ class Engine:
                 if out.error is not None:
                     log.warning("internal %s for %s failed: %s", job.kind, job.model_id, out.error)
                 continue
+            stored.append(RequestOutcome(job.request_id, out.result or b"{}", out.content_type,
+                                         metric_point=out.metric_point) if out.error is None
+                          else RequestOutcome(job.request_id, error=out.error, category=out.category))
+        if not stored:
+            return
+        try:
+            self.sink.finish_requests(stored)
+            return
+        except Exception:
+            if len(stored) == 1:
+                log.exception("could not persist the outcome of %s", stored[0].request_id)
+                return
+            log.exception("could not persist %d outcomes together; trying one at a time", len(stored))
+        for o in stored:
             try:
-                if out.error is None and out.metric_point is not None:
-                    self.sink.complete_request(job.request_id, out.result or b"{}", out.content_type,
-                                               metric_point=out.metric_point)
-                elif out.error is None:
-                    self.sink.complete_request(job.request_id, out.result or b"{}", out.content_type)
-                else:
-                    self.sink.fail_request(job.request_id, out.error, out.category)
+                self.sink.finish_requests([o])
             except Exception:
-                log.exception("could not persist the outcome of %s", job.request_id)
+                log.exception("could not persist the outcome of %s", o.request_id)
 
     def _finish_pass(self, p: _Pass, outcomes: list[Outcome]) -> None:
         if p in self.passes:

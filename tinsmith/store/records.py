@@ -153,6 +153,19 @@ class MetricPoint:
 
 
 @dataclass(frozen=True)
+class RequestOutcome:
+    """How a request ended, to be stored: its result, or its error (``category`` user, server or
+    unknown, as the SDK reports it), and what a training request reported for its run's history."""
+
+    request_id: str
+    result: bytes | None = None
+    content_type: str | None = None
+    error: str | None = None
+    category: str = "server"
+    metric_point: MetricPoint | None = None
+
+
+@dataclass(frozen=True)
 class RunMetricRecord:
     id: int
     model_id: str

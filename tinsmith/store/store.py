@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
@@ -22,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Select, delete, func, select, update
+from sqlalchemy import ColumnElement, Select, bindparam, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -38,6 +39,7 @@ from tinsmith.store.records import (
     MetricPoint,
     ModelRecord,
     Page,
+    RequestOutcome,
     RequestRecord,
     RunMetricRecord,
     SamplingSessionRecord,
@@ -67,6 +69,7 @@ ERROR_CATEGORIES = ("user", "server", "unknown")
 _UNFINISHED = ("pending", "running")
 _FINISHED = ("completed", "failed")
 SERVER_LEASE = "server"
+SAMPLER_CACHE_ENTRIES = 4096  # sampler records kept in memory (immutable once written)
 CLONE_BLOCK = 1_000_000_000  # a cloned SamplingClient's seq_ids lie in [clone * CLONE_BLOCK, (clone + 1) * CLONE_BLOCK)
 USAGE_KINDS = ("training", "sampling_prefill", "sampling_prefill_cached", "sampling_sample")
 
@@ -111,6 +114,10 @@ class Store:
         # pace. The server's threads take their turns on this lock instead, which hands over at
         # once. Other processes on the same file still meet the busy handler.
         self._turns = threading.RLock() if self.dialect == "sqlite" else contextlib.nullcontext()
+        # Every asample reads its sampler's record, and nothing ever changes or deletes one (its
+        # counters live outside the record), so the ones read lately are kept here.
+        self._samplers: OrderedDict[str, SamplingSessionRecord] = OrderedDict()
+        self._samplers_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Store({self.engine.url.render_as_string(hide_password=True)!r})"
@@ -417,7 +424,25 @@ class Store:
         """
         if seq_id is not None and model_id is not None and sampling_session_id is not None:
             raise ValueError("a request is ordered by model_id or sampling_session_id, not both")
-        row = RequestTable(
+        row = self._request_row(owner=owner, kind=kind, payload=payload, payload_type=payload_type, model_id=model_id,
+                                sampling_session_id=sampling_session_id, seq_id=seq_id, submit_info=submit_info,
+                                request_id=request_id)
+        try:
+            with self._tx() as s:
+                s.add(row)
+            return _record(RequestRecord, row), True
+        except IntegrityError:
+            # The loser of a race (or a plain retry): the winner's row is committed by now.
+            existing = self._find_duplicate(row)
+            if existing is None:
+                raise
+            return existing, False
+
+    def _request_row(self, *, owner: str, kind: str, payload: bytes, payload_type: str, model_id: str | None = None,
+                     sampling_session_id: str | None = None, seq_id: int | None = None,
+                     submit_info: dict[str, Any] | None = None, request_id: str | None = None) -> RequestTable:
+        """A new request's row, ``pending``."""
+        return RequestTable(
             request_id=request_id or new_request_id(),
             owner=owner,
             kind=kind,
@@ -437,16 +462,6 @@ class Store:
             completed_at=None,
             purged_at=None,
         )
-        try:
-            with self._tx() as s:
-                s.add(row)
-            return _record(RequestRecord, row), True
-        except IntegrityError:
-            # The loser of a race (or a plain retry): the winner's row is committed by now.
-            existing = self._find_duplicate(row)
-            if existing is None:
-                raise
-            return existing, False
 
     def _find_duplicate(self, row: RequestTable) -> RequestRecord | None:
         conditions: list[ColumnElement[bool]] = [RequestTable.request_id == row.request_id]
@@ -491,57 +506,76 @@ class Store:
         same transaction, only when this call completed the request: a replayed outcome adds
         no second point, and the run's history costs no extra round trip.
         """
-        now = self._clock()
-        return self._finish_request(
-            request_id, dict(status="completed", result=bytes(result), result_content_type=content_type, completed_at=now),
-            metric_point=metric_point,
-        )
+        return self.finish_requests([RequestOutcome(request_id, result, content_type, metric_point=metric_point)])[0]
 
     def fail_request(self, request_id: str, error: str, category: str = "server") -> bool:
         """Store a failure (``category`` user / server / unknown, as the SDK reports it).
 
         The first outcome wins: False if already completed or failed.
         """
-        _check(category, ERROR_CATEGORIES, "error category")
-        return self._finish_request(
-            request_id, dict(status="failed", error=error, error_category=category, completed_at=self._clock())
-        )
+        return self.finish_requests([RequestOutcome(request_id, error=error, category=category)])[0]
 
-    def _finish_request(self, request_id: str, values: dict[str, Any], metric_point: MetricPoint | None = None) -> bool:
-        """Store an outcome if the request is unfinished; a sampling request also takes the next
-        number of its sampler's completion order, and a training request's ``metric_point`` is
-        added to its run's history, in the same transaction.
+    def finish_requests(self, outcomes: Sequence[RequestOutcome]) -> list[bool]:
+        """Store several requests' outcomes in one transaction (the requests one sampling slice
+        finished: one commit instead of one each); per request, whether this call finished it.
 
-        The counter row stays locked until the commit, so a sampler's completions commit in
-        the order of their numbers: once a reader sees the counter at N, every completion up
-        to N is visible to it (what makes ``sampling_completions`` cursors safe).
+        The first outcome of a request wins. A sampling request also takes the next number of
+        its sampler's completion order, and a training request's ``metric_point`` is added to
+        its run's history (only when this call completed it: a replay adds no second point).
+        The sampler's counter row stays locked until the commit, so its completions commit in
+        the order of their numbers: once a reader sees the counter at N, every completion up to
+        N is visible to it (what makes ``sampling_completions`` cursors safe).
         """
+        for o in outcomes:
+            if o.error is not None:
+                _check(o.category, ERROR_CATEGORIES, "error category")
+        now = self._clock()
+        # Core statements on the tables (the ORM's bulk-update bookkeeping costs more than these
+        # small statements), a constant number per sampler rather than three per request.
+        requests, samplers = RequestTable.__table__, SamplingSessionTable.__table__
         with self._tx() as s:
-            finished = s.execute(
-                update(RequestTable)
-                .where(RequestTable.request_id == request_id, RequestTable.status.in_(_UNFINISHED))
-                .values(**values)
-                .returning(RequestTable.sampling_session_id)
-            ).first()
-            if finished is None:
-                return False
-            if metric_point is not None:
-                p = metric_point
-                finite = {k: (float(v) if math.isfinite(v) else None) for k, v in p.metrics.items()}
-                s.add(RunMetricTable(model_id=p.model_id, owner=p.owner, step=p.step, kind=p.kind,
-                                     metrics=finite, recorded_at=values.get("completed_at", self._clock())))
-            if finished.sampling_session_id is not None:
-                seq = s.execute(
-                    update(SamplingSessionTable)
-                    .where(SamplingSessionTable.sampling_session_id == finished.sampling_session_id)
-                    .values(completions=SamplingSessionTable.completions + 1)
-                    .returning(SamplingSessionTable.completions)
+            unfinished = select(requests.c.request_id, requests.c.sampling_session_id).where(
+                requests.c.request_id.in_({o.request_id for o in outcomes}), requests.c.status.in_(_UNFINISHED))
+            if self.dialect == "postgresql":
+                unfinished = unfinished.with_for_update()  # what is unfinished now stays ours to finish
+            sampler_of: dict[str, str | None] = {rid: sid for rid, sid in s.execute(unfinished)}
+            first: dict[str, RequestOutcome] = {}  # per request, the first outcome of the list
+            for o in outcomes:
+                if o.request_id in sampler_of:
+                    first.setdefault(o.request_id, o)
+            if not first:
+                return [False] * len(outcomes)
+            by_sampler: dict[str, list[str]] = {}
+            for rid in first:
+                if sampler_of[rid] is not None:
+                    by_sampler.setdefault(sampler_of[rid], []).append(rid)
+            completion_seq: dict[str, int] = {}
+            for sid in sorted(by_sampler):  # one order everywhere: two writers never wait on each other
+                rids = by_sampler[sid]
+                last = s.execute(
+                    update(samplers).where(samplers.c.sampling_session_id == sid)
+                    .values(completions=samplers.c.completions + len(rids)).returning(samplers.c.completions)
                 ).scalar_one_or_none()
-                if seq is not None:
-                    s.execute(
-                        update(RequestTable).where(RequestTable.request_id == request_id).values(completion_seq=seq)
-                    )
-            return True
+                if last is not None:
+                    completion_seq.update({rid: last - len(rids) + 1 + i for i, rid in enumerate(rids)})
+            s.execute(
+                update(requests).where(requests.c.request_id == bindparam("b_id")).values(
+                    status=bindparam("b_status"), result=bindparam("b_result"),
+                    result_content_type=bindparam("b_content_type"), error=bindparam("b_error"),
+                    error_category=bindparam("b_category"), completion_seq=bindparam("b_seq"), completed_at=now),
+                [{"b_id": rid, "b_status": "completed" if o.error is None else "failed",
+                  "b_result": None if o.error is not None else bytes(o.result or b""),
+                  "b_content_type": None if o.error is not None else o.content_type,
+                  "b_error": o.error, "b_category": None if o.error is None else o.category,
+                  "b_seq": completion_seq.get(rid)} for rid, o in first.items()],
+            )
+            for o in first.values():
+                if o.metric_point is not None and o.error is None:
+                    p = o.metric_point
+                    finite = {k: (float(v) if math.isfinite(v) else None) for k, v in p.metrics.items()}
+                    s.add(RunMetricTable(model_id=p.model_id, owner=p.owner, step=p.step, kind=p.kind,
+                                         metrics=finite, recorded_at=now))
+        return [first.get(o.request_id) is o for o in outcomes]
 
     def sampling_completions(
         self, sampling_session_id: str, clone_id: int, after: int, *, limit: int = 1000
@@ -762,7 +796,9 @@ class Store:
         try:
             with self._tx() as s:
                 s.add(row)
-            return _record(SamplingSessionRecord, row), True
+            record = _record(SamplingSessionRecord, row)
+            self._remember_sampler(record)
+            return record, True
         except IntegrityError:
             existing = self.get_sampling_session(sampling_session_id)
             if existing is None:
@@ -770,7 +806,29 @@ class Store:
             return existing, False
 
     def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
-        return self._get(SamplingSessionRecord, SamplingSessionTable, sampling_session_id)
+        cached = self.cached_sampling_session(sampling_session_id)
+        if cached is not None:
+            return cached
+        found = self._get(SamplingSessionRecord, SamplingSessionTable, sampling_session_id)
+        if found is not None:
+            self._remember_sampler(found)
+        return found
+
+    def cached_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
+        """The sampler's record if it was read or written lately (no database round trip), else
+        None: callers on an event loop try this before sending ``get_sampling_session`` to a thread."""
+        with self._samplers_lock:
+            found = self._samplers.get(sampling_session_id)
+            if found is not None:
+                self._samplers.move_to_end(sampling_session_id)
+            return found
+
+    def _remember_sampler(self, record: SamplingSessionRecord) -> None:
+        with self._samplers_lock:
+            self._samplers[record.sampling_session_id] = record
+            self._samplers.move_to_end(record.sampling_session_id)
+            while len(self._samplers) > SAMPLER_CACHE_ENTRIES:
+                self._samplers.popitem(last=False)
 
     def list_session_sampling_sessions(self, session_id: str) -> list[SamplingSessionRecord]:
         """Samplers created in one session, in creation order."""
@@ -798,15 +856,47 @@ class Store:
         """
         return self._bump(sampling_session_id, SamplingSessionTable.next_client_counter, 1)
 
-    def reserve_sequence_numbers(self, sampling_session_id: str, count: int) -> int | None:
-        """Reserve ``count`` consecutive sampled-sequence numbers; returns the first.
-
-        None when the sampler is unknown.
+    def create_sample_request(
+        self,
+        *,
+        owner: str,
+        sampling_session_id: str,
+        num_samples: int,
+        payload: bytes,
+        payload_type: str,
+        seq_id: int | None = None,
+        submit_info_for: Callable[[int], dict[str, Any]],
+    ) -> tuple[RequestRecord, bool] | None:
+        """``create_request`` for a sample request that also reserves ``num_samples`` consecutive
+        sampled-sequence numbers of its sampler, in one transaction: a replayed request (its
+        ``seq_id`` already stored: ``created=False``) reserves none. ``submit_info_for``
+        makes the submit answer's fields from the first reserved number. None when the sampler
+        is unknown.
         """
-        if count < 1:
-            raise ValueError("count must be >= 1")
-        end = self._bump(sampling_session_id, SamplingSessionTable.next_sequence_number, count)
-        return None if end is None else end - count
+        if num_samples < 1:
+            raise ValueError("num_samples must be >= 1")
+        samplers = SamplingSessionTable.__table__
+        bump = (
+            update(samplers)
+            .where(samplers.c.sampling_session_id == sampling_session_id)
+            .values(next_sequence_number=samplers.c.next_sequence_number + num_samples)
+            .returning(samplers.c.next_sequence_number)
+        )
+        try:
+            with self._tx() as s:
+                end = s.execute(bump).scalar_one_or_none()
+                if end is None:
+                    return None
+                row = self._request_row(owner=owner, kind="sample", payload=payload, payload_type=payload_type,
+                                        sampling_session_id=sampling_session_id, seq_id=seq_id,
+                                        submit_info=submit_info_for(end - num_samples))
+                s.add(row)
+            return _record(RequestRecord, row), True
+        except IntegrityError:
+            existing = self._find_duplicate(row)
+            if existing is None:
+                raise
+            return existing, False
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import uuid
 
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import caller_of, owned_model, owned_session, sampler_weights, state_of, submit
+from tinsmith.api.common import admit, caller_of, owned_model, owned_session, queue_stored, sampler_weights, state_of, submit
 from tinsmith.api.images import fit_sample_input
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
@@ -122,7 +123,7 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
         lambda: codecs.decode_sample_request_json(obj, limits=limits))
     snapshot_key = storage_path = None
     if sid is not None:
-        s = await run_in_threadpool(state.store.get_sampling_session, sid)
+        s = state.store.cached_sampling_session(sid) or await run_in_threadpool(state.store.get_sampling_session, sid)
         if s is None or s.owner != caller.owner:
             raise NotFoundError(f"sampling_session_id {sid!r} not found")
         base_model, model_path = s.base_model, s.model_path
@@ -136,16 +137,19 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
     base = state.worker.resolve_base(base_model or "")
     fit_sample_input(inp, base_model or "", base.config, base.image_token_counter)
     limits.check_sample(inp, base.config.max_position_embeddings)
-    first = await run_in_threadpool(state.store.reserve_sequence_numbers, sid, inp.num_samples) if sid else None
-    prefix = sid or "direct"
-    if first is None:
-        import uuid
-
-        ids = [f"{prefix}:seq:{uuid.uuid4().hex}" for _ in range(inp.num_samples)]
-    else:
-        ids = [f"{prefix}:seq:{first + i}" for i in range(inp.num_samples)]
-    args = SampleArgs(base_model or "", snapshot_key, storage_path, inp, ids)
-    return await submit(state, caller, "sample", args, payload=body, payload_type="json", sampling_session_id=sid,
-                        seq_id=seq_id if sid else None, wire=_result_wire(request),
-                        submit_info={"sample_sequence_ids": ids})
-
+    n, wire = inp.num_samples, _result_wire(request)
+    args = SampleArgs(base_model or "", snapshot_key, storage_path, inp, [])
+    if sid is None:
+        args.sequence_ids = [f"direct:seq:{uuid.uuid4().hex}" for _ in range(n)]
+        return await submit(state, caller, "sample", args, payload=body, payload_type="json", wire=wire,
+                            submit_info={"sample_sequence_ids": args.sequence_ids})
+    admit(state, caller, "sample", args)
+    # The sampler's sequence numbers and the request are stored in one transaction.
+    stored = await run_in_threadpool(lambda: state.store.create_sample_request(
+        owner=caller.owner, sampling_session_id=sid, num_samples=n, payload=body, payload_type="json", seq_id=seq_id,
+        submit_info_for=lambda first: {"sample_sequence_ids": [f"{sid}:seq:{first + i}" for i in range(n)]}))
+    if stored is None:
+        raise NotFoundError(f"sampling_session_id {sid!r} not found")
+    rec, created = stored
+    args.sequence_ids = list((rec.submit_info or {}).get("sample_sequence_ids", []))
+    return queue_stored(state, caller, "sample", rec, created, args, wire)
