@@ -84,6 +84,66 @@ def test_q_and_k_heads_normalised_and_turned_in_one_kernel(dtype):
     assert not rk.rotary_usable(qk, cos[..., : d // 2], sin[..., : d // 2])  # partial rotary: two steps
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 100, 2048])
+def test_a_residual_add_and_the_norm_after_it(dtype, d):
+    """``add_rms_norm``: the sum rounded as a ``dtype`` add rounds, and the norm of that rounded sum."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(d + 1)
+    x = (torch.randn(2, 7, d, generator=g) * 3).to(device, dtype)
+    delta = torch.randn(2, 7, d, generator=g).to(device, dtype)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype)
+    with torch.no_grad():
+        total, normed = rk.add_rms_norm(x, delta, w, 1e-6)
+    want_total = x + delta
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+        torch.testing.assert_close(normed, torch_path(want_total, w, 1e-6), rtol=1e-5, atol=1e-6)
+    else:
+        assert_same_rounding(total, want_total)
+        assert_same_rounding(normed, torch_path(total, w, 1e-6))  # the norm of the sum it wrote
+
+
+def test_q_and_k_heads_each_with_their_own_weight_without_stacking_them():
+    """``second``: the k heads (after the q heads) take the k norm's weight, the same result as
+    one stacked (heads, d) weight, with and without the rotary."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(3)
+    b, L, H, Hk, d = 2, 3, 4, 2, 64
+    y = (torch.randn(b * L, (H + 2 * Hk) * d, generator=g) * 2).to(device, torch.float32)
+    qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
+    wq, wk = ((1 + 0.1 * torch.randn(d, generator=g)).to(device) for _ in range(2))
+    stacked = torch.cat((wq.expand(H, d), wk.expand(Hk, d)))
+    rotary = layers.Rotary(d, layers.RopeConfig(theta=1e6)).to(device)
+    cos, sin = rotary(torch.arange(b * L, device=device).view(b, L) * 11, torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(rk.rms_norm(qk, wq, 1e-6, second=(H, wk)), rk.rms_norm(qk, stacked, 1e-6),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(rk.rms_norm(qk, wq, 1e-6, (cos, sin), (H, wk)),
+                                   rk.rms_norm(qk, stacked, 1e-6, (cos, sin)), rtol=0, atol=0)
+        torch.testing.assert_close(layers.norm_and_rotary(qk, wq, 1e-6, cos, sin, (H, wk)),  # the torch path
+                                   layers.apply_rotary(torch_path(qk, stacked, 1e-6), cos, sin), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [48, 1500])
+def test_silu_of_the_gate_half_times_the_up_half(dtype, width):
+    from tinsmith.kernels import swiglu
+
+    device = kernel_device()
+    g = torch.Generator().manual_seed(width)
+    y = (torch.randn(5, 2 * width, generator=g) * 4).to(device, dtype)
+    with torch.no_grad():
+        got = swiglu.silu_mul(y)
+    want = torch.nn.functional.silu(y[:, :width]) * y[:, width:]
+    assert got.shape == (5, width) and got.dtype == dtype and got.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        assert_same_rounding(got, want, interpreted_atol=0.1)
+
+
 def test_layers_take_the_kernel_only_outside_autograd(monkeypatch):
     device = kernel_device()
     monkeypatch.setattr(rk, "BACKEND", "triton")
@@ -97,6 +157,33 @@ def test_layers_take_the_kernel_only_outside_autograd(monkeypatch):
         out = layers.rms_norm(x, w, 1e-6)
     assert len(calls) == 1  # asked, declined (None): the torch path answered
     torch.testing.assert_close(out, torch_path(x, w, 1e-6))
+
+
+def test_residual_adds_take_the_kernel_for_plain_norms_outside_autograd(monkeypatch):
+    """``layers.add_rms_norm`` asks the kernel outside autograd for a plain RMSNorm, and for one a
+    tensor-parallel model wraps (``CopyToTP``: the identity outside autograd); never for Qwen3.5's
+    offset norms or gpt-oss' fp32-scaled ones, nor under autograd."""
+    from types import SimpleNamespace
+
+    from tinsmith.parallel.layers import CopyToTP
+
+    device = kernel_device()
+    monkeypatch.setattr(rk, "BACKEND", "triton")
+    calls = []
+    monkeypatch.setattr(rk, "add_rms_norm", lambda *a: calls.append(a) or None)  # declined: torch answers
+    h, delta = torch.randn(3, 64, device=device), torch.randn(3, 64, device=device)
+    plain = layers.RMSNorm(64, 1e-6).to(device)
+    for norm, asked in ((plain, True), (CopyToTP(plain, SimpleNamespace(size=2)), True), (layers.RMSNorm(64, 1e-6, offset=True), False),
+                        (layers.RMSNorm(64, 1e-6, scale_in_fp32=True), False)):
+        calls.clear()
+        with torch.no_grad():
+            total, normed = layers.add_rms_norm(h, delta, norm.to(device))
+        assert bool(calls) == asked, norm
+        torch.testing.assert_close(total, h + delta)
+        torch.testing.assert_close(normed, norm(h + delta))
+    calls.clear()
+    layers.add_rms_norm(h, delta, plain)  # autograd on: torch
+    assert not calls
 
 
 def test_dispatch_follows_backend(monkeypatch):
@@ -119,29 +206,37 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tinsmith.kernels import rms_norm as rk
+from tinsmith.kernels import swiglu
 
 target = GPUTarget("cuda", 90, 32)
 fn = rk._rms_norm_kernel
 for dt in sys.argv[1:]:
-    sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
-           "heads": "i32", "d": "i32", "eps": "fp32", "stride_row": "i64", "stride_head": "i64", "stride_w": "i64",
-           "stride_rot": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr"}
-    for block, rotary in ((128, True), (128, False), (2048, False)):
+    sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "w2_ptr": f"*{dt}", "out_ptr": f"*{dt}", "res_ptr": f"*{dt}",
+           "sum_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "heads": "i32", "split": "i32",
+           "d": "i32", "eps": "fp32", "stride_row": "i64", "stride_head": "i64", "stride_w": "i64",
+           "stride_rot": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr", "RESIDUAL": "constexpr"}
+    for block, rotary, residual in ((128, True, False), (128, False, False), (2048, False, False), (2048, False, True)):
         sig_ = {name: sig[name] for name in fn.arg_names}
-        const = {"BLOCK_D": block, "ROTARY": rotary}
+        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual}
         assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
+    sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "BLOCK": "constexpr"}
+    for block in (64, 1024):
+        src = ASTSource(fn=swiglu._silu_mul_kernel, signature=sig, constexprs={"BLOCK": block})
+        assert triton.compile(src, target=target).asm["cubin"]
 '''
 
 
 def test_kernel_compiles_for_hopper(tmp_path):
-    """The interpreter does not compile: build the kernel for sm_90 (no GPU needed)."""
+    """The interpreter does not compile: build the kernels (and the SiLU-and-multiply one) for
+    sm_90 (no GPU needed)."""
     assert_builds_for_hopper(_COMPILE, tmp_path, "bf16", "fp16", "fp32")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_a_sampler_through_the_kernel_samples_what_torch_samples(family, model_dirs, monkeypatch):
-    """Every norm of a real model's prefill and decode (hidden states, and Qwen3's q/k heads inside
-    the packed q/k/v output) through the kernel: the same tokens and logprobs as the torch path."""
+    """Every norm of a real model's prefill and decode (hidden states with the residual adds before
+    them, and Qwen3's q/k heads inside the packed q/k/v output) and every MLP's SiLU and product
+    through the kernels: the same tokens and logprobs as the torch path."""
     import numpy as np
 
     from tests.sampling.conftest import fresh_model, make_sampler, run, task
@@ -151,8 +246,11 @@ def test_a_sampler_through_the_kernel_samples_what_torch_samples(family, model_d
         pytest.skip("the GPU tier compares the sampler's paths on a GPU")
     prompts = [np.random.default_rng(i).integers(4, 400, 12 + 5 * i).tolist() for i in range(3)]
     results = {}
+    from tinsmith.kernels import swiglu
+
     for backend in ("torch", "triton"):
         monkeypatch.setattr(rk, "BACKEND", backend)
+        monkeypatch.setattr(swiglu, "BACKEND", backend)
         sampler = make_sampler(fresh_model(model_dirs[family]), model_dirs[family])
         results[backend] = run(sampler, [task(f"p{i}", p, max_tokens=6, temperature=1.0, seed=i, stop=[])
                                          for i, p in enumerate(prompts)])

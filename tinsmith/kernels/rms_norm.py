@@ -6,7 +6,8 @@ fp32, normalised, cast back to the input's dtype, then scaled by the weight in t
 the cast down, the scale) for every norm of every layer: three norms a layer (before attention,
 the q/k heads', before the MLP), about 330 of a Qwen3-1.7B decode step's kernels. At decode sizes
 each of them is launch and tail, not work. :func:`rms_norm` does the same arithmetic, in the same
-order and dtypes, in one.
+order and dtypes, in one; :func:`add_rms_norm` also does the residual add before the norm (the
+add after attention and the one after the MLP, which the next layer's norm takes).
 
 Inference only (no autograd): training keeps the torch path. The input may be a strided view of
 ``rows x heads`` vectors (the q/k heads of a packed q/k/v output); the weight has one row, or one
@@ -55,8 +56,16 @@ def rotary_usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
             and cos.is_contiguous() and signed_sin.is_contiguous())
 
 
+def add_usable(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`add_rms_norm` takes the kernel: as :func:`usable`, one weight row, and a
+    ``delta`` of ``x``'s shape and dtype, both contiguous."""
+    return (usable(x, weight) and weight.dim() == 1 and delta.shape == x.shape and delta.dtype == x.dtype
+            and x.is_contiguous() and delta.is_contiguous())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+             rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+             second: tuple[int, torch.Tensor] | None = None) -> torch.Tensor | None:
     """``weight * F.rms_norm(x.float(), eps=eps).to(x.dtype)`` in one kernel (a new contiguous
     tensor), or None when the kernel failed here (the caller takes the torch path).
 
@@ -64,40 +73,76 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     them flattening into one stride; ``weight`` (d,) or (heads, d). ``rotary``: ``(cos,
     signed_sin)`` (see :func:`rotary_usable`), applied to the normalised vectors in the same
     kernel with :func:`tinsmith.models.layers.apply_rotary`'s roundings (the q/k heads' norm
-    then their rotary: one kernel instead of five).
+    then their rotary: one kernel instead of five). ``second``: ``(s, weight2)``, the heads from
+    ``s`` on scale by ``weight2`` (d,) instead of ``weight`` (d,): the q heads and the k heads of
+    a packed q/k/v output, each norm with its own weight, without stacking the two per step.
     """
     d = x.shape[-1]
-    heads = x.shape[-2] if weight.dim() == 2 else 1
-    vectors = x.unflatten(-1, (1, d)) if weight.dim() == 1 else x  # (..., heads, d), heads = 1 for a plain norm
+    per_head = weight.dim() == 2 or second is not None
+    heads = x.shape[-2] if per_head else 1
+    vectors = x if per_head else x.unflatten(-1, (1, d))  # (..., heads, d), heads = 1 for a plain norm
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
     flat = vectors.reshape(-1, heads, d)  # a view where the leading dimensions share one stride
     turn = None if rotary is None else tuple(t.reshape(-1, d) for t in rotary)
-    return GUARD.call(_launch, flat, weight.reshape(-1, d), out, eps, turn, on=x)
+    split, w2 = second if second is not None else (heads, weight)
+    return GUARD.call(_launch, flat, weight.reshape(-1, d), w2.reshape(-1, d), split, out, eps, turn, None, on=x)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
-            rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(s, weight * F.rms_norm(s.float(), eps=eps).to(x.dtype))`` with ``s = x + delta`` rounded
+    to ``x``'s dtype, in one kernel: a residual add and the norm after it (two new tensors), or
+    None when the kernel failed here. See :func:`add_usable`."""
+    d = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return total, out
+    w = weight.reshape(-1, d)
+    done = GUARD.call(_launch, x.reshape(-1, 1, d), w, w, 1, out, eps, None,
+                      (delta.reshape(-1, d), total), on=x)
+    return None if done is None else (total, out)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split: int, out: torch.Tensor, eps: float,
+            rotary: tuple[torch.Tensor, torch.Tensor] | None,
+            residual: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     n, heads, d = x.shape
     block = triton.next_power_of_2(d)
     cos, sin = rotary if rotary is not None else (x, x)  # unread without ROTARY
+    delta, total = residual if residual is not None else (x, x)  # unread without RESIDUAL
     _rms_norm_kernel[(n * heads,)](
-        x, weight, out, cos, sin, heads, d, eps, x.stride(0), x.stride(1),
+        x, weight, weight2, out, delta, total, cos, sin, heads, split, d, eps, x.stride(0), x.stride(1),
         weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0),
-        BLOCK_D=block, ROTARY=rotary is not None, num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
+        BLOCK_D=block, ROTARY=rotary is not None, RESIDUAL=residual is not None,
+        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, heads, d, eps, stride_row, stride_head,
-                         stride_w, stride_rot, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr):
+    def _weight(w_ptr, w2_ptr, head, split, stride_w, cols, mask):
+        """The weight row of ``head``: row ``head`` of ``w_ptr`` (its one row when ``stride_w`` is 0)
+        below ``split``, ``w2_ptr``'s one row from there."""
+        if head < split:
+            w = tl.load(w_ptr + head * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        return w
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, res_ptr, sum_ptr, cos_ptr, sin_ptr, heads, split, d, eps,
+                         stride_row, stride_head, stride_w, stride_rot,
+                         BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, RESIDUAL: tl.constexpr):
         """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
         weight (in fp32, rounded once to the output dtype: what a bf16 product does). ``ROTARY``:
         then ``n * cos + roll(n, d/2) * signed_sin`` with each product and the sum rounded, as
-        three bf16 operations round (the rolled half is normalised again from its own inputs)."""
+        three bf16 operations round (the rolled half is normalised again from its own inputs).
+        ``RESIDUAL`` (one head, contiguous rows; never with ``ROTARY``): the vector is first
+        ``x + res`` rounded to the dtype, as a bf16 add rounds, and is written to ``sum_ptr`` too."""
         pid = tl.program_id(0).to(tl.int64)
         row = pid // heads
         head = pid % heads
@@ -106,13 +151,17 @@ if triton is not None:
         base = x_ptr + row * stride_row + head * stride_head
         dtype = out_ptr.dtype.element_ty
         x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            total = (x + tl.load(res_ptr + pid * d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(sum_ptr + pid * d + cols, total, mask=mask)
+            x = total.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
-        w = tl.load(w_ptr + head * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
+        w = _weight(w_ptr, w2_ptr, head, split, stride_w, cols, mask)
         normed = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
         if ROTARY:
             rolled = (cols + d // 2) % d  # roll(x, d/2)[i] = x[(i - d/2) mod d]
             xr = tl.load(base + rolled, mask=mask, other=0.0).to(tl.float32)
-            wr = tl.load(w_ptr + head * stride_w + rolled, mask=mask, other=0.0).to(tl.float32)
+            wr = _weight(w_ptr, w2_ptr, head, split, stride_w, rolled, mask)
             normed_r = (wr * (xr * rstd).to(dtype).to(tl.float32)).to(dtype)
             c = tl.load(cos_ptr + row * stride_rot + cols, mask=mask, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + row * stride_rot + cols, mask=mask, other=0.0).to(tl.float32)

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinsmith.kernels import rms_norm as rms_kernel
+from tinsmith.kernels import swiglu
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
@@ -68,15 +69,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, norm(h + delta))``: a residual add and the norm after it, in one kernel where
+    :mod:`tinsmith.kernels.rms_norm` takes them (outside autograd on a GPU, a plain norm), else as
+    the two steps (the same arithmetic). ``norm``: an :class:`RMSNorm`, or a module that is one
+    outside autograd (its ``inference_norm``: a tensor-parallel model's norm before its sharded
+    projections)."""
+    plain = norm if torch.is_grad_enabled() else getattr(norm, "inference_norm", norm)
+    if (isinstance(plain, RMSNorm) and not (plain.offset or plain.scale_in_fp32)
+            and rms_kernel.add_usable(h, delta, plain.weight)):
+        both = rms_kernel.add_rms_norm(h, delta, plain.weight, plain.eps)
+        if both is not None:
+            return both
+    h = h + delta
+    return h, norm(h)
+
+
 def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                    signed_sin: torch.Tensor) -> torch.Tensor:
+                    signed_sin: torch.Tensor, second: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
     """``apply_rotary(rms_norm(x, weight, eps), cos, signed_sin)``: the q/k heads' norm then their
     rotary, in one kernel where :mod:`tinsmith.kernels.rms_norm` takes both (outside autograd on
-    a GPU), else as the two steps."""
+    a GPU), else as the two steps. ``second``: ``(s, weight2)``, the heads from ``s`` on are
+    normalised with ``weight2`` (the k heads after the q heads of a packed output)."""
     if rms_kernel.usable(x, weight) and rms_kernel.rotary_usable(x, cos, signed_sin):
-        out = rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin))
+        out = rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), second)
         if out is not None:
             return out
+    if second is not None:
+        split, weight2 = second
+        weight = torch.cat((weight.expand(split, -1), weight2.expand(x.shape[-2] - split, -1)))
     return apply_rotary(rms_norm(x, weight, eps), cos, signed_sin)
 
 
@@ -310,8 +331,7 @@ class Attention(nn.Module):
             qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
             v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
             if self.q_norm is not None:
-                w = torch.cat((self.q_norm.weight.expand(H, d), self.k_norm.weight.expand(Hk, d)))
-                qk = norm_and_rotary(qk, w, self.q_norm.eps, cos, sin)
+                qk = norm_and_rotary(qk, self.q_norm.weight, self.q_norm.eps, cos, sin, (H, self.k_norm.weight))
             else:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]
@@ -352,7 +372,10 @@ class MLP(nn.Module):
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
             i = self.gate_proj.out_features
             y = packed.project(x.reshape(-1, x.shape[-1]), segments)
-            h = F.silu(y[:, :i]).mul_(y[:, i:]).view(*x.shape[:-1], i)
+            h = swiglu.silu_mul(y) if swiglu.usable(y) else None
+            if h is None:  # the torch path, or the kernel failed here
+                h = F.silu(y[:, :i]).mul_(y[:, i:])
+            h = h.view(*x.shape[:-1], i)
         else:
             h = F.silu(self.gate_proj(x, segments)) * self.up_proj(x, segments)
         return self.down_proj(h, segments)
@@ -396,13 +419,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
 
-    def forward(self, h, cos, sin, segments: Segments | None, attend: AttentionBackend) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        if hasattr(self, "linear_attn"):
-            h = h + self.linear_attn(x, segments, attend)
+    def forward(self, h, cos, sin, segments: Segments | None, attend: AttentionBackend,
+                pending: torch.Tensor | None = None, defer: bool = False):
+        """The residual stream ``h`` after this layer.
+
+        Inference passes the residual adds on to the norms after them (:func:`add_rms_norm`, one
+        kernel for both on a GPU): ``pending`` is the previous layer's output not yet added to
+        ``h``, and with ``defer`` the layer returns ``(h, its MLP's output)`` instead of their
+        sum, for the next layer's norm (or the final one) to add.
+        """
+        if pending is None:
+            x = self.input_layernorm(h)
         else:
-            h = h + self.self_attn(x, cos, sin, segments, attend)
-        return h + self.mlp(self.post_attention_layernorm(h), segments)
+            h, x = add_rms_norm(h, pending, self.input_layernorm)
+        if hasattr(self, "linear_attn"):
+            mixed = self.linear_attn(x, segments, attend)
+        else:
+            mixed = self.self_attn(x, cos, sin, segments, attend)
+        h, x = add_rms_norm(h, mixed, self.post_attention_layernorm)
+        out = self.mlp(x, segments)
+        return (h, out) if defer else h + out
 
 
 class Backbone(nn.Module):
@@ -481,7 +517,14 @@ class CausalLM(nn.Module):
         if visual is not None:
             h = visual.embed(h)
         cos, sin = self.model.rotary(positions, h.dtype)
-        recompute = torch.is_grad_enabled() and (self.gradient_checkpointing or bool(self.recomputed_layers))
+        if not torch.is_grad_enabled():  # each layer's last add joins the next norm (see DecoderLayer)
+            pending = None
+            for i, layer in enumerate(self.model.layers):
+                h, pending = layer(h, cos, sin, segments, attend, pending, True)
+                if visual is not None and i < len(visual.deepstack):
+                    h, pending = visual.add_deepstack(h + pending, i), None
+            return self.model.norm(h) if pending is None else add_rms_norm(h, pending, self.model.norm)[1]
+        recompute = self.gradient_checkpointing or bool(self.recomputed_layers)
         for i, layer in enumerate(self.model.layers):
             if recompute and (self.gradient_checkpointing or i in self.recomputed_layers):
                 h = checkpoint(layer, h, cos, sin, segments, attend, use_reentrant=False)

@@ -147,6 +147,11 @@ class CopyToTP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(self.inner(x), self.tp)
 
+    @property
+    def inference_norm(self) -> nn.Module:
+        """The norm alone: outside autograd ``copy_to_tp`` changes nothing (see ``layers.add_rms_norm``)."""
+        return self.inner
+
 
 class ExpertParallelLinear(ExpertLinear):
     """Experts ``experts`` of a full stacked ``(full_experts, out, in)`` expert projection."""

@@ -1228,9 +1228,10 @@ class Sampler:
         if span > capacity:
             longest = max(self._longest(row.state.task.input) for row in self.rows)
             capacity = max(span, min(longest, 2 * capacity))
-        needs = [self._need(i, positions) for i, positions in enumerate(spans)]
-        if why is None and self.kv_cache_bytes and self.cache.static_bytes(needs, rows, capacity) > self.kv_cache_bytes:
-            why = "the bucket's padding rows would pass the K/V cache budget"
+        if why is None and self.kv_cache_bytes:  # counted only under a budget: per row, every burst
+            needs = [self._need(i, positions) for i, positions in enumerate(spans)]
+            if self.cache.static_bytes(needs, rows, capacity) > self.kv_cache_bytes:
+                why = "the bucket's padding rows would pass the K/V cache budget"
         if why is not None:
             if why not in self._eager_reasons:  # each reason once (a failed capture logged its own warning)
                 self._eager_reasons.add(why)
