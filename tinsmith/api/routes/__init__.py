@@ -3,6 +3,9 @@
 from tinsmith.api.routes import (checkpoints, custom_losses, dashboard, futures, metrics, openai_compat, sampling,
                                  service, sessions, training, usage)
 
-ROUTERS = [service.router, sessions.router, training.router, custom_losses.router, sampling.router,
-           checkpoints.router, futures.router, usage.router, metrics.router, dashboard.router,
+# A request is matched against the routes in this order, one after another, and no path matches
+# two routes (a test holds that): the routes every training or sampling loop calls all the time
+# (futures, sampling, training) come first.
+ROUTERS = [futures.router, sampling.router, training.router, sessions.router, service.router,
+           custom_losses.router, checkpoints.router, usage.router, metrics.router, dashboard.router,
            *openai_compat.ROUTERS]
