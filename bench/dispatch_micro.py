@@ -10,7 +10,7 @@ linear layer, and the multi-tenant paths a GPU takes (the grouped matmul, forced
 count is taken twice: on fresh gradients (after an optimizer step), and accumulating onto an
 earlier call's (several calls before one step, as the cookbook's streaming mode sends them).
 
-    python bench/dispatch_micro.py [--tenants 1,4,16] [--layers 28] [--json out.json]
+    python bench/dispatch_micro.py [--tenants 1,4,16] [--layers 28] [--multi-lora gpu|dense|grouped] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
-from tinsmith.models import moe  # noqa: E402
+from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec  # noqa: E402
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
@@ -88,17 +88,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tenants", default="1,4,16")
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--multi-lora", choices=("gpu", "dense", "grouped"), default="gpu",
+                    help="how several tenants' adapters run (gpu: the choice a GPU makes for the tenant count)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    moe.GROUPED_MM = "grouped"  # the multi-tenant paths a GPU takes
+    moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
     with tempfile.TemporaryDirectory() as d:
         shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
         make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
         rt = TrainingRuntime(load_model(str(Path(d) / "m")).model, max_lora_adapters=16, max_lora_rank=32)
         results = {}
         for n in (int(t) for t in args.tenants.split(",")):
+            dense = n * 32 <= grouped_lora.DENSE_MAX_RANK if args.multi_lora == "gpu" else args.multi_lora == "dense"
+            grouped_lora.MULTI_LORA = "dense" if dense else "grouped"
             results[n] = r = count(rt, n)
-            print(f"{n:>3} tenants: forward/backward {r['fresh']['kernel_ops']:>6,} kernel ops fresh, "
+            r["multi_lora"] = grouped_lora.MULTI_LORA
+            print(f"{n:>3} tenants ({grouped_lora.MULTI_LORA}): forward/backward {r['fresh']['kernel_ops']:>6,} kernel ops fresh, "
                   f"{r['accumulating']['kernel_ops']:>6,} accumulating; optimizer steps {r['optimizer_steps']['kernel_ops']:>6,}")
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "results": results}, indent=2))

@@ -27,6 +27,13 @@ def _status(d: dict) -> str:
     return "error: " + d["error"].splitlines()[0][:80] if "error" in d else d.get("skipped", "")
 
 
+def _tenants(lo: dict, k: str) -> str:
+    """Several tenants against one: the default's ratio, then each way the adapters can run."""
+    paths = " / ".join(f"{p} {_get(lo, 'tenants', k, f'{p}_vs_one_tenant')}" for p in ("dense", "grouped")
+                       if f"{p}_vs_one_tenant" in lo.get("tenants", {}).get(k, {}))
+    return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "")
+
+
 def _heading(title: str, header: str) -> list[str]:
     """A table's title, its header row and the separator, as many columns as the header names."""
     return [title, "", header, "|" + "---|" * (header.count("|") - 1)]
@@ -50,7 +57,7 @@ def markdown(s: dict) -> str:
             small, large = (keys + ["-", "-"])[:2]
             L.append(f"| {name} | {_get(lo, small, 'tokens_per_s')} | {_get(lo, small, 'mfu_4nt', pct=True)} | "
                      f"{_get(lo, large, 'tokens_per_s')} | {_get(lo, large, 'mfu_4nt', pct=True)} | "
-                     f"{_get(lo, 'tenants', '4', 'vs_one_tenant')} | {_get(lo, 'tenants', '16', 'vs_one_tenant')} | "
+                     f"{_tenants(lo, '4')} | {_tenants(lo, '16')} | "
                      f"{_get(lo, 'packing', 'packed', 'tokens_per_s')} | "
                      f"{_get(lo, 'packing', 'packed', 'mfu_4nt', pct=True)} | {_get(lo, 'packing', 'packed_vs_padded')} | "
                      f"{_get(lo, 'long_context', 'auto', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "

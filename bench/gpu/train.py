@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from bench.gpu.peak import sync, timed
+from tinsmith.models import grouped_lora
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
@@ -85,8 +86,9 @@ def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:
 
 
 def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
-    """LoRA r32 at 8x1024 and 32x1024; 1, 4 and 16 tenants in one step; padded vs packed
-    micro-batches over uneven lengths; 1x32k long context."""
+    """LoRA r32 at 8x1024 and 32x1024; 1, 4 and 16 tenants in one step (and the several tenants
+    through each way their adapters can run: dense masked products, grouped matmuls); padded vs
+    packed micro-batches over uneven lengths; 1x32k long context."""
     L = 32 if quick else 1024
     steps = 2 if quick else 5
     lm = load_model(str(model_dir), device=device)
@@ -102,10 +104,18 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     tenants = {}
     for k in ((1, 4) if quick else (1, 4, 16)):
         one_unit = step_rate(rt, {units[0]: batch(vocab, per_tenant * k, L)}, steps)
-        many = step_rate(rt, {u: batch(vocab, per_tenant, L, seed=i) for i, u in enumerate(units[:k])}, steps)
+        work = {u: batch(vocab, per_tenant, L, seed=i) for i, u in enumerate(units[:k])}
+        many = step_rate(rt, work, steps)
         tenants[str(k)] = {"tokens_per_s": many["tokens_per_s"], "one_tenant_same_tokens_per_s": one_unit["tokens_per_s"],
                            "vs_one_tenant": many["tokens_per_s"] / one_unit["tokens_per_s"],
                            "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])}
+        if k > 1:  # the two ways several adapters run, whichever the default picks (grouped_lora.MULTI_LORA)
+            for path in ("dense", "grouped"):
+                grouped_lora.MULTI_LORA = path
+                try:
+                    tenants[str(k)][f"{path}_vs_one_tenant"] = step_rate(rt, work, steps)["tokens_per_s"] / one_unit["tokens_per_s"]
+                finally:
+                    grouped_lora.MULTI_LORA = "auto"
     out["tenants"] = {"rows_per_tenant": per_tenant, "seq_len": L, **tenants}
     # Uneven lengths (uniform in lo..hi), the server's micro-batch size: right-padded rows against
     # packed documents (tokens/s and MFU count real tokens only).

@@ -1,14 +1,15 @@
-"""Several tenants' LoRA as grouped matmuls (the GPU path, forced here) equals the per-adapter loop."""
+"""Several tenants' LoRA as grouped matmuls or as dense masked products (the GPU paths, forced
+here) equals the per-adapter loop."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from tests.worker.helpers import assert_rel_close, sft_datum
 from tinsmith.models import moe
-from tinsmith.models.grouped_lora import grouped_lora_delta
+from tinsmith.models import grouped_lora
+from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta
 from tinsmith.models.loading import load_model
 from tinsmith.models.lora import LoraLinear
 from tinsmith.types import ForwardBackwardInput, LoraSpec
@@ -17,8 +18,9 @@ from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 VOCAB = 512
 
 
-def _step(qwen3_dir, mode: str, monkeypatch, calls: list | None = None):
+def _step(qwen3_dir, mode: str, monkeypatch, calls: list | None = None, multi: str = "auto"):
     monkeypatch.setattr(moe, "GROUPED_MM", mode)
+    monkeypatch.setattr(grouped_lora, "MULTI_LORA", multi)
     if calls is not None:
         real = torch._grouped_mm
         monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -53,6 +55,51 @@ def test_grouped_training_step_equals_the_loop(qwen3_dir, monkeypatch):
         assert_rel_close(grouped_grads[key], g, 1e-5, str(key))
 
 
+def test_dense_training_step_equals_the_loop(qwen3_dir, monkeypatch):
+    """Every adapter's factors stacked, two products, other tenants' columns masked: the loop's
+    logprobs and every adapter's own gradients (none leaks into another's)."""
+    loop, loop_grads = _step(qwen3_dir, "loop", monkeypatch)
+    calls: list = []
+    real = grouped_lora.dense_lora_add
+    monkeypatch.setattr(grouped_lora, "dense_lora_add", lambda *a: calls.append(1) or real(*a))
+    import tinsmith.models.lora as lora_module
+
+    monkeypatch.setattr(lora_module, "dense_lora_add", grouped_lora.dense_lora_add)
+    dense, dense_grads = _step(qwen3_dir, "loop", monkeypatch, multi="dense")
+    assert len(calls) >= 2 * 7  # every projection of both layers, at least
+    for a, b in zip(dense, loop):
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
+    assert set(dense_grads) == set(loop_grads)
+    for key, g in loop_grads.items():
+        assert_rel_close(dense_grads[key], g, 1e-5, str(key))
+
+
+def test_the_gpu_takes_dense_products_for_few_tenants_and_grouped_ones_for_many(monkeypatch):
+    """``auto``: dense while adapters x padded rank is at most DENSE_MAX_RANK, on a GPU only."""
+    gen = torch.Generator().manual_seed(0)
+    layer = LoraLinear(16, 24)
+    for slot in range(40):
+        layer.add_adapter(slot, 8, 16.0, gen)
+    ws = [layer.adapters[s] for s in range(40)]
+    x = torch.zeros(4, 16)
+
+    class OnGpu(torch.Tensor):
+        is_cuda = True
+
+    gpu_x = x.as_subclass(OnGpu)
+    assert grouped_lora.multi_lora_path(gpu_x, ws[:2], 24) == "dense"
+    assert grouped_lora.multi_lora_path(gpu_x, ws[:32], 24) == "dense"  # 32 x 8 = DENSE_MAX_RANK
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    assert grouped_lora.multi_lora_path(gpu_x, ws[:33], 24) == "grouped"
+    monkeypatch.setattr(moe, "GROUPED_MM", "loop")
+    assert grouped_lora.multi_lora_path(gpu_x, ws[:33], 24) is None  # no grouped matmul here: the loop
+    assert grouped_lora.multi_lora_path(x, ws[:2], 24) is None  # a CPU: the loop
+    assert grouped_lora.multi_lora_path(gpu_x, [ws[0], None], 24) is None  # one adapter: its own addmm
+    monkeypatch.setattr(grouped_lora, "MULTI_LORA", "dense")
+    assert grouped_lora.multi_lora_path(x, ws[:33], 24) == "dense"
+
+
 def test_rows_without_an_adapter_get_nothing(monkeypatch):
     monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
     layer = LoraLinear(16, 24)
@@ -69,6 +116,10 @@ def test_rows_without_an_adapter_get_nothing(monkeypatch):
     torch.testing.assert_close(y, layer(x, segments), rtol=1e-5, atol=1e-6)
     delta = grouped_lora_delta(x, [layer.adapters[0], None, layer.adapters[1]], [3, 3, 4], 24)
     assert not delta[3:6].any()
+    base = torch.nn.functional.linear(x, layer.weight)
+    dense = dense_lora_add(base, x, [layer.adapters[0], None, layer.adapters[1]], [3, 3, 4], 24)
+    torch.testing.assert_close(dense, y, rtol=1e-5, atol=1e-6)
+    assert torch.equal(dense[3:6], base[3:6])
 
 
 def test_more_tenants_than_one_grouped_call_takes_run_adapter_by_adapter(qwen3_dir, monkeypatch):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
-from tinsmith.models.grouped_lora import grouped_lora_delta, grouped_lora_usable
+from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 from tinsmith.transfers import to_device
 
@@ -136,9 +136,11 @@ class LoraLinear(nn.Module):
         starts, ends = [a for _, a, _ in active], [b for _, _, b in active]
         tiled = starts[0] == 0 and ends[-1] == y2.shape[0] and starts[1:] == ends[:-1]
         weights = [w for w, _, _ in active]
-        if tiled and grouped_lora_usable(x2, weights, self.out_features):
-            # every tenant's shrink and expand as one grouped matmul each (GPUs; see grouped_lora)
+        path = multi_lora_path(x2, weights, self.out_features) if tiled else None
+        if path is not None:  # every tenant's shrink and expand together (GPUs; see grouped_lora)
             sizes = [b - a for a, b in zip(starts, ends)]
+            if path == "dense":
+                return dense_lora_add(y2, x2, weights, sizes, self.out_features).reshape(shape)
             return (y2 + grouped_lora_delta(x2, weights, sizes, self.out_features)).reshape(shape)
         if tiled:
             # Segments tile the rows: ``split`` rather than slicing. The backward of a slice
