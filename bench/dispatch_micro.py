@@ -11,6 +11,11 @@ count is taken twice: on fresh gradients (after an optimizer step), and accumula
 earlier call's (several calls before one step, as the cookbook's streaming mode sends them).
 
     python bench/dispatch_micro.py [--tenants 1,4,16] [--layers 28] [--multi-lora gpu|dense|grouped] [--json out.json]
+
+``--decode ROWS`` counts one decode step instead: the static step a CUDA graph records (paged
+K/V, a 128-token prompt, temperature 1, no adapter), with the GPU's paths forced: every Triton
+kernel (norms, SiLU-and-multiply, decode attention, the K/V stores) runs in Triton's
+interpreter and counts as one launch, and the torch operations around them count as on a GPU.
 """
 
 from __future__ import annotations
@@ -38,22 +43,74 @@ from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
 # reads each parameter's step count, kept on the host; reads of device values are host waits,
 # which tests/*/test_host_syncs.py hold to a budget).
 _NO_KERNEL = ("view", "slice", ".t.", "transpose", "detach", "expand", "unsqueeze", "squeeze", "alias",
-              "as_strided", "split", "permute", "select", "lift_fresh", "reshape", "unbind", "_local_scalar_dense",
+              "as_strided", "split", "permute", "select", "lift_fresh", "reshape", "unbind", "unflatten",
+              "_local_scalar_dense",
               "profiler.")
 
 
 class KernelOps(TorchDispatchMode):
-    """Counts the dispatched operations that run a kernel, by name."""
+    """Counts the dispatched operations that run a kernel, by name (not those a Triton kernel's
+    interpreter makes: ``paused``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, no_kernel: tuple[str, ...] = _NO_KERNEL) -> None:
         super().__init__()
         self.ops: Counter = Counter()
+        self.paused = 0
+        self.no_kernel = no_kernel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if not any(marker in name for marker in _NO_KERNEL):
+        if not self.paused and not any(marker in name for marker in self.no_kernel):
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def decode_step_kernels(model, rows: int) -> dict:
+    """The kernels of one static decode step of ``rows`` rows on the GPU's paths (see the module
+    docstring): total, Triton launches, and the most frequent operations."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from tinsmith.kernels import decode_attention, kv_store, lora_gather, rms_norm, swiglu
+    from tinsmith.sampling import logits
+    from tinsmith.sampling.decode_graphs import DecodeGraphs, Variant, bucket_for
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    for module in (decode_attention, kv_store, lora_gather, rms_norm, swiglu):
+        module.BACKEND = "triton"
+    logits.BLOCKED_CDF = "always"
+    sampler = Sampler(model, lambda toks: "", max_rows=rows, kv_layout="paged", decode_burst=1)
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    rng = np.random.default_rng(0)
+    for i in range(rows):
+        sampler.add(SampleTask(i, None, SampleInput(prompt=rng.integers(4, 500, 128), num_samples=1,
+                                                    params=SamplingParams(max_tokens=8, temperature=1.0, stop=[]))))
+    counter = KernelOps(_NO_KERNEL + ("aten.empty",))  # allocations launch nothing (a graph's come from its pool)
+    real_run = InterpretedFunction.run
+
+    def launch(self, *args, **kwargs):
+        counter.paused += 1
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            counter.paused -= 1
+            if not counter.paused:
+                counter.ops[f"triton.{getattr(self.fn, '__name__', 'kernel')}"] += 1
+
+    with torch.inference_mode():
+        done: list = []
+        sampler._admit(done)
+        sampler._decode_step(done)  # the bucket's buffers and the cache's pages
+        bucket = bucket_for(rows)
+        InterpretedFunction.run = launch
+        try:
+            with counter:
+                sampler.graphs._step(sampler.graphs._inputs[bucket], None, Variant(bucket, False, False, False))
+        finally:
+            InterpretedFunction.run = real_run
+    ops = counter.ops
+    launches = sum(v for k, v in ops.items() if k.startswith("triton."))
+    return {"rows": rows, "kernels": sum(ops.values()), "triton_launches": launches, "top": dict(ops.most_common(20))}
 
 
 def count(rt: TrainingRuntime, tenants: int, tokens: int = 1024, length: int = 128) -> dict:
@@ -90,8 +147,26 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--multi-lora", choices=("gpu", "dense", "grouped"), default="gpu",
                     help="how several tenants' adapters run (gpu: the choice a GPU makes for the tenant count)")
+    ap.add_argument("--decode", type=int, metavar="ROWS", help="count one decode step of ROWS rows instead")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.decode:
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--decode runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+        with tempfile.TemporaryDirectory() as d:
+            shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
+            make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
+            r = decode_step_kernels(load_model(str(Path(d) / "m")).model, args.decode)
+        print(f"decode step, {r['rows']} rows, {args.layers} layers: {r['kernels']:,} kernels "
+              f"({r['triton_launches']} Triton launches)")
+        for name, n in r["top"].items():
+            print(f"  {n:>5}  {name}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "decode": r},
+                                                  indent=2))
+        return
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
     with tempfile.TemporaryDirectory() as d:
         shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)

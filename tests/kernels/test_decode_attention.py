@@ -143,9 +143,13 @@ for dt in sys.argv[1:]:
              "splits": "i32", **{f"stride_{s}": "i32" for s in strides}}
     precision = "ieee" if dt == "fp32" else "tf32"
     for fn, const in ((da._split_kernel, {"REP": 2, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": 32,
-                                          "PRECISION": precision, "PAGE": 0}),
+                                          "PRECISION": precision, "PAGE": 0, "DIRECT": False, "SINKS": False}),
                       (da._split_kernel, {"REP": 8, "D": 64, "BLOCK_H": 16, "BLOCK_D": 64, "BLOCK_N": 32,
-                                          "PRECISION": precision, "PAGE": 64}),
+                                          "PRECISION": precision, "PAGE": 64, "DIRECT": False, "SINKS": False}),
+                      (da._split_kernel, {"REP": 2, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": 32,
+                                          "PRECISION": precision, "PAGE": 64, "DIRECT": True, "SINKS": False}),
+                      (da._split_kernel, {"REP": 8, "D": 64, "BLOCK_H": 16, "BLOCK_D": 64, "BLOCK_N": 32,
+                                          "PRECISION": precision, "PAGE": 0, "DIRECT": True, "SINKS": True}),
                       (da._combine_kernel, {"D": 128, "BLOCK_D": 128, "BLOCK_S": 16, "SINKS": True})):
         sig = {name: "constexpr" if name in const else types[name] for name in fn.arg_names}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]

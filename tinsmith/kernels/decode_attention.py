@@ -13,7 +13,9 @@ decode backends instead:
   step never asks the host and can be captured); it writes a partial output and its
   log-sum-exp;
 - stage 2, one program per (row, query head): the splits' partials combined, with gpt-oss'
-  attention sink (one extra logit per head in the denominator) where the model has one.
+  attention sink (one extra logit per head in the denominator) where the model has one. Where
+  one split holds a row's every key (many rows: enough programs without splitting), stage 1
+  writes the output itself, sinks included, and stage 2 is not launched.
 
 Splitting the positions keeps the GPU busy when few rows decode long sequences; the split
 count depends only on the number of rows, K/V heads and the span, all known on the host.
@@ -50,14 +52,17 @@ def usable(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_ptr, lse_ptr, scale, split_len,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_ptr, lse_ptr, sink_ptr, out_ptr, scale, split_len,
                       stride_qn, stride_qh, stride_kn, stride_kh, stride_kp, stride_vn, stride_vh, stride_vp,
-                      stride_tn, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh,
+                      stride_tn, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
                       REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
+                      SINKS: tl.constexpr):
         """Partial attention of K/V head ``g``'s ``REP`` query heads over one split of the row's keys.
         ``PAGE`` > 0: K/V are pools of pages of ``PAGE`` positions (``stride_kn`` a page's) and the
-        row's page table says which page holds positions ``[j * PAGE, (j + 1) * PAGE)``."""
+        row's page table says which page holds positions ``[j * PAGE, (j + 1) * PAGE)``.
+        ``DIRECT`` (a single split: the row's every key): the heads' final output, written to
+        ``out_ptr`` in its dtype, with ``SINKS``' logits in the denominators (no combine kernel)."""
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
@@ -94,13 +99,23 @@ if triton is not None:
             v = tl.load(v_rows + pos[:, None].to(tl.int64) * stride_vp, mask=kv_mask, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=PRECISION)
             m = m_new
-        seen = denom > 0  # a split past the row's keys saw nothing: weight 0 in the combine
-        out = acc / tl.where(seen, denom, 1.0)[:, None]
-        lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
         out_heads = (g * REP + heads)
-        tl.store(part_ptr + row * stride_pn + out_heads[:, None] * stride_ph + split * stride_ps + dims[None, :], out,
-                 mask=h_mask[:, None] & d_mask[None, :])
-        tl.store(lse_ptr + row * stride_ln + out_heads * stride_lh + split, lse, mask=h_mask)
+        if DIRECT:  # every row has a key, so denom > 0
+            if SINKS:  # the sink's share joins the denominator, as the combine kernel adds it
+                sink = tl.load(sink_ptr + out_heads, mask=h_mask, other=0.0).to(tl.float32)
+                top = tl.maximum(m, sink)
+                acc = acc * tl.exp(m - top)[:, None]
+                denom = denom * tl.exp(m - top) + tl.exp(sink - top)
+            out = acc / denom[:, None]
+            tl.store(out_ptr + row * stride_on + out_heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        else:
+            seen = denom > 0  # a split past the row's keys saw nothing: weight 0 in the combine
+            out = acc / tl.where(seen, denom, 1.0)[:, None]
+            lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
+            tl.store(part_ptr + row * stride_pn + out_heads[:, None] * stride_ph + split * stride_ps + dims[None, :],
+                     out, mask=h_mask[:, None] & d_mask[None, :])
+            tl.store(lse_ptr + row * stride_ln + out_heads * stride_lh + split, lse, mask=h_mask)
 
     @triton.jit
     def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, splits,
@@ -178,8 +193,9 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: 
     else:  # as asked, each split whole blocks
         per = _cdiv(_cdiv(span, splits), block_n) * block_n
         splits = _cdiv(span, per)
-    part = torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(n, hq, splits, dtype=torch.float32, device=q.device)
+    direct = splits == 1  # one split holds the row's every key: it writes the output itself
+    part = torch.empty(0 if direct else n, hq, splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(0 if direct else n, hq, splits, dtype=torch.float32, device=q.device)
     # The dots run on fp32 operands: tf32 holds bf16 and fp16 values exactly, so 16-bit caches lose
     # nothing to it (the probabilities keep tf32's 10 bits instead of being cut to bf16's 7); an fp32
     # cache is multiplied in full precision. Decoding is bound by reading K/V, not by these products.
@@ -187,17 +203,20 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: 
     block_d = _pow2(d, 16)
     page = 0 if table is None else K.shape[2]
     assert page % block_n == 0, f"pages of {page} positions are not whole blocks of {block_n}"
+    o = out[:, :, 0]
+    sink_arg = sinks if sinks is not None else lse
     _split_kernel[(n, hk, splits)](
-        qv, K, V, n_keys, n_keys if table is None else table, part, lse, d ** -0.5, per,
+        qv, K, V, n_keys, n_keys if table is None else table, part, lse, sink_arg, o, d ** -0.5, per,
         qv.stride(0), qv.stride(1), K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2),
         0 if table is None else table.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        REP=rep, D=d, BLOCK_H=_pow2(rep, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, PAGE=page)
-    o = out[:, :, 0]
-    _combine_kernel[(n, hq)](
-        part, lse, sinks if sinks is not None else lse, o, splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
-        D=d, BLOCK_D=block_d, BLOCK_S=_pow2(splits, 2), SINKS=sinks is not None)
+        REP=rep, D=d, BLOCK_H=_pow2(rep, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, PAGE=page,
+        DIRECT=direct, SINKS=sinks is not None)
+    if not direct:
+        _combine_kernel[(n, hq)](
+            part, lse, sink_arg, o, splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_S=_pow2(splits, 2), SINKS=sinks is not None)
     return out
 
 

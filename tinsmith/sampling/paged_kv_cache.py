@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tinsmith.kernels import kv_store
 from tinsmith.models.config import ModelConfig
 
 from tinsmith.sampling.kv_cache import BLOCK, KVTally, RowKVCache, RowNeed, needs_of
@@ -329,8 +330,11 @@ class PagedKVCache(RowKVCache):
                 page = torch.where(keep.view(-1), page, SCRATCH)
             step["page"], step["at"] = page, pos % PAGE
         page, at = step["page"], step["at"]
-        self.K[layer][page, :, at] = k[:, :, 0]
-        self.V[layer][page, :, at] = v[:, :, 0]
+        K, V, k, v = self.K[layer], self.V[layer], k[:, :, 0], v[:, :, 0]
+        if kv_store.usable(k, K) and kv_store.usable(v, V) and kv_store.store(K, V, k, v, page, at):
+            return  # both in one kernel (GPUs)
+        K[page, :, at] = k
+        V[page, :, at] = v
 
     def _rows_view(self, layer: int, n: int, span: int, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[0, n)``'s pages gathered into row buffers (the torch path; the kernels read pages)."""
