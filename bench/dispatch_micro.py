@@ -65,7 +65,7 @@ class KernelOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_step_kernels(model, rows: int) -> dict:
+def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
     """The kernels of one static decode step of ``rows`` rows on the GPU's paths (see the module
     docstring): total, Triton launches, and the most frequent operations."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -110,7 +110,7 @@ def decode_step_kernels(model, rows: int) -> dict:
             InterpretedFunction.run = real_run
     ops = counter.ops
     launches = sum(v for k, v in ops.items() if k.startswith("triton."))
-    return {"rows": rows, "kernels": sum(ops.values()), "triton_launches": launches, "top": dict(ops.most_common(20))}
+    return {"rows": rows, "kernels": sum(ops.values()), "triton_launches": launches, "top": dict(ops.most_common(top))}
 
 
 def count(rt: TrainingRuntime, tenants: int, tokens: int = 1024, length: int = 128) -> dict:
