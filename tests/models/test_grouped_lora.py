@@ -42,37 +42,37 @@ def _step(qwen3_dir, mode: str, monkeypatch, calls: list | None = None, multi: s
     return results, grads
 
 
-def test_grouped_training_step_equals_the_loop(qwen3_dir, monkeypatch):
-    loop, loop_grads = _step(qwen3_dir, "loop", monkeypatch)
-    calls: list = []
-    grouped, grouped_grads = _step(qwen3_dir, "grouped", monkeypatch, calls)
-    assert len(calls) >= 2 * 7 * 2  # shrink and expand of every projection of both layers, at least
-    for a, b in zip(grouped, loop):
+def assert_same_step(got, want) -> None:
+    """Two ``_step`` results: the same logprobs, and every adapter's own gradients."""
+    (results, grads), (want_results, want_grads) = got, want
+    for a, b in zip(results, want_results):
         for x, y in zip(a.outputs, b.outputs):
             np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-    assert set(grouped_grads) == set(loop_grads)
-    for key, g in loop_grads.items():
-        assert_rel_close(grouped_grads[key], g, 1e-5, str(key))
+    assert set(grads) == set(want_grads)
+    for key, g in want_grads.items():
+        assert_rel_close(grads[key], g, 1e-5, str(key))
+
+
+def test_grouped_training_step_equals_the_loop(qwen3_dir, monkeypatch):
+    loop = _step(qwen3_dir, "loop", monkeypatch)
+    calls: list = []
+    grouped = _step(qwen3_dir, "grouped", monkeypatch, calls)
+    assert len(calls) >= 2 * 7 * 2  # shrink and expand of every projection of both layers, at least
+    assert_same_step(grouped, loop)
 
 
 def test_dense_training_step_equals_the_loop(qwen3_dir, monkeypatch):
     """Every adapter's factors stacked, two products, other tenants' columns masked: the loop's
     logprobs and every adapter's own gradients (none leaks into another's)."""
-    loop, loop_grads = _step(qwen3_dir, "loop", monkeypatch)
-    calls: list = []
-    real = grouped_lora.dense_lora_add
-    monkeypatch.setattr(grouped_lora, "dense_lora_add", lambda *a: calls.append(1) or real(*a))
     import tinsmith.models.lora as lora_module
 
-    monkeypatch.setattr(lora_module, "dense_lora_add", grouped_lora.dense_lora_add)
-    dense, dense_grads = _step(qwen3_dir, "loop", monkeypatch, multi="dense")
+    loop = _step(qwen3_dir, "loop", monkeypatch)
+    calls: list = []
+    real = grouped_lora.dense_lora_add
+    monkeypatch.setattr(lora_module, "dense_lora_add", lambda *a: calls.append(1) or real(*a))
+    dense = _step(qwen3_dir, "loop", monkeypatch, multi="dense")
     assert len(calls) >= 2 * 7  # every projection of both layers, at least
-    for a, b in zip(dense, loop):
-        for x, y in zip(a.outputs, b.outputs):
-            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-    assert set(dense_grads) == set(loop_grads)
-    for key, g in loop_grads.items():
-        assert_rel_close(dense_grads[key], g, 1e-5, str(key))
+    assert_same_step(dense, loop)
 
 
 def test_the_gpu_takes_dense_products_for_few_tenants_and_grouped_ones_for_many(monkeypatch):
@@ -126,12 +126,8 @@ def test_more_tenants_than_one_grouped_call_takes_run_adapter_by_adapter(qwen3_d
     """Past the groups one grouped matmul takes (a GPU's refuses 1024 or more), a projection's
     tenants run one by one instead, with the same results (here: a limit of 2, three tenants)."""
     monkeypatch.setattr(moe, "MAX_GROUPS", 2)
-    loop, loop_grads = _step(qwen3_dir, "loop", monkeypatch)
+    loop = _step(qwen3_dir, "loop", monkeypatch)
     calls: list = []
-    grouped, grouped_grads = _step(qwen3_dir, "grouped", monkeypatch, calls)
+    grouped = _step(qwen3_dir, "grouped", monkeypatch, calls)
     assert not calls  # no dense projection took the grouped path with three tenants
-    for a, b in zip(grouped, loop):
-        for x, y in zip(a.outputs, b.outputs):
-            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
-    for key, g in loop_grads.items():
-        assert_rel_close(grouped_grads[key], g, 1e-5, str(key))
+    assert_same_step(grouped, loop)

@@ -14,13 +14,10 @@ from __future__ import annotations
 import torch
 
 from tinsmith.kernels.guard import KernelGuard
+from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
 
-try:  # optional: ``pip install 'tinsmith[gpu]'``
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 # "auto": the kernel for CUDA tensors, torch for the rest; "torch"; "triton": the kernel for every
 # tensor (CPU ones need TRITON_INTERPRET=1: tests).

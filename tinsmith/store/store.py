@@ -188,6 +188,19 @@ class Store:
             row = s.get(table, key)
             return None if row is None else _record(cls, row)
 
+    def _create(self, cls: type[R], row: Base, existing: Callable[[], R | None]) -> tuple[R, bool]:
+        """Insert ``row``: ``(its record, True)``; when it clashes with a row already stored (a
+        replayed or racing creation), ``(existing(), False)``, the winner's row being committed."""
+        try:
+            with self._tx() as s:
+                s.add(row)
+            return _record(cls, row), True
+        except IntegrityError:
+            found = existing()
+            if found is None:
+                raise
+            return found, False
+
     # ------------------------------------------------------------------ sessions
 
     def create_session(
@@ -325,15 +338,7 @@ class Store:
             corrupted=False,
             last_seq_id=0,
         )
-        try:
-            with self._tx() as s:
-                s.add(row)
-            return _record(ModelRecord, row), True
-        except IntegrityError:
-            existing = self.get_model(model_id)
-            if existing is None:
-                raise
-            return existing, False
+        return self._create(ModelRecord, row, lambda: self.get_model(model_id))
 
     def get_model(self, model_id: str) -> ModelRecord | None:
         return self._get(ModelRecord, ModelTable, model_id)
@@ -427,16 +432,7 @@ class Store:
         row = self._request_row(owner=owner, kind=kind, payload=payload, payload_type=payload_type, model_id=model_id,
                                 sampling_session_id=sampling_session_id, seq_id=seq_id, submit_info=submit_info,
                                 request_id=request_id)
-        try:
-            with self._tx() as s:
-                s.add(row)
-            return _record(RequestRecord, row), True
-        except IntegrityError:
-            # The loser of a race (or a plain retry): the winner's row is committed by now.
-            existing = self._find_duplicate(row)
-            if existing is None:
-                raise
-            return existing, False
+        return self._create(RequestRecord, row, lambda: self._find_duplicate(row))
 
     def _request_row(self, *, owner: str, kind: str, payload: bytes, payload_type: str, model_id: str | None = None,
                      sampling_session_id: str | None = None, seq_id: int | None = None,
@@ -793,17 +789,9 @@ class Store:
             next_sequence_number=0,
             completions=0,
         )
-        try:
-            with self._tx() as s:
-                s.add(row)
-            record = _record(SamplingSessionRecord, row)
-            self._remember_sampler(record)
-            return record, True
-        except IntegrityError:
-            existing = self.get_sampling_session(sampling_session_id)
-            if existing is None:
-                raise
-            return existing, False
+        record, created = self._create(SamplingSessionRecord, row, lambda: self.get_sampling_session(sampling_session_id))
+        self._remember_sampler(record)
+        return record, created
 
     def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
         cached = self.cached_sampling_session(sampling_session_id)
