@@ -178,7 +178,8 @@ def main() -> None:
             grouped_lora.MULTI_LORA = "dense" if dense else "grouped"
             results[n] = r = count(rt, n)
             r["multi_lora"] = grouped_lora.MULTI_LORA
-            print(f"{n:>3} tenants ({grouped_lora.MULTI_LORA}): forward/backward {r['fresh']['kernel_ops']:>6,} kernel ops fresh, "
+            print(f"{n:>3} tenants{f' ({grouped_lora.MULTI_LORA})' if n > 1 else ''}: forward/backward "
+                  f"{r['fresh']['kernel_ops']:>6,} kernel ops fresh, "
                   f"{r['accumulating']['kernel_ops']:>6,} accumulating; optimizer steps {r['optimizer_steps']['kernel_ops']:>6,}")
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "results": results}, indent=2))

@@ -113,7 +113,8 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
             for path in ("dense", "grouped"):
                 grouped_lora.MULTI_LORA = path
                 try:
-                    tenants[str(k)][f"{path}_vs_one_tenant"] = step_rate(rt, work, steps)["tokens_per_s"] / one_unit["tokens_per_s"]
+                    rate = step_rate(rt, work, steps)["tokens_per_s"]
+                    tenants[str(k)][f"{path}_vs_one_tenant"] = rate / one_unit["tokens_per_s"]
                 finally:
                     grouped_lora.MULTI_LORA = "auto"
     out["tenants"] = {"rows_per_tenant": per_tenant, "seq_len": L, **tenants}

@@ -16,7 +16,8 @@ def test_no_path_matches_two_routes():
     for route in routes:
         path = re.sub(r"\{[^}]+\}", "x1", route.path)  # the route's template with every parameter filled
         for method in route.methods or {"GET"}:
-            scope = {"type": "http", "path": path, "method": method, "root_path": "", "headers": [], "query_string": b""}
+            scope = {"type": "http", "path": path, "method": method, "root_path": "", "headers": [],
+                     "query_string": b""}
             others = [o.path for o in routes if o is not route and o.matches(scope)[0] == Match.FULL]
             assert not others, f"{method} {path} matches {route.path} and {others}"
 

@@ -388,8 +388,8 @@ class SlicedSampling(FakeOps):
 
     def sample_step(self, budget_s: float):
         done, self.inbox = self.inbox, []
-        return [(j, Outcome(error="no", category="user") if j.request_id == "bad" else Outcome(result=j.request_id.encode()))
-                for j in done]
+        return [(j, Outcome(error="no", category="user") if j.request_id == "bad"
+                 else Outcome(result=j.request_id.encode())) for j in done]
 
 
 def test_a_slices_outcomes_are_stored_in_one_call_and_alone_when_that_fails():

@@ -173,7 +173,8 @@ def test_residual_adds_take_the_kernel_for_plain_norms_outside_autograd(monkeypa
     monkeypatch.setattr(rk, "add_rms_norm", lambda *a: calls.append(a) or None)  # declined: torch answers
     h, delta = torch.randn(3, 64, device=device), torch.randn(3, 64, device=device)
     plain = layers.RMSNorm(64, 1e-6).to(device)
-    for norm, asked in ((plain, True), (CopyToTP(plain, SimpleNamespace(size=2)), True), (layers.RMSNorm(64, 1e-6, offset=True), False),
+    for norm, asked in ((plain, True), (CopyToTP(plain, SimpleNamespace(size=2)), True),
+                        (layers.RMSNorm(64, 1e-6, offset=True), False),
                         (layers.RMSNorm(64, 1e-6, scale_in_fp32=True), False)):
         calls.clear()
         with torch.no_grad():

@@ -172,7 +172,8 @@ def test_outcomes_stored_together_are_numbered_in_their_order(store: Store) -> N
     rec = store.get_request(c)
     assert rec.result == b"ccc" and rec.result_content_type == "application/x-protobuf" and rec.error is None
     failed = store.get_request(other)
-    assert (failed.status, failed.error, failed.error_category, failed.completion_seq) == ("failed", "bad prompt", "user", 1)
+    assert (failed.status, failed.error, failed.error_category, failed.completion_seq) == (
+        "failed", "bad prompt", "user", 1)
     assert store.get_request(a).result == b"first"
     t = store.get_request(train.request_id)
     assert t.status == "completed" and t.completion_seq is None and t.completed_at is not None

@@ -10,7 +10,8 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import codecs
 from tinsmith.api.auth import Caller
-from tinsmith.api.common import admit, caller_of, owned_model, owned_session, queue_stored, sampler_weights, state_of, submit
+from tinsmith.api.common import (admit, caller_of, owned_model, owned_session, queue_stored, sampler_weights, state_of,
+                                  submit)
 from tinsmith.api.images import fit_sample_input
 from tinsmith.api.limits import limits_of
 from tinsmith.api.request import ApiRoute, json_object
