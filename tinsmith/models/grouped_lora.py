@@ -67,23 +67,20 @@ def multi_lora_path(x: torch.Tensor, weights: list[LoraWeights | None], out_feat
         return None
     if MULTI_LORA == "dense":
         return "dense"
-    stacked = len(weights) * _round_up(max(w.A.shape[0] for w in present), 8)
-    if MULTI_LORA == "auto" and x.is_cuda and stacked <= DENSE_MAX_RANK:
+    rank = _round_up(max(w.A.shape[0] for w in present), 8)
+    if MULTI_LORA == "auto" and x.is_cuda and len(weights) * rank <= DENSE_MAX_RANK:
         return "dense"
-    return "grouped" if grouped_lora_usable(x, weights, out_features) else None
+    return "grouped" if _grouped_fits(x, len(weights), rank, out_features) else None
 
 
-def grouped_lora_usable(x: torch.Tensor, weights: list[LoraWeights | None], out_features: int) -> bool:
-    """Whether the grouped path runs for these rows: at least two adapters (and no more groups
-    than one grouped matmul takes), on a device whose grouped matmul kernel is fast (see
+def _grouped_fits(x: torch.Tensor, groups: int, rank: int, out_features: int) -> bool:
+    """Whether the grouped matmuls take ``groups`` adapters' shrink and expand at ``rank``: no more
+    groups than one call takes, on a device whose grouped matmul kernel is fast (see
     :func:`tinsmith.models.moe.grouped_mm_usable`)."""
     from tinsmith.models import moe  # late: moe imports the LoRA layers that import this module
 
-    present = [w for w in weights if w is not None]
-    if len(present) < 2 or len(weights) > moe.MAX_GROUPS:
-        return False
-    rank = _round_up(max(w.A.shape[0] for w in present), 8)
-    return moe.grouped_mm_fits(x, x.dtype, rank, x.shape[-1]) and moe.grouped_mm_fits(x, x.dtype, out_features, rank)
+    return (groups <= moe.MAX_GROUPS and moe.grouped_mm_fits(x, x.dtype, rank, x.shape[-1])
+            and moe.grouped_mm_fits(x, x.dtype, out_features, rank))
 
 
 def grouped_lora_delta(x: torch.Tensor, weights: list[LoraWeights | None], sizes: list[int],
