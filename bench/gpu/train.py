@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from bench.gpu.peak import sync, timed
+from tinsmith.kernels import norm_grad, swiglu
 from tinsmith.models import grouped_lora
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
@@ -86,9 +87,10 @@ def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:
 
 
 def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
-    """LoRA r32 at 8x1024 and 32x1024; 1, 4 and 16 tenants in one step (and the several tenants
-    through each way their adapters can run: dense masked products, grouped matmuls); padded vs
-    packed micro-batches over uneven lengths; 1x32k long context."""
+    """LoRA r32 at 8x1024 and 32x1024 (the first also with the norms, rotary and SiLU-and-multiply
+    in torch rather than the training kernels); 1, 4 and 16 tenants in one step (and the several
+    tenants through each way their adapters can run: dense masked products, grouped matmuls);
+    padded vs packed micro-batches over uneven lengths; 1x32k long context."""
     L = 32 if quick else 1024
     steps = 2 if quick else 5
     lm = load_model(str(model_dir), device=device)
@@ -100,6 +102,17 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
         r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
         r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
         out[f"{rows}x{L}"] = r
+    rows = 2 if quick else 8
+    kernels = (norm_grad, swiglu)
+    try:
+        for k in kernels:
+            k.BACKEND = "torch"
+        r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
+    finally:
+        for k in kernels:
+            k.BACKEND = "auto"
+    out["torch_elementwise"] = {"shape": f"{rows}x{L}", "tokens_per_s": r["tokens_per_s"], "peak_gib": r["peak_gib"],
+                                "kernels_vs_torch": out[f"{rows}x{L}"]["tokens_per_s"] / r["tokens_per_s"]}
     per_tenant = 1 if quick else 2
     tenants = {}
     for k in ((1, 4) if quick else (1, 4, 16)):

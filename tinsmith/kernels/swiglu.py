@@ -6,7 +6,10 @@ each at decode sizes mostly launch and tail. :func:`silu_mul` does the same arit
 with torch's roundings: the SiLU in fp32 (``g / (1 + exp(-g))``) rounded to the input dtype, then
 the product rounded once.
 
-Inference only (no autograd): training keeps the torch path.
+Under autograd (training) :func:`silu_mul_grad` takes the gate and up projections' outputs as two
+tensors and keeps only them for the backward (torch keeps the SiLU's output too: one more tensor
+of the MLP's width per token, held from the forward to the backward), and one kernel each way
+replaces torch's two forward and four backward ones; the backward rounds as autograd does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,67 @@ def usable(y: torch.Tensor) -> bool:
     if (BACKEND == "auto" and not y.is_cuda) or torch.is_grad_enabled():
         return False
     return y.dim() == 2 and y.shape[1] % 2 == 0 and y.stride(-1) == 1 and y.dtype.is_floating_point
+
+
+def grad_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether :func:`silu_mul_grad` takes the kernels: under autograd, two contiguous tensors of one
+    shape and dtype, and not once the kernels failed here."""
+    if triton is None or BACKEND == "torch" or GUARD.failed is not None or not torch.is_grad_enabled():
+        return False
+    if BACKEND == "auto" and not gate.is_cuda:
+        return False
+    return (gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype.is_floating_point
+            and gate.is_contiguous() and up.is_contiguous() and gate.numel() > 0)
+
+
+def silu_mul_grad(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` with autograd, one kernel forward and one backward; None when the
+    forward kernel failed here (the caller takes the torch path). See :func:`grad_usable`."""
+    if GUARD.failed is not None:
+        return None
+    try:
+        return _SiluMul.apply(gate, up)
+    except _Declined:
+        return None
+
+
+class _Declined(Exception):
+    """The forward kernel failed and :data:`GUARD` switched the kernels off."""
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        out = torch.empty_like(gate)
+        if GUARD.call(_launch_flat, _silu_mul_flat_kernel, gate, up, gate, out, out, on=gate) is None:
+            raise _Declined
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad = grad.contiguous()
+        g_gate, g_up = torch.empty_like(gate), torch.empty_like(up)
+        if GUARD.call(_launch_flat, _silu_mul_backward_kernel, gate, up, grad, g_gate, g_up, on=gate) is None:
+            return silu_mul_backward_in_torch(gate, up, grad)
+        return g_gate, g_up
+
+
+def silu_mul_backward_in_torch(gate: torch.Tensor, up: torch.Tensor,
+                               grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward kernel's arithmetic in torch (where it cannot run): autograd's roundings."""
+    g = gate.float()
+    sig = torch.sigmoid(g)
+    g_act = (grad * up).float()
+    return (g_act * sig * (1 + g * (1 - sig))).to(gate.dtype), grad * torch.nn.functional.silu(gate)
+
+
+def _launch_flat(kernel, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
+                 out2: torch.Tensor) -> torch.Tensor:
+    n = a.numel()
+    kernel[(triton.cdiv(n, BLOCK),)](a, b, c, out, out2, n, BLOCK=BLOCK, num_warps=4)
+    return out
 
 
 def silu_mul(y: torch.Tensor) -> torch.Tensor | None:
@@ -68,3 +132,31 @@ if triton is not None:
         u = tl.load(y_ptr + row * stride_row + width + cols, mask=mask, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * width + cols, (act * u).to(dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_flat_kernel(g_ptr, u_ptr, _unused, out_ptr, _unused2, n, BLOCK: tl.constexpr):
+        """Elements ``[pid * BLOCK, ...)`` of two tensors: ``silu(gate)`` rounded, times ``up``, rounded."""
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = at < n
+        dtype = out_ptr.dtype.element_ty
+        g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + at, (act * u).to(dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_backward_kernel(g_ptr, u_ptr, grad_ptr, gg_ptr, gu_ptr, n, BLOCK: tl.constexpr):
+        """The product's gradient to both inputs, as autograd rounds it: ``up``'s is ``grad silu(g)``
+        (the SiLU rounded first); the gate's is ``(grad up)`` rounded, times SiLU's derivative
+        ``s (1 + g (1 - s))`` in fp32, rounded."""
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = at < n
+        dtype = gg_ptr.dtype.element_ty
+        g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        g_act = (grad * u).to(dtype).to(tl.float32)
+        tl.store(gg_ptr + at, (g_act * sig * (1.0 + g * (1.0 - sig))).to(dtype), mask=mask)
+        tl.store(gu_ptr + at, (grad * act).to(dtype), mask=mask)

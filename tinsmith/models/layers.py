@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tinsmith.kernels import norm_grad
 from tinsmith.kernels import rms_norm as rms_kernel
 from tinsmith.kernels import swiglu
 from tinsmith.models.config import ModelConfig, RopeConfig
@@ -58,10 +59,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in fp32, cast back, then scale (the order Hugging Face uses, so bf16 matches).
 
     ``weight`` broadcasts against ``x``'s trailing dimensions (one row per head is allowed).
-    Outside autograd on a GPU the same arithmetic runs as one kernel (:mod:`tinsmith.kernels.rms_norm`).
+    On a GPU the same arithmetic runs as one kernel: :mod:`tinsmith.kernels.rms_norm` outside
+    autograd, :mod:`tinsmith.kernels.norm_grad` (a kernel each way) under it.
     """
     if rms_kernel.usable(x, weight):
         out = rms_kernel.rms_norm(x, weight, eps)
+        if out is not None:
+            return out
+    elif norm_grad.usable(x, weight):
+        out = norm_grad.norm_rotary(x, weight, eps)
         if out is not None:
             return out
     if x.dtype == torch.float32 and weight.dim() == 1:
@@ -93,6 +99,10 @@ def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torc
     normalised with ``weight2`` (the k heads after the q heads of a packed output)."""
     if rms_kernel.usable(x, weight) and rms_kernel.rotary_usable(x, cos, signed_sin):
         out = rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), second)
+        if out is not None:
+            return out
+    if second is None and norm_grad.usable(x, weight, (cos, signed_sin)):
+        out = norm_grad.norm_rotary(x, weight, eps, (cos, signed_sin))
         if out is not None:
             return out
     if second is not None:
@@ -189,11 +199,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """Rotate ``x`` of shape (b, L, heads, d): ``x cos + rotate_half(x) sin``.
 
     ``rotate_half(x) * sin`` equals ``roll(x, d/2) * [-sin, sin]`` exactly. When cos/sin are
-    narrower than ``x`` (partial rotary, Qwen3.5), only the leading dimensions turn.
+    narrower than ``x`` (partial rotary, Qwen3.5), only the leading dimensions turn. Under
+    autograd on a GPU a full-width rotary is one kernel each way (:mod:`tinsmith.kernels.norm_grad`).
     """
     r = cos.shape[-1]
     if r < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :r], cos, signed_sin), x[..., r:]), dim=-1)
+    if norm_grad.usable(x, None, (cos, signed_sin)):
+        out = norm_grad.norm_rotary(x, None, 0.0, (cos, signed_sin))
+        if out is not None:
+            return out
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
@@ -344,9 +359,7 @@ class Attention(nn.Module):
                 q = self.q_proj(x, segments).view(b, L, H, d)
             k = self.k_proj(x, segments).view(b, L, Hk, d)
             v = self.v_proj(x, segments).view(b, L, Hk, d)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = _normed_and_turned(self.q_norm, q, cos, sin), _normed_and_turned(self.k_norm, k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.sinks is None and self.sliding_window is None:
             out = attend(self.layer_idx, q, k, v)
@@ -356,6 +369,16 @@ class Attention(nn.Module):
         if self.output_gate:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out, segments)
+
+
+def _normed_and_turned(norm: RMSNorm | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(norm(x), cos, sin)`` (no norm: the rotary alone): a plain norm and the rotary
+    after it go through :func:`norm_and_rotary` (one kernel each way under autograd on a GPU)."""
+    if norm is None:
+        return apply_rotary(x, cos, sin)
+    if norm.offset or norm.scale_in_fp32 or cos.shape[-1] != x.shape[-1]:
+        return apply_rotary(norm(x), cos, sin)
+    return norm_and_rotary(x, norm.weight, norm.eps, cos, sin)
 
 
 class MLP(nn.Module):
@@ -377,7 +400,10 @@ class MLP(nn.Module):
                 h = F.silu(y[:, :i]).mul_(y[:, i:])
             h = h.view(*x.shape[:-1], i)
         else:
-            h = F.silu(self.gate_proj(x, segments)) * self.up_proj(x, segments)
+            gate, up = self.gate_proj(x, segments), self.up_proj(x, segments)
+            h = swiglu.silu_mul_grad(gate, up) if swiglu.grad_usable(gate, up) else None
+            if h is None:  # the torch path, or the kernels failed here
+                h = F.silu(gate) * up
         return self.down_proj(h, segments)
 
 
