@@ -12,9 +12,14 @@ earlier call's (several calls before one step, as the cookbook's streaming mode 
 
     python bench/dispatch_micro.py [--tenants 1,4,16] [--layers 28] [--multi-lora gpu|dense|grouped] [--json out.json]
 
+It also reports the bytes one forward keeps for the backward, per token (each storage once).
+``--training-kernels`` (with TRITON_INTERPRET=1) runs the norms, rotary and SiLU-and-multiply
+through the training kernels a GPU takes (each Triton launch counted once), and ``--dtype
+bf16`` holds the model in bf16, as on a GPU (where torch's norms keep an fp32 copy of their input).
+
 ``--decode ROWS`` counts one decode step instead: the static step a CUDA graph records (paged
 K/V, a 128-token prompt, temperature 1, no adapter), with the GPU's paths forced: every Triton
-kernel (norms, SiLU-and-multiply, decode attention, the K/V stores) runs in Triton's
+kernel (norms, SiLU-and-multiply, decode attention, the K/V stores, the token choice) runs in Triton's
 interpreter and counts as one launch, and the torch operations around them count as on a GPU.
 """
 
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -65,27 +72,12 @@ class KernelOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
-    """The kernels of one static decode step of ``rows`` rows on the GPU's paths (see the module
-    docstring): total, Triton launches, and the most frequent operations."""
+@contextmanager
+def triton_launches_counted(counter: KernelOps):
+    """Each Triton kernel run in the interpreter counts once in ``counter`` (``triton.<name>``), and
+    the torch operations the interpreter makes meanwhile not at all."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from tinsmith.kernels import decode_attention, kv_store, lora_gather, rms_norm, swiglu
-    from tinsmith.sampling import logits
-    from tinsmith.sampling.decode_graphs import DecodeGraphs, Variant, bucket_for
-    from tinsmith.sampling.sampler import Sampler, SampleTask
-    from tinsmith.types import SampleInput, SamplingParams
-
-    for module in (decode_attention, kv_store, lora_gather, rms_norm, swiglu):
-        module.BACKEND = "triton"
-    logits.BLOCKED_CDF = "always"
-    sampler = Sampler(model, lambda toks: "", max_rows=rows, kv_layout="paged", decode_burst=1)
-    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
-    rng = np.random.default_rng(0)
-    for i in range(rows):
-        sampler.add(SampleTask(i, None, SampleInput(prompt=rng.integers(4, 500, 128), num_samples=1,
-                                                    params=SamplingParams(max_tokens=8, temperature=1.0, stop=[]))))
-    counter = KernelOps(_NO_KERNEL + ("aten.empty",))  # allocations launch nothing (a graph's come from its pool)
     real_run = InterpretedFunction.run
 
     def launch(self, *args, **kwargs):
@@ -97,23 +89,66 @@ def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
             if not counter.paused:
                 counter.ops[f"triton.{getattr(self.fn, '__name__', 'kernel')}"] += 1
 
+    InterpretedFunction.run = launch
+    try:
+        yield counter
+    finally:
+        InterpretedFunction.run = real_run
+
+
+def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
+    """The kernels of one static decode step of ``rows`` rows on the GPU's paths (see the module
+    docstring): total, Triton launches, and the most frequent operations."""
+    from tinsmith.kernels import decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw
+    from tinsmith.sampling import logits
+    from tinsmith.sampling.decode_graphs import DecodeGraphs, Variant, bucket_for
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    for module in (decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw):
+        module.BACKEND = "triton"
+    logits.BLOCKED_CDF = "always"
+    sampler = Sampler(model, lambda toks: "", max_rows=rows, kv_layout="paged", decode_burst=1)
+    sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    rng = np.random.default_rng(0)
+    for i in range(rows):
+        sampler.add(SampleTask(i, None, SampleInput(prompt=rng.integers(4, 500, 128), num_samples=1,
+                                                    params=SamplingParams(max_tokens=8, temperature=1.0, stop=[]))))
+    counter = KernelOps(_NO_KERNEL + ("aten.empty",))  # allocations launch nothing (a graph's come from its pool)
     with torch.inference_mode():
         done: list = []
         sampler._admit(done)
         sampler._decode_step(done)  # the bucket's buffers and the cache's pages
         bucket = bucket_for(rows)
-        InterpretedFunction.run = launch
-        try:
-            with counter:
-                sampler.graphs._step(sampler.graphs._inputs[bucket], None, Variant(bucket, False, False, False))
-        finally:
-            InterpretedFunction.run = real_run
+        with triton_launches_counted(counter), counter:
+            sampler.graphs._step(sampler.graphs._inputs[bucket], None, Variant(bucket, False, False, False))
     ops = counter.ops
     launches = sum(v for k, v in ops.items() if k.startswith("triton."))
     return {"rows": rows, "kernels": sum(ops.values()), "triton_launches": launches, "top": dict(ops.most_common(top))}
 
 
-def count(rt: TrainingRuntime, tenants: int, tokens: int = 1024, length: int = 128) -> dict:
+def saved_bytes_per_token(rt: TrainingRuntime, requests: list, tokens: int) -> float:
+    """Bytes the forward keeps for the backward per token, the model's weights and buffers
+    excepted (each storage once, views of it not again): what a micro-batch's activations cost."""
+    held = {t.untyped_storage().data_ptr() for t in (*rt.model.parameters(), *rt.model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rt.forward_backward(requests)
+    return sum(seen.values()) / tokens
+
+
+def count(rt: TrainingRuntime, tenants: int, tokens: int = 1024, length: int = 128,
+          interpreted: bool = False) -> dict:
+    """The kernel-running operations of one forward/backward of ``tenants`` tenants (fresh and
+    accumulating gradients) and of their optimizer steps, and the bytes kept for the backward per
+    token; ``interpreted``: the training kernels run in Triton's interpreter, each counted once."""
     rng = np.random.default_rng(tenants)
     vocab = rt.config.vocab_size
 
@@ -129,9 +164,11 @@ def count(rt: TrainingRuntime, tenants: int, tokens: int = 1024, length: int = 1
     for u in units:
         rt.optim_step(u, AdamParams())
     for case in ("fresh", "accumulating"):
-        with KernelOps() as k:
+        k = KernelOps()
+        with (triton_launches_counted(k) if interpreted else nullcontext()), k:
             rt.forward_backward(requests)
         out[case] = {"kernel_ops": sum(k.ops.values()), "top": dict(k.ops.most_common(6))}
+    out["saved_bytes_per_token"] = saved_bytes_per_token(rt, requests, per * length * tenants)
     with KernelOps() as k:
         for u in units:
             rt.optim_step(u, AdamParams())
@@ -145,16 +182,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tenants", default="1,4,16")
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per step (in rows of 128), shared by the tenants")
     ap.add_argument("--multi-lora", choices=("gpu", "dense", "grouped"), default="gpu",
                     help="how several tenants' adapters run (gpu: the choice a GPU makes for the tenant count)")
     ap.add_argument("--decode", type=int, metavar="ROWS", help="count one decode step of ROWS rows instead")
+    ap.add_argument("--training-kernels", action="store_true",
+                    help="train through the norm/rotary/SiLU kernels (in Triton's interpreter)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype for training counts")
+    ap.add_argument("--widths", choices=("tiny", "1.7B"), default="tiny",
+                    help="the layers' widths for training counts (1.7B: Qwen3-1.7B's, for the bytes kept per token)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if (args.decode or args.training_kernels) and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("the Triton kernels run in the interpreter here: set TRITON_INTERPRET=1")
     if args.decode:
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("--decode runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
             make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
@@ -168,21 +209,33 @@ def main() -> None:
                                                   indent=2))
         return
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
+    if args.training_kernels:
+        from tinsmith.kernels import norm_grad, swiglu
+
+        norm_grad.BACKEND = swiglu.BACKEND = "triton"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as d:
         shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
+        if args.widths == "1.7B":
+            shape = TinyShape(num_hidden_layers=args.layers, hidden_size=2048, intermediate_size=6144,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128)
         make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
-        rt = TrainingRuntime(load_model(str(Path(d) / "m")).model, max_lora_adapters=16, max_lora_rank=32)
+        model = load_model(str(Path(d) / "m"), dtype=dtype).model
+        rt = TrainingRuntime(model, max_lora_adapters=16, max_lora_rank=32)
         results = {}
         for n in (int(t) for t in args.tenants.split(",")):
             dense = n * 32 <= grouped_lora.DENSE_MAX_RANK if args.multi_lora == "gpu" else args.multi_lora == "dense"
             grouped_lora.MULTI_LORA = "dense" if dense else "grouped"
-            results[n] = r = count(rt, n)
+            results[n] = r = count(rt, n, tokens=args.tokens, interpreted=args.training_kernels)
             r["multi_lora"] = grouped_lora.MULTI_LORA
             print(f"{n:>3} tenants{f' ({grouped_lora.MULTI_LORA})' if n > 1 else ''}: forward/backward "
                   f"{r['fresh']['kernel_ops']:>6,} kernel ops fresh, "
-                  f"{r['accumulating']['kernel_ops']:>6,} accumulating; optimizer steps {r['optimizer_steps']['kernel_ops']:>6,}")
+                  f"{r['accumulating']['kernel_ops']:>6,} accumulating; "
+                  f"optimizer steps {r['optimizer_steps']['kernel_ops']:>6,}; kept for backward {r['saved_bytes_per_token']:,.0f} bytes a token")
     if args.json:
-        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"torch": torch.__version__, "layers": args.layers, "dtype": args.dtype,
+             "training_kernels": args.training_kernels, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

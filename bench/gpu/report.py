@@ -50,7 +50,7 @@ def markdown(s: dict) -> str:
         L += _heading("## Training (tokens/s; MFU 4NT LoRA, 6NT full)",
                       "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | "
                       "packed tok/s | packed MFU | packed vs padded | long ctx (auto) tok/s | peft tok/s | "
-                      "peft MFU | full FT MFU | peak GiB | notes |")
+                      "peft MFU | full FT MFU | peak GiB | training kernels vs torch (tok/s; peak GiB) | notes |")
         for name in s["shapes"]:
             lo, pf, ff = tr.get(f"{name}/lora", {}), tr.get(f"{name}/peft_baseline", {}), tr.get(f"{name}/full_finetune", {})
             keys = [k for k in lo if "x" in k and isinstance(lo[k], dict)]
@@ -62,6 +62,8 @@ def markdown(s: dict) -> str:
                      f"{_get(lo, 'packing', 'packed', 'mfu_4nt', pct=True)} | {_get(lo, 'packing', 'packed_vs_padded')} | "
                      f"{_get(lo, 'long_context', 'auto', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "
                      f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
+                     f"{_get(lo, 'torch_elementwise', 'kernels_vs_torch')}; {_get(lo, small, 'peak_gib')} vs "
+                     f"{_get(lo, 'torch_elementwise', 'peak_gib')} | "
                      f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")
         L.append("")
     L += _profiles(s)
@@ -152,6 +154,15 @@ def markdown(s: dict) -> str:
                      f"({_get(dr, rk, 'torch', 'of_copy_bw', pct=True)}) | {_get(dr, rk, 'fused', 'us')} "
                      f"({_get(dr, rk, 'fused', 'of_copy_bw', pct=True)}) | {_get(dr, rk, 'fused_vs_torch')} | "
                      f"{_status(dr)} |")
+        L.append("")
+        tc = sa.get("token_choice", {})
+        L += _heading("### One decode step's token choice, 151,936-entry vocabulary, bf16 logits (us; logits "
+                      "read twice as a share of copy bandwidth)",
+                      "| rows | torch | one kernel | kernel vs torch | notes |")
+        for rk in [k for k in tc if k.startswith("rows_")]:
+            L.append(f"| {rk[5:]} | {_get(tc, rk, 'torch', 'us')} ({_get(tc, rk, 'torch', 'of_copy_bw', pct=True)}) | "
+                     f"{_get(tc, rk, 'kernel', 'us')} ({_get(tc, rk, 'kernel', 'of_copy_bw', pct=True)}) | "
+                     f"{_get(tc, rk, 'kernel_vs_torch')} | {_status(tc)} |")
         L.append("")
         L += _heading("### Decode stall while a long prompt is prefilled (ms)",
                       "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         # (its eager runs are the longest item) last.
         sa.item(f"{big}/decode_attention", lambda: sample.decode_attention(dirs[big], device, peaks, a.quick))
         sa.item("qwen3_5/delta_rule_step", lambda: sample.delta_rule_step(device, peaks, a.quick))
+        sa.item("token_choice", lambda: sample.token_choice(device, peaks, a.quick))
         sa.item(f"{big}/kv_layout", lambda: sample.kv_layouts(dirs[big], device, a.quick))
         sa.item(f"{big}/prefix_waves", lambda: sample.prefix_waves(dirs[big], device, a.quick))
         sa.item(f"{big}/chunked_prefill", lambda: sample.chunked_prefill(dirs[big], device, a.quick))

@@ -413,6 +413,42 @@ def delta_rule_step(device, peak: dict, quick: bool) -> dict:
     return out
 
 
+def token_choice(device, peak: dict, quick: bool) -> dict:
+    """One decode step's token choice over Qwen3's vocabulary (151,936 entries, bf16 logits,
+    temperature 1, no truncation, as a graph-captured step chooses): torch's operations against the
+    one-kernel draw. ``of_copy_bw``: the logits read twice (the kernel's reads) over the time, as a
+    share of the measured copy bandwidth; torch reads them many more times."""
+    from bench.gpu.peak import timed
+    from tinsmith.kernels import token_draw
+    from tinsmith.sampling.logits import choose_tokens_masked, uniforms
+
+    vocab = 1000 if quick else 151_936
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out: dict = {"vocab": vocab, "kernel_usable": token_draw.usable(torch.zeros(1, 8, device=device))}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for rows in ((4,) if quick else (64, 256)):
+        logits = (torch.randn(rows, vocab, generator=gen) * 4).to(device, dtype)
+        t, p = torch.ones(rows, device=device), torch.ones(rows, device=device)
+        k = torch.zeros(rows, dtype=torch.long, device=device)
+        keys = torch.arange(rows, device=device)
+        u = uniforms(keys, keys, keys)
+        row: dict = {}
+        ways = ["torch"] + (["kernel"] if out["kernel_usable"] else [])
+        for way in ways:
+            token_draw.BACKEND = "torch" if way == "torch" else "auto"
+            try:
+                s = timed(lambda: choose_tokens_masked(logits, t, k, p, u, None, False), device,
+                          repeats=3 if quick else 50)
+            finally:
+                token_draw.BACKEND = "auto"
+            row[way] = {"us": s * 1e6, "of_copy_bw": 2 * logits.numel() * logits.element_size() / s
+                        / peak["copy_bytes_per_s"]}
+        if "kernel" in row:
+            row["kernel_vs_torch"] = row["torch"]["us"] / row["kernel"]["us"]
+        out[f"rows_{rows}"] = row
+    return out
+
+
 def kv_layouts(model_dir, device, quick: bool) -> dict:
     """Per-row K/V buffers against pages (CUDA graphs on, base model): decode tokens/s on the
     standard rows, and a mixed batch under a K/V budget that holds every short row but not every

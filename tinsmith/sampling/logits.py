@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinsmith.kernels import token_draw
 from tinsmith.transfers import to_device
 
 _MASK64 = (1 << 64) - 1
@@ -90,13 +91,20 @@ def choose_tokens(
     top_p: torch.Tensor,
     u: torch.Tensor,
     kinds: RowKinds | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need_full: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pick one token per row. Returns (tokens, their model logprobs, full model logprobs).
 
     ``temperature`` 0 means greedy; ``top_k`` <= 0 means no limit; ``top_p`` in (0, 1].
     Logprobs are computed in fp32 whatever the logits' dtype. ``kinds`` (from the same
     parameters) avoids reading them back from the device; without it they are read back.
+    Without ``need_full`` the full logprobs may be None: where no row truncates, a GPU then
+    chooses in one kernel (:mod:`tinsmith.kernels.token_draw`) without making them.
     """
+    if not need_full and kinds is not None and kinds.truncating is None and token_draw.usable(logits):
+        chosen = token_draw.draw(logits, temperature, u, kinds.all_greedy)
+        if chosen is not None:
+            return (*chosen, None)
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     V = logits.shape[-1]
@@ -140,8 +148,13 @@ def choose_tokens_masked(
     each row's own result by mask (``truncates``: bool per row, None when no row truncates), so
     a row gets exactly the token :func:`choose_tokens` gives it. ``all_greedy`` must hold for
     every row when set. Returns (tokens, their model logprobs, every row's ``top`` largest model
-    logprobs, None when ``top`` is 0).
+    logprobs, None when ``top`` is 0). Where no row truncates and ``top`` is 0, a GPU chooses in
+    one kernel (:mod:`tinsmith.kernels.token_draw`).
     """
+    if truncates is None and not top and token_draw.usable(logits):
+        chosen = token_draw.draw(logits, temperature, u, all_greedy)
+        if chosen is not None:
+            return (*chosen, None)
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     argmax = logits.argmax(dim=-1)

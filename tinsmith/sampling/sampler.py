@@ -1205,7 +1205,8 @@ class Sampler:
             logits = self.model.logits(hidden[:, 0], batch.groups)
             self.cache.lengths[:n] += 1
             u = keyed_uniforms(batch.keys, batch.steps)
-            tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds)
+            tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds,
+                                          need_full=any(k > 0 for k in asks))
             batch.last, batch.steps = tok, batch.steps + 1
             toks.append(tok)
             lps.append(lp)

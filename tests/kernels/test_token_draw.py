@@ -1,0 +1,144 @@
+"""The token-choice kernel picks the tokens the torch path picks (greedy rows, tempered draws by
+inverse CDF, over vocabularies of one and many blocks, fp32 and bf16 logits) with the model's own
+logprobs, and a sampler through it samples what one through torch samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.support import assert_builds_for_hopper, kernel_device
+from tinsmith.kernels import token_draw
+from tinsmith.sampling import logits as token_choice
+from tinsmith.sampling.logits import RowKinds, choose_tokens_masked, uniforms
+
+
+@pytest.fixture(autouse=True)
+def kernel_for_every_tensor(monkeypatch):
+    monkeypatch.setattr(token_draw, "BACKEND", "triton")
+
+
+def torch_choice(logits, temperature, u, all_greedy=False):
+    monkey = token_draw.BACKEND
+    token_draw.BACKEND = "torch"
+    try:
+        zeros = torch.zeros_like(temperature, dtype=torch.long)
+        tok, lp, _ = choose_tokens_masked(logits, temperature, zeros, torch.ones_like(temperature), u, None, all_greedy)
+    finally:
+        token_draw.BACKEND = monkey
+    return tok, lp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,block", [(1000, 4096), (5000, 1024), (1537, 256)])
+def test_the_kernel_picks_the_torch_paths_tokens(dtype, vocab, block, monkeypatch):
+    device = kernel_device()
+    monkeypatch.setattr(token_draw, "BLOCK", block)
+    g = torch.Generator().manual_seed(vocab)
+    rows = 12
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(device, dtype)
+    logits[3, 17] = logits[3, 900 % vocab] = logits[3].max() + 1  # a tie: the first largest, as argmax
+    temperature = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1e-30, 1.0, 0.5, 2.0, 1.0, 0.9, 1.0], device=device)
+    u = uniforms(torch.arange(rows, device=device) * 7919, torch.zeros(rows, dtype=torch.long, device=device),
+                 torch.full((rows,), 3, device=device))
+    tok, lp = token_draw.draw(logits, temperature, u)
+    want_tok, want_lp = torch_choice(logits, temperature, u)
+    assert tok.dtype == torch.long and lp.dtype == torch.float32
+    assert tok.tolist() == want_tok.tolist()
+    assert tok[3].item() == 17
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+
+
+def test_all_greedy_rows_skip_the_draw():
+    device = kernel_device()
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 3000, generator=g).to(device)
+    t = torch.zeros(5, device=device)
+    tok, lp = token_draw.draw(logits, t, torch.rand(5, dtype=torch.float64, generator=g).to(device), all_greedy=True)
+    assert tok.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+
+
+def test_draws_follow_the_inverse_cdf():
+    """Many uniforms against one row: each draw is the first token whose cumulative (tempered)
+    probability reaches the uniform, as the flat float64 search finds it."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(2)
+    vocab, n = 300, 200
+    logits = (torch.randn(1, vocab, generator=g) * 2).expand(n, vocab).contiguous().to(device)
+    u = torch.rand(n, dtype=torch.float64, generator=g).to(device)
+    t = torch.full((n,), 0.8, device=device)
+    tok, _ = token_draw.draw(logits, t, u)
+    probs = torch.softmax(logits[0].double().cpu() / 0.8, -1)
+    want = torch.searchsorted(probs.cumsum(0), u.cpu() * probs.sum())
+    assert (tok.cpu() == want).float().mean() > 0.995  # all but a draw within rounding of a boundary
+
+
+def test_choice_functions_take_the_kernel_where_it_applies(monkeypatch):
+    """No truncating row and no top-k logprobs asked: the kernel; otherwise torch."""
+    device = kernel_device()
+    calls = []
+    real = token_draw.draw
+    monkeypatch.setattr(token_draw, "draw", lambda *a: calls.append(a) or real(*a))
+    logits = torch.randn(3, 800, generator=torch.Generator().manual_seed(3)).to(device)
+    t = torch.tensor([1.0, 0.0, 0.6], device=device)
+    k, p = torch.zeros(3, dtype=torch.long, device=device), torch.ones(3, device=device)
+    u = torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(device)
+    want = torch_choice(logits, t, u)
+    tok, lp, best = choose_tokens_masked(logits, t, k, p, u, None, False)
+    assert len(calls) == 1 and best is None and tok.tolist() == want[0].tolist()
+    choose_tokens_masked(logits, t, k, p, u, None, False, top=5)  # top-k logprobs: torch
+    choose_tokens_masked(logits, t, k, p, u, torch.tensor([False, False, True], device=device), False)
+    assert len(calls) == 1
+    kinds = RowKinds.of(t.tolist(), k.tolist(), p.tolist(), 800, logits.device)
+    tok, lp, full = token_choice.choose_tokens(logits, t, k, p, u, kinds, need_full=False)
+    assert len(calls) == 2 and full is None and tok.tolist() == want[0].tolist()
+    _, _, full = token_choice.choose_tokens(logits, t, k, p, u, kinds)  # the full logprobs asked for: torch
+    assert len(calls) == 2 and full.shape == logits.shape
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_sampler_through_the_kernel_samples_what_torch_samples(family, model_dirs, monkeypatch):
+    import numpy as np
+
+    from tests.sampling.conftest import fresh_model, make_sampler, run, task
+
+    device = kernel_device()
+    if device != "cpu":
+        pytest.skip("the GPU tier compares the sampler's paths on a GPU")
+    prompts = [np.random.default_rng(i).integers(4, 400, 12 + 5 * i).tolist() for i in range(3)]
+    calls = []
+    real = token_draw.draw
+    monkeypatch.setattr(token_draw, "draw", lambda *a: calls.append(a) or real(*a))
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(token_draw, "BACKEND", backend)
+        sampler = make_sampler(fresh_model(model_dirs[family]), model_dirs[family])
+        results[backend] = run(sampler, [task(f"p{i}", p, max_tokens=6, temperature=t, seed=i, stop=[])
+                                         for i, (p, t) in enumerate(zip(prompts, (1.0, 0.0, 0.7)))])
+    assert calls  # the decode steps went through the kernel
+    for key, want in results["torch"].items():
+        got = results["triton"][key].sequences[0]
+        assert got.tokens.tolist() == want.sequences[0].tokens.tolist(), key
+        np.testing.assert_allclose(got.logprobs, want.sequences[0].logprobs, rtol=1e-5, atol=1e-5)
+
+
+_COMPILE = '''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tinsmith.kernels import token_draw
+
+fn = token_draw._draw_kernel
+for dt in sys.argv[1:]:
+    sig = {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "u_ptr": "*fp64", "tok_ptr": "*i64", "lp_ptr": "*fp32",
+           "vocab": "i32", "stride_row": "i64", "BLOCK": "constexpr", "SAMPLE": "constexpr"}
+    for block, sample in ((4096, True), (4096, False), (1024, True)):
+        src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": block, "SAMPLE": sample})
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+'''
+
+
+def test_kernel_compiles_for_hopper(tmp_path):
+    assert_builds_for_hopper(_COMPILE, tmp_path, "bf16", "fp32")
