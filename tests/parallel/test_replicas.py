@@ -237,7 +237,8 @@ def test_an_unseeded_adapter_is_the_same_on_every_replica_and_refusals_name_the_
     try:
         assert warm_up(w2, b2) > 0  # every replica samples and trains once, and nothing is left behind
         sampler = w2.sampler(b2)
-        assert sampler._local.stats["prefills"] == sampler._stats[0]["prefills"] == 1
+        rounds = 3  # top-p, plain temperature, greedy: one request per replica each
+        assert sampler._local.stats["prefills"] == sampler._stats[0]["prefills"] == rounds
         assert not sampler.has_work() and not b2.lora.units
 
         w2.create_model("unseeded", "m", LoraSpec(rank=4))  # rank 0 draws the seed for both replicas

@@ -63,3 +63,20 @@ def test_server_start_up_logs_the_warm_up(qwen3_dir, tmp_path, caplog):
         state.release()
         state.store.close()
     assert any("warm-up of" in r.getMessage() and "ran once in" in r.getMessage() for r in caplog.records)
+
+
+def test_warm_up_chooses_tokens_every_way(qwen3_dir, monkeypatch):
+    """Truncated (top-p), plain-temperature and all-greedy steps each run once at start-up: on a
+    GPU the latter two choose through a kernel that is built on first use."""
+    from tinsmith.sampling import sampler as sampler_module
+
+    seen = set()
+    real = sampler_module.choose_tokens
+
+    def spy(logits, temperature, top_k, top_p, u, kinds=None, **kw):
+        seen.add("greedy" if kinds.all_greedy else "truncated" if kinds.truncating is not None else "plain")
+        return real(logits, temperature, top_k, top_p, u, kinds, **kw)
+
+    monkeypatch.setattr(sampler_module, "choose_tokens", spy)
+    _worker(qwen3_dir, warm=True)
+    assert seen == {"greedy", "truncated", "plain"}

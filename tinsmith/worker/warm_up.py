@@ -33,9 +33,9 @@ def configure_device(device: torch.device) -> None:
 
 
 def warm_up(worker, base) -> float:
-    """Sample (temperature, top-p, logprobs) and run a forward/backward on ``base`` (one of
-    ``worker``'s base models) with a throwaway adapter; returns the seconds it took. Leaves no
-    state behind: the sampler's request finishes and the adapter is deleted."""
+    """Sample (top-p with logprobs, plain temperature, greedy) and run a forward/backward on
+    ``base`` (one of ``worker``'s base models) with a throwaway adapter; returns the seconds it
+    took. Leaves no state behind: the sampler's requests finish and the adapter is deleted."""
     started = time.perf_counter()
     cfg = base.config
     rng = np.random.default_rng(0)
@@ -46,22 +46,30 @@ def warm_up(worker, base) -> float:
     # Replicas (--data-parallel-size) each warm up: one request each, with prompts of their own
     # (a request goes to the least busy replica unless its prompt follows an earlier one).
     replicas = getattr(sampler, "replicas", 1)
-    keys = {f"warm-up-{r}" for r in range(replicas)}
-    for r, key in enumerate(sorted(keys)):
-        sampler.add(SampleTask(key, None, SampleInput(
-            prompt=prompt if r == 0 else rng.integers(0, min(cfg.vocab_size, 1000), PROMPT_TOKENS),
-            num_samples=2, prompt_logprobs=True,
-            params=SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.95, seed=0, stop=[]))))
+    prompts = [prompt] + [rng.integers(0, min(cfg.vocab_size, 1000), PROMPT_TOKENS) for _ in range(replicas - 1)]
+    # Truncated sampling with logprobs, then plain temperature, then greedy rows: each way of
+    # choosing tokens runs (on a GPU the last two are kernels built on first use).
+    for round_, (temperature, top_p) in enumerate(((1.0, 0.95), (1.0, 1.0), (0.0, 1.0))):
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p, seed=0, stop=[])
+        _sample_round(sampler, [SampleTask(f"warm-up-{round_}-{r}", None, SampleInput(
+            prompt=p, num_samples=2, prompt_logprobs=round_ == 0, params=params)) for r, p in enumerate(prompts)])
+    _warm_training(base.lora, prompt, replicas)
+    if base.lora.device.type == "cuda":
+        torch.cuda.synchronize(base.lora.device)
+    return time.perf_counter() - started
+
+
+def _sample_round(sampler, tasks: list) -> None:
+    """Queue ``tasks`` and step the sampler until each finished (raising the first failure)."""
+    keys = {t.key for t in tasks}
+    for t in tasks:
+        sampler.add(t)
     while keys:
         for key, result in sampler.step(budget_s=1.0):
             if key in keys:
                 if isinstance(result, Exception):
                     raise result
                 keys.discard(key)
-    _warm_training(base.lora, prompt, replicas)
-    if base.lora.device.type == "cuda":
-        torch.cuda.synchronize(base.lora.device)
-    return time.perf_counter() - started
 
 
 def _warm_training(rt, tokens: np.ndarray, replicas: int = 1) -> None:
