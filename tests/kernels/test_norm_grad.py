@@ -239,8 +239,8 @@ for dt in sys.argv[1:]:
         build(norm_grad._forward_kernel, common, flags)
         for weight_grad in ((False, True) if norm else (False,)):
             build(norm_grad._backward_kernel, common, {**flags, "WEIGHT_GRAD": weight_grad})
-    flat = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "_unused": f"*{dt}", "out_ptr": f"*{dt}", "_unused2": f"*{dt}",
-            "grad_ptr": f"*{dt}", "gg_ptr": f"*{dt}", "gu_ptr": f"*{dt}", "n": "i32"}
+    flat = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "out_ptr": f"*{dt}", "grad_ptr": f"*{dt}", "gg_ptr": f"*{dt}",
+            "gu_ptr": f"*{dt}", "n": "i32"}
     build(swiglu._silu_mul_flat_kernel, flat, {"BLOCK": 1024})
     build(swiglu._silu_mul_backward_kernel, flat, {"BLOCK": 1024})
 '''

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels import rms_norm as rms_kernel
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
 
@@ -50,9 +51,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor | None = None, rotary: tuple[to
     if rotary is None:
         return weight is not None
     cos, sin = rotary
-    return (x.dim() >= 3 and d % 2 == 0 and cos.shape == sin.shape and cos.shape[-2:] == (1, d)
-            and cos.shape[:-2] == x.shape[:-2] and cos.dtype == sin.dtype == x.dtype
-            and cos.is_contiguous() and sin.is_contiguous() and not cos.requires_grad and not sin.requires_grad)
+    return rms_kernel.rotary_usable(x, cos, sin) and not cos.requires_grad and not sin.requires_grad
 
 
 def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float,

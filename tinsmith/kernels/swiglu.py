@@ -69,7 +69,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         out = torch.empty_like(gate)
-        if GUARD.call(_launch_flat, _silu_mul_flat_kernel, gate, up, gate, out, out, on=gate) is None:
+        if GUARD.call(_launch_flat, _silu_mul_flat_kernel, gate, up, out, on=gate) is None:
             raise _Declined
         ctx.save_for_backward(gate, up)
         return out
@@ -93,11 +93,11 @@ def silu_mul_backward_in_torch(gate: torch.Tensor, up: torch.Tensor,
     return (g_act * sig * (1 + g * (1 - sig))).to(gate.dtype), grad * torch.nn.functional.silu(gate)
 
 
-def _launch_flat(kernel, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
-                 out2: torch.Tensor) -> torch.Tensor:
-    n = a.numel()
-    kernel[(triton.cdiv(n, BLOCK),)](a, b, c, out, out2, n, BLOCK=BLOCK, num_warps=4)
-    return out
+def _launch_flat(kernel, *tensors: torch.Tensor) -> torch.Tensor:
+    """``kernel`` over the elements of ``tensors`` (one shape, contiguous), BLOCK a program."""
+    n = tensors[0].numel()
+    kernel[(triton.cdiv(n, BLOCK),)](*tensors, n, BLOCK=BLOCK, num_warps=4)
+    return tensors[-1]
 
 
 def silu_mul(y: torch.Tensor) -> torch.Tensor | None:
@@ -134,7 +134,7 @@ if triton is not None:
         tl.store(out_ptr + row * width + cols, (act * u).to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_flat_kernel(g_ptr, u_ptr, _unused, out_ptr, _unused2, n, BLOCK: tl.constexpr):
+    def _silu_mul_flat_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
         """Elements ``[pid * BLOCK, ...)`` of two tensors: ``silu(gate)`` rounded, times ``up``, rounded."""
         at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = at < n
