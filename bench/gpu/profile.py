@@ -9,10 +9,15 @@ attention, sort/scan, copies and indexing, the rest), and the most expensive ker
 (``--device cpu``) the same tables list the ATen operators' own CPU time instead.
 
 The decode step is profiled eagerly (no graphs): its kernels are the graphs' kernels, each named.
+:func:`decode_replayed` profiles the server's own path, steps replayed from CUDA graphs, where the
+wall time per step against the kernels' says how long the device waits for the host; the host's
+share is broken down by function (cProfile) beside it.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import re
 import time
 
@@ -100,6 +105,51 @@ def decode_step(model_dir, device, quick: bool) -> dict:
             steps = sampler.stats["decode_steps"] - before
             sampler.abort()
         out[name] = kernel_table(prof, steps, wall)
+    return out
+
+
+def _host_top(fn, steps_of, n: int = 8) -> list[list]:
+    """Run ``fn`` under cProfile: its ``n`` costliest functions by own time, ms per decode step
+    (``steps_of()`` counts the steps ``fn`` ran), the read-back wait included (as the time of the
+    tensor's ``tolist``)."""
+    before = steps_of()
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    steps = max(1, steps_of() - before)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [[f"{name} ({file.rsplit('/', 1)[-1]}:{line})"[:90], round(1e3 * own / steps, 3), calls]
+            for (file, line, name), (calls, _, own, _, _) in rows]
+
+
+def decode_replayed(model_dir, device, quick: bool) -> dict:
+    """Where the wall time of decode steps replayed from CUDA graphs goes (the server's path): the
+    kernels' device ms per step against the wall ms per step (the difference is the device waiting
+    for the host), and the host's costliest functions per step. 64 and 256 rows of the base model,
+    and 64 rows with 8 adapters in turn; 128-token prompts, each case warmed up (its captures) first."""
+    cases = ((4, None), (4, 8)) if quick else ((64, None), (256, None), (64, 8))
+    prompt, new = (16, 64) if quick else (128, 1024)
+    lm = load_model(str(model_dir), device=device)
+    rt = TrainingRuntime(lm.model, max_lora_adapters=8, max_lora_rank=RANK, max_training_runs=8)
+    units = [rt.create_adapter(LoraSpec(rank=RANK, seed=i)) for i in range(8)]
+    out: dict = {"prompt_tokens": prompt}
+    for rows, adapters in cases:
+        slots = units[:adapters] if adapters else [None]
+        sampler = Sampler(lm.model, lambda toks: "", max_rows=rows, cuda_graphs=device.type == "cuda")
+        rng = np.random.default_rng(0)
+        for i in range(rows):
+            params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=i)
+            sampler.add(SampleTask(i, slots[i % len(slots)], SampleInput(rng.integers(4, 2000, prompt), 1, params)))
+        with torch.inference_mode():
+            sampler.step(budget_s=0.0)  # admission and prefill (and the first burst)
+            sampler.step(budget_s=0.2)  # warm: the bucket's captures
+            before = sampler.stats["decode_steps"]
+            prof, wall = _profiled(lambda: sampler.step(budget_s=0.02 if quick else 0.25), device)
+            table = kernel_table(prof, sampler.stats["decode_steps"] - before, wall)
+            table["host_top"] = _host_top(lambda: sampler.step(budget_s=0.02 if quick else 0.25),
+                                          lambda: sampler.stats["decode_steps"])
+            sampler.abort()
+        out[f"rows_{rows}" + (f"_adapters_{adapters}" if adapters else "")] = table
     return out
 
 

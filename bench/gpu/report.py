@@ -81,6 +81,14 @@ def markdown(s: dict) -> str:
                          f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
                          f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")
         L.append("")
+        L += _heading("## Decode steps per host read-back (tokens/s, graphs on, base model)",
+                      "| shape | rows | 4 | 8 | 16 | 16 vs 4 | notes |")
+        for name in s["shapes"]:
+            db = sa.get(f"{name}/decode_bursts", {})
+            for rk in [k for k in db if k.startswith("rows_")] or ["-"]:
+                L.append(f"| {name} | {rk[5:]} | {_get(db, rk, 'burst_4')} | {_get(db, rk, 'burst_8')} | "
+                         f"{_get(db, rk, 'burst_16')} | {_get(db, rk, 'burst_16_vs_4')} | {_status(db)} |")
+        L.append("")
         L += _heading("## Decode with CUDA graphs vs eager (tokens/s)",
                       "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |")
         for name in s["shapes"]:
@@ -193,7 +201,7 @@ def _profiles(s: dict) -> list[str]:
              if key.endswith("profile")]
     if not found:
         return []
-    L = _heading("## Where a step's time goes (ms per step; profiled eagerly)",
+    L = _heading("## Where a step's time goes (ms per step; profiled eagerly, replay_profile from CUDA graphs)",
                  "| step | source | device ms | wall ms | kernels | by family (ms) | notes |")
     tops: list[str] = []
     for key, item in found:
@@ -204,6 +212,8 @@ def _profiles(s: dict) -> list[str]:
             L.append(f"| {key} {case} | {t['source']} | {_fmt(t['device_ms'])} | {_fmt(t['wall_ms'])} | "
                      f"{_fmt(t['kernels'])} | {fam} | |")
             tops += [f"{key} {case}: " + "; ".join(f"{n} {ms:.3g} ms x{c:g}" for n, ms, c in t["top"][:8])]
+            if t.get("host_top"):  # the host's side of a replayed step (cProfile, own ms per step)
+                tops += [f"{key} {case} host: " + "; ".join(f"{n} {ms:.3g} ms" for n, ms, _ in t["host_top"])]
         if _status(item):
             L.append(f"| {key} | - | - | - | - | - | {_status(item)} |")
     return L + [""] + [f"- {line}" for line in tops] + [""]

@@ -36,11 +36,14 @@ BUDGET_S = {"peak": 30, "train": 200, "sample": 200, "moe": 60}
 class Part:
     """Collects one part's items; ``item`` runs a measurement unless the part's budget is spent."""
 
-    def __init__(self, name: str, budget_s: float, run_deadline: float = float("inf")):
+    def __init__(self, name: str, budget_s: float, run_deadline: float = float("inf"), only: tuple[str, ...] = ()):
         self.name, self.results = name, {}
         self.deadline = min(time.monotonic() + budget_s, run_deadline)
+        self.only = only  # item keys must contain one of these (empty: every item runs)
 
     def item(self, key: str, fn: Callable[[], dict]) -> None:
+        if self.only and not any(word in key for word in self.only):
+            return
         if time.monotonic() > self.deadline:
             self.results[key] = {"skipped": f"the {self.name} part's time budget was spent"}
             return
@@ -67,10 +70,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TINSMITH_BENCH_CACHE",
                                                                          Path(tempfile.gettempdir()) / "tinsmith-bench")))
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
+    p.add_argument("--only", default="", help="comma-separated: run only the items whose key holds one of these "
+                                               "(e.g. replay_profile,lora_gather): a short device call's re-measurement")
     p.add_argument("--max-wall-s", type=float, default=float("inf"),
                    help="no item starts after this many seconds (so a run under an outer timeout still writes its summary)")
     a = p.parse_args(argv)
     run_deadline = time.monotonic() + a.max_wall_s
+    only = tuple(w for w in a.only.split(",") if w)
     shapes = [s for s in a.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["params"] = counts
 
     def run_train() -> None:
-        tr = Part("train", BUDGET_S["train"] * a.budget_scale, run_deadline)
+        tr = Part("train", BUDGET_S["train"] * a.budget_scale, run_deadline, only)
         for name in shapes:
             n = counts[name]["matmul"]
             tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         (a.out / "train.json").write_text(json.dumps(tr.results, indent=2))
 
     def run_sample() -> None:
-        sa = Part("sample", BUDGET_S["sample"] * a.budget_scale, run_deadline)
+        sa = Part("sample", BUDGET_S["sample"] * a.budget_scale, run_deadline, only)
         big = shapes[-1]
         # The headline figures first (decode vs the HBM bound and where its time goes, the SDK's
         # first call and GRPO, the generate baseline), so that a run cut short still has them.
@@ -121,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
             sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
             if name == big:
                 sa.item(f"{name}/decode_profile", lambda: profile.decode_step(dirs[name], device, a.quick))
+                sa.item(f"{name}/replay_profile", lambda: profile.decode_replayed(dirs[name], device, a.quick))
+                sa.item(f"{name}/decode_bursts", lambda: sample.decode_bursts(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
 
     def run_moe() -> None:
-        mo = Part("moe", BUDGET_S["moe"] * a.budget_scale, run_deadline)
+        mo = Part("moe", BUDGET_S["moe"] * a.budget_scale, run_deadline, only)
         mo.item("a3b_vs_dense", lambda: moe.moe_vs_dense(a.cache_dir, device, peaks, a.quick, layers=2 if a.quick else 4))
         summary["moe"] = mo.results
         (a.out / "moe.json").write_text(json.dumps(mo.results, indent=2))

@@ -100,6 +100,27 @@ def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
     return out
 
 
+def decode_bursts(model_dir, device, quick: bool) -> dict:
+    """Decode tokens/s (graphs on, base model) with 4, 8 and 16 steps per host read-back
+    (``Sampler(decode_burst=...)``): how much of a step the host's work between bursts costs.
+    Each figure is the second of two equal runs (the first pays its captures)."""
+    z = sizes(quick)
+    lm = load_model(str(model_dir), device=device)
+    out: dict = {"prompt_tokens": z["prompt"], "new_tokens": z["new"]}
+    for rows in z["rows"]:
+        row: dict = {}
+        for burst in (4, 8, 16):
+            sampler = Sampler(lm.model, lambda toks: "", max_rows=rows, cuda_graphs=device.type == "cuda",
+                              decode_burst=burst)
+            run_sampler(sampler, rows, z["prompt"], z["new"], [None], seed=rows)
+            s = run_sampler(sampler, rows, z["prompt"], z["new"], [None], seed=rows + 1)
+            row[f"burst_{burst}"] = rows * z["new"] / s
+            del sampler
+        row["burst_16_vs_4"] = row["burst_16"] / row["burst_4"]
+        out[f"rows_{rows}"] = row
+    return out
+
+
 def graphs_vs_eager(model_dir, device, quick: bool) -> dict:
     """Decode tokens/s with the decode step replayed from CUDA graphs vs launched eagerly, same
     rows (base model, then 8 adapters in turn); each side warmed up by a short run at its row

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,19 @@ def test_code_block_runs(code, why, docs_server, tiny_model, tmp_path):
     script.write_text(code)
     env = {**os.environ, "TINKER_BASE_URL": docs_server.base_url, "TINKER_API_KEY": "tml-docs",
            "OPENAI_BASE_URL": docs_server.base_url + "/v1", "OPENAI_API_KEY": "tml-docs", "TINKER_TELEMETRY": "0",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=tmp_path)
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                              env=env, cwd=tmp_path)
+
+    proc = run()
+    if proc.returncode < 0:
+        # Killed by a signal: once seen in CI (SIGABRT, nothing on stderr but the SDK's own
+        # warnings, every request answered 200 in the server's log): the client process's native
+        # threads, not the server. The block runs once more and must then exit cleanly; the first
+        # run's end (with faulthandler's traceback, if Python saw the signal) is kept as a warning.
+        warnings.warn(f"the block died of signal {-proc.returncode}; run once more. stdout: {proc.stdout[-500:]!r} "
+                      f"stderr: {proc.stderr[-1500:]}")
+        proc = run()
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\nserver log:\n{docs_server.log_tail()}"

@@ -75,8 +75,9 @@ def test_dense_training_step_equals_the_loop(qwen3_dir, monkeypatch):
     assert_same_step(dense, loop)
 
 
-def test_the_gpu_takes_dense_products_for_few_tenants_and_grouped_ones_for_many(monkeypatch):
-    """``auto``: dense while adapters x padded rank is at most DENSE_MAX_RANK, on a GPU only."""
+def test_the_gpu_takes_grouped_products_where_they_run_else_dense_ones_for_few_tenants(monkeypatch):
+    """``auto`` on a GPU: grouped where the grouped matmul runs; else dense while adapters x padded
+    rank is at most DENSE_MAX_RANK, and the loop above it. A CPU: the loop."""
     gen = torch.Generator().manual_seed(0)
     layer = LoraLinear(16, 24)
     for slot in range(40):
@@ -88,12 +89,14 @@ def test_the_gpu_takes_dense_products_for_few_tenants_and_grouped_ones_for_many(
         is_cuda = True
 
     gpu_x = x.as_subclass(OnGpu)
+    monkeypatch.setattr(moe, "GROUPED_MM", "loop")  # a GPU without the fast grouped matmul
     assert grouped_lora.multi_lora_path(gpu_x, ws[:2], 24) == "dense"
     assert grouped_lora.multi_lora_path(gpu_x, ws[:32], 24) == "dense"  # 32 x 8 = DENSE_MAX_RANK
-    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    assert grouped_lora.multi_lora_path(gpu_x, ws[:33], 24) is None  # past it: the loop
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")  # one with it (Hopper): grouped for few and many
+    assert grouped_lora.multi_lora_path(gpu_x, ws[:2], 24) == "grouped"
     assert grouped_lora.multi_lora_path(gpu_x, ws[:33], 24) == "grouped"
-    monkeypatch.setattr(moe, "GROUPED_MM", "loop")
-    assert grouped_lora.multi_lora_path(gpu_x, ws[:33], 24) is None  # no grouped matmul here: the loop
+    monkeypatch.setattr(moe, "GROUPED_MM", "auto")
     assert grouped_lora.multi_lora_path(x, ws[:2], 24) is None  # a CPU: the loop
     assert grouped_lora.multi_lora_path(gpu_x, [ws[0], None], 24) is None  # one adapter: its own addmm
     monkeypatch.setattr(grouped_lora, "MULTI_LORA", "dense")
