@@ -172,6 +172,7 @@ def markdown(s: dict) -> str:
                      f"{_get(tc, rk, 'kernel', 'us')} ({_get(tc, rk, 'kernel', 'of_copy_bw', pct=True)}) | "
                      f"{_get(tc, rk, 'kernel_vs_torch')} | {_status(tc)} |")
         L.append("")
+        L += _lora_gather(sa.get("lora_gather", {}))
         L += _heading("### Decode stall while a long prompt is prefilled (ms)",
                       "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
                       "chunked: long TTFT | same tokens | notes |")
@@ -193,6 +194,38 @@ def markdown(s: dict) -> str:
                      f"{_get(mo, kind, 'decode_tokens_per_s')} | {_status(mo)} |")
         L += [f"| MoE / dense | {_get(mo, 'train_moe_vs_dense')} | | {_get(mo, 'decode_moe_vs_dense')} | |", ""]
     return "\n".join(L)
+
+
+def _lora_gather(lg: dict) -> list[str]:
+    """The multi-adapter LoRA kernels (sample.lora_gather): before split-K against after, per
+    projection and a whole layer, then the shrink's split sweep."""
+    if not lg:
+        return []
+    L = _heading(f"### Multi-adapter LoRA kernels, one 1.7B decode layer, rank {lg.get('rank', '-')} (us per "
+                 "call, CUDA-graph replay; old = before split-K, pair = shrink + expand)",
+                 "| rows | adapters | projection | split | shrink old | shrink new | expand | "
+                 "pair new / old | torch pair | new vs old (max rel diff) | repeatable | notes |")
+    for ck in [k for k in lg if k.startswith("rows_")]:
+        rows, adapters = ck[5:].split("_adapters_")
+        for proj in [k for k in lg[ck] if k != "layer"]:
+            r = lg[ck][proj]
+            L.append(f"| {rows} | {adapters} | {proj} | {_get(r, 'split')} | {_get(r, 'shrink_old_us')} | "
+                     f"{_get(r, 'shrink_new_us')} | {_get(r, 'expand_us')} | "
+                     f"{_get(r, 'pair_new_vs_old')} | {_get(r, 'torch_pair_us')} | {_get(r, 'max_rel_diff')} | "
+                     f"{r.get('bitwise_repeatable', '-')} | |")
+        la = lg[ck].get("layer", {})
+        L.append(f"| {rows} | {adapters} | **layer** | | | | | {_get(la, 'new_vs_old')} "
+                 f"({_get(la, 'old_us')} -> {_get(la, 'new_us')} us) | {_get(la, 'torch_us')} | | | |")
+    if _status(lg):
+        L.append(f"| - | - | - | - | - | - | - | - | - | - | - | {_status(lg)} |")
+    L.append("")
+    sw = lg.get("split_sweep")
+    if sw:
+        for proj, us in sw.get("shrink_us", {}).items():
+            L.append(f"- shrink by split, {sw.get('rows')} rows, {sw.get('adapters')} adapters, {proj} (us, "
+                     "partials summed): " + ", ".join(f"{k[6:]}: {_fmt(v)}" for k, v in us.items()))
+        L.append("")
+    return L
 
 
 def _profiles(s: dict) -> list[str]:

@@ -135,11 +135,13 @@ def main(argv: list[str] | None = None) -> dict:
         sa.item(f"{big}/beside_training", lambda: sample.beside_training(
             dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-"))))
         # Then the components, on the largest shape only: decode attention and K/V layouts, a
-        # Qwen3.5-shaped Gated DeltaNet step, prefix waves, chunked prefill; graphs against eager
+        # Qwen3.5-shaped Gated DeltaNet step, the token choice and the multi-adapter LoRA kernels
+        # (1.7B's projections), prefix waves, chunked prefill; graphs against eager
         # (its eager runs are the longest item) last.
         sa.item(f"{big}/decode_attention", lambda: sample.decode_attention(dirs[big], device, peaks, a.quick))
         sa.item("qwen3_5/delta_rule_step", lambda: sample.delta_rule_step(device, peaks, a.quick))
         sa.item("token_choice", lambda: sample.token_choice(device, peaks, a.quick))
+        sa.item("lora_gather", lambda: sample.lora_gather(device, peaks, a.quick))
         sa.item(f"{big}/kv_layout", lambda: sample.kv_layouts(dirs[big], device, a.quick))
         sa.item(f"{big}/prefix_waves", lambda: sample.prefix_waves(dirs[big], device, a.quick))
         sa.item(f"{big}/chunked_prefill", lambda: sample.chunked_prefill(dirs[big], device, a.quick))

@@ -470,6 +470,129 @@ def token_choice(device, peak: dict, quick: bool) -> dict:
     return out
 
 
+def lora_gather(device, peak: dict, quick: bool) -> dict:
+    """Multi-adapter LoRA at decode: one gathered shrink and expand per projection of a Qwen3-1.7B
+    layer (q/k/v packed: in 2048, out 2048+1024+1024; o: 2048 -> 2048; gate/up packed: 2048 ->
+    6144+6144; down: 6144 -> 2048), rank 32, rows given the bank's adapters in turn. The shrink before split-K (``split=1``: one
+    program per row and rank block walking the whole input, the grid it had) against the split-K
+    shrink (its partials summed by torch), in the same process, beside the expand.
+
+    Microseconds per call: on a GPU the mean over 20 calls replayed from one CUDA graph (median of
+    5 replays; launched one by one, a call this short times the host's launch, not the GPU), with
+    the adapters warm in L2. New/old ratios, a layer's four projections together, the torch gathers
+    for scale, and the shrink's time by split at the first row count. Each case also checks the
+    new pair against the old (``max_rel_diff``) and against itself run twice
+    (``bitwise_repeatable``)."""
+    from bench.gpu.peak import timed
+    from tinsmith.kernels import lora_gather as lg
+
+    if quick:
+        hidden, inter, q, kv, rank, rows_list, adapters_list = 64, 160, 64, 32, 4, (4,), (2,)
+    else:
+        hidden, inter, q, kv, rank, rows_list, adapters_list = 2048, 6144, 2048, 1024, 32, (64, 256), (8, 64)
+    projections = {"qkv": (hidden, (q, kv, kv)), "o": (q, (hidden,)), "gate_up": (hidden, (inter, inter)),
+                   "down": (inter, (hidden,))}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernels = lg.triton_available() and (device.type == "cuda" or lg.triton_interpreting())
+    out: dict = {"rank": rank, "hidden": hidden, "intermediate": inter, "dtype": str(dtype).split(".")[-1],
+                 "kernels_usable": kernels, "shrink_programs": lg.SHRINK_PROGRAMS,
+                 "shrink_max_split": lg.SHRINK_MAX_SPLIT}
+
+    def clock(fn, calls: int = 20) -> float:
+        """Microseconds per call of ``fn``."""
+        if device.type != "cuda":
+            return timed(fn, device, repeats=1 if quick else 20, warmup=1 if quick else 2) * 1e6
+        fn()  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+        return sorted(times)[len(times) // 2]
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def bank(adapters: int, k: int, outs: tuple[int, ...]):
+        parts = len(outs)
+        A = (torch.randn(adapters, parts * rank, k, generator=gen) / k**0.5).to(device, dtype)
+        B = (torch.randn(adapters, sum(outs), rank, generator=gen) * 0.01).to(device, dtype)
+        offsets = None
+        if parts > 1:
+            offsets = torch.cat([torch.full((o,), j * rank, dtype=torch.int32)
+                                 for j, o in enumerate(outs)]).to(device)
+        return A, B, offsets
+
+    def pair_torch(y, x, A, B, idx, outs):
+        if len(outs) == 1:
+            lg.expand_torch(y, lg.shrink_torch(x, A, idx), B, idx)
+        else:
+            columns = [(sum(outs[:j]), sum(outs[:j + 1])) for j in range(len(outs))]
+            lg.expand_parts_torch(y, lg.shrink_torch(x, A, idx), B, idx, columns)
+
+    sweep_rows, sweep_adapters = rows_list[0], adapters_list[0]
+    sweep: dict = {}
+    cpu_block = lg.CPU_MAX_BLOCK
+    if device.type == "cpu":
+        lg.CPU_MAX_BLOCK = 32  # the interpreter: narrow blocks, so that the quick sizes split too
+    try:
+        for rows in rows_list:
+            for adapters in adapters_list:
+                case: dict = {}
+                idx = (torch.arange(rows) % adapters).to(device)
+                for name, (k, outs) in projections.items():
+                    A, B, offsets = bank(adapters, k, outs)
+                    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+                    y = torch.randn(rows, sum(outs), generator=gen).to(device, dtype)
+                    row: dict = {"torch_pair_us": clock(lambda: pair_torch(y, x, A, B, idx, outs))}
+                    if kernels:
+                        split = lg.shrink_partials_triton(x, A, idx).shape[1]
+                        h = lg.shrink_triton(x, A, idx)
+                        row["split"] = split
+                        row["shrink_old_us"] = clock(lambda: lg.shrink_triton(x, A, idx, 1))
+                        row["shrink_new_us"] = clock(lambda: lg.shrink_triton(x, A, idx))
+                        row["shrink_new_vs_old"] = row["shrink_new_us"] / row["shrink_old_us"]
+                        row["expand_us"] = clock(lambda: lg.expand_triton(y, h, B, idx, offsets))
+                        row["pair_old_us"] = row["shrink_old_us"] + row["expand_us"]
+                        row["pair_new_us"] = row["shrink_new_us"] + row["expand_us"]
+                        row["pair_new_vs_old"] = row["pair_new_us"] / row["pair_old_us"]
+                        base = torch.randn(rows, sum(outs), generator=gen).to(device, dtype)
+                        y_old, y_new, y_again = base.clone(), base.clone(), base.clone()
+                        lg.expand_triton(y_old, lg.shrink_triton(x, A, idx, 1), B, idx, offsets)
+                        lg.expand_triton(y_new, lg.shrink_triton(x, A, idx), B, idx, offsets)
+                        lg.expand_triton(y_again, lg.shrink_triton(x, A, idx), B, idx, offsets)
+                        delta = (y_old.float() - base.float()).abs().max().clamp(min=1e-30)
+                        row["max_rel_diff"] = float((y_new.float() - y_old.float()).abs().max() / delta)
+                        row["bitwise_repeatable"] = bool(torch.equal(y_new, y_again))
+                        if rows == sweep_rows and adapters == sweep_adapters:
+                            by_split = {}
+                            for s in (1, 2, 4, 8, 16):
+                                got = lg.shrink_partials_triton(x, A, idx, s).shape[1]
+                                if f"split_{got}" not in by_split:
+                                    by_split[f"split_{got}"] = clock(lambda: lg.shrink_triton(x, A, idx, s))
+                            sweep[name] = by_split
+                    case[name] = row
+                layer: dict = {"torch_us": sum(case[p]["torch_pair_us"] for p in projections)}
+                if kernels:
+                    layer["old_us"] = sum(case[p]["pair_old_us"] for p in projections)
+                    layer["new_us"] = sum(case[p]["pair_new_us"] for p in projections)
+                    layer["new_vs_old"] = layer["new_us"] / layer["old_us"]
+                case["layer"] = layer
+                out[f"rows_{rows}_adapters_{adapters}"] = case
+    finally:
+        lg.CPU_MAX_BLOCK = cpu_block
+    if sweep:
+        out["split_sweep"] = {"rows": sweep_rows, "adapters": sweep_adapters, "shrink_us": sweep}
+    return out
+
+
 def kv_layouts(model_dir, device, quick: bool) -> dict:
     """Per-row K/V buffers against pages (CUDA graphs on, base model): decode tokens/s on the
     standard rows, and a mixed batch under a K/V budget that holds every short row but not every

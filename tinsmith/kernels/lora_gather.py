@@ -17,8 +17,18 @@ Shapes depend only on the number of rows, and nothing reads back to the host, so
 built on them can be captured in a CUDA graph. The Triton kernels are the BGMV scheme of
 Punica/S-LoRA (one program per row and block of output columns, a loop over the reduced
 dimension, fp32 accumulation): at decode sizes the work is reading each row's adapter, which a
-per-row matrix-vector product does once. The torch functions are the CPU path and the
-reference the kernels are tested against.
+per-row matrix-vector product does once.
+
+The shrink reduces the input size (thousands) down to a few dozen outputs: one program per row
+and block of outputs would leave most of a GPU idle (64 rows: 64-128 programs on 132 SMs), each
+walking the whole input serially, latency bound. So the reduction is split (split-K): ``split``
+programs per row and block each reduce a slice of the input into an fp32 partial sum, and torch
+adds the partials up (one small launch). Never with atomics: every sum is taken in the same order
+whatever the scheduling, so a graph-replayed step equals the eager one and seeded runs repeat bit
+for bit. ``split`` depends only on the shapes (rows, rank, input size). Summing the partials in the
+expand instead (no extra launch) was slower on an H200: the expand runs thousands of programs
+(rows x output blocks) and each summed them again; at 256 rows an expand took 3-4x as long. The
+torch functions are the CPU path and the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -83,80 +93,137 @@ def expand_parts_torch(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, i
         expand_torch(y[:, a:b], h[:, j * r:(j + 1) * r], B_bank[:, a:b], idx)
 
 
-# ----------------------------------------------------------------------------- Triton (BGMV)
+# ----------------------------------------------------------------------------- Triton (BGMV, split-K shrink)
 # The reduced and output sizes are compile-time constants: each layer has fixed ones, so a model
 # compiles a handful of variants, and loop bounds are known to the compiler (Triton's
 # interpreter, which tests run the kernels in on a CPU, needs them so too).
+
+# The shrink's split: None picks it per shape (:func:`shrink_split`); 1 is one program per row and
+# block of outputs walking the whole input, the grid before split-K (benchmarks compare the two).
+SHRINK_SPLIT: int | None = None
+# Aim for about this many shrink programs. On an H200 (132 SMs; CUDA-graph replay, bf16, rank 32,
+# 8 adapters, the partials' sum included), 64 rows' shrinks were fastest near 512 programs: q/k/v
+# packed 9.4 -> 8.0 us (split 4), o 7.4 -> 5.4, gate/up 9.4 -> 6.3, down 18.9 -> 8.1 (split 8).
+# At 256 rows (256-512 programs unsplit) only the down projection gained (21.4 -> 18.4, split 2).
+SHRINK_PROGRAMS = 512
+# More partials than this gained nothing there, and summing them costs more.
+SHRINK_MAX_SPLIT = 8
+# Widest block on a CPU, where the interpreter runs one NumPy pass per loop trip and program: wide
+# blocks keep it quick (tests narrow it to run the GPU's blocking and many splits on small shapes).
+CPU_MAX_BLOCK = 1024
+
 if triton is not None:
 
     @triton.jit
-    def _bgmv_kernel(v_ptr, m_ptr, idx_ptr, voff_ptr, out_ptr, O: tl.constexpr, K: tl.constexpr,
-                     stride_vn, stride_vk, stride_ms, stride_mo, stride_mk, stride_on, stride_oo,
-                     ACCUMULATE: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_O: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """``out[row] (+)= M[idx[row]] @ v[row]`` for one row and block of outputs: shrink stores
-        (zeros for slot -1), expand accumulates into ``out`` (left as it is for slot -1).
-        ``SEGMENTED``: output ``o`` reads ``v[row, voff[o]:voff[o] + K]`` (packed projections)."""
+    def _bgmv_shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, R: tl.constexpr, K: tl.constexpr,
+                            K_SPLIT: tl.constexpr, stride_xn, stride_xk, stride_as, stride_ar, stride_ak,
+                            stride_on, stride_os, stride_or, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``out[row, s, o] = sum over k in split s of A[idx[row], o, k] * x[row, k]`` for one row,
+        block of ``BLOCK_R`` outputs and split ``s`` (inputs ``[s*K_SPLIT, (s+1)*K_SPLIT)``); zeros
+        for slot -1."""
+        row = tl.program_id(0)
+        split = tl.program_id(2)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        slot = tl.load(idx_ptr + row).to(tl.int64)
+        r_mask = offs_r < R
+        a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + offs_r[:, None] * stride_ar
+        x_row = x_ptr + row.to(tl.int64) * stride_xn
+        k_first = split * K_SPLIT
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            offs_k = k_first + k0 + tl.arange(0, BLOCK_K)
+            # Slot -1 loads nothing and stores zeros. The slot is compared per element: a scalar
+            # condition ANDed into a mask is not a mask dtype every Triton version's interpreter accepts.
+            k_mask = (offs_k < K) & ((offs_k * 0 + slot) >= 0)
+            a = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)
+            acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        out = out_ptr + row.to(tl.int64) * stride_on + split * stride_os + offs_r * stride_or
+        tl.store(out, acc, mask=r_mask)
+
+    @triton.jit
+    def _bgmv_expand_kernel(h_ptr, b_ptr, idx_ptr, hoff_ptr, y_ptr, O: tl.constexpr, R: tl.constexpr,
+                            stride_hn, stride_hr, stride_bs, stride_bo, stride_br, stride_yn, stride_yo,
+                            SEGMENTED: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
+        """``y[row, o] += B[idx[row], o] @ h[row, hoff[o]:hoff[o] + R]`` for one row and block of
+        outputs (``hoff[o]`` = 0 unless ``SEGMENTED``: packed projections); rows of slot -1 are
+        left as they are. Packed parts' vectors are gathered per element: cheap L1 hits, and
+        faster on an H200 than loading each part's vector whole and selecting per column."""
         row = tl.program_id(0)
         offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         slot = tl.load(idx_ptr + row).to(tl.int64)
-        o_mask = offs_o < O
-        if ACCUMULATE:
-            # the slot compared per element (a scalar condition ANDed into a mask is not a mask
-            # dtype every Triton version's interpreter accepts)
-            o_mask = o_mask & ((offs_o * 0 + slot) >= 0)
-        m_rows = m_ptr + tl.maximum(slot, 0) * stride_ms + offs_o[:, None] * stride_mo
-        v_row = v_ptr + row.to(tl.int64) * stride_vn
+        # the slot compared per element, as in the shrink
+        o_mask = (offs_o < O) & ((offs_o * 0 + slot) >= 0)
+        b_rows = b_ptr + tl.maximum(slot, 0) * stride_bs + offs_o[:, None] * stride_bo
+        h_row = h_ptr + row.to(tl.int64) * stride_hn
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         if SEGMENTED:
-            voff = tl.load(voff_ptr + offs_o, mask=offs_o < O, other=0).to(tl.int64)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = (offs_k < K) & ((offs_k * 0 + slot) >= 0)
-            mask2 = o_mask[:, None] & k_mask[None, :]
-            mv = tl.load(m_rows + offs_k[None, :] * stride_mk, mask=mask2, other=0.0).to(tl.float32)
+            hoff = tl.load(hoff_ptr + offs_o, mask=offs_o < O, other=0).to(tl.int64)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = (offs_r < R) & ((offs_r * 0 + slot) >= 0)
+            mask2 = o_mask[:, None] & r_mask[None, :]
+            b = tl.load(b_rows + offs_r[None, :] * stride_br, mask=mask2, other=0.0).to(tl.float32)
             if SEGMENTED:
-                vv2 = tl.load(v_row + (voff[:, None] + offs_k[None, :]) * stride_vk, mask=mask2,
-                              other=0.0).to(tl.float32)
-                acc += tl.sum(mv * vv2, axis=1)
+                h2 = tl.load(h_row + (hoff[:, None] + offs_r[None, :]) * stride_hr, mask=mask2,
+                             other=0.0).to(tl.float32)
+                acc += tl.sum(b * h2, axis=1)
             else:
-                vv = tl.load(v_row + offs_k * stride_vk, mask=k_mask, other=0.0).to(tl.float32)
-                acc += tl.sum(mv * vv[None, :], axis=1)
-        out_cols = out_ptr + row.to(tl.int64) * stride_on + offs_o * stride_oo
-        if ACCUMULATE:
-            acc += tl.load(out_cols, mask=o_mask, other=0.0).to(tl.float32)
-        tl.store(out_cols, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+                h = tl.load(h_row + offs_r * stride_hr, mask=r_mask, other=0.0).to(tl.float32)
+                acc += tl.sum(b * h[None, :], axis=1)
+        cols = y_ptr + row.to(tl.int64) * stride_yn + offs_o * stride_yo
+        acc += tl.load(cols, mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(cols, acc.to(y_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
 
-def _bgmv(v: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, K: int, accumulate: bool,
-          block_o: int, block_k: int, v_offsets: torch.Tensor | None = None) -> None:
-    """Launch :func:`_bgmv_kernel`: ``bank`` is (slots, outputs, reduced), ``v`` (rows, reduced),
-    ``out`` (rows, outputs); ``K`` the reduced size; ``v_offsets`` (outputs,): where in ``v``
-    each output's reduced vector starts (packed projections)."""
-    O = out.shape[1]
-    _bgmv_kernel[(v.shape[0], triton.cdiv(O, block_o))](
-        v, bank, idx, idx if v_offsets is None else v_offsets, out, O, K, v.stride(0), v.stride(1),
-        bank.stride(0), bank.stride(1), bank.stride(2), out.stride(0), out.stride(1),
-        ACCUMULATE=accumulate, SEGMENTED=v_offsets is not None, BLOCK_O=block_o, BLOCK_K=block_k)
+def _shrink_blocks(R: int, K: int, cpu: bool) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K) of the shrink (wide K blocks on a CPU: :data:`CPU_MAX_BLOCK`)."""
+    return _pow2(R, 16, 64), _pow2(K, 16, CPU_MAX_BLOCK if cpu else 128)
 
 
-def shrink_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """:func:`shrink_torch` as one BGMV kernel (CUDA; interpreted for CPU tensors)."""
+def shrink_split(rows: int, R: int, K: int, cpu: bool = False) -> int:
+    """How many programs share each row's reduction: enough for about :data:`SHRINK_PROGRAMS`
+    programs in all, at most :data:`SHRINK_MAX_SPLIT` and one K block each (1 once the rows alone
+    fill the GPU: then the partials' sum only costs). Shapes only, so a captured decode step keeps
+    its grid. :data:`SHRINK_SPLIT` overrides it."""
+    if SHRINK_SPLIT is not None:
+        return max(1, SHRINK_SPLIT)
+    block_r, block_k = _shrink_blocks(R, K, cpu)
+    per_split = max(1, rows) * triton.cdiv(R, block_r)
+    return max(1, min(triton.cdiv(SHRINK_PROGRAMS, per_split), SHRINK_MAX_SPLIT, triton.cdiv(K, block_k)))
+
+
+def shrink_partials_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor,
+                           split: int | None = None) -> torch.Tensor:
+    """The shrink's partial sums, (rows, splits, r) fp32: ``[:, s]`` reduces the ``s``-th slice of
+    the input (``split`` slices of whole K blocks; fewer when the blocks run out). ``split`` None:
+    :func:`shrink_split`; 1: one pass per row, as before split-K."""
     n, K = x.shape
     R = A_bank.shape[1]
-    h = torch.empty(n, R, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return h
     cpu = x.device.type == "cpu"
-    block_r = _pow2(R, 16, 64)
-    # Wide K blocks on CPU: the interpreter runs one NumPy pass per loop trip.
-    block_k = _pow2(K, 16, 1024 if cpu else 128)
-    _bgmv(x, A_bank, idx, h, K, False, block_r, block_k)
-    return h
+    block_r, block_k = _shrink_blocks(R, K, cpu)
+    blocks = triton.cdiv(K, block_k)
+    split = max(1, min(shrink_split(n, R, K, cpu) if split is None else split, blocks))
+    k_split = triton.cdiv(blocks, split) * block_k
+    split = triton.cdiv(K, k_split)  # no slice past the input
+    out = torch.empty(n, split, R, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    _bgmv_shrink_kernel[(n, triton.cdiv(R, block_r), split)](
+        x, A_bank, idx, out, R, K, k_split, x.stride(0), x.stride(1), A_bank.stride(0), A_bank.stride(1),
+        A_bank.stride(2), out.stride(0), out.stride(1), out.stride(2), BLOCK_R=block_r, BLOCK_K=block_k)
+    return out
+
+
+def shrink_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor, split: int | None = None) -> torch.Tensor:
+    """:func:`shrink_torch` as the split-K kernel (CUDA; interpreted for CPU tensors), its partials
+    summed by torch: one small launch (about 2 us on an H200), in a fixed order."""
+    partials = shrink_partials_triton(x, A_bank, idx, split)
+    return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
 
 
 def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: torch.Tensor,
@@ -169,8 +236,11 @@ def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: t
         return
     cpu = y.device.type == "cpu"
     block_r = _pow2(R, 16, 64)
-    block_n = _pow2(N, 16, 1024 if cpu else 128)
-    _bgmv(h, B_bank, idx, y, R, True, block_n, block_r, h_offsets)
+    block_n = _pow2(N, 16, CPU_MAX_BLOCK if cpu else 128)
+    _bgmv_expand_kernel[(n, triton.cdiv(N, block_n))](
+        h, B_bank, idx, idx if h_offsets is None else h_offsets, y, N, R, h.stride(0), h.stride(1),
+        B_bank.stride(0), B_bank.stride(1), B_bank.stride(2), y.stride(0), y.stride(1),
+        SEGMENTED=h_offsets is not None, BLOCK_O=block_n, BLOCK_R=block_r)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -200,3 +270,4 @@ def expand_parts(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: to
     ``h`` (``h_offsets`` says so per column, for the kernel). One launch where Triton is usable."""
     if not (triton_usable(y) and GUARD.call(_ran, expand_triton, y, h, B_bank, idx, h_offsets, on=y)):
         expand_parts_torch(y, h, B_bank, idx, columns)
+
