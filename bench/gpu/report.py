@@ -70,13 +70,15 @@ def markdown(s: dict) -> str:
     sa = s.get("sample", {})
     if sa:
         L += _heading("## Sampling (tokens/s)",
-                      "| shape | rows | tok/s | of HBM bound | first run tok/s (graph captures) | 8 adapters vs base | "
+                      "| shape | rows | tok/s | of HBM bound | captures in timed run | first run tok/s (graph captures) | "
+                      "8 adapters vs base | "
                       "64 adapters vs base | HF generate tok/s | GRPO separate / num_samples | first call s | "
                       "second call s | notes |")
         for name in s["shapes"]:
             de, ge, sd = sa.get(f"{name}/decode", {}), sa.get(f"{name}/generate_baseline", {}), sa.get(f"{name}/sdk", {})
             for rk in [k for k in de if k.startswith("rows_")] or ["-"]:
                 L.append(f"| {name} | {rk[5:]} | {_get(de, rk, 'tokens_per_s')} | {_get(de, rk, 'of_hbm_bound', pct=True)} | "
+                         f"{_get(de, rk, 'captures_in_timed_run')} | "
                          f"{_get(de, rk, 'first_run_tokens_per_s')} | {_get(de, 'adapters_8', 'vs_base')} | {_get(de, 'adapters_64', 'vs_base')} | {_get(ge, 'tokens_per_s')} | "
                          f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
                          f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")

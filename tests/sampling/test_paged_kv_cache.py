@@ -522,3 +522,28 @@ def test_admission_counts_a_cached_beginning_held_by_running_rows_once(qwen3_dir
         got.update(sampler.step(0.05))
     _assert_same(want, got)
     assert sampler.stats["preempted"] == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_the_budget_bound_from_positions_alone_is_never_below_the_exact_count(family, qwen3_dir, gpt_oss_dir):
+    """The decode loop checks the K/V budget every burst by :meth:`bytes_at_most` (positions only)
+    and tallies pages exactly only when that passes the budget: the bound must hold whatever the
+    rows share (a prompt's pages, prefix-cache hits), and equal the count when they share nothing."""
+    from tinsmith.sampling.kv_cache import RowKVCache, RowNeed
+
+    cfg = fresh_model(qwen3_dir if family == "qwen3" else gpt_oss_dir).config
+    cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=4)
+    kv = lambda n: {i: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2  # noqa: E731
+                    for i in range(cfg.num_layers) if cache.paged[i]}
+    first = cache.write_prefix(0, kv(2 * PAGE + 5), 2 * PAGE + 5)  # two full prompt pages ...
+    cache.write_prefix(1, kv(2 * PAGE + 5), 2 * PAGE + 5, shared=first)  # ... held by a second row too
+    cache.write_prefix(2, kv(7), 7)
+    positions = [2 * PAGE + 9, 2 * PAGE + 9, 12]
+    shared = [RowNeed(p, "prompt", 2 * PAGE + 5, cache.held_pages(r)) for r, p in enumerate(positions[:2])]
+    exact = cache.bytes_for(shared + [RowNeed(12, None, 0, cache.held_pages(2))])
+    assert cache.bytes_at_most(positions) >= exact
+    assert cache.bytes_at_most(positions) == cache.bytes_for(positions)  # nothing shared: the same count
+    assert cache.bytes_at_most(positions) - exact == 2 * cache.page_bytes()  # the shared pages, counted twice
+    assert cache.static_bytes_at_most(positions, 8, 4 * PAGE) >= cache.static_bytes(shared, 8, 4 * PAGE)
+    rows = RowKVCache(cfg, torch.device("cpu"), torch.float32)
+    assert rows.bytes_at_most(positions) == rows.bytes_for(positions)  # per-row buffers: exact

@@ -134,6 +134,13 @@ class RowKVCache:
         """A running count of what rows take, starting from ``rows`` (see :class:`KVTally`)."""
         return KVTally(self, rows)
 
+    def bytes_at_most(self, positions: Sequence[int]) -> int:
+        """At least :meth:`bytes_for` of rows at ``positions``, whatever pages or prompts they
+        share, from the positions alone: the decode loop's budget checks run it every burst and
+        count exactly (a tally over every row's pages) only when it passes the budget. Per-row
+        buffers share nothing: exact."""
+        return len(positions) * self.row_bytes(_round_up(max(positions), BLOCK)) if positions else 0
+
     def held_pages(self, row: int) -> tuple[int, ...]:
         """The pages row ``row`` holds (per-row buffers: none)."""
         return ()
@@ -141,6 +148,10 @@ class RowKVCache:
     def static_bytes(self, rows: Sequence[RowNeed | int], bucket: int, capacity: int) -> int:
         """Bytes of K/V a fixed-shape step of ``bucket`` rows (the live ``rows``, then padding) at
         ``capacity`` positions takes: every row, padding included, at the capacity."""
+        return bucket * self.row_bytes(capacity)
+
+    def static_bytes_at_most(self, positions: Sequence[int], bucket: int, capacity: int) -> int:
+        """At least :meth:`static_bytes` of live rows at ``positions`` (see :meth:`bytes_at_most`)."""
         return bucket * self.row_bytes(capacity)
 
     def reserve(self, spans: list[int]) -> None:

@@ -128,6 +128,16 @@ class PagedKVCache(RowKVCache):
         """The live rows as :meth:`bytes_for` counts them; padding rows own no page (only per-row buffers)."""
         return self.bytes_for(rows) + (bucket - len(rows)) * self.row_bytes(capacity, only=self.rowwise)
 
+    def bytes_at_most(self, positions: Sequence[int]) -> int:
+        """Every row's pages counted as its own (sharing only lowers :meth:`bytes_for`), and its
+        per-row buffers."""
+        pages = sum(-(-p // PAGE) for p in positions)
+        rings = sum(self.ring_bytes(p) for p in positions) if self._longest_ring else 0
+        return pages * self.page_bytes() + rings
+
+    def static_bytes_at_most(self, positions: Sequence[int], bucket: int, capacity: int) -> int:
+        return self.bytes_at_most(positions) + (bucket - len(positions)) * self.row_bytes(capacity, only=self.rowwise)
+
     def used_bytes(self, rows: int) -> int:
         """The pages some row holds (a shared page once; pages only the prefix cache holds are its
         bytes), and the live rows' per-row buffers."""

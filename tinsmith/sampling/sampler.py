@@ -384,6 +384,9 @@ class Sampler:
         return needs
 
     def _admit(self, done: list) -> None:
+        if not self._resume and not self.inbox:  # nothing waits: no need to count what the rows hold
+            self._waited.clear()
+            return
         batch: list[_TaskState] = []
         # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
         # budget the newest requests are preempted (_make_room) and resume later.
@@ -791,11 +794,16 @@ class Sampler:
             return
         while True:
             # each row after a burst (see _decode_step), and room for the rows of the prompt being chunked
-            needs = [self._need(i, len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1)
-                     for i, r in enumerate(self.rows)]
+            positions = [len(r.state.task.input.prompt) + len(r.tokens) + self.decode_burst - 1 for r in self.rows]
+            chunked: list[RowNeed] = []
             if self._chunked is not None:
                 inp = self._chunked.state.task.input
-                needs += [RowNeed(self._held(inp, 0), id(self._chunked.state), len(inp.prompt))] * inp.num_samples
+                chunked = [RowNeed(self._held(inp, 0), id(self._chunked.state), len(inp.prompt))] * inp.num_samples
+            # Far from the budget (nearly always) the positions alone say so; the exact count, a
+            # tally over every row's pages, costs about as much as a burst's other host work.
+            if self.cache.bytes_at_most(positions + [n.positions for n in chunked]) <= self.kv_cache_bytes:
+                return
+            needs = [self._need(i, p) for i, p in enumerate(positions)] + chunked
             if self.cache.bytes_for(needs) <= self.kv_cache_bytes:
                 return
             waiting = {id(st) for st in self._resume}
@@ -1180,13 +1188,10 @@ class Sampler:
         lp_host = logprobs.tolist()
         finished: list[tuple[int, str]] = []
         for r, row in enumerate(self.rows):
-            for i in range(k):
-                if self._push(row, tok_host[r][i], lp_host[r][i], top_host[i][r]):
-                    finished.append((r, "stop"))
-                    break
-                if len(row.tokens) >= row.state.max_tokens:
-                    finished.append((r, "length"))
-                    break
+            tops_r = [top_host[i][r] for i in range(k)] if asks[r] else None
+            reason = self._push_burst(row, tok_host[r], lp_host[r], tops_r)
+            if reason is not None:
+                finished.append((r, reason))
         for r, reason in sorted(finished, reverse=True):
             self._retire(r, reason, done)
         if finished:
@@ -1229,7 +1234,8 @@ class Sampler:
         if span > capacity:
             longest = max(self._longest(row.state.task.input) for row in self.rows)
             capacity = max(span, min(longest, 2 * capacity))
-        if why is None and self.kv_cache_bytes:  # counted only under a budget: per row, every burst
+        if (why is None and self.kv_cache_bytes  # counted only under a budget, exactly only when near it
+                and self.cache.static_bytes_at_most(spans, rows, capacity) > self.kv_cache_bytes):
             needs = [self._need(i, positions) for i, positions in enumerate(spans)]
             if self.cache.static_bytes(needs, rows, capacity) > self.kv_cache_bytes:
                 why = "the bucket's padding rows would pass the K/V cache budget"
@@ -1266,6 +1272,29 @@ class Sampler:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return True
+
+    def _push_burst(self, row: _Row, tokens: list[int], logprobs: list[float], tops: list | None) -> str | None:
+        """Record a burst's tokens of one row up to the first that ends it; why it ended ("stop",
+        "length") or None. Rows without stop strings take the burst by slices (the host's work
+        per burst, which the device waits for, is per row rather than per token)."""
+        if row.watcher is not None:
+            for i, token in enumerate(tokens):
+                if self._push(row, token, logprobs[i], None if tops is None else tops[i]):
+                    return "stop"
+                if len(row.tokens) >= row.state.max_tokens:
+                    return "length"
+            return None
+        stops = row.state.stops.token_ids
+        n = min(len(tokens), row.state.max_tokens - len(row.tokens))
+        cut = next((i + 1 for i in range(n) if tokens[i] in stops), None) if stops else None
+        n = n if cut is None else cut
+        row.tokens.extend(tokens[:n])
+        row.logprobs.extend(logprobs[:n])
+        if tops is not None:
+            row.topk.extend(top for top in tops[:n] if top is not None)
+        if cut is not None:
+            return "stop"
+        return "length" if len(row.tokens) >= row.state.max_tokens else None
 
     def _push(self, row: _Row, token: int, logprob: float, top: tuple[list[int], list[float]] | None) -> bool:
         """Record a sampled token (and its row's top-k logprobs when asked); True if it ends the
