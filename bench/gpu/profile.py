@@ -83,6 +83,17 @@ def _profiled(fn, device: torch.device):
     return prof, wall
 
 
+def _sampler_with_rows(model, rows: int, prompt: int, new: int, slots: list, graphs: bool) -> Sampler:
+    """A sampler holding ``rows`` queued requests of random ``prompt``-token prompts and ``new``
+    tokens each, row ``i`` on ``slots[i % len(slots)]``."""
+    sampler = Sampler(model, lambda toks: "", max_rows=rows, cuda_graphs=graphs)
+    rng = np.random.default_rng(0)
+    for i in range(rows):
+        params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=i)
+        sampler.add(SampleTask(i, slots[i % len(slots)], SampleInput(rng.integers(4, 2000, prompt), 1, params)))
+    return sampler
+
+
 def decode_step(model_dir, device, quick: bool) -> dict:
     """The kernels of eager decode steps of 64 rows (128-token prompts), base model, then with
     8 adapters in turn."""
@@ -92,11 +103,7 @@ def decode_step(model_dir, device, quick: bool) -> dict:
     units = [rt.create_adapter(LoraSpec(rank=RANK, seed=i)) for i in range(8)]
     out: dict = {"rows": rows, "prompt_tokens": prompt}
     for name, slots in (("base", [None]), ("adapters_8", units)):
-        sampler = Sampler(lm.model, lambda toks: "", max_rows=rows, cuda_graphs=False)
-        rng = np.random.default_rng(0)
-        for i in range(rows):
-            params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=i)
-            sampler.add(SampleTask(i, slots[i % len(slots)], SampleInput(rng.integers(4, 2000, prompt), 1, params)))
+        sampler = _sampler_with_rows(lm.model, rows, prompt, new, slots, graphs=False)
         with torch.inference_mode():
             sampler.step(budget_s=0.0)  # admission and prefill (and the first burst)
             sampler.step(budget_s=0.05)  # warm
@@ -135,11 +142,7 @@ def decode_replayed(model_dir, device, quick: bool) -> dict:
     out: dict = {"prompt_tokens": prompt}
     for rows, adapters in cases:
         slots = units[:adapters] if adapters else [None]
-        sampler = Sampler(lm.model, lambda toks: "", max_rows=rows, cuda_graphs=device.type == "cuda")
-        rng = np.random.default_rng(0)
-        for i in range(rows):
-            params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=i)
-            sampler.add(SampleTask(i, slots[i % len(slots)], SampleInput(rng.integers(4, 2000, prompt), 1, params)))
+        sampler = _sampler_with_rows(lm.model, rows, prompt, new, slots, graphs=device.type == "cuda")
         with torch.inference_mode():
             sampler.step(budget_s=0.0)  # admission and prefill (and the first burst)
             sampler.step(budget_s=0.2)  # warm: the bucket's captures
