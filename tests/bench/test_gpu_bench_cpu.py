@@ -41,6 +41,13 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
             assert t["source"] == "cpu aten ops" and t["kernels"] > 0 and t["steps"] >= 1
             assert sum(t["families_ms"].values()) == pytest.approx(t["device_ms"], rel=1e-2)
             assert 0 < t["top"][0][1] <= t["device_ms"]
+    for case in ("rows_4", "rows_4_adapters_8"):  # replayed steps (eager on a CPU): kernels, then the host's share
+        t = summary["sample"]["tiny/replay_profile"][case]
+        assert t["steps"] >= 1 and t["host_top"] and all(ms >= 0 for _, ms, _ in t["host_top"])
+    bursts = summary["sample"]["tiny/decode_bursts"]["rows_4"]
+    assert bursts["burst_4"] > 0 and bursts["burst_16_vs_4"] > 0
+    assert "per host read-back" in (out / "summary.md").read_text()
+    assert summary["sample"]["tiny/decode"]["rows_4"]["captures_in_timed_run"] == 0  # no graphs on a CPU
     four, one = summary["train"]["tiny/profile"]["four_tenants"], summary["train"]["tiny/profile"]["one_tenant"]
     assert four["kernels"] > one["kernels"]  # four adapters' own LoRA work
     assert "Where a step's time goes" in (out / "summary.md").read_text()
