@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import pytest
 
@@ -94,6 +95,37 @@ def test_reload_when_changed_and_keep_keys_on_failure(tmp_path, caplog):
     assert auth.reload_if_changed()
     assert _accepts(auth, "tml-four") and not _accepts(auth, "tml-two")
     assert auth.multi_tenant
+
+
+def test_a_broken_edit_is_reported_once_whether_the_poll_or_sighup_sees_it_first(tmp_path, caplog):
+    path = tmp_path / "keys"
+    path.write_text("tml-one\n")
+    auth = Authenticator(str(path))
+    caplog.set_level(logging.WARNING, logger="tinsmith.api.auth")
+
+    _rewrite(path, "tml-two extra\n")
+    assert not auth.reload_if_changed()  # the poll sees the edit first
+    assert not auth.reload()  # then the SIGHUP sent for the same edit
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "unexpected text after the key" in errors[0].getMessage()
+    assert "unchanged and still does not load" in caplog.records[-1].getMessage()
+
+    for n in range(30):  # the poll and a SIGHUP reload race over the same edit: still one error each
+        caplog.clear()
+        _rewrite(path, f"tml-three extra {n}\n")
+        racers = [threading.Thread(target=auth.reload_if_changed), threading.Thread(target=auth.reload)]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join(5)
+        assert [r.levelno for r in caplog.records if r.levelno >= logging.ERROR] == [logging.ERROR]
+
+    caplog.clear()
+    _rewrite(path, "tml-four\n")
+    assert auth.reload() and _accepts(auth, "tml-four")
+    _rewrite(path, "tml-four extra\n")
+    assert not auth.reload()  # a new failure after a good load is an error again
+    assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == [logging.ERROR]
 
 
 def test_admin_word_marks_a_key_admin_and_nothing_else_is_accepted(tmp_path):

@@ -118,6 +118,7 @@ class Authenticator:
         self.keys: dict[str, Caller] | None = None
         self._reload_lock = threading.Lock()
         self._signature: tuple[int, int, int] | str | None = None
+        self._reported: tuple[tuple[int, int, int] | str, str] | None = None  # the failure last logged
         if keys_file:
             self._signature = _signature(keys_file)
             self.keys = read_keys_file(keys_file)
@@ -132,27 +133,38 @@ class Authenticator:
         On any failure the current keys stay and one error is logged. Swapping the mapping is a
         single assignment, so a request being authenticated sees the old or the new keys, whole.
         """
-        if not self.keys_file:
-            return False
-        with self._reload_lock:
-            self._signature = _signature(self.keys_file)
-            try:
-                keys = read_keys_file(self.keys_file)
-            except ValueError as e:
-                log.error("%s; keeping the %d key(s) loaded before", e, len(self.keys or {}))
-                return False
-            self.keys = keys
-        log.info("api keys reloaded from %s: %d key(s)", self.keys_file, len(keys))
-        return True
+        return self._reload(only_if_changed=False)
 
     def reload_if_changed(self) -> bool:
         """Reload when the file was edited, replaced or removed since the last look.
 
         A file that stays broken is reported once, not at every look.
         """
-        if not self.keys_file or _signature(self.keys_file) == self._signature:
+        return self._reload(only_if_changed=True)
+
+    def _reload(self, only_if_changed: bool) -> bool:
+        # The look at the file's signature happens under the lock: a poll racing a SIGHUP reload
+        # of the same edit must see the signature that reload recorded, or it reports it twice.
+        if not self.keys_file:
             return False
-        return self.reload()
+        with self._reload_lock:
+            signature = _signature(self.keys_file)
+            if only_if_changed and signature == self._signature:
+                return False
+            self._signature = signature
+            try:
+                keys = read_keys_file(self.keys_file)
+            except ValueError as e:
+                if self._reported == (signature, str(e)):  # a SIGHUP after the poll saw this edit
+                    log.warning("api keys file %s is unchanged and still does not load (reported above); "
+                                "keeping the %d key(s) loaded before", self.keys_file, len(self.keys or {}))
+                else:
+                    log.error("%s; keeping the %d key(s) loaded before", e, len(self.keys or {}))
+                self._reported = (signature, str(e))
+                return False
+            self.keys, self._reported = keys, None
+        log.info("api keys reloaded from %s: %d key(s)", self.keys_file, len(keys))
+        return True
 
     def authenticate(self, key: str | None) -> Caller:
         if not key:
