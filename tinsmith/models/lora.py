@@ -16,7 +16,7 @@ of adapters in the batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
+from tinsmith.models.lora_function import compute_copies, lora_linear
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 from tinsmith.transfers import to_device
 
@@ -70,6 +71,8 @@ class LoraWeights:
     A: torch.Tensor  # (rank, in_features), trainable leaf
     B: torch.Tensor  # (out_features, rank), trainable leaf
     scale: float
+    # (key, A, B) in the compute dtype of a half-precision model (lora_function.compute_copies)
+    copies: tuple | None = field(default=None, repr=False, compare=False)
 
 
 def new_lora_weights(a_shape: tuple[int, ...], b_shape: tuple[int, ...], in_features: int, scale: float,
@@ -119,6 +122,10 @@ class LoraLinear(nn.Module):
         return bank
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None = None) -> torch.Tensor:
+        one = self._training_one_adapter(segments)
+        if one is not None:  # the common training step: one autograd node for base and adapter
+            return lora_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, one).reshape(
+                *x.shape[:-1], self.out_features)
         y = F.linear(x, self.weight, self.bias)
         if not segments or not self.adapters:
             return y
@@ -153,6 +160,20 @@ class LoraLinear(nn.Module):
         pieces = [yp if w is None else self._add_delta(yp, xp, w) for (w, _, _), xp, yp in zip(active, xs, ys)]
         return torch.cat(pieces, dim=0).reshape(shape)
 
+    def _training_one_adapter(self, segments) -> LoraWeights | None:
+        """The adapter when one segment's adapter, being trained, covers the batch and the base
+        weights are frozen (a LoRA step of one tenant); else None."""
+        if (not segments or isinstance(segments, RowSlots) or len(segments) != 1 or len(segments[0]) != 3
+                or not torch.is_grad_enabled()):
+            return None
+        slot = segments[0][0]
+        w = self.adapters.get(slot) if slot is not None else None
+        if w is None or not (w.A.requires_grad or w.B.requires_grad) or self.weight.requires_grad:
+            return None
+        if self.bias is not None and self.bias.requires_grad:
+            return None
+        return w
+
     def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups | RowSlots) -> torch.Tensor:
         shape = y.shape
         self.add_lora_(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), groups)
@@ -181,22 +202,27 @@ class LoraLinear(nn.Module):
         for slot, a, b in segments:  # type: ignore[misc]
             w = self.adapters.get(slot) if slot is not None else None
             if w is not None:
-                A, B = (w.A, w.B) if w.A.dtype == x2.dtype else (w.A.to(x2.dtype), w.B.to(x2.dtype))
+                A, B = compute_copies(w, x2.dtype)
                 y2[a:b].addmm_(F.linear(x2[a:b], A), B.t(), alpha=w.scale)
 
     @staticmethod
-    def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
+    def _weights_as(w: LoraWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) in ``dtype``: casts autograd follows while gradients are wanted, else the
+        adapter's kept compute copies."""
+        if not torch.is_grad_enabled():
+            return compute_copies(w, dtype)
         A, B = w.A, w.B
-        if A.dtype != x.dtype:
-            A, B = A.to(x.dtype), B.to(x.dtype)
+        return (A, B) if A.dtype == dtype else (A.to(dtype), B.to(dtype))
+
+    @staticmethod
+    def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
+        A, B = LoraLinear._weights_as(w, x.dtype)
         return F.linear(F.linear(x, A), B) * w.scale
 
     @staticmethod
     def _add_delta(y: torch.Tensor, x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
         """``y + scale * (x A^T) B^T`` as one fused GEMM (scale and add in its epilogue)."""
-        A, B = w.A, w.B
-        if A.dtype != x.dtype:
-            A, B = A.to(x.dtype), B.to(x.dtype)
+        A, B = LoraLinear._weights_as(w, x.dtype)
         return torch.addmm(y, F.linear(x, A), B.t(), alpha=w.scale)
 
     def merged_weight(self, slot: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear
+from tinsmith.models.lora_function import refresh_copies
 from tinsmith.models.moe import ExpertLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match
 from tinsmith.types import LoraSpec, OptimParams
@@ -90,8 +91,9 @@ class Trainable:
         move to ``host`` memory untouched, so training resumes exactly where it stopped."""
         if not self.resident or self.slot is None:
             return
-        for layer, _ in self.attachments:
+        for layer, w in self.attachments:
             layer.adapters.pop(self.slot, None)
+            w.copies = None
         self._move(host)
         self.resident = False
         self._weights_changed()
@@ -104,6 +106,17 @@ class Trainable:
             layer.adapters[self.slot] = w
         self.resident = True
         self._weights_changed()
+        self.refresh_compute_copies()
+
+    def refresh_compute_copies(self) -> None:
+        """Make the half-precision copies a bf16 model's LoRA layers compute with, all at once
+        (one multi-tensor copy, not a cast per tensor at each layer's next forward)."""
+        by_dtype: dict[torch.dtype, list] = {}
+        for layer, w in self.attachments:
+            if isinstance(layer, LoraLinear) and layer.weight.dtype != w.A.dtype:
+                by_dtype.setdefault(layer.weight.dtype, []).append(w)
+        for dtype, weights in by_dtype.items():
+            refresh_copies(weights, dtype)
 
     def _move(self, device: torch.device) -> None:
         for p in self.params:
@@ -200,6 +213,7 @@ class Trainable:
                         st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
                     self.optimizer.state[p] = st
         self._weights_changed()  # written in place: cached prompts and adapter banks are stale
+        self.refresh_compute_copies()
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of ``params``' gradients (a sharded unit sums its shards' squares)."""
@@ -228,6 +242,7 @@ class Trainable:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)  # round the masters into the model
         self._weights_changed()
+        self.refresh_compute_copies()
         self.steps += 1
         return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
 
@@ -243,8 +258,10 @@ def attach_lora(model: CausalLM, slot: int, spec: LoraSpec, optimizer_type: str 
         named += [(f"{name}.lora_A.weight", w.A), (f"{name}.lora_B.weight", w.B)]
         attachments.append((layer, w))
     model.weights_changed(slot)
-    return Trainable(slot=slot, spec=spec, named_params=named, attachments=attachments, optimizer_type=optimizer_type,
-                     model=model)
+    trainable = Trainable(slot=slot, spec=spec, named_params=named, attachments=attachments,
+                          optimizer_type=optimizer_type, model=model)
+    trainable.refresh_compute_copies()
+    return trainable
 
 
 def detach_lora(model: CausalLM, slot: int) -> None:
