@@ -10,8 +10,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tinsmith.models.lora import LoraLinear
-from tinsmith.models.lora_function import compute_copies, refresh_copies
+from tinsmith.models.lora import LoraLinear, together_groups, trained_together
+from tinsmith.models.lora_function import compute_copies, group_copies, refresh_copies
 
 
 class _Ops(TorchDispatchMode):
@@ -110,6 +110,72 @@ def test_compute_copies_follow_every_change_of_the_masters():
     assert compute_copies(w32, torch.float32)[0].data_ptr() == w32.A.data_ptr() and w32.copies is None
 
 
+def _group(dtype: torch.dtype, seed: int = 0) -> tuple[LoraLinear, ...]:
+    """q/k/v-like projections of one input (different widths, biases) with adapter 0 on each."""
+    torch.manual_seed(seed)
+    layers = (LoraLinear(64, 48, bias=True), LoraLinear(64, 16, bias=True), LoraLinear(64, 16))
+    gen = torch.Generator().manual_seed(1)
+    for layer in layers:
+        layer.weight.data = torch.randn(layer.out_features, 64).to(dtype)
+        if layer.bias is not None:
+            layer.bias.data = torch.randn(layer.out_features).to(dtype)
+        w = layer.add_adapter(0, 8, 16.0, gen)
+        with torch.no_grad():
+            w.B.normal_()
+    return layers
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_projections_of_one_input_run_together_with_each_ones_values_and_gradients(dtype, tol):
+    layers = _group(dtype)
+    x = torch.randn(2, 10, 64, dtype=dtype, requires_grad=True)
+    outs = trained_together(layers, x, [(0, 0, 20)])
+    assert outs is not None and [o.shape for o in outs] == [(2, 10, 48), (2, 10, 16), (2, 10, 16)]
+    gs = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, gs)
+    x64 = x.detach().double().requires_grad_()
+    total = 0
+    for layer, o, g in zip(layers, outs, gs):
+        w = layer.adapters[0]
+        A64, B64 = w.A.detach().double().requires_grad_(), w.B.detach().double().requires_grad_()
+        bias = None if layer.bias is None else layer.bias.double()
+        y = F.linear(x64, layer.weight.double(), bias) + w.scale * F.linear(F.linear(x64, A64), B64)
+        total = total + (y * g.double()).sum()
+        assert float((o.detach().double() - y.detach()).abs().max() / y.detach().abs().max()) < tol
+        dA, dB = torch.autograd.grad((y * g.double()).sum(), (A64, B64), retain_graph=True)
+        for got, want in ((w.A.grad, dA), (w.B.grad, dB)):
+            assert got.dtype == torch.float32 and float((got.double() - want).abs().max() / want.abs().max()) < tol
+    total.backward()
+    assert float((x.grad.double() - x64.grad).abs().max() / x64.grad.abs().max()) < tol
+
+
+def test_a_group_runs_its_products_and_no_cast_or_elementwise_op():
+    layers = _group(torch.bfloat16)
+    refresh_copies([], torch.bfloat16, [[layer.adapters[0] for layer in layers]])
+    x = torch.randn(12, 64, dtype=torch.bfloat16, requires_grad=True)
+    with _Ops() as fwd:
+        outs = trained_together(layers, x, [(0, 0, 12)])
+    with _Ops() as bwd:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    gemms = ("mm", "addmm", "addmm_")
+    # forward: the stacked down-projection, then a base GEMM and an up-projection per part;
+    # backward: per part its up-projection's input gradient, its share of dx and its B gradient,
+    # then the adapter's part of dx and the stacked A gradient
+    assert sum(fwd.ops[k] for k in gemms) == 7 and "_to_copy" not in fwd.ops, fwd.ops
+    assert sum(bwd.ops[k] for k in gemms) == 11, bwd.ops
+    assert not {"mul", "add", "add_"} & set(bwd.ops), bwd.ops
+    assert bwd.ops["_to_copy"] <= 6
+
+
+def test_a_group_falls_back_to_each_layer_when_its_adapters_differ():
+    layers = _group(torch.float32)
+    assert trained_together(layers, torch.randn(4, 64), [(1, 0, 4)]) is None  # no adapter 1 here
+    layers[2].adapters[0].scale = 1.0
+    assert trained_together(layers, torch.randn(4, 64), [(0, 0, 4)]) is None  # scales differ
+    with torch.no_grad():
+        assert trained_together(_group(torch.float32), torch.randn(4, 64), [(0, 0, 4)]) is None  # inference
+
+
 def test_a_training_step_refreshes_the_copies_it_changed(qwen3_dir):
     from tinsmith.models.loading import load_model
     from tinsmith.types import AdamParams, LoraSpec
@@ -117,12 +183,21 @@ def test_a_training_step_refreshes_the_copies_it_changed(qwen3_dir):
 
     model = load_model(str(qwen3_dir), dtype=torch.bfloat16).model
     tr = attach_lora(model, 0, LoraSpec(rank=4, seed=3))
-    weights = [w for layer, w in tr.attachments if isinstance(layer, LoraLinear)]
-    assert weights and all(w.copies is not None for w in weights)  # made at once on attach
-    for w in weights:
+    alone = [w for layer, w in tr.attachments if isinstance(layer, LoraLinear)
+             and not any(layer in g for g in together_groups(model))]
+    groups = [[layer.adapters[0] for layer in g] for g in together_groups(model)]
+    assert alone and groups  # o_proj and down_proj alone; q/k/v and gate/up in groups
+    assert all(w.copies is not None for w in alone) and all(ws[0].group is not None for ws in groups)  # on attach
+    for layer, w in tr.attachments:
         w.A.grad, w.B.grad = torch.ones_like(w.A), torch.ones_like(w.B)
     tr.step(AdamParams(learning_rate=1e-2))
-    for w in weights:
+    for w in alone:
         A_c, B_c = compute_copies(w, torch.bfloat16)
         assert A_c is w.copies[1]  # refreshed by the step itself, not at the next forward
         assert torch.equal(A_c, w.A.detach().to(torch.bfloat16)) and torch.equal(B_c, w.B.detach().to(torch.bfloat16))
+    for ws in groups:
+        cached = ws[0].group
+        A_cat, Bs = group_copies(ws, torch.bfloat16)
+        assert A_cat is cached[1]
+        assert torch.equal(A_cat, torch.cat([w.A.detach() for w in ws]).to(torch.bfloat16))
+        assert all(torch.equal(B_c, w.B.detach().to(torch.bfloat16)) for B_c, w in zip(Bs, ws))

@@ -22,7 +22,7 @@ from tinsmith.kernels import rms_norm as rms_kernel
 from tinsmith.kernels import swiglu
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
-from tinsmith.models.lora import LoraLinear, PackedProjection, Segments
+from tinsmith.models.lora import LoraLinear, PackedProjection, Segments, trained_together
 from tinsmith.models.lora_bank import adapters_changed
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
@@ -352,13 +352,15 @@ class Attention(nn.Module):
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
             gate = None
+            qkv = trained_together((self.q_proj, self.k_proj, self.v_proj), x, segments)
+            q_out, k_out, v_out = qkv or (self.q_proj(x, segments), self.k_proj(x, segments), self.v_proj(x, segments))
             if self.output_gate:
-                q, gate = self.q_proj(x, segments).view(b, L, H, 2 * d).chunk(2, dim=-1)
+                q, gate = q_out.view(b, L, H, 2 * d).chunk(2, dim=-1)
                 gate = gate.reshape(b, L, H * d)
             else:
-                q = self.q_proj(x, segments).view(b, L, H, d)
-            k = self.k_proj(x, segments).view(b, L, Hk, d)
-            v = self.v_proj(x, segments).view(b, L, Hk, d)
+                q = q_out.view(b, L, H, d)
+            k = k_out.view(b, L, Hk, d)
+            v = v_out.view(b, L, Hk, d)
             q, k = _normed_and_turned(self.q_norm, q, cos, sin), _normed_and_turned(self.k_norm, k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.sinks is None and self.sliding_window is None:
@@ -400,7 +402,8 @@ class MLP(nn.Module):
                 h = F.silu(y[:, :i]).mul_(y[:, i:])
             h = h.view(*x.shape[:-1], i)
         else:
-            gate, up = self.gate_proj(x, segments), self.up_proj(x, segments)
+            gate, up = (trained_together((self.gate_proj, self.up_proj), x, segments)
+                        or (self.gate_proj(x, segments), self.up_proj(x, segments)))
             h = swiglu.silu_mul_grad(gate, up) if swiglu.grad_usable(gate, up) else None
             if h is None:  # the torch path, or the kernels failed here
                 h = F.silu(gate) * up

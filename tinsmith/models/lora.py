@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
-from tinsmith.models.lora_function import compute_copies, lora_linear
+from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 from tinsmith.transfers import to_device
 
@@ -73,6 +73,8 @@ class LoraWeights:
     scale: float
     # (key, A, B) in the compute dtype of a half-precision model (lora_function.compute_copies)
     copies: tuple | None = field(default=None, repr=False, compare=False)
+    # (key, stacked A, [B]) of the projections run together with this one's (lora_function.group_copies)
+    group: tuple | None = field(default=None, repr=False, compare=False)
 
 
 def new_lora_weights(a_shape: tuple[int, ...], b_shape: tuple[int, ...], in_features: int, scale: float,
@@ -229,6 +231,33 @@ class LoraLinear(nn.Module):
         """W + scale * B A for export (fp32)."""
         w = self.adapters[slot]
         return self.weight.float() + w.scale * (w.B.detach().float() @ w.A.detach().float())
+
+
+def trained_together(layers: tuple[LoraLinear, ...], x: torch.Tensor,
+                     segments: Segments | RowGroups | RowSlots | None) -> tuple[torch.Tensor, ...] | None:
+    """The outputs of ``layers`` (projections of the same ``x``: q/k/v, gate/up) computed as one
+    autograd node (:func:`lora_group`) when one adapter, being trained, covers the batch on every
+    one of them with one scale; None otherwise (each layer then runs on its own). Subclasses
+    (tensor-parallel layers) do more in their forward and always run on their own."""
+    if any(type(layer) is not LoraLinear for layer in layers):
+        return None
+    ws = [layer._training_one_adapter(segments) for layer in layers]
+    if any(w is None for w in ws) or len({w.scale for w in ws}) != 1:  # type: ignore[union-attr]
+        return None
+    outs = lora_group(x.reshape(-1, x.shape[-1]), list(layers), ws)
+    return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
+
+
+def together_groups(model: nn.Module) -> list[tuple[LoraLinear, ...]]:
+    """The layer groups a training step may run through :func:`trained_together` (each
+    attention's q/k/v, each dense MLP's gate/up): what adapters' compute copies are kept for."""
+    groups = []
+    for module in model.modules():
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            layers = tuple(getattr(module, n, None) for n in names)
+            if all(type(layer) is LoraLinear for layer in layers):
+                groups.append(layers)
+    return groups
 
 
 class PackedProjection:

@@ -70,30 +70,125 @@ def compute_copies(w, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return cached[1], cached[2]
 
 
-def refresh_copies(weights: list, dtype: torch.dtype) -> None:
-    """Bring every stale compute copy of ``weights`` (LoraWeights) up to date at once: one
-    multi-tensor copy (a handful of launches on a GPU) instead of a cast per tensor at each
-    layer's forward."""
-    stale = []
+def refresh_copies(weights: list, dtype: torch.dtype, groups: list[list] = ()) -> None:
+    """Bring every stale compute copy up to date at once: of ``weights`` (LoraWeights, each on
+    its own) and of ``groups`` (lists of LoraWeights run together by :func:`lora_group`: their
+    ``A`` stacked in one buffer). One multi-tensor copy (a handful of launches on a GPU) instead
+    of a cast per tensor at each layer's forward. Copies are new tensors: an older one may still
+    be saved for a pending backward."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
     for w in weights:
         A, B = w.A, w.B
         if A.dtype == dtype and B.dtype == dtype:
             continue
         key = (dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
         if w.copies is None or w.copies[0] != key:
-            stale.append((w, key))
-    if not stale:
-        return
-    dst, src = [], []
-    for w, key in stale:  # new tensors: an older copy may still be saved for a pending backward
-        a, b = torch.empty_like(w.A, dtype=dtype), torch.empty_like(w.B, dtype=dtype)
-        w.copies = (key, a, b)
-        dst += [a, b]
-        src += [w.A.detach(), w.B.detach()]
-    torch._foreach_copy_(dst, src)
+            a, b = torch.empty_like(A, dtype=dtype), torch.empty_like(B, dtype=dtype)
+            w.copies = (key, a, b)
+            dst += [a, b]
+            src += [A.detach(), B.detach()]
+    for ws in groups:
+        key = _group_key(ws, dtype)
+        if ws[0].group is not None and ws[0].group[0] == key:
+            continue
+        A0 = ws[0].A
+        A_cat = torch.empty(sum(w.A.shape[0] for w in ws), A0.shape[1], dtype=dtype, device=A0.device)
+        Bs, start = [], 0
+        for w in ws:
+            r = w.A.shape[0]
+            dst.append(A_cat[start:start + r])
+            src.append(w.A.detach())
+            start += r
+            if w.B.dtype == dtype:
+                Bs.append(w.B.detach())
+            else:
+                Bs.append(torch.empty_like(w.B, dtype=dtype))
+                dst.append(Bs[-1])
+                src.append(w.B.detach())
+        ws[0].group = (key, A_cat, Bs)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w) -> torch.Tensor:
     """``x W^T (+ b) + scale (x A^T) B^T`` through :class:`LoraLinearFunction` (2-D ``x``)."""
     A_c, B_c = compute_copies(w, x.dtype)
     return LoraLinearFunction.apply(x, weight, bias, w.A, w.B, A_c, B_c, w.scale)
+
+
+class LoraGroupFunction(torch.autograd.Function):
+    """Several LoRA projections of one input (q, k, v; gate, up) of one adapter as one node.
+
+    The parts' down-projections run as one GEMM over their stacked ``A`` (``A_cat``, rank rows
+    per part), each part's output is its base GEMM plus its up-projection added in place, and
+    the backward sums the input gradient of every part inside GEMMs (``addmm_``) instead of
+    autograd adding the parts' gradients one full-size tensor at a time. Arguments after
+    ``A_cat``: per part ``(weight, bias, B_c, A, B)``, the masters ``A``/``B`` receiving the
+    gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float, A_cat: torch.Tensor, *parts):
+        n = len(parts) // 5
+        weights, biases, Bs = parts[0::5], parts[1::5], parts[2::5]
+        h = F.linear(x, A_cat)
+        bounds, outs, start = [], [], 0
+        for W, b, B_c in zip(weights, biases, Bs):
+            r = B_c.shape[1]
+            y = F.linear(x, W, b)
+            y.addmm_(h[:, start:start + r], B_c.t(), alpha=scale)
+            outs.append(y)
+            bounds.append((start, start + r))
+            start += r
+        ctx.save_for_backward(x, h, A_cat, *weights, *Bs)
+        ctx.scale, ctx.bounds, ctx.n = scale, bounds, n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, h, A_cat, *rest = ctx.saved_tensors
+        n, s, bounds = ctx.n, ctx.scale, ctx.bounds
+        weights, Bs = rest[:n], rest[n:]
+        need = ctx.needs_input_grad
+        gh = torch.empty_like(h)
+        for g, B_c, (a, b) in zip(gs, Bs, bounds):
+            gh[:, a:b].addmm_(g, B_c, beta=0, alpha=s)  # beta=0: the uninitialised values are not read
+        dx = None
+        if need[0]:
+            dx = torch.mm(gs[0], weights[0])
+            for g, W in zip(gs[1:], weights[1:]):
+                dx.addmm_(g, W)
+            dx.addmm_(gh, A_cat)
+        dA_cat = torch.mm(gh.t(), x)
+        grads: list = []
+        for i, (g, B_c, (a, b)) in enumerate(zip(gs, Bs, bounds)):
+            dA = dA_cat[a:b] if need[3 + 5 * i + 3] else None
+            dB = torch.addmm(B_c, g.t(), h[:, a:b], beta=0, alpha=s) if need[3 + 5 * i + 4] else None
+            grads += [None, None, None, dA, dB]
+        return (dx, None, None, *grads)
+
+
+def _group_key(ws: list, dtype: torch.dtype) -> tuple:
+    return (dtype, *((w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr()) for w in ws))
+
+
+def group_copies(ws: list, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The group's stacked ``A`` and each part's ``B`` in ``dtype`` (detached), kept on the first
+    part's weights until a master changes (:func:`refresh_copies` makes them eagerly)."""
+    key = _group_key(ws, dtype)
+    cached = ws[0].group
+    if cached is None or cached[0] != key:
+        refresh_copies([], dtype, [ws])
+        cached = ws[0].group
+    return cached[1], cached[2]
+
+
+def lora_group(x: torch.Tensor, layers: list, ws: list) -> tuple[torch.Tensor, ...]:
+    """Every ``layers[i]``'s ``x W_i^T (+ b_i) + scale (x A_i^T) B_i^T`` (2-D ``x``), one adapter
+    ``ws[i]`` per layer, all of the same scale, through :class:`LoraGroupFunction`."""
+    A_cat, Bs = group_copies(ws, x.dtype)
+    args: list = []
+    for layer, w, B_c in zip(layers, ws, Bs):
+        args += [layer.weight, layer.bias, B_c, w.A, w.B]
+    return LoraGroupFunction.apply(x, ws[0].scale, A_cat, *args)

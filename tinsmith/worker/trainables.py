@@ -23,7 +23,7 @@ import torch
 
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
-from tinsmith.models.lora import LoraLinear
+from tinsmith.models.lora import LoraLinear, together_groups
 from tinsmith.models.lora_function import refresh_copies
 from tinsmith.models.moe import ExpertLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match
@@ -93,7 +93,7 @@ class Trainable:
             return
         for layer, w in self.attachments:
             layer.adapters.pop(self.slot, None)
-            w.copies = None
+            w.copies = w.group = None
         self._move(host)
         self.resident = False
         self._weights_changed()
@@ -111,12 +111,22 @@ class Trainable:
     def refresh_compute_copies(self) -> None:
         """Make the half-precision copies a bf16 model's LoRA layers compute with, all at once
         (one multi-tensor copy, not a cast per tensor at each layer's next forward)."""
-        by_dtype: dict[torch.dtype, list] = {}
+        if self.slot is None or self.model is None:
+            return
+        mine = {id(layer): w for layer, w in self.attachments if isinstance(layer, LoraLinear)}
+        grouped: dict[torch.dtype, list] = {}
+        in_groups: set[int] = set()
+        for layers in together_groups(self.model):
+            ws = [mine.get(id(layer)) for layer in layers]
+            if all(w is not None for w in ws):
+                grouped.setdefault(layers[0].weight.dtype, []).append(ws)
+                in_groups.update(id(layer) for layer in layers)
+        alone: dict[torch.dtype, list] = {}
         for layer, w in self.attachments:
-            if isinstance(layer, LoraLinear) and layer.weight.dtype != w.A.dtype:
-                by_dtype.setdefault(layer.weight.dtype, []).append(w)
-        for dtype, weights in by_dtype.items():
-            refresh_copies(weights, dtype)
+            if id(layer) in mine and id(layer) not in in_groups and layer.weight.dtype != w.A.dtype:
+                alone.setdefault(layer.weight.dtype, []).append(w)
+        for dtype in {*grouped, *alone}:
+            refresh_copies(alone.get(dtype, []), dtype, grouped.get(dtype, []))
 
     def _move(self, device: torch.device) -> None:
         for p in self.params:
