@@ -50,7 +50,8 @@ def markdown(s: dict) -> str:
         L += _heading("## Training (tokens/s; MFU 4NT LoRA, 6NT full)",
                       "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | "
                       "packed tok/s | packed MFU | packed vs padded | long ctx (auto) tok/s | peft tok/s | "
-                      "peft MFU | full FT MFU | peak GiB | training kernels vs torch (tok/s; peak GiB) | notes |")
+                      "peft MFU | full FT MFU | peak GiB | training kernels vs torch (tok/s; peak GiB) | "
+                      "LoRA nodes vs ops | notes |")
         for name in s["shapes"]:
             lo, pf, ff = tr.get(f"{name}/lora", {}), tr.get(f"{name}/peft_baseline", {}), tr.get(f"{name}/full_finetune", {})
             keys = [k for k in lo if "x" in k and isinstance(lo[k], dict)]
@@ -63,7 +64,7 @@ def markdown(s: dict) -> str:
                      f"{_get(lo, 'long_context', 'auto', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "
                      f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
                      f"{_get(lo, 'torch_elementwise', 'kernels_vs_torch')}; {_get(lo, small, 'peak_gib')} vs "
-                     f"{_get(lo, 'torch_elementwise', 'peak_gib')} | "
+                     f"{_get(lo, 'torch_elementwise', 'peak_gib')} | {_get(lo, 'lora_as_ops', 'nodes_vs_ops')} | "
                      f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")
         L.append("")
     L += _profiles(s)

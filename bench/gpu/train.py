@@ -16,7 +16,7 @@ import torch
 
 from bench.gpu.peak import sync, timed
 from tinsmith.kernels import norm_grad, swiglu
-from tinsmith.models import grouped_lora
+from tinsmith.models import grouped_lora, lora_function
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
@@ -88,7 +88,8 @@ def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:
 
 def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     """LoRA r32 at 8x1024 and 32x1024 (the first also with the norms, rotary and SiLU-and-multiply
-    in torch rather than the training kernels); 1, 4 and 16 tenants in one step (and the several
+    in torch rather than the training kernels, and with each LoRA op its own autograd node rather
+    than one node per projection group: ``lora_function.FUSED_NODES``); 1, 4 and 16 tenants in one step (and the several
     tenants through each way their adapters can run: dense masked products, grouped matmuls);
     padded vs packed micro-batches over uneven lengths; 1x32k long context."""
     L = 32 if quick else 1024
@@ -113,6 +114,13 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
             k.BACKEND = "auto"
     out["torch_elementwise"] = {"shape": f"{rows}x{L}", "tokens_per_s": r["tokens_per_s"], "peak_gib": r["peak_gib"],
                                 "kernels_vs_torch": out[f"{rows}x{L}"]["tokens_per_s"] / r["tokens_per_s"]}
+    lora_function.FUSED_NODES = False  # each LoRA op its own autograd node, as torch's ops run it
+    try:
+        r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
+    finally:
+        lora_function.FUSED_NODES = True
+    out["lora_as_ops"] = {"shape": f"{rows}x{L}", "tokens_per_s": r["tokens_per_s"],
+                          "nodes_vs_ops": out[f"{rows}x{L}"]["tokens_per_s"] / r["tokens_per_s"]}
     per_tenant = 1 if quick else 2
     tenants = {}
     for k in ((1, 4) if quick else (1, 4, 16)):

@@ -201,3 +201,23 @@ def test_a_training_step_refreshes_the_copies_it_changed(qwen3_dir):
         assert A_cat is cached[1]
         assert torch.equal(A_cat, torch.cat([w.A.detach() for w in ws]).to(torch.bfloat16))
         assert all(torch.equal(B_c, w.B.detach().to(torch.bfloat16)) for B_c, w in zip(Bs, ws))
+
+
+def test_the_switch_runs_torchs_ops_with_the_same_values(monkeypatch):
+    """bench/gpu times a step with ``FUSED_NODES`` off: that must be the plain ops, same result."""
+    from tinsmith.models import lora_function
+
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(lora_function, "FUSED_NODES", fused)
+        layers = _group(torch.float32)
+        x = torch.randn(12, 64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        with _Ops() as ops:
+            outs = (trained_together(layers, x, [(0, 0, 12)])
+                    or tuple(layer(x, [(0, 0, 12)]) for layer in layers))
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        results[fused] = (ops.ops, [o.detach() for o in outs], x.grad, [l.adapters[0].A.grad for l in layers])
+    assert "mul" in results[False][0] and "mul" not in results[True][0]
+    for a, b in zip(results[True][1:], results[False][1:]):
+        for u, v in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)

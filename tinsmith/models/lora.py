@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
+from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 from tinsmith.transfers import to_device
@@ -166,7 +167,7 @@ class LoraLinear(nn.Module):
         """The adapter when one segment's adapter, being trained, covers the batch and the base
         weights are frozen (a LoRA step of one tenant); else None."""
         if (not segments or isinstance(segments, RowSlots) or len(segments) != 1 or len(segments[0]) != 3
-                or not torch.is_grad_enabled()):
+                or not torch.is_grad_enabled() or not lora_function.FUSED_NODES):
             return None
         slot = segments[0][0]
         w = self.adapters.get(slot) if slot is not None else None

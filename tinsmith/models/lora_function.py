@@ -20,6 +20,10 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+# False: a trained projection runs as torch's ops, each its own autograd node (as before these
+# nodes existed): bench/gpu times a step both ways in one run.
+FUSED_NODES = True
+
 
 class LoraLinearFunction(torch.autograd.Function):
     """``y = x W^T (+ b) + scale * (x A^T) B^T`` for 2-D ``x`` (rows, in); ``W`` and ``b`` frozen.
