@@ -11,8 +11,9 @@ two parts are summed by the second GEMM (``addmm_``), which also rounds once ins
 times in bf16.
 
 The adapter's weights stay fp32 masters; in a bf16 model the forward reads their bf16 copies
-(:func:`compute_copies`, made once per optimizer step rather than once per forward) and
-autograd casts the bf16 gradients back to the masters' dtype, as it did for the casts' nodes.
+(:func:`compute_copies`, made once per optimizer step rather than once per forward). Their
+gradients come out of the GEMMs in fp32 where the device's GEMMs write fp32 (:func:`fp32_out_gemms`),
+else in bf16 and autograd casts them to the masters' dtype, as it did for the casts' nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,44 @@ from torch.nn import functional as F
 # False: a trained projection runs as torch's ops, each its own autograd node (as before these
 # nodes existed): bench/gpu times a step both ways in one run.
 FUSED_NODES = True
+
+_FP32_OUT: dict[torch.device, bool] = {}
+
+
+def fp32_out_gemms(device: torch.device) -> bool:
+    """Whether half-precision GEMMs on ``device`` write fp32 results themselves (``out_dtype``:
+    CUDA in recent torch), checked once per device by one small product against its fp32 value.
+    Where they do, the adapter's gradients come out of their GEMMs in the masters' fp32, with no
+    rounding to bf16 and no cast kernel after."""
+    known = _FP32_OUT.get(device)
+    if known is None:
+        known = False
+        if device.type == "cuda":
+            try:
+                a = torch.randn(16, 32, device=device).to(torch.bfloat16)
+                b = torch.randn(32, 8, device=device).to(torch.bfloat16)
+                want = a.float() @ b.float()
+                got = torch.mm(a, b, out_dtype=torch.float32)
+                scaled = torch.addmm(torch.empty_like(want), a, b, out_dtype=torch.float32, beta=0, alpha=0.5)
+                known = (got.dtype == scaled.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-3, atol=1e-3)
+                         and torch.allclose(scaled, 0.5 * want, rtol=1e-3, atol=1e-3))
+            except (RuntimeError, TypeError):
+                known = False
+        _FP32_OUT[device] = known
+    return known
+
+
+def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """``alpha * a @ b`` as the gradient of a master of ``dtype``: in ``dtype`` straight from the
+    GEMM where :func:`fp32_out_gemms` allows, else in ``a``'s dtype (autograd then casts it)."""
+    if dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16) and fp32_out_gemms(a.device):
+        if alpha == 1.0:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+        return torch.addmm(out, a, b, out_dtype=torch.float32, beta=0, alpha=alpha)
+    if alpha == 1.0:
+        return torch.mm(a, b)
+    return torch.addmm(torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device), a, b, beta=0, alpha=alpha)
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -39,7 +78,7 @@ class LoraLinearFunction(torch.autograd.Function):
         y = F.linear(x, weight, bias)
         y.addmm_(h, B_c.t(), alpha=scale)
         ctx.save_for_backward(x, weight, h, A_c, B_c)
-        ctx.scale = scale
+        ctx.scale, ctx.master_dtype = scale, A.dtype
         return y
 
     @staticmethod
@@ -54,9 +93,9 @@ class LoraLinearFunction(torch.autograd.Function):
             dx = torch.mm(g, weight)
             dx.addmm_(gh, A_c)
         if need_a:
-            dA = torch.mm(gh.t(), x)
+            dA = grad_mm(gh.t(), x, 1.0, ctx.master_dtype)
         if need_b:
-            dB = torch.addmm(B_c, g.t(), h, beta=0, alpha=s)
+            dB = grad_mm(g.t(), h, s, ctx.master_dtype)
         return dx, None, None, dA, dB, None, None, None
 
 
@@ -146,7 +185,7 @@ class LoraGroupFunction(torch.autograd.Function):
             bounds.append((start, start + r))
             start += r
         ctx.save_for_backward(x, h, A_cat, *weights, *Bs)
-        ctx.scale, ctx.bounds, ctx.n = scale, bounds, n
+        ctx.scale, ctx.bounds, ctx.n, ctx.master_dtype = scale, bounds, n, parts[3].dtype
         return tuple(outs)
 
     @staticmethod
@@ -164,11 +203,11 @@ class LoraGroupFunction(torch.autograd.Function):
             for g, W in zip(gs[1:], weights[1:]):
                 dx.addmm_(g, W)
             dx.addmm_(gh, A_cat)
-        dA_cat = torch.mm(gh.t(), x)
+        dA_cat = grad_mm(gh.t(), x, 1.0, ctx.master_dtype)
         grads: list = []
-        for i, (g, B_c, (a, b)) in enumerate(zip(gs, Bs, bounds)):
+        for i, (g, (a, b)) in enumerate(zip(gs, bounds)):
             dA = dA_cat[a:b] if need[3 + 5 * i + 3] else None
-            dB = torch.addmm(B_c, g.t(), h[:, a:b], beta=0, alpha=s) if need[3 + 5 * i + 4] else None
+            dB = grad_mm(g.t(), h[:, a:b], s, ctx.master_dtype) if need[3 + 5 * i + 4] else None
             grads += [None, None, None, dA, dB]
         return (dx, None, None, *grads)
 

@@ -1,0 +1,49 @@
+"""The trained LoRA projections' autograd nodes on the device, in bf16: values and gradients
+against float64, and, where the device's GEMMs write fp32 (``out_dtype``), the adapter's
+gradients straight from them with no cast (the CPU version: tests/models/test_lora_function.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tests.gpu.conftest import DEVICE
+from tests.models.test_lora_function import _group, _Ops
+from tinsmith.models.lora import trained_together
+from tinsmith.models.lora_function import fp32_out_gemms, refresh_copies
+
+pytestmark = pytest.mark.gpu
+
+
+def test_grouped_lora_nodes_on_the_device_match_float64():
+    device = torch.device(DEVICE)
+    layers = _group(torch.bfloat16)
+    for layer in layers:
+        layer.to(device)
+        w = layer.adapters[0]
+        layer.adapters[0] = type(w)(w.A.detach().to(device).requires_grad_(), w.B.detach().to(device).requires_grad_(),
+                                    w.scale)
+    refresh_copies([], torch.bfloat16, [[layer.adapters[0] for layer in layers]])
+    x = torch.randn(256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    outs = trained_together(layers, x, [(0, 0, 256)])
+    assert outs is not None
+    gs = [torch.randn_like(o) for o in outs]
+    with _Ops() as bwd:
+        torch.autograd.backward(outs, gs)
+    x64 = x.detach().double()
+    for layer, o, g in zip(layers, outs, gs):
+        w = layer.adapters[0]
+        A64, B64 = w.A.detach().double().requires_grad_(), w.B.detach().double().requires_grad_()
+        bias = None if layer.bias is None else layer.bias.double()
+        y = F.linear(x64, layer.weight.double(), bias) + w.scale * F.linear(F.linear(x64, A64), B64)
+        dA, dB = torch.autograd.grad((y * g.double()).sum(), (A64, B64))
+        assert float((o.detach().double() - y.detach()).abs().max() / y.detach().abs().max()) < 2e-2
+        for got, want in ((w.A.grad, dA), (w.B.grad, dB)):
+            assert got.dtype == torch.float32
+            assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
+    if device.type != "cuda":
+        return
+    if not fp32_out_gemms(device):
+        pytest.skip(f"torch {torch.__version__} has no fp32-out GEMM on this device: autograd casts the gradients")
+    assert bwd.ops["_to_copy"] == 0, bwd.ops  # the adapter's gradients came out of the GEMMs in fp32
