@@ -105,6 +105,12 @@ def test_compute_copies_follow_every_change_of_the_masters():
     a3, b3 = w.copies[1], w.copies[2]
     assert torch.equal(b3, w.B.detach().to(torch.bfloat16)) and torch.equal(a3, a2)
     assert compute_copies(w, torch.bfloat16)[1] is b3  # the refreshed copies are the ones used
+    # an adapter only sampled from (no kept copy) gets a cast that lasts one forward
+    w.copies = None
+    a4, _ = compute_copies(w, torch.bfloat16, keep=False)
+    assert w.copies is None and torch.equal(a4, w.A.detach().to(torch.bfloat16))
+    refresh_copies([w], torch.bfloat16)
+    assert compute_copies(w, torch.bfloat16, keep=False)[0] is w.copies[1]  # a current kept copy is used
     # fp32 layers compute with the masters themselves and keep no copy
     w32 = _layer(torch.float32).adapters[0]
     assert compute_copies(w32, torch.float32)[0].data_ptr() == w32.A.data_ptr() and w32.copies is None

@@ -205,15 +205,15 @@ class LoraLinear(nn.Module):
         for slot, a, b in segments:  # type: ignore[misc]
             w = self.adapters.get(slot) if slot is not None else None
             if w is not None:
-                A, B = compute_copies(w, x2.dtype)
+                A, B = compute_copies(w, x2.dtype, keep=False)
                 y2[a:b].addmm_(F.linear(x2[a:b], A), B.t(), alpha=w.scale)
 
     @staticmethod
     def _weights_as(w: LoraWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) in ``dtype``: casts autograd follows while gradients are wanted, else the
-        adapter's kept compute copies."""
+        adapter's kept compute copies where a trained adapter has them (casts otherwise)."""
         if not torch.is_grad_enabled():
-            return compute_copies(w, dtype)
+            return compute_copies(w, dtype, keep=False)
         A, B = w.A, w.B
         return (A, B) if A.dtype == dtype else (A.to(dtype), B.to(dtype))
 

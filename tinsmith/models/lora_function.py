@@ -99,16 +99,20 @@ class LoraLinearFunction(torch.autograd.Function):
         return dx, None, None, dA, dB, None, None, None
 
 
-def compute_copies(w, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_copies(w, dtype: torch.dtype, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The adapter ``w``'s (A, B) in ``dtype``, detached: the masters themselves when they are
     already ``dtype``, else copies kept on ``w`` until an in-place update of a master (an
-    optimizer step, a loaded state) changes its version counter."""
+    optimizer step, a loaded state) changes its version counter. ``keep=False`` uses kept copies
+    that are current but makes none to keep (an adapter only sampled from keeps no second copy:
+    its casts last one forward, as before)."""
     A, B = w.A, w.B
     if A.dtype == dtype and B.dtype == dtype:
         return A.detach(), B.detach()
     key = (dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
     cached = w.copies
     if cached is None or cached[0] != key:
+        if not keep:
+            return A.detach().to(dtype), B.detach().to(dtype)
         cached = w.copies = (key, A.detach().to(dtype), B.detach().to(dtype))
     return cached[1], cached[2]
 
