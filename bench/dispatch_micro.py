@@ -184,7 +184,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per step (in rows of 128), shared by the tenants")
     ap.add_argument("--multi-lora", choices=("gpu", "dense", "grouped"), default="gpu",
-                    help="how several tenants' adapters run (gpu: the choice a GPU makes for the tenant count)")
+                    help="how several tenants' adapters run (gpu: the choice a Hopper GPU makes for the dtype and "
+                         "tenant count)")
     ap.add_argument("--decode", type=int, metavar="ROWS", help="count one decode step of ROWS rows instead")
     ap.add_argument("--training-kernels", action="store_true",
                     help="train through the norm/rotary/SiLU kernels (in Triton's interpreter)")
@@ -224,7 +225,10 @@ def main() -> None:
         rt = TrainingRuntime(model, max_lora_adapters=16, max_lora_rank=32)
         results = {}
         for n in (int(t) for t in args.tenants.split(",")):
-            dense = n * 32 <= grouped_lora.DENSE_MAX_RANK if args.multi_lora == "gpu" else args.multi_lora == "dense"
+            # gpu: what a Hopper GPU takes (grouped_lora.multi_lora_path): grouped matmuls in bf16;
+            # dense stacked products for fp32 while the adapters' summed rank fits
+            dense = (dtype == torch.float32 and n * 32 <= grouped_lora.DENSE_MAX_RANK if args.multi_lora == "gpu"
+                     else args.multi_lora == "dense")
             grouped_lora.MULTI_LORA = "dense" if dense else "grouped"
             results[n] = r = count(rt, n, tokens=args.tokens, interpreted=args.training_kernels)
             r["multi_lora"] = grouped_lora.MULTI_LORA
