@@ -29,6 +29,7 @@ def test_grouped_lora_nodes_on_the_device_match_float64():
     outs = trained_together(layers, x, [(0, 0, 256)])
     assert outs is not None
     gs = [torch.randn_like(o) for o in outs]
+    fp32_out_gemms(device)  # its one-time check (a few casts of its own) before the backward is counted
     with _Ops() as bwd:
         torch.autograd.backward(outs, gs)
     x64 = x.detach().double()
@@ -47,3 +48,48 @@ def test_grouped_lora_nodes_on_the_device_match_float64():
     if not fp32_out_gemms(device):
         pytest.skip(f"torch {torch.__version__} has no fp32-out GEMM on this device: autograd casts the gradients")
     assert bwd.ops["_to_copy"] == 0, bwd.ops  # the adapter's gradients came out of the GEMMs in fp32
+
+
+def test_several_tenants_node_on_the_device_matches_float64():
+    """Four tenants' adapters (one of rank 16 padded to 32 in the stack, and rows of no adapter)
+    on one bf16 projection, the way the device picks (grouped on Hopper), against float64."""
+    from tinsmith.models.lora import LoraLinear
+
+    device = torch.device(DEVICE)
+    torch.manual_seed(0)
+    lin = LoraLinear(256, 384, bias=False)
+    lin.weight.data = torch.randn(384, 256).to(torch.bfloat16)
+    ranks = (32, 16, 32, 32)
+    for slot, rank in enumerate(ranks):
+        w = lin.add_adapter(slot, rank, 32.0, torch.Generator().manual_seed(slot + 1))
+        with torch.no_grad():
+            w.B.normal_()
+    lin.to(device)
+    for slot in list(lin.adapters):
+        w = lin.adapters[slot]
+        lin.adapters[slot] = type(w)(w.A.detach().to(device).requires_grad_(), w.B.detach().to(device).requires_grad_(),
+                                     w.scale)
+    sizes = (256, 64, 128, 256, 320)  # the second segment: no adapter
+    slots = (0, None, 1, 2, 3)
+    segments, start = [], 0
+    for slot, n in zip(slots, sizes):
+        segments.append((slot, start, start + n))
+        start += n
+    x = torch.randn(start, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x, segments)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x64, g64 = x.detach().double(), g.double()
+    want_y = F.linear(x64, lin.weight.double())
+    for slot, a, b in segments:
+        if slot is None:
+            continue
+        w = lin.adapters[slot]
+        A64, B64 = w.A.detach().double().requires_grad_(), w.B.detach().double().requires_grad_()
+        part = w.scale * F.linear(F.linear(x64[a:b], A64), B64)
+        want_y[a:b] += part.detach()
+        dA, dB = torch.autograd.grad((part * g64[a:b]).sum(), (A64, B64))
+        for got, want in ((w.A.grad, dA), (w.B.grad, dB)):
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
+    assert float((y.detach().double() - want_y).abs().max() / want_y.abs().max()) < 2e-2

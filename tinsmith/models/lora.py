@@ -26,6 +26,7 @@ from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
 from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
+from tinsmith.models.lora_tenants import tenants_linear
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 from tinsmith.transfers import to_device
 
@@ -101,6 +102,8 @@ class LoraLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.adapters: dict[int, LoraWeights] = AdapterSlots()
         self._bank: LoraBank | None = None
+        # (key, A, B): several tenants' adapters stacked for a training step (lora_tenants.stacked_copies)
+        self._tenant_stack: tuple | None = None
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of an adapter's (A, B) at ``rank``."""
@@ -114,6 +117,12 @@ class LoraLinear(nn.Module):
 
     def remove_adapter(self, slot: int) -> None:
         self.adapters.pop(slot, None)
+        self.forget_stacked_copies()
+
+    def forget_stacked_copies(self) -> None:
+        """Drop the tenants' adapters stacked for a training step: an adapter that leaves the
+        layer (removed, parked off the device) must not stay on the device through the stack."""
+        self._tenant_stack = None
 
     def bank(self, rows: RowSlots) -> LoraBank:
         """This layer's adapters stacked at ``rows.table``'s positions, brought up to date."""
@@ -129,24 +138,26 @@ class LoraLinear(nn.Module):
         if one is not None:  # the common training step: one autograd node for base and adapter
             return lora_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, one).reshape(
                 *x.shape[:-1], self.out_features)
-        y = F.linear(x, self.weight, self.bias)
         if not segments or not self.adapters:
-            return y
+            return F.linear(x, self.weight, self.bias)
         if isinstance(segments, RowSlots) or len(segments[0]) == 2:
-            return self._forward_groups(x, y, segments)  # type: ignore[arg-type]
-        shape = y.shape
+            return self._forward_groups(x, F.linear(x, self.weight, self.bias), segments)  # type: ignore[arg-type]
         x2 = x.reshape(-1, x.shape[-1])
-        y2 = y.reshape(-1, shape[-1])
-        active = [(self.adapters.get(s) if s is not None else None, a, b) for s, a, b in segments]
-        if all(w is None for w, _, _ in active):
+        shape = (*x.shape[:-1], self.out_features)
+        weights = [self.adapters.get(s) if s is not None else None for s, _, _ in segments]  # type: ignore[misc]
+        starts, ends = [a for _, a, _ in segments], [b for _, _, b in segments]  # type: ignore[misc]
+        tiled = starts[0] == 0 and ends[-1] == x2.shape[0] and starts[1:] == ends[:-1]
+        path = multi_lora_path(x2, weights, self.out_features) if tiled and len(weights) > 1 else None
+        if tiled and path != "dense" and self._training_tenants(weights):  # several tenants as one autograd node
+            sizes = tuple(b - a for a, b in zip(starts, ends))
+            return tenants_linear(x2, self.weight, self.bias, self, sizes, tuple(weights), path == "grouped").reshape(
+                shape)
+        y = F.linear(x, self.weight, self.bias)
+        if all(w is None for w in weights):
             return y
-        if len(active) == 1:
-            w, _, _ = active[0]
-            return self._add_delta(y2, x2, w).reshape(shape)
-        starts, ends = [a for _, a, _ in active], [b for _, _, b in active]
-        tiled = starts[0] == 0 and ends[-1] == y2.shape[0] and starts[1:] == ends[:-1]
-        weights = [w for w, _, _ in active]
-        path = multi_lora_path(x2, weights, self.out_features) if tiled else None
+        y2 = y.reshape(-1, shape[-1])
+        if len(weights) == 1:
+            return self._add_delta(y2, x2, weights[0]).reshape(shape)
         if path is not None:  # every tenant's shrink and expand together (GPUs; see grouped_lora)
             sizes = [b - a for a, b in zip(starts, ends)]
             if path == "dense":
@@ -160,7 +171,7 @@ class LoraLinear(nn.Module):
             xs, ys = x2.split(sizes), y2.split(sizes)
         else:
             xs, ys = [x2[a:b] for a, b in zip(starts, ends)], [y2[a:b] for a, b in zip(starts, ends)]
-        pieces = [yp if w is None else self._add_delta(yp, xp, w) for (w, _, _), xp, yp in zip(active, xs, ys)]
+        pieces = [yp if w is None else self._add_delta(yp, xp, w) for w, xp, yp in zip(weights, xs, ys)]
         return torch.cat(pieces, dim=0).reshape(shape)
 
     def _training_one_adapter(self, segments) -> LoraWeights | None:
@@ -176,6 +187,15 @@ class LoraLinear(nn.Module):
         if self.bias is not None and self.bias.requires_grad:
             return None
         return w
+
+    def _training_tenants(self, weights: list[LoraWeights | None]) -> bool:
+        """Whether a micro-batch of several segments with ``weights`` runs as one autograd node
+        (:mod:`tinsmith.models.lora_tenants`): gradients wanted for an adapter, base frozen."""
+        if not torch.is_grad_enabled() or not lora_function.FUSED_NODES or self.weight.requires_grad:
+            return False
+        if self.bias is not None and self.bias.requires_grad:
+            return False
+        return any(w is not None and (w.A.requires_grad or w.B.requires_grad) for w in weights)
 
     def _forward_groups(self, x: torch.Tensor, y: torch.Tensor, groups: RowGroups | RowSlots) -> torch.Tensor:
         shape = y.shape

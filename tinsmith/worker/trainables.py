@@ -94,6 +94,8 @@ class Trainable:
         for layer, w in self.attachments:
             layer.adapters.pop(self.slot, None)
             w.copies = w.group = None
+            if isinstance(layer, LoraLinear):
+                layer.forget_stacked_copies()
         self._move(host)
         self.resident = False
         self._weights_changed()

@@ -1,0 +1,156 @@
+"""Several tenants' LoRA on one projection in training as one autograd node (both ways it runs:
+each tenant's GEMMs, and the grouped matmul): the values and gradients of float64 autograd, each
+adapter's gradients from its own rows only, stacks that follow every change of the masters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tests.models.test_lora_function import _Ops
+from tinsmith.models import lora_function, moe
+from tinsmith.models.lora import LoraLinear
+from tinsmith.models.lora_tenants import TenantsLoraFunction
+
+# (slot, rows): a rank-8 adapter, rows of no adapter, a rank-4 adapter (padded to 8 in the stack)
+LAYOUT = [(0, 5), (None, 3), (1, 7)]
+
+
+def _layer(dtype: torch.dtype, bias: bool = True) -> LoraLinear:
+    torch.manual_seed(0)
+    lin = LoraLinear(64, 48, bias=bias)
+    lin.weight.data = torch.randn(48, 64).to(dtype)
+    if bias:
+        lin.bias.data = torch.randn(48).to(dtype)
+    for slot, rank, alpha in ((0, 8, 16.0), (1, 4, 8.0)):
+        w = lin.add_adapter(slot, rank, alpha, torch.Generator().manual_seed(slot + 1))
+        with torch.no_grad():
+            w.B.normal_()  # a trained adapter (B = 0 would hide half the gradients)
+    return lin
+
+
+def _segments(layout=LAYOUT) -> list:
+    out, start = [], 0
+    for slot, rows in layout:
+        out.append((slot, start, start + rows))
+        start += rows
+    return out
+
+
+def _reference(lin: LoraLinear, x: torch.Tensor, g: torch.Tensor, segments: list):
+    """Output, input gradient and each adapter's gradients by plain autograd in float64."""
+    x64 = x.detach().double().requires_grad_()
+    masters = {s: (lin.adapters[s].A.detach().double().requires_grad_(),
+                   lin.adapters[s].B.detach().double().requires_grad_()) for s in lin.adapters}
+    bias = None if lin.bias is None else lin.bias.double()
+    pieces = []
+    for slot, a, b in segments:
+        y = F.linear(x64[a:b], lin.weight.double(), bias)
+        if slot is not None:
+            A, B = masters[slot]
+            y = y + lin.adapters[slot].scale * F.linear(F.linear(x64[a:b], A), B)
+        pieces.append(y)
+    y = torch.cat(pieces)
+    y.backward(g.double())
+    return y.detach(), x64.grad, {s: (A.grad, B.grad) for s, (A, B) in masters.items()}
+
+
+@pytest.fixture(params=["loop", "grouped"])
+def way(request, monkeypatch):
+    """Each tenant's GEMMs (the CPU's default), or the grouped matmul (forced: the GPU's way)."""
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped" if request.param == "grouped" else "auto")
+    return request.param
+
+
+def _nodes(y: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes behind ``y``."""
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and type(fn).__name__ not in seen:
+            seen.add(type(fn).__name__)
+            todo += [f for f, _ in fn.next_functions]
+    return seen
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    return float((got.double() - want).abs().max() / want.abs().max()) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_output_and_gradients_match_float64_autograd(way, dtype, tol, bias):
+    lin = _layer(dtype, bias)
+    segments = _segments()
+    x = torch.randn(15, 64, dtype=dtype, requires_grad=True)
+    with _Ops() as fwd:
+        y = lin(x, segments)
+    assert fwd.ops["_grouped_mm" if way == "grouped" else "addmm_"] == 2  # the node ran, the chosen way
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref, dx_ref, grads_ref = _reference(lin, x, g, segments)
+    assert _close(y.detach(), y_ref, tol) and _close(x.grad, dx_ref, tol)
+    for slot, (dA, dB) in grads_ref.items():
+        w = lin.adapters[slot]
+        assert w.A.grad.shape == w.A.shape and w.B.grad.shape == w.B.shape
+        assert w.A.grad.dtype == w.B.grad.dtype == torch.float32  # the masters' gradients stay fp32
+        assert _close(w.A.grad, dA, tol) and _close(w.B.grad, dB, tol)
+
+
+def test_each_adapter_is_trained_by_its_own_rows_only(way):
+    lin = _layer(torch.float32)
+    x = torch.randn(15, 64, requires_grad=True)
+    y = lin(x, _segments())
+    g = torch.zeros_like(y)
+    g[:5] = torch.randn(5, 48)  # a loss on adapter 0's rows alone
+    y.backward(g)
+    assert lin.adapters[0].A.grad.abs().sum() > 0 and lin.adapters[0].B.grad.abs().sum() > 0
+    assert lin.adapters[1].A.grad.abs().sum() == 0 and lin.adapters[1].B.grad.abs().sum() == 0
+    assert x.grad[5:].abs().sum() == 0
+
+
+def test_a_frozen_adapter_gets_no_gradient_and_the_trained_one_does(way):
+    lin = _layer(torch.float32)
+    frozen = lin.adapters[1]
+    frozen.A.requires_grad_(False)
+    frozen.B.requires_grad_(False)
+    x = torch.randn(15, 64)  # a frozen input too (the embeddings feeding layer 0)
+    lin(x, _segments()).square().sum().backward()
+    assert lin.adapters[0].A.grad is not None and lin.adapters[0].B.grad is not None
+    assert frozen.A.grad is None and frozen.B.grad is None
+
+
+def test_the_stack_follows_an_optimizer_step_and_is_kept_while_nothing_changes(monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    lin = _layer(torch.bfloat16, bias=False)
+    x = torch.randn(15, 64, dtype=torch.bfloat16)
+    with torch.enable_grad():
+        lin(x, _segments())
+    stack = lin._tenant_stack
+    lin(x, _segments()).sum().backward()
+    assert lin._tenant_stack is stack  # the same masters: the same stack
+    with torch.no_grad():
+        lin.adapters[1].B.add_(1.0)  # an optimizer step of one tenant
+    y = lin(x, _segments())
+    assert lin._tenant_stack is not stack
+    y_ref, _, _ = _reference(lin, x, torch.zeros(15, 48, dtype=torch.bfloat16), _segments())
+    assert _close(y.detach(), y_ref, 2e-2)
+    lin.remove_adapter(1)
+    assert lin._tenant_stack is None  # a removed adapter leaves no copy on the device
+
+
+def test_without_fused_nodes_the_plain_ops_run(monkeypatch):
+    monkeypatch.setattr(lora_function, "FUSED_NODES", False)
+    lin = _layer(torch.float32)
+    y = lin(torch.randn(15, 64, requires_grad=True), _segments())
+    assert y.grad_fn is not None and "TenantsLoraFunctionBackward" not in _nodes(y)
+
+
+def test_inference_does_not_take_the_node():
+    lin = _layer(torch.float32)
+    x = torch.randn(15, 64, requires_grad=True)
+    with torch.no_grad():
+        assert lin(x, _segments()).grad_fn is None
+    y = lin(x, _segments())
+    assert TenantsLoraFunction.__name__ + "Backward" in _nodes(y)
