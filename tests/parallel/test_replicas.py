@@ -166,8 +166,8 @@ def test_replicas_of_sharded_models_train_and_sample_as_one_process(qwen3_dir):
             w.create_model("run", "m", LoraSpec(rank=4, seed=3))
         _assert_same_training(_train(w1, "run", 1 << 20), _train(w4, "run", 40))
         s1, s4 = w1.export_training_state("run"), w4.export_training_state("run")
-        for k in s1.weights:  # gathered from the shards of rank 0's replica
-            np.testing.assert_allclose(s1.weights[k].numpy(), s4.weights[k].numpy(), atol=1e-6, rtol=0)
+        for k in s1.weights:  # gathered from the shards of rank 0's replica; rtol: Adam, as above
+            np.testing.assert_allclose(s1.weights[k].numpy(), s4.weights[k].numpy(), atol=1e-6, rtol=2e-4)
         slots = [w.snapshot("run", "snap").slot for w in (w1, w4)]
         ref = _sample_all(w1.sampler(b1), _tasks(slots[0]), cancel="cancelled")
         got = _sample_all(sampler, _tasks(slots[1]), cancel="cancelled")
