@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from tinsmith.kernels import vocab_softmax
+
 # Default memory allowed for one chunk's fp32 logits (backward holds about three such buffers).
 DEFAULT_CHUNK_BYTES = 256 << 20
 
@@ -64,7 +66,9 @@ def chunked_target_logprobs(
     if rows.shape != cols.shape or rows.dim() != 1:
         raise ValueError("rows and cols must be 1-D and of the same length")
     chunk, bounds, spans, factors = chunk_plan(hidden, weight, rows, loras, chunk_rows, rows_host)
-    return _ChunkedTargetLogprobs.apply(hidden, weight, bias, rows, cols, chunk, bounds, spans, *factors)
+    # At most one element per row (the rows strictly increase): what the fused gradient takes.
+    one_per_row = rows_host is not None and bool((rows_host[1:] > rows_host[:-1]).all())
+    return _ChunkedTargetLogprobs.apply(hidden, weight, bias, rows, cols, chunk, bounds, spans, one_per_row, *factors)
 
 
 def targets_to_elements(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,14 +106,16 @@ def chunks(n: int, chunk: int):
 
 def chunked_backward(ctx, grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None, rows: torch.Tensor, lse: torch.Tensor, factors: list,
-                     factors_at: int, scatter, kept: torch.Tensor | None = None) -> tuple:
+                     factors_at: int, scatter, kept: torch.Tensor | None = None, fused_grad=None) -> tuple:
     """Gradients ``(d_hidden, d_weight, d_bias, *d_factors)`` of the chosen entries' log-probabilities.
 
     Shared by the single-device and the vocabulary-parallel functions, which differ only in how a
     chunk's incoming gradients land on its logits: ``scatter(d_logits, c, a, grad_out)`` adds
     them in place at the chunk's chosen (rows, columns) that the caller holds. ``factors_at``: the
     index of the first LoRA factor among the autograd function's inputs. ``kept``: the one chunk's
-    log-softmax saved by forward, used instead of recomputing the logits.
+    log-softmax saved by forward, used instead of recomputing the logits. ``fused_grad(c, a, b, h,
+    g_row)``: the chunk's logits' gradient in the compute dtype by other means (the kernels of
+    :mod:`tinsmith.kernels.vocab_softmax`; not with a bias to train), or None where it cannot.
     """
     chunk, spans = ctx.chunk, ctx.spans
     need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -126,17 +132,19 @@ def chunked_backward(ctx, grad_out: torch.Tensor, hidden: torch.Tensor, weight: 
            for f, need in zip(factors, need_f)]
     for c, a, b in chunks(n, chunk):
         h = hidden[a:b]
-        if kept is not None:
-            d_logits = kept.exp()
-        else:
-            with torch.no_grad():
-                d_logits = _chunk_logits(h, weight, bias, a, spans, factors).sub_(lse[a:b, None]).exp_()
-        d_logits.mul_(-g_row[a:b, None])  # softmax * -sum(g), in place: one buffer
-        scatter(d_logits, c, a, grad_out)
-        if need_b:
-            d_b += d_logits.sum(0)
-        d_y = d_logits.to(dtype)
-        del d_logits
+        d_y = fused_grad(c, a, b, h, g_row) if fused_grad is not None and not need_b else None
+        if d_y is None:
+            if kept is not None:
+                d_logits = kept.exp() if kept.dtype == torch.float32 else kept.float().sub_(lse[a:b, None]).exp_()
+            else:
+                with torch.no_grad():
+                    d_logits = _chunk_logits(h, weight, bias, a, spans, factors).sub_(lse[a:b, None]).exp_()
+            d_logits.mul_(-g_row[a:b, None])  # softmax * -sum(g), in place: one buffer
+            scatter(d_logits, c, a, grad_out)
+            if need_b:
+                d_b += d_logits.sum(0)
+            d_y = d_logits.to(dtype)
+            del d_logits
         if need_h:
             d_h[a:b] = d_y @ weight.to(dtype)
         if need_w:
@@ -160,8 +168,9 @@ def chunked_backward(ctx, grad_out: torch.Tensor, hidden: torch.Tensor, weight: 
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: int,
-                  spans: tuple, factors: tuple) -> torch.Tensor:
-    """fp32 logits of the rows ``h`` (= rows ``[a, a + len(h))``), as ``LoraLinear`` computes them."""
+                  spans: tuple, factors: tuple, fp32: bool = True) -> torch.Tensor:
+    """Logits of the rows ``h`` (= rows ``[a, a + len(h))``), as ``LoraLinear`` computes them, in
+    fp32 (``fp32=False``: in ``h``'s dtype, as the GEMMs wrote them)."""
     y = F.linear(h, weight, bias)
     b = a + h.shape[0]
     for i, (start, end, scale) in enumerate(spans):
@@ -171,7 +180,7 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         A, B = factors[2 * i].to(h.dtype), factors[2 * i + 1].to(h.dtype)
         # In place on the rows' slice (contiguous): no second chunk-sized buffer, no copy back.
         y[lo - a : hi - a].addmm_(F.linear(h[lo - a : hi - a], A), B.t(), alpha=scale)
-    return y.float()
+    return y.float() if fp32 else y
 
 
 def _element_bounds(rows: torch.Tensor, n: int, chunk: int) -> list[int]:
@@ -182,24 +191,32 @@ def _element_bounds(rows: torch.Tensor, n: int, chunk: int) -> list[int]:
 
 class _ChunkedTargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, cols, chunk, bounds, spans, *factors):
+    def forward(ctx, hidden, weight, bias, rows, cols, chunk, bounds, spans, one_per_row, *factors):
         n = hidden.shape[0]
         out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        # One chunk covers every row: its log-softmax is kept for backward (it is within the
-        # memory budget by definition) rather than recomputed by a second unembedding GEMM.
+        fused = vocab_softmax.usable(hidden)  # half-precision logits reduced by a kernel, never cast
+        # One chunk covers every row: its log-softmax (fused: its logits) is kept for backward (it
+        # is within the memory budget by definition) rather than recomputed by a second GEMM.
         kept = None
         for c, a, b in chunks(n, chunk):
-            logits = _chunk_logits(hidden[a:b], weight, bias, a, spans, factors)
-            lse[a:b] = torch.logsumexp(logits, dim=-1)
-            logp = logits.sub_(lse[a:b, None])
+            logits = _chunk_logits(hidden[a:b], weight, bias, a, spans, factors, fp32=not fused)
+            chunk_lse = vocab_softmax.row_logsumexp(logits) if fused else None
+            if chunk_lse is None:  # torch (or the kernel failed here: from now on torch)
+                logits = logits.float()
+                chunk_lse = torch.logsumexp(logits, dim=-1)
+            lse[a:b] = chunk_lse
             ea, eb = bounds[c], bounds[c + 1]
-            if ea < eb:
-                out[ea:eb] = logp[rows[ea:eb] - a, cols[ea:eb]]
+            if logits.dtype == torch.float32:
+                logp = logits.sub_(lse[a:b, None])
+                if ea < eb:
+                    out[ea:eb] = logp[rows[ea:eb] - a, cols[ea:eb]]
+            elif ea < eb:
+                out[ea:eb] = logits[rows[ea:eb] - a, cols[ea:eb]].float() - lse[rows[ea:eb]]
             if n <= chunk and any(ctx.needs_input_grad):
-                kept = logp
+                kept = logits
         ctx.save_for_backward(hidden, weight, bias, rows, cols, lse, kept, *factors)
-        ctx.chunk, ctx.bounds, ctx.spans = chunk, bounds, spans
+        ctx.chunk, ctx.bounds, ctx.spans, ctx.one_per_row = chunk, bounds, spans, one_per_row
         return out
 
     @staticmethod
@@ -212,6 +229,21 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
             if ea < eb:
                 d_logits.index_put_((rows[ea:eb] - a, cols[ea:eb]), g[ea:eb], accumulate=True)
 
-        d_h, d_w, d_b, *grads_f = chunked_backward(ctx, grad_out, hidden, weight, bias, rows, lse, factors, 8,
-                                                   scatter, kept)
-        return (d_h, d_w, d_b, None, None, None, None, None, *grads_f)
+        target = None
+        if ctx.one_per_row and vocab_softmax.usable(hidden):
+            # Each row's one target column (-1: a row with none); its gradient is g_row's.
+            target = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
+            target[rows] = cols
+
+        def fused_grad(c, a, b, h, g_row):
+            if kept is not None:
+                if kept.dtype == torch.float32:
+                    return None
+                return vocab_softmax.softmax_grad_(kept, lse[a:b], g_row[a:b], target[a:b], out=torch.empty_like(kept))
+            with torch.no_grad():
+                logits = _chunk_logits(h, weight, bias, a, ctx.spans, factors, fp32=False)
+            return vocab_softmax.softmax_grad_(logits, lse[a:b], g_row[a:b], target[a:b])
+
+        d_h, d_w, d_b, *grads_f = chunked_backward(ctx, grad_out, hidden, weight, bias, rows, lse, factors, 9,
+                                                   scatter, kept, None if target is None else fused_grad)
+        return (d_h, d_w, d_b, None, None, None, None, None, None, *grads_f)
