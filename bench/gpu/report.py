@@ -29,7 +29,7 @@ def _status(d: dict) -> str:
 
 def _tenants(lo: dict, k: str) -> str:
     """Several tenants against one: the default's ratio, then each way the adapters can run."""
-    paths = " / ".join(f"{p} {_get(lo, 'tenants', k, f'{p}_vs_one_tenant')}" for p in ("dense", "grouped")
+    paths = " / ".join(f"{p} {_get(lo, 'tenants', k, f'{p}_vs_one_tenant')}" for p in ("dense", "grouped", "grouped_ops")
                        if f"{p}_vs_one_tenant" in lo.get("tenants", {}).get(k, {}))
     return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "")
 
@@ -51,7 +51,7 @@ def markdown(s: dict) -> str:
                       "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | "
                       "packed tok/s | packed MFU | packed vs padded | long ctx (auto) tok/s | peft tok/s | "
                       "peft MFU | full FT MFU | peak GiB | training kernels vs torch (tok/s; peak GiB) | "
-                      "LoRA nodes vs ops | notes |")
+                      "LoRA nodes vs ops | loss softmax kernels vs torch | notes |")
         for name in s["shapes"]:
             lo, pf, ff = tr.get(f"{name}/lora", {}), tr.get(f"{name}/peft_baseline", {}), tr.get(f"{name}/full_finetune", {})
             keys = [k for k in lo if "x" in k and isinstance(lo[k], dict)]
@@ -65,6 +65,7 @@ def markdown(s: dict) -> str:
                      f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
                      f"{_get(lo, 'torch_elementwise', 'kernels_vs_torch')}; {_get(lo, small, 'peak_gib')} vs "
                      f"{_get(lo, 'torch_elementwise', 'peak_gib')} | {_get(lo, 'lora_as_ops', 'nodes_vs_ops')} | "
+                     f"{_get(lo, 'loss_softmax_in_torch', 'kernels_vs_torch')} | "
                      f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")
         L.append("")
     L += _profiles(s)

@@ -85,14 +85,19 @@ def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
     out: dict = {"prompt_tokens": z["prompt"], "new_tokens": z["new"]}
 
     captures = {"second_run": 0}
+    counted = ("graph_captures", "graph_replays", "decode_steps", "decode_reads", "prefills", "prefill_tokens",
+               "preempted", "recomputed_tokens")
+    timed_stats: dict = {}
 
     def twice(rows: int, slots: list) -> tuple[float, float]:
         """(first, second) run's seconds for ``rows`` rows of ``slots`` in turn; the second run's
-        graph captures in ``captures``."""
+        graph captures in ``captures``, its sampler counters (steps, prefills, preemptions) in
+        ``timed_stats``."""
         first = run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=rows)
-        before = sampler.stats.get("graph_captures", 0)
+        before = {k: sampler.stats.get(k, 0) for k in counted}
         second = run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=rows + 1)
-        captures["second_run"] = sampler.stats.get("graph_captures", 0) - before
+        captures["second_run"] = sampler.stats.get("graph_captures", 0) - before["graph_captures"]
+        timed_stats.update({k: sampler.stats.get(k, 0) - before[k] for k in counted})
         return first, second
 
     for rows in z["rows"]:
@@ -101,7 +106,7 @@ def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
         bound = hbm_bound_tokens_per_s(model_dir, rows, z["prompt"], z["new"], peak["copy_bytes_per_s"], dtype_bytes)
         out[f"rows_{rows}"] = {"tokens_per_s": tps, "hbm_bound_tokens_per_s": bound, "of_hbm_bound": tps / bound,
                                "first_run_tokens_per_s": rows * z["new"] / first,
-                               "captures_in_timed_run": captures["second_run"]}
+                               "captures_in_timed_run": captures["second_run"], "timed_run_stats": dict(timed_stats)}
     # Rows take the adapters in turn (64 rows, 64 adapters: one row each), every projection adapted.
     rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
     units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from bench.gpu.peak import sync, timed
-from tinsmith.kernels import norm_grad, swiglu
+from tinsmith.kernels import norm_grad, swiglu, vocab_softmax
 from tinsmith.models import grouped_lora, lora_function
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
@@ -90,7 +90,8 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     """LoRA r32 at 8x1024 and 32x1024 (the first also with the norms, rotary and SiLU-and-multiply
     in torch rather than the training kernels, and with each LoRA op its own autograd node rather
     than one node per projection group: ``lora_function.FUSED_NODES``); 1, 4 and 16 tenants in one step (and the several
-    tenants through each way their adapters can run: dense masked products, grouped matmuls);
+    tenants through each way their adapters can run: dense masked products, grouped matmuls in one
+    autograd node per projection, grouped matmuls as torch's ops);
     padded vs packed micro-batches over uneven lengths; 1x32k long context."""
     L = 32 if quick else 1024
     steps = 2 if quick else 5
@@ -114,6 +115,13 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
             k.BACKEND = "auto"
     out["torch_elementwise"] = {"shape": f"{rows}x{L}", "tokens_per_s": r["tokens_per_s"], "peak_gib": r["peak_gib"],
                                 "kernels_vs_torch": out[f"{rows}x{L}"]["tokens_per_s"] / r["tokens_per_s"]}
+    vocab_softmax.BACKEND = "torch"  # the loss's log-sum-exp and softmax gradient in fp32 torch ops
+    try:
+        r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
+    finally:
+        vocab_softmax.BACKEND = "auto"
+    out["loss_softmax_in_torch"] = {"shape": f"{rows}x{L}", "tokens_per_s": r["tokens_per_s"], "peak_gib": r["peak_gib"],
+                                    "kernels_vs_torch": out[f"{rows}x{L}"]["tokens_per_s"] / r["tokens_per_s"]}
     lora_function.FUSED_NODES = False  # each LoRA op its own autograd node, as torch's ops run it
     try:
         r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
@@ -130,14 +138,17 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
         tenants[str(k)] = {"tokens_per_s": many["tokens_per_s"], "one_tenant_same_tokens_per_s": one_unit["tokens_per_s"],
                            "vs_one_tenant": many["tokens_per_s"] / one_unit["tokens_per_s"],
                            "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])}
-        if k > 1:  # the two ways several adapters run, whichever the default picks (grouped_lora.MULTI_LORA)
-            for path in ("dense", "grouped"):
-                grouped_lora.MULTI_LORA = path
+        if k > 1:  # the ways several adapters run, whichever the default picks (grouped_lora.MULTI_LORA);
+            # "grouped_ops": grouped with each op its own autograd node (as before lora_tenants' node)
+            for path in ("dense", "grouped", "grouped_ops"):
+                grouped_lora.MULTI_LORA = path.removesuffix("_ops")
+                lora_function.FUSED_NODES = not path.endswith("_ops")
                 try:
                     rate = step_rate(rt, work, steps)["tokens_per_s"]
                     tenants[str(k)][f"{path}_vs_one_tenant"] = rate / one_unit["tokens_per_s"]
                 finally:
                     grouped_lora.MULTI_LORA = "auto"
+                    lora_function.FUSED_NODES = True
     out["tenants"] = {"rows_per_tenant": per_tenant, "seq_len": L, **tenants}
     # Uneven lengths (uniform in lo..hi), the server's micro-batch size: right-padded rows against
     # packed documents (tokens/s and MFU count real tokens only).

@@ -20,9 +20,11 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
         for key, result in summary[part].items():
             assert "error" not in result and "skipped" not in result, (key, result)
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["tokens_per_s"] > 0
+    assert summary["train"]["tiny/lora"]["tenants"]["4"]["grouped_ops_vs_one_tenant"] > 0
     assert summary["train"]["tiny/lora"]["packing"]["packed_vs_padded"] > 0
     assert summary["train"]["tiny/lora"]["torch_elementwise"]["kernels_vs_torch"] > 0  # the CPU's torch both ways
     assert summary["train"]["tiny/lora"]["lora_as_ops"]["nodes_vs_ops"] > 0
+    assert summary["train"]["tiny/lora"]["loss_softmax_in_torch"]["kernels_vs_torch"] > 0
     assert summary["sample"]["token_choice"]["rows_4"]["torch"]["us"] > 0
     assert "packed vs padded" in (out / "summary.md").read_text()
     assert "Against the issues' targets" in (out / "summary.md").read_text()
