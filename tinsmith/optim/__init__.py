@@ -13,9 +13,11 @@ from tinsmith.optim.families import (
     normalize_optimizer_config,
     optimizer_type,
     params_type,
+    steps_on_device,
 )
 
 __all__ = [
     "ADAMW", "DIMUON", "STATE_KEYS", "SUPPORTED_OPTIMIZERS", "apply_hyperparameters", "build_optimizer",
     "check_params_match", "normalize_optimizer_config", "optimizer_type", "params_type",
+    "steps_on_device",
 ]

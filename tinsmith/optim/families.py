@@ -66,8 +66,25 @@ def build_optimizer(kind: str, params: list[torch.Tensor], rank: int | None) -> 
 
         return Dimuon(params, rank=rank)
     if kind == ADAMW:
-        return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True)
+        fused = fused_adamw_fits(params)
+        return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
+                                 foreach=None if fused else True, fused=fused or None)
     raise InvalidInputError(f"optimizer type {kind!r} is not supported (supported: {', '.join(SUPPORTED_OPTIMIZERS)})")
+
+
+def fused_adamw_fits(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW steps ``params`` with torch's fused kernel: plain CUDA tensors (not a sharded
+    DTensor). One multi-tensor kernel per step instead of the foreach path's dozen passes, each
+    launched from the host: on an H200 a LoRA step's AdamW spanned 7.4 ms of the device's timeline
+    (Qwen3-1.7B shape, r32), mostly waiting for those launches. The step count then lives on the
+    parameters' device (:func:`steps_on_device`)."""
+    return bool(params) and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_cuda for p in params)
+
+
+def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps each parameter's step count on the parameter's device (fused
+    AdamW) rather than on the host (foreach AdamW)."""
+    return bool(optimizer.defaults.get("fused"))
 
 
 def apply_hyperparameters(optimizer: torch.optim.Optimizer, hp: OptimParams) -> None:

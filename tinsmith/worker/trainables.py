@@ -26,7 +26,7 @@ from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear, together_groups
 from tinsmith.models.lora_function import refresh_copies
 from tinsmith.models.moe import ExpertLinear
-from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match
+from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match, steps_on_device
 from tinsmith.types import LoraSpec, OptimParams
 
 
@@ -131,13 +131,14 @@ class Trainable:
             refresh_copies(alone.get(dtype, []), dtype, grouped.get(dtype, []))
 
     def _move(self, device: torch.device) -> None:
+        steps_too = steps_on_device(self.optimizer)  # fused AdamW's step counts live beside the parameters
         for p in self.params:
             if p.device != device:
                 p.data = p.data.to(device)
                 if p.grad is not None:
                     p.grad = p.grad.to(device)
                 for k, v in self.optimizer.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor) and k != "step":
+                    if isinstance(v, torch.Tensor) and (k != "step" or steps_too):
                         self.optimizer.state[p][k] = v.to(device)
 
     def has_grads(self) -> bool:
@@ -222,7 +223,8 @@ class Trainable:
                 if self._has_saved_state(optimizer, n):
                     st = {k: optimizer[f"{n}.{k}"].to(p.device, p.dtype).clone() for k in STATE_KEYS[self.optimizer_type]}
                     if f"{n}.step" in optimizer:
-                        st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
+                        step = optimizer[f"{n}.step"].reshape(()).float()
+                        st["step"] = step.to(p.device) if steps_on_device(self.optimizer) else step.clone()
                     self.optimizer.state[p] = st
         self._weights_changed()  # written in place: cached prompts and adapter banks are stale
         self.refresh_compute_copies()
