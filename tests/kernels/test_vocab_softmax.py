@@ -60,7 +60,9 @@ def _grads(head, h, rows, cols, g_out, chunk_rows, backend, monkeypatch):
     x = h.detach().clone().requires_grad_()
     loras = [UnembedLora(w.A, w.B, w.scale, a, b) for slot, a, b in SEGMENTS
              if slot is not None and (w := head.adapters.get(slot)) is not None]
-    lp = chunked_target_logprobs(x, head.weight, rows, cols, loras=loras, chunk_rows=chunk_rows, rows_host=rows)
+    one_per_row = bool((rows[1:] > rows[:-1]).all())
+    lp = chunked_target_logprobs(x, head.weight, rows, cols, loras=loras, chunk_rows=chunk_rows, rows_host=rows.cpu(),
+                                 one_per_row=one_per_row)
     (lp * g_out).sum().backward()
     grads = {"hidden": x.grad, "weight": head.weight.grad}
     for slot, w in head.adapters.items():

@@ -52,6 +52,7 @@ def chunked_target_logprobs(
     loras: list[UnembedLora] | tuple[UnembedLora, ...] = (),
     chunk_rows: int | None = None,
     rows_host: torch.Tensor | None = None,
+    one_per_row: bool = False,
 ) -> torch.Tensor:
     """``log_softmax(hidden @ weight^T + bias + LoRA)[rows[e], cols[e]]`` for each element ``e``, fp32.
 
@@ -60,14 +61,14 @@ def chunked_target_logprobs(
     :func:`rows_per_chunk` of the vocabulary. Differentiable in ``hidden``, ``weight``,
     ``bias`` and every adapter's ``A``/``B``; full-vocabulary logits never exist at once.
     ``rows_host``: ``rows`` on the host, where the chunks' element bounds are then found without
-    reading the device (otherwise one read per call).
+    reading the device (otherwise one read per call). ``one_per_row``: no row has two elements
+    (one target per position, as the caller knows), what the fused gradient of half-precision
+    logits on a GPU takes (:mod:`tinsmith.kernels.vocab_softmax`).
     """
     check_shapes(hidden, weight)
     if rows.shape != cols.shape or rows.dim() != 1:
         raise ValueError("rows and cols must be 1-D and of the same length")
     chunk, bounds, spans, factors = chunk_plan(hidden, weight, rows, loras, chunk_rows, rows_host)
-    # At most one element per row (the rows strictly increase): what the fused gradient takes.
-    one_per_row = rows_host is not None and bool((rows_host[1:] > rows_host[:-1]).all())
     return _ChunkedTargetLogprobs.apply(hidden, weight, bias, rows, cols, chunk, bounds, spans, one_per_row, *factors)
 
 

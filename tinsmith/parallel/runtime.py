@@ -76,7 +76,8 @@ class TPTrainingRuntime(TrainingRuntime):
         return unit
 
     def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor,
-                         rows_host: torch.Tensor) -> torch.Tensor:
+                         rows_host: torch.Tensor, one_per_row: bool = False) -> torch.Tensor:
+        # one_per_row: unused, the vocabulary-parallel backward keeps the torch path
         head = self.model.lm_head
         loras = [UnembedLora(w.A, w.B, w.scale, a, b)
                  for slot, a, b in segs if slot is not None and (w := head.adapters.get(slot)) is not None]

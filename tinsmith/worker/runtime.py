@@ -572,18 +572,19 @@ class TrainingRuntime:
             h = hidden.reshape(-1, hidden.shape[-1])  # (T, hidden) real tokens, row-major
             if mb.valid is not None:  # padded rows: pick the real tokens
                 h = h.index_select(0, mb.valid)
-            rows_idx, cols, elem_bounds = [], [], [0]
+            rows_idx, cols, elem_bounds, one_per_row = [], [], [0], True
             for i, ref in enumerate(mb.rows):
                 tgt = prepared[ref.request].targets[ref.datum]
                 n = tgt.shape[0]
                 k = 1 if tgt.dim() == 1 else tgt.shape[1]
+                one_per_row = one_per_row and k == 1
                 # Built on the host and moved once below (one copy, not one per datum).
                 rows_idx.append(torch.arange(mb.token_offsets[i], mb.token_offsets[i] + n, device="cpu").repeat_interleave(k))
                 cols.append(tgt.reshape(-1))
                 elem_bounds.append(elem_bounds[-1] + n * k)
             rows_host = torch.cat(rows_idx)
             lp = self._target_logprobs(h, mb.token_segments, to_device(rows_host, self.device), to_device(torch.cat(cols), self.device),
-                                       rows_host)
+                                       rows_host, one_per_row)
             losses = []
             by_request: dict[int, list[int]] = {}
             for i, ref in enumerate(mb.rows):
@@ -616,16 +617,17 @@ class TrainingRuntime:
         return failed
 
     def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor,
-                         rows_host: torch.Tensor) -> torch.Tensor:
+                         rows_host: torch.Tensor, one_per_row: bool = False) -> torch.Tensor:
         """log p(cols[e] | token rows[e]) for each element e, with the unembedding and the loss's
         log-softmax fused over chunks of rows: full (tokens, vocab) logits never exist.
-        ``rows_host`` (``rows`` on the host) gives the chunk bounds without a device read."""
+        ``rows_host`` (``rows`` on the host) gives the chunk bounds without a device read;
+        ``one_per_row``: every position has one target (none has top-k candidates)."""
         head = self.model.lm_head
         loras = [UnembedLora(w.A, w.B, w.scale, a, b)
                  for slot, a, b in segs if slot is not None and (w := head.adapters.get(slot)) is not None]
         return chunked_target_logprobs(h, head.weight, rows, cols, bias=head.bias, loras=loras,
                                        chunk_rows=rows_per_chunk(self.config.vocab_size, self.logit_chunk_bytes),
-                                       rows_host=rows_host)
+                                       rows_host=rows_host, one_per_row=one_per_row)
 
     def _loss_batch(self, p: _Prepared, datums: list[int], lps: list[torch.Tensor]) -> LossBatch:
         offsets = [0]
