@@ -29,7 +29,7 @@ def test_grouped_lora_nodes_on_the_device_match_float64():
     outs = trained_together(layers, x, [(0, 0, 256)])
     assert outs is not None
     gs = [torch.randn_like(o) for o in outs]
-    fp32_out_gemms(device)  # its one-time check (a few casts of its own) before the backward is counted
+    fp32_out_gemms(x.device)  # its one-time check (a few casts of its own) before the backward is counted
     with _Ops() as bwd:
         torch.autograd.backward(outs, gs)
     x64 = x.detach().double()

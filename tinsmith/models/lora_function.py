@@ -33,6 +33,8 @@ def fp32_out_gemms(device: torch.device) -> bool:
     CUDA in recent torch), checked once per device by one small product against its fp32 value.
     Where they do, the adapter's gradients come out of their GEMMs in the masters' fp32, with no
     rounding to bf16 and no cast kernel after."""
+    if device.type == "cuda" and device.index is None:  # one entry per GPU, however it is named
+        device = torch.device("cuda", torch.cuda.current_device())
     known = _FP32_OUT.get(device)
     if known is None:
         known = False
