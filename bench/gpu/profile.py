@@ -53,7 +53,8 @@ def kernel_table(prof, steps: int, wall_s: float) -> dict:
     ``steps`` is reported as counted; a profile of no step is divided by one."""
     counted, steps = steps, max(steps, 1)
     events = list(prof.key_averages())
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+               and not _annotation(e)]
     if kernels:
         rows = [(e.key, e.self_device_time_total, e.count) for e in kernels]
         source = "cuda kernels"
@@ -69,7 +70,37 @@ def kernel_table(prof, steps: int, wall_s: float) -> dict:
     return {"source": source, "steps": counted, "device_ms": total_us / 1e3 / steps, "wall_ms": 1e3 * wall_s / steps,
             "kernels": sum(c for _, _, c in rows) / steps,
             "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
-            "top": [[name[:90], round(us / 1e3 / steps, 3), round(c / steps, 1)] for name, us, c in top]}
+            "top": [[name[:90], round(us / 1e3 / steps, 3), round(c / steps, 1)] for name, us, c in top],
+            **(_idle(prof, steps) if kernels else {})}
+
+
+def _annotation(e) -> bool:
+    """A range the profiler draws on the device's timeline for a host annotation (an optimizer's
+    step), not a kernel: counted, it would add its kernels' time twice."""
+    return bool(getattr(e, "is_user_annotation", False)) or "#" in e.key or e.key.startswith("ProfilerStep")
+
+
+def _idle(prof, steps: int, short_us: float = 10.0) -> dict:
+    """Per step, the device's idle time between its first and last kernel: gaps of at most
+    ``short_us`` (a kernel waiting for the one before it to drain and the next to start: inside a
+    CUDA graph, launches cost nothing else) and longer ones (the device waiting for the host's
+    launches or its reads), and how many of those."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and not _annotation(e) and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    short = long = 0.0
+    count = 0
+    end = spans[0][1]
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > short_us:
+            long, count = long + gap, count + 1
+        elif gap > 0:
+            short += gap
+        end = max(end, stop)
+    return {"span_ms": (end - spans[0][0]) / 1e3 / steps, "idle_short_ms": short / 1e3 / steps,
+            "idle_long_ms": long / 1e3 / steps, "long_idles": count / steps}
 
 
 def _profiled(fn, device: torch.device):

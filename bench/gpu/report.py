@@ -246,8 +246,10 @@ def _profiles(s: dict) -> list[str]:
             if not isinstance(t, dict) or "families_ms" not in t:
                 continue
             fam = ", ".join(f"{k} {v:.2f}" for k, v in t["families_ms"].items())
+            idle = (f"device idle between kernels: {_fmt(t['idle_short_ms'])} ms in gaps <= 10 us, "
+                    f"{_fmt(t['idle_long_ms'])} ms in {_fmt(t['long_idles'])} longer" if "idle_short_ms" in t else "")
             L.append(f"| {key} {case} | {t['source']} | {_fmt(t['device_ms'])} | {_fmt(t['wall_ms'])} | "
-                     f"{_fmt(t['kernels'])} | {fam} | |")
+                     f"{_fmt(t['kernels'])} | {fam} | {idle} |")
             tops += [f"{key} {case}: " + "; ".join(f"{n} {ms:.3g} ms x{c:g}" for n, ms, c in t["top"][:8])]
             if t.get("host_top"):  # the host's side of a replayed step (cProfile, own ms per step)
                 tops += [f"{key} {case} host: " + "; ".join(f"{n} {ms:.3g} ms" for n, ms, _ in t["host_top"])]

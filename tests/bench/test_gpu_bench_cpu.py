@@ -59,3 +59,4 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert grpo["separate_server"]["asample_http_mean_s"] > 0
     beside = summary["sample"]["tiny/beside_training"]
     assert beside["train_kept"] > 0 and beside["sample_kept"] > 0
+
