@@ -34,10 +34,11 @@ def _run(model_dir, fused: bool, monkeypatch) -> tuple[dict, dict]:
     for _ in range(3):
         for i, u in enumerate(units):
             training_step(rt, {u: batch(vocab, 2, 16, seed=i)})()
-    if device.type == "cuda":
-        opt = rt.unit(units[0]).optimizer
-        assert families.steps_on_device(opt) == fused
-        assert all(st["step"].device.type == ("cuda" if fused else "cpu") for st in opt.state.values())
+    if device.type == "cuda":  # the last step's adapter is on the device, the other parked on the host
+        resident, parked = rt.unit(units[1]).optimizer, rt.unit(units[0]).optimizer
+        assert families.steps_on_device(resident) == fused
+        assert all(st["step"].device.type == ("cuda" if fused else "cpu") for st in resident.state.values())
+        assert all(st["step"].device.type == "cpu" for st in parked.state.values())
     weights, optimizer = rt.unit(units[0]).export_state()
     fresh = rt.create_adapter(LoraSpec(rank=8, seed=9))
     rt.unit(fresh).import_state(weights, optimizer)

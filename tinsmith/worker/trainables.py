@@ -20,6 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import increment_version
 
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
@@ -251,6 +252,10 @@ class Trainable:
         apply_hyperparameters(self.optimizer, hp)
         self._weights_changed()  # before too: a failure half-way must not leave the old version standing
         self.optimizer.step()
+        if steps_on_device(self.optimizer):
+            # The fused kernel writes the parameters without bumping their version counters, and
+            # the compute copies (and several tenants' stacks) know a stale copy by its version.
+            increment_version(params)
         self.optimizer.zero_grad(set_to_none=True)
         if self.masters is not None:
             with torch.no_grad():
