@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from tests.models.test_lora_function import _Ops
 from tinsmith.models import lora_function, moe
 from tinsmith.models.lora import LoraLinear
-from tinsmith.models.lora_tenants import TenantsLoraFunction
+from tinsmith.models.lora_tenants import TenantsLoraFunction, refresh_stacks
 
 # (slot, rows): a rank-8 adapter, rows of no adapter, a rank-4 adapter (padded to 8 in the stack)
 LAYOUT = [(0, 5), (None, 3), (1, 7)]
@@ -154,3 +154,52 @@ def test_inference_does_not_take_the_node():
         assert lin(x, _segments()).grad_fn is None
     y = lin(x, _segments())
     assert TenantsLoraFunction.__name__ + "Backward" in _nodes(y)
+
+
+def test_an_optimizer_step_refreshes_the_stack_in_place(monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    lin = _layer(torch.bfloat16, bias=False)
+    x = torch.randn(15, 64, dtype=torch.bfloat16)
+    lin(x, _segments()).sum().backward()
+    _, A, B, _ = lin._tenant_stack
+    w = lin.adapters[1]
+    with torch.no_grad():
+        w.A.mul_(2.0)  # a step of adapter 1 (rank 4: its rows of the rank-8 stack are padded)
+        w.B.add_(1.0)
+    refresh_stacks([(lin, w)])
+    assert lin._tenant_stack[1] is A and lin._tenant_stack[2] is B  # written in place, kept
+    torch.testing.assert_close(A[2, :4], w.A.detach().to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(B[2, :, :4], (w.B.detach().to(torch.bfloat16) * w.scale), rtol=0, atol=0)
+    assert A[2, 4:].abs().sum() == 0 and B[2, :, 4:].abs().sum() == 0  # the padding stays zero
+    y = lin(x, _segments())
+    assert lin._tenant_stack[1] is A  # the key follows: no rebuild at the next forward
+    y_ref, _, _ = _reference(lin, x, torch.zeros(15, 48, dtype=torch.bfloat16), _segments())
+    assert _close(y.detach(), y_ref, 2e-2)
+
+
+def test_a_training_runs_steps_keep_every_layers_stack_current(qwen3_dir, monkeypatch):
+    """Two tenants trained together (grouped, forced): after each step's optimizer steps every
+    layer's stack is the same buffer, matching the adapters' new weights, so the next forward
+    rebuilds none."""
+    from bench.gpu.train import batch, training_step
+    from tinsmith.models.loading import load_model
+    from tinsmith.models.lora_tenants import _stack_key
+    from tinsmith.types import LoraSpec
+    from tinsmith.worker.runtime import TrainingRuntime
+
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    model = load_model(str(qwen3_dir), dtype=torch.bfloat16).model
+    rt = TrainingRuntime(model, max_lora_adapters=4, max_lora_rank=8)
+    units = [rt.create_adapter(LoraSpec(rank=8, seed=i)) for i in range(2)]
+    work = {u: batch(model.config.vocab_size, 2, 16, seed=i) for i, u in enumerate(units)}
+    training_step(rt, work)()
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear) and m._tenant_stack is not None]
+    assert layers
+    buffers = {id(layer): layer._tenant_stack[1] for layer in layers}
+    training_step(rt, work)()
+    for layer in layers:
+        key, A, B, weights = layer._tenant_stack
+        assert A is buffers[id(layer)]
+        assert key == _stack_key(weights, A.shape[1], A.dtype)
+        for i, w in enumerate(weights):
+            torch.testing.assert_close(A[i], w.A.detach().to(A.dtype), rtol=0, atol=0)

@@ -102,7 +102,7 @@ class LoraLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.adapters: dict[int, LoraWeights] = AdapterSlots()
         self._bank: LoraBank | None = None
-        # (key, A, B): several tenants' adapters stacked for a training step (lora_tenants.stacked_copies)
+        # (key, A, B, weights): several tenants' adapters stacked for training (lora_tenants.stacked_copies)
         self._tenant_stack: tuple | None = None
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -48,20 +48,23 @@ class TenantRows:
     grouped: bool
 
 
+def _stack_key(weights: tuple, rank: int, dtype: torch.dtype) -> tuple:
+    return (dtype, rank, tuple(None if w is None else (w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr(),
+                                                       w.scale) for w in weights))
+
+
 def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_features: int,
                    out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every segment's adapter in ``dtype`` as ``(segments, rank, in)`` and ``(segments, out,
     rank)`` (scale folded into ``B``; padding and segments without an adapter zero), kept on
-    ``owner`` (the layer) until a master changes (an optimizer step, a loaded state) or the
-    micro-batch's adapters do. A rebuild makes new tensors (an older stack may still be saved
-    for a pending backward): one multi-tensor copy and one multiply."""
-    present = [w for w in weights if w is not None]
-    key = (dtype, rank, tuple(None if w is None else (w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr(),
-                                                      w.scale) for w in weights))
+    ``owner`` (the layer) until a master changes other than by :func:`refresh_stacks` (which an
+    optimizer step runs) or the micro-batch's adapters do. A rebuild makes new tensors: one
+    multi-tensor copy and one multiply."""
+    key = _stack_key(weights, rank, dtype)
     cached = getattr(owner, "_tenant_stack", None)
     if cached is not None and cached[0] == key:
         return cached[1], cached[2]
-    like = present[0].A
+    like = next(w for w in weights if w is not None).A
     full = all(w is not None and w.A.shape[0] == rank for w in weights)
     new = torch.empty if full else torch.zeros
     A = new(len(weights), rank, in_features, dtype=dtype, device=like.device)
@@ -74,8 +77,40 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
             src += [w.A.detach(), w.B.detach()]
     torch._foreach_copy_(dst, src)
     B.mul_(_group_scales(tuple(0.0 if w is None else float(w.scale) for w in weights), 1, dtype, like.device))
-    owner._tenant_stack = (key, A, B)
+    owner._tenant_stack = (key, A, B, weights)
     return A, B
+
+
+def refresh_stacks(attachments: list) -> None:
+    """After an adapter's weights changed (its optimizer step, a loaded state), write them into
+    every layer's kept stack that holds them, in place, for all layers at once (one multi-tensor
+    copy and one multiply per scale), and bring those stacks' keys up to date: else each layer
+    would rebuild its whole stack at its next forward, a few launches per layer and step.
+    ``attachments``: (layer, weights) pairs of the adapter. In place is safe here: a micro-batch's
+    backward runs right after its forward, so no saved stack is pending when weights change (and
+    autograd would refuse a saved tensor changed in place rather than use it)."""
+    dst, src, scaled, touched = [], [], {}, []
+    for layer, w in attachments:
+        cached = getattr(layer, "_tenant_stack", None)
+        if cached is None:
+            continue
+        _, A, B, weights = cached
+        i = next((j for j, x in enumerate(weights) if x is w), None)
+        if i is None:
+            continue
+        r = w.A.shape[0]
+        dst += [A[i, :r], B[i, :, :r]]
+        src += [w.A.detach(), w.B.detach()]
+        scaled.setdefault(float(w.scale), []).append(B[i, :, :r])
+        touched.append(layer)
+    if not dst:
+        return
+    torch._foreach_copy_(dst, src)
+    for scale, parts in scaled.items():
+        torch._foreach_mul_(parts, scale)
+    for layer in touched:
+        _, A, B, weights = layer._tenant_stack
+        layer._tenant_stack = (_stack_key(weights, A.shape[1], A.dtype), A, B, weights)
 
 
 class TenantsLoraFunction(torch.autograd.Function):

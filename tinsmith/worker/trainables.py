@@ -26,6 +26,7 @@ from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear, together_groups
 from tinsmith.models.lora_function import refresh_copies
+from tinsmith.models.lora_tenants import refresh_stacks
 from tinsmith.models.moe import ExpertLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match, steps_on_device
 from tinsmith.types import LoraSpec, OptimParams
@@ -130,6 +131,7 @@ class Trainable:
                 alone.setdefault(layer.weight.dtype, []).append(w)
         for dtype in {*grouped, *alone}:
             refresh_copies(alone.get(dtype, []), dtype, grouped.get(dtype, []))
+        refresh_stacks([(layer, w) for layer, w in self.attachments if isinstance(layer, LoraLinear)])
 
     def _move(self, device: torch.device) -> None:
         steps_too = steps_on_device(self.optimizer)  # fused AdamW's step counts live beside the parameters
