@@ -82,3 +82,10 @@ def test_gathered_lora_kernels_that_cannot_run_fall_back_to_torch(monkeypatch):
     lg.expand(y, h, B, idx)
     lg.expand_torch(want, h, B, idx)
     torch.testing.assert_close(y, want)
+
+
+def test_a_family_switch_allows_cuda_tensors_on_auto_any_on_triton_none_once_failed():
+    guard, cpu = KernelGuard("test kernels", "torch"), torch.zeros(1)
+    assert not guard.allows("auto", cpu) and guard.allows("triton", cpu) and not guard.allows("torch", cpu)
+    guard.failed = "it broke"
+    assert not guard.allows("triton", cpu)

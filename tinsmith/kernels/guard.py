@@ -31,6 +31,14 @@ class KernelGuard:
         self.what, self.instead = what, instead
         self.failed: str | None = None  # why the kernels were switched off
 
+    def allows(self, backend: str, on: torch.Tensor) -> bool:
+        """Whether a kernel family whose switch is ``backend`` ("auto": CUDA tensors, "triton": any
+        tensor, CPU ones in the interpreter, "torch": none) may run on ``on``'s device: the family
+        has not failed here. (Triton's presence is the caller's to check.)"""
+        if backend == "torch" or self.failed is not None:
+            return False
+        return backend == "triton" or on.is_cuda
+
     def call(self, fn: Callable[..., T], *args, on: torch.Tensor, **kwargs) -> T | None:
         """``fn(*args, **kwargs)``, or None once the kernels are off (``on``: a tensor of the call,
         to tell a graph capture in progress, where nothing may be swallowed)."""

@@ -27,9 +27,7 @@ GUARD = KernelGuard("K/V store kernel", "storing keys and values in torch")
 
 def usable(k: torch.Tensor, K: torch.Tensor) -> bool:
     """Whether :func:`store` takes the kernel for new keys like ``k`` (n, heads, d) into pools like ``K``."""
-    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
-        return False
-    if BACKEND == "auto" and not k.is_cuda:
+    if triton is None or not GUARD.allows(BACKEND, k):
         return False
     return k.stride(-1) == 1 and K.is_contiguous() and k.dtype == K.dtype
 

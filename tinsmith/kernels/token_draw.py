@@ -38,9 +38,7 @@ BLOCK = 4096  # vocabulary entries a program reads at once
 
 def usable(logits: torch.Tensor) -> bool:
     """Whether :func:`draw` takes the kernel for ``logits`` (rows, vocabulary)."""
-    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
-        return False
-    if BACKEND == "auto" and not logits.is_cuda:
+    if triton is None or not GUARD.allows(BACKEND, logits):
         return False
     return logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[0] > 0 and logits.dtype.is_floating_point
 

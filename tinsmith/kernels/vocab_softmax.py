@@ -37,11 +37,7 @@ BLOCK = 4096  # vocabulary entries a program reads at once
 
 def usable(like: torch.Tensor) -> bool:
     """Whether the kernels take logits of ``like``'s dtype and device."""
-    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
-        return False
-    if BACKEND == "auto" and not like.is_cuda:
-        return False
-    return like.dtype in (torch.bfloat16, torch.float16)
+    return triton is not None and GUARD.allows(BACKEND, like) and like.dtype in (torch.bfloat16, torch.float16)
 
 
 def row_logsumexp(logits: torch.Tensor) -> torch.Tensor | None:
