@@ -93,3 +93,51 @@ def test_several_tenants_node_on_the_device_matches_float64():
             assert got.dtype == torch.float32 and got.shape == want.shape
             assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
     assert float((y.detach().double() - want_y).abs().max() / want_y.abs().max()) < 2e-2
+
+
+def test_several_tenants_q_k_v_group_on_the_device_matches_float64():
+    """Three projections of one input (q/k/v widths of the 1.7B shape's heads, scaled down), two
+    tenants and rows of none, as one grouped node on the device (strided slices of the shared
+    shrink feed the expands), against float64."""
+    from tinsmith.models.lora import LoraLinear
+
+    device = torch.device(DEVICE)
+    torch.manual_seed(0)
+    layers = []
+    for out in (512, 256, 256):
+        lin = LoraLinear(256, out, bias=False)
+        lin.weight.data = torch.randn(out, 256).to(torch.bfloat16)
+        for slot in (0, 1):
+            w = lin.add_adapter(slot, 32, 32.0, torch.Generator().manual_seed(10 * slot + out))
+            with torch.no_grad():
+                w.B.normal_()
+        lin.to(device)
+        for slot in (0, 1):
+            w = lin.adapters[slot]
+            lin.adapters[slot] = type(w)(w.A.detach().to(device).requires_grad_(),
+                                         w.B.detach().to(device).requires_grad_(), w.scale)
+        layers.append(lin)
+    segments = [(0, 0, 384), (None, 384, 448), (1, 448, 1024)]
+    x = torch.randn(1024, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    outs = trained_together(tuple(layers), x, segments)
+    if device.type == "cuda":
+        assert outs is not None  # grouped on the device: the group's node ran
+    if outs is None:
+        pytest.skip("the grouped matmul does not run here: each layer runs on its own")
+    gs = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, gs)
+    x64 = x.detach().double()
+    for layer, o, g in zip(layers, outs, gs):
+        want = F.linear(x64, layer.weight.double())
+        for slot, a, b in segments:
+            if slot is None:
+                continue
+            w = layer.adapters[slot]
+            A64, B64 = w.A.detach().double().requires_grad_(), w.B.detach().double().requires_grad_()
+            part = w.scale * F.linear(F.linear(x64[a:b], A64), B64)
+            want[a:b] += part.detach()
+            dA, dB = torch.autograd.grad((part * g.double()[a:b]).sum(), (A64, B64))
+            for got, ref in ((w.A.grad, dA), (w.B.grad, dB)):
+                assert got.dtype == torch.float32
+                assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
+        assert float((o.detach().double() - want).abs().max() / want.abs().max()) < 2e-2

@@ -203,3 +203,66 @@ def test_a_training_runs_steps_keep_every_layers_stack_current(qwen3_dir, monkey
         assert key == _stack_key(weights, A.shape[1], A.dtype)
         for i, w in enumerate(weights):
             torch.testing.assert_close(A[i], w.A.detach().to(A.dtype), rtol=0, atol=0)
+
+
+def _group_layers(dtype: torch.dtype) -> tuple[LoraLinear, ...]:
+    """q/k/v-like: three projections of one 64-wide input, 48/16/16 wide, each with adapters 0
+    (rank 8) and 1 (rank 4)."""
+    torch.manual_seed(0)
+    layers = []
+    for out in (48, 16, 16):
+        lin = LoraLinear(64, out, bias=out == 48)
+        lin.weight.data = torch.randn(out, 64).to(dtype)
+        if lin.bias is not None:
+            lin.bias.data = torch.randn(out).to(dtype)
+        for slot, rank, alpha in ((0, 8, 16.0), (1, 4, 8.0)):
+            w = lin.add_adapter(slot, rank, alpha, torch.Generator().manual_seed(10 * slot + out))
+            with torch.no_grad():
+                w.B.normal_()
+        layers.append(lin)
+    return tuple(layers)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_group_of_projections_of_several_tenants_is_one_node(dtype, tol, monkeypatch):
+    from tinsmith.models.lora import trained_together
+
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    layers = _group_layers(dtype)
+    segments = _segments()
+    x = torch.randn(15, 64, dtype=dtype, requires_grad=True)
+    with _Ops() as fwd:
+        outs = trained_together(layers, x, segments)
+    assert outs is not None and "TenantsGroupFunctionBackward" in _nodes(outs[0])
+    assert fwd.ops["_grouped_mm"] == 1 + len(layers)  # one shrink for the group, an expand per part
+    gs = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, gs)
+    x_ref = x.detach().clone().requires_grad_()
+    dx_ref = torch.zeros(15, 64, dtype=torch.float64)
+    for layer, o, g in zip(layers, outs, gs):
+        y_ref, dx, grads = _reference(layer, x_ref, g, segments)
+        dx_ref += dx
+        assert _close(o.detach(), y_ref, tol)
+        for slot, (dA, dB) in grads.items():
+            w = layer.adapters[slot]
+            assert w.A.grad.dtype == w.B.grad.dtype == torch.float32
+            assert _close(w.A.grad, dA, tol) and _close(w.B.grad, dB, tol), (layer.out_features, slot)
+    assert _close(x.grad, dx_ref, tol)
+
+
+def test_the_group_follows_a_refreshed_stack_and_falls_back_when_tenants_differ(monkeypatch):
+    from tinsmith.models.lora import trained_together
+
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    layers = _group_layers(torch.bfloat16)
+    x = torch.randn(15, 64, dtype=torch.bfloat16)
+    trained_together(layers, x, _segments())
+    w = layers[1].adapters[1]
+    with torch.no_grad():
+        w.A.mul_(3.0)
+    refresh_stacks([(layers[1], w)])  # an optimizer step of adapter 1 on the k-like part
+    outs = trained_together(layers, x, _segments())
+    y_ref, _, _ = _reference(layers[1], x, torch.zeros(15, 16, dtype=torch.bfloat16), _segments())
+    assert _close(outs[1].detach(), y_ref, 2e-2)
+    layers[2].remove_adapter(1)  # adapter 1 no longer on every part: each layer on its own
+    assert trained_together(layers, x, _segments()) is None

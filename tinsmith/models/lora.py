@@ -26,7 +26,7 @@ from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
 from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
-from tinsmith.models.lora_tenants import tenants_linear
+from tinsmith.models.lora_tenants import tenants_group, tenants_linear
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 from tinsmith.transfers import to_device
 
@@ -104,6 +104,8 @@ class LoraLinear(nn.Module):
         self._bank: LoraBank | None = None
         # (key, A, B, weights): several tenants' adapters stacked for training (lora_tenants.stacked_copies)
         self._tenant_stack: tuple | None = None
+        # (key, A side by side): a q/k/v or gate/up group's stacks, on its first layer (lora_tenants._cat_stack)
+        self._tenant_cat: tuple | None = None
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of an adapter's (A, B) at ``rank``."""
@@ -122,7 +124,7 @@ class LoraLinear(nn.Module):
     def forget_stacked_copies(self) -> None:
         """Drop the tenants' adapters stacked for a training step: an adapter that leaves the
         layer (removed, parked off the device) must not stay on the device through the stack."""
-        self._tenant_stack = None
+        self._tenant_stack = self._tenant_cat = None
 
     def bank(self, rows: RowSlots) -> LoraBank:
         """This layer's adapters stacked at ``rows.table``'s positions, brought up to date."""
@@ -262,11 +264,39 @@ def trained_together(layers: tuple[LoraLinear, ...], x: torch.Tensor,
     (tensor-parallel layers) do more in their forward and always run on their own."""
     if any(type(layer) is not LoraLinear for layer in layers):
         return None
+    x2 = x.reshape(-1, x.shape[-1])
     ws = [layer._training_one_adapter(segments) for layer in layers]
     if any(w is None for w in ws) or len({w.scale for w in ws}) != 1:  # type: ignore[union-attr]
-        return None
-    outs = lora_group(x.reshape(-1, x.shape[-1]), list(layers), ws)
+        several = _tenants_together(layers, x2, segments)
+        if several is None:
+            return None
+        outs = tenants_group(x2, layers, *several)
+    else:
+        outs = lora_group(x2, list(layers), ws)
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
+
+
+def _tenants_together(layers: tuple[LoraLinear, ...], x2: torch.Tensor, segments) -> tuple | None:
+    """``(sizes, weights per layer)`` when several tenants' segments tile the rows of a training
+    micro-batch and every layer of the group runs them grouped (:func:`tenants_group`): each
+    segment the same adapter (rank, scale) on every layer, or none on all; else None."""
+    if not segments or isinstance(segments, RowSlots) or len(segments) < 2 or len(segments[0]) != 3:
+        return None
+    starts, ends = [a for _, a, _ in segments], [b for _, _, b in segments]
+    if starts[0] != 0 or ends[-1] != x2.shape[0] or starts[1:] != ends[:-1]:
+        return None
+    weights = tuple(tuple(layer.adapters.get(s) if s is not None else None for s, _, _ in segments)
+                    for layer in layers)
+    for column in zip(*weights):
+        if any(w is None for w in column):
+            if any(w is not None for w in column):
+                return None
+        elif len({(w.scale, w.A.shape[0]) for w in column}) != 1:
+            return None
+    for layer, ws in zip(layers, weights):
+        if not layer._training_tenants(list(ws)) or multi_lora_path(x2, list(ws), layer.out_features) != "grouped":
+            return None
+    return tuple(b - a for a, b in zip(starts, ends)), weights
 
 
 def together_groups(model: nn.Module) -> list[tuple[LoraLinear, ...]]:

@@ -216,3 +216,97 @@ def tenants_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         compute = [t for w in present for t in compute_copies(w, x.dtype)]
     return TenantsLoraFunction.apply(x, weight, bias, TenantRows(sizes, weights, grouped), len(masters),
                                      *masters, *compute)
+
+
+def _cat_stack(layers: tuple, stacks: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' stacked ``A`` side by side, ``(segments, parts x rank, in)``, kept on the first
+    layer while every part's stack is the one it was made from (a refresh or rebuild of any part
+    makes it again: one copy per group and step)."""
+    key = tuple(layer._tenant_stack[0] for layer in layers)
+    cached = getattr(layers[0], "_tenant_cat", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    A_cat = torch.cat(stacks, dim=1)
+    layers[0]._tenant_cat = (key, A_cat)
+    return A_cat
+
+
+class TenantsGroupFunction(torch.autograd.Function):
+    """Several projections of one input (q, k, v; gate, up), several tenants, grouped: one
+    grouped shrink over the parts' stacked ``A`` side by side, then per part its base GEMM and
+    its grouped expand; the backward sums the input gradient's base parts inside GEMMs and its
+    adapter part in one grouped product over all parts. Arguments after ``n_masters``: per part
+    ``(weight, bias, B_stack)``, then ``A_cat``, then the present adapters' masters per part
+    (``A, B`` per segment with an adapter, part after part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: TenantRows, n_parts: int, n_masters: int, *tensors):
+        parts = [tensors[3 * p: 3 * p + 3] for p in range(n_parts)]
+        A_cat = tensors[3 * n_parts]
+        masters = tensors[3 * n_parts + 1:]
+        offs = group_offsets(rows.sizes, x.device)
+        h = torch._grouped_mm(x, A_cat.transpose(1, 2), offs=offs)  # (rows, parts x rank)
+        rank = A_cat.shape[1] // n_parts
+        outs = []
+        for p, (W, b, B) in enumerate(parts):
+            y = F.linear(x, W, b)
+            y.add_(torch._grouped_mm(h[:, p * rank:(p + 1) * rank], B.transpose(1, 2), offs=offs))
+            outs.append(y)
+        ctx.save_for_backward(x, h, A_cat, *[W for W, _, _ in parts], *[B for _, _, B in parts])
+        ctx.rows, ctx.n_parts, ctx.n_masters, ctx.rank = rows, n_parts, n_masters, rank
+        ctx.master_dtype = masters[0].dtype if masters else x.dtype
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        rows: TenantRows = ctx.rows
+        n, rank = ctx.n_parts, ctx.rank
+        x, h, A_cat, *rest = ctx.saved_tensors
+        Ws, Bs = rest[:n], rest[n:]
+        gs = [g.contiguous() for g in gs]
+        offs = group_offsets(rows.sizes, x.device)
+        gh = torch.cat([torch._grouped_mm(g, B, offs=offs) for g, B in zip(gs, Bs)], dim=1)  # B carries the scales
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(gs[0], Ws[0])
+            for g, W in zip(gs[1:], Ws[1:]):
+                dx.addmm_(g, W)
+            dx.add_(torch._grouped_mm(gh, A_cat, offs=offs))
+        need = ctx.needs_input_grad[4 + 3 * n + 1:]  # the masters': per part, per present segment (A, B)
+        dA = torch._grouped_mm(gh.t(), x, offs=offs).to(ctx.master_dtype) if any(need[0::2]) else None
+        scales = _group_scales(tuple(0.0 if w is None else float(w.scale) for w in rows.weights), 1,
+                               ctx.master_dtype, x.device)
+        present = sum(w is not None for w in rows.weights)
+        grads: list = []
+        for p in range(n):
+            base = 2 * p * present
+            dB = None
+            if any(need[base + 1: base + 2 * present: 2]):
+                dB = torch.mul(torch._grouped_mm(gs[p].t(), h[:, p * rank:(p + 1) * rank], offs=offs), scales)
+            j = 0
+            for i, w in enumerate(rows.weights):
+                if w is None:
+                    continue
+                r = w.A.shape[0]
+                grads.append(dA[i, p * rank:p * rank + r] if need[base + 2 * j] else None)  # type: ignore[index]
+                grads.append(dB[i, :, :r] if need[base + 2 * j + 1] else None)  # type: ignore[index]
+                j += 1
+        return (dx, None, None, None, *([None] * (3 * n + 1)), *grads)
+
+
+def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weights: tuple[tuple, ...]
+                  ) -> tuple[torch.Tensor, ...]:
+    """Every ``layers[p]``'s output for 2-D ``x`` whose rows ``sizes`` tile, segment ``i`` with
+    adapter ``weights[p][i]`` (the same tenant, rank and scale on every part, or None on all),
+    through :class:`TenantsGroupFunction` (grouped: the caller has checked that it runs here)."""
+    present = [w for w in weights[0] if w is not None]
+    rank = _round_up(max(w.A.shape[0] for w in present), 8)
+    parts, stacks, masters = [], [], []
+    for layer, ws in zip(layers, weights):
+        A, B = stacked_copies(layer, ws, rank, x.dtype, layer.in_features, layer.out_features)
+        stacks.append(A)
+        parts += [layer.weight, layer.bias, B]
+        masters += [t for w in ws if w is not None for t in (w.A, w.B)]
+    A_cat = _cat_stack(layers, stacks)
+    return TenantsGroupFunction.apply(x, TenantRows(sizes, weights[0], True), len(layers), len(masters), *parts,
+                                      A_cat, *masters)
