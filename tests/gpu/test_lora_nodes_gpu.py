@@ -50,35 +50,18 @@ def test_grouped_lora_nodes_on_the_device_match_float64():
     assert bwd.ops["_to_copy"] == 0, bwd.ops  # the adapter's gradients came out of the GEMMs in fp32
 
 
-def test_several_tenants_node_on_the_device_matches_float64():
-    """Four tenants' adapters (one of rank 16 padded to 32 in the stack, and rows of no adapter)
-    on one bf16 projection, the way the device picks (grouped on Hopper), against float64."""
-    from tinsmith.models.lora import LoraLinear
-
-    device = torch.device(DEVICE)
-    torch.manual_seed(0)
-    lin = LoraLinear(256, 384, bias=False)
-    lin.weight.data = torch.randn(384, 256).to(torch.bfloat16)
-    ranks = (32, 16, 32, 32)
-    for slot, rank in enumerate(ranks):
-        w = lin.add_adapter(slot, rank, 32.0, torch.Generator().manual_seed(slot + 1))
-        with torch.no_grad():
-            w.B.normal_()
+def _to_device(lin, device: torch.device) -> None:
+    """The layer and its adapters' masters on ``device`` (the masters leaves that take gradients)."""
     lin.to(device)
     for slot in list(lin.adapters):
         w = lin.adapters[slot]
         lin.adapters[slot] = type(w)(w.A.detach().to(device).requires_grad_(), w.B.detach().to(device).requires_grad_(),
                                      w.scale)
-    sizes = (256, 64, 128, 256, 320)  # the second segment: no adapter
-    slots = (0, None, 1, 2, 3)
-    segments, start = [], 0
-    for slot, n in zip(slots, sizes):
-        segments.append((slot, start, start + n))
-        start += n
-    x = torch.randn(start, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    y = lin(x, segments)
-    g = torch.randn_like(y)
-    y.backward(g)
+
+
+def _assert_matches_float64(lin, x: torch.Tensor, y: torch.Tensor, g: torch.Tensor, segments: list) -> None:
+    """``y`` (the layer's output for ``x``) and the adapters' gradients for the output gradient
+    ``g`` within bf16 rounding of float64 autograd, segment by segment."""
     x64, g64 = x.detach().double(), g.double()
     want_y = F.linear(x64, lin.weight.double())
     for slot, a, b in segments:
@@ -93,6 +76,33 @@ def test_several_tenants_node_on_the_device_matches_float64():
             assert got.dtype == torch.float32 and got.shape == want.shape
             assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
     assert float((y.detach().double() - want_y).abs().max() / want_y.abs().max()) < 2e-2
+
+
+def test_several_tenants_node_on_the_device_matches_float64():
+    """Four tenants' adapters (one of rank 16 padded to 32 in the stack, and rows of no adapter)
+    on one bf16 projection, the way the device picks (grouped on Hopper), against float64."""
+    from tinsmith.models.lora import LoraLinear
+
+    device = torch.device(DEVICE)
+    torch.manual_seed(0)
+    lin = LoraLinear(256, 384, bias=False)
+    lin.weight.data = torch.randn(384, 256).to(torch.bfloat16)
+    for slot, rank in enumerate((32, 16, 32, 32)):
+        w = lin.add_adapter(slot, rank, 32.0, torch.Generator().manual_seed(slot + 1))
+        with torch.no_grad():
+            w.B.normal_()
+    _to_device(lin, device)
+    sizes = (256, 64, 128, 256, 320)  # the second segment: no adapter
+    slots = (0, None, 1, 2, 3)
+    segments, start = [], 0
+    for slot, n in zip(slots, sizes):
+        segments.append((slot, start, start + n))
+        start += n
+    x = torch.randn(start, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x, segments)
+    g = torch.randn_like(y)
+    y.backward(g)
+    _assert_matches_float64(lin, x, y, g, segments)
 
 
 def test_several_tenants_q_k_v_group_on_the_device_matches_float64():
@@ -111,11 +121,7 @@ def test_several_tenants_q_k_v_group_on_the_device_matches_float64():
             w = lin.add_adapter(slot, 32, 32.0, torch.Generator().manual_seed(10 * slot + out))
             with torch.no_grad():
                 w.B.normal_()
-        lin.to(device)
-        for slot in (0, 1):
-            w = lin.adapters[slot]
-            lin.adapters[slot] = type(w)(w.A.detach().to(device).requires_grad_(),
-                                         w.B.detach().to(device).requires_grad_(), w.scale)
+        _to_device(lin, device)
         layers.append(lin)
     segments = [(0, 0, 384), (None, 384, 448), (1, 448, 1024)]
     x = torch.randn(1024, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -126,18 +132,5 @@ def test_several_tenants_q_k_v_group_on_the_device_matches_float64():
         pytest.skip("the grouped matmul does not run here: each layer runs on its own")
     gs = [torch.randn_like(o) for o in outs]
     torch.autograd.backward(outs, gs)
-    x64 = x.detach().double()
     for layer, o, g in zip(layers, outs, gs):
-        want = F.linear(x64, layer.weight.double())
-        for slot, a, b in segments:
-            if slot is None:
-                continue
-            w = layer.adapters[slot]
-            A64, B64 = w.A.detach().double().requires_grad_(), w.B.detach().double().requires_grad_()
-            part = w.scale * F.linear(F.linear(x64[a:b], A64), B64)
-            want[a:b] += part.detach()
-            dA, dB = torch.autograd.grad((part * g.double()[a:b]).sum(), (A64, B64))
-            for got, ref in ((w.A.grad, dA), (w.B.grad, dB)):
-                assert got.dtype == torch.float32
-                assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
-        assert float((o.detach().double() - want).abs().max() / want.abs().max()) < 2e-2
+        _assert_matches_float64(layer, x, o, g, segments)
