@@ -227,7 +227,7 @@ class Trainable:
                     st = {k: optimizer[f"{n}.{k}"].to(p.device, p.dtype).clone() for k in STATE_KEYS[self.optimizer_type]}
                     if f"{n}.step" in optimizer:
                         step = optimizer[f"{n}.step"].reshape(()).float()
-                        st["step"] = step.to(p.device) if steps_on_device(self.optimizer) else step.clone()
+                        st["step"] = step.to(p.device, copy=True) if steps_on_device(self.optimizer) else step.clone()
                     self.optimizer.state[p] = st
         self._weights_changed()  # written in place: cached prompts and adapter banks are stale
         self.refresh_compute_copies()
