@@ -266,3 +266,20 @@ def test_the_group_follows_a_refreshed_stack_and_falls_back_when_tenants_differ(
     assert _close(outs[1].detach(), y_ref, 2e-2)
     layers[2].remove_adapter(1)  # adapter 1 no longer on every part: each layer on its own
     assert trained_together(layers, x, _segments()) is None
+
+
+def test_a_refresh_reaches_every_segment_an_adapter_holds(monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    lin = _layer(torch.float32)
+    segments = _segments([(0, 5), (1, 3), (0, 7)])  # adapter 0 in two segments
+    x = torch.randn(15, 64)
+    lin(x, segments).sum().backward()
+    w = lin.adapters[0]
+    with torch.no_grad():
+        w.B.add_(1.0)
+    refresh_stacks([(lin, w)])
+    _, A, B, _ = lin._tenant_stack
+    for i in (0, 2):
+        torch.testing.assert_close(B[i], w.B.detach() * w.scale, rtol=0, atol=0)
+    y_ref, _, _ = _reference(lin, x, torch.zeros(15, 48), segments)
+    assert _close(lin(x, segments).detach(), y_ref, 1e-5)

@@ -280,6 +280,8 @@ def _tenants_together(layers: tuple[LoraLinear, ...], x2: torch.Tensor, segments
     """``(sizes, weights per layer)`` when several tenants' segments tile the rows of a training
     micro-batch and every layer of the group runs them grouped (:func:`tenants_group`): each
     segment the same adapter (rank, scale) on every layer, or none on all; else None."""
+    if not torch.is_grad_enabled() or not lora_function.FUSED_NODES:  # asked first: a forward without autograd
+        return None
     if not segments or isinstance(segments, RowSlots) or len(segments) < 2 or len(segments[0]) != 3:
         return None
     starts, ends = [a for _, a, _ in segments], [b for _, _, b in segments]

@@ -69,16 +69,24 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
     new = torch.empty if full else torch.zeros
     A = new(len(weights), rank, in_features, dtype=dtype, device=like.device)
     B = new(len(weights), out_features, rank, dtype=dtype, device=like.device)
-    dst, src = [], []
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
     for i, w in enumerate(weights):
         if w is not None:
-            r = w.A.shape[0]
-            dst += [A[i, :r], B[i, :, :r]]
-            src += [w.A.detach(), w.B.detach()]
+            _slices_of(A, B, i, w, dst, src)
     torch._foreach_copy_(dst, src)
     B.mul_(_group_scales(tuple(0.0 if w is None else float(w.scale) for w in weights), 1, dtype, like.device))
     owner._tenant_stack = (key, A, B, weights)
     return A, B
+
+
+def _slices_of(A: torch.Tensor, B: torch.Tensor, i: int, w, dst: list, src: list) -> torch.Tensor:
+    """Add segment ``i``'s rows of the stacks (its rank's share) and ``w``'s masters to a
+    multi-tensor copy's destinations and sources; returns the ``B`` slice (its scale to apply)."""
+    r = w.A.shape[0]
+    dst += [A[i, :r], B[i, :, :r]]
+    src += [w.A.detach(), w.B.detach()]
+    return B[i, :, :r]
 
 
 def refresh_stacks(attachments: list) -> None:
@@ -89,20 +97,20 @@ def refresh_stacks(attachments: list) -> None:
     ``attachments``: (layer, weights) pairs of the adapter. In place is safe here: a micro-batch's
     backward runs right after its forward, so no saved stack is pending when weights change (and
     autograd would refuse a saved tensor changed in place rather than use it)."""
-    dst, src, scaled, touched = [], [], {}, []
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    scaled: dict[float, list[torch.Tensor]] = {}
+    touched = []
     for layer, w in attachments:
         cached = getattr(layer, "_tenant_stack", None)
         if cached is None:
             continue
         _, A, B, weights = cached
-        i = next((j for j, x in enumerate(weights) if x is w), None)
-        if i is None:
-            continue
-        r = w.A.shape[0]
-        dst += [A[i, :r], B[i, :, :r]]
-        src += [w.A.detach(), w.B.detach()]
-        scaled.setdefault(float(w.scale), []).append(B[i, :, :r])
-        touched.append(layer)
+        held = [i for i, x in enumerate(weights) if x is w]
+        for i in held:
+            scaled.setdefault(float(w.scale), []).append(_slices_of(A, B, i, w, dst, src))
+        if held:
+            touched.append(layer)
     if not dst:
         return
     torch._foreach_copy_(dst, src)
@@ -124,7 +132,7 @@ class TenantsLoraFunction(torch.autograd.Function):
         masters, compute = tensors[:n_masters], tensors[n_masters:]
         y = F.linear(x, weight, bias)
         ctx.rows, ctx.n_masters = rows, n_masters
-        ctx.master_dtypes = [m.dtype for m in masters]
+        ctx.master_dtype = masters[0].dtype
         if rows.grouped:
             A, B = compute
             offs = group_offsets(rows.sizes, x.device)
@@ -157,8 +165,8 @@ class TenantsLoraFunction(torch.autograd.Function):
             if need_x:
                 dx = torch.mm(g, weight)
                 dx.add_(torch._grouped_mm(gh, A, offs=offs))
-            grads = _stacked_grads(ctx, rows, need_masters, x, g, h, gh, offs)
-            return (dx, None, None, None, None, *grads)
+            grads = _adapter_grads(ctx, rows, need_masters, x, [g], h, gh, offs)
+            return (dx, None, None, None, None, *grads, None, None)  # the two stacks get none
         x, weight, *rest = ctx.saved_tensors
         n_present = sum(w is not None for w in rows.weights)
         compute, hs = rest[:2 * n_present], rest[2 * n_present:]
@@ -173,34 +181,40 @@ class TenantsLoraFunction(torch.autograd.Function):
                 if dx is not None:
                     dx[start:start + size].addmm_(gh, A_c)
                 need_a, need_b = need_masters[2 * k], need_masters[2 * k + 1]
-                grads.append(grad_mm(gh.t(), xs, 1.0, ctx.master_dtypes[2 * k]) if need_a else None)
-                grads.append(grad_mm(gs.t(), h, w.scale, ctx.master_dtypes[2 * k + 1]) if need_b else None)
+                grads.append(grad_mm(gh.t(), xs, 1.0, ctx.master_dtype) if need_a else None)
+                grads.append(grad_mm(gs.t(), h, w.scale, ctx.master_dtype) if need_b else None)
                 k += 1
             start += size
         return (dx, None, None, None, None, *grads, *([None] * len(compute)))
 
 
-def _stacked_grads(ctx, rows: TenantRows, need: tuple, x: torch.Tensor, g: torch.Tensor, h: torch.Tensor,
+def _adapter_grads(ctx, rows: TenantRows, need: tuple, x: torch.Tensor, gs: list[torch.Tensor], h: torch.Tensor,
                    gh: torch.Tensor, offs: torch.Tensor) -> list:
-    """Each present adapter's (dA, dB) from one grouped product each (rows as the groups'
-    reduction), cast to the masters' dtype in one kernel each, ``dB`` times each scale in it."""
-    dA = dB = None
-    if any(need[0::2]):
-        dA = torch._grouped_mm(gh.t(), x, offs=offs).to(ctx.master_dtypes[0])  # (segments, rank, in)
-    if any(need[1::2]):
-        scales = _group_scales(tuple(0.0 if w is None else float(w.scale) for w in rows.weights), 1,
-                               ctx.master_dtypes[1], x.device)
-        dB = torch.mul(torch._grouped_mm(g.t(), h, offs=offs), scales)  # (segments, out, rank), promoted
+    """Every present adapter's (dA, dB) on each of the parts whose output gradients are ``gs``
+    (one for a single projection), in the order of the masters (part after part, segment after
+    segment): ``dA`` of all parts from one grouped product over ``gh`` (the parts' shrink
+    gradients side by side, rows as the groups' reduction), ``dB`` one per part; each cast to the
+    masters' dtype in one kernel, ``dB`` times each segment's scale in it."""
+    rank = h.shape[1] // len(gs)
+    dA = torch._grouped_mm(gh.t(), x, offs=offs).to(ctx.master_dtype) if any(need[0::2]) else None
+    scales = _group_scales(tuple(0.0 if w is None else float(w.scale) for w in rows.weights), 1, ctx.master_dtype,
+                           x.device)
+    present = sum(w is not None for w in rows.weights)
     grads: list = []
-    k = 0
-    for i, w in enumerate(rows.weights):
-        if w is None:
-            continue
-        r = w.A.shape[0]
-        grads.append(dA[i, :r] if need[2 * k] else None)  # type: ignore[index]
-        grads.append(dB[i, :, :r] if need[2 * k + 1] else None)  # type: ignore[index]
-        k += 1
-    return [*grads, None, None]  # the two stacks get none
+    for p, g in enumerate(gs):
+        base = 2 * p * present
+        dB = None
+        if any(need[base + 1: base + 2 * present: 2]):
+            dB = torch.mul(torch._grouped_mm(g.t(), h[:, p * rank:(p + 1) * rank], offs=offs), scales)  # promoted
+        j = 0
+        for i, w in enumerate(rows.weights):
+            if w is None:
+                continue
+            r = w.A.shape[0]
+            grads.append(dA[i, p * rank:p * rank + r] if need[base + 2 * j] else None)  # type: ignore[index]
+            grads.append(dB[i, :, :r] if need[base + 2 * j + 1] else None)  # type: ignore[index]
+            j += 1
+    return grads
 
 
 def tenants_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner, sizes: tuple[int, ...],
@@ -253,14 +267,14 @@ class TenantsGroupFunction(torch.autograd.Function):
             y.add_(torch._grouped_mm(h[:, p * rank:(p + 1) * rank], B.transpose(1, 2), offs=offs))
             outs.append(y)
         ctx.save_for_backward(x, h, A_cat, *[W for W, _, _ in parts], *[B for _, _, B in parts])
-        ctx.rows, ctx.n_parts, ctx.n_masters, ctx.rank = rows, n_parts, n_masters, rank
+        ctx.rows, ctx.n_parts, ctx.n_masters = rows, n_parts, n_masters
         ctx.master_dtype = masters[0].dtype if masters else x.dtype
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *gs):
         rows: TenantRows = ctx.rows
-        n, rank = ctx.n_parts, ctx.rank
+        n = ctx.n_parts
         x, h, A_cat, *rest = ctx.saved_tensors
         Ws, Bs = rest[:n], rest[n:]
         gs = [g.contiguous() for g in gs]
@@ -273,24 +287,7 @@ class TenantsGroupFunction(torch.autograd.Function):
                 dx.addmm_(g, W)
             dx.add_(torch._grouped_mm(gh, A_cat, offs=offs))
         need = ctx.needs_input_grad[4 + 3 * n + 1:]  # the masters': per part, per present segment (A, B)
-        dA = torch._grouped_mm(gh.t(), x, offs=offs).to(ctx.master_dtype) if any(need[0::2]) else None
-        scales = _group_scales(tuple(0.0 if w is None else float(w.scale) for w in rows.weights), 1,
-                               ctx.master_dtype, x.device)
-        present = sum(w is not None for w in rows.weights)
-        grads: list = []
-        for p in range(n):
-            base = 2 * p * present
-            dB = None
-            if any(need[base + 1: base + 2 * present: 2]):
-                dB = torch.mul(torch._grouped_mm(gs[p].t(), h[:, p * rank:(p + 1) * rank], offs=offs), scales)
-            j = 0
-            for i, w in enumerate(rows.weights):
-                if w is None:
-                    continue
-                r = w.A.shape[0]
-                grads.append(dA[i, p * rank:p * rank + r] if need[base + 2 * j] else None)  # type: ignore[index]
-                grads.append(dB[i, :, :r] if need[base + 2 * j + 1] else None)  # type: ignore[index]
-                j += 1
+        grads = _adapter_grads(ctx, rows, need, x, gs, h, gh, offs)
         return (dx, None, None, None, *([None] * (3 * n + 1)), *grads)
 
 
