@@ -48,9 +48,13 @@ class TenantRows:
     grouped: bool
 
 
+def _entry(w) -> tuple | None:
+    """What a stack's key holds of one segment's adapter: its masters' versions and storage, its scale."""
+    return None if w is None else (w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr(), w.scale)
+
+
 def _stack_key(weights: tuple, rank: int, dtype: torch.dtype) -> tuple:
-    return (dtype, rank, tuple(None if w is None else (w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr(),
-                                                       w.scale) for w in weights))
+    return (dtype, rank, tuple(_entry(w) for w in weights))
 
 
 def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_features: int,
@@ -110,15 +114,20 @@ def refresh_stacks(attachments: list) -> None:
         for i in held:
             scaled.setdefault(float(w.scale), []).append(_slices_of(A, B, i, w, dst, src))
         if held:
-            touched.append(layer)
+            touched.append((layer, held))
     if not dst:
         return
     torch._foreach_copy_(dst, src)
     for scale, parts in scaled.items():
         torch._foreach_mul_(parts, scale)
-    for layer in touched:
-        _, A, B, weights = layer._tenant_stack
-        layer._tenant_stack = (_stack_key(weights, A.shape[1], A.dtype), A, B, weights)
+    for layer, held in touched:
+        key, A, B, weights = layer._tenant_stack
+        # Only this adapter's entries changed: the key's other entries stand (re-reading every
+        # segment's would make a round of all tenants' steps quadratic in the tenants).
+        entries = list(key[2])
+        for i in held:
+            entries[i] = _entry(weights[i])
+        layer._tenant_stack = ((*key[:2], tuple(entries)), A, B, weights)
 
 
 class TenantsLoraFunction(torch.autograd.Function):
@@ -199,21 +208,25 @@ def _adapter_grads(ctx, rows: TenantRows, need: tuple, x: torch.Tensor, gs: list
     dA = torch._grouped_mm(gh.t(), x, offs=offs).to(ctx.master_dtype) if any(need[0::2]) else None
     scales = _group_scales(tuple(0.0 if w is None else float(w.scale) for w in rows.weights), 1, ctx.master_dtype,
                            x.device)
-    present = sum(w is not None for w in rows.weights)
+    segments = [(i, w.A.shape[0]) for i, w in enumerate(rows.weights) if w is not None]
+    present, parts = len(segments), len(gs)
+    # One view per (segment, part) made by one call (``unbind``) rather than a slice each: a
+    # slice costs the host microseconds, and a node of 16 tenants' q/k/v makes ~100 of them.
+    dAs = dA.reshape(len(rows.weights) * parts, rank, dA.shape[-1]).unbind(0) if dA is not None else None
     grads: list = []
     for p, g in enumerate(gs):
         base = 2 * p * present
-        dB = None
+        dBs = None
         if any(need[base + 1: base + 2 * present: 2]):
             dB = torch.mul(torch._grouped_mm(g.t(), h[:, p * rank:(p + 1) * rank], offs=offs), scales)  # promoted
-        j = 0
-        for i, w in enumerate(rows.weights):
-            if w is None:
-                continue
-            r = w.A.shape[0]
-            grads.append(dA[i, p * rank:p * rank + r] if need[base + 2 * j] else None)  # type: ignore[index]
-            grads.append(dB[i, :, :r] if need[base + 2 * j + 1] else None)  # type: ignore[index]
-            j += 1
+            dBs = dB.unbind(0)
+        for j, (i, r) in enumerate(segments):
+            a = dAs[i * parts + p] if need[base + 2 * j] else None  # type: ignore[index]
+            b = dBs[i] if need[base + 2 * j + 1] else None  # type: ignore[index]
+            if r != rank:  # a padded rank: the segment's own rows and columns
+                a = None if a is None else a[:r]
+                b = None if b is None else b[:, :r]
+            grads += (a, b)
     return grads
 
 

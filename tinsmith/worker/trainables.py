@@ -117,6 +117,20 @@ class Trainable:
         (one multi-tensor copy, not a cast per tensor at each layer's next forward)."""
         if self.slot is None or self.model is None:
             return
+        grouped, alone, linear = self._copy_plan()
+        for dtype in {*grouped, *alone}:
+            refresh_copies(alone.get(dtype, []), dtype, grouped.get(dtype, []))
+        refresh_stacks(linear)
+
+    def _copy_plan(self) -> tuple[dict, dict, list]:
+        """Which of this adapter's weights :meth:`refresh_compute_copies` refreshes, and how: by
+        the layers' dtype, those run in groups (q/k/v, gate/up), those run alone, and every
+        (LoraLinear, weights) pair for the tenants' stacks. Worked out once: the layers and the
+        attachments stay what they are for the unit's life, and walking the whole model at every
+        step was host time that a GPU waited for, once per tenant and step."""
+        plan = self.__dict__.get("_plan")
+        if plan is not None and plan[0] is self.attachments:
+            return plan[1]
         mine = {id(layer): w for layer, w in self.attachments if isinstance(layer, LoraLinear)}
         grouped: dict[torch.dtype, list] = {}
         in_groups: set[int] = set()
@@ -129,9 +143,9 @@ class Trainable:
         for layer, w in self.attachments:
             if id(layer) in mine and id(layer) not in in_groups and layer.weight.dtype != w.A.dtype:
                 alone.setdefault(layer.weight.dtype, []).append(w)
-        for dtype in {*grouped, *alone}:
-            refresh_copies(alone.get(dtype, []), dtype, grouped.get(dtype, []))
-        refresh_stacks([(layer, w) for layer, w in self.attachments if isinstance(layer, LoraLinear)])
+        linear = [(layer, w) for layer, w in self.attachments if isinstance(layer, LoraLinear)]
+        self.__dict__["_plan"] = (self.attachments, (grouped, alone, linear))
+        return grouped, alone, linear
 
     def _move(self, device: torch.device) -> None:
         steps_too = steps_on_device(self.optimizer)  # fused AdamW's step counts live beside the parameters

@@ -1,0 +1,93 @@
+"""Micro-benchmark: the host's time for one training step of 1, 4 and 16 tenants sharing it.
+
+On a GPU several tenants' step is bound by the host (docs/performance.md): what the host does
+per tenant and per layer (Python, launches) is what the device waits for. On a model of tiny
+widths the CPU's kernels cost little, so the wall time of a step here is mostly that host work.
+This times one forward/backward of every tenant together (8 rows of 16 tokens shared among them)
+and then each tenant's optimizer step, on Qwen3-1.7B's 28 layers at tiny widths, LoRA rank 32 on
+every linear layer, with the multi-tenant paths a GPU takes (the grouped matmul, forced here);
+medians of ``--steps`` steps after two warm ones, one thread.
+
+    python bench/tenants_step_micro.py [--tenants 1,4,16] [--steps 10] [--dtype fp32|bf16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
+from tinsmith.models import grouped_lora, moe  # noqa: E402
+from tinsmith.models.loading import load_model  # noqa: E402
+from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec  # noqa: E402
+from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
+
+
+def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, length: int = 16) -> dict:
+    """Median ms of the forward/backward, of all tenants' optimizer steps, and of both."""
+    rng = np.random.default_rng(tenants)
+    vocab = rt.config.vocab_size
+
+    def datum() -> Datum:
+        t = rng.integers(0, vocab, length + 1)
+        return Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(length, np.float32)})
+
+    units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(tenants)]
+    requests = [TrainRequest(u, ForwardBackwardInput([datum() for _ in range(max(1, rows // tenants))],
+                                                     "cross_entropy")) for u in units]
+    fb, opt = [], []
+    for i in range(steps + 2):  # two warm steps: layouts, stacks, optimizer state
+        t0 = time.perf_counter()
+        rt.forward_backward(requests)
+        t1 = time.perf_counter()
+        for u in units:
+            rt.optim_step(u, AdamParams())
+        if i >= 2:
+            fb.append(t1 - t0)
+            opt.append(time.perf_counter() - t1)
+    for u in units:
+        rt.delete_adapter(u)
+    return {"forward_backward_ms": 1e3 * statistics.median(fb), "optimizer_steps_ms": 1e3 * statistics.median(opt),
+            "step_ms": 1e3 * statistics.median(a + b for a, b in zip(fb, opt))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tenants", default="1,4,16")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
+    grouped_lora.MULTI_LORA = "grouped"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    with tempfile.TemporaryDirectory() as d:
+        shape = TinyShape(num_hidden_layers=args.layers, hidden_size=64, intermediate_size=128, head_dim=16)
+        make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
+        rt = TrainingRuntime(load_model(str(Path(d) / "m"), dtype=dtype).model, max_lora_adapters=16,
+                             max_lora_rank=32)
+        results = {}
+        for n in (int(t) for t in args.tenants.split(",")):
+            results[n] = r = time_steps(rt, n, args.steps)
+            print(f"{n:>3} tenants: step {r['step_ms']:7.1f} ms (forward/backward {r['forward_backward_ms']:6.1f}, "
+                  f"optimizer steps {r['optimizer_steps_ms']:6.1f}: {r['optimizer_steps_ms'] / n:5.1f} a tenant)",
+                  flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "dtype": args.dtype,
+                                               "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
