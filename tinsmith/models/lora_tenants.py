@@ -130,6 +130,15 @@ def refresh_stacks(attachments: list) -> None:
         layer._tenant_stack = ((*key[:2], tuple(entries)), A, B, weights)
 
 
+def _plus_linear(delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``delta + x W^T (+ b)`` written into ``delta`` (the grouped expand's fresh output): the base
+    GEMM adds into it (``addmm_``), one kernel where a GEMM and then an add of the expand were two,
+    and the (rows, out) output is read and written once less."""
+    if bias is not None:
+        delta.add_(bias)
+    return delta.addmm_(x, weight.t())
+
+
 class TenantsLoraFunction(torch.autograd.Function):
     """See the module's docstring. Arguments after ``rows``: the present adapters' masters
     ``A_1, B_1, A_2, B_2, ...`` in segment order (what receives the gradients), then the
@@ -139,16 +148,16 @@ class TenantsLoraFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: TenantRows,
                 n_masters: int, *tensors):
         masters, compute = tensors[:n_masters], tensors[n_masters:]
-        y = F.linear(x, weight, bias)
         ctx.rows, ctx.n_masters = rows, n_masters
         ctx.master_dtype = masters[0].dtype
         if rows.grouped:
             A, B = compute
             offs = group_offsets(rows.sizes, x.device)
             h = torch._grouped_mm(x, A.transpose(1, 2), offs=offs)
-            y.add_(torch._grouped_mm(h, B.transpose(1, 2), offs=offs))
+            y = _plus_linear(torch._grouped_mm(h, B.transpose(1, 2), offs=offs), x, weight, bias)
             ctx.save_for_backward(x, weight, h, A, B)
             return y
+        y = F.linear(x, weight, bias)
         hs, start, c = [], 0, iter(compute)
         for size, w in zip(rows.sizes, rows.weights):
             if w is not None:
@@ -170,10 +179,9 @@ class TenantsLoraFunction(torch.autograd.Function):
             x, weight, h, A, B = ctx.saved_tensors
             offs = group_offsets(rows.sizes, x.device)
             gh = torch._grouped_mm(g, B, offs=offs)  # (rows, rank): B carries the scales
-            dx = None
-            if need_x:
-                dx = torch.mm(g, weight)
-                dx.add_(torch._grouped_mm(gh, A, offs=offs))
+            # The adapters' part first, the base GEMM adding into it (no separate add: the grouped
+            # matmul cannot accumulate into an output, a GEMM can).
+            dx = torch._grouped_mm(gh, A, offs=offs).addmm_(g, weight) if need_x else None
             grads = _adapter_grads(ctx, rows, need_masters, x, [g], h, gh, offs)
             return (dx, None, None, None, None, *grads, None, None)  # the two stacks get none
         x, weight, *rest = ctx.saved_tensors
@@ -274,11 +282,8 @@ class TenantsGroupFunction(torch.autograd.Function):
         offs = group_offsets(rows.sizes, x.device)
         h = torch._grouped_mm(x, A_cat.transpose(1, 2), offs=offs)  # (rows, parts x rank)
         rank = A_cat.shape[1] // n_parts
-        outs = []
-        for p, (W, b, B) in enumerate(parts):
-            y = F.linear(x, W, b)
-            y.add_(torch._grouped_mm(h[:, p * rank:(p + 1) * rank], B.transpose(1, 2), offs=offs))
-            outs.append(y)
+        outs = [_plus_linear(torch._grouped_mm(h[:, p * rank:(p + 1) * rank], B.transpose(1, 2), offs=offs), x, W, b)
+                for p, (W, b, B) in enumerate(parts)]
         ctx.save_for_backward(x, h, A_cat, *[W for W, _, _ in parts], *[B for _, _, B in parts])
         ctx.rows, ctx.n_parts, ctx.n_masters = rows, n_parts, n_masters
         ctx.master_dtype = masters[0].dtype if masters else x.dtype
@@ -294,11 +299,10 @@ class TenantsGroupFunction(torch.autograd.Function):
         offs = group_offsets(rows.sizes, x.device)
         gh = torch.cat([torch._grouped_mm(g, B, offs=offs) for g, B in zip(gs, Bs)], dim=1)  # B carries the scales
         dx = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.mm(gs[0], Ws[0])
-            for g, W in zip(gs[1:], Ws[1:]):
+        if ctx.needs_input_grad[0]:  # the adapters' part, every part's base GEMM adding into it
+            dx = torch._grouped_mm(gh, A_cat, offs=offs)
+            for g, W in zip(gs, Ws):
                 dx.addmm_(g, W)
-            dx.add_(torch._grouped_mm(gh, A_cat, offs=offs))
         need = ctx.needs_input_grad[4 + 3 * n + 1:]  # the masters': per part, per present segment (A, B)
         grads = _adapter_grads(ctx, rows, need, x, gs, h, gh, offs)
         return (dx, None, None, None, *([None] * (3 * n + 1)), *grads)
