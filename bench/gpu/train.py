@@ -91,7 +91,7 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     in torch rather than the training kernels, and with each LoRA op its own autograd node rather
     than one node per projection group: ``lora_function.FUSED_NODES``); 1, 4 and 16 tenants in one step (and the several
     tenants through each way their adapters can run: dense masked products, grouped matmuls in one
-    autograd node per projection, grouped matmuls as torch's ops);
+    autograd node per projection, grouped matmuls as torch's ops, each tenant's GEMMs in the node);
     padded vs packed micro-batches over uneven lengths; 1x32k long context."""
     L = 32 if quick else 1024
     steps = 2 if quick else 5
@@ -140,7 +140,8 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
                            "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])}
         if k > 1:  # the ways several adapters run, whichever the default picks (grouped_lora.MULTI_LORA);
             # "grouped_ops": grouped with each op its own autograd node (as before lora_tenants' node)
-            for path in ("dense", "grouped", "grouped_ops"):
+            # "loop": the node's engine of each tenant's GEMMs (no grouped matmul)
+            for path in ("dense", "grouped", "grouped_ops", "loop"):
                 grouped_lora.MULTI_LORA = path.removesuffix("_ops")
                 lora_function.FUSED_NODES = not path.endswith("_ops")
                 try:
@@ -182,6 +183,49 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
         out["long_context"][mode] = r
     lm.model.gradient_checkpointing = False
     del rt, lm
+    return out
+
+
+def launch_costs(device, quick: bool) -> dict:
+    """What one call of each product several tenants' LoRA makes costs the host and the device, at
+    the 1.7B shape's sizes (2,048 rows of 2,048 in four tenants' groups, rank 32): the host's time
+    to issue ``calls`` calls back to back (no waiting: what a step bound by its launches pays per
+    call) and the device's time per call. ``torch._grouped_mm`` prepares its groups on the host
+    (CUTLASS set-up, two allocations, two launches) where a GEMM is one cuBLAS launch: a
+    four-tenant step makes ~900 grouped calls, so this says whether they bind it."""
+    calls = 20 if quick else 200
+    rows, hidden, rank, groups = (256, 256, 32, 4) if quick else (2048, 2048, 32, 4)
+    dt = torch.bfloat16
+    x = torch.randn(rows, hidden, device=device, dtype=dt)
+    A = torch.randn(groups, rank, hidden, device=device, dtype=dt)
+    B = torch.randn(groups, hidden, rank, device=device, dtype=dt)
+    W = torch.randn(hidden, hidden, device=device, dtype=dt)
+    offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
+    h = torch.randn(rows, rank, device=device, dtype=dt)
+    ops: dict[str, Callable[[], object]] = {
+        "mm_base": lambda: torch.mm(x, W.t()),
+        "mm_rank": lambda: torch.mm(x, A[0].t()),
+        "grouped_shrink": lambda: torch._grouped_mm(x, A.transpose(1, 2), offs=offs),
+        "grouped_expand": lambda: torch._grouped_mm(h, B.transpose(1, 2), offs=offs),
+    }
+    if device.type == "cuda":
+        from tinsmith.kernels import lora_gather
+
+        idx = torch.arange(rows, device=device) // (rows // groups)
+        if lora_gather.triton_usable(x):
+            ops["triton_gathered_shrink"] = lambda: lora_gather.shrink(x, A, idx)
+    out: dict = {"rows": rows, "hidden": hidden, "rank": rank, "groups": groups, "calls": calls}
+    for name, fn in ops.items():
+        for _ in range(3):
+            fn()
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = time.perf_counter() - t
+        sync(device)
+        total = time.perf_counter() - t
+        out[name] = {"host_us_per_call": 1e6 * host / calls, "wall_us_per_call": 1e6 * total / calls}
     return out
 
 
