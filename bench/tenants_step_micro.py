@@ -21,30 +21,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu.train import batch  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
-from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec  # noqa: E402
+from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec  # noqa: E402
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
 
 
 def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, length: int = 16) -> dict:
     """Median ms of the forward/backward, of all tenants' optimizer steps, and of both."""
-    rng = np.random.default_rng(tenants)
-    vocab = rt.config.vocab_size
-
-    def datum() -> Datum:
-        t = rng.integers(0, vocab, length + 1)
-        return Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(length, np.float32)})
-
     units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(tenants)]
-    requests = [TrainRequest(u, ForwardBackwardInput([datum() for _ in range(max(1, rows // tenants))],
-                                                     "cross_entropy")) for u in units]
+    per = max(1, rows // tenants)
+    requests = [TrainRequest(u, ForwardBackwardInput(batch(rt.config.vocab_size, per, length, seed=i), "cross_entropy"))
+                for i, u in enumerate(units)]
     fb, opt = [], []
     for i in range(steps + 2):  # two warm steps: layouts, stacks, optimizer state
         t0 = time.perf_counter()

@@ -61,6 +61,8 @@ class Trainable:
     resident: bool = True
     # The model these parameters live in: told of every change to them (prefix caches key by it).
     model: CausalLM | None = None
+    # (attachments, plan) of :meth:`_copy_plan`, made at the first refresh.
+    _plan: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         rank = self.spec.rank if self.spec is not None else None
@@ -128,9 +130,8 @@ class Trainable:
         (LoraLinear, weights) pair for the tenants' stacks. Worked out once: the layers and the
         attachments stay what they are for the unit's life, and walking the whole model at every
         step was host time that a GPU waited for, once per tenant and step."""
-        plan = self.__dict__.get("_plan")
-        if plan is not None and plan[0] is self.attachments:
-            return plan[1]
+        if self._plan is not None and self._plan[0] is self.attachments:
+            return self._plan[1]
         mine = {id(layer): w for layer, w in self.attachments if isinstance(layer, LoraLinear)}
         grouped: dict[torch.dtype, list] = {}
         in_groups: set[int] = set()
@@ -144,7 +145,7 @@ class Trainable:
             if id(layer) in mine and id(layer) not in in_groups and layer.weight.dtype != w.A.dtype:
                 alone.setdefault(layer.weight.dtype, []).append(w)
         linear = [(layer, w) for layer, w in self.attachments if isinstance(layer, LoraLinear)]
-        self.__dict__["_plan"] = (self.attachments, (grouped, alone, linear))
+        self._plan = (self.attachments, (grouped, alone, linear))
         return grouped, alone, linear
 
     def _move(self, device: torch.device) -> None:
