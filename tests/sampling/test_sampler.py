@@ -68,11 +68,11 @@ def ok(res):
 
 
 # ------------------------------------------------------------------------------------ exactness
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
-def test_greedy_equals_transformers_generate(model_dirs, family):
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "qwen3_moe"])
+def test_greedy_equals_transformers_generate(model_dirs, family, request):
     import transformers
 
-    d = model_dirs[family]
+    d = model_dirs[family] if family in model_dirs else request.getfixturevalue(f"{family}_dir")
     model = fresh_model(d)
     V = model.config.vocab_size
     ps = prompts(1, (1, 6, 19), V)
