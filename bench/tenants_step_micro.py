@@ -5,8 +5,10 @@ per tenant and per layer (Python, launches) is what the device waits for. On a m
 widths the CPU's kernels cost little, so the wall time of a step here is mostly that host work.
 This times one forward/backward of every tenant together (8 rows of 16 tokens shared among them)
 and then each tenant's optimizer step, on Qwen3-1.7B's 28 layers at tiny widths, LoRA rank 32 on
-every linear layer, with the multi-tenant paths a GPU takes (the grouped matmul, forced here);
-medians of ``--steps`` steps after two warm ones, one thread.
+every linear layer, with the multi-tenant paths a GPU takes (the grouped matmul and the fused
+AdamW, forced here); medians of ``--steps`` steps after two warm ones, one thread. ``--widths``
+16 shrinks the model's widths to 16 (rank 8): the CPU's kernels then cost almost nothing and
+what is timed is nearly all host work.
 
     python bench/tenants_step_micro.py [--tenants 1,4,16] [--steps 10] [--dtype fp32|bf16] [--json out.json]
 """
@@ -29,13 +31,14 @@ from bench.gpu.train import batch  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
+from tinsmith.optim import families  # noqa: E402
 from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec  # noqa: E402
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
 
 
-def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, length: int = 16) -> dict:
+def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, length: int = 16, rank: int = 32) -> dict:
     """Median ms of the forward/backward, of all tenants' optimizer steps, and of both."""
-    units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(tenants)]
+    units = [rt.create_adapter(LoraSpec(rank=rank, seed=i)) for i in range(tenants)]
     per = max(1, rows // tenants)
     requests = [TrainRequest(u, ForwardBackwardInput(batch(rt.config.vocab_size, per, length, seed=i), "cross_entropy"))
                 for i, u in enumerate(units)]
@@ -61,25 +64,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--widths", type=int, choices=(16, 64), default=64, help="hidden size (rank 8 at 16, else 32)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
     grouped_lora.MULTI_LORA = "grouped"
+    families.fused_adamw_fits = lambda params: True  # torch's fused AdamW, as on a GPU (it runs on CPUs too)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as d:
-        shape = TinyShape(num_hidden_layers=args.layers, hidden_size=64, intermediate_size=128, head_dim=16)
+        w = args.widths
+        shape = TinyShape(num_hidden_layers=args.layers, hidden_size=w, intermediate_size=2 * w, head_dim=16 if w > 16 else 8,
+                          num_attention_heads=4 if w > 16 else 2, num_key_value_heads=2 if w > 16 else 1)
         make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
         rt = TrainingRuntime(load_model(str(Path(d) / "m"), dtype=dtype).model, max_lora_adapters=16,
                              max_lora_rank=32)
         results = {}
         for n in (int(t) for t in args.tenants.split(",")):
-            results[n] = r = time_steps(rt, n, args.steps)
+            results[n] = r = time_steps(rt, n, args.steps, rank=32 if w > 16 else 8)
             print(f"{n:>3} tenants: step {r['step_ms']:7.1f} ms (forward/backward {r['forward_backward_ms']:6.1f}, "
                   f"optimizer steps {r['optimizer_steps_ms']:6.1f}: {r['optimizer_steps_ms'] / n:5.1f} a tenant)",
                   flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "dtype": args.dtype,
+                                               "widths": args.widths,
                                                "results": results}, indent=2))
 
 

@@ -11,7 +11,8 @@ from torch.nn import functional as F
 from tests.gpu.conftest import DEVICE
 from tests.models.test_lora_function import _group, _Ops
 from tinsmith.models.lora import trained_together
-from tinsmith.models.lora_function import fp32_out_gemms, refresh_copies
+from tinsmith.models.copy_refresh import refresh_copies
+from tinsmith.models.lora_function import fp32_out_gemms
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tinsmith.models.lora import LoraLinear, together_groups, trained_together
-from tinsmith.models.lora_function import compute_copies, group_copies, refresh_copies
+from tinsmith.models.copy_refresh import refresh_copies
+from tinsmith.models.lora_function import compute_copies, group_copies
 
 
 class _Ops(TorchDispatchMode):

@@ -11,7 +11,8 @@ from torch.nn import functional as F
 from tests.models.test_lora_function import _Ops
 from tinsmith.models import lora_function, moe
 from tinsmith.models.lora import LoraLinear
-from tinsmith.models.lora_tenants import TenantsLoraFunction, refresh_stacks
+from tinsmith.models.copy_refresh import refresh_stacks
+from tinsmith.models.lora_tenants import TenantsLoraFunction
 
 # (slot, rows): a rank-8 adapter, rows of no adapter, a rank-4 adapter (padded to 8 in the stack)
 LAYOUT = [(0, 5), (None, 3), (1, 7)]
@@ -161,18 +162,18 @@ def test_an_optimizer_step_refreshes_the_stack_in_place(monkeypatch):
     lin = _layer(torch.bfloat16, bias=False)
     x = torch.randn(15, 64, dtype=torch.bfloat16)
     lin(x, _segments()).sum().backward()
-    _, A, B, _ = lin._tenant_stack
+    A, B = lin._tenant_stack.A, lin._tenant_stack.B
     w = lin.adapters[1]
     with torch.no_grad():
         w.A.mul_(2.0)  # a step of adapter 1 (rank 4: its rows of the rank-8 stack are padded)
         w.B.add_(1.0)
     refresh_stacks([(lin, w)])
-    assert lin._tenant_stack[1] is A and lin._tenant_stack[2] is B  # written in place, kept
+    assert lin._tenant_stack.A is A and lin._tenant_stack.B is B  # written in place, kept
     torch.testing.assert_close(A[2, :4], w.A.detach().to(torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(B[2, :, :4], (w.B.detach().to(torch.bfloat16) * w.scale), rtol=0, atol=0)
     assert A[2, 4:].abs().sum() == 0 and B[2, :, 4:].abs().sum() == 0  # the padding stays zero
     y = lin(x, _segments())
-    assert lin._tenant_stack[1] is A  # the key follows: no rebuild at the next forward
+    assert lin._tenant_stack.A is A  # the key follows: no rebuild at the next forward
     y_ref, _, _ = _reference(lin, x, torch.zeros(15, 48, dtype=torch.bfloat16), _segments())
     assert _close(y.detach(), y_ref, 2e-2)
 
@@ -195,10 +196,11 @@ def test_a_training_runs_steps_keep_every_layers_stack_current(qwen3_dir, monkey
     training_step(rt, work)()
     layers = [m for m in model.modules() if isinstance(m, LoraLinear) and m._tenant_stack is not None]
     assert layers
-    buffers = {id(layer): layer._tenant_stack[1] for layer in layers}
+    buffers = {id(layer): layer._tenant_stack.A for layer in layers}
     training_step(rt, work)()
     for layer in layers:
-        key, A, B, weights = layer._tenant_stack
+        stack = layer._tenant_stack
+        key, A, weights = stack.key, stack.A, stack.weights
         assert A is buffers[id(layer)]
         assert key == _stack_key(weights, A.shape[1], A.dtype)
         for i, w in enumerate(weights):
@@ -278,7 +280,7 @@ def test_a_refresh_reaches_every_segment_an_adapter_holds(monkeypatch):
     with torch.no_grad():
         w.B.add_(1.0)
     refresh_stacks([(lin, w)])
-    _, A, B, _ = lin._tenant_stack
+    A, B = lin._tenant_stack.A, lin._tenant_stack.B
     for i in (0, 2):
         torch.testing.assert_close(B[i], w.B.detach() * w.scale, rtol=0, atol=0)
     y_ref, _, _ = _reference(lin, x, torch.zeros(15, 48), segments)

@@ -26,7 +26,7 @@ from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
 from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
-from tinsmith.models.lora_tenants import tenants_group, tenants_linear
+from tinsmith.models.lora_tenants import TenantStack, tenants_group, tenants_linear
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
 from tinsmith.transfers import to_device
 
@@ -102,9 +102,9 @@ class LoraLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.adapters: dict[int, LoraWeights] = AdapterSlots()
         self._bank: LoraBank | None = None
-        # (key, A, B, weights): several tenants' adapters stacked for training (lora_tenants.stacked_copies)
-        self._tenant_stack: tuple | None = None
-        # (key, A side by side): a q/k/v or gate/up group's stacks, on its first layer (lora_tenants._cat_stack)
+        # several tenants' adapters stacked for training (lora_tenants.stacked_copies)
+        self._tenant_stack: TenantStack | None = None
+        # (A side by side, its parts' stacks) of a q/k/v or gate/up group, on its first layer (lora_tenants)
         self._tenant_cat: tuple | None = None
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from tinsmith.models.copy_refresh import copy_key, group_key, refresh_copies
+
 # False: a trained projection runs as torch's ops, each its own autograd node (as before these
 # nodes existed): bench/gpu times a step both ways in one run.
 FUSED_NODES = True
@@ -110,54 +112,13 @@ def compute_copies(w, dtype: torch.dtype, keep: bool = True) -> tuple[torch.Tens
     A, B = w.A, w.B
     if A.dtype == dtype and B.dtype == dtype:
         return A.detach(), B.detach()
-    key = (dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
+    key = copy_key(w, dtype)
     cached = w.copies
     if cached is None or cached[0] != key:
         if not keep:
             return A.detach().to(dtype), B.detach().to(dtype)
         cached = w.copies = (key, A.detach().to(dtype), B.detach().to(dtype))
     return cached[1], cached[2]
-
-
-def refresh_copies(weights: list, dtype: torch.dtype, groups: list[list] = ()) -> None:
-    """Bring every stale compute copy up to date at once: of ``weights`` (LoraWeights, each on
-    its own) and of ``groups`` (lists of LoraWeights run together by :func:`lora_group`: their
-    ``A`` stacked in one buffer). One multi-tensor copy (a handful of launches on a GPU) instead
-    of a cast per tensor at each layer's forward. Copies are new tensors: an older one may still
-    be saved for a pending backward."""
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    for w in weights:
-        A, B = w.A, w.B
-        if A.dtype == dtype and B.dtype == dtype:
-            continue
-        key = (dtype, A._version, B._version, A.data_ptr(), B.data_ptr())
-        if w.copies is None or w.copies[0] != key:
-            a, b = torch.empty_like(A, dtype=dtype), torch.empty_like(B, dtype=dtype)
-            w.copies = (key, a, b)
-            dst += [a, b]
-            src += [A.detach(), B.detach()]
-    for ws in groups:
-        key = _group_key(ws, dtype)
-        if ws[0].group is not None and ws[0].group[0] == key:
-            continue
-        A0 = ws[0].A
-        A_cat = torch.empty(sum(w.A.shape[0] for w in ws), A0.shape[1], dtype=dtype, device=A0.device)
-        Bs, start = [], 0
-        for w in ws:
-            r = w.A.shape[0]
-            dst.append(A_cat[start:start + r])
-            src.append(w.A.detach())
-            start += r
-            if w.B.dtype == dtype:
-                Bs.append(w.B.detach())
-            else:
-                Bs.append(torch.empty_like(w.B, dtype=dtype))
-                dst.append(Bs[-1])
-                src.append(w.B.detach())
-        ws[0].group = (key, A_cat, Bs)
-    if dst:
-        torch._foreach_copy_(dst, src)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w) -> torch.Tensor:
@@ -218,14 +179,10 @@ class LoraGroupFunction(torch.autograd.Function):
         return (dx, None, None, *grads)
 
 
-def _group_key(ws: list, dtype: torch.dtype) -> tuple:
-    return (dtype, *((w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr()) for w in ws))
-
-
 def group_copies(ws: list, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The group's stacked ``A`` and each part's ``B`` in ``dtype`` (detached), kept on the first
     part's weights until a master changes (:func:`refresh_copies` makes them eagerly)."""
-    key = _group_key(ws, dtype)
+    key = group_key(ws, dtype)
     cached = ws[0].group
     if cached is None or cached[0] != key:
         refresh_copies([], dtype, [ws])

@@ -28,11 +28,13 @@ zeros and get no gradient.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
+from tinsmith.models.copy_refresh import stack_entry
 from tinsmith.models.grouped_lora import _group_scales, _round_up, group_offsets
 from tinsmith.models.lora_function import compute_copies, grad_mm
 
@@ -48,30 +50,39 @@ class TenantRows:
     grouped: bool
 
 
-def _entry(w) -> tuple | None:
-    """What a stack's key holds of one segment's adapter: its masters' versions and storage, its scale."""
-    return None if w is None else (w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr(), w.scale)
-
-
 def _stack_key(weights: tuple, rank: int, dtype: torch.dtype) -> tuple:
-    return (dtype, rank, tuple(_entry(w) for w in weights))
+    return (dtype, rank, tuple(stack_entry(w) for w in weights))
+
+
+@dataclass(eq=False)
+class TenantStack:
+    """Several tenants' adapters of one layer stacked for training (:func:`stacked_copies`): the
+    stacks, the segments' weights they hold, and the key they are current for. An optimizer step
+    rewrites an adapter's rows and its entry of the key in place
+    (:class:`tinsmith.models.copy_refresh.CopyRefresh`); another mix of tenants makes a new one."""
+
+    key: tuple
+    A: torch.Tensor
+    B: torch.Tensor
+    weights: tuple
 
 
 def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_features: int,
-                   out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   out_features: int, A_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every segment's adapter in ``dtype`` as ``(segments, rank, in)`` and ``(segments, out,
     rank)`` (scale folded into ``B``; padding and segments without an adapter zero), kept on
-    ``owner`` (the layer) until a master changes other than by :func:`refresh_stacks` (which an
-    optimizer step runs) or the micro-batch's adapters do. A rebuild makes new tensors: one
-    multi-tensor copy and one multiply."""
+    ``owner`` (the layer) until a master changes other than by an optimizer step's refresh
+    (:class:`tinsmith.models.copy_refresh.CopyRefresh`) or the micro-batch's adapters do. A
+    rebuild makes new tensors (one multi-tensor copy and one multiply); ``A_into`` (a view of a
+    group's side-by-side buffer, zeroed) takes the ``A`` stack instead, and forces the rebuild."""
     key = _stack_key(weights, rank, dtype)
-    cached = getattr(owner, "_tenant_stack", None)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
+    cached = owner._tenant_stack
+    if A_into is None and cached is not None and cached.key == key:
+        return cached.A, cached.B
     like = next(w for w in weights if w is not None).A
     full = all(w is not None and w.A.shape[0] == rank for w in weights)
     new = torch.empty if full else torch.zeros
-    A = new(len(weights), rank, in_features, dtype=dtype, device=like.device)
+    A = new(len(weights), rank, in_features, dtype=dtype, device=like.device) if A_into is None else A_into
     B = new(len(weights), out_features, rank, dtype=dtype, device=like.device)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -80,7 +91,7 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
             _slices_of(A, B, i, w, dst, src)
     torch._foreach_copy_(dst, src)
     B.mul_(_group_scales(tuple(0.0 if w is None else float(w.scale) for w in weights), 1, dtype, like.device))
-    owner._tenant_stack = (key, A, B, weights)
+    owner._tenant_stack = TenantStack(key, A, B, weights)
     return A, B
 
 
@@ -91,43 +102,6 @@ def _slices_of(A: torch.Tensor, B: torch.Tensor, i: int, w, dst: list, src: list
     dst += [A[i, :r], B[i, :, :r]]
     src += [w.A.detach(), w.B.detach()]
     return B[i, :, :r]
-
-
-def refresh_stacks(attachments: list) -> None:
-    """After an adapter's weights changed (its optimizer step, a loaded state), write them into
-    every layer's kept stack that holds them, in place, for all layers at once (one multi-tensor
-    copy and one multiply per scale), and bring those stacks' keys up to date: else each layer
-    would rebuild its whole stack at its next forward, a few launches per layer and step.
-    ``attachments``: (layer, weights) pairs of the adapter. In place is safe here: a micro-batch's
-    backward runs right after its forward, so no saved stack is pending when weights change (and
-    autograd would refuse a saved tensor changed in place rather than use it)."""
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    scaled: dict[float, list[torch.Tensor]] = {}
-    touched = []
-    for layer, w in attachments:
-        cached = getattr(layer, "_tenant_stack", None)
-        if cached is None:
-            continue
-        _, A, B, weights = cached
-        held = [i for i, x in enumerate(weights) if x is w]
-        for i in held:
-            scaled.setdefault(float(w.scale), []).append(_slices_of(A, B, i, w, dst, src))
-        if held:
-            touched.append((layer, held))
-    if not dst:
-        return
-    torch._foreach_copy_(dst, src)
-    for scale, parts in scaled.items():
-        torch._foreach_mul_(parts, scale)
-    for layer, held in touched:
-        key, A, B, weights = layer._tenant_stack
-        # Only this adapter's entries changed: the key's other entries stand (re-reading every
-        # segment's would make a round of all tenants' steps quadratic in the tenants).
-        entries = list(key[2])
-        for i in held:
-            entries[i] = _entry(weights[i])
-        layer._tenant_stack = ((*key[:2], tuple(entries)), A, B, weights)
 
 
 def _plus_linear(delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -253,17 +227,24 @@ def tenants_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                                      *masters, *compute)
 
 
-def _cat_stack(layers: tuple, stacks: list[torch.Tensor]) -> torch.Tensor:
-    """The parts' stacked ``A`` side by side, ``(segments, parts x rank, in)``, kept on the first
-    layer while every part's stack is the one it was made from (a refresh or rebuild of any part
-    makes it again: one copy per group and step)."""
-    key = tuple(layer._tenant_stack[0] for layer in layers)
-    cached = getattr(layers[0], "_tenant_cat", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    A_cat = torch.cat(stacks, dim=1)
-    layers[0]._tenant_cat = (key, A_cat)
-    return A_cat
+def _group_stacks(layers: tuple, weights: tuple[tuple, ...], rank: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A group's stacks: the parts' ``A`` side by side, ``(segments, parts x rank, in)``, each
+    part's ``A`` stack a view of it (so an optimizer step's refresh of a part writes the grouped
+    shrink's operand itself: no concatenation per step), and each part's ``B`` stack. Kept on the
+    first layer while every part's stack is current and the one made with it."""
+    cached = layers[0]._tenant_cat
+    stacks = [layer._tenant_stack for layer in layers]
+    if (cached is not None and all(map(operator.is_, stacks, cached[1]))
+            and all(st.key == _stack_key(ws, rank, dtype) for st, ws in zip(stacks, weights))):
+        return cached[0], [st.B for st in stacks]
+    like = next(w for w in weights[0] if w is not None).A
+    A_cat = torch.zeros(len(weights[0]), len(layers) * rank, like.shape[1], dtype=dtype, device=like.device)
+    Bs = [stacked_copies(layer, ws, rank, dtype, layer.in_features, layer.out_features,
+                         A_into=A_cat[:, p * rank:(p + 1) * rank])[1]
+          for p, (layer, ws) in enumerate(zip(layers, weights))]
+    layers[0]._tenant_cat = (A_cat, tuple(layer._tenant_stack for layer in layers))
+    return A_cat, Bs
 
 
 class TenantsGroupFunction(torch.autograd.Function):
@@ -315,12 +296,10 @@ def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weight
     through :class:`TenantsGroupFunction` (grouped: the caller has checked that it runs here)."""
     present = [w for w in weights[0] if w is not None]
     rank = _round_up(max(w.A.shape[0] for w in present), 8)
-    parts, stacks, masters = [], [], []
-    for layer, ws in zip(layers, weights):
-        A, B = stacked_copies(layer, ws, rank, x.dtype, layer.in_features, layer.out_features)
-        stacks.append(A)
+    A_cat, Bs = _group_stacks(layers, weights, rank, x.dtype)
+    parts, masters = [], []
+    for layer, ws, B in zip(layers, weights, Bs):
         parts += [layer.weight, layer.bias, B]
         masters += [t for w in ws if w is not None for t in (w.A, w.B)]
-    A_cat = _cat_stack(layers, stacks)
     return TenantsGroupFunction.apply(x, TenantRows(sizes, weights[0], True), len(layers), len(masters), *parts,
                                       A_cat, *masters)

@@ -25,8 +25,7 @@ from torch.autograd.graph import increment_version
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear, together_groups
-from tinsmith.models.lora_function import refresh_copies
-from tinsmith.models.lora_tenants import refresh_stacks
+from tinsmith.models.copy_refresh import CopyRefresh
 from tinsmith.models.moe import ExpertLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, apply_hyperparameters, build_optimizer, check_params_match, steps_on_device
 from tinsmith.types import LoraSpec, OptimParams
@@ -61,8 +60,8 @@ class Trainable:
     resident: bool = True
     # The model these parameters live in: told of every change to them (prefix caches key by it).
     model: CausalLM | None = None
-    # (attachments, plan) of :meth:`_copy_plan`, made at the first refresh.
-    _plan: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # (attachments, their CopyRefresh) of :meth:`_copy_refresh`, made at the first refresh.
+    _refresh: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         rank = self.spec.rank if self.spec is not None else None
@@ -115,23 +114,21 @@ class Trainable:
         self.refresh_compute_copies()
 
     def refresh_compute_copies(self) -> None:
-        """Make the half-precision copies a bf16 model's LoRA layers compute with, all at once
-        (one multi-tensor copy, not a cast per tensor at each layer's next forward)."""
+        """Make the half-precision copies a bf16 model's LoRA layers compute with, and the adapter's
+        rows of several tenants' stacks, all at once (one multi-tensor copy, not a cast per tensor
+        at each layer's next forward)."""
         if self.slot is None or self.model is None:
             return
-        grouped, alone, linear = self._copy_plan()
-        for dtype in {*grouped, *alone}:
-            refresh_copies(alone.get(dtype, []), dtype, grouped.get(dtype, []))
-        refresh_stacks(linear)
+        self._copy_refresh().refresh()
 
-    def _copy_plan(self) -> tuple[dict, dict, list]:
-        """Which of this adapter's weights :meth:`refresh_compute_copies` refreshes, and how: by
-        the layers' dtype, those run in groups (q/k/v, gate/up), those run alone, and every
-        (LoraLinear, weights) pair for the tenants' stacks. Worked out once: the layers and the
-        attachments stay what they are for the unit's life, and walking the whole model at every
-        step was host time that a GPU waited for, once per tenant and step."""
-        if self._plan is not None and self._plan[0] is self.attachments:
-            return self._plan[1]
+    def _copy_refresh(self) -> CopyRefresh:
+        """What :meth:`refresh_compute_copies` refreshes, and how: by the layers' dtype, the
+        weights run in groups (q/k/v, gate/up), those run alone, and every (LoraLinear, weights)
+        pair for the tenants' stacks. Worked out once: the layers and the attachments stay what
+        they are for the unit's life, and walking the whole model at every step was host time
+        that a GPU waited for, once per tenant and step."""
+        if self._refresh is not None and self._refresh[0] is self.attachments:
+            return self._refresh[1]
         mine = {id(layer): w for layer, w in self.attachments if isinstance(layer, LoraLinear)}
         grouped: dict[torch.dtype, list] = {}
         in_groups: set[int] = set()
@@ -145,8 +142,9 @@ class Trainable:
             if id(layer) in mine and id(layer) not in in_groups and layer.weight.dtype != w.A.dtype:
                 alone.setdefault(layer.weight.dtype, []).append(w)
         linear = [(layer, w) for layer, w in self.attachments if isinstance(layer, LoraLinear)]
-        self._plan = (self.attachments, (grouped, alone, linear))
-        return grouped, alone, linear
+        refresh = CopyRefresh(alone, grouped, linear)
+        self._refresh = (self.attachments, refresh)
+        return refresh
 
     def _move(self, device: torch.device) -> None:
         steps_too = steps_on_device(self.optimizer)  # fused AdamW's step counts live beside the parameters
