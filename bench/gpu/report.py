@@ -73,15 +73,17 @@ def markdown(s: dict) -> str:
     if sa:
         L += _heading("## Sampling (tokens/s)",
                       "| shape | rows | tok/s | of HBM bound | captures in timed run | first run tok/s (graph captures) | "
-                      "8 adapters vs base | "
-                      "64 adapters vs base | HF generate tok/s | GRPO separate / num_samples | first call s | "
+                      "8 adapters vs base (by tiles) | "
+                      "64 adapters vs base (by tiles) | HF generate tok/s | GRPO separate / num_samples | first call s | "
                       "second call s | notes |")
         for name in s["shapes"]:
             de, ge, sd = sa.get(f"{name}/decode", {}), sa.get(f"{name}/generate_baseline", {}), sa.get(f"{name}/sdk", {})
             for rk in [k for k in de if k.startswith("rows_")] or ["-"]:
                 L.append(f"| {name} | {rk[5:]} | {_get(de, rk, 'tokens_per_s')} | {_get(de, rk, 'of_hbm_bound', pct=True)} | "
                          f"{_get(de, rk, 'captures_in_timed_run')} | "
-                         f"{_get(de, rk, 'first_run_tokens_per_s')} | {_get(de, 'adapters_8', 'vs_base')} | {_get(de, 'adapters_64', 'vs_base')} | {_get(ge, 'tokens_per_s')} | "
+                         f"{_get(de, rk, 'first_run_tokens_per_s')} | {_get(de, 'adapters_8', 'vs_base')} ({_get(de, 'adapters_8', 'segmented_vs_base')}) | "
+                         f"{_get(de, 'adapters_64', 'vs_base')} ({_get(de, 'adapters_64', 'segmented_vs_base')}) | "
+                         f"{_get(ge, 'tokens_per_s')} | "
                          f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
                          f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")
         L.append("")
@@ -208,7 +210,8 @@ def _lora_gather(lg: dict) -> list[str]:
     L = _heading(f"### Multi-adapter LoRA kernels, one 1.7B decode layer, rank {lg.get('rank', '-')} (us per "
                  "call, CUDA-graph replay; old = before split-K, pair = shrink + expand)",
                  "| rows | adapters | projection | split | shrink old | shrink new | expand | "
-                 "pair new / old | torch pair | new vs old (max rel diff) | repeatable | notes |")
+                 "pair new / old | torch pair | new vs old (max rel diff) | repeatable | by tiles: pair us, "
+                 "vs new (max rel diff) | notes |")
     for ck in [k for k in lg if k.startswith("rows_")]:
         rows, adapters = ck[5:].split("_adapters_")
         for proj in [k for k in lg[ck] if k != "layer"]:
@@ -216,12 +219,14 @@ def _lora_gather(lg: dict) -> list[str]:
             L.append(f"| {rows} | {adapters} | {proj} | {_get(r, 'split')} | {_get(r, 'shrink_old_us')} | "
                      f"{_get(r, 'shrink_new_us')} | {_get(r, 'expand_us')} | "
                      f"{_get(r, 'pair_new_vs_old')} | {_get(r, 'torch_pair_us')} | {_get(r, 'max_rel_diff')} | "
-                     f"{r.get('bitwise_repeatable', '-')} | |")
+                     f"{r.get('bitwise_repeatable', '-')} | {_get(r, 'segmented_pair_us')}, "
+                     f"{_get(r, 'segmented_vs_new')} ({_get(r, 'segmented_max_rel_diff')}) | |")
         la = lg[ck].get("layer", {})
         L.append(f"| {rows} | {adapters} | **layer** | | | | | {_get(la, 'new_vs_old')} "
-                 f"({_get(la, 'old_us')} -> {_get(la, 'new_us')} us) | {_get(la, 'torch_us')} | | | |")
+                 f"({_get(la, 'old_us')} -> {_get(la, 'new_us')} us) | {_get(la, 'torch_us')} | | | "
+                 f"{_get(la, 'segmented_us')}, {_get(la, 'segmented_vs_new')} | |")
     if _status(lg):
-        L.append(f"| - | - | - | - | - | - | - | - | - | - | - | {_status(lg)} |")
+        L.append(f"| - | - | - | - | - | - | - | - | - | - | - | - | {_status(lg)} |")
     L.append("")
     sw = lg.get("split_sweep")
     if sw:

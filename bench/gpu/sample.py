@@ -16,6 +16,7 @@ import torch
 
 from bench.gpu.peak import sync
 from bench.gpu.shapes import param_counts
+from tinsmith.kernels import lora_segments
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import LoraSpec, SampleInput, SamplingParams
@@ -117,6 +118,17 @@ def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
         out[f"adapters_{n}"] = {"rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
                                 "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s,
                                 "first_run_tokens_per_s": rows * z["new"] / first}
+        if lora_segments.triton is not None and device.type == "cuda":  # the same rows by tiles (SGMV), same run
+            enabled = lora_segments.ENABLED
+            lora_segments.ENABLED = True
+            try:
+                tiled_s = twice(rows, units[:n])[1]
+            finally:
+                lora_segments.ENABLED = enabled
+            out[f"adapters_{n}"].update({"segmented_tokens_per_s": rows * z["new"] / tiled_s,
+                                         "segmented_vs_base": base_s / tiled_s,
+                                         "segmented_vs_gathered": multi_s / tiled_s,
+                                         "segmented_kernels_failed": lora_segments.GUARD.failed})
     if sampler.graphs is not None:
         out["graphs"] = {"captures": sampler.stats["graph_captures"], "replays": sampler.stats["graph_replays"],
                          "broken": sampler.graphs.broken}
@@ -507,6 +519,7 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
     (``bitwise_repeatable``)."""
     from bench.gpu.peak import timed
     from tinsmith.kernels import lora_gather as lg
+    from tinsmith.kernels import lora_segments as ls
 
     if quick:
         hidden, inter, q, kv, rank, rows_list, adapters_list = 64, 160, 64, 32, 4, (4,), (2,)
@@ -593,6 +606,19 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
                         delta = (y_old.float() - base.float()).abs().max().clamp(min=1e-30)
                         row["max_rel_diff"] = float((y_new.float() - y_old.float()).abs().max() / delta)
                         row["bitwise_repeatable"] = bool(torch.equal(y_new, y_again))
+                        columns = [(sum(outs[:j]), sum(outs[:j + 1])) for j in range(len(outs))]
+                        block = ls.expand_block(sum(outs), columns if len(outs) > 1 else None, device.type == "cpu")
+                        if block is not None:  # rows sharing an adapter by tiles (SGMV), same process
+                            tiles = ls.row_tiles(idx.tolist(), device)
+                            h_t = ls.shrink(x, A, tiles)
+                            row["tiles"] = tiles.tiles
+                            row["segmented_shrink_us"] = clock(lambda: ls.shrink(x, A, tiles))
+                            row["segmented_expand_us"] = clock(lambda: ls.expand(y, h_t, B, tiles, offsets, block))
+                            row["segmented_pair_us"] = row["segmented_shrink_us"] + row["segmented_expand_us"]
+                            row["segmented_vs_new"] = row["segmented_pair_us"] / row["pair_new_us"]
+                            y_seg = base.clone()
+                            ls.expand(y_seg, ls.shrink(x, A, tiles), B, tiles, offsets, block)
+                            row["segmented_max_rel_diff"] = float((y_seg.float() - y_new.float()).abs().max() / delta)
                         if rows == sweep_rows and adapters == sweep_adapters:
                             by_split = {}
                             for s in (1, 2, 4, 8, 16):
@@ -606,6 +632,9 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
                     layer["old_us"] = sum(case[p]["pair_old_us"] for p in projections)
                     layer["new_us"] = sum(case[p]["pair_new_us"] for p in projections)
                     layer["new_vs_old"] = layer["new_us"] / layer["old_us"]
+                    if all("segmented_pair_us" in case[p] for p in projections):
+                        layer["segmented_us"] = sum(case[p]["segmented_pair_us"] for p in projections)
+                        layer["segmented_vs_new"] = layer["segmented_us"] / layer["new_us"]
                 case["layer"] = layer
                 out[f"rows_{rows}_adapters_{adapters}"] = case
     finally:

@@ -20,7 +20,8 @@ def test_lora_gather_item_runs_and_is_reported():
             r = case[p]
             assert r["split"] >= 1 and r["shrink_new_us"] > 0 and r["expand_us"] > 0 and r["pair_new_vs_old"] > 0
             assert r["max_rel_diff"] < 1e-4 and r["bitwise_repeatable"] is True
-        assert case["layer"]["new_vs_old"] > 0
+            assert r["segmented_pair_us"] > 0 and r["segmented_max_rel_diff"] < 1e-4  # by tiles: the same sums
+        assert case["layer"]["new_vs_old"] > 0 and case["layer"]["segmented_vs_new"] > 0
         assert set(result["split_sweep"]["shrink_us"]) == {"qkv", "o", "gate_up", "down"}
     else:
         assert not lora_gather.triton_interpreting()

@@ -224,3 +224,40 @@ def test_the_static_step_reads_nothing_back_to_the_host(family, layout, request,
                              topk_sample_logprobs=2)])
     assert not any(isinstance(r, Exception) for r in out.values()), out
     assert steps and sampler.stats["static_steps"] == len(steps)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_segmented_lora_kernels_sample_what_the_gathered_ones_sample(static, qwen3_dir, monkeypatch):
+    """Rows of three adapters (two rows of one) and of none, the LoRA layers on Triton's kernels
+    (interpreted): by tiles of rows sharing an adapter as by rows, eagerly and through the static
+    step (its persistent tile tables, changed in place as rows join and leave)."""
+    from tinsmith.kernels import lora_gather, lora_segments
+
+    if not (lora_gather.triton_available() and lora_gather.triton_interpreting()):
+        pytest.skip("needs triton, and TRITON_INTERPRET=1 set before triton was imported")
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
+    monkeypatch.setattr(lora_gather, "BACKEND", "triton")
+    tiled: list[int] = []
+    real = lora_segments.shrink
+    monkeypatch.setattr(lora_segments, "shrink",
+                        lambda x, A, tiles, *a: (tiled.append(tiles.tiles), real(x, A, tiles, *a))[1])
+
+    def sample(segmented: bool):
+        monkeypatch.setattr(lora_segments, "ENABLED", segmented)
+        model = fresh_model(qwen3_dir)
+        for slot, rank in ((1, 4), (2, 8), (3, 4)):
+            random_adapter(model, slot, rank=rank, seed=slot)
+        sampler = Sampler(model, decoder(qwen3_dir), max_rows=4, decode_burst=2)
+        if static:
+            sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+        tasks = [task("a", [5, 6, 7], slot=1, n=2, max_tokens=4, temperature=0.9, seed=1, stop=[]),
+                 task("b", [8, 9], slot=2, max_tokens=3, temperature=0.0, stop=[]),
+                 task("base", [4, 5, 6, 7], max_tokens=2, temperature=1.0, seed=2, stop=[]),
+                 task("c", [10, 11, 12], slot=3, max_tokens=3, temperature=1.0, seed=3, stop=[])]
+        return run(sampler, tasks), sampler
+
+    ref, _ = sample(False)
+    assert not tiled
+    got, sampler = sample(True)
+    assert tiled and (sampler.stats.get("static_steps", 0) > 0) == static
+    _assert_same(ref, got)

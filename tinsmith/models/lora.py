@@ -22,12 +22,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
 from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
 from tinsmith.models.lora_tenants import TenantStack, tenants_group, tenants_linear
-from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots
+from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots, add_bank_delta_
 from tinsmith.transfers import to_device
 
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
@@ -216,7 +215,7 @@ class LoraLinear(nn.Module):
         if isinstance(segments, RowSlots):
             bank = self.bank(segments)
             if bank.rank:
-                expand(y2, shrink(x2, bank.A, segments.idx), bank.B, segments.idx)
+                add_bank_delta_(y2, x2, bank, segments)
             return
         if len(segments[0]) == 2:
             for slot, rows in segments:  # type: ignore[misc]
@@ -386,8 +385,7 @@ class PackedProjection:
             if any(l.adapters for l in self.layers):
                 bank = self.bank(segments)
                 if bank.rank:
-                    expand_parts(y, shrink(x2, bank.A, segments.idx), bank.B, segments.idx, bank.columns,
-                                 bank.h_offsets)
+                    add_bank_delta_(y, x2, bank, segments)
         elif segments:
             for layer, (a, b) in zip(self.layers, self.columns):
                 layer.add_lora_(x2, y[:, a:b], segments)

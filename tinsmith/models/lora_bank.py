@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tinsmith.kernels import lora_segments
+from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
+from tinsmith.kernels.lora_segments import RowTiles
 from tinsmith.transfers import to_device
 
 if TYPE_CHECKING:
@@ -171,6 +174,8 @@ class RowSlots:
     table: SlotTable
     idx: torch.Tensor  # (rows,) int64 bank position of each row, -1 for none
     slots: tuple[int | None, ...]  # each row's adapter slot, on the host
+    # the rows grouped by position for the segmented kernels, where they run (lora_segments.wanted)
+    tiles: RowTiles | None = None
 
     @classmethod
     def of(cls, model: Any, slots: list[int | None], device: torch.device) -> RowSlots:
@@ -178,8 +183,10 @@ class RowSlots:
         batch = {s for s in slots if s is not None}
         table.release(model, keep=batch)
         table.assign(batch)
-        idx = to_device([-1 if s is None else table.positions[s] for s in slots], device, torch.long)
-        return cls(table, idx, tuple(slots))
+        positions = [-1 if s is None else table.positions[s] for s in slots]
+        idx = to_device(positions, device, torch.long)
+        tiles = lora_segments.row_tiles(positions, device) if lora_segments.wanted(torch.device(device)) else None
+        return cls(table, idx, tuple(slots), tiles)
 
     def __bool__(self) -> bool:
         return any(s is not None for s in self.slots)
@@ -308,3 +315,29 @@ class LoraBank:
             r = w.A.shape[-2]
             A[:, j * R: j * R + r].copy_(w.A.detach().reshape(e, r, self.in_features))
             B[:, a:b, :r].copy_((w.B.detach().float() * w.scale).reshape(e, b - a, r))
+
+
+def add_bank_delta_(y: torch.Tensor, x: torch.Tensor, bank: LoraBank, rows: RowSlots) -> None:
+    """Add each row's adapter delta from ``bank`` into ``y`` (rows, out) in place, for ``x`` (rows,
+    in): one shrink and one expand for every adapter of the batch (and every part of a packed
+    bank). By tiles of rows sharing an adapter where the rows carry them and the outputs allow it
+    (:mod:`tinsmith.kernels.lora_segments`), else row by row (:mod:`tinsmith.kernels.lora_gather`)."""
+    parts = bank.parts > 1
+    tiles = rows.tiles
+    if tiles is not None and lora_segments.GUARD.failed is None:
+        block = lora_segments.expand_block(y.shape[1], bank.columns if parts else None, y.device.type == "cpu")
+        if block is not None:
+            h = lora_segments.GUARD.call(lora_segments.shrink, x, bank.A, tiles, on=x)
+            if h is not None and lora_segments.GUARD.call(_ran, lora_segments.expand, y, h, bank.B, tiles,
+                                                          bank.h_offsets if parts else None, block, on=y):
+                return
+    h = shrink(x, bank.A, rows.idx)
+    if parts:
+        expand_parts(y, h, bank.B, rows.idx, bank.columns, bank.h_offsets)
+    else:
+        expand(y, h, bank.B, rows.idx)
+
+
+def _ran(kernel, *args) -> bool:
+    kernel(*args)
+    return True

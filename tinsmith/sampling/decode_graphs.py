@@ -39,6 +39,8 @@ import torch
 
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import sync_banks
+from tinsmith.kernels import lora_segments
+from tinsmith.kernels.lora_segments import RowTiles
 from tinsmith.models.lora_bank import RowSlots, adapters_epoch
 from tinsmith.sampling.kv_cache import RowKVCache
 from tinsmith.sampling.logits import choose_tokens_masked, keyed_uniforms
@@ -62,6 +64,7 @@ class Variant:
     truncating: bool  # some row uses top-k / top-p (the step sorts every row)
     all_greedy: bool  # every row is greedy (the step only takes the argmax)
     top: int = 0  # the most top-k sample logprobs a row asks (the step keeps that many per row)
+    tiles: int = 0  # the segmented LoRA kernels' tile count (their grid), 0 when rows take the gathered ones
 
 
 class Peers(Protocol):
@@ -99,6 +102,22 @@ class StaticInputs:
         self.tokens, self.logprobs = zeros(torch.long), zeros(torch.float32)  # the step's outputs
         self.top_ids: dict[int, torch.Tensor] = {}  # k -> (rows, k): each row's k best token ids ...
         self.top_lps: dict[int, torch.Tensor] = {}  # ... and their logprobs, for rows asking top-k
+        self.tile_tables: dict[int, RowTiles] = {}  # tiles -> the segmented LoRA kernels' tables
+
+    def tiles(self, positions: list[int]) -> RowTiles:
+        """The rows' tile tables in persistent buffers: as many tiles as the rows need, rounded up
+        to a power of two (unused tiles do nothing), so that few tile counts, each its own graph,
+        serve every mix of adapters."""
+        need = lora_segments.tiles_needed(positions)
+        count = 1 << max(0, need - 1).bit_length()
+        order, slot, first, count_ = lora_segments.tile_table(positions, tiles=count)
+        held = self.tile_tables.get(count)
+        if held is None:
+            held = self.tile_tables[count] = lora_segments.row_tiles(positions, self.tokens.device, tiles=count)
+        else:
+            for buf, src in zip((held.order, held.slot, held.first, held.count), (order, slot, first, count_)):
+                buf.copy_(torch.from_numpy(src), non_blocking=False)
+        return held
 
     def top_buffers(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The persistent (rows, k) outputs of a step keeping each row's ``k`` best logprobs."""
@@ -179,14 +198,18 @@ class DecodeGraphs:
             if truncates is not None:
                 truncates[batch.kinds.truncating] = True
             inputs.load(batch, n, None if rows is None else rows.idx[:n], truncates)
-            # The layers read the bank positions from the persistent buffer, not from ``rows.idx``.
-            self._groups = None if rows is None else RowSlots(rows.table, inputs.slot_idx, rows.slots)
+            # The layers read the bank positions (and tiles) from persistent buffers, not from ``rows``.
+            tiles = None
+            if rows is not None and rows.tiles is not None:
+                tiles = inputs.tiles([-1 if s is None else rows.table.positions[s] for s in rows.slots])
+            self._groups = None if rows is None else RowSlots(rows.table, inputs.slot_idx, rows.slots, tiles)
             self._loaded = (B, batch)
         else:  # the same rows: only what the eager path may have advanced meanwhile
             inputs.last[:n].copy_(batch.last)
             inputs.steps[:n].copy_(batch.steps)
         groups = self._groups
-        variant = Variant(B, groups is not None, batch.kinds.truncating is not None, batch.kinds.all_greedy, top)
+        variant = Variant(B, groups is not None, batch.kinds.truncating is not None, batch.kinds.all_greedy, top,
+                          0 if groups is None or groups.tiles is None else groups.tiles.tiles)
 
         def step() -> None:
             self._step(inputs, groups, variant)
