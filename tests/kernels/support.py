@@ -37,6 +37,24 @@ def skip_if_interpreter_cannot_loop_to_loaded_bounds() -> None:
             pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop to a loaded bound (3.7 can)")
 
 
+# What a build script (for :func:`assert_builds_for_hopper`) starts with: ``build(fn, sig, const)``
+# compiles kernel ``fn`` for sm_90 with the given argument types (names the kernel lacks are
+# ignored) and constexpr values (arguments in neither are constexprs left to their defaults).
+BUILD_PRELUDE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+target = GPUTarget("cuda", 90, 32)
+
+
+def build(fn, sig, const):
+    sig = {name: sig.get(name, "constexpr") for name in fn.arg_names}
+    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
+"""
+
+
 def assert_builds_for_hopper(script: str, tmp_path: Path, *args: str) -> None:
     """Run ``script`` (it calls ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``) with ``args``
     and fail with its error output unless it exits cleanly."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.support import assert_builds_for_hopper, kernel_device
+from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import lora_gather as lg
 
 
@@ -275,21 +275,8 @@ def test_dispatch_with_split_shrink(backend, monkeypatch):
     assert lg.GUARD.failed is None
 
 
-_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_COMPILE = BUILD_PRELUDE + """
 from tinsmith.kernels import lora_gather as lg
-
-target = GPUTarget("cuda", 90, 32)
-
-
-def build(fn, sig, const):
-    assert set(fn.arg_names) == set(sig) | set(const), set(fn.arg_names) ^ (set(sig) | set(const))
-    sig = {name: sig.get(name, "constexpr") for name in fn.arg_names}
-    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
-
 
 for dt in sys.argv[1:]:
     strides = {f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak", "on", "os", "or")}
@@ -303,7 +290,6 @@ for dt in sys.argv[1:]:
         build(lg._bgmv_expand_kernel, expand, {"O": O, "R": R, "SEGMENTED": seg, "BLOCK_O": 128,
                                                "BLOCK_R": min(64, triton.next_power_of_2(R))})
 """
-
 
 def test_triton_kernels_compile_for_hopper(tmp_path):
     """The interpreter does not compile: build the kernels for sm_90 (no GPU needed): the shrink

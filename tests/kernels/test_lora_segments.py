@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.support import assert_builds_for_hopper, kernel_device
+from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
 from tests.kernels.test_lora_gather import TOL, bank_case, parts_case, per_part, per_row_expand, per_row_shrink
 from tinsmith.kernels import lora_gather as lg
 from tinsmith.kernels import lora_segments as ls
@@ -100,21 +100,8 @@ def test_torch_reference_equals_the_gathered_ops():
     assert np.array_equal(np.sort(tiles.order.numpy()), np.arange(x.shape[0]))
 
 
-_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_COMPILE = BUILD_PRELUDE + """
 from tinsmith.kernels import lora_segments as ls
-
-target = GPUTarget("cuda", 90, 32)
-
-
-def build(fn, sig, const):
-    assert set(fn.arg_names) == set(sig) | set(const), set(fn.arg_names) ^ (set(sig) | set(const))
-    sig = {name: sig.get(name, "constexpr") for name in fn.arg_names}
-    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
-
 
 tables = {name: "*i32" for name in ("order_ptr", "slot_ptr", "first_ptr", "count_ptr")}
 for dt in sys.argv[1:]:
@@ -130,7 +117,6 @@ for dt in sys.argv[1:]:
         build(ls._sgmv_expand_kernel, expand, {"O": O, "R": R, "SEGMENTED": seg, "BLOCK_M": 16, "BLOCK_O": 128,
                                                "BLOCK_R": min(64, triton.next_power_of_2(R))})
 """
-
 
 def test_segmented_kernels_compile_for_hopper(tmp_path):
     """The interpreter does not compile: build both kernels for sm_90 (no GPU needed)."""

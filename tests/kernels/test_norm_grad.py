@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.support import assert_builds_for_hopper, kernel_device
+from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import norm_grad, swiglu
 from tinsmith.models import layers
 
@@ -215,20 +215,8 @@ def test_a_model_trains_through_the_kernels_as_through_torch(family, model_dirs,
         torch.testing.assert_close(grad, want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-_COMPILE = '''
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_COMPILE = BUILD_PRELUDE + '''
 from tinsmith.kernels import norm_grad, swiglu
-
-target = GPUTarget("cuda", 90, 32)
-
-
-def build(fn, sig, const):
-    sig = {name: sig.get(name, "constexpr") for name in fn.arg_names}
-    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
-
 
 for dt in sys.argv[1:]:
     common = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "rstd_ptr": "*fp32", "cos_ptr": f"*{dt}",
@@ -244,7 +232,6 @@ for dt in sys.argv[1:]:
     build(swiglu._silu_mul_flat_kernel, flat, {"BLOCK": 1024})
     build(swiglu._silu_mul_backward_kernel, flat, {"BLOCK": 1024})
 '''
-
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter does not compile: build the training kernels for sm_90 (no GPU needed)."""

@@ -33,19 +33,21 @@ def _assert_stack_current(lin, slot: int, row: int) -> None:
     torch.testing.assert_close(st.B[row, :, :r], _bf16(w.B) * w.scale, rtol=0, atol=0)
 
 
-def _counting_makes(monkeypatch) -> list:
+def _stacked(monkeypatch) -> tuple[list, object, torch.Tensor]:
+    """(the lists CopyRefresh works out, counted; a bf16 layer of adapters 0 and 1 whose stack
+    one forward/backward made, the grouped matmul forced; its input)."""
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
     made: list = []
     real = CopyRefresh._make
     monkeypatch.setattr(CopyRefresh, "_make", lambda self: (made.append(self), real(self)))
-    return made
-
-
-def test_tenants_refreshing_in_turn_keep_their_lists_and_every_stack_current(monkeypatch):
-    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
-    made = _counting_makes(monkeypatch)
     lin = _layer(torch.bfloat16, bias=False)
     x = torch.randn(15, 64, dtype=torch.bfloat16)
     lin(x, _segments()).sum().backward()
+    return made, lin, x
+
+
+def test_tenants_refreshing_in_turn_keep_their_lists_and_every_stack_current(monkeypatch):
+    made, lin, x = _stacked(monkeypatch)
     stack = lin._tenant_stack
     plans = {s: CopyRefresh({torch.bfloat16: [lin.adapters[s]]}, {}, [(lin, lin.adapters[s])]) for s in (0, 1)}
     for _ in range(3):
@@ -63,11 +65,7 @@ def test_tenants_refreshing_in_turn_keep_their_lists_and_every_stack_current(mon
 
 
 def test_a_stack_rebuilt_for_another_mix_of_tenants_is_found_again(monkeypatch):
-    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
-    made = _counting_makes(monkeypatch)
-    lin = _layer(torch.bfloat16, bias=False)
-    x = torch.randn(15, 64, dtype=torch.bfloat16)
-    lin(x, _segments()).sum().backward()
+    made, lin, x = _stacked(monkeypatch)
     w = lin.adapters[1]
     plan = CopyRefresh({}, {}, [(lin, w)])
     plan.refresh()
@@ -84,8 +82,7 @@ def test_a_stack_rebuilt_for_another_mix_of_tenants_is_found_again(monkeypatch):
 
 
 def test_copies_replaced_elsewhere_are_written_again(monkeypatch):
-    made = _counting_makes(monkeypatch)
-    lin = _layer(torch.bfloat16, bias=False)
+    made, lin, _ = _stacked(monkeypatch)
     w = lin.adapters[0]
     plan = CopyRefresh({torch.bfloat16: [w]}, {}, [])
     plan.refresh()

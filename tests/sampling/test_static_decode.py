@@ -34,15 +34,16 @@ def _tasks(vocab: int, topk_logprobs: int = 0):
     ]
 
 
-def _sample(model_dir, static: bool, topk_logprobs: int = 0):
+def _sample(model_dir, static: bool, topk_logprobs: int = 0, tasks=None, max_rows: int = 6, decode_burst: int = 3):
+    """``tasks`` (default :func:`_tasks`) on a fresh model with adapters 1-3; by default max_rows 6
+    of 11 rows: the last requests wait, then join as others leave."""
     model = fresh_model(model_dir)
     for slot, rank in ((1, 4), (2, 8), (3, 4)):
         random_adapter(model, slot, rank=rank, seed=slot)
-    # max_rows 6 of 11 rows: the last requests wait, then join as others leave.
-    sampler = Sampler(model, decoder(model_dir), max_rows=6, decode_burst=3)
+    sampler = Sampler(model, decoder(model_dir), max_rows=max_rows, decode_burst=decode_burst)
     if static:
         sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
-    return run(sampler, _tasks(model.config.vocab_size, topk_logprobs)), sampler
+    return run(sampler, tasks or _tasks(model.config.vocab_size, topk_logprobs)), sampler
 
 
 def _assert_same(ref: dict, got: dict) -> set[str]:
@@ -244,17 +245,11 @@ def test_segmented_lora_kernels_sample_what_the_gathered_ones_sample(static, qwe
 
     def sample(segmented: bool):
         monkeypatch.setattr(lora_segments, "ENABLED", segmented)
-        model = fresh_model(qwen3_dir)
-        for slot, rank in ((1, 4), (2, 8), (3, 4)):
-            random_adapter(model, slot, rank=rank, seed=slot)
-        sampler = Sampler(model, decoder(qwen3_dir), max_rows=4, decode_burst=2)
-        if static:
-            sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
         tasks = [task("a", [5, 6, 7], slot=1, n=2, max_tokens=4, temperature=0.9, seed=1, stop=[]),
                  task("b", [8, 9], slot=2, max_tokens=3, temperature=0.0, stop=[]),
                  task("base", [4, 5, 6, 7], max_tokens=2, temperature=1.0, seed=2, stop=[]),
                  task("c", [10, 11, 12], slot=3, max_tokens=3, temperature=1.0, seed=3, stop=[])]
-        return run(sampler, tasks), sampler
+        return _sample(qwen3_dir, static, tasks=tasks, max_rows=4, decode_burst=2)
 
     ref, _ = sample(False)
     assert not tiled
