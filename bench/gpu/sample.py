@@ -235,6 +235,7 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
 
     prompts_n, group, new = (2, 4, 8) if quick else (8, 16, 256)
     srv = ServerProcess(model_dir, log_dir / "server-data", extra_args=["--device", device.type], log_dir=log_dir)
+    database = log_dir / "server-data" / "tinsmith.sqlite"
     srv.start(timeout=600)
     try:
         sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench-gpu")
@@ -246,10 +247,13 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
             s.sample(prompts[0], 1, params).result(timeout=600)
             first.append(time.perf_counter() - t)
 
+        spans: list[tuple[float, float]] = []  # each round's (start, end), epoch seconds
+
         def timed_tokens(submit) -> tuple[float, int]:
             """Submit every request at once (the SDK's futures), then wait for all."""
-            t = time.perf_counter()
+            t, start = time.perf_counter(), time.time()
             results = [f.result(timeout=600) for f in submit()]
+            spans.append((start, time.time()))
             return time.perf_counter() - t, sum(len(q.tokens) for r in results for q in r.sequences)
 
         def separate():
@@ -274,7 +278,9 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
                          "first_round_separate_vs_num_samples": first_ns_s / first_sep_s,
                          # where the time went, as the server counts it (means per request, seconds)
                          "separate_server": counter_means(before, between),
-                         "num_samples_server": counter_means(between, after)}}
+                         "num_samples_server": counter_means(between, after),
+                         "separate_timeline": request_timeline(database, *spans[2]),
+                         "num_samples_timeline": request_timeline(database, *spans[3])}}
     finally:
         srv.stop()
 
@@ -351,9 +357,14 @@ def server_counters(base_url: str) -> dict[str, float]:
                 if sample.name in (name + "_sum", name + "_count") and labels.items() <= sample.labels.items():
                     field = f"{key}_{sample.name.rsplit('_', 1)[1]}"
                     out[field] = out.get(field, 0.0) + sample.value
-            if sample.name in ("tinsmith_prefill_tokens_total", "tinsmith_sampled_tokens_total"):
+            if sample.name in _TOTALS:
                 out[sample.name] = sample.value
     return out
+
+
+# Counters read whole (their deltas between two reads): what the samplers did meanwhile.
+_TOTALS = ("tinsmith_prefill_tokens_total", "tinsmith_sampled_tokens_total", "tinsmith_sampler_prefills_total",
+           "tinsmith_decode_graph_captures_total", "tinsmith_decode_steps_total")
 
 
 def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -364,7 +375,33 @@ def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str
            for key in _COUNTERS if delta.get(f"{key}_count")}
     out["requests"] = delta.get("asample_http_count", 0.0)
     out["prefill_tokens"] = delta.get("tinsmith_prefill_tokens_total", 0.0)
+    out["prefills"] = delta.get("tinsmith_sampler_prefills_total", 0.0)
+    out["graph_captures"] = delta.get("tinsmith_decode_graph_captures_total", 0.0)
+    out["decode_steps"] = delta.get("tinsmith_decode_steps_total", 0.0)
     return out
+
+
+def request_timeline(database: Path, start: float, end: float) -> dict[str, float]:
+    """When the sample requests created between ``start`` and ``end`` (epoch seconds) reached the
+    server's store and when they completed, in seconds after ``start``: whether a round's time went
+    to the requests' arrival or to decoding after the last one arrived. Reads the server's SQLite
+    file (the embedded default store)."""
+    import sqlite3
+    from datetime import datetime, timezone
+
+    def epoch(text: str) -> float:
+        return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
+
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as con:
+        rows = [(epoch(c), epoch(d)) for c, d in con.execute(
+            "select created_at, completed_at from requests where kind = 'sample' and completed_at is not null")]
+    rows = [(c - start, d - start) for c, d in rows if start <= c <= end]
+    if not rows:
+        return {}
+    created, completed = [c for c, _ in rows], [d for _, d in rows]
+    return {"requests": len(rows), "first_arrival_s": min(created), "last_arrival_s": max(created),
+            "first_completion_s": min(completed), "last_completion_s": max(completed),
+            "decode_after_last_arrival_s": max(completed) - max(created)}
 
 
 def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:

@@ -57,6 +57,10 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     grpo = summary["sample"]["tiny/sdk"]["grpo"]
     assert grpo["separate_server"]["requests"] == 2 * 4 and grpo["num_samples_server"]["requests"] == 2
     assert grpo["separate_server"]["asample_http_mean_s"] > 0
+    assert grpo["separate_server"]["prefills"] >= 2 and grpo["separate_server"]["decode_steps"] > 0
+    timeline = grpo["separate_timeline"]  # read from the server's store: every request of the timed round
+    assert timeline["requests"] == 2 * 4
+    assert 0 <= timeline["first_arrival_s"] <= timeline["last_arrival_s"] <= timeline["last_completion_s"]
     beside = summary["sample"]["tiny/beside_training"]
     assert beside["train_kept"] > 0 and beside["sample_kept"] > 0
 

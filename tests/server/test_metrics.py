@@ -104,6 +104,9 @@ def test_sampling_moves_the_prefill_and_prompt_cache_counters(app):
     assert moved("tinsmith_prompt_cache_hit_tokens_total") == 32
     assert value(after, "tinsmith_sampler_preemptions_total") == 0
     assert value(after, "tinsmith_decode_graph_replays_total") == 0  # graphs run on CUDA only
+    assert value(after, "tinsmith_decode_graph_captures_total") == 0
+    assert moved("tinsmith_sampler_prefills_total") == 2  # one admission per request, sent one after the other
+    assert moved("tinsmith_decode_steps_total") >= 2  # two tokens each (the first comes with the prefill)
     assert value(after, "tinsmith_prefix_cache_bytes") > 0
 
 

@@ -213,6 +213,12 @@ class StateCollector:
             "tinsmith_sampler_recomputed_tokens": ("recomputed_tokens", "Tokens prefilled again to resume preempted "
                                                    "requests"),
             "tinsmith_decode_graph_replays": ("graph_replays", "Decode steps replayed from CUDA graphs"),
+            "tinsmith_decode_graph_captures": ("graph_captures", "Decode steps captured as CUDA graphs (each "
+                                               "batch-size bucket and adapter mix once, again when the K/V "
+                                               "cache or an adapter bank moves)"),
+            "tinsmith_decode_steps": ("decode_steps", "Decode steps the samplers ran (a step advances every row)"),
+            "tinsmith_sampler_prefills": ("prefills", "Prefill passes the samplers ran (each admission of waiting "
+                                          "requests runs one)"),
         }
         counters = [CounterMetricFamily(name, text) for name, (_, text) in totals.items()]
 
