@@ -53,8 +53,9 @@ GUARD = KernelGuard("segmented LoRA kernels", "gathering each row's adapter")
 def wanted(device: torch.device) -> bool:
     """Whether rows on ``device`` are cut into tiles for these kernels: enabled, Triton present and
     running there (the gathered kernels' switch), and no failure of these kernels here."""
+    backend = lora_gather.BACKEND
     return (ENABLED and triton is not None and GUARD.failed is None and lora_gather.GUARD.failed is None
-            and GUARD.allows(lora_gather.BACKEND, torch.empty(0, device=device)))
+            and (backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")))
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,9 @@ rebuilt for another mix of tenants or an adapter parked off the device, makes it
 out again), then copies in place and brings the caches' keys (the masters' version counters) up
 to date, so that the forward finds them current.
 
-In place is safe for the reason :func:`tinsmith.models.lora_tenants.refresh_stacks` gives: a
-micro-batch's backward runs right after its forward, so no copy is saved for a pending backward
-when the weights change (and autograd would refuse a saved tensor changed in place rather than
-use it).
+In place is safe: a micro-batch's backward runs right after its forward, so no copy is saved for
+a pending backward when the weights change (and autograd would refuse a saved tensor changed in
+place rather than use it).
 """
 
 from __future__ import annotations

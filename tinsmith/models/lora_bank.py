@@ -185,7 +185,7 @@ class RowSlots:
         table.assign(batch)
         positions = [-1 if s is None else table.positions[s] for s in slots]
         idx = to_device(positions, device, torch.long)
-        tiles = lora_segments.row_tiles(positions, device) if lora_segments.wanted(torch.device(device)) else None
+        tiles = lora_segments.row_tiles(positions, device) if lora_segments.wanted(device) else None
         return cls(table, idx, tuple(slots), tiles)
 
     def __bool__(self) -> bool:
