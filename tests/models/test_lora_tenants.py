@@ -184,7 +184,6 @@ def test_a_training_runs_steps_keep_every_layers_stack_current(qwen3_dir, monkey
     rebuilds none."""
     from bench.gpu.train import batch, training_step
     from tinsmith.models.loading import load_model
-    from tinsmith.models.lora_tenants import _stack_key
     from tinsmith.types import LoraSpec
     from tinsmith.worker.runtime import TrainingRuntime
 
@@ -200,9 +199,9 @@ def test_a_training_runs_steps_keep_every_layers_stack_current(qwen3_dir, monkey
     training_step(rt, work)()
     for layer in layers:
         stack = layer._tenant_stack
-        key, A, weights = stack.key, stack.A, stack.weights
+        A, weights = stack.A, stack.weights
         assert A is buffers[id(layer)]
-        assert key == _stack_key(weights, A.shape[1], A.dtype)
+        assert stack.current(weights, A.shape[1], A.dtype)
         for i, w in enumerate(weights):
             torch.testing.assert_close(A[i], w.A.detach().to(A.dtype), rtol=0, atol=0)
 
@@ -280,7 +279,7 @@ def test_a_refresh_reaches_every_segment_an_adapter_holds(monkeypatch):
     with torch.no_grad():
         w.B.add_(1.0)
     refresh_stacks([(lin, w)])
-    A, B = lin._tenant_stack.A, lin._tenant_stack.B
+    B = lin._tenant_stack.B
     for i in (0, 2):
         torch.testing.assert_close(B[i], w.B.detach() * w.scale, rtol=0, atol=0)
     y_ref, _, _ = _reference(lin, x, torch.zeros(15, 48), segments)

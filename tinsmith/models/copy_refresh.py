@@ -150,7 +150,8 @@ class CopyRefresh:
         self._made = True
 
     def _write_keys(self) -> None:
-        """Each cache's key from the masters' current versions; remember the tuples written."""
+        """Each cache's key (stacks: this adapter's entries) from the masters' current versions;
+        remember the tuples written."""
         copies = []
         for w in self._copy_weights:
             c = w.copies
@@ -165,14 +166,11 @@ class CopyRefresh:
         self._groups = groups
         for (layer, w), held in zip(self.linear, self._held):
             if held:
-                stack = layer._tenant_stack
-                # Only this adapter's entries change: the key's other entries stand (re-reading
-                # every segment's would make a round of all tenants' steps quadratic in the tenants).
-                entries = list(stack.key[2])
-                entry = stack_entry(w)
+                # Only this adapter's entries change, in place: re-reading every segment's (or
+                # copying them) would make a round of all tenants' steps quadratic in the tenants.
+                entries, entry = layer._tenant_stack.entries, stack_entry(w)
                 for i in held:
                     entries[i] = entry
-                stack.key = (*stack.key[:2], tuple(entries))
 
 
 def _reuse(cached: tuple | None, i: int, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

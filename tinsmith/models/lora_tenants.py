@@ -50,21 +50,25 @@ class TenantRows:
     grouped: bool
 
 
-def _stack_key(weights: tuple, rank: int, dtype: torch.dtype) -> tuple:
-    return (dtype, rank, tuple(stack_entry(w) for w in weights))
-
-
 @dataclass(eq=False)
 class TenantStack:
     """Several tenants' adapters of one layer stacked for training (:func:`stacked_copies`): the
-    stacks, the segments' weights they hold, and the key they are current for. An optimizer step
-    rewrites an adapter's rows and its entry of the key in place
-    (:class:`tinsmith.models.copy_refresh.CopyRefresh`); another mix of tenants makes a new one."""
+    stacks, the segments' weights they hold, and what they were written from (``entries``: each
+    segment's :func:`tinsmith.models.copy_refresh.stack_entry`). An optimizer step rewrites an
+    adapter's rows and its entries in place (:class:`tinsmith.models.copy_refresh.CopyRefresh`);
+    another mix of tenants makes a new one."""
 
-    key: tuple
+    dtype: torch.dtype
+    rank: int
+    entries: list
     A: torch.Tensor
     B: torch.Tensor
     weights: tuple
+
+    def current(self, weights: tuple, rank: int, dtype: torch.dtype) -> bool:
+        """Whether these stacks hold ``weights`` as they are now, at ``rank`` in ``dtype``."""
+        return (self.rank == rank and self.dtype == dtype and len(self.entries) == len(weights)
+                and all(e == stack_entry(w) for e, w in zip(self.entries, weights)))
 
 
 def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_features: int,
@@ -75,9 +79,8 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
     (:class:`tinsmith.models.copy_refresh.CopyRefresh`) or the micro-batch's adapters do. A
     rebuild makes new tensors (one multi-tensor copy and one multiply); ``A_into`` (a view of a
     group's side-by-side buffer, zeroed) takes the ``A`` stack instead, and forces the rebuild."""
-    key = _stack_key(weights, rank, dtype)
     cached = owner._tenant_stack
-    if A_into is None and cached is not None and cached.key == key:
+    if A_into is None and cached is not None and cached.current(weights, rank, dtype):
         return cached.A, cached.B
     like = next(w for w in weights if w is not None).A
     full = all(w is not None and w.A.shape[0] == rank for w in weights)
@@ -91,7 +94,7 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
             _slices_of(A, B, i, w, dst, src)
     torch._foreach_copy_(dst, src)
     B.mul_(_group_scales(tuple(0.0 if w is None else float(w.scale) for w in weights), 1, dtype, like.device))
-    owner._tenant_stack = TenantStack(key, A, B, weights)
+    owner._tenant_stack = TenantStack(dtype, rank, [stack_entry(w) for w in weights], A, B, weights)
     return A, B
 
 
@@ -236,7 +239,7 @@ def _group_stacks(layers: tuple, weights: tuple[tuple, ...], rank: int, dtype: t
     cached = layers[0]._tenant_cat
     stacks = [layer._tenant_stack for layer in layers]
     if (cached is not None and all(map(operator.is_, stacks, cached[1]))
-            and all(st.key == _stack_key(ws, rank, dtype) for st, ws in zip(stacks, weights))):
+            and all(st.current(ws, rank, dtype) for st, ws in zip(stacks, weights))):
         return cached[0], [st.B for st in stacks]
     like = next(w for w in weights[0] if w is not None).A
     A_cat = torch.zeros(len(weights[0]), len(layers) * rank, like.shape[1], dtype=dtype, device=like.device)
