@@ -110,3 +110,50 @@ def test_a_groups_stacks_are_views_of_its_buffer_which_a_refresh_writes(monkeypa
         torch.testing.assert_close(A_cat[2, p * rank:p * rank + w.A.shape[0]], _bf16(w.A), rtol=0, atol=0)
     trained_together(layers, x, _segments())
     assert layers[0]._tenant_cat[0] is A_cat  # no new concatenation after the step
+
+
+def test_parked_and_unparked_tenants_train_as_if_all_stayed(qwen3_dir, monkeypatch):
+    """bf16 tenants trained two at a time (grouped, forced) on a runtime with room for two: each
+    step parks one adapter off the device and brings another back, so its compute copies and
+    stacks are remade or refreshed. Step for step it trains exactly as a runtime where all stay."""
+    from bench.gpu.train import batch
+    from tinsmith.models.loading import load_model
+    from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec
+    from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    runtimes, units = [], []
+    for slots in (2, 8):
+        rt = TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.bfloat16).model, max_lora_adapters=slots,
+                             max_lora_rank=8)
+        runtimes.append(rt)
+        units.append([rt.create_adapter(LoraSpec(rank=8, seed=i)) for i in range(3)])
+    data = [batch(runtimes[0].config.vocab_size, 2, 12, seed=i) for i in range(3)]
+    parked = 0
+    for a, b in ((0, 1), (1, 2), (2, 0), (0, 1), (1, 2)):
+        losses = []
+        for rt, us in zip(runtimes, units):
+            reqs = [TrainRequest(us[i], ForwardBackwardInput(data[i], "cross_entropy")) for i in (a, b)]
+            losses.append([r.metrics["loss:sum"] for r in rt.forward_backward(reqs)])
+            for i in (a, b):
+                rt.optim_step(us[i], AdamParams(learning_rate=1e-2))
+        assert losses[0] == losses[1], (a, b)
+        parked += sum(not runtimes[0].unit(u).resident for u in units[0])
+    assert parked >= 4  # the tight runtime did park and unpark
+    # What the next forward computes with is what the masters are now, in both runtimes.
+    for rt in runtimes:
+        stacks = [m for m in rt.model.modules() if getattr(m, "_tenant_stack", None) is not None]
+        assert stacks
+        for layer in stacks:
+            st = layer._tenant_stack
+            for i, w in enumerate(st.weights):
+                r = w.A.shape[0]
+                torch.testing.assert_close(st.A[i, :r], _bf16(w.A), rtol=0, atol=0)
+                torch.testing.assert_close(st.B[i, :, :r], _bf16(w.B) * w.scale, rtol=0, atol=0)
+        for unit in rt.units.values():
+            for _, w in (unit.attachments if unit.resident else ()):
+                if w.copies is not None:
+                    torch.testing.assert_close(w.copies[1], _bf16(w.A), rtol=0, atol=0)
+    for ut, ur in zip(units[0], units[1]):
+        for (n, x), (_, y) in zip(runtimes[0].unit(ut).named_params, runtimes[1].unit(ur).named_params):
+            assert torch.equal(x.detach().cpu(), y.detach().cpu()), n
