@@ -29,9 +29,14 @@ def _status(d: dict) -> str:
 
 def _tenants(lo: dict, k: str) -> str:
     """Several tenants against one: the default's ratio, then each way the adapters can run."""
-    paths = " / ".join(f"{p} {_get(lo, 'tenants', k, f'{p}_vs_one_tenant')}" for p in ("dense", "grouped", "grouped_ops")
+    paths = " / ".join(f"{p} {_get(lo, 'tenants', k, f'{p}_vs_one_tenant')}"
+                       for p in ("dense", "grouped", "grouped_ops", "loop")
                        if f"{p}_vs_one_tenant" in lo.get("tenants", {}).get(k, {}))
-    return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "")
+    phases = lo.get("tenants", {}).get(k, {}).get("phases")
+    synced = (f"; synced phases: forward/backward {_get(phases, 'forward_backward_ms')} ms, optimizer steps "
+              f"{_get(phases, 'optimizer_steps_ms')} ms ({_get(phases, 'optimizer_step_ms_per_unit')} a tenant)"
+              if phases else "")
+    return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "") + synced
 
 
 def _heading(title: str, header: str) -> list[str]:

@@ -82,6 +82,29 @@ def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> 
             "peak_gib": peak_memory(rt.device)}
 
 
+def step_phases(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
+    """Milliseconds of a step's two phases, each ended by a device sync (medians of ``steps``
+    after one warm step): the forward/backward of every unit together, then every unit's
+    optimizer step. While the host works out an optimizer step the device has little queued, so
+    the second phase is mostly the host's time, once per unit."""
+    reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in work.items()]
+    fb, opt = [], []
+    for i in range(steps + 1):
+        sync(rt.device)
+        t0 = time.perf_counter()
+        rt.forward_backward(reqs)
+        sync(rt.device)
+        t1 = time.perf_counter()
+        for u in work:
+            rt.optim_step(u, AdamParams(learning_rate=1e-5))
+        sync(rt.device)
+        if i:
+            fb.append(t1 - t0)
+            opt.append(time.perf_counter() - t1)
+    return {"forward_backward_ms": 1e3 * float(np.median(fb)), "optimizer_steps_ms": 1e3 * float(np.median(opt)),
+            "optimizer_step_ms_per_unit": 1e3 * float(np.median(opt)) / len(work)}
+
+
 def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:
     return factor * n * tokens_per_s / peak
 
@@ -137,7 +160,9 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
         many = step_rate(rt, work, steps)
         tenants[str(k)] = {"tokens_per_s": many["tokens_per_s"], "one_tenant_same_tokens_per_s": one_unit["tokens_per_s"],
                            "vs_one_tenant": many["tokens_per_s"] / one_unit["tokens_per_s"],
-                           "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])}
+                           "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"]),
+                           # the step's two phases, each synced: the optimizer steps' share is the host's
+                           "phases": step_phases(rt, work, 2 if quick else 3)}
         if k > 1:  # the ways several adapters run, whichever the default picks (grouped_lora.MULTI_LORA);
             # "grouped_ops": grouped with each op its own autograd node (as before lora_tenants' node)
             # "loop": the node's engine of each tenant's GEMMs (no grouped matmul)

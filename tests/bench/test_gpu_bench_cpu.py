@@ -21,6 +21,9 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
             assert "error" not in result and "skipped" not in result, (key, result)
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["tokens_per_s"] > 0
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["grouped_ops_vs_one_tenant"] > 0
+    phases = summary["train"]["tiny/lora"]["tenants"]["4"]["phases"]
+    assert phases["forward_backward_ms"] > 0 and phases["optimizer_steps_ms"] > 0
+    assert "synced phases" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["packing"]["packed_vs_padded"] > 0
     assert summary["train"]["tiny/lora"]["torch_elementwise"]["kernels_vs_torch"] > 0  # the CPU's torch both ways
     assert summary["train"]["tiny/lora"]["lora_as_ops"]["nodes_vs_ops"] > 0
