@@ -27,6 +27,10 @@ def test_a_failing_kernel_is_switched_off_once(monkeypatch, caplog):
     assert calls == [1] and "PTX assembly aborted" in g.failed
     assert sum("test kernels cannot run here" in r.message for r in caplog.records) == 1
     assert KernelGuard("ok", "").call(lambda x: x + 1, 1, on=torch.zeros(1)) == 2
+    # a kernel that writes in place and returns nothing: whether it ran
+    out = torch.zeros(1)
+    assert KernelGuard("ok", "").ran(out.add_, 1.0, on=out) is True and out.item() == 1.0
+    assert g.ran(out.add_, 1.0, on=out) is False and out.item() == 1.0  # switched off: not run
 
 
 @pytest.mark.parametrize("interpreting, error", [(True, RuntimeError), (False, type("AcceleratorError", (Exception,), {}))])

@@ -53,3 +53,13 @@ class KernelGuard:
             self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
             log.warning("the %s cannot run here (%s); %s from now on", self.what, self.failed, self.instead)
             return None
+
+    def ran(self, fn: Callable[..., object], *args, on: torch.Tensor) -> bool:
+        """Whether ``fn(*args)`` (a kernel writing its output in place) ran here: :meth:`call` for
+        kernels that return nothing."""
+        return self.call(_run, fn, *args, on=on) is not None
+
+
+def _run(fn: Callable[..., object], *args) -> bool:
+    fn(*args)
+    return True

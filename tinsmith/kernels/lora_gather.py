@@ -253,14 +253,9 @@ def shrink(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor) -> torch.Te
     return shrink_torch(x, A_bank, idx)
 
 
-def _ran(kernel, *args) -> bool:
-    kernel(*args)
-    return True
-
-
 def expand(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: torch.Tensor) -> None:
     """Add each row's ``B_bank[slot] @ h`` into ``y`` in place (nothing for slot -1). Triton where usable."""
-    if not (triton_usable(y) and GUARD.call(_ran, expand_triton, y, h, B_bank, idx, on=y)):
+    if not (triton_usable(y) and GUARD.ran(expand_triton, y, h, B_bank, idx, on=y)):
         expand_torch(y, h, B_bank, idx)
 
 
@@ -268,6 +263,6 @@ def expand_parts(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: to
                  columns: list[tuple[int, int]], h_offsets: torch.Tensor) -> None:
     """:func:`expand` for packed projections: columns ``[a, b)`` of part ``j`` read part ``j`` of
     ``h`` (``h_offsets`` says so per column, for the kernel). One launch where Triton is usable."""
-    if not (triton_usable(y) and GUARD.call(_ran, expand_triton, y, h, B_bank, idx, h_offsets, on=y)):
+    if not (triton_usable(y) and GUARD.ran(expand_triton, y, h, B_bank, idx, h_offsets, on=y)):
         expand_parts_torch(y, h, B_bank, idx, columns)
 

@@ -107,31 +107,15 @@ def row_tiles(positions: Sequence[int], device: torch.device, block: int = BLOCK
               tiles: int | None = None) -> RowTiles:
     """Tiles of the rows whose bank positions are ``positions`` (-1: no adapter), on ``device``
     in one copy."""
-    order, slot, first, count = tile_table(positions, block, tiles)
+    return tables_on(tile_table(positions, block, tiles), device)
+
+
+def tables_on(table: tuple[np.ndarray, ...], device: torch.device) -> RowTiles:
+    """:func:`tile_table`'s arrays as a :class:`RowTiles` on ``device``, in one copy."""
+    order, slot, first, count = table
     flat = to_device(np.concatenate([order, slot, first, count]), device, torch.int32)
     n, t = order.shape[0], slot.shape[0]
     return RowTiles(flat[:n], flat[n:n + t], flat[n + t:n + 2 * t], flat[n + 2 * t:])
-
-
-# ----------------------------------------------------------------------------- torch (reference)
-def shrink_torch(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles) -> torch.Tensor:
-    """:func:`shrink` tile by tile in torch (reads the tables on the host: tests only)."""
-    h = torch.zeros(x.shape[0], A_bank.shape[1], dtype=torch.float32, device=x.device)
-    order = tiles.order.long()
-    for s, a, c in zip(tiles.slot.tolist(), tiles.first.tolist(), tiles.count.tolist()):
-        if s >= 0 and c > 0:
-            rows = order[a:a + c]
-            h[rows] = (x[rows].float() @ A_bank[s].float().t())
-    return h
-
-
-def expand_torch(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, tiles: RowTiles) -> None:
-    """:func:`expand` tile by tile in torch (reads the tables on the host: tests only)."""
-    order = tiles.order.long()
-    for s, a, c in zip(tiles.slot.tolist(), tiles.first.tolist(), tiles.count.tolist()):
-        if s >= 0 and c > 0:
-            rows = order[a:a + c]
-            y[rows] = (y[rows].float() + h[rows].float() @ B_bank[s].float().t()).to(y.dtype)
 
 
 # ----------------------------------------------------------------------------- Triton (SGMV)

@@ -178,14 +178,16 @@ class RowSlots:
     tiles: RowTiles | None = None
 
     @classmethod
-    def of(cls, model: Any, slots: list[int | None], device: torch.device) -> RowSlots:
+    def of(cls, model: Any, slots: list[int | None], device: torch.device, tiled: bool = True) -> RowSlots:
+        """The rows' bank positions (and, where the segmented kernels run and ``tiled``, their
+        tiles; a caller keeping them in buffers of its own passes False)."""
         table = SlotTable.of(model)
         batch = {s for s in slots if s is not None}
         table.release(model, keep=batch)
         table.assign(batch)
         positions = [-1 if s is None else table.positions[s] for s in slots]
         idx = to_device(positions, device, torch.long)
-        tiles = lora_segments.row_tiles(positions, device) if lora_segments.wanted(device) else None
+        tiles = lora_segments.row_tiles(positions, device) if tiled and lora_segments.wanted(device) else None
         return cls(table, idx, tuple(slots), tiles)
 
     def __bool__(self) -> bool:
@@ -328,16 +330,11 @@ def add_bank_delta_(y: torch.Tensor, x: torch.Tensor, bank: LoraBank, rows: RowS
         block = lora_segments.expand_block(y.shape[1], bank.columns if parts else None, y.device.type == "cpu")
         if block is not None:
             h = lora_segments.GUARD.call(lora_segments.shrink, x, bank.A, tiles, on=x)
-            if h is not None and lora_segments.GUARD.call(_ran, lora_segments.expand, y, h, bank.B, tiles,
-                                                          bank.h_offsets if parts else None, block, on=y):
+            if h is not None and lora_segments.GUARD.ran(lora_segments.expand, y, h, bank.B, tiles,
+                                                         bank.h_offsets if parts else None, block, on=y):
                 return
     h = shrink(x, bank.A, rows.idx)
     if parts:
         expand_parts(y, h, bank.B, rows.idx, bank.columns, bank.h_offsets)
     else:
         expand(y, h, bank.B, rows.idx)
-
-
-def _ran(kernel, *args) -> bool:
-    kernel(*args)
-    return True

@@ -108,15 +108,14 @@ class StaticInputs:
         """The rows' tile tables in persistent buffers: as many tiles as the rows need, rounded up
         to a power of two (unused tiles do nothing), so that few tile counts, each its own graph,
         serve every mix of adapters."""
-        need = lora_segments.tiles_needed(positions)
-        count = 1 << max(0, need - 1).bit_length()
-        order, slot, first, count_ = lora_segments.tile_table(positions, tiles=count)
+        count = 1 << max(0, lora_segments.tiles_needed(positions) - 1).bit_length()
+        table = lora_segments.tile_table(positions, tiles=count)
         held = self.tile_tables.get(count)
         if held is None:
-            held = self.tile_tables[count] = lora_segments.row_tiles(positions, self.tokens.device, tiles=count)
+            held = self.tile_tables[count] = lora_segments.tables_on(table, self.tokens.device)
         else:
-            for buf, src in zip((held.order, held.slot, held.first, held.count), (order, slot, first, count_)):
-                buf.copy_(torch.from_numpy(src), non_blocking=False)
+            for buf, src in zip((held.order, held.slot, held.first, held.count), table):
+                buf.copy_(torch.from_numpy(src))
         return held
 
     def top_buffers(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +191,7 @@ class DecodeGraphs:
         if inputs is None:
             inputs = self._inputs[B] = StaticInputs(B, self.device)
         if self._loaded is None or self._loaded[0] != B or self._loaded[1] is not batch:
-            rows = (RowSlots.of(self.model, slots + [None] * (B - n), self.device)
+            rows = (RowSlots.of(self.model, slots + [None] * (B - n), self.device, tiled=False)
                     if any(s is not None for s in slots) else None)
             truncates = None if batch.kinds.truncating is None else torch.zeros(n, dtype=torch.bool, device=self.device)
             if truncates is not None:
@@ -200,7 +199,7 @@ class DecodeGraphs:
             inputs.load(batch, n, None if rows is None else rows.idx[:n], truncates)
             # The layers read the bank positions (and tiles) from persistent buffers, not from ``rows``.
             tiles = None
-            if rows is not None and rows.tiles is not None:
+            if rows is not None and lora_segments.wanted(self.device):
                 tiles = inputs.tiles([-1 if s is None else rows.table.positions[s] for s in rows.slots])
             self._groups = None if rows is None else RowSlots(rows.table, inputs.slot_idx, rows.slots, tiles)
             self._loaded = (B, batch)
