@@ -164,7 +164,7 @@ def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
     cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=2)
     table = cache.table.data_ptr()
     k = torch.randn(cfg.num_kv_heads, 3 * PAGE, cfg.head_dim)
-    cache.write_prefix(0, {0: (k, -k), 1: (2 * k, k)}, 3 * PAGE)
+    cache.write_prefix(range(1), {0: (k, -k), 1: (2 * k, k)}, 3 * PAGE)
     cache.ensure(2, 8 * PAGE)
     cache.reserve([8 * PAGE, 7 * PAGE])  # more pages than the pool holds: it grows
     assert cache.pages >= 15 and cache.table.data_ptr() == table  # the table never moves
@@ -175,6 +175,49 @@ def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
     assert not any(cache.owned)
     cache.shrink(0, 1)
     assert cache.pages == cache._initial_pages and sorted(cache.free) == list(range(1, cache.pages))
+
+
+@pytest.mark.parametrize("length,held", [(3 * PAGE + 5, 0), (3 * PAGE + 5, 2), (2 * PAGE, 1), (7, 0)])
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_rows_of_a_prompt_written_at_once_hold_what_rows_written_one_by_one_hold(family, length, held, qwen3_dir,
+                                                                                 gpt_oss_dir):
+    """Every row of a prompt is written by one store per layer: the rows share its full pages
+    (``held`` of them the prefix cache's, the rest the first row's), each owns its partial last
+    page, and each reads the prompt's K/V, as rows written one at a time. gpt-oss keeps its
+    sliding-window layers beside the pages, in per-row rings."""
+    cfg = fresh_model(qwen3_dir if family == "qwen3" else gpt_oss_dir).config
+    g = torch.Generator().manual_seed(5)
+    kv = {i: (torch.randn(cfg.num_kv_heads, length + 3, cfg.head_dim, generator=g),
+              torch.randn(cfg.num_kv_heads, length + 3, cfg.head_dim, generator=g)) for i in range(cfg.num_layers)}
+    caches = []
+    for at_once in (True, False):
+        cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=5)
+        cache.ensure(5, length + 8)
+        shared = cache.write_prefix(range(4, 5), kv, length)[:held]  # as the prefix cache's pages
+        if at_once:
+            cache.write_prefix(range(0, 3), kv, length, shared=shared)
+        else:
+            for r in range(3):
+                written = cache.write_prefix(range(r, r + 1), kv, length, shared=shared)
+                shared = written if len(written) > len(shared) else shared
+        caches.append(cache)
+    together, alone = caches
+    full = length // PAGE
+    assert together.owned == alone.owned and together.refs == alone.refs
+    assert all(together.owned[r][:full] == together.owned[4][:held] + together.owned[0][held:full] for r in range(3))
+    if length % PAGE:  # each its own partial last page
+        assert len({together.owned[r][full] for r in range(3)}) == 3 and all(len(together.owned[r]) == full + 1
+                                                                               for r in range(3))
+    assert together.lengths[:3].tolist() == [length] * 3
+    for layer in range(cfg.num_layers):
+        for cache in caches:
+            K, V = cache._rows_view(layer, 3, length, {})
+            want_k, want_v = kv[layer][0][:, :length], kv[layer][1][:, :length]
+            if cache.rings[layer] is not None and length > cache.rings[layer]:
+                continue  # a ring holds the last positions in its own order: compared between the two below
+            assert all(torch.equal(K[r], want_k) and torch.equal(V[r], want_v) for r in range(3)), layer
+        if not together.paged[layer]:
+            assert torch.equal(together.K[layer][:3], alone.K[layer][:3])
 
 
 @pytest.mark.parametrize("prompt_len", [200, 2 * PAGE], ids=["partial-last-page", "whole-pages"])
@@ -248,8 +291,8 @@ def test_a_padding_row_never_overwrites_a_live_write(qwen3_dir):
     cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=4)
     kv = lambda n: {0: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2,  # noqa: E731
                     1: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2}
-    cache.write_prefix(0, kv(PAGE), PAGE)  # row 0 takes page 1 (page 0 is scratch)
-    cache.write_prefix(1, kv(PAGE), PAGE)  # row 1 takes page 2
+    cache.write_prefix(range(0, 1), kv(PAGE), PAGE)  # row 0 takes page 1 (page 0 is scratch)
+    cache.write_prefix(range(1, 2), kv(PAGE), PAGE)  # row 1 takes page 2
     cache.move_row(1, 0)  # row 0 leaves (page 1 is free again); row 1 becomes row 0
     cache.reserve([PAGE + 1])  # row 0's second page: page 1
     assert cache.owned[0] == [2, 1] and cache.table[1].eq(SCRATCH).all()
@@ -318,7 +361,9 @@ def test_prefix_cache_blocks_are_pool_pages(qwen3_dir):
     admitted: list = []
     with torch.inference_mode():
         sampler._admit(admitted)
-    assert sampler.stats["prefill_tokens"] - computed == 10 + (10 + 80) + 1  # only what the cache lacks
+    # Only what the cache lacks: nothing of "again" (the tail and last logits of its prompt were
+    # kept beside the blocks), the longer turn's new tokens, the last token of "exact".
+    assert sampler.stats["prefill_tokens"] - computed == (10 + 80) + 1
     rows = {key: [r for r, row in enumerate(sampler.rows) if row.state.task.key == key] for key in ("again", "turn", "exact")}
     for r in rows["again"] + rows["turn"]:
         assert cache.owned[r][:3] == blocks[:3]  # the cache's pages, read in place
@@ -352,7 +397,7 @@ def test_a_full_pool_evicts_cached_pages_before_it_grows(qwen3_dir):
         _assert_same(want, got)
         assert sampler.cache.pages <= 8 + 1  # the budget's pages, and the scratch page beside them
         hit = got[f"p{j}"].prompt_cache_hit_tokens
-        assert hit == (2 * PAGE if j == 6 else 0), (j, hit)
+        assert hit == (len(prompts[i]) if j == 6 else 0), (j, hit)  # 7: a kept tail whose blocks were evicted
     assert sampler.prefix.stats["evicted_blocks"] > 0
     _assert_only_the_prefix_cache_holds_pages(sampler)
 
@@ -375,7 +420,7 @@ def test_an_idle_pool_shrinks_keeping_the_cached_pages(qwen3_dir):
     assert sorted(_prefix_pages(sampler)) == list(range(1, kept + 1))
     _assert_only_the_prefix_cache_holds_pages(sampler)
     got = run(sampler, last())
-    assert got["again"].prompt_cache_hit_tokens == 2 * PAGE
+    assert got["again"].prompt_cache_hit_tokens == len(prompt)  # the pages, and the tail kept beside them
     _assert_same(run(plain, last()), got)
 
 
@@ -535,9 +580,9 @@ def test_the_budget_bound_from_positions_alone_is_never_below_the_exact_count(fa
     cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=4)
     kv = lambda n: {i: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2  # noqa: E731
                     for i in range(cfg.num_layers) if cache.paged[i]}
-    first = cache.write_prefix(0, kv(2 * PAGE + 5), 2 * PAGE + 5)  # two full prompt pages ...
-    cache.write_prefix(1, kv(2 * PAGE + 5), 2 * PAGE + 5, shared=first)  # ... held by a second row too
-    cache.write_prefix(2, kv(7), 7)
+    first = cache.write_prefix(range(0, 1), kv(2 * PAGE + 5), 2 * PAGE + 5)  # two full prompt pages ...
+    cache.write_prefix(range(1, 2), kv(2 * PAGE + 5), 2 * PAGE + 5, shared=first)  # ... held by a second row too
+    cache.write_prefix(range(2, 3), kv(7), 7)
     positions = [2 * PAGE + 9, 2 * PAGE + 9, 12]
     shared = [RowNeed(p, "prompt", 2 * PAGE + 5, cache.held_pages(r)) for r, p in enumerate(positions[:2])]
     exact = cache.bytes_for(shared + [RowNeed(12, None, 0, cache.held_pages(2))])

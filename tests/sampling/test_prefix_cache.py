@@ -12,6 +12,7 @@ import torch
 
 from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, scheduler_steps, task
 from tinsmith.sampling.prefix_cache import BLOCK, PrefixCache
+from tinsmith.sampling.sampler import TAIL_BUDGET_SHARE
 from tinsmith.types import AdamParams, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime
 
@@ -72,11 +73,13 @@ def test_cache_hit_equals_whole_prefill(family, temperature, layout, model_dirs,
     assert_same(got, want)
     assert all(r.prompt_cache_hit_tokens == 3 * block for r in got.values())
     assert all(r.prompt_cache_hit_tokens == 0 for r in want.values())
-    # A second round hits each whole turn's blocks (inserted by the first round).
+    # A second round finds each whole turn: its blocks, and the tail and last logits the first
+    # round kept beside them, so no prompt runs a forward pass again.
+    prefills = cached.stats["prefills"]
     again = results(cached, requests(prompts, "t", temperature=temperature))
     assert_same(again, want)
-    assert [again[f"t{i}"].prompt_cache_hit_tokens for i in range(4)] == [
-        min(len(p) // block * block, len(p) - 1) for p in prompts]
+    assert [again[f"t{i}"].prompt_cache_hit_tokens for i in range(4)] == [len(p) for p in prompts]
+    assert cached.stats["prefills"] == prefills
 
 
 def test_separate_requests_of_one_prompt_share_one_prefill(qwen3_dir):
@@ -96,6 +99,59 @@ def test_separate_requests_of_one_prompt_share_one_prefill(qwen3_dir):
     got = results(tight, [task(f"g{i}", prompt, max_tokens=5, seed=i, temperature=1.0) for i in range(8)])
     assert_same(got, want)
     assert tight.stats["prefills"] == 1 and tight.stats["decode_steps"] == plain.stats["decode_steps"]
+
+
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+@pytest.mark.parametrize("extra", [0, 5])  # whole blocks (nothing past them to keep), and a tail of 5 positions
+def test_a_prompt_sent_again_in_later_admissions_runs_no_forward_pass(layout, extra, qwen3_dir):
+    """GRPO's separate requests arriving over several scheduler steps: the first admission
+    prefills the prompt, later ones seed their rows from its cached blocks and the tail and last
+    logits kept beside them, so no forward pass runs again; every request's tokens and logprobs
+    equal a sampler's without a cache."""
+    model = fresh_model(qwen3_dir)
+    cached = make_sampler(model, qwen3_dir, kv_layout=layout)
+    block = cached.prefix.block  # a page over pages
+    prompt = tokens(11, 2 * block + extra)
+    make = lambda i: task(f"g{i}", prompt, max_tokens=8, seed=i, temperature=1.0)  # noqa: E731
+    want = results(make_sampler(model, qwen3_dir, prefix_cache_bytes=0, kv_layout=layout), [make(i) for i in range(6)])
+    got: dict = {}
+    for i in range(6):  # one request an admission, while the earlier ones decode
+        cached.add(make(i))
+        got.update(scheduler_steps(cached, 1))
+    got.update(results(cached, []))
+    assert_same(got, want)
+    assert cached.stats["prefills"] == 1 and cached.stats["prefill_tokens"] == len(prompt)
+    assert sorted(r.prompt_cache_hit_tokens for r in got.values()) == [0] + [len(prompt)] * 5
+    (kept,) = cached.snapshots.entries.values()
+    assert kept.start == 2 * block and kept.tail.shape[3] == extra
+
+
+def test_a_kept_tail_waits_for_its_blocks_and_its_budget(qwen3_dir):
+    """A kept tail is used only while the prefix cache holds every block before it (evicted
+    blocks: the prompt is prefilled again), and tails stay within their share of the budget;
+    a prompt prefilled in chunks is kept too. Results stay exact throughout."""
+    model = fresh_model(qwen3_dir)
+    long = tokens(12, 6 * BLOCK + 3)
+    short = tokens(13, BLOCK + 7)
+    make = lambda key, p, seed: task(key, p, max_tokens=5, seed=seed, temperature=1.0)  # noqa: E731
+    plain = make_sampler(model, qwen3_dir, prefix_cache_bytes=0)
+    cached = make_sampler(model, qwen3_dir, prefill_chunk_tokens=2 * BLOCK)  # the long prompt in chunks
+    for key, p in (("long", long), ("short", short)):
+        assert_same(results(cached, [make(key, p, 1)]), results(plain, [make(key, p, 1)]))
+    assert cached.stats["prefill_chunks"] == 4 and len(cached.snapshots) == 2
+    prefills = cached.stats["prefills"]
+    got = results(cached, [make("long2", long, 2), make("short2", short, 3)])
+    assert_same(got, results(plain, [make("long2", long, 2), make("short2", short, 3)]))
+    assert cached.stats["prefills"] == prefills and cached.stats["prefill_chunks"] == 4  # neither runs again
+    cached.prefix.clear()  # the blocks go: their tails cannot be used alone
+    got = results(cached, [make("long3", long, 4)])
+    assert_same(got, results(plain, [make("long3", long, 4)]))
+    assert got["long3"].prompt_cache_hit_tokens == 0 and cached.stats["prefill_chunks"] == 8
+    one = cached.snapshots.entries[next(iter(cached.snapshots.entries))].nbytes
+    tight = make_sampler(model, qwen3_dir, prefix_cache_bytes=TAIL_BUDGET_SHARE * (one + one // 2))
+    for i, p in enumerate((long, short, long)):
+        assert_same(results(tight, [make(f"t{i}", p, i)]), results(plain, [make(f"t{i}", p, i)]))
+        assert len(tight.snapshots) == 1 and tight.snapshots.bytes <= tight.snapshots.max_bytes
 
 
 @pytest.mark.parametrize("layout", ["rows", "paged"])
@@ -204,7 +260,8 @@ def test_tenants_never_share_entries(qwen3_dir):
     got = results(cached, mixed)
     slots = (None, SNAP_A, SNAP_B)
     assert_same(got, results(plain, [task(f"m{s}", prompt, slot=s, max_tokens=4, seed=5) for s in slots]))
-    assert all(r.prompt_cache_hit_tokens == 3 * BLOCK for r in got.values())  # each its own earlier entries
+    # each its own earlier entries: blocks, tail and last logits, the whole prompt
+    assert all(r.prompt_cache_hit_tokens == len(prompt) for r in got.values())
 
 
 def test_eviction_under_a_tiny_budget_keeps_results_exact(qwen3_dir):

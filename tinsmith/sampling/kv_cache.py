@@ -227,28 +227,32 @@ class RowKVCache:
             self.row_capacity, self.capacity = rows, cap
 
     # ----------------------------------------------------------------------------- rows
-    def write_prefix(self, row: int, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int,
+    def write_prefix(self, rows: range, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int,
                      states: PrefillStates | None = None, prompt: int = 0, shared: object = None) -> object:
         """Copy a prefilled prompt's K/V ``(kv_heads, length, head_dim)`` per attention layer into
-        ``row``, and on hybrid models prompt ``prompt``'s recurrent states of the prefill.
+        every row of ``rows`` (rows of the same prompt: its samples, or requests of it admitted
+        together), one copy per layer for all of them, and on hybrid models prompt ``prompt``'s
+        recurrent states of the prefill.
 
-        Returns what a later row of the same prompt may pass as ``shared`` to hold the prompt's
-        K/V without a copy of its own (per-row buffers copy every row: None)."""
+        Returns what later rows of the same prompt may pass as ``shared`` to hold the prompt's
+        K/V without a copy of their own (per-row buffers copy every row: None)."""
+        at = slice(rows.start, rows.stop)
         for i, (k, v) in layer_kv.items():
             ring = self.rings[i]
             if not self.rowwise(i):
-                self._write_pages(row, i, k, v, length)
+                self._write_pages(i, k, v, length)
             elif ring is None or length <= ring:
-                self.K[i][row, :, :length] = k[:, :length]
-                self.V[i][row, :, :length] = v[:, :length]
+                self.K[i][at, :, :length] = k[:, :length]
+                self.V[i][at, :, :length] = v[:, :length]
             else:  # a sliding-window layer keeps the prompt's last ``ring`` positions, each at p % ring
-                at = torch.arange(length - ring, length, device=self.device)
-                self.K[i][row][:, at % ring] = k[:, length - ring:length]
-                self.V[i][row][:, at % ring] = v[:, length - ring:length]
+                pos = torch.arange(length - ring, length, device=self.device) % ring
+                self.K[i][at][:, :, pos] = k[:, length - ring:length]
+                self.V[i][at][:, :, pos] = v[:, length - ring:length]
         if self.recurrent is not None:
             assert states is not None, "a hybrid model's prefill records its recurrent states"
-            self.recurrent.write_row(row, states, prompt)
-        self.lengths[row] = length
+            for row in rows:
+                self.recurrent.write_row(row, states, prompt)
+        self.lengths[at] = length
 
     def hold(self, shared: object) -> None:
         """Keep what :meth:`write_prefix` returned valid for later rows (per-row buffers: nothing to keep)."""
@@ -389,7 +393,7 @@ class RowKVCache:
         """The page table of rows ``[0, n)`` for a layer kept in pages (None: per-row buffers)."""
         return None
 
-    def _write_pages(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+    def _write_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
         raise NotImplementedError("per-row buffers hold every layer")
 
 

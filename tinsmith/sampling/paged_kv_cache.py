@@ -68,9 +68,9 @@ class PagedKVCache(RowKVCache):
         # Rows holding each page (a prompt's full pages are shared); the scratch page is held for good.
         self.refs = [1] + [0] * (self.pages - 1)
         self._initial_pages = self.pages
-        # While a prefix is written: its leading pages that are shared (already written), and the
-        # pages each paged layer writes, as a device index (None: none).
-        self._writing: tuple[int, torch.Tensor | None] = (0, None)
+        # While write_prefix runs: the prompt's first page written, how many from there, the pages
+        # written and which of those prompt pages each takes (None: in order). See _write_pages.
+        self._writing: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None
         # Set by a prefix cache keeping its blocks in these pages: evict its least recently used
         # block (False: it holds none), and follow pages that a shrink moved (old id -> new id).
         self.reclaim: Callable[[], bool] | None = None
@@ -284,42 +284,55 @@ class PagedKVCache(RowKVCache):
                     x = pool[at]  # (pages, heads, PAGE, d)
                     out[j, kv] = x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
 
-    def write_prefix(self, row, layer_kv, length, states=None, prompt=0, shared=None) -> list[int]:
-        """As :meth:`RowKVCache.write_prefix`; ``shared``: the full pages of the same prompt that an
-        earlier row was written into (what that call returned). This row holds them too and
-        writes only the rest: decoding appends past the prompt, so full prompt pages are never
-        written again, and ``num_samples`` rows (or requests of one prompt) keep one copy."""
-        self._release(row)  # a row is written whole: whatever it held is stale
-        rows: list[int] = []
-        cols: list[int] = []
-        pages: list[int] = []
-        shared = list(shared or [])[: length // PAGE]
-        for j, page in enumerate(shared):
-            self.refs[page] += 1
-            rows.append(row)
-            cols.append(j)
-            pages.append(page)
-        self.owned[row] = list(shared)
-        self._reserve_row(row, length, rows, cols, pages)
-        self._write_table(rows, cols, pages)
-        # The pages every paged layer writes (those past the shared ones), on the device once for all layers.
-        writes = self.owned[row][len(shared): -(-length // PAGE)]
-        self._writing = (len(shared), to_device(writes, self.device, torch.long) if writes else None)
+    def write_prefix(self, rows, layer_kv, length, states=None, prompt=0, shared=None) -> list[int]:
+        """As :meth:`RowKVCache.write_prefix`; ``shared``: full pages of the prompt that rows hold
+        already (the prefix cache's). Every row holds those, and the first row's own full pages
+        after them; each row owns the rest (its partial last page, which decoding appends to):
+        full prompt pages are never written again, and ``num_samples`` rows (or requests of one
+        prompt) keep one copy. Every page written is written for all rows by one store per layer."""
+        full = length // PAGE
+        shared = list(shared or [])[:full]
+        table: tuple[list[int], list[int], list[int]] = ([], [], [])
+        dst: list[int] = []  # pages written ...
+        src: list[int] = []  # ... with the prompt's page of this index
+        for row in rows:
+            self._release(row)  # a row is written whole: whatever it held is stale
+            for j, page in enumerate(shared):
+                self.refs[page] += 1
+                table[0].append(row)
+                table[1].append(j)
+                table[2].append(page)
+            self.owned[row] = list(shared)
+            self._reserve_row(row, length, *table)
+            own = self.owned[row][len(shared): -(-length // PAGE)]
+            dst += own
+            src += range(len(shared), len(shared) + len(own))
+            shared = self.owned[row][:full]  # the rows after it hold its full pages too
+        self._write_table(*table)
+        if dst:
+            first = min(src)
+            at = to_device(np.array([dst, [j - first for j in src]], dtype=np.int64), self.device)  # one copy, no wait
+            in_order = src == list(range(first, first + len(src)))
+            self._writing = (first, max(src) + 1 - first, at[0], None if in_order else at[1])
         try:
-            super().write_prefix(row, layer_kv, length, states, prompt)
+            super().write_prefix(rows, layer_kv, length, states, prompt)
         finally:
-            self._writing = (0, None)
-        return self.owned[row][: length // PAGE]
+            self._writing = None
+        return shared
 
-    def _write_pages(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
-        first, at = self._writing
-        if at is None:
+    def _write_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        if self._writing is None:
             return
-        start, n = first * PAGE, at.shape[0]
+        first, n, at, take = self._writing
+        start, end = first * PAGE, (first + n) * PAGE
         for pool, x in ((self.K[layer], k), (self.V[layer], v)):
-            heads, _, d = x.shape
-            x = _pad_positions(x[:, start:length], n * PAGE)
-            pool[at] = x.view(heads, n, PAGE, d).transpose(0, 1).to(pool.dtype)
+            heads, width, d = x.shape
+            # Positions past ``length`` in a partial page are never read: where ``x`` is wider (a
+            # padded prefill) they are whatever it holds there, else zeros.
+            x = x[:, start:end] if width >= end else _pad_positions(x[:, start:length], n * PAGE)
+            pages = x.view(heads, n, PAGE, d).transpose(0, 1)  # (n, heads, PAGE, d)
+            pages = pages if take is None else pages[take]
+            pool[at] = pages if pages.dtype == pool.dtype else pages.to(pool.dtype)
 
     def move_row(self, src: int, dst: int, upto: int | None = None) -> None:
         """Row ``dst`` leaves (its pages freed) and row ``src`` takes its place (its table row moves)."""

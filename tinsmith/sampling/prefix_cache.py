@@ -130,16 +130,18 @@ class PrefixCache:
         """The pool pages of looked-up blocks (empty for blocks that are tensors)."""
         return [e.page for e in entries if e.page is not None]
 
-    def read_into(self, out: torch.Tensor, entries: list[_Entry]) -> None:
+    def read_into(self, out: torch.Tensor, entries: list[_Entry], paged: bool = True) -> None:
         """Copy looked-up blocks' K/V into ``out`` ``(layers, 2, kv_heads, width, head_dim)`` (one
-        prompt's prefill buffer), positions ``[0, len(entries) * block)``."""
+        prompt's prefill buffer), positions ``[0, len(entries) * block)``. ``paged=False``: only
+        the layers beside the pool's pages (whoever holds the pages reads those itself)."""
         if not entries:
             return
         n = len(entries) * self.block
         if self.pool is None:
             out[:, :, :, :n] = torch.cat([e.kv for e in entries], dim=3)
             return
-        self.pool.read_pages(out[..., :n, :], self.pages_of(entries))
+        if paged:
+            self.pool.read_pages(out[..., :n, :], self.pages_of(entries))
         if self.rowwise:
             out[self.rowwise, :, :, :n] = torch.cat([e.kv for e in entries], dim=3)
 

@@ -1,4 +1,4 @@
-"""Whole prompts' states of hybrid models, kept across admissions.
+"""Whole prompts' prefill results kept across admissions: hybrid models' states, dense models' tails.
 
 A hybrid model (Qwen3.5: Gated DeltaNet layers beside attention) cannot reuse a cached prefix
 from its K/V alone: each linear layer's recurrent state after the prefix would be missing, so
@@ -13,12 +13,20 @@ Keys are the sampler's share keys (weights version, prompt tokens), compared who
 weights version is never looked up again and ages out. A prompt that *extends* a kept one (the
 next turn of a conversation, which repeats the earlier turns) continues from the kept one's
 states (:meth:`PromptSnapshots.longest_prefix`): only its new tokens are prefilled.
+
+Dense models keep less: the block prefix cache holds a prompt's full blocks already, so a
+snapshot keeps only what those blocks lack, the K/V of the positions past the last full block
+(its *tail*, ``start`` onwards) and the logits after the last token. Without it an admission of
+a prompt the cache holds whole would still run a forward pass over its last token (every layer,
+eagerly, while the decoding rows wait) just for those logits; with it the rows are seeded at once
+from the cached pages, the tail and the kept logits. Only a whole prompt equal to a kept one
+uses it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable
 
 import torch
@@ -30,15 +38,25 @@ from tinsmith.sampling.recurrent_state import PrefillStates
 class PromptSnapshot:
     """What seeding rows from one prefilled prompt needs (see ``Sampler._seed_rows``)."""
 
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> (K, V), (kv_heads, length, head_dim)
-    states: PrefillStates  # the prompt's recurrent states, as prompt 0 of a prefill
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> (K, V), (kv_heads, length - start, head_dim)
+    states: PrefillStates | None  # hybrid models: the prompt's recurrent states, as prompt 0 of a prefill
     last_logits: torch.Tensor  # (vocab,) after the prompt's last token
     length: int
+    # Dense models keep the K/V of positions ``start`` onwards only, as ``tail`` (attention layers
+    # in order, 2, kv_heads, length - start, head_dim): the positions before are the prefix
+    # cache's full blocks. ``kv`` is then empty until the sampler makes the snapshot whole for an
+    # admission, with ``pages``: the pool pages of those blocks (a paged cache's rows hold them).
+    start: int = 0
+    tail: torch.Tensor | None = None
+    pages: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         tensors = [t for kv in self.kv.values() for t in kv] + [self.last_logits]
-        tensors += list(self.states.conv.values()) + list(self.states.state.values())
+        if self.tail is not None:
+            tensors.append(self.tail)
+        if self.states is not None:
+            tensors += list(self.states.conv.values()) + list(self.states.state.values())
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @classmethod
@@ -47,6 +65,16 @@ class PromptSnapshot:
         """Copies of prompt ``prompt``'s part of a prefill (K/V trimmed to its ``length``)."""
         return cls({layer: (k[prompt, :, :length].clone(), v[prompt, :, :length].clone()) for layer, (k, v) in kv.items()},
                    states.select(prompt), last_logits.detach().clone(), length)
+
+    @classmethod
+    def tail_of(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], prompt: int, last_logits: torch.Tensor,
+                start: int, length: int) -> PromptSnapshot:
+        """A dense model's snapshot: prompt ``prompt``'s K/V at positions ``[start, length)`` (of
+        each attention layer of ``kv``, laid out by position as a prefill gives it) stacked into
+        one tensor, and a copy of its last logits."""
+        tail = torch.stack([torch.stack((kv[layer][0][prompt, :, start:length], kv[layer][1][prompt, :, start:length]))
+                            for layer in sorted(kv)])
+        return cls({}, None, last_logits.detach().clone(), length, start, tail)
 
 
 class PromptSnapshots:
@@ -71,6 +99,10 @@ class PromptSnapshots:
             self.entries.move_to_end(key)
             self.stats["hits"] += 1
         return snap
+
+    def peek(self, key: Hashable) -> PromptSnapshot | None:
+        """The snapshot kept under ``key``, marking nothing used (admission looks before it takes)."""
+        return self.entries.get(key)
 
     def longest_prefix(self, weights: Hashable, prompt: bytes) -> PromptSnapshot | None:
         """The longest kept prompt that ``prompt`` (token bytes) starts with or equals, computed

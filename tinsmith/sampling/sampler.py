@@ -54,6 +54,10 @@ DEFAULT_PREFILL_CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
 # Hybrid models: a beginning at least this long, shared with a kept prompt or another prompt of a
 # prefill, is prefilled once and kept (see Sampler._branch_heads).
 BRANCH_MIN_TOKENS = 64
+# Dense models keep whole prompts' tails and last logits (tinsmith.sampling.prompt_states) in
+# this share of the prefix cache's budget, beside it: a prompt's tail is at most a block of K/V,
+# and its logits one row of the vocabulary in fp32 (0.6 MB at 151,936 entries).
+TAIL_BUDGET_SHARE = 4
 KV_LAYOUTS = ("auto", "paged", "rows")  # the K/V cache's layout: auto is paged on CUDA, per-row buffers elsewhere
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
@@ -161,7 +165,10 @@ class Sampler:
         self.prefix = self._new_prefix_cache()
         # Hybrid models keep whole prompts' prefill results instead (the same budget): a prompt
         # sent again in a later admission (GRPO as separate requests) is not prefilled again.
-        self.snapshots = PromptSnapshots(prefix_cache_bytes if self.cfg.has_recurrent_state else 0)
+        # Dense models keep what the blocks lack of such a prompt, its tail and last logits, so
+        # that it skips even the forward pass over its last token.
+        self.snapshots = PromptSnapshots(prefix_cache_bytes if self.cfg.has_recurrent_state
+                                         else self._prefix_bytes // TAIL_BUDGET_SHARE)
         # A prompt longer than this is prefilled in chunks (0: never). Later chunks run over the K/V
         # of earlier ones, as a prefix-cache hit does; hybrid models carry their recurrent states
         # from chunk to chunk.
@@ -442,7 +449,7 @@ class Sampler:
                 waiting.append(self.inbox.popleft())
                 continue
             chunked = self._prefilled_in_chunks(task)
-            head = self._kept_head(task)  # hybrid models: a kept prompt this one equals or extends
+            head = self._kept_head(task)  # a kept prompt this one equals (or, on hybrid models, extends)
             if head is not None and head.length == len(task.input.prompt):
                 chunked, P, head = False, 0, None  # the prefill seeds its rows from the kept one
             elif head is not None and P:
@@ -588,7 +595,7 @@ class Sampler:
                 seen[key] = len(unique)
             lead.append(len(unique))
             unique.append(st)
-        kept = self._kept_snapshots(unique)  # unique index -> a hybrid prompt's kept prefill
+        kept = self._kept_snapshots(unique)  # unique index -> a prompt's kept prefill, made whole
         fresh = [u for u in range(len(unique)) if u not in kept]
         self._branch_heads([unique[u] for u in fresh])
         out = self._forward_prompts([unique[u] for u in fresh]) if fresh else None
@@ -601,35 +608,37 @@ class Sampler:
         self.stats["cached_prompt_tokens"] += sum(st.cached_tokens for st in batch)
 
         self._grow_cache(sum(s.task.input.num_samples for s in batch), L + 1)
-        shared: dict[int, Any] = {}  # unique prompt -> what its rows after the first share of its K/V
-        groups: dict[int, object] = {}  # unique prompt -> its rows' group (admission counts its K/V once)
+        shared: dict[int, Any] = {}  # unique prompt -> what its rows share of its K/V (a paged cache's full pages)
         for u, i in at.items():
             if out is not None and out.pages[i]:  # pages of the prefix cache: its rows hold them too
                 shared[u] = out.pages[i]
                 self.cache.hold(shared[u])
-        seeded: set[int] = set()
+        for u, snap in kept.items():
+            if snap.pages:  # a dense prompt's kept tail: its rows hold the prefix cache's pages before it
+                shared[u] = snap.pages
+                self.cache.hold(shared[u])
         firsts = self._first_tokens(batch, [kept[u].last_logits if u in kept else out.last_logits[at[u]]  # type: ignore[union-attr]
                                             for u in lead])
+        requests: dict[int, list[int]] = {}  # unique prompt -> the batch indices of its requests
+        for b_idx, u in enumerate(lead):
+            requests.setdefault(u, []).append(b_idx)
         try:
-            for b_idx, st in enumerate(batch):
-                u = lead[b_idx]
+            for u, idx in requests.items():  # every row of a prompt at once
+                states, first = [batch[b] for b in idx], [firsts[b] for b in idx]
                 if u in kept:
                     snap = kept[u]
-                    shared[u] = self._seed_rows(st, None, snap.last_logits, snap.kv, snap.length, done, snap.states,
-                                                0, shared.get(u), groups.setdefault(u, object()), firsts[b_idx])
+                    shared[u] = self._seed_rows(states, None, snap.last_logits, snap.kv, snap.length, done, snap.states,
+                                                0, shared.get(u), first)
                     continue
                 assert out is not None
                 i = at[u]
-                if _needs_prompt_logits(st.task.input):
+                if _needs_prompt_logits(states[0].task.input):
                     assert out.starts[i] == 0  # such prompts never read the prefix cache
                 layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
-                shared[u] = self._seed_rows(st, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
-                                            out.lens[i], done, out.states, i, shared.get(u), groups.setdefault(u, object()),
-                                            firsts[b_idx])
-                if u not in seeded:
-                    seeded.add(u)
-                    if out.cacheable[i]:
-                        self._keep_pages(st.task, shared[u], layer_kv, out.weights[i])
+                shared[u] = self._seed_rows(states, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
+                                            out.lens[i], done, out.states, i, shared.get(u), first)
+                if out.cacheable[i]:
+                    self._keep_pages(states[0].task, shared[u], layer_kv, out.weights[i])
         finally:
             for held in shared.values():
                 if held:
@@ -681,8 +690,8 @@ class Sampler:
             members[0].computed_head = True
 
     def _kept_snapshots(self, unique: list[_TaskState]) -> dict[int, PromptSnapshot]:
-        """The prompts of ``unique`` whose whole prefill a hybrid model kept from an earlier
-        admission (never those asking prompt logprobs: their hidden states are not kept)."""
+        """The prompts of ``unique`` whose whole prefill was kept from an earlier admission (never
+        those asking prompt logprobs: their hidden states are not kept), ready to seed rows."""
         kept: dict[int, PromptSnapshot] = {}
         if not self.snapshots.enabled:
             return kept
@@ -690,20 +699,52 @@ class Sampler:
             key = self._share_key(st.task)
             if key is None or _needs_prompt_logits(st.task.input):
                 continue
-            snap = self.snapshots.get(key)
+            snap = self._whole_from_tail(st.task, key) if self.prefix.enabled else self.snapshots.get(key)
             if snap is not None:
                 kept[u] = snap
                 st.cached_tokens = snap.length
         return kept
 
+    def _whole_from_tail(self, task: SampleTask, key: tuple) -> PromptSnapshot | None:
+        """A dense model's kept tail of ``task``'s prompt made whole for seeding its rows: every
+        position's K/V (the prefix cache's blocks before the tail, then the tail; rows over pages
+        hold the blocks' pages instead of a copy, so those are not read) and the kept logits.
+        None when nothing is kept or the cache no longer holds every block before the tail."""
+        snap = self._kept_tail(task, key)
+        if snap is None:
+            return None
+        self.snapshots.get(key)  # a hit: used most recently
+        assert snap.tail is not None
+        blocks = self.prefix.lookup(key[0], np.asarray(task.input.prompt).tolist(), snap.start)
+        block = self.prefix.block  # a whole last page: a paged cache's rows write it without padding it first
+        full = self._prefix_buffer([blocks], [-(-snap.length // block) * block], paged=False)
+        full[:, :, 0, :, snap.start:snap.length] = snap.tail
+        kv = {layer: (full[j, 0, 0], full[j, 1, 0]) for layer, j in self._kv_index.items()}
+        return PromptSnapshot(kv, None, snap.last_logits, snap.length, pages=self.prefix.pages_of(blocks))
+
+    def _kept_tail(self, task: SampleTask, key: tuple) -> PromptSnapshot | None:
+        """The tail kept of ``task``'s very prompt (dense models) while the prefix cache still
+        holds every block before it; marks nothing used."""
+        snap = self.snapshots.peek(key)
+        if snap is None:
+            return None
+        blocks = self.prefix.peek(key[0], np.asarray(task.input.prompt).tolist(), snap.start)
+        return snap if len(blocks) * self.prefix.block == snap.start else None
+
     def _keep_snapshots(self, states: list[_TaskState], out: _Prefilled) -> None:
-        """Keep each hybrid prompt's prefill result for a later admission of the same prompt."""
-        if not self.snapshots.enabled or out.states is None:
+        """Keep each prompt's prefill result for a later admission of the same prompt: a hybrid
+        model's whole states, a dense model's tail past the blocks its prefix cache keeps."""
+        if not self.snapshots.enabled:
             return
         for i, st in enumerate(states):
             key = self._share_key(st.task)
-            if key is not None and not _needs_prompt_logits(st.task.input):
+            if key is None or _needs_prompt_logits(st.task.input):
+                continue
+            if out.states is not None:
                 self.snapshots.put(key, PromptSnapshot.of(out.kv, out.states, i, out.last_logits[i], out.lens[i]))
+            elif out.cacheable[i]:
+                start = out.lens[i] // self.prefix.block * self.prefix.block
+                self.snapshots.put(key, PromptSnapshot.tail_of(out.kv, i, out.last_logits[i], start, out.lens[i]))
 
     def _first_tokens(self, states: list[_TaskState], last_logits: list[torch.Tensor]) -> list[_FirstTokens]:
         """Each request's first sampled token, its logprob and top logprobs, for every one of its
@@ -730,39 +771,49 @@ class Sampler:
             a += n
         return out
 
-    def _seed_rows(self, st: _TaskState, hidden: torch.Tensor | None, last_logits: torch.Tensor,
+    def _seed_rows(self, requests: list[_TaskState], hidden: torch.Tensor | None, last_logits: torch.Tensor,
                    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
                    states: PrefillStates | None = None, prompt: int = 0, shared: object = None,
-                   group: object = None, first: _FirstTokens | None = None) -> object:
-        """Start a prefilled request's rows: its prompt logprobs when asked (``hidden``: every
-        prompt position's hidden state), the first token of each sample drawn from
-        ``last_logits``, and each row's K/V (and recurrent states) put into the cache.
+                   firsts: list[_FirstTokens] | None = None) -> object:
+        """Start the rows of prefilled requests of one prompt (``requests``: GRPO's separate
+        requests of it admitted together, or one request): each one's prompt logprobs when asked
+        (``hidden``: every prompt position's hidden state), the first token of each sample drawn
+        from ``last_logits`` (or given: ``firsts``), and every row's K/V (and recurrent states)
+        put into the cache at once, so an admission's eager work on the device is per prompt, not
+        per row.
 
         A paged cache keeps one copy of the prompt's full pages for all the rows of the prompt:
-        ``shared`` is what an earlier request of the same prompt left (None: this is the first),
-        and the return value what a later one takes, held until the caller lets it go."""
-        inp = st.task.input
-        if _needs_prompt_logits(inp):
-            assert hidden is not None, "prompt logprobs need every prompt position's hidden state"
-            self._prompt_logprobs(st, hidden)
-        n = inp.num_samples
-        toks_l, lps_l, tops = first if first is not None else self._first_tokens([st], [last_logits])[0]
-        group = group if group is not None else object()
-        for j in range(n):
-            row = _Row(st, j, group=group)
-            if st.stops.strings:
-                row.watcher = StringStopWatcher(st.stops.strings, self.decode)
-            r = len(self.rows)
-            self.rows.append(row)
-            written = self.cache.write_prefix(r, layer_kv, length, states, prompt, shared)
-            if written is not None and len(written) > len(shared or ()):
-                # Its first row may finish at once: the pages stay for the rest (those it was given,
-                # the prefix cache's, are held by the caller until now).
-                self.cache.hold(written)
-                if shared:
-                    self.cache.let_go(shared)
-                shared = written
-            if self._push(row, toks_l[j], lps_l[j], tops[j]):
+        ``shared`` is what the prefix cache holds of them (None: nothing), and the return value
+        what the rows share, held until the caller lets it go."""
+        for st in requests:
+            if _needs_prompt_logits(st.task.input):
+                assert hidden is not None, "prompt logprobs need every prompt position's hidden state"
+                self._prompt_logprobs(st, hidden)
+        if firsts is None:
+            firsts = self._first_tokens(requests, [last_logits] * len(requests))
+        group = object()  # the rows of one prompt: admission counts its K/V once
+        start = len(self.rows)
+        for st in requests:
+            for j in range(st.task.input.num_samples):
+                row = _Row(st, j, group=group)
+                if st.stops.strings:
+                    row.watcher = StringStopWatcher(st.stops.strings, self.decode)
+                self.rows.append(row)
+        rows = range(start, len(self.rows))
+        written = self.cache.write_prefix(rows, layer_kv, length, states, prompt, shared)
+        if written is not None and len(written) > len(shared or ()):
+            # A row may finish at once: the pages stay for the rest (those it was given, the
+            # prefix cache's, are held by the caller until now).
+            self.cache.hold(written)
+            if shared:
+                self.cache.let_go(shared)
+            shared = written
+        samples = [(st, j, first) for st, first in zip(requests, firsts) for j in range(st.task.input.num_samples)]
+        # Last row first: a row that ends at once leaves, the last row taking its place, and the
+        # rows after it have had their first token already.
+        for r in reversed(rows):
+            st, j, (toks, lps, tops) = samples[r - start]
+            if self._push(self.rows[r], toks[j], lps[j], tops[j]):
                 self._retire(r, "stop", done)
             elif st.max_tokens <= 1:
                 self._retire(r, "length", done)
@@ -853,7 +904,8 @@ class Sampler:
             row.group = None  # recomputed alone: it shares nothing
             r = len(self.rows)
             self.rows.append(row)
-            self.cache.write_prefix(r, {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}, lens[i], recurrent, i)
+            self.cache.write_prefix(range(r, r + 1), {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}, lens[i],
+                                    recurrent, i)
         self._rows_changed()
 
     # ----------------------------------------------------------------------------- chunked prefill
@@ -864,13 +916,15 @@ class Sampler:
         return self._can_chunk and len(inp.prompt) > self.prefill_chunk_tokens and not inp.prompt_images
 
     def _kept_head(self, task: SampleTask) -> PromptSnapshot | None:
-        """On hybrid models, the longest kept prompt ``task``'s prompt equals or extends (see
-        :mod:`tinsmith.sampling.prompt_states`); None when there is none or it cannot be used
-        (prompt logprobs asked, images, chunks off)."""
+        """On hybrid models, the longest kept prompt ``task``'s prompt equals or extends; on dense
+        ones, the kept tail of this very prompt (see :mod:`tinsmith.sampling.prompt_states`).
+        None when there is none or it cannot be used (prompt logprobs asked, images, chunks off)."""
         key = self._share_key(task)
         if (not self.snapshots.enabled or key is None or not self.model.supports_prefix_reuse
                 or _needs_prompt_logits(task.input)):
             return None
+        if self.prefix.enabled:
+            return self._kept_tail(task, key)
         return self.snapshots.longest_prefix(key[0], key[2])
 
     def _start_chunked(self, st: _TaskState, done: list, head: PromptSnapshot | None = None) -> None:
@@ -926,7 +980,7 @@ class Sampler:
             layer_kv = {layer: (c.kv[self._kv_index[layer], 0, 0], c.kv[self._kv_index[layer], 1, 0]) for layer in kv}
             prompt_hidden = torch.cat(c.hidden) if c.hidden else hidden[0, :0]
             self._keep_chunked(c, last_logits)
-            pages = self._seed_rows(st, prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
+            pages = self._seed_rows([st], prompt_hidden, last_logits, layer_kv, P, done, c.recurrent)
             if pages:
                 if c.weights is not None:
                     self._keep_pages(st.task, pages, layer_kv, c.weights)
@@ -939,14 +993,18 @@ class Sampler:
             self._fail([st], exc, done)
 
     def _keep_chunked(self, c: _ChunkedPrefill, last_logits: torch.Tensor) -> None:
-        """On hybrid models, keep a prompt prefilled in chunks (or continued from a kept one) for
-        later admissions of it or of prompts extending it, unless the weights changed meanwhile."""
+        """Keep a prompt prefilled in chunks (or continued from a kept one) for later admissions
+        of it (or, on hybrid models, of prompts extending it), unless the weights changed meanwhile."""
         key = self._share_key(c.state.task)
-        if (not self.snapshots.enabled or c.recurrent is None or key is None or key[0] != c.started
+        if (not self.snapshots.enabled or key is None or key[0] != c.started
                 or _needs_prompt_logits(c.state.task.input)):
             return
         kv = {layer: (c.kv[i, 0], c.kv[i, 1]) for layer, i in self._kv_index.items()}
-        self.snapshots.put(key, PromptSnapshot.of(kv, c.recurrent, 0, last_logits, len(c.prompt)))
+        if c.recurrent is not None:
+            self.snapshots.put(key, PromptSnapshot.of(kv, c.recurrent, 0, last_logits, len(c.prompt)))
+        elif c.weights is not None:  # its blocks are cached under the same weights
+            start = len(c.prompt) // self.prefix.block * self.prefix.block
+            self.snapshots.put(key, PromptSnapshot.tail_of(kv, 0, last_logits, start, len(c.prompt)))
 
     def _cache_chunk_blocks(self, c: _ChunkedPrefill) -> None:
         """Keep the full blocks prefilled so far in the prefix cache, unless the weights changed
@@ -1049,14 +1107,15 @@ class Sampler:
                                           visual=visual)
         return hidden, kv, recurrent
 
-    def _prefix_buffer(self, blocks: list[list], widths: list[int]) -> torch.Tensor:
+    def _prefix_buffer(self, blocks: list[list], widths: list[int], paged: bool = True) -> torch.Tensor:
         """``(attention layers, 2, b, kv_heads, max(widths), head_dim)``: each row's cached prefix blocks
-        first, zeros after (where :meth:`_forward_over_prefix` writes the positions it computes)."""
+        first, zeros after (where :meth:`_forward_over_prefix` writes the positions it computes).
+        ``paged=False``: the blocks' pool pages are not read (rows that hold the pages never read them)."""
         cfg = self.cfg
         full = torch.zeros((len(self._kv_index), 2, len(blocks), cfg.num_kv_heads, max(widths), cfg.head_dim),
                            device=self.device, dtype=self.dtype)
         for i, bl in enumerate(blocks):
-            self.prefix.read_into(full[:, :, i], bl)
+            self.prefix.read_into(full[:, :, i], bl, paged)
         return full
 
     def _forward_over_prefix(self, states, prompts, lens, starts, full: torch.Tensor,
