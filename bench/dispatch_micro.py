@@ -21,6 +21,12 @@ bf16`` holds the model in bf16, as on a GPU (where torch's norms keep an fp32 co
 K/V, a 128-token prompt, temperature 1, no adapter), with the GPU's paths forced: every Triton
 kernel (norms, SiLU-and-multiply, decode attention, the K/V stores, the token choice) runs in Triton's
 interpreter and counts as one launch, and the torch operations around them count as on a GPU.
+
+``--admission REQUESTS`` counts one admission of REQUESTS single-sample requests of a prompt an
+earlier admission prefilled (GRPO's separate requests arriving while the first ones decode), on
+the same paths, for a prompt of whole pages (128 tokens) and one 5 tokens longer. An admission
+runs eagerly between graphed decode steps, so on a GPU each of its kernels is a launch the
+decoding rows wait for.
 """
 
 from __future__ import annotations
@@ -99,15 +105,10 @@ def triton_launches_counted(counter: KernelOps):
 def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
     """The kernels of one static decode step of ``rows`` rows on the GPU's paths (see the module
     docstring): total, Triton launches, and the most frequent operations."""
-    from tinsmith.kernels import decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw
-    from tinsmith.sampling import logits
     from tinsmith.sampling.decode_graphs import DecodeGraphs, Variant, bucket_for
     from tinsmith.sampling.sampler import Sampler, SampleTask
     from tinsmith.types import SampleInput, SamplingParams
 
-    for module in (decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw):
-        module.BACKEND = "triton"
-    logits.BLOCKED_CDF = "always"
     sampler = Sampler(model, lambda toks: "", max_rows=rows, kv_layout="paged", decode_burst=1)
     sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
     rng = np.random.default_rng(0)
@@ -115,7 +116,7 @@ def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
         sampler.add(SampleTask(i, None, SampleInput(prompt=rng.integers(4, 500, 128), num_samples=1,
                                                     params=SamplingParams(max_tokens=8, temperature=1.0, stop=[]))))
     counter = KernelOps(_NO_KERNEL + ("aten.empty",))  # allocations launch nothing (a graph's come from its pool)
-    with torch.inference_mode():
+    with torch.inference_mode(), gpu_paths():
         done: list = []
         sampler._admit(done)
         sampler._decode_step(done)  # the bucket's buffers and the cache's pages
@@ -125,6 +126,62 @@ def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
     ops = counter.ops
     launches = sum(v for k, v in ops.items() if k.startswith("triton."))
     return {"rows": rows, "kernels": sum(ops.values()), "triton_launches": launches, "top": dict(ops.most_common(top))}
+
+
+@contextmanager
+def gpu_paths():
+    """Every Triton kernel a GPU's sampler runs, in the interpreter here (as it was after)."""
+    from tinsmith.kernels import decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw
+    from tinsmith.sampling import logits
+
+    modules = (decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw)
+    before = [m.BACKEND for m in modules], logits.BLOCKED_CDF
+    for module in modules:
+        module.BACKEND = "triton"
+    logits.BLOCKED_CDF = "always"
+    try:
+        yield
+    finally:
+        for module, backend in zip(modules, before[0]):
+            module.BACKEND = backend
+        logits.BLOCKED_CDF = before[1]
+
+
+def admission_kernels(model, requests: int, length: int, top: int = 12) -> dict:
+    """The kernels of one admission of ``requests`` single-sample requests of a ``length``-token
+    prompt that an earlier admission prefilled (see the module docstring)."""
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    warm = 2 * (requests + 1)
+    sampler = Sampler(model, lambda toks: "", max_rows=warm, kv_layout="paged", decode_burst=1)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(4, 500, length)
+
+    def add(key, tokens=prompt, new: int = 8) -> None:
+        sampler.add(SampleTask(key, None, SampleInput(prompt=tokens, num_samples=1,
+                                                      params=SamplingParams(max_tokens=new, temperature=1.0, stop=[]))))
+
+    counter = KernelOps(_NO_KERNEL + ("aten.empty",))
+    with torch.inference_mode():
+        done: list = []
+        other = rng.integers(4, 500, length)
+        for i in range(warm):  # rows that end at once: the K/V pool grows past what the rows take, as in a busy server
+            add(f"warm{i}", other, new=1)
+        sampler._admit(done)
+        assert len(done) == warm and not sampler.rows
+        done.clear()
+        add("first")
+        sampler._admit(done)  # the prompt's prefill (through torch: not counted): its pages join the prefix cache
+        for i in range(requests):
+            add(i)
+        prefills = sampler.stats["prefills"]
+        with gpu_paths(), triton_launches_counted(counter), counter:
+            sampler._admit(done)
+    assert not done and len(sampler.rows) == requests + 1
+    ops = counter.ops
+    return {"requests": requests, "prompt_tokens": length, "kernels": sum(ops.values()),
+            "forward_passes": sampler.stats["prefills"] - prefills, "top": dict(ops.most_common(top))}
 
 
 def saved_bytes_per_token(rt: TrainingRuntime, requests: list, tokens: int) -> float:
@@ -187,6 +244,8 @@ def main() -> None:
                     help="how several tenants' adapters run (gpu: the choice a Hopper GPU makes for the dtype and "
                          "tenant count)")
     ap.add_argument("--decode", type=int, metavar="ROWS", help="count one decode step of ROWS rows instead")
+    ap.add_argument("--admission", type=int, metavar="REQUESTS",
+                    help="count one admission of REQUESTS requests of an already prefilled prompt instead")
     ap.add_argument("--training-kernels", action="store_true",
                     help="train through the norm/rotary/SiLU kernels (in Triton's interpreter)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype for training counts")
@@ -194,8 +253,23 @@ def main() -> None:
                     help="the layers' widths for training counts (1.7B: Qwen3-1.7B's, for the bytes kept per token)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    if (args.decode or args.training_kernels) and os.environ.get("TRITON_INTERPRET") != "1":
+    if (args.decode or args.admission or args.training_kernels) and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("the Triton kernels run in the interpreter here: set TRITON_INTERPRET=1")
+    if args.admission:
+        with tempfile.TemporaryDirectory() as d:
+            shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
+            make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
+            model = load_model(str(Path(d) / "m")).model
+            rs = [admission_kernels(model, args.admission, length) for length in (128, 133)]
+        for r in rs:
+            print(f"admission of {r['requests']} requests of a prefilled {r['prompt_tokens']}-token prompt, "
+                  f"{args.layers} layers: {r['kernels']:,} kernels, {r['forward_passes']} forward passes")
+            for name, n in r["top"].items():
+                print(f"  {n:>5}  {name}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "admission": rs},
+                                                  indent=2))
+        return
     if args.decode:
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)

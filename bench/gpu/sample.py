@@ -256,10 +256,16 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
             spans.append((start, time.time()))
             return time.perf_counter() - t, sum(len(q.tokens) for r in results for q in r.sequences)
 
+        # Each round samples prompts of its own, as an RL loop's rounds do (new problems, and new
+        # weights after each step): nothing of an earlier round's prompts is in the prefix cache.
+        rounds = iter(range(1, 5))
+
         def separate():
+            prompts = sdk_prompts(next(rounds), prompts_n, new, quick)[0]
             return [s.sample(p, 1, params) for p in prompts for _ in range(group)]
 
         def num_samples():
+            prompts = sdk_prompts(next(rounds), prompts_n, new, quick)[0]
             return [s.sample(p, group, params) for p in prompts]
 
         # A first round of each pays what a training loop pays once (the decode graphs of each

@@ -592,3 +592,30 @@ def test_the_budget_bound_from_positions_alone_is_never_below_the_exact_count(fa
     assert cache.static_bytes_at_most(positions, 8, 4 * PAGE) >= cache.static_bytes(shared, 8, 4 * PAGE)
     rows = RowKVCache(cfg, torch.device("cpu"), torch.float32)
     assert rows.bytes_at_most(positions) == rows.bytes_for(positions)  # per-row buffers: exact
+
+
+def test_an_admission_of_a_kept_prompt_costs_the_same_for_one_request_or_many(qwen3_dir):
+    """GRPO's later requests of a prompt already prefilled: their admission runs no forward pass,
+    and the device operations it dispatches (each a kernel launch on a GPU, which the decoding rows
+    wait for) do not grow with the requests: every row of the prompt is written at once."""
+    from bench.dispatch_micro import KernelOps  # operations that run a kernel (not views)
+
+    model = fresh_model(qwen3_dir)
+    prompt = np.random.default_rng(8).integers(4, 500, 2 * PAGE + 5).tolist()
+    counts = {}
+    for n in (4, 16):
+        sampler = Sampler(model, decoder(qwen3_dir), kv_layout="paged", max_rows=17)
+        sampler.cache.ensure(17, 4 * PAGE)
+        sampler.cache._make_free(40)  # no pool growth inside the counted admission
+        done: list = []
+        with torch.inference_mode():
+            sampler.add(task("first", prompt, max_tokens=8, temperature=1.0, seed=0, stop=[]))
+            sampler._admit(done)
+            for i in range(n):
+                sampler.add(task(f"g{i}", prompt, max_tokens=8, temperature=1.0, seed=1 + i, stop=[]))
+            prefills, ops = sampler.stats["prefills"], KernelOps()
+            with ops:
+                sampler._admit(done)
+        assert not done and len(sampler.rows) == n + 1 and sampler.stats["prefills"] == prefills
+        counts[n] = sum(ops.ops.values())
+    assert counts[16] == counts[4], counts  # not a store per row and layer
