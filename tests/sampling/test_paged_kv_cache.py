@@ -170,8 +170,7 @@ def test_the_pool_grows_keeping_pages_and_shrinks_when_idle(qwen3_dir):
     assert cache.pages >= 15 and cache.table.data_ptr() == table  # the table never moves
     K, V = cache._rows_view(0, 1, 3 * PAGE, {})
     assert torch.equal(K[0], k) and torch.equal(V[0], -k)  # written pages kept their contents
-    cache.move_row(1, 1)
-    cache.move_row(0, 0)
+    cache.keep_rows(2, [])  # both rows leave
     assert not any(cache.owned)
     cache.shrink(0, 1)
     assert cache.pages == cache._initial_pages and sorted(cache.free) == list(range(1, cache.pages))
@@ -218,6 +217,52 @@ def test_rows_of_a_prompt_written_at_once_hold_what_rows_written_one_by_one_hold
             assert all(torch.equal(K[r], want_k) and torch.equal(V[r], want_v) for r in range(3)), layer
         if not together.paged[layer]:
             assert torch.equal(together.K[layer][:3], alone.K[layer][:3])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+def test_rows_leaving_together_leave_the_cache_as_rows_leaving_one_by_one(family, layout, qwen3_dir, gpt_oss_dir):
+    """Rows that finish in the same burst leave in one step of the cache (one gather and store
+    per buffer): the rows kept, their K/V, lengths, page tables and page references are what
+    the rows leaving one at a time, the last row taking each place, leave."""
+    from tinsmith.sampling.kv_cache import RowKVCache
+
+    cfg = fresh_model(qwen3_dir if family == "qwen3" else gpt_oss_dir).config
+    g = torch.Generator().manual_seed(9)
+    lengths = [3 * PAGE + 5, 70, 2 * PAGE, 9, 150, 4 * PAGE - 1, 33]
+    make = PagedKVCache if layout == "paged" else RowKVCache
+    caches = []
+    for together in (True, False):
+        cache = make(cfg, torch.device("cpu"), torch.float32, rows=len(lengths))
+        cache.ensure(len(lengths), 4 * PAGE)
+        g.manual_seed(9)
+        for r, n in enumerate(lengths):
+            kv = {i: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim, generator=g),) * 2 for i in range(cfg.num_layers)}
+            cache.write_prefix(range(r, r + 1), kv, n)
+        leaving = [1, 2, 6]
+        if together:
+            order = list(range(len(lengths)))
+            for r in sorted(leaving, reverse=True):
+                order[r] = order[-1]
+                order.pop()
+            assert order == [0, 4, 5, 3]
+            cache.keep_rows(len(lengths), order, max(lengths))
+        else:
+            rows = len(lengths)
+            for r in sorted(leaving, reverse=True):
+                rows -= 1
+                cache.keep_rows(rows + 1, list(range(rows)) if r == rows else [*range(r), rows, *range(r + 1, rows)],
+                                max(lengths))
+        caches.append(cache)
+    a, b = caches
+    assert a.lengths[:4].tolist() == b.lengths[:4].tolist() == [lengths[i] for i in (0, 4, 5, 3)]
+    for layer in range(cfg.num_layers):
+        for x, y in zip(a._rows_view(layer, 4, 4 * PAGE, {}), b._rows_view(layer, 4, 4 * PAGE, {})):
+            for r, n in enumerate(a.lengths[:4].tolist()):
+                assert torch.equal(x[r, :, :n], y[r, :, :n]), (layer, r)
+    if layout == "paged":
+        assert a.owned == b.owned and a.refs == b.refs and sorted(a.free) == sorted(b.free)
+        assert torch.equal(a.table, b.table) and a.table[4:].eq(SCRATCH).all()
 
 
 @pytest.mark.parametrize("prompt_len", [200, 2 * PAGE], ids=["partial-last-page", "whole-pages"])
@@ -293,7 +338,7 @@ def test_a_padding_row_never_overwrites_a_live_write(qwen3_dir):
                     1: (torch.randn(cfg.num_kv_heads, n, cfg.head_dim),) * 2}
     cache.write_prefix(range(0, 1), kv(PAGE), PAGE)  # row 0 takes page 1 (page 0 is scratch)
     cache.write_prefix(range(1, 2), kv(PAGE), PAGE)  # row 1 takes page 2
-    cache.move_row(1, 0)  # row 0 leaves (page 1 is free again); row 1 becomes row 0
+    cache.keep_rows(2, [1])  # row 0 leaves (page 1 is free again); row 1 becomes row 0
     cache.reserve([PAGE + 1])  # row 0's second page: page 1
     assert cache.owned[0] == [2, 1] and cache.table[1].eq(SCRATCH).all()
     before = cache.K[0][2].clone()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -28,6 +29,7 @@ from tinsmith.kernels import decode_attention as decode_kernels
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import masked_attention
 from tinsmith.sampling.recurrent_state import DecodeStates, PrefillStates, RowRecurrentState
+from tinsmith.transfers import to_device
 
 BLOCK = 64
 
@@ -268,20 +270,24 @@ class RowKVCache:
             return None
         return PrefillStates(lengths, width, self.recurrent.kernel, after)
 
-    def move_row(self, src: int, dst: int, upto: int | None = None) -> None:
-        """Row ``src`` takes row ``dst``'s place (``dst`` leaves). ``upto``: at least the positions
-        ``src`` holds, known on the host (the sampler's count); the positions past its length are
-        copied too, harmlessly. Without it the whole capacity is copied: the row's length is
-        never read back (a read is a wait for the device, once per finished row)."""
-        if src == dst:
+    def keep_rows(self, rows: int, order: list[int], upto: int | None = None) -> None:
+        """Of rows ``[0, rows)``, rows ``[0, len(order))`` become rows ``order`` (each kept once,
+        in that order); the others leave (finished). One gather and one store per buffer for all the rows that
+        move, however many finish at once. ``upto``: at least the positions a moving row holds,
+        known on the host (the sampler's count); positions past a row's length are copied too,
+        harmlessly. Without it the whole capacity is copied: lengths are never read back (a read
+        is a wait for the device)."""
+        moves = [(dst, src) for dst, src in enumerate(order) if dst != src]
+        if not moves:
             return
+        dst, src = to_device(np.array(moves, dtype=np.int64).T.copy(), self.device)  # one copy, no wait
         width = self.capacity if upto is None else min(upto, self.capacity)
         for store in (self.K, self.V):
             for i, t in enumerate(store):
                 if self.rowwise(i):
                     t[dst, :, :width] = t[src, :, :width]  # a ring: all of it, once the row has outgrown it
         if self.recurrent is not None:
-            self.recurrent.move_row(src, dst)
+            self.recurrent.move_rows(src, dst)
         self.lengths[dst] = self.lengths[src]  # on the device
 
     # ----------------------------------------------------------------------------- attention

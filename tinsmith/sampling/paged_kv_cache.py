@@ -334,14 +334,23 @@ class PagedKVCache(RowKVCache):
             pages = pages if take is None else pages[take]
             pool[at] = pages if pages.dtype == pool.dtype else pages.to(pool.dtype)
 
-    def move_row(self, src: int, dst: int, upto: int | None = None) -> None:
-        """Row ``dst`` leaves (its pages freed) and row ``src`` takes its place (its table row moves)."""
-        self._release(dst)
-        if src != dst:
-            self.owned[dst], self.owned[src] = self.owned[src], []
+    def keep_rows(self, rows: int, order: list[int], upto: int | None = None) -> None:
+        """As :meth:`RowKVCache.keep_rows`: the rows that leave let go of their pages (those no
+        other row holds go back to the free list); the table rows of those that move go with
+        them, and the table rows left behind point at the scratch page."""
+        kept = set(order)
+        for r in range(rows):
+            if r not in kept and self.owned[r]:
+                self.let_go(self.owned[r][::-1])
+        owned = [self.owned[r] for r in order]
+        self.owned[:rows] = owned + [[] for _ in range(rows - len(order))]
+        moves = [(dst, src) for dst, src in enumerate(order) if dst != src]
+        if moves:
+            dst, src = to_device(np.array(moves, dtype=np.int64).T.copy(), self.device)
             self.table[dst] = self.table[src]
-            self.table[src].fill_(0)
-        super().move_row(src, dst, upto)
+        if rows > len(order):
+            self.table[len(order):rows] = SCRATCH
+        super().keep_rows(rows, order, upto)
 
     # ----------------------------------------------------------------------------- decode steps
     def _write_step(self, layer, rows, pos, keep, k, v, step) -> None:

@@ -49,7 +49,8 @@ class RowRecurrentState:
             self.conv[layer][row] = prefill.conv[layer][i]
             self.state[layer][row] = prefill.state[layer][i]
 
-    def move_row(self, src: int, dst: int) -> None:
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows ``src`` move to rows ``dst`` (device indices; every source read before any write)."""
         for layer in self.layers:
             self.conv[layer][dst] = self.conv[layer][src]
             self.state[layer][dst] = self.state[layer][src]

@@ -565,9 +565,7 @@ class Sampler:
         if self._chunked is not None and id(self._chunked.state) in ids:
             self._chunked = None  # its partial K/V are dropped with it
         self._resume = deque(st for st in self._resume if id(st) not in ids)
-        for r in range(len(self.rows) - 1, -1, -1):
-            if id(self.rows[r].state) in ids:
-                self._drop_row(r)
+        self._drop_rows([r for r, row in enumerate(self.rows) if id(row.state) in ids])
         for st in states:
             if st.remaining > 0:
                 st.remaining = 0
@@ -809,14 +807,14 @@ class Sampler:
                 self.cache.let_go(shared)
             shared = written
         samples = [(st, j, first) for st, first in zip(requests, firsts) for j in range(st.task.input.num_samples)]
-        # Last row first: a row that ends at once leaves, the last row taking its place, and the
-        # rows after it have had their first token already.
-        for r in reversed(rows):
+        finished: list[tuple[int, str]] = []  # rows that end at once
+        for r in rows:
             st, j, (toks, lps, tops) = samples[r - start]
             if self._push(self.rows[r], toks[j], lps[j], tops[j]):
-                self._retire(r, "stop", done)
+                finished.append((r, "stop"))
             elif st.max_tokens <= 1:
-                self._retire(r, "length", done)
+                finished.append((r, "length"))
+        self._retire(finished, done)
         return shared
 
     def _keep_pages(self, task: SampleTask, pages: list[int] | None, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -873,10 +871,9 @@ class Sampler:
             self._chunked = None
             self.inbox.appendleft(st.task)
             return
-        for r in range(len(self.rows) - 1, -1, -1):
-            if self.rows[r].state is st:
-                st.paused.append(self.rows[r])
-                self._drop_row(r)
+        mine = [r for r, row in enumerate(self.rows) if row.state is st]
+        st.paused += [self.rows[r] for r in mine]
+        self._drop_rows(mine)
         st.paused.sort(key=lambda row: row.sample_idx)
         i = 0
         while i < len(self._resume) and self._resume[i].order < st.order:
@@ -1251,10 +1248,7 @@ class Sampler:
             reason = self._push_burst(row, tok_host[r], lp_host[r], tops_r)
             if reason is not None:
                 finished.append((r, reason))
-        for r, reason in sorted(finished, reverse=True):
-            self._retire(r, reason, done)
-        if finished:
-            self._rows_changed()
+        self._retire(finished, done)
 
     def _eager_burst(self, batch: _DecodeBatch, n: int, k: int, span: int, asks: list[int]):
         """``k`` decode steps over the live rows only, shapes cut to them: (n, k) tokens and
@@ -1366,9 +1360,17 @@ class Sampler:
             return True
         return row.watcher is not None and row.watcher.push(token)
 
-    def _retire(self, r: int, reason: str, done: list) -> None:
-        """Move a finished row out of the batch (the last row takes its place)."""
-        row = self.rows[r]
+    def _retire(self, finished: list[tuple[int, str]], done: list) -> None:
+        """Move finished rows (``(row, why it ended)``) out of the batch, recording each one's
+        sequence (and its request's result once its last row is done)."""
+        if not finished:
+            return
+        for r, reason in finished:
+            self._record(self.rows[r], reason, done)
+        self._drop_rows([r for r, _ in finished])
+
+    def _record(self, row: _Row, reason: str, done: list) -> None:
+        """Put a finished row's sequence into its request; the request's result once its last row is done."""
         st = row.state
         seq = SampledSequence(
             tokens=np.asarray(row.tokens, dtype=np.int32),
@@ -1397,16 +1399,21 @@ class Sampler:
                 prompt_alt_logprobs=st.alt_lps,
                 prompt_cache_hit_tokens=st.cached_tokens,
             )))
-        self._drop_row(r)
 
-    def _drop_row(self, r: int) -> None:
-        """Remove row ``r``; the last row moves into its place (rows stay dense)."""
-        last = len(self.rows) - 1
-        # The moving row holds its prompt and every sampled token but the last (see _decode_step).
-        moving = self.rows[last]
-        self.cache.move_row(last, r, upto=len(moving.state.task.input.prompt) + len(moving.tokens))
-        self.rows[r] = self.rows[last]
-        self.rows.pop()
+    def _drop_rows(self, leaving: list[int]) -> None:
+        """Remove rows ``leaving``: the last rows move into their places, highest place first (rows
+        stay dense), and the cache follows in one step for all of them."""
+        if not leaving:
+            return
+        order = list(range(len(self.rows)))  # place -> the row that ends up there
+        for r in sorted(set(leaving), reverse=True):
+            order[r] = order[-1]
+            order.pop()
+        # Each moving row holds its prompt and every sampled token but the last (see _decode_step).
+        upto = max((len(self.rows[src].state.task.input.prompt) + len(self.rows[src].tokens)
+                    for dst, src in enumerate(order) if dst != src), default=0)
+        self.cache.keep_rows(len(self.rows), order, upto)
+        self.rows = [self.rows[src] for src in order]
         self._rows_changed()
 
     def _rows_changed(self) -> None:
