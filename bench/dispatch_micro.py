@@ -255,33 +255,28 @@ def main() -> None:
     args = ap.parse_args()
     if (args.decode or args.admission or args.training_kernels) and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("the Triton kernels run in the interpreter here: set TRITON_INTERPRET=1")
-    if args.admission:
+    if args.admission or args.decode:
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
             make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
             model = load_model(str(Path(d) / "m")).model
-            rs = [admission_kernels(model, args.admission, length) for length in (128, 133)]
-        for r in rs:
-            print(f"admission of {r['requests']} requests of a prefilled {r['prompt_tokens']}-token prompt, "
-                  f"{args.layers} layers: {r['kernels']:,} kernels, {r['forward_passes']} forward passes")
+            if args.admission:
+                result = [admission_kernels(model, args.admission, length) for length in (128, 133)]
+                heads = [f"admission of {r['requests']} requests of a prefilled {r['prompt_tokens']}-token prompt, "
+                         f"{args.layers} layers: {r['kernels']:,} kernels, {r['forward_passes']} forward passes"
+                         for r in result]
+            else:
+                r = decode_step_kernels(model, args.decode)
+                heads = [f"decode step, {r['rows']} rows, {args.layers} layers: {r['kernels']:,} kernels "
+                         f"({r['triton_launches']} Triton launches)"]
+                result = [r]
+        for head, r in zip(heads, result):
+            print(head)
             for name, n in r["top"].items():
                 print(f"  {n:>5}  {name}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "admission": rs},
-                                                  indent=2))
-        return
-    if args.decode:
-        with tempfile.TemporaryDirectory() as d:
-            shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
-            make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
-            r = decode_step_kernels(load_model(str(Path(d) / "m")).model, args.decode)
-        print(f"decode step, {r['rows']} rows, {args.layers} layers: {r['kernels']:,} kernels "
-              f"({r['triton_launches']} Triton launches)")
-        for name, n in r["top"].items():
-            print(f"  {n:>5}  {name}")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "decode": r},
-                                                  indent=2))
+            what = {"admission": result} if args.admission else {"decode": result[0]}
+            Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, **what}, indent=2))
         return
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
     if args.training_kernels:
