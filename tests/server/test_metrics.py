@@ -87,10 +87,11 @@ def test_sampling_moves_the_prefill_and_prompt_cache_counters(app):
     sampler = client.post("/api/v1/create_sampling_session", json={
         "session_id": session, "sampling_session_seq_id": 1, "base_model": state.config.base_model[0]},
         headers=KEY).json()["sampling_session_id"]
-    for seq in (1, 2):
+    # The second prompt shares the first's two full blocks, not its end.
+    for seq, tokens in ((1, list(range(7, 47))), (2, list(range(7, 39)) + list(range(200, 208)))):
         rid = client.post("/api/v1/asample", headers=KEY, json={
             "sampling_session_id": sampler, "seq_id": seq, "num_samples": 1, "type": "sample",
-            "prompt": {"chunks": [{"type": "encoded_text", "tokens": list(range(7, 47))}]},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
             "sampling_params": {"max_tokens": 2, "temperature": 1.0, "seed": 3}}).json()["request_id"]
         r = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=KEY)
         assert r.status_code == 200  # a sample's result is protobuf unless it failed (JSON)
