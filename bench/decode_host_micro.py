@@ -78,13 +78,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--burst", type=int, default=4, help="decode steps per read-back (the GPU default)")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model_dir, tmp = model_dir_or_tiny(a.model)
-    model = load_model(model_dir, device=torch.device("cpu")).model
-    out: dict = {"tokens": a.tokens, "burst": a.burst}
-    for rows in (int(r) for r in a.rows.split(",")):
-        runs = [host_ms_per_step(model, rows, a.tokens, a.burst, seed) for seed in range(a.repeats)]
-        out[f"rows_{rows}"] = {"host_ms_per_step": statistics.median(runs), "runs": runs}
+    try:
+        model = load_model(model_dir, device=torch.device("cpu")).model
+        out: dict = {"tokens": a.tokens, "burst": a.burst}
+        for rows in (int(r) for r in a.rows.split(",")):
+            runs = [host_ms_per_step(model, rows, a.tokens, a.burst, seed) for seed in range(a.repeats)]
+            out[f"rows_{rows}"] = {"host_ms_per_step": statistics.median(runs), "runs": runs}
+    finally:
+        torch.set_num_threads(threads)  # a caller's process (a test run) keeps its threads
     print(json.dumps(out, indent=2))
     if tmp is not None:
         tmp.cleanup()

@@ -69,3 +69,12 @@ def qwen3_5_moe_dir(tmp_path_factory):
 def qwen3_vl_dir(tmp_path_factory):
     """A tiny Qwen3-VL: the decoder with M-RoPE and DeepStack, and a vision tower."""
     return make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
+
+
+@pytest.fixture(autouse=True)
+def _threads_left_alone():
+    """A test (or a benchmark's ``main`` it calls) that changes torch's thread count for the rest of
+    the run makes later tests slower and their float sums differ from a run of them alone."""
+    threads = torch.get_num_threads()
+    yield
+    assert torch.get_num_threads() == threads, f"the test left torch at {torch.get_num_threads()} threads (was {threads})"
