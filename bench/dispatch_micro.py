@@ -46,9 +46,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu.train import optimizer_steps  # noqa: E402
+from tinsmith.devtools.host_syncs import HostSyncs  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
+from tinsmith.optim import families  # noqa: E402
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec  # noqa: E402
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
 
@@ -226,10 +229,12 @@ def count(rt: TrainingRuntime, tenants: int, tokens: int = 1024, length: int = 1
             rt.forward_backward(requests)
         out[case] = {"kernel_ops": sum(k.ops.values()), "top": dict(k.ops.most_common(6))}
     out["saved_bytes_per_token"] = saved_bytes_per_token(rt, requests, per * length * tenants)
-    with KernelOps() as k:
-        for u in units:
-            rt.optim_step(u, AdamParams())
-    out["optimizer_steps"] = {"kernel_ops": sum(k.ops.values())}
+    for how in ("alone", "together"):  # one by one, then as the server takes steps that arrive together
+        if how == "together":
+            rt.forward_backward(requests)
+        with KernelOps() as k, HostSyncs() as h:
+            optimizer_steps(rt, units, together=how == "together")
+        out[f"optimizer_steps_{how}"] = {"kernel_ops": sum(k.ops.values()), "host_syncs": h.count()}
     for u in units:
         rt.delete_adapter(u)
     return out
@@ -279,6 +284,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, **what}, indent=2))
         return
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
+    families.fused_adamw_fits = lambda params: True  # torch's fused AdamW, as on a GPU (it runs on CPUs too)
     if args.training_kernels:
         from tinsmith.kernels import norm_grad, swiglu
 
@@ -304,7 +310,10 @@ def main() -> None:
             print(f"{n:>3} tenants{f' ({grouped_lora.MULTI_LORA})' if n > 1 else ''}: forward/backward "
                   f"{r['fresh']['kernel_ops']:>6,} kernel ops fresh, "
                   f"{r['accumulating']['kernel_ops']:>6,} accumulating; "
-                  f"optimizer steps {r['optimizer_steps']['kernel_ops']:>6,}; kept for backward {r['saved_bytes_per_token']:,.0f} bytes a token")
+                  f"optimizer steps {r['optimizer_steps_alone']['kernel_ops']:>6,} one by one "
+                  f"({r['optimizer_steps_alone']['host_syncs']} host syncs), {r['optimizer_steps_together']['kernel_ops']:>6,} "
+                  f"together ({r['optimizer_steps_together']['host_syncs']}); "
+                  f"kept for backward {r['saved_bytes_per_token']:,.0f} bytes a token")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"torch": torch.__version__, "layers": args.layers, "dtype": args.dtype,

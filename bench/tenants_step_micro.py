@@ -4,7 +4,8 @@ On a GPU several tenants' step is bound by the host (docs/performance.md): what 
 per tenant and per layer (Python, launches) is what the device waits for. On a model of tiny
 widths the CPU's kernels cost little, so the wall time of a step here is mostly that host work.
 This times one forward/backward of every tenant together (8 rows of 16 tokens shared among them)
-and then each tenant's optimizer step, on Qwen3-1.7B's 28 layers at tiny widths, LoRA rank 32 on
+and then the tenants' optimizer steps (one by one, then together as the server takes steps that
+arrive together), on Qwen3-1.7B's 28 layers at tiny widths, LoRA rank 32 on
 every linear layer, with the multi-tenant paths a GPU takes (the grouped matmul and the fused
 AdamW, forced here); medians of ``--steps`` steps after two warm ones, one thread. ``--widths``
 16 shrinks the model's widths to 16 (rank 8): the CPU's kernels then cost almost nothing and
@@ -27,17 +28,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu.train import batch  # noqa: E402
+from bench.gpu.train import batch, optimizer_steps  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
-from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec  # noqa: E402
+from tinsmith.types import ForwardBackwardInput, LoraSpec  # noqa: E402
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
 
 
-def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, length: int = 16, rank: int = 32) -> dict:
-    """Median ms of the forward/backward, of all tenants' optimizer steps, and of both."""
+def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, length: int = 16, rank: int = 32,
+               together: bool = True) -> dict:
+    """Median ms of the forward/backward, of all tenants' optimizer steps (taken together, as the
+    server takes steps that arrive together, or one by one), and of both."""
     units = [rt.create_adapter(LoraSpec(rank=rank, seed=i)) for i in range(tenants)]
     per = max(1, rows // tenants)
     requests = [TrainRequest(u, ForwardBackwardInput(batch(rt.config.vocab_size, per, length, seed=i), "cross_entropy"))
@@ -47,8 +50,7 @@ def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, len
         t0 = time.perf_counter()
         rt.forward_backward(requests)
         t1 = time.perf_counter()
-        for u in units:
-            rt.optim_step(u, AdamParams())
+        optimizer_steps(rt, units, together)
         if i >= 2:
             fb.append(t1 - t0)
             opt.append(time.perf_counter() - t1)
@@ -81,10 +83,12 @@ def main() -> None:
                              max_lora_rank=32)
         results = {}
         for n in (int(t) for t in args.tenants.split(",")):
-            results[n] = r = time_steps(rt, n, args.steps, rank=32 if w > 16 else 8)
-            print(f"{n:>3} tenants: step {r['step_ms']:7.1f} ms (forward/backward {r['forward_backward_ms']:6.1f}, "
-                  f"optimizer steps {r['optimizer_steps_ms']:6.1f}: {r['optimizer_steps_ms'] / n:5.1f} a tenant)",
-                  flush=True)
+            results[n] = {}
+            for how in ("alone", "together"):  # the optimizer steps one by one, then together
+                results[n][how] = r = time_steps(rt, n, args.steps, rank=32 if w > 16 else 8, together=how == "together")
+                print(f"{n:>3} tenants, optimizer steps {how:>8}: step {r['step_ms']:7.1f} ms (forward/backward "
+                      f"{r['forward_backward_ms']:6.1f}, optimizer steps {r['optimizer_steps_ms']:6.1f}: "
+                      f"{r['optimizer_steps_ms'] / n:5.1f} a tenant)", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "dtype": args.dtype,
                                                "widths": args.widths,

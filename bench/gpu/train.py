@@ -55,17 +55,29 @@ def reset_peak(device: torch.device) -> None:
 
 
 def training_step(rt: TrainingRuntime, work: dict[int, list[Datum]]) -> Callable[[], None]:
-    """One forward_backward over every unit in ``work`` together, then each unit's optim_step."""
+    """One forward_backward over every unit in ``work`` together, then their optimizer steps
+    together (as the server takes tenants' steps that arrive together)."""
     reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in work.items()]
 
     def one() -> None:
         for res in rt.forward_backward(reqs):
             if isinstance(res, Exception):
                 raise res
-        for u in work:
-            rt.optim_step(u, AdamParams(learning_rate=1e-5))
+        optimizer_steps(rt, list(work), together=True)
 
     return one
+
+
+def optimizer_steps(rt: TrainingRuntime, units: list[int], together: bool) -> None:
+    """Every unit's AdamW step: all at once (``TrainingRuntime.optim_steps``) or one by one."""
+    hp = AdamParams(learning_rate=1e-5)
+    if together:
+        for res in rt.optim_steps([(u, hp) for u in units]):
+            if isinstance(res, Exception):
+                raise res
+    else:
+        for u in units:
+            rt.optim_step(u, hp)
 
 
 def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
@@ -85,24 +97,25 @@ def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> 
 def step_phases(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
     """Milliseconds of a step's two phases, each ended by a device sync (medians of ``steps``
     after one warm step): the forward/backward of every unit together, then every unit's
-    optimizer step. While the host works out an optimizer step the device has little queued, so
-    the second phase is mostly the host's time, once per unit."""
+    optimizer step, taken together (as the server does) and, on alternate steps, one by one.
+    While the host works out an optimizer step the device has little queued, so the second phase
+    is mostly the host's time."""
     reqs = [TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in work.items()]
-    fb, opt = [], []
-    for i in range(steps + 1):
+    fb, opt = [], {True: [], False: []}
+    for i in range(2 * steps + 2):
         sync(rt.device)
         t0 = time.perf_counter()
         rt.forward_backward(reqs)
         sync(rt.device)
         t1 = time.perf_counter()
-        for u in work:
-            rt.optim_step(u, AdamParams(learning_rate=1e-5))
+        optimizer_steps(rt, list(work), together=i % 2 == 0)
         sync(rt.device)
-        if i:
+        if i >= 2:
             fb.append(t1 - t0)
-            opt.append(time.perf_counter() - t1)
-    return {"forward_backward_ms": 1e3 * float(np.median(fb)), "optimizer_steps_ms": 1e3 * float(np.median(opt)),
-            "optimizer_step_ms_per_unit": 1e3 * float(np.median(opt)) / len(work)}
+            opt[i % 2 == 0].append(time.perf_counter() - t1)
+    together, alone = (1e3 * float(np.median(opt[k])) for k in (True, False))
+    return {"forward_backward_ms": 1e3 * float(np.median(fb)), "optimizer_steps_ms": together,
+            "optimizer_step_ms_per_unit": together / len(work), "optimizer_steps_alone_ms": alone}
 
 
 def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:

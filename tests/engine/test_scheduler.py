@@ -37,6 +37,11 @@ class FakeOps:
         self.log.append(("single", job.kind, job.model_id))
         return Outcome(result=b"{}")
 
+    def run_optim_steps(self, jobs: list[Job]) -> list:
+        """Jobs whose args say "refuse" get an error of their own."""
+        self.log.append(("together", [j.model_id for j in jobs]))
+        return [ValueError(f"refused {j.model_id}") if j.args == "refuse" else Outcome(result=b"{}") for j in jobs]
+
     def train_begin(self, jobs: list[Job]) -> FakePass:
         self.log.append(("begin", jobs[0].model_id, [j.seq_id for j in jobs]))
         return FakePass(jobs, [n for j in jobs for n in j.args])
@@ -142,6 +147,31 @@ def test_out_of_order_jobs_wait_for_their_predecessor_and_run_as_one_pass():
     log = run(scenario())
     assert log[1] == ("begin", "m", [1, 2, 3])  # all three chunks in one pass, in order
     assert log[-1] == ("single", "optim_step", "m")
+
+
+def test_optimizer_steps_that_are_ready_together_run_as_one_call():
+    """Three tenants' forward/backward passes share a chunk; their optim_steps, ready together,
+    go to the worker in one call (which steps them together), each answered on its own, one
+    refused alone; a lone optim_step later runs by itself."""
+    async def scenario():
+        ops = FakeOps()
+        engine = await _engine(ops)
+        for m in "abc":
+            engine.submit(fb(f"fb-{m}", m, 1, [10], owner=m))
+            engine.submit(Job(f"opt-{m}", "optim_step", m, 2, "refuse" if m == "b" else None, owner=m))
+        outcomes = await asyncio.gather(*waiting(engine, "opt-a", "opt-b", "opt-c"))
+        engine.submit(fb("fb-a2", "a", 3, [10], owner="a"))
+        engine.submit(Job("opt-a2", "optim_step", "a", 4, None, owner="a"))
+        (alone,) = await asyncio.gather(*waiting(engine, "opt-a2"))
+        await engine.stop()
+        return ops.log, outcomes, alone, engine.stats
+
+    log, outcomes, alone, stats = run(scenario())
+    assert ("together", ["a", "b", "c"]) in log, log
+    assert [o.error is None for o in outcomes] == [True, False, True]
+    assert "refused b" in str(outcomes[1].error)
+    assert alone.error is None and log[-1] == ("single", "optim_step", "a")
+    assert stats["optimizer_steps_together"] == 3
 
 
 def test_a_gap_that_never_fills_is_waited_out():

@@ -92,6 +92,9 @@ class Operations(Protocol):
 
     def run_one(self, job: Job) -> Outcome: ...
 
+    # Several runs' optim_step jobs at once (each as run_one would): an outcome or an error each.
+    def run_optim_steps(self, jobs: list[Job]) -> list[Outcome | Exception]: ...
+
     # Forward/backward passes, run a chunk at a time. A handle is whatever train_begin returns.
     def train_begin(self, jobs: list[Job]) -> Any: ...  # one model's consecutive forward/backward jobs
 
@@ -160,7 +163,8 @@ class Engine:
         self._turns = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.stats = {"chunks": 0, "singles": 0, "jobs": 0, "max_chunk_owners": 0, "seq_gaps_skipped": 0}
+        self.stats = {"chunks": 0, "singles": 0, "jobs": 0, "max_chunk_owners": 0, "seq_gaps_skipped": 0,
+                      "optimizer_steps_together": 0}
         # Set once the device has failed (see device_faults): no more work runs; /healthz says why.
         self.fault: str | None = None
         # Called on the event loop with every finished job and its outcome (metrics); must be cheap.
@@ -429,21 +433,44 @@ class Engine:
 
     # ----------------------------------------------------------------------------- execution (executor thread)
     def _run_singles(self, jobs: list[Job]) -> list[Outcome]:
+        """Each job in turn; several runs' optimizer steps (tenants stepping in lockstep) as one
+        call where the first of them stands, so that they share the device's round trips."""
         t0 = time.perf_counter()
-        outcomes = []
+        steps = [j for j in jobs if j.kind == "optim_step"]
+        together = steps if len(steps) > 1 else []
+        done: dict[int, Outcome] = {}
         for job in jobs:
+            if id(job) in done:
+                continue
+            if together and job is together[0]:
+                for j in together:
+                    j.started_at = time.monotonic()
+                try:
+                    got = self.ops.run_optim_steps(together)
+                except Exception as exc:
+                    got = [exc] * len(together)
+                outs = [g if isinstance(g, Outcome) else self._failed(j, g) for j, g in zip(together, got)]
+                self._persist(together, outs)
+                done.update((id(j), o) for j, o in zip(together, outs))
+                continue
             job.started_at = time.monotonic()
             try:
                 out = self.ops.run_one(job)
             except Exception as exc:
-                if not isinstance(exc, TinsmithError):
-                    log.exception("%s failed", job.kind)
-                out = Outcome.failure(exc)
+                out = self._failed(job, exc)
             self._persist([job], [out])
-            outcomes.append(out)
+            done[id(job)] = out
+        outcomes = [done[id(j)] for j in jobs]
         self.stats["singles"] += len(jobs)
+        self.stats["optimizer_steps_together"] += len(together)
         log.debug("ran %d single jobs in %.1f ms", len(jobs), 1000 * (time.perf_counter() - t0))
         return outcomes
+
+    @staticmethod
+    def _failed(job: Job, exc: Exception) -> Outcome:
+        if not isinstance(exc, TinsmithError):
+            log.error("%s failed", job.kind, exc_info=exc)
+        return Outcome.failure(exc)
 
     def _run_chunk(self, passes: list[_Pass], loop: asyncio.AbstractEventLoop) -> list[tuple[_Pass, list[Outcome]]]:
         """Begin new passes, run one chunk of tokens shared fairly among keys, and persist the

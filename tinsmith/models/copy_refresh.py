@@ -65,6 +65,26 @@ def refresh_stacks(attachments: list) -> None:
     CopyRefresh({}, {}, list(attachments)).refresh()
 
 
+def refresh_together(refreshes: list["CopyRefresh"]) -> None:
+    """Several adapters' refreshes (each adapter's own caches; several tenants' optimizer steps
+    taken together) as one multi-tensor copy and one multiply per scale for all of them."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    scaled: dict[float, list[torch.Tensor]] = {}
+    for r in refreshes:
+        r._ready()
+        dst += r._dst
+        src += r._src
+        for scale, parts in r._scaled.items():
+            scaled.setdefault(scale, []).extend(parts)
+    if dst:
+        torch._foreach_copy_(dst, src)
+    for scale, parts in scaled.items():
+        torch._foreach_mul_(parts, scale)
+    for r in refreshes:
+        r._write_keys()
+
+
 @dataclass
 class CopyRefresh:
     """One adapter's refresh lists: see the module's docstring. ``alone``: {dtype: [LoraWeights]}
@@ -91,13 +111,11 @@ class CopyRefresh:
 
     def refresh(self) -> None:
         """Write the masters into every compute copy and stack row of this adapter, in place."""
+        refresh_together([self])
+
+    def _ready(self) -> None:
         if not (self._made and self._still_mine()):
             self._make()
-        if self._dst:
-            torch._foreach_copy_(self._dst, self._src)
-        for scale, parts in self._scaled.items():
-            torch._foreach_mul_(parts, scale)
-        self._write_keys()
 
     def _still_mine(self) -> bool:
         """Whether every cache holds what the last refresh wrote (and no layer gained a stack)."""

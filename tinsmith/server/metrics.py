@@ -142,8 +142,11 @@ class StateCollector:
         in_flight = _gauge("tinsmith_requests_in_flight", "Operations queued or running, every key together")
         gaps = CounterMetricFamily("tinsmith_seq_gaps_skipped", "Requests run without an earlier seq_id of their run "
                                    "after waiting --seq-gap-wait-s for it")
+        together = CounterMetricFamily("tinsmith_optimizer_steps_together", "Optimizer steps taken together with "
+                                       "other runs' steps that were ready at the same time (one read-back and one "
+                                       "set of kernels for all)")
 
-        def fill(depth, oldest, in_flight, gaps):
+        def fill(depth, oldest, in_flight, gaps, together):
             engine, ops = self.state.engine, self.state.engine.ops
             jobs = engine.queued_jobs()
             jobs += list(getattr(ops, "_sample_inbox", ()))
@@ -157,8 +160,9 @@ class StateCollector:
                 oldest.add_metric([op], now - first[op] if op in first else 0.0)
             in_flight.add_metric([], engine.in_flight_total())
             gaps.add_metric([], engine.stats["seq_gaps_skipped"])
+            together.add_metric([], engine.stats["optimizer_steps_together"])
 
-        return [depth, oldest, in_flight, gaps], fill
+        return [depth, oldest, in_flight, gaps, together], fill
 
     def _holdings(self) -> tuple[list[Metric], Callable]:
         runs = _gauge("tinsmith_training_runs", "Training runs held in memory, by type (lora, full)", ["type"])

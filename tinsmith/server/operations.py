@@ -307,7 +307,18 @@ class WorkerOperations:
         return json_outcome({"model_id": job.model_id})
 
     def _optim_step(self, job: Job) -> Outcome:
-        metrics = {k: float(v) for k, v in self.worker.optim_step(job.model_id, job.args).items()}
+        return self._stepped(job, self.worker.optim_step(job.model_id, job.args))
+
+    def run_optim_steps(self, jobs: list[Job]) -> list[Outcome | Exception]:
+        """Several runs' optim_step jobs that are ready together, taken at once
+        (:meth:`WorkerService.optim_steps`: one read-back and one set of kernels for all, each run's
+        result as alone): each job's outcome, or the error that refused its step."""
+        got = self.worker.optim_steps([(j.model_id, j.args) for j in jobs])
+        self._touch({j.model_id for j in jobs})
+        return [r if isinstance(r, Exception) else self._stepped(j, r) for j, r in zip(jobs, got)]
+
+    def _stepped(self, job: Job, metrics: dict[str, float]) -> Outcome:
+        metrics = {k: float(v) for k, v in metrics.items()}
         out = json_outcome({"metrics": metrics})
         step = self.worker.steps(job.model_id) - 1  # the step just taken, as its forward_backward saw it
         return replace(out, metric_point=MetricPoint(job.model_id, job.owner, step, job.kind, metrics))

@@ -14,7 +14,7 @@ import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from tinsmith.transfers import to_device
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
 from tinsmith.worker.activation_memory import layers_to_recompute, recomputed_layer_indices
 from tinsmith.worker.batching import MicroBatch, SequenceRef, batch_tokens, build_micro_batch, plan_micro_batches
+from tinsmith.worker.joint_steps import step_together
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable, lora_tensors
 
 log = logging.getLogger(__name__)
@@ -670,8 +671,43 @@ class TrainingRuntime:
             self.ensure_resident({unit})
         return tr.step(params)
 
+    def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
+        """Several units' optimizer steps at once (tenants stepping together): each unit's result
+        is what :meth:`optim_step` would return or raise for it alone, and its weights come out
+        bit-identical (:mod:`tinsmith.worker.joint_steps`). Runtimes that step their own way
+        (sharded ones) take the steps one by one."""
+        if (type(self).optim_step is not TrainingRuntime.optim_step
+                or len({unit for unit, _ in requests}) < len(requests)):  # a unit twice: in order
+            return [result_of(self.optim_step, unit, params) for unit, params in requests]
+        results: list = [None] * len(requests)
+        ready: list[tuple[int, int, OptimParams]] = []
+        for i, (unit, params) in enumerate(requests):
+            try:
+                params.validate()
+                self.unit(unit)
+            except TinsmithError as exc:
+                results[i] = exc
+                continue
+            ready.append((i, unit, params))
+        # As many adapters at a time as can be resident together (usually all of them).
+        per = max(1, self.max_lora_adapters)
+        for at in range(0, len(ready), per):
+            part = ready[at:at + per]
+            self.ensure_resident({u for _, u, _ in part if self.units[u].slot is not None})
+            for (i, _, _), r in zip(part, step_together([self.units[u] for _, u, _ in part], [p for _, _, p in part])):
+                results[i] = r
+        return results
+
     def has_pending_grads(self, unit: int) -> bool:
         return self.unit(unit).has_grads()
+
+
+def result_of(fn, *args) -> Any:
+    """``fn(*args)``, or the error it raised (one of several results)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 (its own result: the others go on)
+        return exc
 
 
 def _free_memory(device: torch.device) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tinsmith.errors import CapacityError, InvalidInputError, StateLostError
+from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, TinsmithError
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
@@ -37,7 +37,7 @@ from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
 from tinsmith.worker.activation_memory import activation_bytes_per_token
-from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
+from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest, result_of
 from tinsmith.worker.trainables import detach_lora, install_lora_weights
 from tinsmith.worker.warm_up import configure_device
 
@@ -394,6 +394,30 @@ class Worker:
     def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]:
         p = self.placement(model_id)
         return p.runtime.optim_step(p.unit, params)
+
+    def optim_steps(self, steps: list[tuple[str, OptimParams]]) -> list[dict[str, float] | Exception]:
+        """Several runs' optimizer steps that arrived together: those on one base model's runtime
+        are taken at once where it can (``TrainingRuntime.optim_steps``: one read-back of the
+        gradient norms and one set of multi-tensor kernels for all), each exactly as alone.
+        Each entry is that run's metrics or the error that refused its step."""
+        results: list = [None] * len(steps)
+        by_runtime: dict[int, tuple[object, list[tuple[int, int, OptimParams]]]] = {}
+        for i, (model_id, params) in enumerate(steps):
+            try:
+                p = self.placement(model_id)
+            except TinsmithError as exc:
+                results[i] = exc
+                continue
+            by_runtime.setdefault(id(p.runtime), (p.runtime, []))[1].append((i, p.unit, params))
+        for runtime, entries in by_runtime.values():
+            together = getattr(runtime, "optim_steps", None)
+            if together is not None:
+                got = together([(unit, params) for _, unit, params in entries])
+            else:  # a group's proxy: its ranks take the steps one by one
+                got = [result_of(runtime.optim_step, unit, params) for _, unit, params in entries]
+            for (i, _, _), r in zip(entries, got):
+                results[i] = r
+        return results
 
     def steps(self, model_id: str) -> int:
         """Optimizer steps the run has taken (restored with its optimizer state)."""

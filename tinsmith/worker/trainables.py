@@ -60,7 +60,7 @@ class Trainable:
     resident: bool = True
     # The model these parameters live in: told of every change to them (prefix caches key by it).
     model: CausalLM | None = None
-    # (attachments, their CopyRefresh) of :meth:`_copy_refresh`, made at the first refresh.
+    # (attachments, their CopyRefresh) of :meth:`copy_refresh`, made at the first refresh.
     _refresh: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -117,16 +117,18 @@ class Trainable:
         """Make the half-precision copies a bf16 model's LoRA layers compute with, and the adapter's
         rows of several tenants' stacks, all at once (one multi-tensor copy, not a cast per tensor
         at each layer's next forward)."""
-        if self.slot is None or self.model is None:
-            return
-        self._copy_refresh().refresh()
+        refresh = self.copy_refresh()
+        if refresh is not None:
+            refresh.refresh()
 
-    def _copy_refresh(self) -> CopyRefresh:
+    def copy_refresh(self) -> CopyRefresh | None:
         """What :meth:`refresh_compute_copies` refreshes, and how: by the layers' dtype, the
         weights run in groups (q/k/v, gate/up), those run alone, and every (LoraLinear, weights)
         pair for the tenants' stacks. Worked out once: the layers and the attachments stay what
         they are for the unit's life, and walking the whole model at every step was host time
-        that a GPU waited for, once per tenant and step."""
+        that a GPU waited for, once per tenant and step. None for a full fine-tune."""
+        if self.slot is None or self.model is None:
+            return None
         if self._refresh is not None and self._refresh[0] is self.attachments:
             return self._refresh[1]
         mine = {id(layer): w for layer, w in self.attachments if isinstance(layer, LoraLinear)}
@@ -250,35 +252,55 @@ class Trainable:
         return squared_grad_norms([p.grad for p in params]).sum().sqrt()
 
     def step(self, hp: OptimParams) -> dict[str, float]:
-        """One optimizer step over this unit only; clip by its own global grad norm when asked."""
+        """One optimizer step over this unit only; clip by its own global grad norm when asked.
+        (Several plain AdamW units step together in :func:`tinsmith.worker.joint_steps.step_together`,
+        with the same pieces and the same kernels.)"""
         check_params_match(self.optimizer_type, hp)
-        params = [p for p in self.params if p.grad is not None]
+        params = self.stepped_params()
         if not params:
-            return {"grad_norm": 0.0, "skipped_no_grad": 1.0}
+            return dict(SKIPPED_NO_GRAD)
         norm_f = float(self.grad_norm(params))
-        if not math.isfinite(norm_f):
+        self.clip(params, norm_f, hp)
+        apply_hyperparameters(self.optimizer, hp)
+        self._weights_changed()  # before too: a failure half-way must not leave the old version standing
+        self.optimizer.step()
+        self.after_step(params)
+        self.refresh_compute_copies()
+        return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
+
+    def stepped_params(self) -> list[torch.Tensor]:
+        """The tensors a step moves: those holding a gradient."""
+        return [p for p in self.params if p.grad is not None]
+
+    def clip(self, params: list[torch.Tensor], norm: float, hp: OptimParams) -> None:
+        """Refuse a non-finite gradient norm (nothing is applied); scale the gradients down to
+        ``hp.grad_clip_norm`` when they exceed it."""
+        if not math.isfinite(norm):
             raise InvalidInputError(
                 "accumulated gradients contain NaN or infinity; the optimizer step was not applied "
                 "(check learning rate, weights and advantages)"
             )
-        if hp.grad_clip_norm > 0 and norm_f > hp.grad_clip_norm:
-            coef = hp.grad_clip_norm / (norm_f + 1e-6)
-            torch._foreach_mul_([p.grad for p in params], coef)
-        apply_hyperparameters(self.optimizer, hp)
-        self._weights_changed()  # before too: a failure half-way must not leave the old version standing
-        self.optimizer.step()
+        if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
+            torch._foreach_mul_([p.grad for p in params], hp.grad_clip_norm / (norm + 1e-6))
+
+    def after_step(self, params: list[torch.Tensor]) -> None:
+        """What follows the optimizer's update of ``params``: gradients dropped, masters rounded
+        into the model, the step counted (the compute copies' refresh is the caller's)."""
         if steps_on_device(self.optimizer):
             # The fused kernel writes the parameters without bumping their version counters, and
             # the compute copies (and several tenants' stacks) know a stale copy by its version.
             increment_version(params)
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
         if self.masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)  # round the masters into the model
         self._weights_changed()
-        self.refresh_compute_copies()
         self.steps += 1
-        return {"grad_norm": norm_f, "learning_rate": hp.learning_rate}
+
+
+# What a step of a unit without gradients returns (nothing is applied).
+SKIPPED_NO_GRAD = {"grad_norm": 0.0, "skipped_no_grad": 1.0}
 
 
 def attach_lora(model: CausalLM, slot: int, spec: LoraSpec, optimizer_type: str = ADAMW) -> Trainable:

@@ -1,0 +1,135 @@
+"""Several tenants' optimizer steps taken together (TrainingRuntime.optim_steps) leave each one
+exactly where its step alone would: weights, optimizer state and what the model computes with,
+bit for bit, over steps that create the optimizer state and steps that read it; with different
+hyperparameters, clipping, torch's foreach or fused AdamW, fp32 or bf16 compute; while one
+unit's refusal or missing gradients stay its own result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bench.gpu.train import batch
+from tinsmith.errors import InvalidInputError, NotFoundError
+from tinsmith.models.loading import load_model
+from tinsmith.optim import families
+from tinsmith.types import AdamParams, DimuonParams, ForwardBackwardInput, LoraSpec
+from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+
+SPECS = [LoraSpec(rank=8, seed=1), LoraSpec(rank=4, seed=2, train_unembed=False), LoraSpec(rank=8, seed=3),
+         LoraSpec(rank=2, seed=4, train_mlp=False)]
+# Different rates and betas, clipping that bites (0.05) and one that does not (1e3), weight decay.
+HPS = [AdamParams(learning_rate=1e-3, grad_clip_norm=0.05), AdamParams(learning_rate=2e-3, beta1=0.8),
+       AdamParams(learning_rate=1e-3, grad_clip_norm=0.05), AdamParams(learning_rate=5e-4, weight_decay=0.1,
+                                                                        grad_clip_norm=1e3)]
+
+
+def _runtime(model_dir, dtype, adapters: int = 8, optimizers=None) -> tuple[TrainingRuntime, list[int]]:
+    rt = TrainingRuntime(load_model(str(model_dir), dtype=dtype).model, max_lora_adapters=adapters, max_lora_rank=8)
+    optimizers = optimizers or ["adamw"] * len(SPECS)
+    return rt, [rt.create_adapter(s, o) for s, o in zip(SPECS, optimizers)]
+
+
+def _backward(rt: TrainingRuntime, units: list[int], step: int) -> None:
+    vocab = rt.config.vocab_size
+    res = rt.forward_backward([TrainRequest(u, ForwardBackwardInput(batch(vocab, 2, 12, seed=10 * step + i), "cross_entropy"))
+                               for i, u in enumerate(units)])
+    assert not any(isinstance(r, Exception) for r in res), res
+
+
+def _forward(rt: TrainingRuntime, unit: int) -> torch.Tensor:
+    (res,) = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(batch(rt.config.vocab_size, 2, 12, seed=99),
+                                                                          "cross_entropy", forward_only=True))])
+    return torch.cat([torch.as_tensor(o["logprobs"]) for o in res.outputs])
+
+
+def _assert_identical(a: TrainingRuntime, ua: int, b: TrainingRuntime, ub: int, where: str) -> None:
+    wa, oa = a.unit(ua).export_state()
+    wb, ob = b.unit(ub).export_state()
+    assert sorted(wa) == sorted(wb) and sorted(oa) == sorted(ob), where
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{where}: {k}"
+    for k in oa:
+        assert torch.equal(oa[k], ob[k]), f"{where}: {k}"
+    assert a.unit(ua).steps == b.unit(ub).steps, where
+    assert torch.equal(_forward(a, ua), _forward(b, ub)), f"{where}: logprobs"
+
+
+@pytest.mark.parametrize("dtype,fused", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "bf16-fused"])
+def test_joint_steps_equal_steps_alone_bit_for_bit(qwen3_dir, monkeypatch, dtype, fused):
+    if fused:  # torch's fused AdamW, as CUDA parameters take it (it runs on CPUs too)
+        monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
+    alone, ua = _runtime(qwen3_dir, dtype)
+    joint, uj = _runtime(qwen3_dir, dtype)
+    assert families.steps_on_device(alone.unit(ua[0]).optimizer) == fused
+    for step in range(3):  # the first creates the optimizer state, the next read it
+        _backward(alone, ua, step)
+        _backward(joint, uj, step)
+        expected = [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+        got = joint.optim_steps(list(zip(uj, HPS)))
+        assert got == expected, (got, expected)
+    assert expected[0]["grad_norm"] > 0.05 and expected[3]["grad_norm"] < 1e3  # clipped, and not
+    for i, (a, b) in enumerate(zip(ua, uj)):
+        _assert_identical(alone, a, joint, b, f"unit {i}")
+
+
+def test_a_refused_or_idle_unit_is_its_own_result(qwen3_dir):
+    """Wrong hyperparameters, non-finite gradients, no gradients, an unknown unit, a Dimuon run
+    (steps alone, in order): each gets what its step alone gives; the rest step as usual."""
+    kinds = ["adamw", "adamw", "dimuon", "adamw"]
+    alone, ua = _runtime(qwen3_dir, torch.float32, optimizers=kinds)
+    joint, uj = _runtime(qwen3_dir, torch.float32, optimizers=kinds)
+    for rt, units in ((alone, ua), (joint, uj)):
+        _backward(rt, units[:3], 0)  # the last unit has no gradients
+        p = rt.unit(units[1]).params[0]
+        p.grad[0, 0] = float("nan")
+    hps = [DimuonParams(learning_rate=1e-3), HPS[1], DimuonParams(learning_rate=1e-2), HPS[3]]
+
+    def one(rt, u, hp):
+        try:
+            return rt.optim_step(u, hp)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    expected = [one(alone, u, hp) for u, hp in zip(ua, hps)]
+    got = joint.optim_steps(list(zip(uj, hps)) + [(12345, HPS[0])])
+    assert isinstance(got[0], InvalidInputError) and "optimizer_params" in str(got[0])
+    assert isinstance(got[1], InvalidInputError) and "NaN or infinity" in str(got[1])
+    assert got[2] == expected[2] and got[2]["grad_norm"] > 0  # Dimuon, alone
+    assert got[3] == expected[3] == {"grad_norm": 0.0, "skipped_no_grad": 1.0}
+    assert isinstance(got[4], NotFoundError)
+    assert [type(e) for e in expected[:2]] == [type(e) for e in got[:2]]
+    for i, (a, b) in enumerate(zip(ua, uj)):
+        _assert_identical(alone, a, joint, b, f"unit {i}")
+    assert joint.unit(uj[0]).steps == 0 and joint.unit(uj[1]).steps == 0  # nothing applied
+
+
+def test_more_units_than_resident_slots_step_in_turns(qwen3_dir):
+    """With room for two adapters, four step two at a time (the others parked meanwhile), and
+    the results are still those of each step alone."""
+    alone, ua = _runtime(qwen3_dir, torch.float32, adapters=2)
+    joint, uj = _runtime(qwen3_dir, torch.float32, adapters=2)
+    for step in range(2):
+        for rt, units in ((alone, ua), (joint, uj)):
+            for pair in (units[:2], units[2:]):
+                _backward(rt, pair, step)
+        expected = [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+        assert joint.optim_steps(list(zip(uj, HPS))) == expected
+    for i, (a, b) in enumerate(zip(ua, uj)):
+        _assert_identical(alone, a, joint, b, f"unit {i}")
+
+
+def test_the_norms_are_read_back_once(qwen3_dir, monkeypatch):
+    """Four units' steps (fused AdamW, as on a GPU) wait for the device once: their gradient norms
+    read back together, not per unit."""
+    from tinsmith.devtools.host_syncs import HostSyncs
+
+    monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
+    rt, units = _runtime(qwen3_dir, torch.float32)
+    _backward(rt, units, 0)
+    with HostSyncs() as h:
+        rt.optim_steps(list(zip(units, HPS)))
+    assert sum(h.by_site().values()) == 1, h.by_site()
+    assert np.isfinite([rt.unit(u).steps for u in units]).all() and all(rt.unit(u).steps == 1 for u in units)

@@ -1,0 +1,148 @@
+"""Several units' optimizer steps taken together, each exactly as it would be alone.
+
+When several tenants train in lockstep, their optimizer steps reach the engine together (the
+SDK sends ``optim_step`` right behind ``forward_backward``), and each used to be its own step:
+the gradient norm read back to the host (a wait for the device), AdamW's Python walking the
+unit's few hundred tensors to build its lists, a multi-tensor kernel or two, and the refresh of
+the adapter's compute copies. On a GPU the device has nothing queued during that host work, so
+sixteen tenants' steps were sixteen stretches of idle device (docs/performance.md).
+
+:func:`step_together` takes them as one: every gradient's norm in one multi-tensor call and one
+read-back for all units; AdamW's kernels called directly on lists built from the units' state
+(the step counts of every unit moved by one multi-tensor add; one fused AdamW call per set of
+hyperparameters, since the kernel takes one learning rate); one multi-tensor copy refreshing
+every unit's compute copies. Each unit's arithmetic is unchanged: the same per-tensor kernels
+with the same arguments and the same per-unit norm (its own tensors' norms stacked, squared,
+summed), so a unit's weights after a joint step are bit-identical to its step alone, whoever
+else stepped with it (tests/worker/test_joint_steps.py).
+
+Units that step differently (Dimuon; sharded units, whose norm and step involve collectives)
+step alone, in order, through :meth:`Trainable.step`. One unit's refusal (mismatched
+hyperparameters, non-finite gradients) is its own result; the others step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as adam_functional
+
+from tinsmith.errors import TinsmithError
+from tinsmith.models.copy_refresh import refresh_together
+from tinsmith.optim import ADAMW, apply_hyperparameters, check_params_match, steps_on_device
+from tinsmith.types import AdamParams, OptimParams
+from tinsmith.worker.trainables import SKIPPED_NO_GRAD, Trainable
+
+StepResult = dict[str, float] | Exception
+
+
+def step_together(units: list[Trainable], hps: list[OptimParams]) -> list[StepResult]:
+    """Step every unit with its hyperparameters; each entry of the result is that unit's
+    metrics or the error that refused its step (nothing of it applied)."""
+    results: list[StepResult | None] = [None] * len(units)
+    joint: list[tuple[int, Trainable, AdamParams, list[torch.Tensor]]] = []
+    for i, (u, hp) in enumerate(zip(units, hps)):
+        if not steps_jointly(u):
+            results[i] = _alone(u, hp)
+            continue
+        try:
+            check_params_match(u.optimizer_type, hp)
+        except TinsmithError as exc:
+            results[i] = exc
+            continue
+        params = u.stepped_params()
+        if not params:
+            results[i] = dict(SKIPPED_NO_GRAD)
+            continue
+        joint.append((i, u, hp, params))
+    if joint:
+        norms = _grad_norms([params for _, _, _, params in joint])
+        stepping = []
+        for (i, u, hp, params), norm in zip(joint, norms):
+            try:
+                u.clip(params, norm, hp)
+            except TinsmithError as exc:
+                results[i] = exc
+                continue
+            stepping.append((u, hp, params))
+            results[i] = {"grad_norm": norm, "learning_rate": hp.learning_rate}
+        for u, hp, _ in stepping:
+            apply_hyperparameters(u.optimizer, hp)  # what the optimizer's groups say (a later step alone)
+            u._weights_changed()  # before too: a failure half-way must not leave the old version standing
+        with torch.no_grad():  # as torch's optimizers step
+            _adamw(stepping)
+        for u, _, params in stepping:
+            u.after_step(params)
+        refresh_together([r for r in (u.copy_refresh() for u, _, _ in stepping) if r is not None])
+    return results  # type: ignore[return-value]
+
+
+def steps_jointly(unit: Trainable) -> bool:
+    """Whether ``unit`` steps as a plain AdamW unit does (its own norm, torch's foreach or fused
+    AdamW over one parameter group), so that :func:`step_together` may take its step."""
+    if type(unit) is not Trainable or unit.optimizer_type != ADAMW:
+        return False
+    groups = unit.optimizer.param_groups
+    g = groups[0] if len(groups) == 1 else {}
+    return (bool(g.get("foreach") or g.get("fused")) and not g.get("amsgrad", True) and not g.get("maximize", True)
+            and not g.get("capturable", True) and not g.get("differentiable", True))
+
+
+def _alone(unit: Trainable, hp: OptimParams) -> StepResult:
+    try:
+        return unit.step(hp)
+    except Exception as exc:  # noqa: BLE001 (its own result: the other units still step)
+        return exc
+
+
+def _grad_norms(units_params: list[list[torch.Tensor]]) -> list[float]:
+    """Each unit's global gradient norm (as :meth:`Trainable.grad_norm` computes it: its tensors'
+    norms stacked, squared and summed), from one multi-tensor norm call, read back at once."""
+    flat = [p.grad for params in units_params for p in params]
+    each = torch._foreach_norm(flat, 2, dtype=torch.float32)
+    norms, a = [], 0
+    for params in units_params:
+        b = a + len(params)
+        norms.append(torch.stack(each[a:b]).square().sum().sqrt())
+        a = b
+    return torch.stack(norms).tolist()
+
+
+def _adamw(stepping: list[tuple[Trainable, AdamParams, list[torch.Tensor]]]) -> None:
+    """AdamW's update of every unit's ``params``, by the kernels its optimizer would launch."""
+    fused_steps: list[torch.Tensor] = []
+    calls: dict[tuple, tuple[list, list, list, list, list]] = {}
+    for u, hp, params in stepping:
+        fused = steps_on_device(u.optimizer)
+        state = u.optimizer.state
+        key = (fused, params[0].device, hp.learning_rate, hp.beta1, hp.beta2, hp.weight_decay, hp.eps)
+        ps, gs, ms, vs, ss = calls.setdefault(key, ([], [], [], [], []))
+        for p in params:
+            st = state[p]
+            if not st:
+                _init_state(st, p, fused)
+            ps.append(p)
+            gs.append(p.grad)
+            ms.append(st["exp_avg"])
+            vs.append(st["exp_avg_sq"])
+            ss.append(st["step"])
+        if fused:
+            fused_steps += ss[len(ss) - len(params):]
+    if fused_steps:
+        torch._foreach_add_(fused_steps, 1)  # every fused unit's step counts at once
+    for (fused, _, lr, beta1, beta2, weight_decay, eps), (ps, gs, ms, vs, ss) in calls.items():
+        if fused:
+            torch._fused_adamw_(ps, gs, ms, vs, [], ss, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None)
+        else:
+            adam_functional(ps, gs, ms, vs, [], ss, foreach=True, decoupled_weight_decay=True, amsgrad=False,
+                            beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+
+
+def _init_state(st: dict, p: torch.Tensor, fused: bool) -> None:
+    """A parameter's AdamW state before its first step, as torch's AdamW makes it: the step count
+    a 0-d fp32 tensor (beside the parameter when fused, on the host otherwise), zero moments."""
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    st["step"] = (torch.zeros((), dtype=scalar, device=p.device) if fused
+                  else torch.tensor(0.0, dtype=scalar, device="cpu"))
+    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
