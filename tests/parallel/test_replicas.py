@@ -182,6 +182,43 @@ def test_replicas_of_sharded_models_train_and_sample_as_one_process(qwen3_dir):
         w4.close()
 
 
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["dp2", "tp2"])
+def test_runs_stepping_together_in_a_group_step_as_one_process_steps_them(qwen3_dir, dp, tp):
+    """Two runs' optimizer steps in one call (as the engine hands over steps that are ready
+    together): replicas sum both runs' gradients in one all-reduce, tensor-parallel ranks take
+    the call once; the results are those of one process stepping each run alone, and a refused
+    step (other hyperparameters than the run's optimizer takes) is refused alike on every rank."""
+    from tinsmith.types import DimuonParams
+
+    w1, _ = _worker(qwen3_dir, 1)
+    wg, _ = _worker(qwen3_dir, dp, tp=tp)
+    hps = {"a": AdamParams(learning_rate=1e-2, grad_clip_norm=1.0), "b": AdamParams(learning_rate=5e-3, beta1=0.8)}
+    try:
+        for w in (w1, wg):
+            w.create_model("a", "m", LoraSpec(rank=4, seed=3))
+            w.create_model("b", "m", LoraSpec(rank=2, seed=4, train_unembed=False))
+            w.create_model("c", "m", LoraSpec(rank=2, seed=5))  # steps with the wrong hyperparameters
+        for _ in range(2):
+            results = {}
+            for w in (w1, wg):
+                passes = {run: w.fb_begin(run, _requests()[:2]) for run in hps}
+                while not all(p.done for p in passes.values()):
+                    w.fb_advance([(p, 40) for p in passes.values() if not p.done], 80)
+                results[w] = [r for p in passes.values() for r in p.results]
+            _assert_same_training(results[w1], results[wg])
+            ref = [w1.optim_step(run, hp) for run, hp in hps.items()]
+            got = wg.optim_steps(list(hps.items()) + [("c", DimuonParams(learning_rate=1e-2))])
+            _assert_same_training(ref, got[:2])
+            assert isinstance(got[2], InvalidInputError), got[2]
+        assert wg.tp_group.healthy
+        for run in hps:
+            s1, sg = w1.export_training_state(run), wg.export_training_state(run)
+            for k in s1.weights:  # rtol: Adam, as in test_replicas_train_and_sample_as_one_process
+                np.testing.assert_allclose(s1.weights[k].numpy(), sg.weights[k].numpy(), atol=1e-6, rtol=2e-4)
+    finally:
+        wg.close()
+
+
 def test_requests_sharing_a_prompt_go_to_one_replica_unless_it_is_much_busier(qwen3_dir):
     w1, b1 = _worker(qwen3_dir, 1)
     w, base = _worker(qwen3_dir, 2)

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tinsmith.errors import CapacityError, InvalidInputError
+from tinsmith.errors import CapacityError, InvalidInputError, TinsmithError
 from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
@@ -58,8 +58,8 @@ from tinsmith.parallel.state import gather_full
 from tinsmith.sampling.cancel import CancelBoard
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import OptimParams
-from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime
-from tinsmith.worker.trainables import lora_tensors
+from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, repeats_a_unit
+from tinsmith.worker.trainables import Trainable, lora_tensors
 from tinsmith.worker.warm_up import configure_device
 
 OPTION = "--data-parallel-size"
@@ -157,6 +157,24 @@ class ReplicaTrainingRuntime(TrainingRuntime):
         check_params_match(tr.optimizer_type, params)  # refused alike on every replica, before the collective
         sum_grads(tr.params, self.dp)
         return tr.step(params)
+
+    def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
+        """Several units' steps: their gradients summed over the replicas in one all-reduce (not
+        one per unit), then taken together as in one process."""
+        if repeats_a_unit(requests):
+            return super().optim_steps(requests)
+
+        def sum_them(units: list[tuple[Trainable, OptimParams]]) -> None:
+            stepping = []
+            for tr, params in units:
+                try:
+                    check_params_match(tr.optimizer_type, params)  # alike on every replica
+                except TinsmithError:
+                    continue  # refused when it steps; its gradients stay this replica's, as alone
+                stepping += tr.params
+            sum_grads(stepping, self.dp)
+
+        return self._steps_together(requests, prepare=sum_them)
 
 
 # ----------------------------------------------------------------------------- what every rank holds

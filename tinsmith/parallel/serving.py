@@ -308,6 +308,11 @@ class TPRuntime:
     def optim_step(self, unit: int, params) -> dict[str, float]:
         return self._run("optim_step", unit, params)
 
+    def optim_steps(self, requests: list) -> list:
+        """Several units' steps in one call on every rank (one broadcast and one exchange of
+        outcomes for all of them, not one per unit)."""
+        return self._run("optim_steps", requests)
+
     def forward_backward(self, requests: list[TrainRequest]) -> list:
         return self._run("forward_backward", requests)
 

@@ -676,9 +676,14 @@ class TrainingRuntime:
         is what :meth:`optim_step` would return or raise for it alone, and its weights come out
         bit-identical (:mod:`tinsmith.worker.joint_steps`). Runtimes that step their own way
         (sharded ones) take the steps one by one."""
-        if (type(self).optim_step is not TrainingRuntime.optim_step
-                or len({unit for unit, _ in requests}) < len(requests)):  # a unit twice: in order
+        if type(self).optim_step is not TrainingRuntime.optim_step or repeats_a_unit(requests):
             return [result_of(self.optim_step, unit, params) for unit, params in requests]
+        return self._steps_together(requests)
+
+    def _steps_together(self, requests: list[tuple[int, OptimParams]],
+                        prepare: Callable[[list[tuple[Trainable, OptimParams]]], None] | None = None) -> list:
+        """:meth:`optim_steps` for distinct units; ``prepare`` sees each batch of resident units
+        right before they step (a replica sums their gradients over the group there)."""
         results: list = [None] * len(requests)
         ready: list[tuple[int, int, OptimParams]] = []
         for i, (unit, params) in enumerate(requests):
@@ -694,12 +699,20 @@ class TrainingRuntime:
         for at in range(0, len(ready), per):
             part = ready[at:at + per]
             self.ensure_resident({u for _, u, _ in part if self.units[u].slot is not None})
-            for (i, _, _), r in zip(part, step_together([self.units[u] for _, u, _ in part], [p for _, _, p in part])):
+            units, hps = [self.units[u] for _, u, _ in part], [p for _, _, p in part]
+            if prepare is not None:
+                prepare(list(zip(units, hps)))
+            for (i, _, _), r in zip(part, step_together(units, hps)):
                 results[i] = r
         return results
 
     def has_pending_grads(self, unit: int) -> bool:
         return self.unit(unit).has_grads()
+
+
+def repeats_a_unit(requests: list[tuple[int, OptimParams]]) -> bool:
+    """Whether a unit is asked to step twice (its steps then go in order, one by one)."""
+    return len({unit for unit, _ in requests}) < len(requests)
 
 
 def result_of(fn, *args) -> Any:
