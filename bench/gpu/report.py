@@ -34,7 +34,8 @@ def _tenants(lo: dict, k: str) -> str:
                        if f"{p}_vs_one_tenant" in lo.get("tenants", {}).get(k, {}))
     phases = lo.get("tenants", {}).get(k, {}).get("phases")
     synced = (f"; synced phases: forward/backward {_get(phases, 'forward_backward_ms')} ms, optimizer steps "
-              f"{_get(phases, 'optimizer_steps_ms')} ms ({_get(phases, 'optimizer_step_ms_per_unit')} a tenant)"
+              f"{_get(phases, 'optimizer_steps_ms')} ms together ({_get(phases, 'optimizer_step_ms_per_unit')} a tenant), "
+              f"{_get(phases, 'optimizer_steps_alone_ms')} ms one by one"
               if phases else "")
     return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "") + synced
 
