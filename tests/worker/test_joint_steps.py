@@ -25,8 +25,9 @@ HPS = [AdamParams(learning_rate=1e-3, grad_clip_norm=0.05), AdamParams(learning_
                                                                         grad_clip_norm=1e3)]
 
 
-def _runtime(model_dir, dtype, adapters: int = 8, optimizers=None) -> tuple[TrainingRuntime, list[int]]:
-    rt = TrainingRuntime(load_model(str(model_dir), dtype=dtype).model, max_lora_adapters=adapters, max_lora_rank=8)
+def _runtime(model_dir, dtype, adapters: int = 8, optimizers=None, device: str = "cpu") -> tuple[TrainingRuntime, list[int]]:
+    model = load_model(str(model_dir), device=torch.device(device), dtype=dtype).model
+    rt = TrainingRuntime(model, max_lora_adapters=adapters, max_lora_rank=8)
     optimizers = optimizers or ["adamw"] * len(SPECS)
     return rt, [rt.create_adapter(s, o) for s, o in zip(SPECS, optimizers)]
 
@@ -61,8 +62,14 @@ def _assert_identical(a: TrainingRuntime, ua: int, b: TrainingRuntime, ub: int, 
 def test_joint_steps_equal_steps_alone_bit_for_bit(qwen3_dir, monkeypatch, dtype, fused):
     if fused:  # torch's fused AdamW, as CUDA parameters take it (it runs on CPUs too)
         monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
-    alone, ua = _runtime(qwen3_dir, dtype)
-    joint, uj = _runtime(qwen3_dir, dtype)
+    assert_joint_equals_alone(qwen3_dir, dtype, fused)
+
+
+def assert_joint_equals_alone(model_dir, dtype, fused: bool, device: str = "cpu") -> None:
+    """Two equal runtimes of four adapters train alike; one steps them one by one, the other
+    together; after three steps every adapter is the same bit for bit (also run on a GPU)."""
+    alone, ua = _runtime(model_dir, dtype, device=device)
+    joint, uj = _runtime(model_dir, dtype, device=device)
     assert families.steps_on_device(alone.unit(ua[0]).optimizer) == fused
     for step in range(3):  # the first creates the optimizer state, the next read it
         _backward(alone, ua, step)
