@@ -113,6 +113,34 @@ def test_a_refused_or_idle_unit_is_its_own_result(qwen3_dir):
     assert joint.unit(uj[0]).steps == 0 and joint.unit(uj[1]).steps == 0  # nothing applied
 
 
+def test_a_failed_device_or_group_fails_the_call_not_one_unit(qwen3_dir, monkeypatch):
+    """A unit that steps alone (Dimuon) and fails its own way is its own result; one whose step
+    meets a failed device or a dead peer of its process group fails the whole call, as the engine
+    must see it, instead of the other units meeting it in turn."""
+    from tinsmith.parallel.group import ParallelError
+    from tinsmith.worker.trainables import Trainable
+
+    rt, units = _runtime(qwen3_dir, torch.float32, optimizers=["adamw", "dimuon", "adamw", "adamw"])
+    _backward(rt, units, 0)
+    hps = [HPS[0], DimuonParams(learning_rate=1e-2), HPS[2], HPS[3]]
+    real = Trainable.step
+
+    def failing(error):
+        def step(self, hp):
+            if self.optimizer_type == "dimuon":
+                raise error
+            return real(self, hp)
+        return step
+
+    monkeypatch.setattr(Trainable, "step", failing(RuntimeError("this unit's own trouble")))
+    got = rt.optim_steps(list(zip(units, hps)))
+    assert isinstance(got[1], RuntimeError) and [type(g) for g in got[::2]] == [dict, dict]
+    for error in (ParallelError("all_reduce failed on rank 0 of 2"), RuntimeError("CUDA error: an illegal memory access")):
+        monkeypatch.setattr(Trainable, "step", failing(error))
+        with pytest.raises(type(error)):
+            rt.optim_steps(list(zip(units, hps)))
+
+
 def test_more_units_than_resident_slots_step_in_turns(qwen3_dir):
     """With room for two adapters, four step two at a time (the others parked meanwhile), and
     the results are still those of each step alone."""

@@ -23,9 +23,13 @@ hyperparameters, non-finite gradients) is its own result; the others step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.optim.adam import adam as adam_functional
 
+from tinsmith.engine.device_faults import device_fault
 from tinsmith.errors import TinsmithError
 from tinsmith.models.copy_refresh import refresh_together
 from tinsmith.optim import ADAMW, apply_hyperparameters, check_params_match, steps_on_device
@@ -88,9 +92,19 @@ def steps_jointly(unit: Trainable) -> bool:
 
 
 def _alone(unit: Trainable, hp: OptimParams) -> StepResult:
+    return result_of(unit.step, hp)
+
+
+def result_of(fn: Callable[..., dict[str, float]], *args: Any) -> StepResult:
+    """``fn(*args)``, or the error it raised as one unit's result (the other units still step).
+    An error that means the device or the process group failed is raised instead: the call as
+    a whole fails, as the engine must see it (:mod:`tinsmith.engine.device_faults`), rather than
+    each further unit meeting the broken device or waiting out a dead peer in turn."""
     try:
-        return unit.step(hp)
-    except Exception as exc:  # noqa: BLE001 (its own result: the other units still step)
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 (see above)
+        if device_fault(exc) is not None:
+            raise
         return exc
 
 

@@ -14,7 +14,7 @@ import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Union
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from tinsmith.transfers import to_device
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
 from tinsmith.worker.activation_memory import layers_to_recompute, recomputed_layer_indices
 from tinsmith.worker.batching import MicroBatch, SequenceRef, batch_tokens, build_micro_batch, plan_micro_batches
-from tinsmith.worker.joint_steps import step_together
+from tinsmith.worker.joint_steps import result_of, step_together
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable, lora_tensors
 
 log = logging.getLogger(__name__)
@@ -713,14 +713,6 @@ class TrainingRuntime:
 def repeats_a_unit(requests: list[tuple[int, OptimParams]]) -> bool:
     """Whether a unit is asked to step twice (its steps then go in order, one by one)."""
     return len({unit for unit, _ in requests}) < len(requests)
-
-
-def result_of(fn, *args) -> Any:
-    """``fn(*args)``, or the error it raised (one of several results)."""
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 (its own result: the others go on)
-        return exc
 
 
 def _free_memory(device: torch.device) -> str:

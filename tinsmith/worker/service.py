@@ -37,7 +37,8 @@ from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
 from tinsmith.worker.activation_memory import activation_bytes_per_token
-from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest, result_of
+from tinsmith.worker.joint_steps import result_of
+from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
 from tinsmith.worker.trainables import detach_lora, install_lora_weights
 from tinsmith.worker.warm_up import configure_device
 
