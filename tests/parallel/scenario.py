@@ -421,6 +421,13 @@ def collective_counts(tp: TPGroup, model_dir: str) -> dict:
     counts.clear()
     rt.optim_step(unit, AdamParams(learning_rate=1e-3))
     out["step"] = dict(counts)
+    # Three adapters' steps taken together (tenants stepping in lockstep).
+    more = [unit] + [rt.create_adapter(LoraSpec(rank=4, seed=s)) for s in (2, 3)]
+    rt.forward_backward([TrainRequest(u, ForwardBackwardInput(data, "cross_entropy")) for u in more])
+    counts.clear()
+    results = rt.optim_steps([(u, AdamParams(learning_rate=1e-3)) for u in more])
+    assert all(isinstance(r, dict) and r["grad_norm"] > 0 for r in results), results
+    out["steps_together"] = dict(counts)
     return out
 
 

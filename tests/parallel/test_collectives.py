@@ -23,6 +23,7 @@ def test_collectives_per_forward_backward_and_step(qwen3_dir, tmp_path):
         "forward": {"all_reduce": forward},
         "forward+backward": {"all_reduce": forward + backward},
         "step": {"all_reduce": 2},  # the whole factors' partial gradients, the gradient norm
+        "steps_together": {"all_reduce": 2},  # three adapters' steps: the same two, for all of them
     }
 
 

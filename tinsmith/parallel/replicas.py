@@ -44,13 +44,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tinsmith.errors import CapacityError, InvalidInputError, TinsmithError
+from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
 from tinsmith.parallel.fsdp import FsdpTrainingRuntime, load_full_shard, shard_full_model, split_datums
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded, split_grid
-from tinsmith.parallel.runtime import TPTrainingRuntime
+from tinsmith.parallel.runtime import TPTrainingRuntime, params_match
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
 from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _tokenizer_decoder
 from tinsmith.parallel.shard import load_shard
@@ -165,14 +165,8 @@ class ReplicaTrainingRuntime(TrainingRuntime):
             return super().optim_steps(requests)
 
         def sum_them(units: list[tuple[Trainable, OptimParams]]) -> None:
-            stepping = []
-            for tr, params in units:
-                try:
-                    check_params_match(tr.optimizer_type, params)  # alike on every replica
-                except TinsmithError:
-                    continue  # refused when it steps; its gradients stay this replica's, as alone
-                stepping += tr.params
-            sum_grads(stepping, self.dp)
+            # A refused step (alike on every replica) leaves its gradients this replica's, as alone.
+            sum_grads([p for tr, params in units if params_match(tr, params) for p in tr.params], self.dp)
 
         return self._steps_together(requests, prepare=sum_them)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinsmith.errors import InvalidInputError
+from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.chunked_logprobs import UnembedLora, rows_per_chunk
 from tinsmith.models.lora import Segments
 from tinsmith.optim import ADAMW, check_params_match
@@ -23,7 +23,8 @@ from tinsmith.parallel.logprobs import vocab_parallel_target_logprobs
 from tinsmith.parallel.shard import tp_of
 from tinsmith.parallel.state import gather_full, lora_shard_dims, scatter_full
 from tinsmith.types import LoraSpec, OptimParams
-from tinsmith.worker.runtime import TrainingRuntime
+from tinsmith.worker.joint_steps import plain_adamw
+from tinsmith.worker.runtime import TrainingRuntime, repeats_a_unit
 from tinsmith.worker.trainables import Trainable, squared_grad_norms
 
 
@@ -41,7 +42,15 @@ class ShardedTrainable(Trainable):
         return super().step(hp)
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        # A part several ranks hold alike (a shared key/value head's B) is counted once in all.
+        sharded, whole = self.squared_parts(params)
+        sq = all_reduce_(sharded, self.tp, what="gradient-norm all_reduce")
+        return (sq + whole).sqrt()
+
+    def squared_parts(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The squared gradient norm of ``params`` in two parts: this rank's share of the sharded
+        tensors (summed over the ranks, it counts every shard once: a part several ranks hold
+        alike, a shared key/value head's B, is divided by its copies) and the whole tensors'
+        (every rank's the same, once the step summed their partial gradients)."""
         zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
         by_copies: dict[int, list[torch.Tensor]] = {}
         for p in params:
@@ -49,8 +58,15 @@ class ShardedTrainable(Trainable):
                 by_copies.setdefault(shared_copies(p, self.tp), []).append(p.grad)
         sharded = sum((squared_grad_norms(grads).sum() / copies for copies, grads in by_copies.items()), zero)
         whole = [p.grad for p in params if is_replicated(p)]
-        sq = all_reduce_(sharded, self.tp, what="gradient-norm all_reduce")
-        return (sq + (squared_grad_norms(whole).sum() if whole else zero)).sqrt()
+        return sharded, squared_grad_norms(whole).sum() if whole else zero
+
+
+def sharded_grad_norms(entries: list[tuple[Trainable, list[torch.Tensor]]], tp: TPGroup) -> list[float]:
+    """Several sharded units' gradient norms (each as :meth:`ShardedTrainable.grad_norm` gives
+    it) from one all-reduce of their sharded parts and one read-back."""
+    parts = [unit.squared_parts(params) for unit, params in entries]  # type: ignore[attr-defined]
+    sq = all_reduce_(torch.stack([sharded for sharded, _ in parts]), tp, what="gradient-norm all_reduce")
+    return (sq + torch.stack([whole for _, whole in parts])).sqrt().tolist()
 
 
 class TPTrainingRuntime(TrainingRuntime):
@@ -74,6 +90,24 @@ class TPTrainingRuntime(TrainingRuntime):
         self.units[unit] = ShardedTrainable(slot=t.slot, spec=t.spec, named_params=t.named_params,
                                             attachments=t.attachments, optimizer_type=t.optimizer_type, tp=self.tp)
         return unit
+
+    def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
+        """Several adapters' steps: the whole factors' partial gradients of all of them summed in
+        one all-reduce (and the shared parts' in one), their norms in one, then one set of AdamW
+        kernels for all (AdamW is elementwise: exact on shards)."""
+        if repeats_a_unit(requests):
+            return super().optim_steps(requests)
+
+        def sum_them(units: list[tuple[Trainable, OptimParams]]) -> None:
+            stepping = [p for tr, params in units if joins(tr) and params_match(tr, params) for p in tr.params]
+            sum_replicated_grads(stepping, self.tp)
+            sum_shared_grads(stepping, self.tp)
+
+        def joins(unit: Trainable) -> bool:
+            return isinstance(unit, ShardedTrainable) and plain_adamw(unit)
+
+        return self._steps_together(requests, prepare=sum_them, joins=joins,
+                                    norms=lambda entries: sharded_grad_norms(entries, self.tp))
 
     def _target_logprobs(self, h: torch.Tensor, segs: Segments, rows: torch.Tensor, cols: torch.Tensor,
                          rows_host: torch.Tensor, one_per_row: bool = False) -> torch.Tensor:
@@ -117,3 +151,13 @@ class TPTrainingRuntime(TrainingRuntime):
         for p, g in zip(params, saved):
             p.grad = g
         return gather_full(grads, self.shard_dims, self.tp)
+
+
+def params_match(unit: Trainable, params: OptimParams) -> bool:
+    """Whether ``params`` are of ``unit``'s optimizer family (else its step is refused, alike on
+    every rank, and its gradients are left as they are)."""
+    try:
+        check_params_match(unit.optimizer_type, params)
+    except TinsmithError:
+        return False
+    return True

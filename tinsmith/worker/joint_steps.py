@@ -39,13 +39,23 @@ from tinsmith.worker.trainables import SKIPPED_NO_GRAD, Trainable
 StepResult = dict[str, float] | Exception
 
 
-def step_together(units: list[Trainable], hps: list[OptimParams]) -> list[StepResult]:
+Norms = Callable[[list[tuple[Trainable, list[torch.Tensor]]]], list[float]]
+
+
+def step_together(units: list[Trainable], hps: list[OptimParams], joins: Callable[[Trainable], bool] | None = None,
+                  norms: Norms | None = None) -> list[StepResult]:
     """Step every unit with its hyperparameters; each entry of the result is that unit's
-    metrics or the error that refused its step (nothing of it applied)."""
+    metrics or the error that refused its step (nothing of it applied).
+
+    ``joins`` says which units step together (default :func:`steps_jointly`), ``norms`` gives
+    their gradient norms, read back at once (default: each unit's own tensors'). A sharded
+    runtime passes its units' kind and norms that count every shard once (one collective for
+    all units)."""
+    joins = joins or steps_jointly
     results: list[StepResult | None] = [None] * len(units)
     joint: list[tuple[int, Trainable, AdamParams, list[torch.Tensor]]] = []
     for i, (u, hp) in enumerate(zip(units, hps)):
-        if not steps_jointly(u):
+        if not joins(u):
             results[i] = _alone(u, hp)
             continue
         try:
@@ -59,9 +69,9 @@ def step_together(units: list[Trainable], hps: list[OptimParams]) -> list[StepRe
             continue
         joint.append((i, u, hp, params))
     if joint:
-        norms = _grad_norms([params for _, _, _, params in joint])
+        got = (norms or _grad_norms)([(u, params) for _, u, _, params in joint])
         stepping = []
-        for (i, u, hp, params), norm in zip(joint, norms):
+        for (i, u, hp, params), norm in zip(joint, got):
             try:
                 u.clip(params, norm, hp)
             except TinsmithError as exc:
@@ -83,7 +93,13 @@ def step_together(units: list[Trainable], hps: list[OptimParams]) -> list[StepRe
 def steps_jointly(unit: Trainable) -> bool:
     """Whether ``unit`` steps as a plain AdamW unit does (its own norm, torch's foreach or fused
     AdamW over one parameter group), so that :func:`step_together` may take its step."""
-    if type(unit) is not Trainable or unit.optimizer_type != ADAMW:
+    return type(unit) is Trainable and plain_adamw(unit)
+
+
+def plain_adamw(unit: Trainable) -> bool:
+    """Whether ``unit``'s optimizer is torch's AdamW, foreach or fused, over one parameter group
+    and without the options :func:`step_together`'s kernel calls leave out."""
+    if unit.optimizer_type != ADAMW:
         return False
     groups = unit.optimizer.param_groups
     g = groups[0] if len(groups) == 1 else {}
@@ -108,13 +124,13 @@ def result_of(fn: Callable[..., dict[str, float]], *args: Any) -> StepResult:
         return exc
 
 
-def _grad_norms(units_params: list[list[torch.Tensor]]) -> list[float]:
+def _grad_norms(entries: list[tuple[Trainable, list[torch.Tensor]]]) -> list[float]:
     """Each unit's global gradient norm (as :meth:`Trainable.grad_norm` computes it: its tensors'
     norms stacked, squared and summed), from one multi-tensor norm call, read back at once."""
-    flat = [p.grad for params in units_params for p in params]
+    flat = [p.grad for _, params in entries for p in params]
     each = torch._foreach_norm(flat, 2, dtype=torch.float32)
     norms, a = [], 0
-    for params in units_params:
+    for _, params in entries:
         b = a + len(params)
         norms.append(torch.stack(each[a:b]).square().sum().sqrt())
         a = b

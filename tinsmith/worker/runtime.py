@@ -681,9 +681,11 @@ class TrainingRuntime:
         return self._steps_together(requests)
 
     def _steps_together(self, requests: list[tuple[int, OptimParams]],
-                        prepare: Callable[[list[tuple[Trainable, OptimParams]]], None] | None = None) -> list:
+                        prepare: Callable[[list[tuple[Trainable, OptimParams]]], None] | None = None,
+                        **how) -> list:
         """:meth:`optim_steps` for distinct units; ``prepare`` sees each batch of resident units
-        right before they step (a replica sums their gradients over the group there)."""
+        right before they step (a replica sums their gradients over the group there); ``how``:
+        :func:`step_together`'s ``joins`` and ``norms``."""
         results: list = [None] * len(requests)
         ready: list[tuple[int, int, OptimParams]] = []
         for i, (unit, params) in enumerate(requests):
@@ -702,7 +704,7 @@ class TrainingRuntime:
             units, hps = [self.units[u] for _, u, _ in part], [p for _, _, p in part]
             if prepare is not None:
                 prepare(list(zip(units, hps)))
-            for (i, _, _), r in zip(part, step_together(units, hps)):
+            for (i, _, _), r in zip(part, step_together(units, hps, **how)):
                 results[i] = r
         return results
 
