@@ -10,7 +10,9 @@ key's one-datum forward and the *io* key's save_state / load_state are timed alo
 key sends huge forward_backward calls, and the probe and io keys go on measuring. Reported:
 latency percentiles quiet vs busy, the micro-batch time (its tokens / busy throughput: the
 "one micro-batch" a small request may have to wait for), throughput, errors, requests that
-never resolved, and the server's resident memory before and after the busy phase.
+never resolved, and the server's resident memory before and after the busy phase. The probe's
+latencies are also read from the server's store (arrival to result: what the server took, apart
+from the HTTP path and the client threads that share the machine).
 
 The slow test tier runs this with assertions (tests/load/test_heavy_neighbours.py).
 """
@@ -147,8 +149,10 @@ def _timed(tally: Tally, what: str, fn) -> None:
 
 
 def run_load(url: str, model: str, vocab: int, keys: dict[str, str], cfg: LoadConfig, server_pid: int | None = None,
-             log=print) -> dict:
-    """Drive the server at ``url``; ``keys`` maps role ('probe', 'io', 'heavy', 'busy0'...) to API key."""
+             log=print, database: Path | None = None) -> dict:
+    """Drive the server at ``url``; ``keys`` maps role ('probe', 'io', 'heavy', 'busy0'...) to API key.
+    ``database``: the server's SQLite file, to report the probe's latencies as the server saw them
+    (stored to completed) beside the client's."""
     from tinker import types
 
     adam = types.AdamParams(learning_rate=1e-4)
@@ -212,6 +216,7 @@ def run_load(url: str, model: str, vocab: int, keys: dict[str, str], cfg: LoadCo
 
     for t in tenants:  # one step each before the clock starts
         t.tc.forward_backward(t.batch(1, 16), "cross_entropy").result(timeout=300)
+    busy_from = time.time()
     threads = [threading.Thread(target=busy_loop, args=(t,), daemon=True) for t in tenants]
     threads += [threading.Thread(target=f, daemon=True) for f in (heavy_loop, probe_loop, io_loop)]
     rss: list[tuple[float, float]] = []  # (seconds into the busy phase, server RSS MB)
@@ -233,7 +238,19 @@ def run_load(url: str, model: str, vocab: int, keys: dict[str, str], cfg: LoadCo
     throughput = busy.tokens / wall
     micro_batch_s = MICRO_BATCH_TOKENS_CPU / throughput if throughput else float("nan")
     q, b = percentiles(quiet.latencies.get("probe_forward", [])), percentiles(busy.latencies.get("probe_forward", []))
+    server = {}
+    if database is not None:  # the probe's forward calls as the server took them, quiet and busy
+        from bench.store_times import request_times
+        from tinsmith.api.auth import owner_for_key
+
+        took = [(c, d - c) for c, d in request_times(database, "forward", owner_for_key(keys["probe"]))]
+        sq = percentiles([s for c, s in took if c < busy_from])
+        sb = percentiles([s for c, s in took if c >= busy_from])
+        server = {"probe_server": {"quiet": sq, "busy": sb},
+                  "probe_server_p99_ms": sb.get("p99_ms", float("nan")),
+                  "probe_server_p99_bound_ms": 2 * sq.get("p99_ms", float("nan")) + 1000 * micro_batch_s}
     return {
+        **server,
         "config": cfg.__dict__,
         "quiet": {k: percentiles(v) for k, v in quiet.latencies.items()},
         "busy": {k: percentiles(v) for k, v in busy.latencies.items()},
@@ -295,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"server log: {work / 'server.log'}", file=sys.stderr)
     cfg = LoadConfig(busy=a.busy, seconds=a.seconds, heavy_batch=a.heavy_batch, heavy_length=a.heavy_length)
     try:
-        res = run_load(url, str(model_dir), vocab, keys, cfg, server_pid=proc.pid)
+        res = run_load(url, str(model_dir), vocab, keys, cfg, server_pid=proc.pid,
+                       database=work / "data" / "tinsmith.sqlite")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -392,16 +392,9 @@ def request_timeline(database: Path, start: float, end: float) -> dict[str, floa
     server's store and when they completed, in seconds after ``start``: whether a round's time went
     to the requests' arrival or to decoding after the last one arrived. Reads the server's SQLite
     file (the embedded default store)."""
-    import sqlite3
-    from datetime import datetime, timezone
+    from bench.store_times import request_times
 
-    def epoch(text: str) -> float:
-        return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
-
-    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as con:
-        rows = [(epoch(c), epoch(d)) for c, d in con.execute(
-            "select created_at, completed_at from requests where kind = 'sample' and completed_at is not null")]
-    rows = [(c - start, d - start) for c, d in rows if start <= c <= end]
+    rows = [(c - start, d - start) for c, d in request_times(database, "sample") if start <= c <= end]
     if not rows:
         return {}
     created, completed = [c for c, _ in rows], [d for _, d in rows]

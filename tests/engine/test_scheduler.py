@@ -174,6 +174,31 @@ def test_optimizer_steps_that_are_ready_together_run_as_one_call():
     assert stats["optimizer_steps_together"] == 3
 
 
+def test_an_idle_keys_request_goes_ahead_of_busy_keys_optimizer_steps_by_one_chunk():
+    """Two busy keys' passes finish in a chunk and their optim_steps are ready; an idle key's small
+    forward/backward arrived meanwhile. It runs in the next chunk, before those steps (else it
+    would wait for every busy key's step on top of the chunk), and the steps run right after it:
+    never two chunks in a row ahead of them."""
+    async def scenario():
+        ops = FakeOps(chunk_delay_s=0.2)
+        engine = await _engine(ops)
+        engine.submit(fb("long", "big", 1, [CHUNK] * 4, owner="b"))
+        for k in ("k1", "k2"):
+            engine.submit(fb(f"fb-{k}", k, 1, [10], owner=k))
+            engine.submit(Job(f"opt-{k}", "optim_step", k, 2, None, owner=k))
+        await asyncio.sleep(0.05)  # the first chunk is running
+        engine.submit(fb("probe", "p", 1, [5], owner="p"))
+        await asyncio.gather(*waiting(engine, "probe", "opt-k1", "opt-k2", "long"))
+        await engine.stop()
+        return ops.log
+
+    log = run(scenario())
+    chunks = [entry for entry in log if entry[0] in ("chunk", "together")]
+    assert {"k1", "k2"} <= set(chunks[0][1]), chunks
+    assert chunks[1][0] == "chunk" and "p" in chunks[1][1], chunks  # the idle key, before the steps
+    assert chunks[2] == ("together", ["k1", "k2"]), chunks  # and the steps before another chunk
+
+
 def test_a_gap_that_never_fills_is_waited_out():
     async def scenario():
         ops = FakeOps()

@@ -12,7 +12,10 @@
   small request of a key that was idle goes first in the next chunk. A huge request therefore advances a chunk at
   a time while small requests of other keys start and finish between its chunks.
 * Everything else (optim_step, save/load, create, unload) runs before the next chunk, keys
-  taking turns, so checkpoint I/O never waits behind other tenants' compute.
+  taking turns, so checkpoint I/O never waits behind other tenants' compute; several runs'
+  optimizer steps ready together go to the worker as one call. When a key that was idle has a
+  forward/backward ready, one chunk runs first (its request at the front of it), so that it does
+  not wait for every busy key's optimizer step as well.
 * Training and sampling alternate: one training turn (the ready single jobs, then one chunk),
   then one sampling slice (``sampling_slice_s`` of decode steps, new requests joining between
   steps). Neither can starve the other.
@@ -160,6 +163,7 @@ class Engine:
         self._listeners: dict[str, set[asyncio.Event]] = {}  # topic -> events set when one of its jobs finishes
         self._in_flight: Counter[str] = Counter()  # owner -> jobs queued or running
         self._turn: dict[str, int] = {}  # owner -> when it last had a single job run (turn taking)
+        self._deferred = False  # the last training turn ran a chunk before the single jobs
         self._turns = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -349,7 +353,10 @@ class Engine:
                 await asyncio.sleep(0)  # let submissions in between slices
                 continue
             sampling_turn = True
-            singles = self._claim_singles()
+            # A key that was idle goes ahead of the busy keys' other jobs by one chunk, at most
+            # one chunk in a row (else a stream of newcomers could hold those jobs back).
+            self._deferred = not self._deferred and self._idle_key_waits()
+            singles = [] if self._deferred else self._claim_singles()
             if singles:
                 outcomes = await self._in_executor(loop, self._run_singles, singles)
                 self._finish(singles, outcomes)
@@ -404,6 +411,19 @@ class Engine:
                             job.model_id, key_id(job.owner), job.kind, job.seq_id, expected,
                             time.monotonic() - job.enqueued_at)
             self.next_seq[job.model_id] = max(expected or 0, job.seq_id + 1)
+
+    def _idle_key_waits(self) -> bool:
+        """Whether a key that was idle (no forward/backward of its own running or in the last
+        chunk's fair queue) has one ready while other jobs (optimizer steps, checkpoints) wait
+        too. Those run between chunks; run first, they would make the idle key's small request
+        wait for every busy key's optimizer step on top of the chunk (issue 15's promise: an idle
+        key's request within about one chunk of its quiet latency)."""
+        heads = self._ready_heads()
+        if not any(j.kind not in BATCHED_KINDS for j in heads):
+            return False
+        running = {p.owner for p in self.passes}
+        return any(j.kind in BATCHED_KINDS and j.owner not in running and j.owner not in self.start_tag
+                   for j in heads)
 
     def _claim_singles(self) -> list[Job]:
         """Every ready job that is not forward/backward, keys taking turns (least recently served

@@ -1,0 +1,24 @@
+"""When requests reached a server's store and when they completed, read from its SQLite file (the
+embedded default store): what the server itself took, apart from the HTTP path and the client's
+threads (which share the machine in these benchmarks)."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def request_times(database: Path, kind: str, owner: str | None = None) -> list[tuple[float, float]]:
+    """(created, completed) epoch seconds of the completed requests of ``kind`` (and ``owner``, as
+    ``tinsmith.api.auth.owner_for_key`` names a key's tenant), in order of creation."""
+
+    def epoch(text: str) -> float:
+        return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
+
+    query = "select created_at, completed_at from requests where kind = ? and completed_at is not null"
+    args: tuple = (kind,)
+    if owner is not None:
+        query, args = query + " and owner = ?", (kind, owner)
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as con:
+        return sorted((epoch(c), epoch(d)) for c, d in con.execute(query, args))
