@@ -416,8 +416,8 @@ class Engine:
         """Whether a key that was idle (no forward/backward of its own running or in the last
         chunk's fair queue) has one ready while other jobs (optimizer steps, checkpoints) wait
         too. Those run between chunks; run first, they would make the idle key's small request
-        wait for every busy key's optimizer step on top of the chunk (issue 15's promise: an idle
-        key's request within about one chunk of its quiet latency)."""
+        wait for every busy key's optimizer step on top of the chunk (what a shared server
+        promises an idle key: its request within about one chunk of its quiet latency)."""
         heads = self._ready_heads()
         if not any(j.kind not in BATCHED_KINDS for j in heads):
             return False

@@ -16,9 +16,10 @@ with the same arguments and the same per-unit norm (its own tensors' norms stack
 summed), so a unit's weights after a joint step are bit-identical to its step alone, whoever
 else stepped with it (tests/worker/test_joint_steps.py).
 
-Units that step differently (Dimuon; sharded units, whose norm and step involve collectives)
-step alone, in order, through :meth:`Trainable.step`. One unit's refusal (mismatched
-hyperparameters, non-finite gradients) is its own result; the others step.
+Units that step differently (Dimuon) step alone, in order, through :meth:`Trainable.step`. A
+sharded runtime says which of its units join and how their norms are summed over its ranks
+(``joins``, ``norms``: :class:`tinsmith.parallel.runtime.TPTrainingRuntime`). One unit's refusal
+(mismatched hyperparameters, non-finite gradients) is its own result; the others step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch.optim.adam import adam as adam_functional
 from tinsmith.engine.device_faults import device_fault
 from tinsmith.errors import TinsmithError
 from tinsmith.models.copy_refresh import refresh_together
-from tinsmith.optim import ADAMW, apply_hyperparameters, check_params_match, steps_on_device
+from tinsmith.optim import ADAMW, check_params_match, steps_on_device
 from tinsmith.types import AdamParams, OptimParams
 from tinsmith.worker.trainables import SKIPPED_NO_GRAD, Trainable
 
@@ -80,8 +81,7 @@ def step_together(units: list[Trainable], hps: list[OptimParams], joins: Callabl
             stepping.append((u, hp, params))
             results[i] = {"grad_norm": norm, "learning_rate": hp.learning_rate}
         for u, hp, _ in stepping:
-            apply_hyperparameters(u.optimizer, hp)  # what the optimizer's groups say (a later step alone)
-            u._weights_changed()  # before too: a failure half-way must not leave the old version standing
+            u.before_step(hp)
         with torch.no_grad():  # as torch's optimizers step
             _adamw(stepping)
         for u, _, params in stepping:

@@ -674,8 +674,9 @@ class TrainingRuntime:
     def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
         """Several units' optimizer steps at once (tenants stepping together): each unit's result
         is what :meth:`optim_step` would return or raise for it alone, and its weights come out
-        bit-identical (:mod:`tinsmith.worker.joint_steps`). Runtimes that step their own way
-        (sharded ones) take the steps one by one."""
+        bit-identical (:mod:`tinsmith.worker.joint_steps`). A runtime whose :meth:`optim_step`
+        does more (sharded full fine-tuning) takes them one by one unless it says how to take
+        them together (replicas, tensor-parallel ranks)."""
         if type(self).optim_step is not TrainingRuntime.optim_step or repeats_a_unit(requests):
             return [result_of(self.optim_step, unit, params) for unit, params in requests]
         return self._steps_together(requests)

@@ -414,7 +414,7 @@ class Worker:
             together = getattr(runtime, "optim_steps", None)
             if together is not None:
                 got = together([(unit, params) for _, unit, params in entries])
-            else:  # a group's proxy: its ranks take the steps one by one
+            else:  # a runtime that takes them only one by one
                 got = [result_of(runtime.optim_step, unit, params) for _, unit, params in entries]
             for (i, _, _), r in zip(entries, got):
                 results[i] = r

@@ -261,8 +261,7 @@ class Trainable:
             return dict(SKIPPED_NO_GRAD)
         norm_f = float(self.grad_norm(params))
         self.clip(params, norm_f, hp)
-        apply_hyperparameters(self.optimizer, hp)
-        self._weights_changed()  # before too: a failure half-way must not leave the old version standing
+        self.before_step(hp)
         self.optimizer.step()
         self.after_step(params)
         self.refresh_compute_copies()
@@ -282,6 +281,13 @@ class Trainable:
             )
         if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
             torch._foreach_mul_([p.grad for p in params], hp.grad_clip_norm / (norm + 1e-6))
+
+    def before_step(self, hp: OptimParams) -> None:
+        """What precedes the optimizer's update: the step's hyperparameters on the optimizer's
+        groups, and the weights marked changed (a failure half-way must not leave the old
+        version standing in caches keyed by it)."""
+        apply_hyperparameters(self.optimizer, hp)
+        self._weights_changed()
 
     def after_step(self, params: list[torch.Tensor]) -> None:
         """What follows the optimizer's update of ``params``: gradients dropped, masters rounded
