@@ -249,6 +249,57 @@ def test_small_requests_of_other_keys_finish_while_a_huge_one_runs():
     assert sum(c.get("big", 0) for c in chunks[first_small - 1:first_small + 3]) > 0, "the huge one goes on meanwhile"
 
 
+@dataclass
+class SamplingOps(FakeOps):
+    """FakeOps with a sampler: a sample job's ``args`` is how many slices it decodes for."""
+
+    slices: dict = field(default_factory=dict)  # request_id -> slices left
+    jobs_by_id: dict = field(default_factory=dict)
+
+    def sample_submit(self, job: Job) -> None:
+        self.slices[job.request_id] = job.args
+        self.jobs_by_id[job.request_id] = job
+
+    def sample_has_work(self) -> bool:
+        return bool(self.slices)
+
+    def sample_step(self, budget_s: float):
+        time.sleep(self.chunk_delay_s)
+        self.log.append(("slice", sorted(self.slices)))
+        done = []
+        for rid in list(self.slices):
+            self.slices[rid] -= 1
+            if not self.slices[rid]:
+                del self.slices[rid]
+                done.append((self.jobs_by_id.pop(rid), Outcome(result=b"{}")))
+        return done
+
+
+def test_sampling_and_training_take_turns_so_both_go_on():
+    """One key samples while another trains a long pass: training turns (a chunk) and sampling
+    slices alternate, so the sample finishes long before the pass, and the pass advances while
+    the sample decodes (neither waits for the other to finish)."""
+    async def scenario():
+        ops = SamplingOps(chunk_delay_s=0.003)
+        engine = await _engine(ops)
+        engine.submit(fb("train", "m", 1, [CHUNK] * 40, owner="trainer"))  # 40 chunks
+        await asyncio.sleep(0.02)
+        engine.submit(Job("sample", "sample", "m2", None, 5, owner="sampler"))  # 5 slices
+        (sampled,) = await asyncio.gather(*waiting(engine, "sample"))
+        still_training = engine.pending("train")
+        await asyncio.gather(*waiting(engine, "train"))
+        await engine.stop()
+        return sampled, still_training, ops.log
+
+    sampled, still_training, log = run(scenario())
+    assert sampled.error is None and still_training
+    kinds = [entry[0] for entry in log if entry[0] in ("chunk", "slice")]
+    first, last = kinds.index("slice"), len(kinds) - 1 - kinds[::-1].index("slice")
+    during = kinds[first:last + 1]
+    assert during.count("slice") == 5 and during.count("chunk") == 4, during  # one chunk between slices
+    assert kinds.count("chunk") == 40
+
+
 def test_a_key_with_long_sequences_gets_no_more_than_its_share():
     """Deficit round robin: 400-token datums against 20-token ones, both keys always busy."""
     async def scenario():
