@@ -137,6 +137,33 @@ def load_and_score(rt: TrainingRuntime, sharded: bool, load_from: str) -> dict:
             "loaded_logprobs": [o["logprobs"] for o in res.outputs]}
 
 
+def joint_steps_rank_main(tp: TPGroup, model_dir: str) -> dict:
+    """Two equal sharded runtimes of three adapters train alike; one steps them one by one, the
+    other together (``optim_steps``: two collectives for all). Per step and adapter: whether the
+    results and the full-size states (weights, optimizer) are bit-identical."""
+    specs = [LoraSpec(rank=4, seed=1), LoraSpec(rank=2, seed=2, train_unembed=False), LoraSpec(rank=4, seed=3)]
+    hps = [AdamParams(learning_rate=1e-2, grad_clip_norm=0.05), AdamParams(learning_rate=2e-3, beta1=0.8),
+           AdamParams(learning_rate=5e-3, weight_decay=0.1)]
+    runtimes = [build_runtime(model_dir, tp) for _ in range(2)]
+    units = [[rt.create_adapter(spec) for spec in specs] for rt in runtimes]
+    out: dict = {"results": [], "states": []}
+    for step in range(2):
+        for rt, us in zip(runtimes, units):
+            data = [make_data(10 * step + i, [7, 5], rt.config.vocab_size) for i in range(len(us))]
+            res = rt.forward_backward([TrainRequest(u, ForwardBackwardInput(d, "cross_entropy")) for u, d in zip(us, data)])
+            assert not any(isinstance(r, Exception) for r in res), res
+        alone = [runtimes[0].optim_step(u, hp) for u, hp in zip(units[0], hps)]
+        together = runtimes[1].optim_steps(list(zip(units[1], hps)))
+        out["results"].append(alone == together)
+        same = []
+        for a, b in zip(units[0], units[1]):
+            (wa, oa), (wb, ob) = runtimes[0].export_full_state(a), runtimes[1].export_full_state(b)
+            same.append(all(torch.equal(wa[k], wb[k]) for k in wa) and all(torch.equal(oa[k], ob[k]) for k in oa))
+        out["states"].append(same)
+    out["clipped"] = alone[0]["grad_norm"] > 0.05
+    return out
+
+
 def rank_main(tp: TPGroup, cases: list[tuple[str, str, str]]) -> list[dict]:
     """Each rank: the scenario on every (model, save_to, load_from), sharded."""
     return [run_scenario(build_runtime(d, tp), sharded=True, save_to=s, load_from=l) for d, s, l in cases]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.scenario import assert_same, build_runtime, load_and_score, rank_main, run_scenario
+from tests.parallel.scenario import (assert_same, build_runtime, joint_steps_rank_main, load_and_score, rank_main,
+                                    run_scenario)
 from tinsmith.parallel.launch import run_ranks
 
 @pytest.mark.parametrize("families", [("qwen3", "tied_qwen3"), ("llama", "qwen2"), ("qwen3_moe", "gpt_oss"),
@@ -53,3 +54,13 @@ def test_more_ranks_than_key_value_heads_match_one_process(qwen3_dir, tmp_path):
         assert_same(ref, o.result[0], f"rank {o.rank}")
     back = load_and_score(build_runtime(d, None), False, str(four))
     assert_same(ref["after"][0], back["loaded_state"], "saved under TP=4")
+
+
+def test_adapters_stepping_together_on_two_ranks_step_as_each_alone(qwen3_dir, tmp_path):
+    """Three adapters' steps taken together (their whole factors' gradients and their norms in one
+    all-reduce each, one set of AdamW kernels) leave each adapter bit-identical, on every rank, to
+    its step alone (two ranks: an all-reduce adds two parts, whatever sits beside them)."""
+    outcomes = run_ranks(joint_steps_rank_main, 2, tmp_path, (str(qwen3_dir),), timeout_s=30, deadline_s=120)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        assert o.result == {"results": [True, True], "states": [[True] * 3] * 2, "clipped": True}, o.result
