@@ -6,7 +6,6 @@ unit's refusal or missing gradients stay its own result."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -167,4 +166,4 @@ def test_the_norms_are_read_back_once(qwen3_dir, monkeypatch):
     with HostSyncs() as h:
         rt.optim_steps(list(zip(units, HPS)))
     assert sum(h.by_site().values()) == 1, h.by_site()
-    assert np.isfinite([rt.unit(u).steps for u in units]).all() and all(rt.unit(u).steps == 1 for u in units)
+    assert all(rt.unit(u).steps == 1 for u in units)

@@ -37,7 +37,6 @@ from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from tinsmith.sampling.sampler import Sampler
 from tinsmith.tenants import key_id
 from tinsmith.worker.activation_memory import activation_bytes_per_token
-from tinsmith.worker.joint_steps import result_of
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, TrainRequest
 from tinsmith.worker.trainables import detach_lora, install_lora_weights
 from tinsmith.worker.warm_up import configure_device
@@ -402,7 +401,7 @@ class Worker:
         gradient norms and one set of multi-tensor kernels for all), each exactly as alone.
         Each entry is that run's metrics or the error that refused its step."""
         results: list = [None] * len(steps)
-        by_runtime: dict[int, tuple[object, list[tuple[int, int, OptimParams]]]] = {}
+        by_runtime: dict[int, tuple[Any, list[tuple[int, int, OptimParams]]]] = {}
         for i, (model_id, params) in enumerate(steps):
             try:
                 p = self.placement(model_id)
@@ -411,11 +410,7 @@ class Worker:
                 continue
             by_runtime.setdefault(id(p.runtime), (p.runtime, []))[1].append((i, p.unit, params))
         for runtime, entries in by_runtime.values():
-            together = getattr(runtime, "optim_steps", None)
-            if together is not None:
-                got = together([(unit, params) for _, unit, params in entries])
-            else:  # a runtime that takes them only one by one
-                got = [result_of(runtime.optim_step, unit, params) for _, unit, params in entries]
+            got = runtime.optim_steps([(unit, params) for _, unit, params in entries])
             for (i, _, _), r in zip(entries, got):
                 results[i] = r
         return results
