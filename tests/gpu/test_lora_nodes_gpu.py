@@ -106,11 +106,13 @@ def test_several_tenants_node_on_the_device_matches_float64():
     _assert_matches_float64(lin, x, y, g, segments)
 
 
-def test_several_tenants_q_k_v_group_on_the_device_matches_float64():
+@pytest.mark.parametrize("packed", [False, True], ids=["own-weights", "packed-weights"])
+def test_several_tenants_q_k_v_group_on_the_device_matches_float64(packed):
     """Three projections of one input (q/k/v widths of the 1.7B shape's heads, scaled down), two
-    tenants and rows of none, as one grouped node on the device (strided slices of the shared
-    shrink feed the expands), against float64."""
-    from tinsmith.models.lora import LoraLinear
+    tenants and rows of none, as one grouped node on the device (one shrink and one expand over
+    block-diagonal factors, the base GEMMs into column blocks of one output, or one GEMM over the
+    packed weight), against float64."""
+    from tinsmith.models.lora import LoraLinear, PackedProjection
 
     device = torch.device(DEVICE)
     torch.manual_seed(0)
@@ -124,9 +126,10 @@ def test_several_tenants_q_k_v_group_on_the_device_matches_float64():
                 w.B.normal_()
         _to_device(lin, device)
         layers.append(lin)
+    pack = PackedProjection(layers) if packed else None
     segments = [(0, 0, 384), (None, 384, 448), (1, 448, 1024)]
     x = torch.randn(1024, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    outs = trained_together(tuple(layers), x, segments)
+    outs = trained_together(tuple(layers), x, segments, pack)
     if device.type == "cuda":
         assert outs is not None  # grouped on the device: the group's node ran
     if outs is None:

@@ -103,6 +103,42 @@ def test_q_heads_normalised_then_turned(dtype, norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_heads_in_a_wider_row_normalised_then_turned(dtype, norm):
+    """Several tenants' q/k/v come side by side, so the q (or k) heads of a token sit in a wider
+    row: the kernels read them there (no copy), as from a contiguous tensor, and the gradient
+    reaches only their columns of the row."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(11)
+    b, L, H, d, wide = 2, 5, 3, 64, 7 * 64  # the row: q (3 heads) then 4 more heads' worth of columns
+    row = (torch.randn(b, L, wide, generator=g) * 2).to(device, dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype)
+    cos, sin = rope(device, dtype, b, L, d)
+    grad = torch.randn(b, L, H, d, generator=g).to(device, dtype)
+    weight = w if norm else None
+    q = row[..., d:d + H * d].view(b, L, H, d)  # columns past the row's start, as k's are
+    assert not q.is_contiguous() and norm_grad.layout(q) == (H, wide)
+    assert norm_grad.usable(q, weight, (cos, sin))
+    got = norm_grad.norm_rotary(q, weight, 1e-6, (cos, sin))
+    got.backward(grad)
+    contiguous = q.detach().clone().requires_grad_()
+    want = torch_rotary(torch_norm(contiguous, w, 1e-6) if norm else contiguous, cos, sin)
+    want.backward(grad)
+    bf16 = (2 ** -6 * 1.01, 0.1)
+    close(got.detach(), want.detach(), dtype, bf16)
+    close(row.grad[..., d:d + H * d].reshape(b, L, H, d), contiguous.grad, dtype, bf16)
+    assert not row.grad[..., :d].any() and not row.grad[..., d + H * d:].any()
+
+
+def test_vectors_the_kernels_cannot_address_take_torch():
+    x = torch.randn(2, 5, 3, 64)
+    assert norm_grad.layout(x) == (3, 192)
+    assert norm_grad.layout(x.transpose(1, 2)) is None  # heads apart from each other along a token
+    assert norm_grad.layout(x[..., ::2]) is None  # a vector's elements strided
+    assert norm_grad.layout(torch.randn(5, 2, 3, 64).transpose(0, 1)) is None  # leading dimensions do not merge
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_in_torch_is_the_kernels_backward(dtype):
     """Where the backward kernel cannot run, torch takes the gradient from the same saved tensors."""
     device = kernel_device()
@@ -141,6 +177,22 @@ def test_silu_mul_forward_and_backward(dtype):
     in_torch = swiglu.silu_mul_backward_in_torch(gate.detach(), up.detach(), grad)
     for a, b in zip(in_torch, want_grads):
         close(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_of_gate_and_up_side_by_side(dtype):
+    """Several tenants' gate and up come side by side in one tensor: one kernel each way, the
+    backward writing both halves' gradients into one tensor (nothing concatenates them)."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(6)
+    y = (torch.randn(2, 9, 600, generator=g) * 3).to(device, dtype).requires_grad_()
+    grad = torch.randn(2, 9, 300, generator=g).to(device, dtype)
+    assert swiglu.packed_grad_usable(y)
+    got, (got_grad,) = grads_of(swiglu.silu_mul_packed_grad, y, grad_out=grad)
+    want, (want_grad,) = grads_of(lambda t: torch.nn.functional.silu(t[..., :300]) * t[..., 300:], y, grad_out=grad)
+    close(got, want, dtype)
+    close(got_grad, want_grad, dtype)
+    assert not swiglu.packed_grad_usable(y[..., :598])  # not contiguous
 
 
 def test_dispatch(monkeypatch):
@@ -215,12 +267,39 @@ def test_a_model_trains_through_the_kernels_as_through_torch(family, model_dirs,
         torch.testing.assert_close(grad, want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_several_tenants_train_through_the_kernels_as_through_torch(family, model_dirs, monkeypatch):
+    """Several tenants' q/k/v and gate/up come side by side (the grouped matmul forced, as on a
+    GPU): the q and k heads go through the norm/rotary kernels where they sit in the wide row,
+    gate and up through the side-by-side SiLU kernel; the same logprobs and every adapter's own
+    gradients as through torch."""
+    from tests.models.test_grouped_lora import _step, assert_same_step
+
+    if kernel_device() != "cpu":
+        pytest.skip("the GPU tier trains through the kernels on a GPU")
+    calls: list = []
+    for module, name in ((norm_grad, "norm_rotary"), (swiglu, "silu_mul_packed_grad")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: calls.append((name, a[0].is_contiguous()))
+                            or real(*a))
+    steps = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(norm_grad, "BACKEND", backend)
+        monkeypatch.setattr(swiglu, "BACKEND", backend)
+        steps[backend] = _step(model_dirs[family], "grouped", monkeypatch)
+    layers_ = 2
+    assert calls.count(("silu_mul_packed_grad", True)) == layers_
+    assert calls.count(("norm_rotary", False)) == 2 * layers_  # q and k, read in the row of all three
+    assert_same_step(steps["triton"], steps["torch"])
+
+
 _COMPILE = BUILD_PRELUDE + '''
 from tinsmith.kernels import norm_grad, swiglu
 
 for dt in sys.argv[1:]:
     common = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "rstd_ptr": "*fp32", "cos_ptr": f"*{dt}",
-              "sin_ptr": f"*{dt}", "n": "i32", "heads": "i32", "d": "i32", "eps": "fp32", "g_ptr": f"*{dt}",
+              "sin_ptr": f"*{dt}", "n": "i32", "heads": "i32", "d": "i32", "inner": "i32", "outer": "i32",
+              "eps": "fp32", "g_ptr": f"*{dt}",
               "gx_ptr": f"*{dt}", "gw_ptr": "*fp32", "programs": "i32"}
     for block, rows, norm, rotary in ((128, 16, True, True), (128, 16, False, True), (2048, 1, True, False)):
         flags = {"BLOCK_D": block, "ROWS": rows, "NORM": norm, "ROTARY": rotary}
@@ -231,6 +310,8 @@ for dt in sys.argv[1:]:
             "gu_ptr": f"*{dt}", "n": "i32"}
     build(swiglu._silu_mul_flat_kernel, flat, {"BLOCK": 1024})
     build(swiglu._silu_mul_backward_kernel, flat, {"BLOCK": 1024})
+    packed = {"y_ptr": f"*{dt}", "grad_ptr": f"*{dt}", "gy_ptr": f"*{dt}", "width": "i32"}
+    build(swiglu._silu_mul_packed_backward_kernel, packed, {"BLOCK": 1024})
 '''
 
 def test_kernels_compile_for_hopper(tmp_path):

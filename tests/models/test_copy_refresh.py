@@ -94,22 +94,37 @@ def test_copies_replaced_elsewhere_are_written_again(monkeypatch):
     assert copy_refresh.copy_key(w, torch.bfloat16) == w.copies[0]
 
 
-def test_a_groups_stacks_are_views_of_its_buffer_which_a_refresh_writes(monkeypatch):
+def test_a_groups_stacks_are_views_of_its_buffers_which_a_refresh_writes(monkeypatch):
     monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
     layers = _group_layers(torch.bfloat16)
     x = torch.randn(15, 64, dtype=torch.bfloat16)
     trained_together(layers, x, _segments())
-    A_cat, _ = layers[0]._tenant_cat
+    A_cat, B_cat, _ = layers[0]._tenant_cat
     rank = A_cat.shape[1] // len(layers)
+    start = 0
     for p, layer in enumerate(layers):
         assert layer._tenant_stack.A.data_ptr() == A_cat[:, p * rank].data_ptr()
+        assert layer._tenant_stack.B.data_ptr() == B_cat[:, start, p * rank].data_ptr()
+        start += layer.out_features
     ws = [layer.adapters[1] for layer in layers]
     _step(*ws)
     CopyRefresh({}, {}, [(layer, w) for layer, w in zip(layers, ws)]).refresh()
+    start = 0
     for p, (layer, w) in enumerate(zip(layers, ws)):
-        torch.testing.assert_close(A_cat[2, p * rank:p * rank + w.A.shape[0]], _bf16(w.A), rtol=0, atol=0)
+        r, out = w.A.shape[0], layer.out_features
+        torch.testing.assert_close(A_cat[2, p * rank:p * rank + r], _bf16(w.A), rtol=0, atol=0)
+        torch.testing.assert_close(B_cat[2, start:start + out, p * rank:p * rank + r],
+                                   (w.B.detach() * w.scale).to(torch.bfloat16), rtol=0, atol=0)
+        start += out
+    # Off its own block, a part's rows of B stay zero: its output reads only its own rank's columns.
+    mask = torch.zeros_like(B_cat, dtype=torch.bool)
+    start = 0
+    for p, layer in enumerate(layers):
+        mask[:, start:start + layer.out_features, p * rank:(p + 1) * rank] = True
+        start += layer.out_features
+    assert not B_cat[~mask].any()
     trained_together(layers, x, _segments())
-    assert layers[0]._tenant_cat[0] is A_cat  # no new concatenation after the step
+    assert layers[0]._tenant_cat[0] is A_cat and layers[0]._tenant_cat[1] is B_cat  # nothing rebuilt after the step
 
 
 def test_parked_and_unparked_tenants_train_as_if_all_stayed(qwen3_dir, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 
 from tests.worker.helpers import assert_rel_close, sft_datum
 from tinsmith.models import moe
-from tinsmith.models import grouped_lora
+from tinsmith.models import grouped_lora, lora_tenants
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta
 from tinsmith.models.loading import load_model
 from tinsmith.models.lora import LoraLinear
@@ -18,13 +18,16 @@ from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 VOCAB = 512
 
 
-def _step(qwen3_dir, mode: str, monkeypatch, calls: list | None = None, multi: str = "auto"):
+def _step(qwen3_dir, mode: str, monkeypatch, calls: list | None = None, multi: str = "auto", device: str = "cpu",
+          dtype: torch.dtype | None = None):
+    """Three tenants' forward/backward in one step: their results and every adapter's gradients."""
     monkeypatch.setattr(moe, "GROUPED_MM", mode)
     monkeypatch.setattr(grouped_lora, "MULTI_LORA", multi)
     if calls is not None:
         real = torch._grouped_mm
         monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    rt = TrainingRuntime(load_model(str(qwen3_dir)).model, max_lora_adapters=4, max_lora_rank=16)
+    rt = TrainingRuntime(load_model(str(qwen3_dir), device=device, dtype=dtype).model, max_lora_adapters=4,
+                         max_lora_rank=16)
     g = torch.Generator().manual_seed(5)
     units = []
     for rank, seed in ((4, 1), (8, 2), (6, 3)):  # unequal ranks: padded to a common width of 8
@@ -56,8 +59,13 @@ def assert_same_step(got, want) -> None:
 def test_grouped_training_step_equals_the_loop(qwen3_dir, monkeypatch):
     loop = _step(qwen3_dir, "loop", monkeypatch)
     calls: list = []
+    packed: list = []  # per q/k/v or gate/up group: whether its base ran as one GEMM over the packed weight
+    real = lora_tenants.TenantsGroupFunction.apply
+    monkeypatch.setattr(lora_tenants.TenantsGroupFunction, "apply", lambda *a: packed.append(a[4] is not None)
+                        or real(*a))
     grouped = _step(qwen3_dir, "grouped", monkeypatch, calls)
-    assert len(calls) >= 2 * 7 * 2  # shrink and expand of every projection of both layers, at least
+    assert len(calls) >= 2 * 4 * 2  # shrink and expand of every projection (q/k/v, gate/up: one each) of both layers
+    assert packed == [True] * 4  # q/k/v and gate/up of both layers, side by side
     assert_same_step(grouped, loop)
 
 

@@ -224,20 +224,28 @@ def _group_layers(dtype: torch.dtype) -> tuple[LoraLinear, ...]:
     return tuple(layers)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["own-weights", "packed-weights"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_a_group_of_projections_of_several_tenants_is_one_node(dtype, tol, monkeypatch):
-    from tinsmith.models.lora import trained_together
+def test_a_group_of_projections_of_several_tenants_is_one_node(dtype, tol, packed, monkeypatch):
+    from tinsmith.models.lora import PackedProjection, trained_together
 
     monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
     layers = _group_layers(dtype)
+    pack = PackedProjection(list(layers)) if packed else None  # the layers' weights become its columns
     segments = _segments()
     x = torch.randn(15, 64, dtype=dtype, requires_grad=True)
     with _Ops() as fwd:
-        outs = trained_together(layers, x, segments)
+        outs = trained_together(layers, x, segments, pack)
     assert outs is not None and "TenantsGroupFunctionBackward" in _nodes(outs[0])
-    assert fwd.ops["_grouped_mm"] == 1 + len(layers)  # one shrink for the group, an expand per part
+    # One shrink and one expand for every part; the base one GEMM over the packed weight, else one per part.
+    assert fwd.ops["_grouped_mm"] == 2
+    assert fwd.ops["addmm_"] == (1 if packed else len(layers))
     gs = [torch.randn_like(o) for o in outs]
-    torch.autograd.backward(outs, gs)
+    with _Ops() as bwd:
+        torch.autograd.backward(outs, gs)
+    # The parts' shrink gradients, the input's adapter part, every dA and every dB: one grouped product each.
+    assert bwd.ops["_grouped_mm"] == 4
+    assert bwd.ops["addmm_"] == (1 if packed else len(layers))
     x_ref = x.detach().clone().requires_grad_()
     dx_ref = torch.zeros(15, 64, dtype=torch.float64)
     for layer, o, g in zip(layers, outs, gs):

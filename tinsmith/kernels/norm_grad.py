@@ -38,12 +38,13 @@ TILE = 2048  # elements a program takes at once (several short vectors, or one l
 
 def usable(x: torch.Tensor, weight: torch.Tensor | None = None, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
            ) -> bool:
-    """Whether :func:`norm_rotary` takes the kernels for ``x`` (..., d): under autograd, a contiguous
-    input, a weight of ``x``'s dtype with one row (``None``: rotary alone), and a full-width rotary
-    whose ``(cos, signed_sin)`` (..., 1, d) match ``x``'s leading dimensions."""
+    """Whether :func:`norm_rotary` takes the kernels for ``x`` (..., d): under autograd, vectors
+    the kernels can address (:func:`layout`), a weight of ``x``'s dtype with one row (``None``:
+    rotary alone), and a full-width rotary whose ``(cos, signed_sin)`` (..., 1, d) match ``x``'s
+    leading dimensions."""
     if triton is None or BACKEND == "torch" or GUARD.failed is not None or not torch.is_grad_enabled():
         return False
-    if (BACKEND == "auto" and not x.is_cuda) or not x.is_contiguous() or x.dim() < 2 or x.numel() == 0:
+    if (BACKEND == "auto" and not x.is_cuda) or layout(x) is None or x.numel() == 0:
         return False
     d = x.shape[-1]
     if weight is not None and (weight.shape != (d,) or weight.dtype != x.dtype or not weight.is_contiguous()):
@@ -52,6 +53,25 @@ def usable(x: torch.Tensor, weight: torch.Tensor | None = None, rotary: tuple[to
         return weight is not None
     cos, sin = rotary
     return rms_kernel.rotary_usable(x, cos, sin) and not cos.requires_grad and not sin.requires_grad
+
+
+def layout(x: torch.Tensor) -> tuple[int, int] | None:
+    """``(inner, outer)``: vector ``v`` of ``x`` (..., d) starts at element ``(v // inner) * outer +
+    (v % inner) * d`` of its storage from ``x``'s first. A contiguous ``x`` is one case (``inner``
+    its heads, ``outer`` their width); the heads of a token may also sit in a wider row, as q or
+    k in several tenants' q/k/v output side by side (``outer`` the row's width). None: vectors
+    strided otherwise."""
+    if x.dim() < 2 or x.stride(-1) != 1:
+        return None
+    d = x.shape[-1]
+    if x.dim() == 2:
+        return 1, x.stride(0)
+    if x.stride(-2) != d:
+        return None
+    for i in range(x.dim() - 3):  # the dimensions before the heads' row must merge into one
+        if x.stride(i) != x.shape[i + 1] * x.stride(i + 1):
+            return None
+    return x.shape[-2], x.stride(-3)
 
 
 def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -78,10 +98,9 @@ class _NormRotary(torch.autograd.Function):
     def forward(ctx, x, weight, cos, sin, eps):
         d = x.shape[-1]
         heads = x.shape[-2] if cos is not None else 1
-        flat = x.view(-1, d)
-        out = torch.empty_like(flat)
-        rstd = torch.empty(flat.shape[0] if weight is not None else 0, dtype=torch.float32, device=x.device)
-        if GUARD.call(_forward, flat, weight, cos, sin, out, rstd, heads, eps, on=x) is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device).view(-1, d)
+        rstd = torch.empty(out.shape[0] if weight is not None else 0, dtype=torch.float32, device=x.device)
+        if GUARD.call(_forward, x, weight, cos, sin, out, rstd, heads, eps, on=x) is None:
             raise _Declined
         ctx.save_for_backward(x, weight, rstd, cos, sin)
         ctx.heads = heads
@@ -93,7 +112,7 @@ class _NormRotary(torch.autograd.Function):
         want_w = weight is not None and ctx.needs_input_grad[1]
         d = x.shape[-1]
         g = grad.contiguous().view(-1, d)
-        done = GUARD.call(_backward, x.view(-1, d), weight, rstd, cos, sin, g, ctx.heads, want_w, on=x)
+        done = GUARD.call(_backward, x, weight, rstd, cos, sin, g, ctx.heads, want_w, on=x)
         if done is None:  # the backward kernel failed here: the same arithmetic in torch
             done = backward_in_torch(x, weight, rstd, cos, sin, grad, want_w)
         gx, gw = done
@@ -126,12 +145,13 @@ def _tile(d: int) -> tuple[int, int, int]:
 
 
 def _forward(x, weight, cos, sin, out, rstd, heads: int, eps: float):
-    n, d = x.shape
+    n, d = out.shape
+    inner, outer = layout(x)  # type: ignore[misc]
     block, rows, warps = _tile(d)
     w = weight if weight is not None else x  # unread without NORM
     c, s = (cos, sin) if cos is not None else (x, x)  # unread without ROTARY
     _forward_kernel[(triton.cdiv(n, rows),)](
-        x, w, out, rstd, c, s, n, heads, d, eps,
+        x, w, out, rstd, c, s, n, heads, d, inner, outer, eps,
         BLOCK_D=block, ROWS=rows, NORM=weight is not None, ROTARY=cos is not None, num_warps=warps)
     return out
 
@@ -146,15 +166,16 @@ def _programs(n: int, rows: int, device: torch.device) -> int:
 
 
 def _backward(x, weight, rstd, cos, sin, grad, heads: int, want_w: bool):
-    n, d = x.shape
+    n, d = grad.shape
+    inner, outer = layout(x)  # type: ignore[misc]
     block, rows, warps = _tile(d)
     programs = _programs(n, rows, x.device)
-    gx = torch.empty_like(x)
+    gx = torch.empty_like(grad)
     partial = torch.empty(programs if want_w else 0, d, dtype=torch.float32, device=x.device)
     w = weight if weight is not None else x
     c, s = (cos, sin) if cos is not None else (x, x)
     _backward_kernel[(programs,)](
-        x, w, rstd, grad, gx, partial, c, s, n, heads, d, programs,
+        x, w, rstd, grad, gx, partial, c, s, n, heads, d, inner, outer, programs,
         BLOCK_D=block, ROWS=rows, NORM=weight is not None, ROTARY=cos is not None, WEIGHT_GRAD=want_w,
         num_warps=warps)
     return gx, (partial.sum(0).to(weight.dtype) if want_w else None)
@@ -163,21 +184,23 @@ def _backward(x, weight, rstd, cos, sin, grad, heads: int, want_w: bool):
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, cos_ptr, sin_ptr, n, heads, d, eps,
+    def _forward_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, cos_ptr, sin_ptr, n, heads, d, inner, outer, eps,
                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, ROTARY: tl.constexpr):
         """``ROWS`` vectors: ``NORM``, ``w * (x * rstd)`` (rstd of fp32 squares; the normalised vector
         rounded to the dtype, the product rounded), storing rstd; then ``ROTARY``, ``y cos +
         roll(y, d/2) signed_sin`` with vector ``v``'s cos/sin row ``v // heads`` (each product and
-        the sum rounded; the rolled half is normalised again from its own inputs)."""
+        the sum rounded; the rolled half is normalised again from its own inputs). The input's
+        vectors are where :func:`layout` says (``inner``, ``outer``); the output is contiguous."""
         vec = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_D)
         rolled = (cols + d // 2) % d  # roll(y, d/2)[i] = y[(i - d/2) mod d] = y[(i + d/2) mod d]
         live = (vec < n)[:, None] & (cols < d)[None, :]
         dtype = out_ptr.dtype.element_ty
         at = vec[:, None] * d
-        y = tl.load(x_ptr + at + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        at_x = ((vec // inner) * outer + (vec % inner) * d)[:, None]
+        y = tl.load(x_ptr + at_x + cols[None, :], mask=live, other=0.0).to(tl.float32)
         if ROTARY:
-            yr = tl.load(x_ptr + at + rolled[None, :], mask=live, other=0.0).to(tl.float32)
+            yr = tl.load(x_ptr + at_x + rolled[None, :], mask=live, other=0.0).to(tl.float32)
         if NORM:
             rstd = tl.rsqrt(tl.sum(y * y, axis=1) / d + eps)
             tl.store(rstd_ptr + vec, rstd, mask=vec < n)
@@ -194,7 +217,8 @@ if triton is not None:
         tl.store(out_ptr + at + cols[None, :], y.to(dtype), mask=live)
 
     @triton.jit
-    def _backward_kernel(x_ptr, w_ptr, rstd_ptr, g_ptr, gx_ptr, gw_ptr, cos_ptr, sin_ptr, n, heads, d, programs,
+    def _backward_kernel(x_ptr, w_ptr, rstd_ptr, g_ptr, gx_ptr, gw_ptr, cos_ptr, sin_ptr, n, heads, d, inner, outer,
+                         programs,
                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, ROTARY: tl.constexpr,
                          WEIGHT_GRAD: tl.constexpr):
         """Tiles ``pid``, ``pid + programs``, ... of ``ROWS`` vectors: the output's gradient back through
@@ -213,7 +237,7 @@ if triton is not None:
         for first in range(pid * ROWS, n, programs * ROWS):
             vec = first + tl.arange(0, ROWS).to(tl.int64)
             live = (vec < n)[:, None] & (cols < d)[None, :]
-            at = vec[:, None] * d
+            at = vec[:, None] * d  # the gradients' (contiguous)
             gy = tl.load(g_ptr + at + cols[None, :], mask=live, other=0.0).to(tl.float32)
             if ROTARY:
                 turn = (vec // heads)[:, None] * d
@@ -223,7 +247,8 @@ if triton is not None:
                 gy = ((gy * c).to(dtype).to(tl.float32) + (gr * sr).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             if NORM:
                 rstd = tl.load(rstd_ptr + vec, mask=vec < n, other=0.0)
-                nhat = tl.load(x_ptr + at + cols[None, :], mask=live, other=0.0).to(tl.float32) * rstd[:, None]
+                at_x = ((vec // inner) * outer + (vec % inner) * d)[:, None]  # the input's (see layout)
+                nhat = tl.load(x_ptr + at_x + cols[None, :], mask=live, other=0.0).to(tl.float32) * rstd[:, None]
                 gn = (gy * w[None, :]).to(dtype).to(tl.float32)
                 gx = rstd[:, None] * (gn - nhat * (tl.sum(gn * nhat, axis=1) / d)[:, None])
                 if WEIGHT_GRAD:
@@ -235,4 +260,4 @@ if triton is not None:
             tl.store(gw_ptr + pid * d + cols, gw, mask=cols < d)
 
 
-__all__ = ["BACKEND", "backward_in_torch", "norm_rotary", "usable"]
+__all__ = ["BACKEND", "backward_in_torch", "layout", "norm_rotary", "usable"]

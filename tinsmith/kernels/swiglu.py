@@ -10,6 +10,9 @@ Under autograd (training) :func:`silu_mul_grad` takes the gate and up projection
 tensors and keeps only them for the backward (torch keeps the SiLU's output too: one more tensor
 of the MLP's width per token, held from the forward to the backward), and one kernel each way
 replaces torch's two forward and four backward ones; the backward rounds as autograd does.
+:func:`silu_mul_packed_grad` does the same for the two halves of one tensor (several tenants'
+gate/up projections computed side by side): its backward writes both halves' gradients into one
+tensor of the input's shape, so nothing concatenates them.
 """
 
 from __future__ import annotations
@@ -50,6 +53,28 @@ def grad_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
             and gate.is_contiguous() and up.is_contiguous() and gate.numel() > 0)
 
 
+def packed_grad_usable(y: torch.Tensor) -> bool:
+    """Whether :func:`silu_mul_packed_grad` takes the kernels: under autograd, a contiguous tensor
+    whose last dimension holds the gate and up halves, and not once the kernels failed here."""
+    if triton is None or BACKEND == "torch" or GUARD.failed is not None or not torch.is_grad_enabled():
+        return False
+    if BACKEND == "auto" and not y.is_cuda:
+        return False
+    return y.dtype.is_floating_point and y.is_contiguous() and y.shape[-1] % 2 == 0 and y.numel() > 0
+
+
+def silu_mul_packed_grad(y: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(y[..., :i]) * y[..., i:]`` (``i`` half of the last dimension) with autograd, one
+    kernel forward and one backward; None when the forward kernel failed here (the caller takes
+    the torch path). See :func:`packed_grad_usable`."""
+    if GUARD.failed is not None:
+        return None
+    try:
+        return _SiluMulPacked.apply(y)
+    except _Declined:
+        return None
+
+
 def silu_mul_grad(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """``F.silu(gate) * up`` with autograd, one kernel forward and one backward; None when the
     forward kernel failed here (the caller takes the torch path). See :func:`grad_usable`."""
@@ -82,6 +107,37 @@ class _SiluMul(torch.autograd.Function):
         if GUARD.call(_launch_flat, _silu_mul_backward_kernel, gate, up, grad, g_gate, g_up, on=gate) is None:
             return silu_mul_backward_in_torch(gate, up, grad)
         return g_gate, g_up
+
+
+class _SiluMulPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        width = y.shape[-1] // 2
+        flat = y.view(-1, 2 * width)
+        out = torch.empty(flat.shape[0], width, dtype=y.dtype, device=y.device)
+        if GUARD.call(_launch, flat, out, on=y) is None:
+            raise _Declined
+        ctx.save_for_backward(y)
+        return out.view(*y.shape[:-1], width)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        width = y.shape[-1] // 2
+        flat, g = y.view(-1, 2 * width), grad.contiguous().view(-1, width)
+        gy = torch.empty_like(flat)
+        if GUARD.call(_launch_packed_backward, flat, g, gy, on=y) is None:
+            gate_grad, up_grad = silu_mul_backward_in_torch(flat[:, :width], flat[:, width:], g)
+            gy = torch.cat((gate_grad, up_grad), dim=1)
+        return gy.view(y.shape)
+
+
+def _launch_packed_backward(y: torch.Tensor, grad: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
+    rows, width = grad.shape
+    block = min(BLOCK, triton.next_power_of_2(width))
+    _silu_mul_packed_backward_kernel[(rows, triton.cdiv(width, block))](y, grad, gy, width, BLOCK=block,
+                                                                        num_warps=4 if block >= 512 else 1)
+    return gy
 
 
 def silu_mul_backward_in_torch(gate: torch.Tensor, up: torch.Tensor,
@@ -145,18 +201,38 @@ if triton is not None:
         tl.store(out_ptr + at, (act * u).to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_backward_kernel(g_ptr, u_ptr, grad_ptr, gg_ptr, gu_ptr, n, BLOCK: tl.constexpr):
-        """The product's gradient to both inputs, as autograd rounds it: ``up``'s is ``grad silu(g)``
-        (the SiLU rounded first); the gate's is ``(grad up)`` rounded, times SiLU's derivative
-        ``s (1 + g (1 - s))`` in fp32, rounded."""
-        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = at < n
-        dtype = gg_ptr.dtype.element_ty
-        g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    def _silu_mul_grads(g, u, grad, dtype: tl.constexpr):
+        """The product's gradient to both inputs (fp32 values), as autograd rounds it: ``up``'s is
+        ``grad silu(g)`` (the SiLU rounded first); the gate's is ``(grad up)`` rounded, times SiLU's
+        derivative ``s (1 + g (1 - s))`` in fp32, rounded."""
         sig = 1.0 / (1.0 + tl.exp(-g))
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         g_act = (grad * u).to(dtype).to(tl.float32)
-        tl.store(gg_ptr + at, (g_act * sig * (1.0 + g * (1.0 - sig))).to(dtype), mask=mask)
-        tl.store(gu_ptr + at, (grad * act).to(dtype), mask=mask)
+        return (g_act * sig * (1.0 + g * (1.0 - sig))).to(dtype), (grad * act).to(dtype)
+
+    @triton.jit
+    def _silu_mul_backward_kernel(g_ptr, u_ptr, grad_ptr, gg_ptr, gu_ptr, n, BLOCK: tl.constexpr):
+        """Elements ``[pid * BLOCK, ...)``: both inputs' gradients (:func:`_silu_mul_grads`)."""
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = at < n
+        g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        gg, gu = _silu_mul_grads(g, u, grad, gg_ptr.dtype.element_ty)
+        tl.store(gg_ptr + at, gg, mask=mask)
+        tl.store(gu_ptr + at, gu, mask=mask)
+
+    @triton.jit
+    def _silu_mul_packed_backward_kernel(y_ptr, grad_ptr, gy_ptr, width, BLOCK: tl.constexpr):
+        """Columns ``[pid1 * BLOCK, ...)`` of one row of a packed (gate | up) input: both halves'
+        gradients (:func:`_silu_mul_grads`) into the same columns of ``gy``'s halves."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        at = row * 2 * width + cols
+        g = tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(y_ptr + at + width, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+        gg, gu = _silu_mul_grads(g, u, grad, gy_ptr.dtype.element_ty)
+        tl.store(gy_ptr + at, gg, mask=mask)
+        tl.store(gy_ptr + at + width, gu, mask=mask)

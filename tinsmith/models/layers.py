@@ -352,7 +352,7 @@ class Attention(nn.Module):
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
             gate = None
-            qkv = trained_together((self.q_proj, self.k_proj, self.v_proj), x, segments)
+            qkv = trained_together((self.q_proj, self.k_proj, self.v_proj), x, segments, packed)
             q_out, k_out, v_out = qkv or (self.q_proj(x, segments), self.k_proj(x, segments), self.v_proj(x, segments))
             if self.output_gate:
                 q, gate = q_out.view(b, L, H, 2 * d).chunk(2, dim=-1)
@@ -402,11 +402,17 @@ class MLP(nn.Module):
                 h = F.silu(y[:, :i]).mul_(y[:, i:])
             h = h.view(*x.shape[:-1], i)
         else:
-            gate, up = (trained_together((self.gate_proj, self.up_proj), x, segments)
-                        or (self.gate_proj(x, segments), self.up_proj(x, segments)))
-            h = swiglu.silu_mul_grad(gate, up) if swiglu.grad_usable(gate, up) else None
-            if h is None:  # the torch path, or the kernels failed here
-                h = F.silu(gate) * up
+            both = trained_together((self.gate_proj, self.up_proj), x, segments, packed, side_by_side=True)
+            if isinstance(both, torch.Tensor):  # several tenants: gate and up side by side
+                h = swiglu.silu_mul_packed_grad(both) if swiglu.packed_grad_usable(both) else None
+                if h is None:
+                    i = self.gate_proj.out_features
+                    h = F.silu(both[..., :i]) * both[..., i:]
+            else:
+                gate, up = both or (self.gate_proj(x, segments), self.up_proj(x, segments))
+                h = swiglu.silu_mul_grad(gate, up) if swiglu.grad_usable(gate, up) else None
+                if h is None:  # the torch path, or the kernels failed here
+                    h = F.silu(gate) * up
         return self.down_proj(h, segments)
 
 

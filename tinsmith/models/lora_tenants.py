@@ -21,6 +21,15 @@ ways:
   output and the input gradient's adapter part added into the base part inside GEMMs
   (``addmm_``), as :class:`tinsmith.models.lora_function.LoraLinearFunction` does for one.
 
+Projections of one input (q/k/v, gate/up) run as one node, :class:`TenantsGroupFunction`, whose
+output holds the parts side by side: one grouped shrink and one grouped expand for all of them
+(the ``B`` stacks block-diagonal), the base one GEMM over the packed weight, and the same
+sharing backward. On a GPU each grouped matmul is a CUTLASS set-up on the host and two launches,
+and a four-tenant step is bound by the host's launches (docs/performance.md): per layer the
+group takes 24 grouped matmuls instead of 33, and 8 base GEMMs instead of 14. The consumers read
+the parts where they sit: the q/k norm and rotary kernels read heads in the wide row, the SiLU
+kernel the gate and up halves.
+
 Each tenant's gradients come from its own rows only and go to its own masters, so optimizer
 state and isolation are as before; padded ranks and segments without an adapter contribute
 zeros and get no gradient.
@@ -28,6 +37,7 @@ zeros and get no gradient.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -72,13 +82,14 @@ class TenantStack:
 
 
 def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_features: int,
-                   out_features: int, A_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out_features: int, A_into: torch.Tensor | None = None,
+                   B_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every segment's adapter in ``dtype`` as ``(segments, rank, in)`` and ``(segments, out,
     rank)`` (scale folded into ``B``; padding and segments without an adapter zero), kept on
     ``owner`` (the layer) until a master changes other than by an optimizer step's refresh
     (:class:`tinsmith.models.copy_refresh.CopyRefresh`) or the micro-batch's adapters do. A
-    rebuild makes new tensors (one multi-tensor copy and one multiply); ``A_into`` (a view of a
-    group's side-by-side buffer, zeroed) takes the ``A`` stack instead, and forces the rebuild."""
+    rebuild makes new tensors (one multi-tensor copy and one multiply); ``A_into`` and ``B_into``
+    (views of a group's buffers, zeroed) take the stacks instead, and force the rebuild."""
     cached = owner._tenant_stack
     if A_into is None and cached is not None and cached.current(weights, rank, dtype):
         return cached.A, cached.B
@@ -86,7 +97,7 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
     full = all(w is not None and w.A.shape[0] == rank for w in weights)
     new = torch.empty if full else torch.zeros
     A = new(len(weights), rank, in_features, dtype=dtype, device=like.device) if A_into is None else A_into
-    B = new(len(weights), out_features, rank, dtype=dtype, device=like.device)
+    B = new(len(weights), out_features, rank, dtype=dtype, device=like.device) if B_into is None else B_into
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     for i, w in enumerate(weights):
@@ -159,7 +170,7 @@ class TenantsLoraFunction(torch.autograd.Function):
             # The adapters' part first, the base GEMM adding into it (no separate add: the grouped
             # matmul cannot accumulate into an output, a GEMM can).
             dx = torch._grouped_mm(gh, A, offs=offs).addmm_(g, weight) if need_x else None
-            grads = _adapter_grads(ctx, rows, need_masters, x, [g], h, gh, offs)
+            grads = _adapter_grads(ctx, rows, need_masters, x, g, ((0, g.shape[1]),), h, gh, offs)
             return (dx, None, None, None, None, *grads, None, None)  # the two stacks get none
         x, weight, *rest = ctx.saved_tensors
         n_present = sum(w is not None for w in rows.weights)
@@ -182,29 +193,35 @@ class TenantsLoraFunction(torch.autograd.Function):
         return (dx, None, None, None, None, *grads, *([None] * len(compute)))
 
 
-def _adapter_grads(ctx, rows: TenantRows, need: tuple, x: torch.Tensor, gs: list[torch.Tensor], h: torch.Tensor,
-                   gh: torch.Tensor, offs: torch.Tensor) -> list:
-    """Every present adapter's (dA, dB) on each of the parts whose output gradients are ``gs``
-    (one for a single projection), in the order of the masters (part after part, segment after
-    segment): ``dA`` of all parts from one grouped product over ``gh`` (the parts' shrink
-    gradients side by side, rows as the groups' reduction), ``dB`` one per part; each cast to the
-    masters' dtype in one kernel, ``dB`` times each segment's scale in it."""
-    rank = h.shape[1] // len(gs)
+def _adapter_grads(ctx, rows: TenantRows, need: tuple, x: torch.Tensor, g: torch.Tensor,
+                   bounds: tuple[tuple[int, int], ...], h: torch.Tensor, gh: torch.Tensor, offs: torch.Tensor) -> list:
+    """Every present adapter's (dA, dB) on each part of the output whose gradient is ``g`` (the
+    parts' columns ``bounds``; one part for a single projection), in the order of the masters
+    (part after part, segment after segment): ``dA`` of all parts from one grouped product over
+    ``gh`` (the parts' shrink gradients side by side, rows as the groups' reduction), ``dB`` of
+    all parts from one grouped product of ``g`` with ``h`` (a part's block of it is its ``dB``;
+    the blocks across parts are not needed and cost a few FLOPs of a rank-wide product), each
+    cast to the masters' dtype in one kernel, ``dB`` times each segment's scale in it."""
+    parts = len(bounds)
+    rank = h.shape[1] // parts
     dA = torch._grouped_mm(gh.t(), x, offs=offs).to(ctx.master_dtype) if any(need[0::2]) else None
     scales = _group_scales(tuple(0.0 if w is None else float(w.scale) for w in rows.weights), 1, ctx.master_dtype,
                            x.device)
     segments = [(i, w.A.shape[0]) for i, w in enumerate(rows.weights) if w is not None]
-    present, parts = len(segments), len(gs)
+    present = len(segments)
     # One view per (segment, part) made by one call (``unbind``) rather than a slice each: a
     # slice costs the host microseconds, and a node of 16 tenants' q/k/v makes ~100 of them.
     dAs = dA.reshape(len(rows.weights) * parts, rank, dA.shape[-1]).unbind(0) if dA is not None else None
+    dB_all = None
+    if any(need[1::2]):
+        dB_all = torch._grouped_mm(g.t(), h, offs=offs)  # (segments, out, parts x rank)
     grads: list = []
-    for p, g in enumerate(gs):
+    for p, (lo, hi) in enumerate(bounds):
         base = 2 * p * present
         dBs = None
         if any(need[base + 1: base + 2 * present: 2]):
-            dB = torch.mul(torch._grouped_mm(g.t(), h[:, p * rank:(p + 1) * rank], offs=offs), scales)  # promoted
-            dBs = dB.unbind(0)
+            block = dB_all if parts == 1 else dB_all[:, lo:hi, p * rank:(p + 1) * rank]  # type: ignore[index]
+            dBs = torch.mul(block, scales).unbind(0)  # promoted to the masters' dtype, contiguous
         for j, (i, r) in enumerate(segments):
             a = dAs[i * parts + p] if need[base + 2 * j] else None  # type: ignore[index]
             b = dBs[i] if need[base + 2 * j + 1] else None  # type: ignore[index]
@@ -231,78 +248,111 @@ def tenants_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _group_stacks(layers: tuple, weights: tuple[tuple, ...], rank: int, dtype: torch.dtype
-                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A group's stacks: the parts' ``A`` side by side, ``(segments, parts x rank, in)``, each
-    part's ``A`` stack a view of it (so an optimizer step's refresh of a part writes the grouped
-    shrink's operand itself: no concatenation per step), and each part's ``B`` stack. Kept on the
-    first layer while every part's stack is current and the one made with it."""
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's stacks: the parts' ``A`` side by side, ``(segments, parts x rank, in)``, and
+    their ``B`` block-diagonal, ``(segments, sum of outs, parts x rank)``: part ``p``'s output
+    columns read only its own rank's columns of ``h`` (the rest stay zero), so one grouped expand
+    writes every part's output. Each part's stacks are views of these (so an optimizer step's
+    refresh of a part writes the grouped operands themselves: no concatenation per step). Kept on
+    the first layer while every part's stack is current and the one made with it."""
     cached = layers[0]._tenant_cat
     stacks = [layer._tenant_stack for layer in layers]
-    if (cached is not None and all(map(operator.is_, stacks, cached[1]))
+    if (cached is not None and all(map(operator.is_, stacks, cached[2]))
             and all(st.current(ws, rank, dtype) for st, ws in zip(stacks, weights))):
-        return cached[0], [st.B for st in stacks]
+        return cached[0], cached[1]
     like = next(w for w in weights[0] if w is not None).A
-    A_cat = torch.zeros(len(weights[0]), len(layers) * rank, like.shape[1], dtype=dtype, device=like.device)
-    Bs = [stacked_copies(layer, ws, rank, dtype, layer.in_features, layer.out_features,
-                         A_into=A_cat[:, p * rank:(p + 1) * rank])[1]
-          for p, (layer, ws) in enumerate(zip(layers, weights))]
-    layers[0]._tenant_cat = (A_cat, tuple(layer._tenant_stack for layer in layers))
-    return A_cat, Bs
+    segments, parts = len(weights[0]), len(layers)
+    A_cat = torch.zeros(segments, parts * rank, like.shape[1], dtype=dtype, device=like.device)
+    B_cat = torch.zeros(segments, sum(layer.out_features for layer in layers), parts * rank, dtype=dtype,
+                        device=like.device)
+    start = 0
+    for p, (layer, ws) in enumerate(zip(layers, weights)):
+        cols = slice(p * rank, (p + 1) * rank)
+        stacked_copies(layer, ws, rank, dtype, layer.in_features, layer.out_features, A_into=A_cat[:, cols],
+                       B_into=B_cat[:, start:start + layer.out_features, cols])
+        start += layer.out_features
+    layers[0]._tenant_cat = (A_cat, B_cat, tuple(layer._tenant_stack for layer in layers))
+    return A_cat, B_cat
 
 
 class TenantsGroupFunction(torch.autograd.Function):
-    """Several projections of one input (q, k, v; gate, up), several tenants, grouped: one
-    grouped shrink over the parts' stacked ``A`` side by side, then per part its base GEMM and
-    its grouped expand; the backward sums the input gradient's base parts inside GEMMs and its
-    adapter part in one grouped product over all parts. Arguments after ``n_masters``: per part
-    ``(weight, bias, B_stack)``, then ``A_cat``, then the present adapters' masters per part
-    (``A, B`` per segment with an adapter, part after part)."""
+    """Several projections of one input (q, k, v; gate, up), several tenants, grouped, as one
+    output with the parts side by side: one grouped shrink over the parts' ``A`` side by side,
+    one grouped expand over their block-diagonal ``B`` (:func:`_group_stacks`), and the base
+    GEMMs added into it: one over the packed weight where the parts' weights are its columns
+    (:class:`tinsmith.models.lora.PackedProjection`), else one per part into its columns. The
+    backward mirrors it: one grouped product for every part's shrink gradient, the input
+    gradient's adapter part in one grouped product and its base part inside GEMMs, the
+    adapters' gradients from two grouped products (:func:`_adapter_grads`). Arguments after
+    ``n_masters``: the packed weight and bias (None: per part), per part ``(weight, bias)``,
+    ``A_cat``, ``B_cat``, then the present adapters' masters per part (``A, B`` per segment
+    with an adapter, part after part)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, rows: TenantRows, n_parts: int, n_masters: int, *tensors):
-        parts = [tensors[3 * p: 3 * p + 3] for p in range(n_parts)]
-        A_cat = tensors[3 * n_parts]
-        masters = tensors[3 * n_parts + 1:]
+    def forward(ctx, x: torch.Tensor, rows: TenantRows, outs: tuple[int, ...], n_masters: int,
+                packed_w: torch.Tensor | None, packed_b: torch.Tensor | None, *tensors):
+        n = len(outs)
+        Ws, bs = tensors[0:2 * n:2], tensors[1:2 * n:2]
+        A_cat, B_cat = tensors[2 * n], tensors[2 * n + 1]
+        masters = tensors[2 * n + 2:]
         offs = group_offsets(rows.sizes, x.device)
         h = torch._grouped_mm(x, A_cat.transpose(1, 2), offs=offs)  # (rows, parts x rank)
-        rank = A_cat.shape[1] // n_parts
-        outs = [_plus_linear(torch._grouped_mm(h[:, p * rank:(p + 1) * rank], B.transpose(1, 2), offs=offs), x, W, b)
-                for p, (W, b, B) in enumerate(parts)]
-        ctx.save_for_backward(x, h, A_cat, *[W for W, _, _ in parts], *[B for _, _, B in parts])
-        ctx.rows, ctx.n_parts, ctx.n_masters = rows, n_parts, n_masters
+        y = torch._grouped_mm(h, B_cat.transpose(1, 2), offs=offs)  # (rows, sum of outs)
+        bounds = _bounds(outs)
+        if packed_w is not None:
+            _plus_linear(y, x, packed_w.t(), packed_b)
+        else:
+            for W, b, (lo, hi) in zip(Ws, bs, bounds):
+                _plus_linear(y[:, lo:hi], x, W, b)  # a GEMM writes a column block in place
+        ctx.save_for_backward(x, h, A_cat, B_cat, packed_w, *Ws)
+        ctx.rows, ctx.bounds, ctx.n_masters = rows, bounds, n_masters
         ctx.master_dtype = masters[0].dtype if masters else x.dtype
-        return tuple(outs)
+        return y
 
     @staticmethod
-    def backward(ctx, *gs):
+    def backward(ctx, g: torch.Tensor):
         rows: TenantRows = ctx.rows
-        n = ctx.n_parts
-        x, h, A_cat, *rest = ctx.saved_tensors
-        Ws, Bs = rest[:n], rest[n:]
-        gs = [g.contiguous() for g in gs]
+        x, h, A_cat, B_cat, packed_w, *Ws = ctx.saved_tensors
+        g = g.contiguous()
         offs = group_offsets(rows.sizes, x.device)
-        gh = torch.cat([torch._grouped_mm(g, B, offs=offs) for g, B in zip(gs, Bs)], dim=1)  # B carries the scales
+        gh = torch._grouped_mm(g, B_cat, offs=offs)  # (rows, parts x rank): B carries the scales
         dx = None
-        if ctx.needs_input_grad[0]:  # the adapters' part, every part's base GEMM adding into it
+        if ctx.needs_input_grad[0]:  # the adapters' part, the base GEMMs adding into it
             dx = torch._grouped_mm(gh, A_cat, offs=offs)
-            for g, W in zip(gs, Ws):
-                dx.addmm_(g, W)
-        need = ctx.needs_input_grad[4 + 3 * n + 1:]  # the masters': per part, per present segment (A, B)
-        grads = _adapter_grads(ctx, rows, need, x, gs, h, gh, offs)
-        return (dx, None, None, None, *([None] * (3 * n + 1)), *grads)
+            if packed_w is not None:
+                dx.addmm_(g, packed_w.t())
+            else:
+                for W, (lo, hi) in zip(Ws, ctx.bounds):
+                    dx.addmm_(g[:, lo:hi], W)
+        n = len(ctx.bounds)
+        need = ctx.needs_input_grad[6 + 2 * n + 2:]  # the masters': per part, per present segment (A, B)
+        grads = _adapter_grads(ctx, rows, need, x, g, ctx.bounds, h, gh, offs)
+        return (dx, None, None, None, None, None, *([None] * (2 * n + 2)), *grads)
 
 
-def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weights: tuple[tuple, ...]
-                  ) -> tuple[torch.Tensor, ...]:
-    """Every ``layers[p]``'s output for 2-D ``x`` whose rows ``sizes`` tile, segment ``i`` with
-    adapter ``weights[p][i]`` (the same tenant, rank and scale on every part, or None on all),
-    through :class:`TenantsGroupFunction` (grouped: the caller has checked that it runs here)."""
+def _bounds(outs: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Each part's columns of the side-by-side output."""
+    ends = list(itertools.accumulate(outs))
+    return tuple(zip([0] + ends[:-1], ends))
+
+
+def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weights: tuple[tuple, ...],
+                  packed=None) -> torch.Tensor:
+    """``layers``' outputs for 2-D ``x`` side by side, (rows, sum of outs), the rows ``sizes``
+    tile, segment ``i`` with adapter ``weights[p][i]`` on part ``p`` (the same tenant, rank and
+    scale on every part, or None on all), through :class:`TenantsGroupFunction` (grouped: the
+    caller has checked that it runs here). ``packed``: the layers'
+    :class:`tinsmith.models.lora.PackedProjection`, whose buffer makes the base one GEMM while
+    the layers' weights are still its columns."""
     present = [w for w in weights[0] if w is not None]
     rank = _round_up(max(w.A.shape[0] for w in present), 8)
-    A_cat, Bs = _group_stacks(layers, weights, rank, x.dtype)
+    A_cat, B_cat = _group_stacks(layers, weights, rank, x.dtype)
     parts, masters = [], []
-    for layer, ws, B in zip(layers, weights, Bs):
-        parts += [layer.weight, layer.bias, B]
+    for layer, ws in zip(layers, weights):
+        parts += [layer.weight, layer.bias]
         masters += [t for w in ws if w is not None for t in (w.A, w.B)]
-    return TenantsGroupFunction.apply(x, TenantRows(sizes, weights[0], True), len(layers), len(masters), *parts,
-                                      A_cat, *masters)
+    whole = packed is not None and list(packed.layers) == list(layers) and packed.intact()
+    return TenantsGroupFunction.apply(x, TenantRows(sizes, weights[0], True),
+                                      tuple(layer.out_features for layer in layers), len(masters),
+                                      packed.weight if whole else None, packed.bias if whole else None,
+                                      *parts, A_cat, B_cat, *masters)
