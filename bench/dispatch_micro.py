@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu.train import optimizer_steps  # noqa: E402
 from tinsmith.devtools.host_syncs import HostSyncs  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
-from tinsmith.models import grouped_lora, lora_function, moe  # noqa: E402
+from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec  # noqa: E402
@@ -284,7 +284,6 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, **what}, indent=2))
         return
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
-    lora_function.GROUP_UP_PROJECTIONS = "one"  # a group's up-projections as one GEMM, as on a GPU
     families.fused_adamw_fits = lambda params: True  # torch's fused AdamW, as on a GPU (it runs on CPUs too)
     if args.training_kernels:
         from tinsmith.kernels import norm_grad, swiglu

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu.train import batch, optimizer_steps  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
-from tinsmith.models import grouped_lora, lora_function, moe  # noqa: E402
+from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
 from tinsmith.types import ForwardBackwardInput, LoraSpec  # noqa: E402
@@ -71,7 +71,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
-    lora_function.GROUP_UP_PROJECTIONS = "one"  # a group's up-projections as one GEMM, as on a GPU
     grouped_lora.MULTI_LORA = "grouped"
     families.fused_adamw_fits = lambda params: True  # torch's fused AdamW, as on a GPU (it runs on CPUs too)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

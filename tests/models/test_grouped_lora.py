@@ -19,9 +19,8 @@ VOCAB = 512
 
 
 def _step(qwen3_dir, mode: str, monkeypatch, calls: list | None = None, multi: str = "auto", device: str = "cpu",
-          dtype: torch.dtype | None = None, adapters=((4, 1), (8, 2), (6, 3))):
-    """The forward/backward of tenants with ``adapters`` (rank, seed) in one step (three by
-    default): their results and every adapter's gradients."""
+          dtype: torch.dtype | None = None):
+    """Three tenants' forward/backward in one step: their results and every adapter's gradients."""
     monkeypatch.setattr(moe, "GROUPED_MM", mode)
     monkeypatch.setattr(grouped_lora, "MULTI_LORA", multi)
     if calls is not None:
@@ -31,7 +30,7 @@ def _step(qwen3_dir, mode: str, monkeypatch, calls: list | None = None, multi: s
                          max_lora_rank=16)
     g = torch.Generator().manual_seed(5)
     units = []
-    for rank, seed in adapters:  # unequal ranks by default: padded to a common width of 8
+    for rank, seed in ((4, 1), (8, 2), (6, 3)):  # unequal ranks: padded to a common width of 8
         u = rt.create_adapter(LoraSpec(rank=rank, seed=seed, train_unembed=True))
         with torch.no_grad():
             for n, p in rt.unit(u).named_params:
@@ -68,21 +67,6 @@ def test_grouped_training_step_equals_the_loop(qwen3_dir, monkeypatch):
     assert len(calls) >= 2 * 4 * 2  # shrink and expand of every projection (q/k/v, gate/up: one each) of both layers
     assert packed == [True] * 4  # q/k/v and gate/up of both layers, side by side
     assert_same_step(grouped, loop)
-
-
-def test_one_tenants_groups_run_their_base_over_the_packed_weight(qwen3_dir, monkeypatch):
-    """One tenant's q/k/v and gate/up: one node each, side by side, the base one GEMM over the
-    layer's packed weight; the same step as each projection on its own (the nodes switched off)."""
-    from tinsmith.models import lora_function
-
-    packed: list = []
-    real = lora_function.LoraGroupFunction.apply
-    monkeypatch.setattr(lora_function.LoraGroupFunction, "apply", lambda *a: packed.append(a[4] is not None)
-                        or real(*a))
-    together = _step(qwen3_dir, "loop", monkeypatch, adapters=((8, 2),))
-    assert packed and all(packed) and len(packed) % 4 == 0  # q/k/v and gate/up of both layers, per micro-batch
-    monkeypatch.setattr(lora_function, "FUSED_NODES", False)
-    assert_same_step(together, _step(qwen3_dir, "loop", monkeypatch, adapters=((8, 2),)))
 
 
 def test_dense_training_step_equals_the_loop(qwen3_dir, monkeypatch):

@@ -50,7 +50,7 @@ def stack_entry(w) -> tuple | None:
 def refresh_copies(weights: list, dtype: torch.dtype, groups: list[list] = ()) -> None:
     """Write the masters into the compute copies of ``weights`` (LoraWeights, each on its own) and
     of ``groups`` (lists of LoraWeights run together by :func:`tinsmith.models.lora_function.lora_group`:
-    their ``A`` stacked in one buffer, their ``B`` the diagonal blocks of another), in ``dtype``, at once: one multi-tensor copy (a handful of
+    their ``A`` stacked in one buffer), in ``dtype``, at once: one multi-tensor copy (a handful of
     launches on a GPU) instead of a cast per tensor at each layer's forward. Copies that fit are
     written in place; missing ones are made."""
     CopyRefresh({dtype: list(weights)}, {dtype: list(groups)} if groups else {}, []).refresh()
@@ -89,7 +89,7 @@ def refresh_together(refreshes: list["CopyRefresh"]) -> None:
 class CopyRefresh:
     """One adapter's refresh lists: see the module's docstring. ``alone``: {dtype: [LoraWeights]}
     whose own copies are kept; ``grouped``: {dtype: [[LoraWeights]]} run together (their stacked
-    ``A`` and block-diagonal ``B`` kept on the first's ``group``); ``linear``: every (LoraLinear, weights) pair
+    ``A`` and cast ``B`` kept on the first's ``group``); ``linear``: every (LoraLinear, weights) pair
     of the adapter, whose layers may hold several tenants' stacks."""
 
     alone: dict
@@ -140,15 +140,17 @@ class CopyRefresh:
         self._groups = []
         for dtype, groups in self.grouped.items():
             for ws in groups:
-                A_cat, B_cat = _group_buffers(ws, dtype)
-                start = out = 0
-                for w in ws:
-                    r, o = w.A.shape[0], w.B.shape[0]
-                    dst += [A_cat[start:start + r], B_cat[out:out + o, start:start + r]]  # B: its diagonal block
-                    src += [w.A.detach(), w.B.detach()]
+                A_cat, Bs = _group_buffers(ws, dtype)
+                start = 0
+                for w, B_c in zip(ws, Bs):
+                    r = w.A.shape[0]
+                    dst.append(A_cat[start:start + r])
+                    src.append(w.A.detach())
                     start += r
-                    out += o
-                ws[0].group = (None, A_cat, B_cat)
+                    if B_c is not w.B:  # a cast copy (else the master itself, read as is)
+                        dst.append(B_c)
+                        src.append(w.B.detach())
+                ws[0].group = (None, A_cat, [B_c if B_c is not w.B else w.B.detach() for w, B_c in zip(ws, Bs)])
                 self._groups.append((ws, dtype, ws[0].group))
         self._scaled = {}
         self._held = []
@@ -197,15 +199,19 @@ def _reuse(cached: tuple | None, i: int, master: torch.Tensor, dtype: torch.dtyp
     return torch.empty_like(master, dtype=dtype)
 
 
-def _group_buffers(ws: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A group's stacked ``A`` and block-diagonal ``B`` in ``dtype`` (its blocks off the diagonal
-    zero, never written): the kept ones where they fit, else new."""
+def _group_buffers(ws: list, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A group's stacked ``A`` and each part's ``B`` in ``dtype`` (the master itself where it is
+    ``dtype`` already): the kept ones where they fit, else new."""
     cached = ws[0].group
     A0 = ws[0].A
-    rank, out = sum(w.A.shape[0] for w in ws), sum(w.B.shape[0] for w in ws)
-    A_cat, B_cat = (cached[1], cached[2]) if cached is not None else (None, None)
-    if A_cat is None or A_cat.shape != (rank, A0.shape[1]) or A_cat.dtype != dtype or A_cat.device != A0.device:
-        A_cat = torch.empty(rank, A0.shape[1], dtype=dtype, device=A0.device)
-    if B_cat is None or B_cat.shape != (out, rank) or B_cat.dtype != dtype or B_cat.device != A0.device:
-        B_cat = torch.zeros(out, rank, dtype=dtype, device=A0.device)
-    return A_cat, B_cat
+    rows = sum(w.A.shape[0] for w in ws)
+    A_cat = cached[1] if cached is not None else None
+    if A_cat is None or A_cat.shape != (rows, A0.shape[1]) or A_cat.dtype != dtype or A_cat.device != A0.device:
+        A_cat = torch.empty(rows, A0.shape[1], dtype=dtype, device=A0.device)
+    Bs = []
+    for j, w in enumerate(ws):
+        if w.B.dtype == dtype:
+            Bs.append(w.B)
+        else:
+            Bs.append(_reuse(cached[2] if cached is not None else None, j, w.B, dtype))
+    return A_cat, Bs

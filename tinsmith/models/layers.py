@@ -403,13 +403,13 @@ class MLP(nn.Module):
             h = h.view(*x.shape[:-1], i)
         else:
             both = trained_together((self.gate_proj, self.up_proj), x, segments, packed, side_by_side=True)
-            if both is not None:  # gate and up side by side, from one node
+            if isinstance(both, torch.Tensor):  # several tenants: gate and up side by side
                 h = swiglu.silu_mul_packed_grad(both) if swiglu.packed_grad_usable(both) else None
-                if h is None:  # the torch path, or the kernels failed here
-                    gate, up = both.split(self.gate_proj.out_features, dim=-1)  # backward: one cat
-                    h = F.silu(gate) * up
+                if h is None:
+                    i = self.gate_proj.out_features
+                    h = F.silu(both[..., :i]) * both[..., i:]
             else:
-                gate, up = self.gate_proj(x, segments), self.up_proj(x, segments)
+                gate, up = both or (self.gate_proj(x, segments), self.up_proj(x, segments))
                 h = swiglu.silu_mul_grad(gate, up) if swiglu.grad_usable(gate, up) else None
                 if h is None:  # the torch path, or the kernels failed here
                     h = F.silu(gate) * up

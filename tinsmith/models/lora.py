@@ -259,26 +259,28 @@ def trained_together(layers: tuple[LoraLinear, ...], x: torch.Tensor,
                      segments: Segments | RowGroups | RowSlots | None, packed: PackedProjection | None = None,
                      side_by_side: bool = False) -> tuple[torch.Tensor, ...] | torch.Tensor | None:
     """The outputs of ``layers`` (projections of the same ``x``: q/k/v, gate/up) computed as one
-    autograd node, side by side, ``(..., sum of outs)``, or None (each layer then runs on its
-    own): when one adapter, being trained, covers the batch on every layer with one scale
-    (:func:`lora_group`), or several tenants' segments tile it and every layer runs them grouped
-    (:func:`tinsmith.models.lora_tenants.tenants_group`). Either way one product takes every
-    part's shrink and one every part's expand, and, through ``packed`` while the layers' weights
-    are its columns, one GEMM the base. Split into one view per layer unless ``side_by_side`` (a
-    caller that reads the parts side by side: no split, whose backward would concatenate the
-    parts' gradients). Subclasses (tensor-parallel layers) do more in their forward and always
-    run on their own."""
+    autograd node, or None (each layer then runs on its own). Subclasses (tensor-parallel
+    layers) do more in their forward and always run on their own.
+
+    - One adapter, being trained, covers the batch on every layer with one scale: one output
+      per layer (:func:`lora_group`).
+    - Several tenants' segments tile the batch and every layer runs them grouped: the outputs
+      side by side, ``(..., sum of outs)``, from one grouped shrink, one grouped expand and,
+      through ``packed`` while the layers' weights are its columns, one base GEMM
+      (:func:`tinsmith.models.lora_tenants.tenants_group`); split into one view per layer unless
+      ``side_by_side`` (a caller that reads the parts side by side: no split, whose backward
+      would concatenate the parts' gradients)."""
     if any(type(layer) is not LoraLinear for layer in layers):
         return None
     x2 = x.reshape(-1, x.shape[-1])
     ws = [layer._training_one_adapter(segments) for layer in layers]
     if all(w is not None for w in ws) and len({w.scale for w in ws}) == 1:  # type: ignore[union-attr]
-        y = lora_group(x2, list(layers), ws, packed)
-    else:
-        several = _tenants_together(layers, x2, segments)
-        if several is None:
-            return None
-        y = tenants_group(x2, layers, *several, packed=packed)
+        outs = lora_group(x2, list(layers), ws)
+        return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
+    several = _tenants_together(layers, x2, segments)
+    if several is None:
+        return None
+    y = tenants_group(x2, layers, *several, packed=packed)
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if side_by_side else y.split([layer.out_features for layer in layers], dim=-1)
 

@@ -18,8 +18,6 @@ else in bf16 and autograd casts them to the masters' dtype, as it did for the ca
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch.nn import functional as F
 
@@ -28,20 +26,6 @@ from tinsmith.models.copy_refresh import copy_key, group_key, refresh_copies
 # False: a trained projection runs as torch's ops, each its own autograd node (as before these
 # nodes existed): bench/gpu times a step both ways in one run.
 FUSED_NODES = True
-# How a q/k/v or gate/up group's up-projections (and their input gradients) run: "auto", one GEMM
-# over the block-diagonal B on a GPU (where a step is bound by launches, and the products of a
-# part's rows with the other parts' zero blocks cost a few percent of the base GEMM's FLOPs at a
-# 2048-wide model), one GEMM per part elsewhere (a CPU, where launches are cheap and those FLOPs
-# are not: a quarter of a 256-wide model's q/k/v GEMM); "one" or "per_part" to force either.
-GROUP_UP_PROJECTIONS = "auto"
-
-
-def up_projections_as_one(device: torch.device) -> bool:
-    """Whether a group's up-projections run as one GEMM over the block-diagonal ``B`` here (see
-    :data:`GROUP_UP_PROJECTIONS`)."""
-    if GROUP_UP_PROJECTIONS != "auto":
-        return GROUP_UP_PROJECTIONS == "one"
-    return device.type == "cuda"
 
 _FP32_OUT: dict[torch.device, bool] = {}
 
@@ -143,95 +127,61 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return LoraLinearFunction.apply(x, weight, bias, w.A, w.B, A_c, B_c, w.scale)
 
 
-def plus_linear(delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``delta + x W^T (+ b)`` written into ``delta`` (an adapter's expand, fresh, or a column
-    block of one): the base GEMM adds into it (``addmm_``), one kernel where a GEMM and then an
-    add were two, and the (rows, out) output is read and written once less."""
-    if bias is not None:
-        delta.add_(bias)
-    return delta.addmm_(x, weight.t())
-
-
-def part_bounds(widths) -> tuple[tuple[int, int], ...]:
-    """Each part's columns (or rows) when parts of ``widths`` sit side by side."""
-    ends = list(itertools.accumulate(widths))
-    return tuple(zip([0] + ends[:-1], ends))
-
-
-def packed_weights(packed, layers) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``packed``'s (weight, bias), the layers' base as one ``(in, sum of outs)`` GEMM operand,
-    while ``packed`` (a :class:`tinsmith.models.lora.PackedProjection`, or None) holds exactly
-    these layers and their weights are still its columns; else (None, None): one GEMM per part."""
-    if packed is None or list(packed.layers) != list(layers) or not packed.intact():
-        return None, None
-    return packed.weight, packed.bias
-
-
 class LoraGroupFunction(torch.autograd.Function):
-    """Several LoRA projections of one input (q, k, v; gate, up) of one adapter as one node,
-    whose output holds the parts side by side.
+    """Several LoRA projections of one input (q, k, v; gate, up) of one adapter as one node.
 
-    The parts' down-projections run as one GEMM over their stacked ``A`` (``A_cat``), their
-    up-projections as one over their block-diagonal ``B`` (``B_cat``: part ``p``'s output columns
-    read only its own rank's columns of ``h``) or one per part over its block
-    (:func:`up_projections_as_one`), and the base GEMM adds into that: one over the packed weight
-    where the parts' weights are its columns, else one per part into its columns.
-    The backward mirrors it, summing the input gradient's parts inside GEMMs (``addmm_``).
-    Arguments after ``B_cat``: the packed weight and bias (None: per part), then per part
-    ``(weight, bias, A, B)``, the masters ``A``/``B`` receiving the gradients.
+    The parts' down-projections run as one GEMM over their stacked ``A`` (``A_cat``, rank rows
+    per part), each part's output is its base GEMM plus its up-projection added in place, and
+    the backward sums the input gradient of every part inside GEMMs (``addmm_``) instead of
+    autograd adding the parts' gradients one full-size tensor at a time. Arguments after
+    ``A_cat``: per part ``(weight, bias, B_c, A, B)``, the masters ``A``/``B`` receiving the
+    gradients.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float, A_cat: torch.Tensor, B_cat: torch.Tensor,
-                packed_w: torch.Tensor | None, packed_b: torch.Tensor | None, *parts):
-        weights, biases, As = parts[0::4], parts[1::4], parts[2::4]
+    def forward(ctx, x: torch.Tensor, scale: float, A_cat: torch.Tensor, *parts):
+        n = len(parts) // 5
+        weights, biases, Bs = parts[0::5], parts[1::5], parts[2::5]
         h = F.linear(x, A_cat)
-        bounds, ranks = part_bounds(W.shape[0] for W in weights), part_bounds(A.shape[0] for A in As)
-        # The adapters' part first (beta=0: the fresh tensor only lends its shape), the base adding into it.
-        y = x.new_empty(x.shape[0], B_cat.shape[0])
-        one = up_projections_as_one(x.device)
-        for (lo, hi), (a, b) in ([((0, y.shape[1]), (0, h.shape[1]))] if one else zip(bounds, ranks)):
-            y[:, lo:hi].addmm_(h[:, a:b], B_cat[lo:hi, a:b].t(), beta=0, alpha=scale)
-        if packed_w is not None:
-            plus_linear(y, x, packed_w.t(), packed_b)
-        else:
-            for W, b, (lo, hi) in zip(weights, biases, bounds):
-                plus_linear(y[:, lo:hi], x, W, b)
-        ctx.save_for_backward(x, h, A_cat, B_cat, packed_w, *weights)
-        ctx.scale, ctx.bounds, ctx.ranks, ctx.one = scale, bounds, ranks, one
-        ctx.master_dtype = As[0].dtype
-        return y
+        bounds, outs, start = [], [], 0
+        for W, b, B_c in zip(weights, biases, Bs):
+            r = B_c.shape[1]
+            y = F.linear(x, W, b)
+            y.addmm_(h[:, start:start + r], B_c.t(), alpha=scale)
+            outs.append(y)
+            bounds.append((start, start + r))
+            start += r
+        ctx.save_for_backward(x, h, A_cat, *weights, *Bs)
+        ctx.scale, ctx.bounds, ctx.n, ctx.master_dtype = scale, bounds, n, parts[3].dtype
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        x, h, A_cat, B_cat, packed_w, *weights = ctx.saved_tensors
-        s = ctx.scale
+    def backward(ctx, *gs):
+        x, h, A_cat, *rest = ctx.saved_tensors
+        n, s, bounds = ctx.n, ctx.scale, ctx.bounds
+        weights, Bs = rest[:n], rest[n:]
         need = ctx.needs_input_grad
-        g = g.contiguous()
-        gh = torch.empty_like(h)  # every part's d(loss)/dh (beta=0: its values are not read)
-        for (lo, hi), (a, b) in ([((0, g.shape[1]), (0, h.shape[1]))] if ctx.one else zip(ctx.bounds, ctx.ranks)):
-            gh[:, a:b].addmm_(g[:, lo:hi], B_cat[lo:hi, a:b], beta=0, alpha=s)
+        gh = torch.empty_like(h)
+        for g, B_c, (a, b) in zip(gs, Bs, bounds):
+            gh[:, a:b].addmm_(g, B_c, beta=0, alpha=s)  # beta=0: the uninitialised values are not read
         dx = None
         if need[0]:
-            dx = torch.mm(gh, A_cat)
-            if packed_w is not None:
-                dx.addmm_(g, packed_w.t())
-            else:
-                for W, (lo, hi) in zip(weights, ctx.bounds):
-                    dx.addmm_(g[:, lo:hi], W)
-        want_a = need[8::4]
-        dA_cat = grad_mm(gh.t(), x, 1.0, ctx.master_dtype) if any(want_a) else None
+            dx = torch.mm(gs[0], weights[0])
+            for g, W in zip(gs[1:], weights[1:]):
+                dx.addmm_(g, W)
+            dx.addmm_(gh, A_cat)
+        dA_cat = grad_mm(gh.t(), x, 1.0, ctx.master_dtype)
         grads: list = []
-        for i, ((lo, hi), (a, b)) in enumerate(zip(ctx.bounds, ctx.ranks)):
-            dA = dA_cat[a:b] if want_a[i] else None  # type: ignore[index]
-            dB = grad_mm(g[:, lo:hi].t(), h[:, a:b], s, ctx.master_dtype) if need[9 + 4 * i] else None
-            grads += [None, None, dA, dB]
-        return (dx, None, None, None, None, None, *grads)
+        for i, (g, (a, b)) in enumerate(zip(gs, bounds)):
+            dA = dA_cat[a:b] if need[3 + 5 * i + 3] else None
+            dB = grad_mm(g.t(), h[:, a:b], s, ctx.master_dtype) if need[3 + 5 * i + 4] else None
+            grads += [None, None, None, dA, dB]
+        return (dx, None, None, *grads)
 
 
-def group_copies(ws: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's stacked ``A`` and block-diagonal ``B`` in ``dtype`` (detached), kept on the
-    first part's weights until a master changes (:func:`refresh_copies` makes them eagerly)."""
+def group_copies(ws: list, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The group's stacked ``A`` and each part's ``B`` in ``dtype`` (detached), kept on the first
+    part's weights until a master changes (:func:`refresh_copies` makes them eagerly)."""
     key = group_key(ws, dtype)
     cached = ws[0].group
     if cached is None or cached[0] != key:
@@ -240,12 +190,11 @@ def group_copies(ws: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     return cached[1], cached[2]
 
 
-def lora_group(x: torch.Tensor, layers: list, ws: list, packed=None) -> torch.Tensor:
-    """Every ``layers[i]``'s ``x W_i^T (+ b_i) + scale (x A_i^T) B_i^T`` side by side (2-D ``x``),
-    one adapter ``ws[i]`` per layer, all of the same scale, through :class:`LoraGroupFunction`;
-    ``packed``: the layers' :class:`tinsmith.models.lora.PackedProjection` (:func:`packed_weights`)."""
-    A_cat, B_cat = group_copies(ws, x.dtype)
+def lora_group(x: torch.Tensor, layers: list, ws: list) -> tuple[torch.Tensor, ...]:
+    """Every ``layers[i]``'s ``x W_i^T (+ b_i) + scale (x A_i^T) B_i^T`` (2-D ``x``), one adapter
+    ``ws[i]`` per layer, all of the same scale, through :class:`LoraGroupFunction`."""
+    A_cat, Bs = group_copies(ws, x.dtype)
     args: list = []
-    for layer, w in zip(layers, ws):
-        args += [layer.weight, layer.bias, w.A, w.B]
-    return LoraGroupFunction.apply(x, ws[0].scale, A_cat, B_cat, *packed_weights(packed, layers), *args)
+    for layer, w, B_c in zip(layers, ws, Bs):
+        args += [layer.weight, layer.bias, B_c, w.A, w.B]
+    return LoraGroupFunction.apply(x, ws[0].scale, A_cat, *args)

@@ -37,6 +37,7 @@ zeros and get no gradient.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ from torch.nn import functional as F
 
 from tinsmith.models.copy_refresh import stack_entry
 from tinsmith.models.grouped_lora import _group_scales, _round_up, group_offsets
-from tinsmith.models.lora_function import compute_copies, grad_mm, packed_weights, part_bounds, plus_linear
+from tinsmith.models.lora_function import compute_copies, grad_mm
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,15 @@ def _slices_of(A: torch.Tensor, B: torch.Tensor, i: int, w, dst: list, src: list
     return B[i, :, :r]
 
 
+def _plus_linear(delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``delta + x W^T (+ b)`` written into ``delta`` (the grouped expand's fresh output): the base
+    GEMM adds into it (``addmm_``), one kernel where a GEMM and then an add of the expand were two,
+    and the (rows, out) output is read and written once less."""
+    if bias is not None:
+        delta.add_(bias)
+    return delta.addmm_(x, weight.t())
+
+
 class TenantsLoraFunction(torch.autograd.Function):
     """See the module's docstring. Arguments after ``rows``: the present adapters' masters
     ``A_1, B_1, A_2, B_2, ...`` in segment order (what receives the gradients), then the
@@ -132,7 +142,7 @@ class TenantsLoraFunction(torch.autograd.Function):
             A, B = compute
             offs = group_offsets(rows.sizes, x.device)
             h = torch._grouped_mm(x, A.transpose(1, 2), offs=offs)
-            y = plus_linear(torch._grouped_mm(h, B.transpose(1, 2), offs=offs), x, weight, bias)
+            y = _plus_linear(torch._grouped_mm(h, B.transpose(1, 2), offs=offs), x, weight, bias)
             ctx.save_for_backward(x, weight, h, A, B)
             return y
         y = F.linear(x, weight, bias)
@@ -288,12 +298,12 @@ class TenantsGroupFunction(torch.autograd.Function):
         offs = group_offsets(rows.sizes, x.device)
         h = torch._grouped_mm(x, A_cat.transpose(1, 2), offs=offs)  # (rows, parts x rank)
         y = torch._grouped_mm(h, B_cat.transpose(1, 2), offs=offs)  # (rows, sum of outs)
-        bounds = part_bounds(outs)
+        bounds = _bounds(outs)
         if packed_w is not None:
-            plus_linear(y, x, packed_w.t(), packed_b)
+            _plus_linear(y, x, packed_w.t(), packed_b)
         else:
             for W, b, (lo, hi) in zip(Ws, bs, bounds):
-                plus_linear(y[:, lo:hi], x, W, b)  # a GEMM writes a column block in place
+                _plus_linear(y[:, lo:hi], x, W, b)  # a GEMM writes a column block in place
         ctx.save_for_backward(x, h, A_cat, B_cat, packed_w, *Ws)
         ctx.rows, ctx.bounds, ctx.n_masters = rows, bounds, n_masters
         ctx.master_dtype = masters[0].dtype if masters else x.dtype
@@ -320,6 +330,12 @@ class TenantsGroupFunction(torch.autograd.Function):
         return (dx, None, None, None, None, None, *([None] * (2 * n + 2)), *grads)
 
 
+def _bounds(outs: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Each part's columns of the side-by-side output."""
+    ends = list(itertools.accumulate(outs))
+    return tuple(zip([0] + ends[:-1], ends))
+
+
 def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weights: tuple[tuple, ...],
                   packed=None) -> torch.Tensor:
     """``layers``' outputs for 2-D ``x`` side by side, (rows, sum of outs), the rows ``sizes``
@@ -335,6 +351,8 @@ def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weight
     for layer, ws in zip(layers, weights):
         parts += [layer.weight, layer.bias]
         masters += [t for w in ws if w is not None for t in (w.A, w.B)]
+    whole = packed is not None and list(packed.layers) == list(layers) and packed.intact()
     return TenantsGroupFunction.apply(x, TenantRows(sizes, weights[0], True),
                                       tuple(layer.out_features for layer in layers), len(masters),
-                                      *packed_weights(packed, layers), *parts, A_cat, B_cat, *masters)
+                                      packed.weight if whole else None, packed.bias if whole else None,
+                                      *parts, A_cat, B_cat, *masters)
