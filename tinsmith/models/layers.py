@@ -405,9 +405,9 @@ class MLP(nn.Module):
             both = trained_together((self.gate_proj, self.up_proj), x, segments, packed, side_by_side=True)
             if isinstance(both, torch.Tensor):  # several tenants: gate and up side by side
                 h = swiglu.silu_mul_packed_grad(both) if swiglu.packed_grad_usable(both) else None
-                if h is None:
-                    i = self.gate_proj.out_features
-                    h = F.silu(both[..., :i]) * both[..., i:]
+                if h is None:  # the torch path, or the kernels failed here
+                    gate, up = both.split(self.gate_proj.out_features, dim=-1)  # backward: one cat
+                    h = F.silu(gate) * up
             else:
                 gate, up = both or (self.gate_proj(x, segments), self.up_proj(x, segments))
                 h = swiglu.silu_mul_grad(gate, up) if swiglu.grad_usable(gate, up) else None
