@@ -25,10 +25,10 @@ Projections of one input (q/k/v, gate/up) run as one node, :class:`TenantsGroupF
 output holds the parts side by side: one grouped shrink and one grouped expand for all of them
 (the ``B`` stacks block-diagonal), the base one GEMM over the packed weight, and the same
 sharing backward. On a GPU each grouped matmul is a CUTLASS set-up on the host and two launches,
-and a four-tenant step is bound by the host's launches (docs/performance.md): per layer the
-group takes 24 grouped matmuls instead of 33, and 8 base GEMMs instead of 14. The consumers read
-the parts where they sit: the q/k norm and rotary kernels read heads in the wide row, the SiLU
-kernel the gate and up halves.
+and a four-tenant step is bound by the host's launches (docs/performance.md): a layer's four
+projections take 24 grouped matmuls instead of 33, and 8 base GEMMs instead of 14. The consumers
+read the parts where they sit: the q/k norm and rotary kernels read heads in the wide row, the
+SiLU kernel the gate and up halves.
 
 Each tenant's gradients come from its own rows only and go to its own masters, so optimizer
 state and isolation are as before; padded ranks and segments without an adapter contribute
