@@ -138,3 +138,35 @@ def test_several_tenants_q_k_v_group_on_the_device_matches_float64(packed):
     torch.autograd.backward(outs, gs)
     for layer, o, g in zip(layers, outs, gs):
         _assert_matches_float64(layer, x, o, g, segments)
+
+
+def test_a_part_on_its_own_reads_its_block_of_the_groups_stacks_on_the_device():
+    """After a several-tenant q/k/v group ran, its parts' B stacks are strided blocks of the
+    group's block-diagonal stack; a part that then runs on its own (the group no longer fits)
+    takes the grouped matmul on that strided block: its output and gradients against float64."""
+    from tinsmith.models.lora import LoraLinear
+
+    device = torch.device(DEVICE)
+    torch.manual_seed(1)
+    layers = []
+    for out in (512, 256, 256):
+        lin = LoraLinear(256, out, bias=False)
+        lin.weight.data = torch.randn(out, 256).to(torch.bfloat16)
+        for slot in (0, 1):
+            w = lin.add_adapter(slot, 32, 32.0, torch.Generator().manual_seed(10 * slot + out))
+            with torch.no_grad():
+                w.B.normal_()
+        _to_device(lin, device)
+        layers.append(lin)
+    segments = [(0, 0, 384), (None, 384, 448), (1, 448, 1024)]
+    x = torch.randn(1024, 256, device=device, dtype=torch.bfloat16)
+    if trained_together(tuple(layers), x.requires_grad_(), segments) is None:
+        pytest.skip("the grouped matmul does not run here: each layer runs on its own")
+    layers[2].remove_adapter(1)
+    assert trained_together(tuple(layers), x, segments) is None
+    assert not layers[0]._tenant_stack.B.is_contiguous()
+    xg = x.detach().clone().requires_grad_()
+    y = layers[0](xg, segments)
+    g = torch.randn_like(y)
+    y.backward(g)
+    _assert_matches_float64(layers[0], xg, y, g, segments)

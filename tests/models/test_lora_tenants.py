@@ -277,6 +277,33 @@ def test_the_group_follows_a_refreshed_stack_and_falls_back_when_tenants_differ(
     assert trained_together(layers, x, _segments()) is None
 
 
+def test_a_part_running_on_its_own_after_its_group_reads_its_block_of_the_groups_stacks(monkeypatch):
+    """A group's parts keep their stacks as views of the group's buffers (B: a diagonal block of
+    the block-diagonal stack). When the group cannot run (an adapter left one part), the other
+    parts run on their own from those views: still each part's own output and gradients."""
+    from tinsmith.models.lora import trained_together
+
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    layers = _group_layers(torch.float32)
+    segments = _segments()
+    x = torch.randn(15, 64)
+    trained_together(layers, x, segments)
+    view = layers[0]._tenant_stack.B
+    assert view.data_ptr() == layers[0]._tenant_cat[1].data_ptr() and not view.is_contiguous()
+    layers[2].remove_adapter(1)
+    assert trained_together(layers, x, segments) is None
+    xg = x.clone().requires_grad_()
+    y = layers[0](xg, segments)
+    assert layers[0]._tenant_stack.B is view  # the group's block, not a new stack
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref, dx_ref, grads = _reference(layers[0], x, g, segments)
+    assert _close(y.detach(), y_ref, 1e-5) and _close(xg.grad, dx_ref, 1e-5)
+    for slot, (dA, dB) in grads.items():
+        w = layers[0].adapters[slot]
+        assert _close(w.A.grad, dA, 1e-5) and _close(w.B.grad, dB, 1e-5)
+
+
 def test_a_refresh_reaches_every_segment_an_adapter_holds(monkeypatch):
     monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
     lin = _layer(torch.float32)
