@@ -107,6 +107,7 @@ def _start(config: ServerConfig, sock) -> int:
 
     from tinsmith.api.app import create_app
     from tinsmith.server.exclusive import AlreadyServing
+    from tinsmith.gc_tuning import release_at_exit, tune_for_serving
     from tinsmith.server.private import set_private_umask
     from tinsmith.server.state import ServerState
 
@@ -143,9 +144,11 @@ def _start(config: ServerConfig, sock) -> int:
         # format; no access log, since every request already gets its own line.
         server = uvicorn.Server(uvicorn.Config(create_app(state), host=config.host, port=config.port,
                                                log_level=config.log_level, log_config=None, access_log=False))
+        tune_for_serving()  # the models, modules and app live as long as the process
         server.run(sockets=[sock])
     finally:
         state.release()
+        release_at_exit()
     return 0 if server.started else 1
 
 

@@ -3,6 +3,7 @@ dashboard shipped in docs/ queries only metrics it exposes."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -18,6 +19,8 @@ from tinsmith.api.app import create_app
 from tinsmith.engine.scheduler import Job, Outcome
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.logs import JsonFormatter, safe_database_url
+from tinsmith.gc_tuning import PauseRecorder
+from tinsmith.server import metrics as server_metrics
 from tinsmith.server.metrics import OPERATIONS, ServerMetrics
 from tinsmith.server.state import ServerState
 from tinsmith.tenants import key_id, key_id_for_api_key
@@ -179,6 +182,31 @@ def test_grafana_dashboard_queries_only_exposed_metrics(app):
                                                        "key_id", "stored", "outcome", "method"}
     assert used, exprs
     assert used <= exposed, sorted(used - exposed)
+
+
+def test_metrics_show_the_collector_only_where_its_pauses_are_counted(app, monkeypatch):
+    client, _ = app
+    recorder = PauseRecorder()
+    monkeypatch.setattr(server_metrics, "PAUSES", recorder)
+
+    def families() -> dict:
+        text = client.get("/metrics", headers=KEY).text
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    # A server embedded in another program: the collector is that program's, nothing is reported.
+    assert not families()["tinsmith_gc_collections"].samples
+    recorder.install()
+    try:
+        gc.collect(2)
+        found = families()
+        by_generation = {s.labels["generation"]: s.value for s in found["tinsmith_gc_collections"].samples
+                         if s.name.endswith("_total")}
+        assert set(by_generation) == {"0", "1", "2"} and by_generation["2"] >= 1
+        paused = sum(s.value for s in found["tinsmith_gc_pause_seconds"].samples if s.name.endswith("_total"))
+        assert paused > 0
+        assert [s.value for s in found["tinsmith_gc_frozen_objects"].samples] == [gc.get_freeze_count()]
+    finally:
+        gc.callbacks.remove(recorder._on_collection)
 
 
 def test_two_servers_in_one_process_keep_their_own_registries():

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tinsmith.errors import InvalidInputError
+from tinsmith.gc_tuning import release_at_exit, tune_for_serving
 from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup, free_port, init_tp_group
 from tinsmith.parallel.spmd import SpmdExecutor
 from tinsmith.parallel.worker import DrivenGroup
@@ -86,6 +87,7 @@ class RankActor:
         self.tp = init_tp_group(rank, world_size, timeout_s=timeout_s, init_method=init_method, device=device)
         self.executor = SpmdExecutor(make_target(self.tp, device), self.tp)
         self._closed = threading.Event()
+        tune_for_serving()  # as rank 0's process: a collector's pause on one rank stalls them all
 
     def follow_call(self) -> bool:
         """Join the broadcast of rank 0's next call and run it; False when it was the stop."""
@@ -105,6 +107,7 @@ class RankActor:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        release_at_exit()
         self._closed.set()
 
 

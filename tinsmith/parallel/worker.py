@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tinsmith.gc_tuning import release_at_exit, tune_for_serving
 from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup, free_port, init_tp_group
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import ShardedSampler
@@ -101,9 +102,12 @@ def _follower(rank: int, world: int, init_method: str, timeout_s: float, make_ta
     torch.set_num_threads(threads)
     tp = init_tp_group(rank, world, timeout_s=timeout_s, init_method=init_method, device=device)
     try:
-        SpmdExecutor(make_target(tp, device), tp, doorbell=_FollowerBell(bell)).follow()
+        executor = SpmdExecutor(make_target(tp, device), tp, doorbell=_FollowerBell(bell))
+        tune_for_serving()  # as rank 0's process: a collector's pause on one rank stalls them all
+        executor.follow()
     finally:
         dist.destroy_process_group()
+        release_at_exit()
 
 
 class DrivenGroup(ABC):

@@ -15,6 +15,7 @@ operations by job kind, devices by index, tenants by their short key id (never t
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import Counter
@@ -26,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from tinsmith.engine.scheduler import Job, Outcome
+from tinsmith.gc_tuning import PAUSES
 from tinsmith.server.health import read_health
 from tinsmith.tenants import key_id
 
@@ -124,7 +126,7 @@ class StateCollector:
         return list(self._families(read=True))
 
     def _families(self, read: bool) -> Iterable[Metric]:
-        for part in (self._queue, self._holdings, self._sampling, self._health, self._storage):
+        for part in (self._queue, self._holdings, self._sampling, self._health, self._garbage, self._storage):
             families, fill = part()
             if read:
                 try:
@@ -269,6 +271,23 @@ class StateCollector:
                         family.add_metric(label, value)
 
         return [rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_util], fill
+
+    def _garbage(self) -> tuple[list[Metric], Callable]:
+        collections = CounterMetricFamily("tinsmith_gc_collections", "Python's cyclic garbage collections in the "
+                                          "server process, by generation (2: the oldest)", labels=["generation"])
+        paused = CounterMetricFamily("tinsmith_gc_pause_seconds", "Time those collections held the server process "
+                                     "(no thread runs meanwhile), by generation", labels=["generation"])
+        frozen = _gauge("tinsmith_gc_frozen_objects", "Start-up objects exempt from garbage collection")
+
+        def fill(collections, paused, frozen):
+            if not PAUSES.installed:  # a server embedded in another program: its collector is not ours to read
+                return
+            for generation, count, seconds in PAUSES.readings():
+                collections.add_metric([str(generation)], count)
+                paused.add_metric([str(generation)], seconds)
+            frozen.add_metric([], gc.get_freeze_count())
+
+        return [collections, paused, frozen], fill
 
     def _storage(self) -> tuple[list[Metric], Callable]:
         ckpt = _gauge("tinsmith_checkpoint_bytes", "Bytes of stored checkpoints, by API key id", ["key_id"])
