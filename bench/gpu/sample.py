@@ -363,19 +363,21 @@ def server_counters(base_url: str) -> dict[str, float]:
                 if sample.name in (name + "_sum", name + "_count") and labels.items() <= sample.labels.items():
                     field = f"{key}_{sample.name.rsplit('_', 1)[1]}"
                     out[field] = out.get(field, 0.0) + sample.value
-            if sample.name in _TOTALS:
-                out[sample.name] = sample.value
+            if sample.name in _TOTALS:  # summed over labels (the collector's counters are by generation)
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 
 # Counters read whole (their deltas between two reads): what the samplers did meanwhile.
 _TOTALS = ("tinsmith_prefill_tokens_total", "tinsmith_sampled_tokens_total", "tinsmith_sampler_prefills_total",
-           "tinsmith_decode_graph_captures_total", "tinsmith_decode_steps_total")
+           "tinsmith_decode_graph_captures_total", "tinsmith_decode_steps_total", "tinsmith_gc_collections_total",
+           "tinsmith_gc_pause_seconds_total")
 
 
 def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Per-request means of each series between two reads (HTTP time of ``asample`` itself, the
-    wait in the engine's queue, the sampling step), and the prompt tokens computed meanwhile."""
+    wait in the engine's queue, the sampling step), and the prompt tokens computed, the samplers'
+    passes and steps, and the garbage collector's collections and pauses meanwhile."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     out = {f"{key}_mean_s": delta[f"{key}_sum"] / delta[f"{key}_count"]
            for key in _COUNTERS if delta.get(f"{key}_count")}
@@ -384,6 +386,8 @@ def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str
     out["prefills"] = delta.get("tinsmith_sampler_prefills_total", 0.0)
     out["graph_captures"] = delta.get("tinsmith_decode_graph_captures_total", 0.0)
     out["decode_steps"] = delta.get("tinsmith_decode_steps_total", 0.0)
+    out["gc_collections"] = delta.get("tinsmith_gc_collections_total", 0.0)  # the server process's, every generation
+    out["gc_pause_s"] = delta.get("tinsmith_gc_pause_seconds_total", 0.0)
     return out
 
 
