@@ -45,6 +45,7 @@ def main() -> None:
             for kind in ("separate", "num_samples"):
                 t, c = grpo[f"{kind}_timeline"], grpo[f"{kind}_server"]
                 print(f"run {run} {kind:>11}: arrivals {t.get('first_arrival_s', 0):.3f}..{t.get('last_arrival_s', 0):.3f} s, "
+                      f"last start {t.get('last_start_s', 0):.3f} s, "
                       f"last completion {t.get('last_completion_s', 0):.3f} s, prefills {c.get('prefills', 0):.0f}, "
                       f"decode steps {c.get('decode_steps', 0):.0f}, asample HTTP {1e3 * c.get('asample_http_mean_s', 0):.1f} ms",
                       flush=True)

@@ -1,6 +1,6 @@
-"""When requests reached a server's store and when they completed, read from its SQLite file (the
-embedded default store): what the server itself took, apart from the HTTP path and the client's
-threads (which share the machine in these benchmarks)."""
+"""When requests reached a server's store, when their work began and when they completed, read from
+its SQLite file (the embedded default store): what the server itself took, apart from the HTTP
+path and the client's threads (which share the machine in these benchmarks)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,16 @@ def request_times(database: Path, kind: str, owner: str | None = None) -> list[t
         query, args = query + " and owner = ?", (kind, owner)
     with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as con:
         return sorted((epoch(c), epoch(d)) for c, d in con.execute(query, args))
+
+
+def request_spans(database: Path, kind: str) -> list[tuple[float, float | None, float]]:
+    """(created, started, completed) epoch seconds of the completed requests of ``kind``, in order
+    of creation: ``started`` is when the request left the server's queue and its work began (None
+    for a request stored before the server recorded it)."""
+
+    def epoch(text: str | None) -> float | None:
+        return None if text is None else datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
+
+    query = "select created_at, started_at, completed_at from requests where kind = ? and completed_at is not null"
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as con:
+        return sorted((epoch(c), epoch(s), epoch(d)) for c, s, d in con.execute(query, (kind,)))

@@ -125,8 +125,8 @@ def markdown(s: dict) -> str:
         L.append("")
         L += _heading("### Through the SDK: GRPO's requests as the server counts them; sampling beside a training tenant",
                       "| shape | GRPO traffic | asample HTTP ms | queue wait ms | sampling step s | prompt tokens computed | "
-                      "prefills | graph captures | decode steps | arrivals s (first..last) | completions s | "
-                      "notes |")
+                      "prefills | graph captures | decode steps | arrivals s (first..last) | last start s | "
+                      "completions s | collector ms | notes |")
         for name in s["shapes"]:
             g = sa.get(f"{name}/sdk", {}).get("grpo", {})
             for kind in ("separate", "num_samples"):
@@ -135,8 +135,9 @@ def markdown(s: dict) -> str:
                 L.append(f"| {name} | {kind} | {_fmt(ms['asample_http'])} | {_fmt(ms['queue_wait'])} | "
                          f"{_get(c, 'step_mean_s')} | {_get(c, 'prefill_tokens')} | {_get(c, 'prefills')} | "
                          f"{_get(c, 'graph_captures')} | {_get(c, 'decode_steps')} | "
-                         f"{_get(t, 'first_arrival_s')}..{_get(t, 'last_arrival_s')} | "
-                         f"{_get(t, 'first_completion_s')}..{_get(t, 'last_completion_s')} | |")
+                         f"{_get(t, 'first_arrival_s')}..{_get(t, 'last_arrival_s')} | {_get(t, 'last_start_s')} | "
+                         f"{_get(t, 'first_completion_s')}..{_get(t, 'last_completion_s')} | "
+                         f"{_fmt(None if c.get('gc_pause_s') is None else 1e3 * c['gc_pause_s'])} | |")
         L.append("")
         L.append("| shape | train tok/s alone | with a sampling tenant | kept | sample tok/s alone | with a training tenant | kept | notes |")
         L.append("|---|---|---|---|---|---|---|---|")

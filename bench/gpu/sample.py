@@ -393,18 +393,27 @@ def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 def request_timeline(database: Path, start: float, end: float) -> dict[str, float]:
     """When the sample requests created between ``start`` and ``end`` (epoch seconds) reached the
-    server's store and when they completed, in seconds after ``start``: whether a round's time went
-    to the requests' arrival or to decoding after the last one arrived. Reads the server's SQLite
-    file (the embedded default store)."""
-    from bench.store_times import request_times
+    server's store, when each left the queue to join the sampler's batch, and when they completed,
+    in seconds after ``start``: whether a round's time went to the requests' arrival, to their wait
+    for the sampler, or to decoding after the last one arrived. Reads the server's SQLite file (the
+    embedded default store)."""
+    from bench.store_times import request_spans
 
-    rows = [(c - start, d - start) for c, d in request_times(database, "sample") if start <= c <= end]
+    rows = [(c - start, None if s is None else s - start, d - start)
+            for c, s, d in request_spans(database, "sample") if start <= c <= end]
     if not rows:
         return {}
-    created, completed = [c for c, _ in rows], [d for _, d in rows]
-    return {"requests": len(rows), "first_arrival_s": min(created), "last_arrival_s": max(created),
-            "first_completion_s": min(completed), "last_completion_s": max(completed),
-            "decode_after_last_arrival_s": max(completed) - max(created)}
+    created, completed = [c for c, _, _ in rows], [d for _, _, d in rows]
+    out = {"requests": len(rows), "first_arrival_s": min(created), "last_arrival_s": max(created),
+           "first_completion_s": min(completed), "last_completion_s": max(completed),
+           "decode_after_last_arrival_s": max(completed) - max(created)}
+    started = [(c, s) for c, s, _ in rows if s is not None]
+    if started:
+        out.update({"last_start_s": max(s for _, s in started),
+                    "mean_queue_wait_s": sum(s - c for c, s in started) / len(started),
+                    "longest_queue_wait_s": max(s - c for c, s in started),
+                    "decode_after_last_start_s": max(completed) - max(s for _, s in started)})
+    return out
 
 
 def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:

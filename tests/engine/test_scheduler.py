@@ -9,6 +9,7 @@ finish while the huge one is still running.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 import time
 from dataclasses import dataclass, field
 
@@ -529,3 +530,33 @@ def test_a_slices_outcomes_are_stored_in_one_call_and_alone_when_that_fails():
     calls, outs = run(scenario(True))
     assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
     assert [o.result for o in outs] == [b"a", None, b"c"]
+
+
+def test_stored_outcomes_say_when_their_work_began():
+    """Each stored outcome carries the wall-clock time its job left the queue, so that a request's
+    record holds its arrival, its start and its end (the wait apart from the work)."""
+    class Recording(NullSink):
+        def __init__(self):
+            self.outcomes = []
+
+        def finish_requests(self, outcomes):
+            self.outcomes += outcomes
+            return [True] * len(outcomes)
+
+    async def scenario():
+        ops, sink = FakeOps(), Recording()
+        engine = Engine(ops, sink)
+        await engine.start()
+        before = datetime.now(timezone.utc)
+        engine.submit(fb("fb", "m", 1, [10]))
+        engine.submit(Job("opt", "optim_step", "m", 2, None, owner="a"))
+        await asyncio.gather(*waiting(engine, "fb", "opt"))
+        after = datetime.now(timezone.utc)
+        await engine.stop()
+        return sink.outcomes, before, after
+
+    outcomes, before, after = run(scenario())
+    started = {o.request_id: o.started_at for o in outcomes}
+    assert set(started) == {"fb", "opt"}
+    assert all(before <= t <= after for t in started.values()), (before, started, after)
+    assert started["fb"] <= started["opt"]  # the step waited for the pass before it

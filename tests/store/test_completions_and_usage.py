@@ -5,6 +5,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from tinsmith.store import Store, UsageRecord
 from tinsmith.store.store import CLONE_BLOCK
 
@@ -180,6 +182,30 @@ def test_outcomes_stored_together_are_numbered_in_their_order(store: Store) -> N
     assert [(p.step, p.metrics) for p in store.list_run_metrics("m")] == [(1, {"loss": 0.5})]
     assert store.finish_requests([RequestOutcome(b, b"x", "application/json")]) == [False]
     assert store.finish_requests([]) == []
+
+
+def test_an_outcome_records_when_its_work_began(store: Store) -> None:
+    """The engine passes when a request left its queue: stored beside its arrival and end (a
+    request's whole timeline from one record); an outcome without it keeps what was stored."""
+    from tinsmith.store import RequestOutcome
+
+    store.create_sampling_session("s", owner="o", base_model="b")
+    a, b, c = (_sample(store, "s", i, "o") for i in (1, 2, 3))
+    arrived = store.get_request(a).created_at
+    began = arrived + timedelta(milliseconds=250)
+    assert store.mark_running(c)
+    marked = store.get_request(c).started_at
+    assert store.finish_requests([
+        RequestOutcome(a, b"x", "application/json", started_at=began),
+        RequestOutcome(b, error="bad prompt", category="user", started_at=began + timedelta(seconds=1)),
+        RequestOutcome(c, b"y", "application/json"),
+    ]) == [True, True, True]
+    assert store.get_request(a).started_at == began
+    assert store.get_request(b).started_at == began + timedelta(seconds=1)
+    assert marked is not None and store.get_request(c).started_at == marked
+    with pytest.raises(ValueError, match="naive"):
+        store.finish_requests([RequestOutcome(_sample(store, "s", 4, "o"), b"z", "application/json",
+                                              started_at=began.replace(tzinfo=None))])
 
 
 def test_a_sample_request_reserves_its_numbers_in_the_same_transaction(store: Store) -> None:

@@ -33,6 +33,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -641,7 +642,7 @@ class Engine:
         """Store the outcomes of client jobs, all in one transaction (a sampling slice finishes
         many requests at once); if that fails, one at a time, so that one bad outcome costs no
         other its record. Notes a device fault reported by any of them."""
-        now = time.monotonic()
+        now, wall = time.monotonic(), datetime.now(timezone.utc)
         stored: list[RequestOutcome] = []
         for job, out in zip(jobs, outcomes):
             job.finished_at = now
@@ -651,9 +652,12 @@ class Engine:
                 if out.error is not None:
                     log.warning("internal %s for %s failed: %s", job.kind, job.model_id, out.error)
                 continue
+            # When it left the queue, on the store's clock: arrival, start and end read off one record.
+            started = None if job.started_at is None else wall - timedelta(seconds=now - job.started_at)
             stored.append(RequestOutcome(job.request_id, out.result or b"{}", out.content_type,
-                                         metric_point=out.metric_point) if out.error is None
-                          else RequestOutcome(job.request_id, error=out.error, category=out.category))
+                                         metric_point=out.metric_point, started_at=started) if out.error is None
+                          else RequestOutcome(job.request_id, error=out.error, category=out.category,
+                                              started_at=started))
         if not stored:
             return
         try:

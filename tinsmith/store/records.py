@@ -163,6 +163,7 @@ class RequestOutcome:
     error: str | None = None
     category: str = "server"
     metric_point: MetricPoint | None = None
+    started_at: datetime | None = None  # when the work left the queue and began (None: leave it as stored)
 
 
 @dataclass(frozen=True)

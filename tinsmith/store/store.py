@@ -558,12 +558,14 @@ class Store:
                 update(requests).where(requests.c.request_id == bindparam("b_id")).values(
                     status=bindparam("b_status"), result=bindparam("b_result"),
                     result_content_type=bindparam("b_content_type"), error=bindparam("b_error"),
-                    error_category=bindparam("b_category"), completion_seq=bindparam("b_seq"), completed_at=now),
+                    error_category=bindparam("b_category"), completion_seq=bindparam("b_seq"), completed_at=now,
+                    started_at=func.coalesce(bindparam("b_started", type_=requests.c.started_at.type),
+                                             requests.c.started_at)),
                 [{"b_id": rid, "b_status": "completed" if o.error is None else "failed",
                   "b_result": None if o.error is not None else bytes(o.result or b""),
                   "b_content_type": None if o.error is not None else o.content_type,
                   "b_error": o.error, "b_category": None if o.error is None else o.category,
-                  "b_seq": completion_seq.get(rid)} for rid, o in first.items()],
+                  "b_seq": completion_seq.get(rid), "b_started": _aware(o.started_at)} for rid, o in first.items()],
             )
             for o in first.values():
                 if o.metric_point is not None and o.error is None:
