@@ -132,7 +132,10 @@ def test_export_trace_through_the_cli(usage_server, service_client, base_model, 
     kinds = {e["name"] for e in slices}
     assert {"create_model", "forward", "queued"} <= kinds
     fwd = next(e for e in slices if e["name"] == "forward")
-    assert fwd["args"]["status"] == "completed" and fwd["args"]["payload_bytes"] > 0 and fwd["dur"] >= 0
+    assert fwd["args"]["status"] == "completed" and fwd["args"]["payload_bytes"] > 0
+    # The work's own slice, from when the request left the queue (stored with its outcome) to its end.
+    queued = next(e for e in slices if e["name"] == "queued" and e["args"]["request_id"] == fwd["args"]["request_id"])
+    assert fwd["dur"] > 0 and queued["ts"] + queued["dur"] == fwd["ts"]
     assert fwd["args"]["result_bytes"] > 0 and "payload" not in fwd["args"]
     assert trace["metadata"]["session_id"] == sid
     threads = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
