@@ -106,8 +106,8 @@ def _start(config: ServerConfig, sock) -> int:
     import uvicorn
 
     from tinsmith.api.app import create_app
-    from tinsmith.server.exclusive import AlreadyServing
     from tinsmith.gc_tuning import release_at_exit, tune_for_serving
+    from tinsmith.server.exclusive import AlreadyServing
     from tinsmith.server.private import set_private_umask
     from tinsmith.server.state import ServerState
 

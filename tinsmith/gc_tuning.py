@@ -5,10 +5,11 @@ modules and classes of torch, transformers, SQLAlchemy, FastAPI and pydantic, th
 the store's mappings). They live until the process exits, yet every collection of the oldest
 generation walks them all with the interpreter lock held, and no thread of the process runs
 meanwhile: not the event loop taking requests, not the thread that launches the device's kernels.
-Measured on the CPU box (docs/performance.md, "Garbage collection"): one such collection took 170-300 ms; a training
-step of four tenants met one every ten steps (16 ms a step on average), one of sixteen tenants
-every five (37 ms a step); separate sample requests met one every few hundred requests, and
-cyclic collection was about a fifth of the server's interpreter time under that load.
+Measured on the CPU box (docs/performance.md, "Garbage collection"): one such collection took
+155-300 ms; a training step of four tenants met one every ten steps (14-25 ms a step on average),
+one of sixteen tenants every five or six (37-46 ms a step); separate sample requests met one every
+few hundred requests, and cyclic collection was about a fifth of the server's interpreter time
+under that load.
 
 Two settings, as long-running Python servers use them (vLLM's API server freezes its start-up
 heap the same way):

@@ -652,7 +652,7 @@ class Engine:
                 if out.error is not None:
                     log.warning("internal %s for %s failed: %s", job.kind, job.model_id, out.error)
                 continue
-            # When it left the queue, on the store's clock: arrival, start and end read off one record.
+            # When it left the queue, in UTC as the store keeps times: arrival, start and end on one record.
             started = None if job.started_at is None else wall - timedelta(seconds=now - job.started_at)
             stored.append(RequestOutcome(job.request_id, out.result or b"{}", out.content_type,
                                          metric_point=out.metric_point, started_at=started) if out.error is None
