@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from bench.gpu.train import batch
 from tinsmith.models import grouped_lora
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.sampler import Sampler, SampleTask
-from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
+from tinsmith.types import AdamParams, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 
 
@@ -40,21 +41,12 @@ def cyclic_garbage() -> Iterator[list]:
         gc.enable()
 
 
-def _batch(vocab: int, rows: int, length: int, seed: int) -> list[Datum]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(rows):
-        t = rng.integers(4, vocab, length + 1)
-        out.append(Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(length, np.float32)}))
-    return out
-
-
 @pytest.mark.parametrize("multi_lora", ["auto", "grouped"])
 def test_training_steps_of_several_tenants_leave_no_cycles(qwen3_dir, monkeypatch, multi_lora):
     monkeypatch.setattr(grouped_lora, "MULTI_LORA", multi_lora)  # "grouped": the GPU's several-tenant path
     rt = TrainingRuntime(load_model(str(qwen3_dir)).model, max_lora_adapters=4, max_lora_rank=8)
     units = [rt.create_adapter(LoraSpec(rank=8, seed=i)) for i in range(3)]
-    requests = [TrainRequest(u, ForwardBackwardInput(_batch(rt.config.vocab_size, 2, 12, seed=i), "cross_entropy"))
+    requests = [TrainRequest(u, ForwardBackwardInput(batch(rt.config.vocab_size, 2, 12, seed=i), "cross_entropy"))
                 for i, u in enumerate(units)]
     rt.forward_backward(requests)  # first step: stacks, optimizer state
     rt.optim_steps([(u, AdamParams(learning_rate=1e-3)) for u in units])
