@@ -33,6 +33,9 @@ class FakeOps:
 
     chunk_delay_s: float = 0.0
     log: list[tuple] = field(default_factory=list)  # ("chunk", {model: tokens}) / ("single", kind, model)
+    chunk_cost_s: float = 0.0  # what a chunk advances ``now`` by (the engine's clock in share tests)
+    now: float = 0.0
+    settles: int = 0
 
     def run_one(self, job: Job) -> Outcome:
         self.log.append(("single", job.kind, job.model_id))
@@ -51,6 +54,7 @@ class FakeOps:
         """The worker's rule: datums that fit the pass's quota and the chunk budget, and the
         first datum of a call whatever its length."""
         time.sleep(self.chunk_delay_s)
+        self.now += self.chunk_cost_s
         ran, by_model, total = [], {}, 0
         for p, quota in quotas:
             taken = 0
@@ -101,6 +105,12 @@ class FakeOps:
 
     def sample_abort(self):
         return []
+
+    def device_settle(self) -> None:
+        self.settles += 1
+
+    def clock(self) -> float:
+        return self.now
 
 
 class NullSink:
@@ -256,6 +266,7 @@ class SamplingOps(FakeOps):
 
     slices: dict = field(default_factory=dict)  # request_id -> slices left
     jobs_by_id: dict = field(default_factory=dict)
+    slice_cost_s: float = 0.0  # what a slice advances ``now`` by
 
     def sample_submit(self, job: Job) -> None:
         self.slices[job.request_id] = job.args
@@ -266,6 +277,7 @@ class SamplingOps(FakeOps):
 
     def sample_step(self, budget_s: float):
         time.sleep(self.chunk_delay_s)
+        self.now += self.slice_cost_s
         self.log.append(("slice", sorted(self.slices)))
         done = []
         for rid in list(self.slices):
@@ -276,13 +288,17 @@ class SamplingOps(FakeOps):
         return done
 
 
+def _turns(log: list[tuple]) -> list[str]:
+    return [entry[0] for entry in log if entry[0] in ("chunk", "slice")]
+
+
 def test_sampling_and_training_take_turns_so_both_go_on():
-    """One key samples while another trains a long pass: training turns (a chunk) and sampling
-    slices alternate, so the sample finishes long before the pass, and the pass advances while
+    """One key samples while another trains a long pass, a chunk taking as long as a slice:
+    they alternate, so the sample finishes long before the pass, and the pass advances while
     the sample decodes (neither waits for the other to finish)."""
     async def scenario():
-        ops = SamplingOps(chunk_delay_s=0.003)
-        engine = await _engine(ops)
+        ops = SamplingOps(chunk_delay_s=0.003, chunk_cost_s=1.0, slice_cost_s=1.0)
+        engine = await _engine(ops, clock=ops.clock)
         engine.submit(fb("train", "m", 1, [CHUNK] * 40, owner="trainer"))  # 40 chunks
         await asyncio.sleep(0.02)
         engine.submit(Job("sample", "sample", "m2", None, 5, owner="sampler"))  # 5 slices
@@ -294,11 +310,72 @@ def test_sampling_and_training_take_turns_so_both_go_on():
 
     sampled, still_training, log = run(scenario())
     assert sampled.error is None and still_training
-    kinds = [entry[0] for entry in log if entry[0] in ("chunk", "slice")]
+    kinds = _turns(log)
     first, last = kinds.index("slice"), len(kinds) - 1 - kinds[::-1].index("slice")
-    during = kinds[first:last + 1]
-    assert during.count("slice") == 5 and during.count("chunk") == 4, during  # one chunk between slices
+    assert kinds[first:last + 1] == ["slice", "chunk"] * 4 + ["slice"]  # one chunk between slices
     assert kinds.count("chunk") == 40
+
+
+def _shared(chunk_cost: float, slice_cost: float, trainers: int, samplers: int):
+    """Trainers with long passes and samplers with long requests, all busy throughout; the
+    engine's clock advances by each turn's cost. Returns the turns and the settles."""
+    async def scenario():
+        ops = SamplingOps(chunk_cost_s=chunk_cost, slice_cost_s=slice_cost)
+        engine = await _engine(ops, clock=ops.clock)
+        for t in range(trainers):
+            engine.submit(fb(f"train{t}", f"m{t}", 1, [CHUNK // trainers] * 60, owner=f"trainer{t}"))
+        for k in range(samplers):
+            engine.submit(Job(f"sample{k}", "sample", f"s{k}", None, 10_000, owner=f"sampler{k}"))
+        while sum(1 for e in ops.log if e[0] == "chunk") < 50:
+            await asyncio.sleep(0.005)
+        shares = dict(engine.shares.spent)
+        await engine.stop()
+        return _turns(ops.log), ops.settles, shares
+
+    return run(scenario())
+
+
+def test_the_device_is_shared_by_time_not_by_turns():
+    """A training chunk takes four times a sampling slice: the sampling key gets four slices for
+    each chunk, so both keys have the device half the time (strict turns gave the trainer 80%)."""
+    kinds, settles, spent = _shared(chunk_cost=1.0, slice_cost=0.25, trainers=1, samplers=1)
+    steady = kinds[kinds.index("slice"):]
+    assert steady[:20] == (["slice"] * 4 + ["chunk"]) * 4, steady[:20]
+    assert abs(spent["train"] - spent["sample"]) <= 1.0, spent
+    assert settles >= 10, "the device is waited for before sampling's turns, so each turn pays its own"
+
+
+def test_the_device_is_shared_per_key():
+    """Three keys train and one samples, a chunk (which the three keys share) taking three times
+    a slice: they alternate, so training has the device three quarters of the time, a quarter
+    for each key (by time alone, the sampler would get half). And the other way round."""
+    kinds, _, spent = _shared(chunk_cost=0.75, slice_cost=0.25, trainers=3, samplers=1)
+    steady = kinds[kinds.index("slice"):][:16]
+    assert steady == ["slice", "chunk"] * 8, steady
+    assert 2.5 <= spent["train"] / spent["sample"] <= 3.5, spent
+    kinds, _, spent = _shared(chunk_cost=0.25, slice_cost=0.75, trainers=1, samplers=3)
+    steady = kinds[kinds.index("chunk"):][:16]
+    assert steady == ["chunk", "slice"] * 8, steady
+    assert 2.5 <= spent["sample"] / spent["train"] <= 3.5, spent
+
+
+def test_a_kind_that_was_idle_gets_no_credit_for_it():
+    """Training runs alone for a long time, then a sample arrives: it goes first once and then
+    takes its share, rather than holding the device until its clock has caught up."""
+    async def scenario():
+        ops = SamplingOps(chunk_cost_s=0.25, slice_cost_s=0.25)
+        engine = await _engine(ops, clock=ops.clock)
+        engine.submit(fb("train", "m", 1, [CHUNK] * 60, owner="trainer"))
+        while sum(1 for e in ops.log if e[0] == "chunk") < 30:
+            await asyncio.sleep(0.002)
+        engine.submit(Job("sample", "sample", "s", None, 6, owner="sampler"))
+        await asyncio.gather(*waiting(engine, "sample", "train"))
+        await engine.stop()
+        return _turns(ops.log)
+
+    kinds = run(scenario())
+    first = kinds.index("slice")
+    assert kinds[first:first + 11] == ["slice", "chunk"] * 5 + ["slice"], kinds[first:first + 11]
 
 
 def test_a_key_with_long_sequences_gets_no_more_than_its_share():

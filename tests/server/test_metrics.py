@@ -108,6 +108,10 @@ def test_sampling_moves_the_prefill_and_prompt_cache_counters(app):
     assert moved("tinsmith_prompt_cache_hit_tokens_total") == 32
     assert value(after, "tinsmith_sampler_preemptions_total") == 0
     assert value(after, "tinsmith_decode_graph_replays_total") == 0  # graphs run on CUDA only
+    # The engine's sampling slices are counted as its sampling turns' time; no training ran.
+    assert value(after, "tinsmith_engine_turn_seconds_total", kind="sample") > value(
+        before, "tinsmith_engine_turn_seconds_total", kind="sample")
+    assert value(after, "tinsmith_engine_turn_seconds_total", kind="train") == 0
     assert value(after, "tinsmith_decode_graph_captures_total") == 0
     assert moved("tinsmith_sampler_prefills_total") == 2  # one admission per request, sent one after the other
     assert moved("tinsmith_decode_steps_total") >= 2  # two tokens each (the first comes with the prefill)
@@ -179,7 +183,8 @@ def test_grafana_dashboard_queries_only_exposed_metrics(app):
         stripped = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", expr)  # label matchers, ranges, strings
         used |= {w for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", stripped) if w not in functions
                  and not re.fullmatch(r"\d.*", w)} - {"operation", "route", "status", "type", "state", "device",
-                                                       "key_id", "stored", "outcome", "method", "generation"}
+                                                       "key_id", "stored", "outcome", "method", "generation",
+                                                       "kind"}
     assert used, exprs
     assert used <= exposed, sorted(used - exposed)
 

@@ -16,9 +16,11 @@
   optimizer steps ready together go to the worker as one call. When a key that was idle has a
   forward/backward ready, one chunk runs first (its request at the front of it), so that it does
   not wait for every busy key's optimizer step as well.
-* Training and sampling alternate: one training turn (the ready single jobs, then one chunk),
-  then one sampling slice (``sampling_slice_s`` of decode steps, new requests joining between
-  steps). Neither can starve the other.
+* Training and sampling take turns: a training turn (the ready single jobs, then one chunk) or
+  a sampling slice (``sampling_slice_s`` of decode steps, new requests joining between steps).
+  Which one goes next is decided by the device time each kind has had per key with work of that
+  kind (:mod:`tinsmith.engine.device_shares`), so a sampling key beside a training key gets half
+  the device however long a chunk takes next to a slice, and neither can starve the other.
 * Results are persisted by the executor thread, then pushed to waiting long-polls through
   asyncio futures: no polling interval sits on the hot path.
 """
@@ -38,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tinsmith.engine.device_faults import device_fault
+from tinsmith.engine.device_shares import DeviceShares
 from tinsmith.errors import TinsmithError
 from tinsmith.store.records import RequestOutcome
 from tinsmith.tenants import key_id
@@ -128,6 +131,8 @@ class Operations(Protocol):
 
     def sample_forget(self, request_id: str) -> None: ...  # the sample job finished (event loop)
 
+    def device_settle(self) -> None: ...  # wait for the device's queued work (a turn's time is then its own)
+
 
 class ResultSink(Protocol):
     def finish_requests(self, outcomes: list[RequestOutcome]) -> list[bool]: ...  # one transaction
@@ -145,7 +150,8 @@ class _Pass:
 
 class Engine:
     def __init__(self, operations: Operations, sink: ResultSink, executor: Executor | None = None,
-                 sampling_slice_s: float = 0.05, seq_gap_wait_s: float = 1.0):
+                 sampling_slice_s: float = 0.05, seq_gap_wait_s: float = 1.0,
+                 clock: Callable[[], float] = time.perf_counter):
         self.ops = operations
         self.sink = sink
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinsmith-worker")
@@ -163,6 +169,9 @@ class Engine:
         self.jobs: dict[str, Job] = {}  # request_id -> job, while queued or running (client jobs only)
         self._listeners: dict[str, set[asyncio.Event]] = {}  # topic -> events set when one of its jobs finishes
         self._in_flight: Counter[str] = Counter()  # owner -> jobs queued or running
+        self._sampling: Counter[str] = Counter()  # owner -> sample jobs queued or running
+        self.shares = DeviceShares()  # device time of training turns vs sampling slices, per key
+        self.clock = clock  # what turns are timed with (tests pass one that the fake work advances)
         self._turn: dict[str, int] = {}  # owner -> when it last had a single job run (turn taking)
         self._deferred = False  # the last training turn ran a chunk before the single jobs
         self._turns = itertools.count()
@@ -194,6 +203,8 @@ class Engine:
         self.waiters.setdefault(job.request_id, asyncio.get_running_loop().create_future())
         if job.request_id not in self.owners:
             self._in_flight[job.owner] += 1
+            if job.kind == "sample":
+                self._sampling[job.owner] += 1
         self.owners[job.request_id] = job.owner
         if not job.internal:
             self.jobs[job.request_id] = job
@@ -331,16 +342,15 @@ class Engine:
     # ----------------------------------------------------------------------------- dispatch
     async def _dispatch_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        sampling_turn = False
         while True:
             if self.fault is not None and (self.queues or self.passes or self.ops.sample_has_work()):
                 pairs = self._fail_everything_queued()
                 await loop.run_in_executor(None, self._persist, [j for j, _ in pairs], [o for _, o in pairs])
                 self._finish([j for j, _ in pairs], [o for _, o in pairs])
                 continue
-            training = self._has_training_work()
             sampling = self.ops.sample_has_work()
-            if not training and not sampling:
+            turn = self.shares.next(self._has_training_work(), sampling)
+            if turn is None:
                 self._wake.clear()
                 gap = self._next_gap_deadline()
                 try:
@@ -348,33 +358,52 @@ class Engine:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            if sampling and (sampling_turn or not training):
-                sampling_turn = False
+            started = self.clock()
+            if turn == "sample":
+                keys = len(self._sampling)
                 await self._sampling_turn(loop)
+                self.shares.charge("sample", self.clock() - started, keys)
                 await asyncio.sleep(0)  # let submissions in between slices
                 continue
-            sampling_turn = True
-            # A key that was idle goes ahead of the busy keys' other jobs by one chunk, at most
-            # one chunk in a row (else a stream of newcomers could hold those jobs back).
-            self._deferred = not self._deferred and self._idle_key_waits()
-            singles = [] if self._deferred else self._claim_singles()
-            if singles:
-                outcomes = await self._in_executor(loop, self._run_singles, singles)
-                self._finish(singles, outcomes)
-            self._claim_passes()
-            if self.passes:
-                passes = list(self.passes)
-                try:
-                    finished = await loop.run_in_executor(self.executor, self._run_chunk, passes, loop)
-                except Exception as exc:  # the chunk machinery itself failed: fail its passes, keep serving
-                    log.exception("training chunk failed")
-                    left = [p for p in passes if p in self.passes]
-                    finished = [(p, [Outcome.failure(exc) for _ in p.jobs]) for p in left]
-                    await loop.run_in_executor(None, self._persist, [j for p in left for j in p.jobs],
-                                               [o for _, outs in finished for o in outs])
-                for p, outcomes in finished:
-                    self._finish_pass(p, outcomes)
+            keys = len(self._training_keys())
+            await self._training_turn(loop, settle=sampling)
+            self.shares.charge("train", self.clock() - started, keys)
             await asyncio.sleep(0)
+
+    def _training_keys(self) -> set[str]:
+        """API keys with training work: a pass running, or a job queued."""
+        return {p.owner for p in self.passes} | {q[0].owner for q in self.queues.values() if q}
+
+    async def _training_turn(self, loop: asyncio.AbstractEventLoop, settle: bool) -> None:
+        """The ready single jobs, then one chunk of the running passes. ``settle``: sampling waits
+        for the next turn, so the device's queued training work is waited for before the turn
+        ends (else the sampling slice's first read-back would wait for it, and be charged)."""
+        # A key that was idle goes ahead of the busy keys' other jobs by one chunk, at most
+        # one chunk in a row (else a stream of newcomers could hold those jobs back).
+        self._deferred = not self._deferred and self._idle_key_waits()
+        singles = [] if self._deferred else self._claim_singles()
+        if singles:
+            outcomes = await self._in_executor(loop, self._run_singles, singles)
+            self._finish(singles, outcomes)
+        self._claim_passes()
+        ran = bool(singles or self.passes)
+        if self.passes:
+            passes = list(self.passes)
+            try:
+                finished = await loop.run_in_executor(self.executor, self._run_chunk, passes, loop)
+            except Exception as exc:  # the chunk machinery itself failed: fail its passes, keep serving
+                log.exception("training chunk failed")
+                left = [p for p in passes if p in self.passes]
+                finished = [(p, [Outcome.failure(exc) for _ in p.jobs]) for p in left]
+                await loop.run_in_executor(None, self._persist, [j for p in left for j in p.jobs],
+                                           [o for _, outs in finished for o in outs])
+            for p, outcomes in finished:
+                self._finish_pass(p, outcomes)
+        if settle and ran:
+            try:
+                await loop.run_in_executor(self.executor, self.ops.device_settle)
+            except Exception:  # a failed device shows in the next call that uses it
+                log.exception("waiting for the device failed")
 
     async def _in_executor(self, loop, fn, jobs: list[Job]) -> list[Outcome]:
         try:
@@ -698,9 +727,9 @@ class Engine:
                     event.set()
             owner = self.owners.pop(job.request_id, None)
             if owner is not None:
-                self._in_flight[owner] -= 1
-                if self._in_flight[owner] <= 0:
-                    del self._in_flight[owner]
+                _discount(self._in_flight, owner)
+                if job.kind == "sample":
+                    _discount(self._sampling, owner)
             w = self.waiters.pop(job.request_id, None)
             if w is not None and not w.done():
                 w.set_result(out)
@@ -713,3 +742,10 @@ class Engine:
                 log.debug("%s of %s (key %s) answered %.1f ms after it was queued", job.kind, job.model_id,
                           key_id(job.owner), 1000 * (time.monotonic() - job.enqueued_at))
         self._wake.set()
+
+
+def _discount(counts: Counter[str], owner: str) -> None:
+    """One job of ``owner`` less in ``counts`` (an owner with none left leaves it)."""
+    counts[owner] -= 1
+    if counts[owner] <= 0:
+        del counts[owner]

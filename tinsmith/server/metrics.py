@@ -147,8 +147,11 @@ class StateCollector:
         together = CounterMetricFamily("tinsmith_optimizer_steps_together", "Optimizer steps taken together with "
                                        "other runs' steps that were ready at the same time (one read-back and one "
                                        "set of kernels for all)")
+        turns = CounterMetricFamily("tinsmith_engine_turn_seconds", "Seconds of the engine's turns on the device, "
+                                    "by kind (train: single jobs and forward/backward chunks; sample: decode "
+                                    "slices); the kinds share the device by time per API key with work", labels=["kind"])
 
-        def fill(depth, oldest, in_flight, gaps, together):
+        def fill(depth, oldest, in_flight, gaps, together, turns):
             engine, ops = self.state.engine, self.state.engine.ops
             jobs = engine.queued_jobs()
             jobs += list(getattr(ops, "_sample_inbox", ()))
@@ -163,8 +166,10 @@ class StateCollector:
             in_flight.add_metric([], engine.in_flight_total())
             gaps.add_metric([], engine.stats["seq_gaps_skipped"])
             together.add_metric([], engine.stats["optimizer_steps_together"])
+            for kind, seconds in dict(engine.shares.spent).items():
+                turns.add_metric([kind], seconds)
 
-        return [depth, oldest, in_flight, gaps, together], fill
+        return [depth, oldest, in_flight, gaps, together, turns], fill
 
     def _holdings(self) -> tuple[list[Metric], Callable]:
         runs = _gauge("tinsmith_training_runs", "Training runs held in memory, by type (lora, full)", ["type"])

@@ -237,6 +237,9 @@ class WorkerOperations:
     def train_chunk_tokens(self, keys: int) -> int:
         return self.worker.chunk_tokens(keys)
 
+    def device_settle(self) -> None:
+        self.worker.settle()
+
     def run_one(self, job: Job) -> Outcome:
         handler = getattr(self, f"_{job.kind}", None)
         if handler is None:

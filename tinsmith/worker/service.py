@@ -376,6 +376,13 @@ class Worker:
             group[0][0].runtime.advance(group, on_done, budget=max(1, budget))
             budget -= sum(fb.tokens_run for fb, _ in group) - before
 
+    def settle(self) -> None:
+        """Wait until the device has run everything queued on it. Kernels run asynchronously on a
+        GPU: without this, whatever runs next (a sampling slice) would wait for them itself."""
+        device = torch.device(self.options.device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def chunk_tokens(self, keys: int = 1) -> int:
         """Tokens one scheduling chunk runs while ``keys`` API keys have forward/backward work.
 
