@@ -57,19 +57,24 @@ def _forward_backward(w: Worker, run: str) -> np.ndarray:
 def _tasks(slot: int) -> list[SampleTask]:
     g = np.random.default_rng(1)
 
-    def task(key: str, slot: int | None, prompt: int, n: int, **params) -> SampleTask:
-        return SampleTask(key, slot, SampleInput(g.integers(0, 512, prompt), n, SamplingParams(stop=[], **params)))
+    def task(key: str, slot: int | None, prompt: int, n: int, owner: str, **params) -> SampleTask:
+        return SampleTask(key, slot, SampleInput(g.integers(0, 512, prompt), n, SamplingParams(stop=[], **params)),
+                          owner)
 
-    return [task("greedy", slot, 5, 1, max_tokens=24, temperature=0.0),
-            task("seeded", slot, 7, 2, max_tokens=24, temperature=1.0, seed=4),
-            task("base", None, 3, 1, max_tokens=24, temperature=0.7, seed=9),
-            task("cancelled", slot, 4, 1, max_tokens=400, temperature=1.0, seed=5)]
+    # Two owners: the sampler admits "base" second (fair turns between owners), on every rank alike.
+    return [task("greedy", slot, 5, 1, "a", max_tokens=24, temperature=0.0),
+            task("seeded", slot, 7, 2, "a", max_tokens=24, temperature=1.0, seed=4),
+            task("base", None, 3, 1, "b", max_tokens=24, temperature=0.7, seed=9),
+            task("cancelled", slot, 4, 1, "a", max_tokens=400, temperature=1.0, seed=5)]
 
 
 def _sample(w: Worker, base, slot: int) -> tuple[dict, int]:
     sampler = w.sampler(base)
     board = CancelBoard(key_id=lambda key: key)
     sampler.cancellations = board
+    local = getattr(sampler, "_local", sampler)  # rank 0's own sampler under tensor parallelism
+    validate, w.admitted = local._validate, []
+    local._validate = lambda t: (w.admitted.append(t.key), validate(t))[1]
     for t in _tasks(slot):
         sampler.add(t)
     done, slices = {}, 0
@@ -94,6 +99,9 @@ def test_time_budgeted_slices_and_cancellations_stay_in_step(qwen3_dir):
         assert w2.sampler(b2)._local.prefill_chunk_tokens == 4  # the options reach every rank's sampler
         assert w2.sampler(b2)._local.stats["prefill_chunks"] > 0
         assert isinstance(got["cancelled"], SampleCancelled) and isinstance(ref["cancelled"], SampleCancelled)
+        # The owners reached the ranks' samplers: "base" (the second owner's) was admitted second.
+        # ("cancelled" may be cancelled before its turn comes.)
+        assert w1.admitted[:3] == w2.admitted[:3] == ["greedy", "base", "seeded"], (w1.admitted, w2.admitted)
         for key in ("greedy", "seeded", "base"):
             for a, b in zip(ref[key].sequences, got[key].sequences):
                 np.testing.assert_array_equal(a.tokens, b.tokens)

@@ -246,11 +246,11 @@ class ReplicaBase:
             "the LoRA adapter this inflight sampler reads was moved to host memory to make room for other "
             f"training runs (--max-lora-adapters {self.max_lora_adapters}); sample again"))
 
-    def add_task(self, tid: int, key: Any, slot: int | None, inp) -> None:
+    def add_task(self, tid: int, key: Any, slot: int | None, inp, owner: str | None = None) -> None:
         if isinstance(self.sampler, LockstepSampler):  # its shards agree on cancellations by id
-            self.sampler.add_agreed(tid, key, slot, inp)
+            self.sampler.add_agreed(tid, key, slot, inp, owner)
         else:
-            self.sampler.add(SampleTask(key, slot, inp))
+            self.sampler.add(SampleTask(key, slot, inp, owner))
 
     def finished(self, key: Any, by_id: bool) -> None:
         """The request with ``key`` was reported; ``by_id``: its key is rank 0's id (not the
@@ -294,9 +294,9 @@ class ReplicaRank(ServingRank):
     def install_lora(self, name: str, slot: int, spec, tensors: dict[str, torch.Tensor]) -> None:
         install_full_lora_weights(self.bases[name].loaded.model, slot, spec, tensors)  # this rank's shard
 
-    def sample_step(self, name: str, tasks: list[tuple[int, int, int | None, Any]], cancelled: list[int],
+    def sample_step(self, name: str, tasks: list[tuple[int, int, int | None, Any, str | None]], cancelled: list[int],
                     budget_s: float) -> list:  # type: ignore[override]
-        """Queue this replica's ``tasks`` ((replica, id, slot, input)), drop the ``cancelled`` ids,
+        """Queue this replica's ``tasks`` ((replica, id, slot, input, owner)), drop the ``cancelled`` ids,
         and decode for ``budget_s``. On rank 0: its own finished ``(key, result)`` and the report
         of every other replica's first rank ``(replica, (finished (id, result), running (id,
         sample, tokens), counters))``."""
@@ -305,9 +305,9 @@ class ReplicaRank(ServingRank):
         done: list = []
         error: BaseException | None = None
         try:
-            for replica, tid, slot, inp in tasks:
+            for replica, tid, slot, inp, owner in tasks:
                 if replica == self.replica:
-                    base.add_task(tid, self.local_keys.pop(tid, tid), slot, inp)
+                    base.add_task(tid, self.local_keys.pop(tid, tid), slot, inp, owner)
             for tid in cancelled:
                 base.board.post(tid)
             done = sampler.step(budget_s)
@@ -517,7 +517,7 @@ class ReplicaSampler:
             self._load[replica] += rows
             if replica == 0:
                 self._base.local_keys_put(tid, t.key)
-            sent.append((replica, tid, t.slot, t.input))
+            sent.append((replica, tid, t.slot, t.input, t.owner))
         # A failed call raises ParallelError: every request stays outstanding, for abort() to report.
         done, reports = self._base.call("sample_step", sent, self._cancelled(), budget_s)
         out = []

@@ -93,9 +93,9 @@ class LockstepSampler(ShardedSampler):
         self._key_of: dict[int, Any] = {}
         self.agreements = 0  # broadcasts of the decision, counted for tests
 
-    def add_agreed(self, tid: int, key: Any, slot: int | None, inp) -> None:
+    def add_agreed(self, tid: int, key: Any, slot: int | None, inp, owner: str | None = None) -> None:
         self._tid_of[id(key)], self._key_of[tid] = tid, key
-        self.add(SampleTask(key, slot, inp))
+        self.add(SampleTask(key, slot, inp, owner))
 
     def forget(self, key: Any) -> None:
         """The task with ``key`` was reported: its id is no longer needed."""

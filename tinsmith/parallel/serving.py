@@ -186,12 +186,12 @@ class ServingRank:
     def detach_lora(self, name: str, slot: int) -> None:
         detach_lora(self.bases[name].loaded.model, slot)
 
-    def sample_step(self, name: str, tasks: list[tuple[int, int | None, Any]], budget_s: float) -> list:
-        """Queue ``tasks`` ((id, slot, input)) and run one sampling slice; ``(key, result)`` of the
-        requests that finished (keys: the engine's on rank 0, the ids elsewhere)."""
+    def sample_step(self, name: str, tasks: list[tuple[int, int | None, Any, str | None]], budget_s: float) -> list:
+        """Queue ``tasks`` ((id, slot, input, owner)) and run one sampling slice; ``(key, result)`` of
+        the requests that finished (keys: the engine's on rank 0, the ids elsewhere)."""
         sampler = self.bases[name].sampler
-        for tid, slot, inp in tasks:
-            sampler.add_agreed(tid, self.local_keys.pop(tid, tid), slot, inp)
+        for tid, slot, inp, owner in tasks:
+            sampler.add_agreed(tid, self.local_keys.pop(tid, tid), slot, inp, owner)
         done = sampler.step(budget_s)
         for key, _ in done:
             sampler.forget(key)
@@ -412,7 +412,7 @@ class TPSampler:
         for t in tasks:
             tid = next(self._ids)
             self._base.local_keys_put(tid, t.key)
-            sent.append((tid, t.slot, t.input))
+            sent.append((tid, t.slot, t.input, t.owner))
         try:
             return self._base.call("sample_step", sent, budget_s)
         except ParallelError:

@@ -21,7 +21,7 @@ import logging
 import math
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,6 +71,7 @@ class SampleTask:
     key: Any  # opaque to the sampler (the engine's job)
     slot: int | None  # adapter slot to sample with; None = base model
     input: SampleInput
+    owner: str | None = None  # who asked (an API key): waiting requests share rows fairly among owners
 
 
 @dataclass
@@ -181,6 +182,7 @@ class Sampler:
         self.share_prompts = prefix_cache_bytes > 0
         self.inbox: deque[SampleTask] = deque()
         self._waited: set[int] = set()  # ids of queued requests that waited once for a prefill's blocks
+        self._inbox_ordered: tuple | None = None  # what the inbox was last put in fair order for
         self._resume: deque[_TaskState] = deque()  # preempted requests: admitted again before the inbox
         self._admissions = itertools.count(1)
         self.rows: list[_Row] = []
@@ -394,6 +396,7 @@ class Sampler:
         if not self._resume and not self.inbox:  # nothing waits: no need to count what the rows hold
             self._waited.clear()
             return
+        self._order_inbox()
         batch: list[_TaskState] = []
         # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
         # budget the newest requests are preempted (_make_room) and resume later.
@@ -429,6 +432,41 @@ class Sampler:
             except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
                 log.exception("prefill of %d requests failed", len(batch))
                 self._fail(batch, exc, done)
+
+    def _order_inbox(self) -> None:
+        """Put the waiting requests of several owners in the order that shares rows among them.
+
+        Each waiting request is placed at the row its owner would reach with it: the rows the
+        owner holds already (decoding, prefilling, preempted) plus the rows of its requests
+        waiting ahead of it; the lowest place goes first, ties in arrival order. An owner's own
+        requests keep their order. So a key that sends one request while another key has
+        hundreds queued is admitted at the next free row, not behind the whole queue, and keys
+        with work take rows in turns. (Only the order changes: the head still waits for rows
+        and K/V to free up, and nothing overtakes it, so a large request is never starved.)
+        """
+        if len(self.inbox) < 2:
+            return
+        waiting = list(self.inbox)  # a copy: ``add`` may append meanwhile (appended ones stay last)
+        first = waiting[0].owner
+        if all(t.owner == first for t in waiting):
+            return
+        place: Counter[str | None] = Counter()
+        for st in self._live_states():
+            place[st.task.owner] += st.remaining
+        seen = (len(waiting), id(waiting[0]), id(waiting[-1]), frozenset(place.items()))
+        if seen == self._inbox_ordered:  # ordered already for these rows (admission tried again)
+            return
+        self._inbox_ordered = seen
+        order = []
+        for i, task in enumerate(waiting):
+            order.append((place[task.owner], i))
+            place[task.owner] += task.input.num_samples
+        order.sort()
+        if all(i == j for j, (_, i) in enumerate(order)):
+            return
+        for _ in waiting:
+            self.inbox.popleft()
+        self.inbox.extendleft(reversed([waiting[i] for _, i in order]))
 
     def _admit_inbox(self, done: list, spans: KVTally, waiting: list[SampleTask]) -> list[_TaskState]:
         """Take requests off the inbox for one prefill while rows, the prefill's token budget and

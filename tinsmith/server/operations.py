@@ -517,7 +517,7 @@ class WorkerOperations:
                     continue
                 sampler, slot = resolved
                 sampler.cancellations = self.cancellations
-                sampler.add(SampleTask(job, slot, job.args.input))
+                sampler.add(SampleTask(job, slot, job.args.input, owner=job.owner))
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
         self._sample_inbox.extendleft(reversed(waiting))
