@@ -73,3 +73,24 @@ def test_several_samples_count_as_several_rows(qwen3_dir):
     run(sampler, tasks)
     # Places: g0 0, g1 3; s0 0, s1 1, s2 2, s3 3 (ties in arrival order).
     assert order[1:] == ["g0", "s0", "s1", "s2", "g1", "s3"], order
+
+
+def test_preemption_takes_rows_from_the_key_that_holds_the_most(qwen3_dir):
+    """Under a K/V budget the growing rows must give some back: the newest request of the key
+    holding the most rows is preempted, not the other key's request just because it came last;
+    every request still completes."""
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * 64 * cfg.head_dim * 4  # one row of 64 positions
+    sampler = make_sampler(model, qwen3_dir, kv_cache_bytes=8 * row_bytes, prefix_cache_bytes=0)
+    preempted: list = []
+    preempt = sampler._preempt
+    sampler._preempt = lambda st: (preempted.append(st.task.key), preempt(st))[1]
+    for i in range(3):
+        sampler.add(owned("busy", f"busy{i}", i, max_tokens=150))
+    out = scheduler_steps(sampler, 1)
+    sampler.add(owned("light", "light", 9, max_tokens=150))  # admitted last: the newest request
+    out.update(run(sampler, []))
+    assert len(out) == 4 and not any(isinstance(r, Exception) for r in out.values())
+    # Four rows of 123 positions outgrow 8 blocks: the busy key gives back two of its three.
+    assert preempted[:2] == ["busy2", "busy1"] and "light" not in preempted, preempted

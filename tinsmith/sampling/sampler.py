@@ -876,7 +876,8 @@ class Sampler:
     # ----------------------------------------------------------------------------- preemption
     def _make_room(self) -> None:
         """Before a decode step: while the rows would outgrow the K/V budget in it, preempt the
-        newest request (the oldest one always fits alone: admission checked it at its longest)."""
+        newest request of the key holding the most rows (the oldest request is never preempted:
+        it always fits alone, admission checked it at its longest)."""
         if not self.kv_cache_bytes:
             return
         while True:
@@ -897,7 +898,19 @@ class Sampler:
             live = [st for st in self._live_states() if id(st) not in waiting and not st.task.input.prompt_images]
             if len(live) < 2 and not (self._chunked and self.rows):
                 return
-            self._preempt(max(live, key=lambda st: st.order))
+            self._preempt(self._preemption_victim(live))
+
+    @staticmethod
+    def _preemption_victim(live: list[_TaskState]) -> _TaskState:
+        """The request to preempt: the newest of the key that holds the most rows, so a key's
+        request admitted in its turn (:meth:`_order_inbox`) is not the first to give its rows
+        back. Never the oldest request while another could go."""
+        held: Counter[str | None] = Counter()
+        for st in live:
+            held[st.task.owner] += st.remaining
+        oldest = min(live, key=lambda st: st.order)
+        candidates = [st for st in live if st is not oldest] or live
+        return max(candidates, key=lambda st: (held[st.task.owner], st.order))
 
     def _preempt(self, st: _TaskState) -> None:
         """Take ``st``'s rows off the batch (their K/V freed) and queue it to resume first: each row
