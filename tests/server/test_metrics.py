@@ -269,3 +269,24 @@ def test_json_log_lines_carry_their_fields():
 def test_database_urls_are_logged_without_their_password():
     shown = safe_database_url("postgresql+psycopg://tinsmith:hunter2@db:5432/tinsmith")
     assert "hunter2" not in shown and "db:5432" in shown
+
+
+def test_sampler_rows_are_reported_by_key(app):
+    """Each key's rows decoding and rows waiting (in a sampler's queue, or not yet handed to one),
+    with ``num_samples`` counting as that many rows."""
+    from types import SimpleNamespace
+
+    from tinsmith.sampling.sampler import SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    def inp(n: int) -> SampleInput:
+        return SampleInput(np.arange(4), n, SamplingParams(max_tokens=2))
+
+    def row(owner: str):
+        return SimpleNamespace(state=SimpleNamespace(task=SampleTask("k", None, inp(1), owner)))
+
+    sampler = SimpleNamespace(rows=[row("key-a"), row("key-a"), row("key-b")], inbox=[SampleTask("k", None, inp(3), "key-b")])
+    queued = SimpleNamespace(owner="key-a", args=SimpleNamespace(input=inp(2)))
+    assert server_metrics._key_rows([sampler], [queued]) == {
+        ("key-a", "decoding"): 2, ("key-b", "decoding"): 1, ("key-b", "waiting"): 3, ("key-a", "waiting"): 2}
+    assert "tinsmith_sampler_key_rows" in scrape(app[0])

@@ -207,6 +207,9 @@ class StateCollector:
     def _sampling(self) -> tuple[list[Metric], Callable]:
         sampled = CounterMetricFamily("tinsmith_sampled_tokens", "Tokens of the sequences sampled for clients")
         rows = _gauge("tinsmith_sampler_rows", "Sequences being decoded right now")
+        key_rows = _gauge("tinsmith_sampler_key_rows", "Sampling rows of each API key: decoding (its sequences in "
+                          "the batch) and waiting (the rows its queued requests ask for; the batch's rows go "
+                          "to keys in turns)", ["key_id", "state"])
         kv = _gauge("tinsmith_kv_cache_bytes", "Bytes of the samplers' KV caches (they grow with the batch and "
                     "shrink when it empties)")
         kv_used = _gauge("tinsmith_kv_cache_used_bytes", "Of those, the bytes the decoding sequences hold (paged "
@@ -233,10 +236,13 @@ class StateCollector:
         }
         counters = [CounterMetricFamily(name, text) for name, (_, text) in totals.items()]
 
-        def fill(sampled, rows, kv, kv_used, prefix, *counters):
+        def fill(sampled, rows, key_rows, kv, kv_used, prefix, *counters):
             samplers = list(self.state.worker.samplers.values())
             sampled.add_metric([], self.state.engine.ops.throughput.sampled.all_time)
             rows.add_metric([], sum(len(s.rows) for s in samplers))
+            queued = list(getattr(self.state.engine.ops, "_sample_inbox", ()))  # not handed to a sampler yet
+            for (owner, state), n in sorted(_key_rows(samplers, queued).items()):
+                key_rows.add_metric([key_id(owner), state], n)
             kv.add_metric([], sum(s.cache.nbytes() for s in samplers))
             kv_used.add_metric([], sum(s.cache.used_bytes(len(s.rows)) for s in samplers))
             prefix.add_metric([], sum(s.prefix.bytes + s.snapshots.bytes for s in samplers))
@@ -244,7 +250,8 @@ class StateCollector:
             for family, (stat, _) in zip(counters, totals.values()):
                 family.add_metric([], total.get(stat, 0))
 
-        return [sampled, rows, kv, kv_used, prefix, *counters], fill
+        return [sampled, rows, key_rows, kv, kv_used, prefix, *counters], fill
+
 
     def _health(self) -> tuple[list[Metric], Callable]:
         rss = _gauge("tinsmith_process_memory_bytes", "Resident memory of the server process")
@@ -302,3 +309,18 @@ class StateCollector:
                 ckpt.add_metric([key_id(owner)], size)
 
         return [ckpt], fill
+
+
+def _key_rows(samplers: list, queued: list) -> Counter[tuple[str, str]]:
+    """(owner, "decoding" | "waiting") -> rows: the samplers' rows and queues, and sample jobs
+    ``queued`` for a sampler. Read from the scrape's thread: each list is copied before it is read
+    (the worker's thread changes them)."""
+    out: Counter[tuple[str, str]] = Counter()
+    for s in samplers:
+        for row in list(s.rows):
+            out[(row.state.task.owner or "", "decoding")] += 1
+        for task in list(s.inbox):
+            out[(task.owner or "", "waiting")] += task.input.num_samples
+    for job in queued:
+        out[(job.owner, "waiting")] += job.args.input.num_samples
+    return out
