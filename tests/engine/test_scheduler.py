@@ -378,6 +378,27 @@ def test_a_kind_that_was_idle_gets_no_credit_for_it():
     assert kinds[first:first + 11] == ["slice", "chunk"] * 5 + ["slice"], kinds[first:first + 11]
 
 
+def test_a_newcomer_is_not_owed_the_turn_it_arrived_in():
+    """Training's chunks take four times a slice. A sample arriving while training runs alone is
+    not owed the chunk that was running when it came: it goes first once, then the kinds share
+    the time (a chunk, then as many slices as make up for it)."""
+    async def scenario():
+        ops = SamplingOps(chunk_cost_s=1.0, slice_cost_s=0.25)
+        engine = await _engine(ops, clock=ops.clock)
+        engine.submit(fb("train", "m", 1, [CHUNK] * 60, owner="trainer"))
+        while sum(1 for e in ops.log if e[0] == "chunk") < 10:
+            await asyncio.sleep(0.002)
+        engine.submit(Job("sample", "sample", "s", None, 20, owner="sampler"))
+        await asyncio.gather(*waiting(engine, "sample", "train"))
+        await engine.stop()
+        return _turns(ops.log)
+
+    kinds = run(scenario())
+    first = kinds.index("slice")
+    assert kinds[first:first + 11] == ["slice", "chunk"] + ["slice"] * 3 + ["chunk"] + ["slice"] * 4 + ["chunk"], \
+        kinds[first:first + 11]
+
+
 def test_a_key_with_long_sequences_gets_no_more_than_its_share():
     """Deficit round robin: 400-token datums against 20-token ones, both keys always busy."""
     async def scenario():

@@ -12,7 +12,7 @@ keys have work of that kind; whichever kind is behind goes next. Two keys, one t
 sampling, get the device half each; three training keys beside one sampling key get three
 quarters for training, and so on: every key about the same share of time, as the training chunks
 already share tokens among training keys. A kind that had no work gets no credit for the time
-it was idle (its clock is brought up to the other's), so a newcomer goes first once and then
+it was idle (its clock follows the other's, turn by turn), so a newcomer goes first once and then
 takes its share, rather than holding the device until it has caught up.
 """
 
@@ -31,17 +31,14 @@ class DeviceShares:
         self.clock = {kind: 0.0 for kind in KINDS}  # seconds of device time per key with work
         self.spent = {kind: 0.0 for kind in KINDS}  # seconds in all (for metrics and tests)
         self.last: str | None = None
+        self.idle: set[str] = set()  # kinds without work when the turn being run was chosen
 
     def next(self, training: bool, sampling: bool) -> str | None:
         """The kind whose turn it is (None when neither has work)."""
         busy = [kind for kind, has in zip(KINDS, (training, sampling)) if has]
-        if not busy:
-            return None
-        if len(busy) == 1:
-            (only,) = busy
-            idle = "sample" if only == "train" else "train"
-            self.clock[idle] = max(self.clock[idle], self.clock[only])  # no credit for idleness
-            return only
+        self.idle = {kind for kind in KINDS if kind not in busy}
+        if len(busy) != 2:
+            return busy[0] if busy else None
         train, sample = self.clock["train"], self.clock["sample"]
         if train == sample:  # a tie: the kind that did not just run
             return "sample" if self.last == "train" else "train"
@@ -53,3 +50,5 @@ class DeviceShares:
         self.clock[kind] += seconds / max(1, keys)
         self.spent[kind] += seconds
         self.last = kind
+        for idle in self.idle:  # no credit for a turn it had no work for: it starts level, and goes next
+            self.clock[idle] = max(self.clock[idle], self.clock[kind])
