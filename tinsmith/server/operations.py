@@ -522,8 +522,11 @@ class WorkerOperations:
                 out.append((job, Outcome.failure(exc)))
         self._sample_inbox.extendleft(reversed(waiting))
         busy = [s for s in self.worker.samplers.values() if s.has_work()]
-        for sampler in busy:
-            finished = sampler.step(budget_s / len(busy))
+        # Samplers (base models, whole-weight snapshots) split the slice by the keys each serves,
+        # so that a key alone on its own sampler gets no more time than each key of a shared one.
+        keys = [max(1, len(_owners(s))) for s in busy]
+        for sampler, share in zip(busy, keys):
+            finished = sampler.step(budget_s * share / sum(keys))
             self._report_progress(sampler)
             for job, res in finished:
                 if job.args.snapshot_key is not None:
@@ -542,3 +545,8 @@ class WorkerOperations:
                     out.append((job, Outcome.failure(exc)))
         self.worker.drop_idle_live_samplers()
         return out
+
+
+def _owners(sampler) -> set[str | None]:
+    """The API keys whose requests a sampler decodes or holds queued."""
+    return {row.state.task.owner for row in list(sampler.rows)} | {task.owner for task in list(sampler.inbox)}
