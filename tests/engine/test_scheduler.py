@@ -359,44 +359,36 @@ def test_the_device_is_shared_per_key():
     assert 2.5 <= spent["sample"] / spent["train"] <= 3.5, spent
 
 
-def test_a_kind_that_was_idle_gets_no_credit_for_it():
-    """Training runs alone for a long time, then a sample arrives: it goes first once and then
-    takes its share, rather than holding the device until its clock has caught up."""
+def _newcomer_turns(chunk_cost: float, slice_cost: float, slices: int) -> list[str]:
+    """Training runs alone for ten chunks, then a sample of ``slices`` slices arrives: the turns
+    from its first slice on."""
     async def scenario():
-        ops = SamplingOps(chunk_cost_s=0.25, slice_cost_s=0.25)
+        ops = SamplingOps(chunk_cost_s=chunk_cost, slice_cost_s=slice_cost)
         engine = await _engine(ops, clock=ops.clock)
         engine.submit(fb("train", "m", 1, [CHUNK] * 60, owner="trainer"))
-        while sum(1 for e in ops.log if e[0] == "chunk") < 30:
+        while sum(1 for e in ops.log if e[0] == "chunk") < 10:
             await asyncio.sleep(0.002)
-        engine.submit(Job("sample", "sample", "s", None, 6, owner="sampler"))
+        engine.submit(Job("sample", "sample", "s", None, slices, owner="sampler"))
         await asyncio.gather(*waiting(engine, "sample", "train"))
         await engine.stop()
         return _turns(ops.log)
 
     kinds = run(scenario())
-    first = kinds.index("slice")
-    assert kinds[first:first + 11] == ["slice", "chunk"] * 5 + ["slice"], kinds[first:first + 11]
+    return kinds[kinds.index("slice"):]
+
+
+def test_a_kind_that_was_idle_gets_no_credit_for_it():
+    """Training runs alone for a long time, then a sample arrives: it goes first once and then
+    takes its share, rather than holding the device until its clock has caught up."""
+    assert _newcomer_turns(0.25, 0.25, 6)[:11] == ["slice", "chunk"] * 5 + ["slice"]
 
 
 def test_a_newcomer_is_not_owed_the_turn_it_arrived_in():
     """Training's chunks take four times a slice. A sample arriving while training runs alone is
     not owed the chunk that was running when it came: it goes first once, then the kinds share
     the time (a chunk, then as many slices as make up for it)."""
-    async def scenario():
-        ops = SamplingOps(chunk_cost_s=1.0, slice_cost_s=0.25)
-        engine = await _engine(ops, clock=ops.clock)
-        engine.submit(fb("train", "m", 1, [CHUNK] * 60, owner="trainer"))
-        while sum(1 for e in ops.log if e[0] == "chunk") < 10:
-            await asyncio.sleep(0.002)
-        engine.submit(Job("sample", "sample", "s", None, 20, owner="sampler"))
-        await asyncio.gather(*waiting(engine, "sample", "train"))
-        await engine.stop()
-        return _turns(ops.log)
-
-    kinds = run(scenario())
-    first = kinds.index("slice")
-    assert kinds[first:first + 11] == ["slice", "chunk"] + ["slice"] * 3 + ["chunk"] + ["slice"] * 4 + ["chunk"], \
-        kinds[first:first + 11]
+    want = ["slice", "chunk"] + ["slice"] * 3 + ["chunk"] + ["slice"] * 4 + ["chunk"]
+    assert _newcomer_turns(1.0, 0.25, 20)[:11] == want
 
 
 def test_a_key_with_long_sequences_gets_no_more_than_its_share():
