@@ -524,7 +524,7 @@ class WorkerOperations:
         busy = [s for s in self.worker.samplers.values() if s.has_work()]
         # Samplers (base models, whole-weight snapshots) split the slice by the keys each serves,
         # so that a key alone on its own sampler gets no more time than each key of a shared one.
-        keys = [max(1, len(_owners(s))) for s in busy]
+        keys = [max(1, len(_owners(s))) for s in busy] if len(busy) > 1 else [1]
         for sampler, share in zip(busy, keys):
             finished = sampler.step(budget_s * share / sum(keys))
             self._report_progress(sampler)
