@@ -124,15 +124,18 @@ def markdown(s: dict) -> str:
                          f"{_status(da)} |")
         L.append("")
         L += _heading("### Through the SDK: GRPO's requests as the server counts them; sampling beside a training tenant",
-                      "| shape | GRPO traffic | asample HTTP ms | queue wait ms | sampling step s | prompt tokens computed | "
+                      "| shape | GRPO traffic | asample HTTP ms | queue wait ms | wait for a row ms | sampling step s | "
+                      "prompt tokens computed | "
                       "prefills | graph captures | decode steps | arrivals s (first..last) | last start s | "
                       "completions s | collector ms | notes |")
         for name in s["shapes"]:
             g = sa.get(f"{name}/sdk", {}).get("grpo", {})
             for kind in ("separate", "num_samples"):
                 c, t = g.get(f"{kind}_server", {}), g.get(f"{kind}_timeline", {})
-                ms = {k: (None if c.get(f"{k}_mean_s") is None else 1e3 * c[f"{k}_mean_s"]) for k in ("asample_http", "queue_wait")}
+                ms = {k: (None if c.get(f"{k}_mean_s") is None else 1e3 * c[f"{k}_mean_s"])
+                      for k in ("asample_http", "queue_wait", "admission_wait")}
                 L.append(f"| {name} | {kind} | {_fmt(ms['asample_http'])} | {_fmt(ms['queue_wait'])} | "
+                         f"{_fmt(ms['admission_wait'])} | "
                          f"{_get(c, 'step_mean_s')} | {_get(c, 'prefill_tokens')} | {_get(c, 'prefills')} | "
                          f"{_get(c, 'graph_captures')} | {_get(c, 'decode_steps')} | "
                          f"{_get(t, 'first_arrival_s')}..{_get(t, 'last_arrival_s')} | {_get(t, 'last_start_s')} | "

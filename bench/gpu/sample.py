@@ -371,7 +371,8 @@ def server_counters(base_url: str) -> dict[str, float]:
 # Counters read whole (their deltas between two reads): what the samplers did meanwhile.
 _TOTALS = ("tinsmith_prefill_tokens_total", "tinsmith_sampled_tokens_total", "tinsmith_sampler_prefills_total",
            "tinsmith_decode_graph_captures_total", "tinsmith_decode_steps_total", "tinsmith_gc_collections_total",
-           "tinsmith_gc_pause_seconds_total")
+           "tinsmith_gc_pause_seconds_total", "tinsmith_sampler_admissions_total",
+           "tinsmith_sampler_admission_wait_seconds_total")
 
 
 def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -388,6 +389,9 @@ def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str
     out["decode_steps"] = delta.get("tinsmith_decode_steps_total", 0.0)
     out["gc_collections"] = delta.get("tinsmith_gc_collections_total", 0.0)  # the server process's, every generation
     out["gc_pause_s"] = delta.get("tinsmith_gc_pause_seconds_total", 0.0)
+    admitted = delta.get("tinsmith_sampler_admissions_total", 0.0)
+    if admitted:  # the wait in the sampler's own queue, after the engine's (queue_wait)
+        out["admission_wait_mean_s"] = delta.get("tinsmith_sampler_admission_wait_seconds_total", 0.0) / admitted
     return out
 
 

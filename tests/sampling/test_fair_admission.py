@@ -39,6 +39,8 @@ def test_a_single_request_does_not_wait_behind_another_keys_queue(qwen3_dir):
     # Arrival order would admit it 13th, after three waves of the busy key's requests.
     assert order.index("light") == 1, order
     assert [k for k in order if k != "light"] == [f"busy{i}" for i in range(12)], "a key's own order is kept"
+    # Every admission is counted with its wait for a row (later waves waited for earlier ones).
+    assert sampler.stats["admissions"] == 13 and sampler.stats["admission_wait_s"] > 0
 
 
 def test_rows_held_count_against_their_key(qwen3_dir):

@@ -72,6 +72,7 @@ class SampleTask:
     slot: int | None  # adapter slot to sample with; None = base model
     input: SampleInput
     owner: str | None = None  # who asked (an API key): waiting requests share rows fairly among owners
+    queued_at: float = 0.0  # perf_counter when it reached this sampler (set by ``add``): its wait for a row
 
 
 @dataclass
@@ -192,7 +193,7 @@ class Sampler:
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
                       "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
-                      "preempted": 0, "recomputed_tokens": 0}
+                      "preempted": 0, "recomputed_tokens": 0, "admissions": 0, "admission_wait_s": 0.0}
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
         # launch-bound, and the padded, full-capacity step only costs more there).
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
@@ -217,6 +218,7 @@ class Sampler:
     # ----------------------------------------------------------------------------- public
     def add(self, task: SampleTask) -> None:
         """Queue a request (thread-safe); it joins the batch at the next step."""
+        task.queued_at = task.queued_at or time.perf_counter()
         self.inbox.append(task)
 
     def has_work(self) -> bool:
@@ -530,6 +532,8 @@ class Sampler:
                 done.append((task.key, e))
                 continue
             st.order = next(self._admissions)
+            self.stats["admissions"] += 1
+            self.stats["admission_wait_s"] += time.perf_counter() - task.queued_at
             spans.add(held)
             if chunked:
                 self._start_chunked(st, done, head)

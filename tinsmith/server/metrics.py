@@ -233,6 +233,10 @@ class StateCollector:
             "tinsmith_decode_steps": ("decode_steps", "Decode steps the samplers ran (a step advances every row)"),
             "tinsmith_sampler_prefills": ("prefills", "Prefill passes the samplers ran (each admission of waiting "
                                           "requests runs one)"),
+            "tinsmith_sampler_admissions": ("admissions", "Requests the samplers admitted into their batch"),
+            "tinsmith_sampler_admission_wait_seconds": ("admission_wait_s", "Seconds admitted requests waited in "
+                                                        "a sampler's queue for rows, K/V room or their turn among "
+                                                        "keys (divide by tinsmith_sampler_admissions_total)"),
         }
         counters = [CounterMetricFamily(name, text) for name, (_, text) in totals.items()]
 
