@@ -452,9 +452,7 @@ class Sampler:
         first = waiting[0].owner
         if all(t.owner == first for t in waiting):
             return
-        place: Counter[str | None] = Counter()
-        for st in self._live_states():
-            place[st.task.owner] += st.remaining
+        place = _rows_by_owner(self._live_states())
         seen = (len(waiting), id(waiting[0]), id(waiting[-1]), frozenset(place.items()))
         if seen == self._inbox_ordered:  # ordered already for these rows (admission tried again)
             return
@@ -909,9 +907,7 @@ class Sampler:
         """The request to preempt: the newest of the key that holds the most rows, so a key's
         request admitted in its turn (:meth:`_order_inbox`) is not the first to give its rows
         back. Never the oldest request while another could go."""
-        held: Counter[str | None] = Counter()
-        for st in live:
-            held[st.task.owner] += st.remaining
+        held = _rows_by_owner(live)
         oldest = min(live, key=lambda st: st.order)
         candidates = [st for st in live if st is not oldest] or live
         return max(candidates, key=lambda st: (held[st.task.owner], st.order))
@@ -1514,6 +1510,15 @@ class _ChunkedPrefill:
     def __post_init__(self) -> None:
         if self.started is None:
             self.started = self.weights
+
+
+def _rows_by_owner(states: list[_TaskState]) -> Counter[str | None]:
+    """The rows each owner (API key) holds among ``states``: their sequences not finished yet.
+    What fair admission and preemption weigh keys by."""
+    held: Counter[str | None] = Counter()
+    for st in states:
+        held[st.task.owner] += st.remaining
+    return held
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
