@@ -408,6 +408,55 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto",
     return out
 
 
+def inflight_scenario(model_dir: str, tp: TPGroup | None) -> dict:
+    """An inflight sampler on a training run's live adapter, as the serving worker holds them (one
+    model for the training runtime and the sampler): a greedy 136-token prompt, whose K/V the
+    prefix cache keeps under the adapter's weights version; an optimizer step; the same prompt
+    again, which must be computed with the new weights, not read from the cache. Also the
+    version itself, before and after the step and after a load."""
+    from tinsmith.parallel.sampling import ShardedSampler
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    rt = build_runtime(model_dir, tp)
+    sampler = (ShardedSampler if tp is not None else Sampler)(rt.model, lambda ids: "")
+    unit = rt.create_adapter(LoraSpec(rank=4, seed=7))
+    slot = rt.unit(unit).slot
+    export = (lambda: rt.export_full_state(unit)) if tp is not None else (lambda: rt.unit(unit).export_state())
+    w, _ = export()
+    load = rt.import_full_state if tp is not None else (lambda u, ws, o: rt.unit(u).import_state(ws, o))
+    load(unit, _random_like(w, seed=5), None)  # B nonzero: the adapter steers the prompt's K/V
+    versions = [rt.model.weights_version(slot)]
+    prompt = np.random.default_rng(6).integers(0, rt.config.vocab_size, 136)
+
+    def sample(key: str):
+        sampler.add(SampleTask(key, slot, SampleInput(prompt, 1, SamplingParams(max_tokens=4, temperature=0.0, stop=[]))))
+        while sampler.has_work():
+            for _, res in sampler.step(budget_s=3600.0):
+                if isinstance(res, Exception):
+                    raise res
+                seq = res.sequences[0]
+                return torch.from_numpy(seq.tokens.astype(np.int64)), torch.from_numpy(seq.logprobs)
+
+    out: dict = {"before": sample("before")}
+    res = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(make_data(1, [9, 5], rt.config.vocab_size),
+                                                                        "cross_entropy"))])
+    assert not isinstance(res[0], Exception), res
+    rt.optim_step(unit, AdamParams(learning_rate=5e-2))
+    versions.append(rt.model.weights_version(slot))
+    out["after_step"] = sample("after_step")
+    out["cached_prompt_tokens"] = torch.tensor(sampler.stats["cached_prompt_tokens"])
+    load(unit, _random_like(w, seed=6), None)
+    versions.append(rt.model.weights_version(slot))
+    out["after_load"] = sample("after_load")
+    out["versions_changed"] = torch.tensor([b != a for a, b in zip(versions, versions[1:])])
+    return out
+
+
+def inflight_rank_main(tp: TPGroup, model_dir: str) -> dict:
+    return inflight_scenario(model_dir, tp)
+
+
 def sample_rank_main(tp: TPGroup, model_dir: str, kv_layout: str = "auto", gpu_paths: bool = False,
                      static: bool = False) -> list:
     if gpu_paths:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel.scenario import assert_same, sample_rank_main, sample_scenario
+from tests.parallel.scenario import (assert_same, inflight_rank_main, inflight_scenario, sample_rank_main,
+                                    sample_scenario)
 from tinsmith.models.loading import read_config
 from tinsmith.parallel.launch import run_ranks
 
@@ -100,3 +101,18 @@ def test_expert_parallel_decode_keeps_every_pair_and_waits_for_nothing(request, 
         admission, bursts = o.result["admission"], o.result["bursts"]
         assert not any(site.startswith("copy") for site in [*admission, *bursts]), o.result
         assert sum(admission.values()) == 2 and sum(bursts.values()) == 2 * 3, o.result
+
+
+def test_inflight_sampler_reads_the_weights_of_each_step(qwen3_dir, tmp_path):
+    """A sharded run's optimizer step and load change its adapter's weights version on every rank,
+    as in one process, so an inflight sampler's prefix cache never serves a prompt's K/V computed
+    with the weights before the step: the same greedy prompt after a step and after a load gives
+    what one process gives."""
+    model_dir = str(qwen3_dir)
+    ref = inflight_scenario(model_dir, None)
+    assert bool(ref["versions_changed"].all())
+    assert not torch.equal(ref["before"][1], ref["after_step"][1])  # the step moved the sampled logprobs
+    outcomes = run_ranks(inflight_rank_main, 2, tmp_path, (model_dir,), timeout_s=60, deadline_s=180)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        assert_same(ref, o.result, f"rank {o.rank}")

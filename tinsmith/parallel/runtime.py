@@ -9,7 +9,7 @@ moves in and out at full size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -86,9 +86,10 @@ class TPTrainingRuntime(TrainingRuntime):
             raise InvalidInputError(f"optimizer {optimizer_type!r} is not supported under tensor parallelism "
                                     "(--tensor-parallel-size > 1) yet; use adamw")
         unit = super().create_adapter(spec, optimizer_type)
+        # Every field of the unit attach_lora made (its model above all: each step and load tells
+        # the model, whose weights version keys the inflight sampler's prefix cache).
         t = self.units[unit]
-        self.units[unit] = ShardedTrainable(slot=t.slot, spec=t.spec, named_params=t.named_params,
-                                            attachments=t.attachments, optimizer_type=t.optimizer_type, tp=self.tp)
+        self.units[unit] = ShardedTrainable(**{f.name: getattr(t, f.name) for f in fields(t) if f.init}, tp=self.tp)
         return unit
 
     def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
