@@ -19,7 +19,7 @@ from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.shard import shard_causal_lm
 from tinsmith.sampling.decode_graphs import DecodeGraphs
-from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
+from tinsmith.types import AdamParams, Datum, DimuonParams, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -162,6 +162,34 @@ def joint_steps_rank_main(tp: TPGroup, model_dir: str) -> dict:
         out["states"].append(same)
     out["clipped"] = alone[0]["grad_norm"] > 0.05
     return out
+
+
+def dimuon_scenario(rt: TrainingRuntime, sharded: bool) -> dict:
+    """A Dimuon adapter (every linear layer and the unembedding): a loaded nonzero state, then two
+    rounds of forward/backward and a clipped Dimuon step (the second builds on the first's
+    momentum); its full-size weights and momentum after each, and logprobs at the end."""
+    export = (lambda u: rt.export_full_state(u)) if sharded else (lambda u: rt.unit(u).export_state())
+    unit = rt.create_adapter(LoraSpec(rank=4, seed=7), "dimuon")
+    w, _ = export(unit)
+    if sharded:
+        rt.import_full_state(unit, _random_like(w, seed=100), None)
+    else:
+        rt.unit(unit).import_state(_random_like(w, seed=100), None)
+    out: dict = {"steps": [], "states": []}
+    for i in range(2):
+        data = make_data(20 + i, [9, 5], rt.config.vocab_size)
+        res = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(data, "cross_entropy"))])
+        assert not isinstance(res[0], Exception), res
+        out["steps"].append(rt.optim_step(unit, DimuonParams(learning_rate=2e-2, grad_clip_norm=0.05)))
+        out["states"].append(export(unit))
+    again = rt.forward_backward([TrainRequest(unit, ForwardBackwardInput(make_data(1, [9], rt.config.vocab_size),
+                                                                          "cross_entropy", forward_only=True))])
+    out["logprobs_after"] = [o["logprobs"] for o in again[0].outputs]
+    return out
+
+
+def dimuon_rank_main(tp: TPGroup, model_dirs: list[str]) -> list[dict]:
+    return [dimuon_scenario(build_runtime(d, tp), sharded=True) for d in model_dirs]
 
 
 def rank_main(tp: TPGroup, cases: list[tuple[str, str, str]]) -> list[dict]:

@@ -186,7 +186,8 @@ def test_replicas_of_sharded_models_train_and_sample_as_one_process(qwen3_dir):
 def test_runs_stepping_together_in_a_group_step_as_one_process_steps_them(qwen3_dir, dp, tp):
     """Two runs' optimizer steps in one call (as the engine hands over steps that are ready
     together): replicas sum both runs' gradients in one all-reduce, tensor-parallel ranks take
-    the call once; the results are those of one process stepping each run alone, and a refused
+    the call once; the results are those of one process stepping each run alone (a Dimuon run
+    among them), and a refused
     step (other hyperparameters than the run's optimizer takes) is refused alike on every rank.
     A full fine-tune stepping in the same call (its own runtime, sharded over the group: it
     steps by itself) matches one process's too."""
@@ -195,11 +196,12 @@ def test_runs_stepping_together_in_a_group_step_as_one_process_steps_them(qwen3_
     w1, _ = _worker(qwen3_dir, 1)
     wg, _ = _worker(qwen3_dir, dp, tp=tp)
     hps = {"a": AdamParams(learning_rate=1e-2, grad_clip_norm=1.0), "b": AdamParams(learning_rate=5e-3, beta1=0.8),
-           "full": AdamParams(learning_rate=1e-3)}
+           "d": DimuonParams(learning_rate=1e-2, grad_clip_norm=1.0), "full": AdamParams(learning_rate=1e-3)}
     try:
         for w in (w1, wg):
             w.create_model("a", "m", LoraSpec(rank=4, seed=3))
             w.create_model("b", "m", LoraSpec(rank=2, seed=4, train_unembed=False))
+            w.create_model("d", "m", LoraSpec(rank=2, seed=6), optimizer_type="dimuon")  # steps alone, gathering under TP
             w.create_model("full", "m", None)
             w.create_model("c", "m", LoraSpec(rank=2, seed=5))  # steps with the wrong hyperparameters
         for _ in range(2):
@@ -212,8 +214,8 @@ def test_runs_stepping_together_in_a_group_step_as_one_process_steps_them(qwen3_
             _assert_same_training(results[w1], results[wg])
             ref = [w1.optim_step(run, hp) for run, hp in hps.items()]
             got = wg.optim_steps(list(hps.items()) + [("c", DimuonParams(learning_rate=1e-2))])
-            _assert_same_training(ref, got[:3])
-            assert isinstance(got[3], InvalidInputError), got[3]
+            _assert_same_training(ref, got[:4])
+            assert isinstance(got[4], InvalidInputError), got[4]
         assert wg.tp_group.healthy
         for run in hps:
             s1, sg = w1.export_training_state(run), wg.export_training_state(run)

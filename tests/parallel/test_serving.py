@@ -1,6 +1,7 @@
 """The worker under ``tensor_parallel_size=2`` (rank 0 here, rank 1 a child process): sampling
 slices cut short by a time budget that only rank 0 keeps, cancellations that only rank 0 sees,
-and what the tensor-parallel code does not cover refused before any rank starts."""
+Dimuon runs stepping as in one process, and what the tensor-parallel code does not cover refused
+before any rank starts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tinsmith.parallel.serving import check_servable, rank_device
 from tinsmith.models.loading import read_config
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.sampler import SampleTask
-from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
+from tinsmith.types import AdamParams, Datum, DimuonParams, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
 from tinsmith.worker.service import RuntimeOptions, Worker
 
 BUDGET_S = 0.002  # a sampling slice: a few decode steps of the tiny model, never all of them
@@ -114,8 +115,13 @@ def test_time_budgeted_slices_and_cancellations_stay_in_step(qwen3_dir):
                 assert key == "unseeded" and not isinstance(res, Exception), res
         assert w2.tp_group.healthy
 
-        with pytest.raises(InvalidInputError, match="dimuon.*--tensor-parallel-size"):
-            w2.create_model("dimuon", "m", LoraSpec(rank=2, seed=1), optimizer_type="dimuon")
+        # Dimuon steps through the group as in one process (its split factors' momenta gathered).
+        for w in (w1, w2):
+            w.create_model("dimuon", "m", LoraSpec(rank=2, seed=1), optimizer_type="dimuon")
+            _forward_backward(w, "dimuon")
+            w.optim_step("dimuon", DimuonParams(learning_rate=5e-2))
+        np.testing.assert_allclose(_forward_backward(w2, "dimuon"), _forward_backward(w1, "dimuon"), atol=1e-5, rtol=0)
+        w2.unload_model("dimuon")
         assert set(w2.placements) == {"run"}
 
         # An adapter without a seed: rank 0 draws it, so every rank slices the same adapter and

@@ -1,14 +1,15 @@
 """Tensor parallelism over 2 gloo ranks on CPU gives what one process gives, within 1e-5:
 logprobs, loss, LoRA gradients (gathered to full size), one clipped AdamW step (weights and
-optimizer state), logprobs after it, and greedy decoding with and without an adapter."""
+optimizer state), logprobs after it, and greedy decoding with and without an adapter; Dimuon's
+steps too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.parallel.scenario import (assert_same, build_runtime, joint_steps_rank_main, load_and_score, rank_main,
-                                    run_scenario)
+from tests.parallel.scenario import (assert_same, build_runtime, dimuon_rank_main, dimuon_scenario,
+                                    joint_steps_rank_main, load_and_score, rank_main, run_scenario)
 from tinsmith.parallel.launch import run_ranks
 
 @pytest.mark.parametrize("families", [("qwen3", "tied_qwen3"), ("llama", "qwen2"), ("qwen3_moe", "gpt_oss"),
@@ -64,3 +65,24 @@ def test_adapters_stepping_together_on_two_ranks_step_as_each_alone(qwen3_dir, t
     for o in outcomes:
         assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
         assert o.result == {"results": [True, True], "states": [[True] * 3] * 2, "clipped": True}, o.result
+
+
+@pytest.mark.parametrize("families,ranks", [(("qwen3", "qwen3_moe"), 2), (("qwen3",), 4)])
+def test_dimuon_on_shards_steps_as_one_process(request, model_dirs, tmp_path, families, ranks):
+    """Dimuon orthogonalises whole matrices: each step gathers the split factors' momenta, so two
+    clipped steps (the second on the first's momentum) leave the weights, the momentum and the
+    logprobs after them as one process leaves them. Qwen3 at two ranks splits B by output rows and
+    A by input columns (and the unembedding by vocabulary); its experts' model at two splits the
+    routed experts' stacks by expert; at four ranks, two ranks hold each key/value head's B rows alike."""
+    dirs = [str(model_dirs[f] if f in model_dirs else request.getfixturevalue(f"{f}_dir")) for f in families]
+    refs = [dimuon_scenario(build_runtime(d, None), sharded=False) for d in dirs]
+    outcomes = run_ranks(dimuon_rank_main, ranks, tmp_path, (dirs,), timeout_s=60, deadline_s=240)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+    for d, ref in zip(dirs, refs):
+        assert ref["steps"][0]["grad_norm"] > 0.05  # the clip applied, so the norm had to be exact
+        w0, w1 = ref["states"][0][0], ref["states"][1][0]
+        assert any(not torch.equal(w0[k], w1[k]) for k in w0)  # the second step moved the weights
+    for o in outcomes:
+        for d, ref, got in zip(dirs, refs, o.result):
+            assert_same(ref, got, f"{d} rank {o.rank}")

@@ -22,7 +22,7 @@ to RMS 1, an Adam-sized step. docs/optimizers.md gives the reasons for each choi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -115,6 +115,7 @@ class Dimuon(torch.optim.Optimizer):
             rank = group["rank"]
             lr = group["lr"] * rank_lr_factor(rank, group["rank_lr_correction_exponent"])
             beta1 = group["beta1"]
+            matrices: list[tuple[torch.Tensor, torch.Tensor, float]] = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -124,9 +125,18 @@ class Dimuon(torch.optim.Optimizer):
                 m = state["momentum"]
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 if p.ndim in (2, 3):  # a matrix, or a stack of them (one per routed expert), batched
-                    norm = math.sqrt(rank if rank is not None else min(p.shape[-2:]))
-                    d = matrix_direction(m, group["damping"], norm)
+                    matrices.append((p, m, math.sqrt(rank if rank is not None else min(p.shape[-2:]))))
                 else:
-                    d = vector_direction(m)
+                    p.add_(vector_direction(m).to(p.dtype), alpha=-lr)
+            for (p, _, _), d in zip(matrices, self.matrix_directions(matrices, group["damping"])):
                 p.add_(d.to(p.dtype), alpha=-lr)
         return loss
+
+    def matrix_directions(self, matrices: list[tuple[torch.Tensor, torch.Tensor, float]],
+                          damping: float) -> Iterator[torch.Tensor]:
+        """The directions of the (parameter, momentum, Frobenius norm) ``matrices`` of one group,
+        in order, each made as it is taken (a full fine-tune never holds them all at once). Each
+        is a function of its whole matrix: a parameter split over ranks overrides this
+        (:class:`tinsmith.parallel.sharded_dimuon.ShardedDimuon`)."""
+        for _, m, norm in matrices:
+            yield matrix_direction(m, damping, norm)

@@ -9,19 +9,20 @@ moves in and out at full size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.chunked_logprobs import UnembedLora, rows_per_chunk
 from tinsmith.models.lora import Segments
-from tinsmith.optim import ADAMW, check_params_match
+from tinsmith.optim import ADAMW, DIMUON, check_params_match
 from tinsmith.parallel.comm import all_reduce_, is_replicated, shared_copies, sum_replicated_grads, sum_shared_grads
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.logprobs import vocab_parallel_target_logprobs
 from tinsmith.parallel.shard import tp_of
-from tinsmith.parallel.state import gather_full, lora_shard_dims, scatter_full
+from tinsmith.parallel.sharded_dimuon import ShardedDimuon
+from tinsmith.parallel.state import ShardDims, gather_full, lora_shard_dims, scatter_full, split_of
 from tinsmith.types import LoraSpec, OptimParams
 from tinsmith.worker.joint_steps import plain_adamw
 from tinsmith.worker.runtime import TrainingRuntime, repeats_a_unit
@@ -34,6 +35,14 @@ class ShardedTrainable(Trainable):
     summed over ranks when it steps, and its gradient norm counts every shard once."""
 
     tp: TPGroup = TPGroup.single()
+    shard_dims: ShardDims = field(default_factory=dict)  # how each of its tensors is split over the ranks
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.optimizer_type == DIMUON and self.tp.size > 1:
+            # Dimuon's direction needs whole matrices: the split factors' momenta are gathered.
+            self.optimizer = ShardedDimuon(self.params, [split_of(n, self.shard_dims) for n, _ in self.named_params],
+                                           self.tp, rank=self.spec.rank if self.spec is not None else None)
 
     def step(self, hp: OptimParams) -> dict[str, float]:
         check_params_match(self.optimizer_type, hp)  # before the collective: refused alike on every rank
@@ -81,15 +90,12 @@ class TPTrainingRuntime(TrainingRuntime):
         self.shard_dims = lora_shard_dims(model)
 
     def create_adapter(self, spec: LoraSpec, optimizer_type: str = ADAMW) -> int:
-        if optimizer_type != ADAMW and self.tp.size > 1:
-            # Dimuon orthogonalises whole matrices: on shards it would step differently.
-            raise InvalidInputError(f"optimizer {optimizer_type!r} is not supported under tensor parallelism "
-                                    "(--tensor-parallel-size > 1) yet; use adamw")
         unit = super().create_adapter(spec, optimizer_type)
         # Every field of the unit attach_lora made (its model above all: each step and load tells
         # the model, whose weights version keys the inflight sampler's prefix cache).
         t = self.units[unit]
-        self.units[unit] = ShardedTrainable(**{f.name: getattr(t, f.name) for f in fields(t) if f.init}, tp=self.tp)
+        self.units[unit] = ShardedTrainable(**{f.name: getattr(t, f.name) for f in fields(t) if f.init}, tp=self.tp,
+                                            shard_dims=self.shard_dims)
         return unit
 
     def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
