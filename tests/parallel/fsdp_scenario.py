@@ -178,3 +178,67 @@ def bf16_rank_main(dp: TPGroup, model_dir: str) -> dict:
     rt = FsdpTrainingRuntime(shard_full_model(model, dp, compute_dtype=torch.bfloat16),
                              micro_batch_tokens=MICRO_BATCH_TOKENS)
     return bf16_call(rt)
+
+
+def _custom(fn, ranks: dict):
+    """A server-side custom loss as the server binds it: traced by the SDK, decoded, bounded."""
+    import json
+
+    from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+    from tinsmith.custom_losses import BoundCustomLoss, RunLimits, decode_custom_loss
+
+    handle = trace_loss(fn, ranks, "s")
+    graph = json.loads(encode_graph(handle).model_dump_json())
+    loss = decode_custom_loss(handle.name, [x.model_dump() for x in handle.inputs], graph, max_nodes=100)
+    return BoundCustomLoss(f"s:{fn.__name__}", loss, RunLimits(max_elements=1 << 20, timeout_s=30.0))
+
+
+def _custom_input(data, custom) -> ForwardBackwardInput:
+    return ForwardBackwardInput(data, "custom", {"loss_id": custom.loss_id}, custom_loss=custom)
+
+
+def custom_scenario(rt) -> dict:
+    """Server-side custom losses on a full fine-tune: a call of a weighted NLL request (its
+    ``:sum`` and ``:mean`` metrics) and a PPO-clipped one, a clipped AdamW step, the state and
+    logprobs after it; then a loss that passes its dry run but is refused on the real logprobs,
+    by a whole call and by the engine's begin/advance, and a call after it that still trains."""
+    import numpy as np
+
+    from tests.custom_losses.losses import LOSSES
+    from tests.custom_losses.test_runtime import confident_only
+
+    vocab = rt.config.vocab_size
+    g = np.random.default_rng(3)
+    nll, ppo = _custom(*LOSSES["weighted_nll"]), _custom(*LOSSES["ppo_clipped"])
+    a = make_data(30, [9, 5, 13], vocab)
+    b = make_data(31, [7, 11], vocab)
+    for d in b:
+        n = len(d.tokens)
+        d.loss_inputs = {"target_tokens": d.loss_inputs["target_tokens"],
+                         "sampler_logprobs": g.uniform(-7.0, -5.0, n).astype(np.float32),
+                         "advantages": g.normal(size=n).astype(np.float32)}
+    res = _check(rt.forward_backward([TrainRequest(FULL_UNIT, _custom_input(a, nll)),
+                                      TrainRequest(FULL_UNIT, _custom_input(b, ppo))]))
+    out: dict = {"logprobs": [torch.from_numpy(o["logprobs"]) for r in res for o in r.outputs],
+                 "metrics": [dict(sorted(r.metrics.items())) for r in res]}
+    out["step"] = rt.optim_step(FULL_UNIT, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
+    out["after"] = _state(rt)
+    bad = _custom(confident_only, {"logprobs": 1, "weights": 1})
+    refused = rt.forward_backward([TrainRequest(FULL_UNIT, _custom_input(make_data(32, [12, 6], vocab), bad)),
+                                   TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(33, [5], vocab),
+                                                                                "cross_entropy"))])
+    out["refused"] = [f"{type(r).__name__}: {r}" for r in refused]
+    if hasattr(rt, "begin"):
+        p = rt.begin([TrainRequest(FULL_UNIT, _custom_input(make_data(34, [10, 8, 4], vocab), bad))])
+        while not p.done:
+            rt.advance([(p, 1 << 20)])
+        out["refused_pass"] = [f"{type(r).__name__}: {r}" for r in p.results]
+    rt.unit(FULL_UNIT).optimizer.zero_grad(set_to_none=True)  # a refused pass keeps what it ran (one process too)
+    (again,) = _check(rt.forward_backward([TrainRequest(FULL_UNIT, _custom_input(make_data(35, [8, 6], vocab), nll))]))
+    out["again"] = again.metrics["loss:sum"]
+    return out
+
+
+def custom_rank_main(dp: TPGroup, model_dir: str) -> dict:
+    return custom_scenario(build_full_runtime(model_dir, dp))

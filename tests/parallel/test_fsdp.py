@@ -1,8 +1,8 @@
 """Sharded full fine-tuning (FSDP2) over 2 gloo ranks on CPU gives what one process gives, within
 1e-5: per-datum logprobs and losses of several calls, two clipped AdamW steps (weights and
 optimizer state), logprobs after them; checkpoints move between one process and the group both
-ways; bf16 compute over fp32 shards matches one process's bf16 full fine-tune; a rank that fails
-makes the other fail within the group's timeout."""
+ways; bf16 compute over fp32 shards matches one process's bf16 full fine-tune; server-side
+custom losses match too; a rank that fails makes the other fail within the group's timeout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, bf16_call, bf16_rank_main, build_full_runtime,
-                                          faulty_rank_main, load_and_score, train_rank_main, train_scenario)
+                                          custom_rank_main, custom_scenario, faulty_rank_main, load_and_score,
+                                          train_rank_main, train_scenario)
 from tests.parallel.scenario import assert_peer_fault_fails_rank0, assert_same
 from tinsmith.models.loading import load_model
 from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
@@ -110,3 +111,24 @@ def test_bf16_compute_matches_one_process_with_fp32_masters(qwen3_dir, tmp_path)
 @pytest.mark.parametrize("fault", ["raise", "exit", "stall"])
 def test_peer_fault_fails_the_other_rank(qwen3_dir, tmp_path, fault):
     assert_peer_fault_fails_rank0(faulty_rank_main, qwen3_dir, tmp_path, fault, 3.0)
+
+
+def test_custom_losses_match_one_process(qwen3_dir, tmp_path):
+    """Server-side custom losses run per datum, each rank on its share: logprobs, the losses'
+    metrics, the clipped step and the state after it equal one process's; a loss refused on the
+    real logprobs on some rank fails its pass (every request of the call) on both ranks alike,
+    and the group trains on after it. (Which datum the error names depends on which ran first:
+    the lowest rank's, here.)"""
+    ref = custom_scenario(build_full_runtime(str(qwen3_dir), None))
+    assert ref["step"]["grad_norm"] > 1.0  # clipping applied: the norm had to be exact
+    outcomes = run_ranks(custom_rank_main, 2, tmp_path, (str(qwen3_dir),), timeout_s=30, deadline_s=120)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+    refusals = [[r.pop("refused"), r.pop("refused_pass")] for r in (ref, *(o.result for o in outcomes))]
+    assert refusals[1] == refusals[2]  # both ranks fail alike
+    for call in refusals:
+        for errors in call:
+            assert all(e.startswith("InvalidInputError") and "node 'mul'" in e for e in errors), errors
+            assert len(set(errors)) == 1  # one pass: every request of it fails with the same error
+    for o in outcomes:
+        assert_same(ref, o.result, f"rank {o.rank}")

@@ -39,7 +39,7 @@ from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import load_model, read_config, resolve_model_dir
 from tinsmith.models.lora import LoraLinear
 from tinsmith.optim import ADAMW, STATE_KEYS, check_params_match
-from tinsmith.parallel.group import ParallelError, TPGroup, guarded
+from tinsmith.parallel.group import ParallelError, TPGroup, guarded, portable
 from tinsmith.parallel.partition import longest_first
 from tinsmith.parallel.sharded_save import SaveSource, save_sharded
 from tinsmith.types import OptimParams
@@ -304,8 +304,8 @@ class FsdpTrainingRuntime(TrainingRuntime):
     Every rank is called with the same requests; results come out the same on every rank.
     :meth:`forward_backward` runs whole calls; the engine's :meth:`begin` / :meth:`advance`
     interleaving runs a chunk of datums per call, chosen alike on every rank and split between
-    them. Custom losses are refused: a loss that is not a sum over datums cannot be split across
-    ranks.
+    them. A custom loss runs per datum, each rank on its share; one that is refused on the real
+    logprobs (on any rank) fails its pass on every rank, the lowest rank's error naming it.
     """
 
     def __init__(self, model: CausalLM, **kwargs):
@@ -319,12 +319,8 @@ class FsdpTrainingRuntime(TrainingRuntime):
         self.dp: TPGroup = model.fsdp_group  # type: ignore[attr-defined]
         self.full_finetune = True
         self.oom_retry = False  # a retried half micro-batch would run collectives the other ranks do not
+        self.backward_always = True  # every rank joins every backward's reduce-scatters
         self.units[FULL_UNIT] = sharded_full_trainable(model, self.dp)
-
-    def _prepare(self, req: TrainRequest) -> _Prepared:
-        if req.input.loss_fn == "custom":
-            raise InvalidInputError("custom losses are not supported by sharded full fine-tuning yet")
-        return super()._prepare(req)
 
     def advance(self, quotas, on_done=None, budget=None) -> None:
         """Run one chunk: its datums chosen as one process would (alike on every rank), each rank
@@ -337,7 +333,7 @@ class FsdpTrainingRuntime(TrainingRuntime):
         by_id = {p.id: p for p in involved}
         prepared = {(p.id, r): prep for p in involved for r, prep in p.prepared.items()}
         try:
-            lps = self._run_share(chosen, prepared)
+            lps, refused = self._run_share(chosen, prepared)
         except Exception as exc:
             exc = self._as_group_error(exc)
             for p in involved:
@@ -347,8 +343,11 @@ class FsdpTrainingRuntime(TrainingRuntime):
             return
         finally:
             reshard_all(self.model)
+        for pid, exc in refused.items():
+            by_id[pid].fail(exc)  # type: ignore[arg-type]
         for ((pid, r), d), lp in lps.items():
-            by_id[pid].lps[(r, d)] = lp
+            if not by_id[pid].done:
+                by_id[pid].lps[(r, d)] = lp
         for p in involved:
             if not p.done and not p.todo:
                 p.complete()
@@ -378,7 +377,7 @@ class FsdpTrainingRuntime(TrainingRuntime):
         refs = [SequenceRef(key, d, None, len(t), needs_grad=not prep.forward_only)
                 for key, prep in prepared.items() for d, t in enumerate(prep.tokens)]
         try:
-            lps = self._run_share(refs, prepared)
+            lps, refused = self._run_share(refs, prepared)
         except Exception as exc:
             reshard_all(self.model)
             exc = self._as_group_error(exc)
@@ -386,6 +385,10 @@ class FsdpTrainingRuntime(TrainingRuntime):
                 results[key[1]] = exc
             return results
         reshard_all(self.model)
+        if refused:  # the requests are one pass, as in one process: a refused custom loss fails them all
+            for key in prepared:
+                results[key[1]] = refused["req"]
+            return results
         for key, prep in prepared.items():
             try:
                 results[key[1]] = self._finish(prep, [lps[(key, d)] for d in range(len(prep.tokens))])
@@ -393,9 +396,10 @@ class FsdpTrainingRuntime(TrainingRuntime):
                 results[key[1]] = exc
         return results
 
-    def _run_share(self, refs: list[SequenceRef], prepared: dict) -> dict:
+    def _run_share(self, refs: list[SequenceRef], prepared: dict) -> tuple[dict, dict]:
         """Run this rank's share of ``refs`` (padded to the group's micro-batch counts) and
-        all-gather every datum's logprobs. Returns ``{(request key, datum): logprobs}`` for all."""
+        all-gather every datum's logprobs and the passes whose custom loss was refused. Returns
+        ``{(request key, datum): logprobs}`` for all, and ``{pass: error}`` (the lowest rank's)."""
         plans = plan_ranks(refs, self.dp.size, self.micro_batch_tokens, self.micro_batch_seqs,
                            self.sized_by_real_tokens)
         # every rank pads each phase (with backward, then forward only) to the most micro-batches of any rank
@@ -403,6 +407,7 @@ class FsdpTrainingRuntime(TrainingRuntime):
         mine = plans[self.dp.rank]
         pad_prep = self._pad_prepared()
         local: dict = {}
+        refused: dict = {}
         all_prepared = {**prepared, PAD_KEY: pad_prep}
         for g in (True, False):
             groups = [mb for mb in mine if mb[0].needs_grad == g]
@@ -412,17 +417,21 @@ class FsdpTrainingRuntime(TrainingRuntime):
                                        self.packing)
                 images = [[] for _ in mb.rows]
                 out: dict = {}
-                self._run_micro_batch(mb, all_prepared, out, images)
+                for pid, exc in self._run_micro_batch(mb, all_prepared, out, images).items():
+                    refused.setdefault(pid, portable(exc))
                 local.update({k: v.float().cpu() for k, v in out.items() if k[0] != PAD_KEY})
         gathered: list = [None] * self.dp.size
         if self.dp.size > 1:
-            guarded(self.dp, "logprobs all_gather_object", lambda: dist.all_gather_object(gathered, local))
+            guarded(self.dp, "logprobs all_gather_object", lambda: dist.all_gather_object(gathered, (local, refused)))
         else:
-            gathered = [local]
+            gathered = [(local, refused)]
         merged: dict = {}
-        for part in gathered:
+        errors: dict = {}
+        for part, fails in gathered:
             merged.update({k: v.to(self.device) for k, v in part.items()})
-        return merged
+            for pid, exc in fails.items():
+                errors.setdefault(pid, exc)
+        return merged, errors
 
     def _pad_prepared(self) -> _Prepared:
         """A one-token cross-entropy datum with zero weight: its gradient is exactly zero."""

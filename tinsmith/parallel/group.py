@@ -9,6 +9,7 @@ or a hang.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,3 +138,15 @@ def split_grid(world: TPGroup, tp_size: int) -> tuple[TPGroup, TPGroup]:
 def group_rank_zero(group: TPGroup) -> int:
     """The global rank of ``group``'s first rank (what torch.distributed's ``src`` arguments take)."""
     return 0 if group.group is None else dist.get_global_rank(group.group, 0)
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling (to travel to other ranks), else a RuntimeError
+    with its type and message."""
+    try:
+        back = pickle.loads(pickle.dumps(exc))
+        if type(back) is type(exc) and str(back) == str(exc):
+            return exc
+    except Exception:
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import pickle
 import secrets
 from collections import Counter, OrderedDict
 from typing import Any, Callable
@@ -49,7 +48,7 @@ from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
 from tinsmith.parallel.fsdp import FsdpTrainingRuntime, load_full_shard, shard_full_model, split_datums
-from tinsmith.parallel.group import ParallelError, TPGroup, guarded, split_grid
+from tinsmith.parallel.group import ParallelError, TPGroup, guarded, portable, split_grid
 from tinsmith.parallel.runtime import TPTrainingRuntime, params_match
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
 from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _tokenizer_decoder
@@ -66,18 +65,6 @@ OPTION = "--data-parallel-size"
 AFFINITY_SLACK_ROWS = 32  # a shared prompt follows its first request unless that replica is this much busier
 AFFINITY_PREFIX_TOKENS = 64  # the start of a prompt that decides where requests sharing it go
 AFFINITY_ENTRIES = 4096  # prompt starts remembered (least recently used forgotten)
-
-
-def portable(exc: BaseException) -> BaseException:
-    """``exc`` itself when it survives pickling (to travel to other ranks), else a RuntimeError
-    with its type and message."""
-    try:
-        back = pickle.loads(pickle.dumps(exc))
-        if type(back) is type(exc) and str(back) == str(exc):
-            return exc
-    except Exception:
-        pass
-    return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def gather_objects(obj: Any, group: TPGroup, what: str) -> list:

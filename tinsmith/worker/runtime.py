@@ -157,6 +157,9 @@ class TrainingRuntime:
         # copied before each backward so a half-done one can be undone). Only devices that report
         # running out (CUDA) need it; a CPU's allocator does not fail this way.
         self.oom_retry = self.device.type == "cuda"
+        # Run a backward in every micro-batch that asks for gradients, of zero when every loss in
+        # it was refused: a sharded model's backward runs collectives that every rank must join.
+        self.backward_always = False
         # Micro-batches with more (padded) tokens than this recompute their activations in backward
         # even when gradient checkpointing is off: the memory planner sizes micro-batches for
         # activations kept whole, so a single sequence longer than a micro-batch would not fit
@@ -603,6 +606,8 @@ class TrainingRuntime:
                         losses.append(p.spec.fn(batch).loss)
                     except TinsmithError as exc:
                         failed[r[0]] = exc
+                if not losses and self.backward_always:
+                    losses.append(lp.sum() * 0.0)
                 if losses:
                     before = self._grads_before_backward(mb, prepared)
                     try:
