@@ -14,7 +14,7 @@ from tinsmith.checkpoints.state_format import TrainingState, load_training_state
 from tinsmith.models.loading import load_model
 from tinsmith.parallel.fsdp import FsdpTrainingRuntime, shard_full_model
 from tinsmith.parallel.group import TPGroup
-from tinsmith.types import AdamParams, ForwardBackwardInput
+from tinsmith.types import AdamParams, DimuonParams, ForwardBackwardInput
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest
 
 # Small micro-batches, so that a call runs several and the ranks' counts differ (padding runs).
@@ -24,7 +24,7 @@ MICRO_BATCH_TOKENS = 16
 CALLS = [([9, 5, 13], [7, 4], [6, 11]), ([14, 9], [5], [9, 5, 13])]
 
 
-def build_full_runtime(model_dir: str, dp: TPGroup | None) -> TrainingRuntime:
+def build_full_runtime(model_dir: str, dp: TPGroup | None, optimizer: str = "adamw") -> TrainingRuntime:
     """One process's full fine-tune (``dp`` None), or this rank's sharded one; fp32. The tied
     model recomputes every layer in backward (gradient checkpointing) and pads its micro-batches;
     the untied one recomputes only in micro-batches above 12 tokens, so the two ranks recompute in
@@ -34,8 +34,8 @@ def build_full_runtime(model_dir: str, dp: TPGroup | None) -> TrainingRuntime:
     kw = dict(micro_batch_tokens=MICRO_BATCH_TOKENS, logit_chunk_bytes=4 * model.config.vocab_size * 5,
               gradient_checkpointing=tied, checkpoint_above_tokens=None if tied else 12, packing=not tied)
     if dp is None:
-        return TrainingRuntime(model, full_finetune=True, **kw)
-    return FsdpTrainingRuntime(shard_full_model(model, dp), **kw)
+        return TrainingRuntime(model, full_finetune=True, full_optimizer=optimizer, **kw)
+    return FsdpTrainingRuntime(shard_full_model(model, dp), full_optimizer=optimizer, **kw)
 
 
 def _state(rt) -> tuple[dict, dict]:
@@ -242,3 +242,26 @@ def custom_scenario(rt) -> dict:
 
 def custom_rank_main(dp: TPGroup, model_dir: str) -> dict:
     return custom_scenario(build_full_runtime(model_dir, dp))
+
+
+def dimuon_scenario(rt) -> dict:
+    """Two clipped Dimuon steps of a full fine-tune, each after a call of two training requests
+    (the second step builds on the first's momentum); what each returns, the weights and momenta
+    after each, logprobs after them."""
+    vocab = rt.config.vocab_size
+    out: dict = {"step": [], "after": []}
+    for step, lengths in enumerate(CALLS):
+        a, b = (make_data(40 + 10 * step + i, n, vocab) for i, n in enumerate(lengths[:2]))
+        _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(a, "cross_entropy")),
+                                    TrainRequest(FULL_UNIT, ForwardBackwardInput(b, "cross_entropy"))]))
+        out["step"].append(rt.optim_step(FULL_UNIT, DimuonParams(learning_rate=1e-2, grad_clip_norm=1.0)))
+        out["after"].append(_state(rt))
+    again = make_data(1, [9, 5, 13], vocab)
+    (res,) = _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(again, "cross_entropy",
+                                                                                      forward_only=True))]))
+    out["logprobs_after"] = [torch.from_numpy(o["logprobs"]) for o in res.outputs]
+    return out
+
+
+def dimuon_rank_main(dp: TPGroup, model_dir: str) -> dict:
+    return dimuon_scenario(build_full_runtime(model_dir, dp, "dimuon"))

@@ -2,7 +2,8 @@
 1e-5: per-datum logprobs and losses of several calls, two clipped AdamW steps (weights and
 optimizer state), logprobs after them; checkpoints move between one process and the group both
 ways; bf16 compute over fp32 shards matches one process's bf16 full fine-tune; server-side
-custom losses match too; a rank that fails makes the other fail within the group's timeout."""
+custom losses and Dimuon steps match too; a rank that fails makes the other fail within the group's
+timeout."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, bf16_call, bf16_rank_main, build_full_runtime,
-                                          custom_rank_main, custom_scenario, faulty_rank_main, load_and_score,
-                                          train_rank_main, train_scenario)
+                                          custom_rank_main, custom_scenario, dimuon_rank_main, dimuon_scenario,
+                                          faulty_rank_main, load_and_score, train_rank_main, train_scenario)
 from tests.parallel.scenario import assert_peer_fault_fails_rank0, assert_same
 from tinsmith.models.loading import load_model
 from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
+from tinsmith.parallel.sharded_dimuon import _owners
 from tinsmith.parallel.launch import run_ranks
 from tinsmith.worker.batching import SequenceRef
 from tinsmith.worker.runtime import TrainingRuntime
@@ -132,3 +134,30 @@ def test_custom_losses_match_one_process(qwen3_dir, tmp_path):
             assert len(set(errors)) == 1  # one pass: every request of it fails with the same error
     for o in outcomes:
         assert_same(ref, o.result, f"rank {o.rank}")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_dimuon_matches_one_process(qwen3_dir, tmp_path, ranks):
+    """Dimuon on FSDP shards: each whole matrix's direction is computed by its owner rank and its
+    rows scattered back, so two clipped steps (the second on the first's momentum) leave the
+    weights, momenta and logprobs of one process. Three ranks split some matrices unevenly (the
+    last rank holds fewer rows, or none)."""
+    ref = dimuon_scenario(build_full_runtime(str(qwen3_dir), None, "dimuon"))
+    assert all(s["grad_norm"] > 1.0 for s in ref["step"])  # clipping applied: the norm had to be exact
+    (w0, m0), (w1, m1) = ref["after"]
+    assert any(k.endswith(".momentum") for k in m1) and any(not torch.equal(w0[k], w1[k]) for k in w0)
+    outcomes = run_ranks(dimuon_rank_main, ranks, tmp_path, (str(qwen3_dir),), timeout_s=30, deadline_s=180)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        assert_same(ref, o.result, f"rank {o.rank}")
+
+
+def test_dimuon_owners_share_the_work():
+    """The costliest matrices (rows x cols x the smaller side) go first, each to the rank with the
+    least work so far; matrices held whole (a stack split by expert) are nobody's."""
+    shapes = [(8, 64), (64, 8), (32, 32), (4, 4), (16, 16), (64, 64)]
+    # costs 4,096, 4,096, 32,768, (whole), 4,096, 262,144
+    owners = _owners(shapes, [False, False, False, True, False, False], 2)
+    assert owners[5] == 0  # the largest first, onto rank 0
+    assert owners[2] == owners[0] == owners[1] == owners[4] == 1  # the rest on rank 1: still less work
+    assert _owners(shapes[:3], [False] * 3, 3) == [1, 2, 0]  # three ranks, one each (ties: the first rank free)

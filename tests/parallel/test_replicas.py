@@ -22,7 +22,7 @@ from tinsmith.parallel.group import ParallelError, TPGroup
 from tinsmith.parallel.replicas import AFFINITY_SLACK_ROWS
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.sampler import SampleTask
-from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
+from tinsmith.types import AdamParams, Datum, DimuonParams, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
 from tinsmith.worker.service import RuntimeOptions, Worker
 from tinsmith.worker.warm_up import warm_up
 
@@ -50,16 +50,17 @@ def _requests() -> list[ForwardBackwardInput]:
             ForwardBackwardInput([_datum(g, 14), _datum(g, 5)], "cross_entropy", forward_only=True)]
 
 
-def _train(w: Worker, run: str, chunk: int) -> list:
-    """Two rounds of forward/backward (``chunk`` tokens a call) and a step after each; the
-    results of every request."""
+def _train(w: Worker, run: str, chunk: int, hp=None) -> list:
+    """Two rounds of forward/backward (``chunk`` tokens a call) and a step after each (AdamW,
+    or ``hp``); the results of every request."""
+    hp = hp or AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
     out = []
     for _ in range(2):
         passes = [w.fb_begin(run, [req]) for req in _requests()]
         while not all(p.done for p in passes):
             w.fb_advance([(p, chunk) for p in passes if not p.done], chunk)
         out += [p.results[0] for p in passes]
-        out.append(w.optim_step(run, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)))
+        out.append(w.optim_step(run, hp))
     return out
 
 
@@ -191,7 +192,6 @@ def test_runs_stepping_together_in_a_group_step_as_one_process_steps_them(qwen3_
     step (other hyperparameters than the run's optimizer takes) is refused alike on every rank.
     A full fine-tune stepping in the same call (its own runtime, sharded over the group: it
     steps by itself) matches one process's too."""
-    from tinsmith.types import DimuonParams
 
     w1, _ = _worker(qwen3_dir, 1)
     wg, _ = _worker(qwen3_dir, dp, tp=tp)
@@ -376,9 +376,16 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
         # Unloaded, every replica frees its shard; one process's checkpoint loads into the replicas.
         w2.unload_model("full")
         assert w2.tp_group.call("_holder", "m").full == {}
-        with pytest.raises(InvalidInputError, match="AdamW only"):
-            w2.create_model("dimuon", "m", None, optimizer_type="dimuon")
-        assert w2.tp_group.healthy and "dimuon" not in w2.placements
+        # A Dimuon full fine-tune: each whole matrix's direction computed by one replica.
+        w3, _ = _worker(qwen3_dir, 1)  # one process holds one full fine-tune at a time
+        for w in (w3, w2):
+            w.create_model("dimuon", "m", None, optimizer_type="dimuon")
+        dimuon = DimuonParams(learning_rate=1e-2, grad_clip_norm=1.0)
+        _assert_same_training(_train(w3, "dimuon", 1 << 20, dimuon), _train(w2, "dimuon", 40, dimuon))
+        d1, d2 = w3.export_training_state("dimuon"), w2.export_training_state("dimuon")
+        for k in d1.weights:
+            np.testing.assert_allclose(d1.weights[k].numpy(), d2.weights[k].numpy(), atol=1e-5, rtol=0)
+        w2.unload_model("dimuon")
         w2.load_training_state("again", "m", s1, create=True)
         probe = [ForwardBackwardInput(_requests()[0].data, "cross_entropy", forward_only=True)]
         a, b = w1.fb_begin("full", probe), w2.fb_begin("again", probe)

@@ -116,6 +116,7 @@ class Dimuon(torch.optim.Optimizer):
             lr = group["lr"] * rank_lr_factor(rank, group["rank_lr_correction_exponent"])
             beta1 = group["beta1"]
             matrices: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+            vectors: list[tuple[torch.Tensor, torch.Tensor]] = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -127,7 +128,9 @@ class Dimuon(torch.optim.Optimizer):
                 if p.ndim in (2, 3):  # a matrix, or a stack of them (one per routed expert), batched
                     matrices.append((p, m, math.sqrt(rank if rank is not None else min(p.shape[-2:]))))
                 else:
-                    p.add_(vector_direction(m).to(p.dtype), alpha=-lr)
+                    vectors.append((p, m))
+            for (p, _), d in zip(vectors, self.vector_directions(vectors)):
+                p.add_(d.to(p.dtype), alpha=-lr)
             for (p, _, _), d in zip(matrices, self.matrix_directions(matrices, group["damping"])):
                 p.add_(d.to(p.dtype), alpha=-lr)
         return loss
@@ -140,3 +143,9 @@ class Dimuon(torch.optim.Optimizer):
         (:class:`tinsmith.parallel.sharded_dimuon.ShardedDimuon`)."""
         for _, m, norm in matrices:
             yield matrix_direction(m, damping, norm)
+
+    def vector_directions(self, vectors: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[torch.Tensor]:
+        """The directions of the (parameter, momentum) ``vectors`` of one group, in order (the
+        momentum at RMS 1: the RMS is over the whole tensor)."""
+        for _, m in vectors:
+            yield vector_direction(m)

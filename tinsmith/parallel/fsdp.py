@@ -38,9 +38,10 @@ from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import load_model, read_config, resolve_model_dir
 from tinsmith.models.lora import LoraLinear
-from tinsmith.optim import ADAMW, STATE_KEYS, check_params_match
+from tinsmith.optim import ADAMW, DIMUON, STATE_KEYS, check_params_match
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded, portable
 from tinsmith.parallel.partition import longest_first
+from tinsmith.parallel.sharded_dimuon import FsdpDimuon
 from tinsmith.parallel.sharded_save import SaveSource, save_sharded
 from tinsmith.types import OptimParams
 from tinsmith.worker.batching import SequenceRef, build_micro_batch, plan_micro_batches
@@ -213,10 +214,13 @@ class ShardedFullTrainable(Trainable):
             guarded(self.dp, "gradient-norm all_reduce", lambda: dist.all_reduce(sq))
         return sq.sqrt()
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.optimizer_type == DIMUON:  # whole matrices, each computed by one rank of the group
+            self.optimizer = FsdpDimuon(self.params, self.dp, rank=None)
+
     def step(self, hp: OptimParams) -> dict[str, float]:
         check_params_match(self.optimizer_type, hp)
-        if self.optimizer_type != ADAMW:
-            raise InvalidInputError("sharded full fine-tuning steps with AdamW only")
         try:
             return super().step(hp)
         except RuntimeError as exc:
@@ -288,13 +292,13 @@ def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def sharded_full_trainable(model: CausalLM, dp: TPGroup) -> ShardedFullTrainable:
+def sharded_full_trainable(model: CausalLM, dp: TPGroup, optimizer_type: str = ADAMW) -> ShardedFullTrainable:
     named, seen = [], set()
     for name, p in model.named_parameters():
         if id(p) not in seen:  # tied embeddings appear twice
             seen.add(id(p))
             named.append((name, p))
-    return ShardedFullTrainable(slot=None, spec=None, named_params=named, optimizer_type=ADAMW, dp=dp)
+    return ShardedFullTrainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type, dp=dp)
 
 
 # ----------------------------------------------------------------------------- the runtime
@@ -311,16 +315,14 @@ class FsdpTrainingRuntime(TrainingRuntime):
     def __init__(self, model: CausalLM, **kwargs):
         if kwargs.pop("full_finetune", True) is False:
             raise InvalidInputError("the data-parallel runtime trains the whole model")
-        if kwargs.get("full_optimizer", ADAMW) != ADAMW:
-            raise InvalidInputError("sharded full fine-tuning steps with AdamW only")
-        kwargs.pop("full_optimizer", None)
+        optimizer_type = kwargs.pop("full_optimizer", ADAMW)
         kwargs.pop("master_weights", None)
         super().__init__(model, full_finetune=False, **kwargs)
         self.dp: TPGroup = model.fsdp_group  # type: ignore[attr-defined]
         self.full_finetune = True
         self.oom_retry = False  # a retried half micro-batch would run collectives the other ranks do not
         self.backward_always = True  # every rank joins every backward's reduce-scatters
-        self.units[FULL_UNIT] = sharded_full_trainable(model, self.dp)
+        self.units[FULL_UNIT] = sharded_full_trainable(model, self.dp, optimizer_type)
 
     def advance(self, quotas, on_done=None, budget=None) -> None:
         """Run one chunk: its datums chosen as one process would (alike on every rank), each rank

@@ -167,10 +167,7 @@ class ReplicaFullRun:
     the run is sharded with FSDP over every rank of the group: each rank runs its share of every
     chunk's datums through the whole model, gathering one layer's weights at a time."""
 
-    def __init__(self, base: Any, group: TPGroup, optimizer_type: str, option: str = OPTION):
-        if optimizer_type != "adamw":
-            raise InvalidInputError(f"full fine-tuning with {option} > 1 steps with AdamW only, not "
-                                    f"{optimizer_type!r}")
+    def __init__(self, base: Any, group: TPGroup, optimizer_type: str):
         p = next(base.loaded.model.parameters())
         if base.shard.size > 1:  # this rank holds a tensor-parallel shard: read the checkpoint again
             model = load_full_shard(str(base.loaded.model_dir), group, p.device, p.dtype)
@@ -183,7 +180,8 @@ class ReplicaFullRun:
         self.runtime = FsdpTrainingRuntime(model, micro_batch_tokens=lora.micro_batch_tokens,
                                            micro_batch_seqs=lora.micro_batch_seqs,
                                            checkpoint_above_tokens=lora.checkpoint_above_tokens,
-                                           gradient_checkpointing=base.gradient_checkpointing, packing=lora.packing)
+                                           gradient_checkpointing=base.gradient_checkpointing, packing=lora.packing,
+                                           full_optimizer=optimizer_type)
         self.runtime.unit(FULL_UNIT).export_everywhere = False  # rank 0's exports are the ones read
         self.passes: dict[int, FbPass] = {}
 

@@ -133,7 +133,7 @@ class ServingRank:
 
         base = self.bases[name]
         try:
-            run = ReplicaFullRun(base, self.tp, optimizer_type, self.OPTION)
+            run = ReplicaFullRun(base, self.tp, optimizer_type)
         except torch.OutOfMemoryError:
             # The same words on every rank that ran out (each one's sizes would differ), so that
             # the group stays in step when all of them did.

@@ -1,4 +1,5 @@
-"""Dimuon on an adapter whose factors are split over the ranks of a tensor-parallel group.
+"""Dimuon on tensors split over ranks: an adapter's factors under tensor parallelism
+(:class:`ShardedDimuon`), a full fine-tune's FSDP shards (:class:`FsdpDimuon`).
 
 Dimuon's direction is a function of a whole matrix: the row and column energies of its
 preconditioner, its Frobenius norm and the Newton-Schulz iteration all mix every entry. A rank
@@ -10,6 +11,13 @@ whole (the other factor of each pair, their gradients summed over the ranks befo
 and routed experts split by expert (each expert's matrices whole on one rank) need no gather.
 Moonlight's distributed Muon gathers whole matrices the same way; the extra compute of a
 rank-sized Newton-Schulz on every rank is small next to the step's collectives.
+
+A full fine-tune's matrices are not small: the Newton-Schulz iteration of a 4096 x 14336 matrix
+is about 5 TFLOP in float32, and one process runs it for every matrix of the model. Sharded with
+FSDP, each matrix gets an owner rank (the largest first, each onto the rank with the least work
+so far): its momentum is gathered to the owner alone, every rank computes the directions of the
+matrices it owns at once, and each owner scatters the rows back. So the group shares the
+iteration's work (and the memory of the whole matrices) instead of each rank repeating all of it.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
-from tinsmith.optim.dimuon import Dimuon, matrix_direction
-from tinsmith.parallel.group import TPGroup
+from tinsmith.optim.dimuon import Dimuon, matrix_direction, vector_direction
+from tinsmith.parallel.group import TPGroup, guarded
 from tinsmith.parallel.state import GATHER_BUCKET_BYTES, Split, gather_splits, own_part
 
 Matrix = tuple[torch.Tensor, torch.Tensor, float]  # (parameter, momentum, Frobenius norm)
@@ -63,3 +73,110 @@ class ShardedDimuon(Dimuon):
             fulls = gather_splits([mom for _, mom, _ in run], splits, self.tp)  # type: ignore[arg-type]
             for (_, _, n), split, full in zip(run, splits, fulls):
                 yield own_part(matrix_direction(full, damping, n), split, self.tp)  # type: ignore[arg-type]
+
+
+class FsdpDimuon(Dimuon):
+    """:class:`Dimuon` over FSDP2 shards (DTensors split along dimension 0 over ``dp``): each
+    whole matrix's direction is computed once, by its owner rank."""
+
+    def __init__(self, params: Iterable[torch.Tensor], dp: TPGroup, **kwargs):
+        self.dp = dp
+        super().__init__(params, **kwargs)
+
+    def vector_directions(self, vectors: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[torch.Tensor]:
+        if not vectors:
+            return
+        local = [_local(m).float() for _, m in vectors]
+        sq = torch.stack([x.square().sum() for x in local])
+        if self.dp.size > 1 and any(isinstance(m, DTensor) for _, m in vectors):
+            guarded(self.dp, "Dimuon vector-norm all_reduce", lambda: dist.all_reduce(sq, group=self.dp.group))
+        numel = torch.tensor([float(m.numel()) for _, m in vectors], device=sq.device)
+        for (p, m), x, rms in zip(vectors, local, (sq / numel).sqrt()):
+            yield _like(p, torch.where(rms > 0, x / rms, 0.0)) if isinstance(m, DTensor) else vector_direction(m)
+
+    def matrix_directions(self, matrices: list[Matrix], damping: float) -> Iterator[torch.Tensor]:
+        whole = [not _split_rows(m) for _, m, _ in matrices]
+        owners = _owners([m.shape for _, m, _ in matrices], whole, self.dp.size)
+        fulls: dict[int, torch.Tensor] = {}
+        for i, (_, m, _) in enumerate(matrices):  # every rank joins each gather, in order
+            if not whole[i]:
+                full = _gather_rows(m, owners[i], self.dp)
+                if full is not None:
+                    fulls[i] = full
+        for i, full in fulls.items():  # this rank's share of the work, while the others do theirs
+            fulls[i] = matrix_direction(full, damping, matrices[i][2])
+        for i, (p, m, norm) in enumerate(matrices):
+            if whole[i]:  # held whole here: a stack split by expert, or not sharded at all
+                local = _local(m)
+                d = matrix_direction(local, damping, norm) if local.numel() else torch.zeros_like(local, dtype=torch.float32)
+                yield _like(p, d) if isinstance(m, DTensor) else d
+            else:
+                yield _like(p, _scatter_rows(fulls.pop(i, None), m, owners[i], self.dp))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's rows) as a DTensor laid out as ``p``."""
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _split_rows(m: torch.Tensor) -> bool:
+    """Whether each matrix of ``m`` is split over the ranks (a 2-D DTensor split by rows; a 3-D
+    stack split along dimension 0 holds whole matrices)."""
+    if not isinstance(m, DTensor):
+        return False
+    if len(m.placements) != 1 or not isinstance(m.placements[0], Shard) or m.placements[0].dim != 0:
+        raise ValueError(f"Dimuon on FSDP shards expects tensors split along dimension 0, got {m.placements}")
+    return m.ndim == 2
+
+
+def _owners(shapes: list, whole: list[bool], world: int) -> list[int]:
+    """The rank that computes each split matrix's direction: the largest (by the iteration's
+    cost, rows x cols x the smaller side) first, each onto the rank with the least work so far;
+    alike on every rank."""
+    load = [0] * world
+    owners = [0] * len(shapes)
+    cost = [s[0] * s[1] * min(s[0], s[1]) for s in shapes]
+    for i in sorted((i for i in range(len(shapes)) if not whole[i]), key=lambda i: (-cost[i], i)):
+        owners[i] = min(range(world), key=lambda r: (load[r], r))
+        load[owners[i]] += cost[i]
+    return owners
+
+
+def _rows(n: int, world: int) -> list[int]:
+    """Rows each rank holds of ``n`` split as FSDP2 splits them (``torch.chunk``: the last ranks
+    may hold fewer, or none)."""
+    rows = [len(c) for c in torch.empty(n, device="meta").chunk(world)]
+    return rows + [0] * (world - len(rows))
+
+
+def _gather_rows(m: DTensor, dst: int, dp: TPGroup) -> torch.Tensor | None:
+    """The whole of ``m`` in float32 on rank ``dst``'s device (None on the others)."""
+    rows = _rows(m.shape[0], dp.size)
+    local = m.to_local().float()
+    padded = local.new_zeros((max(rows), *m.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(dp.size)] if dp.rank == dst else None
+    guarded(dp, "Dimuon momentum gather",
+            lambda: dist.gather(padded, parts, group=m.device_mesh.get_group(), group_dst=dst))
+    return None if parts is None else torch.cat([x[:n] for x, n in zip(parts, rows)])
+
+
+def _scatter_rows(full: torch.Tensor | None, m: DTensor, src: int, dp: TPGroup) -> torch.Tensor:
+    """This rank's rows of ``full`` (given on rank ``src``), sent by ``src``."""
+    rows = _rows(m.shape[0], dp.size)
+    mine = torch.empty((max(rows), *m.shape[1:]), dtype=torch.float32, device=m.to_local().device)
+    chunks = None
+    if dp.rank == src:
+        assert full is not None
+        chunks = []
+        for part, n in zip(list(full.split(rows)), rows):
+            padded = mine.new_zeros(mine.shape)
+            padded[:n] = part
+            chunks.append(padded)
+    guarded(dp, "Dimuon direction scatter",
+            lambda: dist.scatter(mine, chunks, group=m.device_mesh.get_group(), group_src=src))
+    return mine[: rows[dp.rank]]
