@@ -9,7 +9,11 @@ and as the server's store recorded it (from its arrival to its result: the clien
 the busy key's POSTs left out), and when the busy key's last request completed. Each key is its
 own API key (``--api-keys-file``), as tenants are.
 
-    python bench/sampling_fairness.py [--busy 768] [--rounds 2] [--json out.json]
+With ``--long N`` every busy request asks for exactly N new tokens instead: ``--busy 256 --long
+512`` fills every row with generations that all end together, so the light request waits for a
+row until the sampler takes one back for it (a key below its fair share), or until they end.
+
+    python bench/sampling_fairness.py [--busy 768] [--long 0] [--rounds 2] [--json out.json]
 
 Run it from another checkout (its own ``bench/``) to compare: the server started is the
 checkout's that the command runs in.
@@ -45,8 +49,19 @@ def stored(database: Path, key: str) -> int:
                            (owner_for_key(key),)).fetchone()[0]
 
 
+def decoding_rows(base_url: str) -> int:
+    """Sequences the server's samplers are decoding (``tinsmith_sampler_rows`` on ``/metrics``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+        if family.name == "tinsmith_sampler_rows":
+            return int(sum(s.value for s in family.samples))
+    return 0
+
+
 def one_round(busy_client, light_client, busy: int, rng: np.random.Generator, database: Path,
-              expected_busy: int) -> dict:
+              expected_busy: int, long: int = 0, base_url: str = "") -> dict:
     from tinker import types
 
     def prompt() -> types.ModelInput:
@@ -59,10 +74,11 @@ def one_round(busy_client, light_client, busy: int, rng: np.random.Generator, da
         light_client.sample(prompt(), 1, light_params).result(timeout=600)
         quiet.append(time.perf_counter() - t)
     t0 = time.perf_counter()
-    futures = [busy_client.sample(prompt(), 1, types.SamplingParams(max_tokens=int(rng.integers(16, 65)),
-                                                                    temperature=1.0, stop=[]))
-               for _ in range(busy)]
+    futures = [busy_client.sample(prompt(), 1, types.SamplingParams(
+        max_tokens=long or int(rng.integers(16, 65)), temperature=1.0, stop=[])) for _ in range(busy)]
     while stored(database, KEYS["busy"]) < expected_busy:  # the whole queue is in the server
+        time.sleep(0.05)
+    while long and decoding_rows(base_url) < min(busy, 256):  # and every row is decoding
         time.sleep(0.05)
     t = time.perf_counter()
     light_client.sample(prompt(), 1, light_params).result(timeout=600)
@@ -78,6 +94,7 @@ def one_round(busy_client, light_client, busy: int, rng: np.random.Generator, da
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--busy", type=int, default=768)
+    ap.add_argument("--long", type=int, default=0, help="new tokens of every busy request (0: 16 to 64 at random)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -96,7 +113,7 @@ def main() -> None:
             rng = np.random.default_rng(0)
             for r in range(args.rounds):
                 res = one_round(clients["busy"], clients["light"], args.busy, rng, Path(d) / "data" / "tinsmith.sqlite",
-                                (r + 1) * args.busy)
+                                (r + 1) * args.busy, args.long, srv.base_url)
                 results.append(res)
                 print(f"round {r}: light key's request {1e3 * res['light_quiet_s']:.0f} ms quiet, "
                       f"{1e3 * res['light_busy_s']:.0f} ms behind {args.busy} of the busy key's "
@@ -106,7 +123,7 @@ def main() -> None:
         finally:
             srv.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps({"busy": args.busy, "rounds": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"busy": args.busy, "long": args.long, "rounds": results}, indent=2))
 
 
 if __name__ == "__main__":

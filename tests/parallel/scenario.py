@@ -436,6 +436,48 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto",
     return out
 
 
+def fair_share_scenario(model_dir: str, tp: TPGroup | None) -> dict:
+    """A key fills all four rows with long seeded generations; another key's request arrives and,
+    having waited its turn, takes a row back (one row of the busy key's newest request). Every
+    rank must take the same row at the same step: what each request sampled, and the counts."""
+    from tests.sampling.conftest import scheduler_steps
+    from tinsmith.parallel.sampling import ShardedSampler
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    model = load_model(model_dir, "cpu", torch.float32).model
+    if tp is not None:
+        shard_causal_lm(model, tp)
+    sampler = (ShardedSampler if tp is not None else Sampler)(model, lambda ids: "", max_rows=4, prefix_cache_bytes=0)
+    g = np.random.default_rng(8)
+    vocab = model.config.vocab_size
+
+    def task(key: str, owner: str, n: int, max_tokens: int, seed: int) -> SampleTask:
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[])
+        return SampleTask(key, None, SampleInput(g.integers(0, vocab, 6), n, params), owner)
+
+    sampler.add(task("b0", "busy", 2, 160, 1))
+    sampler.add(task("b1", "busy", 2, 160, 2))
+    out: dict = {}
+    steps = 0
+    while sampler.has_work():
+        if steps == 2:
+            sampler.add(task("light", "light", 1, 4, 3))
+        for key, res in scheduler_steps(sampler, 1).items():  # one decode step (admission first)
+            if isinstance(res, Exception):
+                raise res
+            out[key] = {"tokens": [torch.from_numpy(q.tokens.astype(np.int64)) for q in res.sequences],
+                        "logprobs": [torch.from_numpy(q.logprobs) for q in res.sequences],
+                        "done_at": torch.tensor(sampler.stats["decode_steps"])}
+        steps += 1
+    out["yielded_rows"] = torch.tensor(sampler.stats["yielded_rows"])
+    return out
+
+
+def fair_share_rank_main(tp: TPGroup, model_dir: str) -> dict:
+    return fair_share_scenario(model_dir, tp)
+
+
 def inflight_scenario(model_dir: str, tp: TPGroup | None) -> dict:
     """An inflight sampler on a training run's live adapter, as the serving worker holds them (one
     model for the training runtime and the sampler): a greedy 136-token prompt, whose K/V the

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel.scenario import (assert_same, inflight_rank_main, inflight_scenario, sample_rank_main,
-                                    sample_scenario)
+from tests.parallel.scenario import (assert_same, fair_share_rank_main, fair_share_scenario, inflight_rank_main,
+                                    inflight_scenario, sample_rank_main, sample_scenario)
 from tinsmith.models.loading import read_config
 from tinsmith.parallel.launch import run_ranks
 
@@ -113,6 +113,19 @@ def test_inflight_sampler_reads_the_weights_of_each_step(qwen3_dir, tmp_path):
     assert bool(ref["versions_changed"].all())
     assert not torch.equal(ref["before"][1], ref["after_step"][1])  # the step moved the sampled logprobs
     outcomes = run_ranks(inflight_rank_main, 2, tmp_path, (model_dir,), timeout_s=60, deadline_s=180)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        assert_same(ref, o.result, f"rank {o.rank}")
+
+
+def test_rows_taken_back_for_a_fair_share_alike_on_every_rank(qwen3_dir, tmp_path):
+    """A key below its fair share takes a row back from long generations at the same decode step
+    on both ranks (the wait is counted in decode steps, which every rank runs alike), and every
+    request samples what one process samples."""
+    model_dir = str(qwen3_dir)
+    ref = fair_share_scenario(model_dir, None)
+    assert int(ref["yielded_rows"]) == 1 and int(ref["light"]["done_at"]) < int(ref["b0"]["done_at"])
+    outcomes = run_ranks(fair_share_rank_main, 2, tmp_path, (model_dir,), timeout_s=60, deadline_s=180)
     for o in outcomes:
         assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
         assert_same(ref, o.result, f"rank {o.rank}")

@@ -96,3 +96,51 @@ def test_preemption_takes_rows_from_the_key_that_holds_the_most(qwen3_dir):
     assert len(out) == 4 and not any(isinstance(r, Exception) for r in out.values())
     # Four rows of 123 positions outgrow 8 blocks: the busy key gives back two of its three.
     assert preempted[:2] == ["busy2", "busy1"] and "light" not in preempted, preempted
+
+
+def test_a_key_below_its_share_gets_rows_back_from_long_generations(qwen3_dir):
+    """The busy key fills every row with long generations; the light key's request, after
+    waiting FAIR_SHARE_WAIT_STEPS decode steps, takes a row back from the busy key's newest
+    request (one row of it, not all), and is done long before the busy rows end. The busy
+    key's sequences come out exactly as without the light key (a resumed row decodes on from
+    its sampled tokens)."""
+    from tinsmith.sampling.sampler import FAIR_SHARE_WAIT_STEPS
+
+    def busy():
+        return [owned("busy", "b0", 1, n=2, max_tokens=200), owned("busy", "b1", 2, n=2, max_tokens=200)]
+
+    alone = make_sampler(fresh_model(qwen3_dir), qwen3_dir, max_rows=4, prefix_cache_bytes=0)
+    ref = run(alone, busy())
+    sampler = make_sampler(fresh_model(qwen3_dir), qwen3_dir, max_rows=4, prefix_cache_bytes=0)
+    for t in busy():
+        sampler.add(t)
+    out = scheduler_steps(sampler, 1)
+    steps_at_arrival = sampler.stats["decode_steps"]
+    sampler.add(owned("light", "light", 9, max_tokens=4))
+    finished_at: dict = {}
+    while sampler.has_work():  # a decode step at a time (admission comes first in each)
+        for key, res in scheduler_steps(sampler, 1).items():
+            out[key] = res
+            finished_at[key] = sampler.stats["decode_steps"]
+    assert not any(isinstance(r, Exception) for r in out.values()), out
+    assert sampler.stats["yielded_rows"] == 1 and sampler.stats["preempted"] == 1  # one row of b1, the newest
+    waited = finished_at["light"] - steps_at_arrival
+    assert FAIR_SHARE_WAIT_STEPS <= waited < FAIR_SHARE_WAIT_STEPS + 40, waited  # not the busy rows' 200
+    assert finished_at["light"] < min(finished_at["b0"], finished_at["b1"])
+    for key in ("b0", "b1"):
+        for a, b in zip(ref[key].sequences, out[key].sequences):
+            assert a.tokens.tolist() == b.tokens.tolist()
+            assert abs(a.logprobs - b.logprobs).max() < 1e-4
+
+
+def test_no_rows_are_taken_within_fair_shares(qwen3_dir):
+    """Two keys holding two rows each of four: a third request of either key waits for a row to
+    free up (each holds its share), and nothing is preempted."""
+    sampler = make_sampler(fresh_model(qwen3_dir), qwen3_dir, max_rows=4, prefix_cache_bytes=0)
+    for t in [owned("a", "a0", 1, n=2, max_tokens=120), owned("b", "b0", 2, n=2, max_tokens=120)]:
+        sampler.add(t)
+    out = scheduler_steps(sampler, 1)
+    sampler.add(owned("a", "a1", 3, max_tokens=4))
+    out.update(run(sampler, []))
+    assert len(out) == 3 and not any(isinstance(r, Exception) for r in out.values())
+    assert sampler.stats["yielded_rows"] == 0 and sampler.stats["preempted"] == 0

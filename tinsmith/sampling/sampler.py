@@ -58,6 +58,11 @@ BRANCH_MIN_TOKENS = 64
 # this share of the prefix cache's budget, beside it: a prompt's tail is at most a block of K/V,
 # and its logits one row of the vocabulary in fp32 (0.6 MB at 151,936 entries).
 TAIL_BUDGET_SHARE = 4
+# Decode steps a request waits for a row, while its key holds less than its fair share of rows
+# (max_rows over the keys with work) and others hold more, before rows are taken back for it
+# (the other keys' newest requests preempted, resumed after it): a key that filled every row
+# with long generations would otherwise keep a newcomer waiting until one of them ends.
+FAIR_SHARE_WAIT_STEPS = 64
 KV_LAYOUTS = ("auto", "paged", "rows")  # the K/V cache's layout: auto is paged on CUDA, per-row buffers elsewhere
 _ALT_STREAM = 0x6A09E667F3BCC909  # XORed into the seed: prompt_alt_tokens draws get their own stream
 
@@ -73,6 +78,7 @@ class SampleTask:
     input: SampleInput
     owner: str | None = None  # who asked (an API key): waiting requests share rows fairly among owners
     queued_at: float = 0.0  # perf_counter when it reached this sampler (set by ``add``): its wait for a row
+    queued_step: int = 0  # the sampler's decode steps when it arrived: its wait, alike on every rank
 
 
 @dataclass
@@ -93,6 +99,7 @@ class _TaskState:
     rope_delta: int = 0  # multimodal RoPE: decoded token i sits at position len(prompt) + i + rope_delta
     order: int = 0  # admission order: the newest requests are preempted first
     paused: list[_Row] = field(default_factory=list)  # rows taken off the batch to free K/V, to resume
+    yielded: bool = False  # its paused rows were taken for a key below its fair share (not for K/V)
     head: PromptSnapshot | None = None  # hybrid models: the kept prompt its prefill continues from
     computed_head: bool = False  # its head is a shared beginning computed in its own prefill, not a cached one
 
@@ -193,7 +200,8 @@ class Sampler:
         self._failed: list[tuple[Any, Exception]] = []  # failed between steps; reported by the next one
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
                       "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
-                      "preempted": 0, "recomputed_tokens": 0, "admissions": 0, "admission_wait_s": 0.0}
+                      "preempted": 0, "recomputed_tokens": 0, "admissions": 0, "admission_wait_s": 0.0,
+                      "yielded_rows": 0}
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
         # launch-bound, and the padded, full-capacity step only costs more there).
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
@@ -219,6 +227,7 @@ class Sampler:
     def add(self, task: SampleTask) -> None:
         """Queue a request (thread-safe); it joins the batch at the next step."""
         task.queued_at = task.queued_at or time.perf_counter()
+        task.queued_step = self.stats["decode_steps"]
         self.inbox.append(task)
 
     def has_work(self) -> bool:
@@ -403,16 +412,22 @@ class Sampler:
         # Rows are counted at what they hold plus room to grow (_held); when they outgrow the K/V
         # budget the newest requests are preempted (_make_room) and resume later.
         spans = self.cache.tally(self._occupancy())
-        while self._resume:  # preempted requests come back first, oldest first
-            st = self._resume[0]
+        i = 0
+        while i < len(self._resume):  # preempted requests come back first, oldest first
+            st = self._resume[i]
+            if st.yielded and self._behind_in_turn(st):
+                i += 1  # it gave its rows to a key holding fewer, whose request goes first
+                continue
             n = len(st.paused)
             need = [RowNeed(self._held(st.task.input, len(r.tokens))) for r in st.paused]  # each recomputed alone
             over_budget = self.kv_cache_bytes and spans.bytes(need) > self.kv_cache_bytes
             if spans.rows and (spans.rows + n > self.max_rows or over_budget):
                 return  # nothing overtakes a preempted request
-            self._resume.popleft()
+            del self._resume[i]
             self._resume_rows(st, done)
             spans.add(need)
+        if self._yield_rows(spans):
+            spans = self.cache.tally(self._occupancy())
         waiting: list[SampleTask] = []
         try:
             batch = self._admit_inbox(done, spans, waiting)
@@ -467,6 +482,58 @@ class Sampler:
         for _ in waiting:
             self.inbox.popleft()
         self.inbox.extendleft(reversed([waiting[i] for _, i in order]))
+
+    def _behind_in_turn(self, st: _TaskState) -> bool:
+        """Whether the request at the head of the queue is of a key holding fewer rows than
+        ``st``'s key holds without the rows ``st`` yielded (see :meth:`_yield_rows`)."""
+        if not self.inbox or self.inbox[0].owner == st.task.owner:
+            return False
+        held = _rows_by_owner(self._live_states())
+        return held[self.inbox[0].owner] < held[st.task.owner] - len(st.paused)
+
+    def _yield_rows(self, spans: KVTally) -> bool:
+        """Take rows back for the request at the head of the queue when every row is taken, it has
+        waited :data:`FAIR_SHARE_WAIT_STEPS` decode steps, and its key holds less than its fair
+        share (``max_rows`` over the keys with work) even with it: the newest requests of the keys
+        holding the most rows above their share give back just the rows it needs (never taking a
+        key below its share), and resume after it, each row where it stopped (:meth:`_preempt`).
+        Decided from counts every tensor-parallel rank holds alike. Whether rows were taken."""
+        if not self.inbox:
+            return False
+        head = self.inbox[0]
+        n = head.input.num_samples
+        short = n - (self.max_rows - spans.rows)
+        if short <= 0 or n > self.max_rows or self.stats["decode_steps"] - head.queued_step < FAIR_SHARE_WAIT_STEPS:
+            return False
+        live = self._live_states()
+        owners = {st.task.owner for st in live} | {t.owner for t in list(self.inbox)}
+        fair = self.max_rows // max(1, len(owners))
+        held = _rows_by_owner(live)
+        if len(owners) < 2 or held[head.owner] + n > fair:
+            return False
+        decoding = Counter(id(row.state) for row in self.rows)
+        chunked = self._chunked.state if self._chunked is not None else None
+        # Candidates: requests with decoding rows (not a prompt being chunked, not image prompts,
+        # which are never preempted), of other keys, newest first.
+        candidates = sorted((st for st in {id(r.state): r.state for r in self.rows}.values()
+                             if st is not chunked and st.task.owner != head.owner
+                             and not st.task.input.prompt_images), key=lambda st: -st.order)
+        takes: list[tuple[_TaskState, int]] = []
+        while short > 0:
+            over = [st for st in candidates if held[st.task.owner] > fair and decoding[id(st)]]
+            if not over:
+                return False  # the rows above their keys' shares would not be enough: take none
+            st = max(over, key=lambda x: (held[x.task.owner], x.order))
+            k = min(short, decoding[id(st)], held[st.task.owner] - fair)
+            takes.append((st, k))
+            decoding[id(st)] -= k
+            held[st.task.owner] -= k
+            short -= k
+        for st, k in takes:
+            self._preempt(st, k)
+            st.yielded = True
+            self.stats["yielded_rows"] += k
+        return True
 
     def _admit_inbox(self, done: list, spans: KVTally, waiting: list[SampleTask]) -> list[_TaskState]:
         """Take requests off the inbox for one prefill while rows, the prefill's token budget and
@@ -912,20 +979,25 @@ class Sampler:
         candidates = [st for st in live if st is not oldest] or live
         return max(candidates, key=lambda st: (held[st.task.owner], st.order))
 
-    def _preempt(self, st: _TaskState) -> None:
-        """Take ``st``'s rows off the batch (their K/V freed) and queue it to resume first: each row
-        keeps its sampled tokens, so recomputing its K/V and decoding on gives what it would have
-        (a row's draws depend only on its seed, sample index and step). A prompt being chunked
-        goes back to the head of the queue whole."""
+    def _preempt(self, st: _TaskState, count: int | None = None) -> None:
+        """Take ``st``'s rows (or its ``count`` last ones) off the batch (their K/V freed) and queue
+        it to resume first: each row keeps its sampled tokens, so recomputing its K/V and decoding
+        on gives what it would have (a row's draws depend only on its seed, sample index and
+        step). A prompt being chunked goes back to the head of the queue whole."""
         self.stats["preempted"] += 1
+        st.yielded = False
         if self._chunked is not None and self._chunked.state is st:
             self._chunked = None
             self.inbox.appendleft(st.task)
             return
-        mine = [r for r, row in enumerate(self.rows) if row.state is st]
+        mine = sorted((r for r, row in enumerate(self.rows) if row.state is st), key=lambda r: self.rows[r].sample_idx)
+        if count is not None:
+            mine = mine[len(mine) - count:]
         st.paused += [self.rows[r] for r in mine]
         self._drop_rows(mine)
         st.paused.sort(key=lambda row: row.sample_idx)
+        if any(x is st for x in self._resume):
+            return
         i = 0
         while i < len(self._resume) and self._resume[i].order < st.order:
             i += 1

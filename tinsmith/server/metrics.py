@@ -223,7 +223,11 @@ class StateCollector:
             "tinsmith_prompt_cache_hit_tokens": ("cached_prompt_tokens", "Prompt tokens not computed: read from "
                                                  "the prefix cache, a kept prompt or another request's prefill"),
             "tinsmith_sampler_preemptions": ("preempted", "Requests preempted to keep the K/V cache within "
-                                             "--sampler-kv-cache-bytes (resumed later, their K/V recomputed)"),
+                                             "--sampler-kv-cache-bytes, or to give rows to a key below its fair "
+                                             "share (resumed later, their K/V recomputed)"),
+            "tinsmith_sampler_yielded_rows": ("yielded_rows", "Rows taken back from keys above their fair share "
+                                              "of a sampler's batch for a key below it that waited (those "
+                                              "requests resume after it)"),
             "tinsmith_sampler_recomputed_tokens": ("recomputed_tokens", "Tokens prefilled again to resume preempted "
                                                    "requests"),
             "tinsmith_decode_graph_replays": ("graph_replays", "Decode steps replayed from CUDA graphs"),
