@@ -118,11 +118,12 @@ def test_inflight_sampler_reads_the_weights_of_each_step(qwen3_dir, tmp_path):
         assert_same(ref, o.result, f"rank {o.rank}")
 
 
-def test_rows_taken_back_for_a_fair_share_alike_on_every_rank(qwen3_dir, tmp_path):
+@pytest.mark.parametrize("fixture", ["qwen3_dir", "qwen3_5_dir"])  # qwen3_5: rows with Gated DeltaNet states
+def test_rows_taken_back_for_a_fair_share_alike_on_every_rank(request, fixture, tmp_path):
     """A key below its fair share takes a row back from long generations at the same decode step
     on both ranks (the wait is counted in decode steps, which every rank runs alike), and every
     request samples what one process samples."""
-    model_dir = str(qwen3_dir)
+    model_dir = str(request.getfixturevalue(fixture))
     ref = fair_share_scenario(model_dir, None)
     assert int(ref["yielded_rows"]) == 1 and int(ref["light"]["done_at"]) < int(ref["b0"]["done_at"])
     outcomes = run_ranks(fair_share_rank_main, 2, tmp_path, (model_dir,), timeout_s=60, deadline_s=180)
