@@ -194,7 +194,8 @@ _HELP = {
                      "SIGHUP (default: any tml- key, single-user mode)",
     "device": "torch device (default: cuda when available, else cpu)",
     "tensor_parallel_size": "shard every base model over this many ranks, one GPU each (cuda:0..N-1; on the CPU, "
-                            "processes): every family served (experts split over the ranks) with LoRA only; 1 runs one process",
+                            "processes): every family served (experts split over the ranks); a full fine-tune runs as "
+                            "FSDP2 over the ranks; 1 runs one process",
     "data_parallel_size": "replicate every base model on this many ranks, one GPU each (cuda:0..M-1; on the CPU, "
                           "processes): each chunk of LoRA training is split between the replicas (gradients summed "
                           "before each step) and each sample request runs on one; full fine-tunes are sharded over "
