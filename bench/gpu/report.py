@@ -152,6 +152,18 @@ def markdown(s: dict) -> str:
                      f"{_get(b, 'train_kept')} | {_get(b, 'alone', 'sample_tokens_per_s')} | "
                      f"{_get(b, 'together', 'sample_tokens_per_s')} | {_get(b, 'sample_kept')} | {_status(b)} |")
         L.append("")
+        L.append("| shape | rows x new tokens | light request ms | decode steps it waited | rows taken back | "
+                 "busy tok/s alone | with it | kept | notes |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for name in s["shapes"]:
+            f = sa.get(f"{name}/fair_share")
+            if f is None:
+                continue
+            L.append(f"| {name} | {_get(f, 'rows')} x {_get(f, 'new_tokens')} | "
+                     f"{_fmt(None if f.get('light_s') is None else 1e3 * f['light_s'])} | "
+                     f"{_get(f, 'light_waited_steps')} | {_get(f, 'yielded_rows')} | {_get(f, 'busy_alone_tokens_per_s')} | "
+                     f"{_get(f, 'busy_tokens_per_s')} | {_get(f, 'busy_kept')} | {_status(f)} |")
+        L.append("")
         L += _heading("### K/V cache layout: per-row buffers vs pages (CUDA graphs on)",
                       "| shape | layout | tok/s (rows, standard) | mixed batch tok/s | mixed: most rows at once | notes |")
         for name in s["shapes"]:

@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
         sa.item(f"{big}/beside_training", lambda: sample.beside_training(
             dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-"))))
+        sa.item(f"{big}/fair_share", lambda: sample.fair_share(dirs[big], device, a.quick))
         # Then the components, on the largest shape only: decode attention and K/V layouts, a
         # Qwen3.5-shaped Gated DeltaNet step, the token choice and the multi-adapter LoRA kernels
         # (1.7B's projections), prefix waves, chunked prefill; graphs against eager

@@ -753,6 +753,57 @@ def kv_layouts(model_dir, device, quick: bool) -> dict:
     return out
 
 
+def fair_share(model_dir, device, quick: bool) -> dict:
+    """One key's request of one new token while another key's generations hold every row and end
+    together (as the server's sampler runs, in process): its latency and the decode steps it
+    waited (a key below its fair share gets a row back after FAIR_SHARE_WAIT_STEPS), the rows
+    taken back, and the busy key's tokens/s with the newcomer against alone (a first run pays the
+    graph captures)."""
+    from tinsmith.sampling.sampler import FAIR_SHARE_WAIT_STEPS
+
+    z = sizes(quick)
+    rows, new = max(z["rows"]), max(2 * z["new"], 4 * FAIR_SHARE_WAIT_STEPS)  # the busy rows outlast the wait
+    lm = load_model(str(model_dir), device=device)
+    sampler = server_sampler(lm.model, device, rows)
+    rng = np.random.default_rng(5)
+
+    def busy_run(light: bool) -> dict:
+        for i in range(rows):
+            params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=i)
+            sampler.add(SampleTask(("busy", i), None, SampleInput(rng.integers(4, 2000, z["prompt"]), 1, params), "busy"))
+        out: dict = {}
+        finished, sent, steps0, yielded0 = 0, None, 0, sampler.stats["yielded_rows"]
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            while finished < rows:
+                if light and sent is None and len(sampler.rows) == rows:  # every row decoding
+                    params = SamplingParams(max_tokens=1, temperature=1.0, stop=[], seed=7)
+                    sampler.add(SampleTask("light", None, SampleInput(rng.integers(4, 2000, z["prompt"]), 1, params),
+                                           "light"))
+                    sent, steps0 = time.perf_counter(), sampler.stats["decode_steps"]
+                for key, res in sampler.step(budget_s=0.05):
+                    if isinstance(res, Exception):
+                        raise res
+                    if key == "light":
+                        out["light_s"] = time.perf_counter() - sent
+                        out["light_waited_steps"] = sampler.stats["decode_steps"] - steps0
+                    else:
+                        finished += 1
+        sync(device)
+        out["busy_tokens_per_s"] = rows * new / (time.perf_counter() - t)
+        out["yielded_rows"] = sampler.stats["yielded_rows"] - yielded0
+        return out
+
+    busy_run(False)  # the graph captures of every bucket the rows pass through
+    alone = busy_run(False)
+    together = busy_run(True)
+    del sampler, lm
+    return {"rows": rows, "new_tokens": new, "wait_steps": FAIR_SHARE_WAIT_STEPS, **together,
+            "busy_alone_tokens_per_s": alone["busy_tokens_per_s"],
+            "busy_kept": together["busy_tokens_per_s"] / alone["busy_tokens_per_s"]}
+
+
 def prefix_waves(model_dir, device, quick: bool) -> dict:
     """GRPO groups sent as separate single-sample requests in two waves of the same prompts (the
     second wave arriving after the first finished, as when a batch does not fit the sampler at

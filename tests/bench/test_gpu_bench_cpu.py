@@ -64,6 +64,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     timeline = grpo["separate_timeline"]  # read from the server's store: every request of the timed round
     assert timeline["requests"] == 2 * 4
     assert 0 <= timeline["first_arrival_s"] <= timeline["last_arrival_s"] <= timeline["last_completion_s"]
+    fair = summary["sample"]["tiny/fair_share"]  # the light request got a row back long before the busy rows ended
+    assert fair["yielded_rows"] == 1 and fair["light_waited_steps"] < fair["new_tokens"] and fair["busy_kept"] > 0
     beside = summary["sample"]["tiny/beside_training"]
     assert beside["train_kept"] > 0 and beside["sample_kept"] > 0
 
