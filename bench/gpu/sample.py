@@ -798,7 +798,6 @@ def fair_share(model_dir, device, quick: bool) -> dict:
     busy_run(False)  # the graph captures of every bucket the rows pass through
     alone = busy_run(False)
     together = busy_run(True)
-    del sampler, lm
     return {"rows": rows, "new_tokens": new, "wait_steps": FAIR_SHARE_WAIT_STEPS, **together,
             "busy_alone_tokens_per_s": alone["busy_tokens_per_s"],
             "busy_kept": together["busy_tokens_per_s"] / alone["busy_tokens_per_s"]}
