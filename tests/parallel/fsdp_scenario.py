@@ -265,3 +265,46 @@ def dimuon_scenario(rt) -> dict:
 
 def dimuon_rank_main(dp: TPGroup, model_dir: str) -> dict:
     return dimuon_scenario(build_full_runtime(model_dir, dp, "dimuon"))
+
+
+def stepped_checkpoint(model_dir: str, directory: str) -> tuple[dict, dict]:
+    """One process's full fine-tune after a clipped AdamW step, saved at ``directory``; its state."""
+    rt = build_full_runtime(model_dir, None)
+    _check(rt.forward_backward([TrainRequest(FULL_UNIT, ForwardBackwardInput(make_data(60, [9, 5], rt.config.vocab_size),
+                                                                              "cross_entropy"))]))
+    rt.optim_step(FULL_UNIT, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
+    w, o = _state(rt)
+    save_training_state(Path(directory), TrainingState("tiny", None, w, o, steps=1))
+    return w, o
+
+
+def stored_load_rank_main(dp: TPGroup, model_dir: str, directory: str) -> dict:
+    """Each rank loads the checkpoint from its files, reading only its rows (any read of a whole
+    tensor but a step count fails here); then a checkpoint rank 1 alone cannot read is refused on
+    both ranks alike and changes nothing."""
+    from tinsmith.checkpoints.state_format import load_training_state
+    from tinsmith.checkpoints.stored_tensors import StoredTensors
+    from tinsmith.errors import InvalidInputError
+
+    whole = StoredTensors.__getitem__
+
+    def step_counts_only(self, name):
+        assert name.endswith(".step"), f"{name} read whole"
+        return whole(self, name)
+
+    rt = build_full_runtime(model_dir, dp)
+    # (the server checks the weights' values as it opens the checkpoint, on rank 0, a tensor at a time)
+    state = load_training_state(Path(directory), with_optimizer=True, stored=True)
+    unreadable = load_training_state(Path(directory), with_optimizer=True, stored=True)
+    StoredTensors.__getitem__ = step_counts_only
+    _load(rt, state.weights, state.optimizer)
+    out: dict = {"loaded": _state(rt)}
+    if dp.rank == 1:
+        unreadable.optimizer.files = [f + ".gone" for f in unreadable.optimizer.files]
+    try:
+        _load(rt, unreadable.weights, unreadable.optimizer)
+        out["refused"] = None
+    except InvalidInputError as exc:
+        out["refused"] = str(exc)
+    out["after_refusal"] = _state(rt)
+    return out

@@ -12,7 +12,8 @@ import torch
 
 from tests.parallel.fsdp_scenario import (CALLS, MICRO_BATCH_TOKENS, bf16_call, bf16_rank_main, build_full_runtime,
                                           custom_rank_main, custom_scenario, dimuon_rank_main, dimuon_scenario,
-                                          faulty_rank_main, load_and_score, train_rank_main, train_scenario)
+                                          faulty_rank_main, load_and_score, stepped_checkpoint, stored_load_rank_main,
+                                          train_rank_main, train_scenario)
 from tests.parallel.scenario import assert_peer_fault_fails_rank0, assert_same
 from tinsmith.models.loading import load_model
 from tinsmith.parallel.fsdp import phase_counts, plan_ranks, split_datums
@@ -161,3 +162,17 @@ def test_dimuon_owners_share_the_work():
     assert owners[5] == 0  # the largest first, onto rank 0
     assert owners[2] == owners[0] == owners[1] == owners[4] == 1  # the rest on rank 1: still less work
     assert _owners(shapes[:3], [False] * 3, 3) == [1, 2, 0]  # three ranks, one each (ties: the first rank free)
+
+
+def test_each_rank_reads_only_its_rows_of_a_stored_checkpoint(qwen3_dir, tmp_path):
+    """A checkpoint left in its files (as the server loads one) loads into the group with each rank
+    reading only its rows of each tensor, and holds one process's state; a checkpoint that one
+    rank cannot read is refused on both ranks alike, the state unchanged."""
+    weights, optimizer = stepped_checkpoint(str(qwen3_dir), str(tmp_path / "ckpt"))
+    outcomes = run_ranks(stored_load_rank_main, 2, tmp_path / "ranks", (str(qwen3_dir), str(tmp_path / "ckpt")),
+                         timeout_s=30, deadline_s=120)
+    for o in outcomes:
+        assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
+        assert_same((weights, optimizer), o.result["loaded"], f"rank {o.rank}")
+        assert "could not be read on every data-parallel rank" in o.result["refused"], o.result["refused"]
+        assert_same(o.result["loaded"], o.result["after_refusal"], f"rank {o.rank} after the refusal")

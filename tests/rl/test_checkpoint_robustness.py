@@ -231,6 +231,30 @@ def test_state_checksums_and_truncation(tmp_path):
         load_training_state(d, with_optimizer=False)
 
 
+def test_a_stored_state_reads_tensors_when_asked(tmp_path):
+    """Left in its files, a state reads the same tensors (whole, or some rows alone), knows their
+    shapes without reading them, travels pickled as its paths, and a file gone since it was
+    opened is a 400 naming it."""
+    import pickle
+
+    from tinsmith.checkpoints.stored_tensors import StoredTensors, rows_of, shape_of
+
+    d = tmp_path / "s"
+    st = _state(6)
+    save_training_state(d, st)
+    stored = load_training_state(d, with_optimizer=True, stored=True)
+    assert isinstance(stored.weights, StoredTensors) and isinstance(stored.optimizer, StoredTensors)
+    assert _same(stored, st) and set(stored.optimizer) == set(st.optimizer)
+    name = "model.layers.0.self_attn.q_proj.lora_B.weight"
+    assert shape_of(stored.weights, name) == (16, 4) and shape_of(stored.weights, "absent") is None
+    assert torch.equal(rows_of(stored.weights, name, 3, 7), st.weights[name][3:7])
+    travelled = pickle.loads(pickle.dumps(stored.optimizer))
+    assert all(torch.equal(travelled[k], st.optimizer[k]) for k in st.optimizer)
+    (d / "optimizer.safetensors").unlink()
+    with pytest.raises(InvalidInputError, match="optimizer.safetensors.*could not be read"):
+        travelled[f"{name}.exp_avg"]
+
+
 def test_peft_adapter_checksum(tmp_path):
     d = tmp_path / "adapter"
     st = _state(5)

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from tinsmith.checkpoints.stored_tensors import StoredTensors
 
 from tinsmith.checkpoints.peft_format import CONFIG, PEFT_PREFIX, WEIGHTS, _targets, atomic_dir, commit_dir, sha256_file
 from tinsmith.errors import InvalidInputError
@@ -48,8 +51,8 @@ WEIGHTS_FILE, OPTIMIZER_FILE = "weights.safetensors", "optimizer.safetensors"
 class TrainingState:
     base_model: str
     lora: LoraSpec | None  # None: full fine-tune
-    weights: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor] | None
+    weights: Mapping[str, torch.Tensor]  # a dict, or StoredTensors (read from the files when asked)
+    optimizer: Mapping[str, torch.Tensor] | None
     steps: int
     optimizer_config: dict = field(default_factory=lambda: {"type": "adamw"})
 
@@ -163,15 +166,19 @@ def save_training_state(directory: Path, state: TrainingState) -> int:
         raise
 
 
-def load_training_state(directory: Path, with_optimizer: bool) -> TrainingState:
+def load_training_state(directory: Path, with_optimizer: bool, stored: bool = False) -> TrainingState:
+    """A checkpoint's state, its files' checksums and its weights' values checked. ``stored``: its
+    tensors stay in the files (:class:`~tinsmith.checkpoints.stored_tensors.StoredTensors`, read
+    when asked, one at a time) rather than all read into host memory now."""
     directory = Path(directory)
     meta = read_meta(directory)
     for fname, digest in meta.get("sha256", {}).items():
         if not (directory / fname).is_file() or sha256_file(directory / fname) != digest:
             raise InvalidInputError(f"checkpoint file {fname!r} in {str(directory)!r} is missing or corrupted")
     listed = meta.get("files") or {"weights": [WEIGHTS_FILE], "optimizer": [OPTIMIZER_FILE]}
-    weights = _load_files(directory, listed.get("weights") or [])
-    for name, t in weights.items():
+    weights = _load_files(directory, listed.get("weights") or [], stored)
+    for name in weights:  # one tensor at a time when stored
+        t = weights[name]
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise InvalidInputError(f"checkpoint tensor {name!r} contains NaN or infinity")
     optimizer = None
@@ -179,13 +186,16 @@ def load_training_state(directory: Path, with_optimizer: bool) -> TrainingState:
         names = listed.get("optimizer") or []
         if not names or not all((directory / f).is_file() for f in names):
             raise InvalidInputError(f"checkpoint {str(directory)!r} holds no optimizer state")
-        optimizer = _load_files(directory, names)
+        optimizer = _load_files(directory, names, stored)
     return TrainingState(meta["base_model"], lora_from_meta(meta), weights, optimizer, int(meta.get("steps", 0)),
                          optimizer_config_from_meta(meta))
 
 
-def _load_files(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors of ``names`` merged (a sharded checkpoint's parts; a tensor in two is refused)."""
+def _load_files(directory: Path, names: list[str], stored: bool = False) -> Mapping[str, torch.Tensor]:
+    """The tensors of ``names`` merged (a sharded checkpoint's parts; a tensor in two is refused),
+    read now, or left in the files (``stored``)."""
+    if stored:
+        return StoredTensors([directory / f for f in names], str(directory))
     out: dict[str, torch.Tensor] = {}
     for fname in names:
         part = load_file(str(directory / fname))

@@ -23,6 +23,8 @@ Parameters stay fp32 (the sharded masters); on a GPU the forward and backward co
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,15 +34,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from tinsmith.checkpoints.stored_tensors import rows_of
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import load_model, read_config, resolve_model_dir
 from tinsmith.models.lora import LoraLinear
 from tinsmith.optim import ADAMW, DIMUON, STATE_KEYS, check_params_match
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded, portable
-from tinsmith.parallel.partition import longest_first
+from tinsmith.parallel.partition import chunk_rows, longest_first
 from tinsmith.parallel.sharded_dimuon import FsdpDimuon
 from tinsmith.parallel.sharded_save import SaveSource, save_sharded
 from tinsmith.types import OptimParams
@@ -48,6 +51,7 @@ from tinsmith.worker.batching import SequenceRef, build_micro_batch, plan_micro_
 from tinsmith.worker.runtime import FULL_UNIT, TrainingRuntime, TrainRequest, _Prepared
 from tinsmith.worker.trainables import Trainable, squared_grad_norms
 
+log = logging.getLogger(__name__)
 PAD_KEY = ("pad", 0)  # the request key of padding micro-batches
 
 
@@ -259,18 +263,47 @@ class ShardedFullTrainable(Trainable):
                                           torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()))
         return out
 
-    def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+    def import_state(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, torch.Tensor] | None) -> None:
+        """Full-size tensors in, this rank's rows kept. From a stored checkpoint
+        (:class:`~tinsmith.checkpoints.stored_tensors.StoredTensors`) each rank reads only its
+        rows of each tensor. Everything is checked and read before anything is replaced, and the
+        ranks agree that every one of them could read its part: a checkpoint one rank cannot read
+        changes nothing anywhere, and fails alike on every rank."""
         self._check_state(weights, optimizer)  # everything first, in full shapes
+        keys = STATE_KEYS[self.optimizer_type]
+        mine: dict[str, torch.Tensor] = {}
+        failed: Exception | None = None
+        try:
+            for n, p in self.named_params:
+                mine[n] = _my_rows(weights, n, p)
+                if self._has_saved_state(optimizer, n):
+                    mine.update({f"{n}.{k}": _my_rows(optimizer, f"{n}.{k}", p) for k in keys})
+                    if f"{n}.step" in optimizer:
+                        mine[f"{n}.step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
+        except InvalidInputError as exc:  # a stored checkpoint's file this rank could not read
+            failed = exc
+        self._agree_read(failed)
         self.optimizer.state.clear()
         with torch.no_grad():
             for n, p in self.named_params:
-                _local(p).copy_(_local(_shard_like(weights[n], p)))
+                _local(p).copy_(mine.pop(n))
                 p.grad = None
                 if self._has_saved_state(optimizer, n):
-                    st = {k: _shard_like(optimizer[f"{n}.{k}"], p) for k in STATE_KEYS[self.optimizer_type]}
-                    if f"{n}.step" in optimizer:
-                        st["step"] = optimizer[f"{n}.step"].reshape(()).float().clone()
+                    st = {k: _shard_of(mine.pop(f"{n}.{k}"), p) for k in keys}
+                    if f"{n}.step" in mine:
+                        st["step"] = mine.pop(f"{n}.step")
                     self.optimizer.state[p] = st
+
+    def _agree_read(self, failed: Exception | None) -> None:
+        """Raise alike on every rank when any rank could not read its part of a checkpoint."""
+        ok = torch.tensor([failed is None], dtype=torch.int32, device=_local(self.params[0]).device)
+        if self.dp.size > 1:
+            guarded(self.dp, "agreeing the checkpoint was read", lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN))
+        if failed is not None:
+            log.error("rank %d of %d could not read its part of a checkpoint: %s", self.dp.rank, self.dp.size, failed)
+        if not bool(ok.item()):
+            raise InvalidInputError("the checkpoint could not be read on every data-parallel rank (they must share "
+                                    "the filesystem that holds the checkpoints; the server log names the file)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -284,12 +317,25 @@ def _full(t: torch.Tensor, dp: TPGroup, what: str) -> torch.Tensor:
     return guarded(dp, f"gather of {what}", lambda: t.detach().full_tensor().to("cpu", copy=True))
 
 
-def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``full`` laid out as ``like`` (every rank holds ``full``: no communication)."""
-    full = full.detach().to(like.device, like.dtype)
+def _my_rows(tensors: Mapping[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of tensor ``name`` laid out as ``like`` (a DTensor split along dimension
+    0; a plain tensor takes it whole), on ``like``'s device and in its dtype; only those rows are
+    read from a stored checkpoint."""
+    if isinstance(like, DTensor):
+        rows = chunk_rows(like.shape[0], like.device_mesh.size())
+        start = sum(rows[: like.device_mesh.get_local_rank()])
+        part = rows_of(tensors, name, start, start + rows[like.device_mesh.get_local_rank()])
+    else:
+        part = tensors[name]
+    return part.to(_local(like).device, like.dtype).clone()
+
+
+def _shard_of(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's rows, from :func:`_my_rows`) as a tensor laid out as ``like``."""
     if not isinstance(like, DTensor):
-        return full.clone()
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def sharded_full_trainable(model: CausalLM, dp: TPGroup, optimizer_type: str = ADAMW) -> ShardedFullTrainable:

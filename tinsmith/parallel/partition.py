@@ -17,3 +17,10 @@ def longest_first(sizes: list[int], world: int) -> list[list[int]]:
         out[r].append(i)
         heapq.heappush(heap, (load + sizes[i], r))
     return [sorted(x) for x in out]
+
+
+def chunk_rows(n: int, world: int) -> list[int]:
+    """Rows each of ``world`` ranks holds of ``n`` split as ``torch.chunk`` splits them (FSDP2's
+    ``Shard(0)``): ``ceil(n / world)`` each, the last ranks fewer, or none."""
+    size = -(-n // world)
+    return [max(0, min(size, n - r * size)) for r in range(world)]

@@ -37,12 +37,14 @@ import dataclasses
 import hashlib
 import secrets
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from tinsmith.checkpoints.stored_tensors import StoredTensors
 from tinsmith.errors import CapacityError, InvalidInputError
 from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
@@ -51,7 +53,7 @@ from tinsmith.parallel.fsdp import FsdpTrainingRuntime, load_full_shard, shard_f
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded, portable, split_grid
 from tinsmith.parallel.runtime import TPTrainingRuntime, params_match
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
-from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _tokenizer_decoder
+from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _on_host, _tokenizer_decoder
 from tinsmith.parallel.shard import load_shard
 from tinsmith.parallel.state import gather_full
 from tinsmith.sampling.cancel import CancelBoard
@@ -359,6 +361,15 @@ class ReplicaFullRuntime(TPRuntime):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The whole weights, gathered from the shards into host memory on rank 0."""
         return self._run("export_weights")
+
+    def import_full_state(self, unit: int, weights: Mapping, optimizer: Mapping | None) -> None:
+        """A checkpoint left in its files (:class:`StoredTensors`) travels as its paths, and each
+        rank reads only its rows of each tensor (the ranks share the checkpoints' filesystem, as
+        sharded writes require); tensors in memory travel pickled, as for adapters."""
+        def sent(tensors: Mapping) -> Mapping:
+            return tensors if isinstance(tensors, StoredTensors) else _on_host(dict(tensors))
+
+        self._run("import_full_state", unit, sent(weights), None if optimizer is None else sent(optimizer))
 
     def drop(self) -> None:
         """The run is unloaded: every replica frees its shard."""

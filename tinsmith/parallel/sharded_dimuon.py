@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tinsmith.optim.dimuon import Dimuon, matrix_direction, vector_direction
 from tinsmith.parallel.group import TPGroup, guarded
+from tinsmith.parallel.partition import chunk_rows, longest_first
 from tinsmith.parallel.state import GATHER_BUCKET_BYTES, Split, gather_splits, own_part
 
 Matrix = tuple[torch.Tensor, torch.Tensor, float]  # (parameter, momentum, Frobenius norm)
@@ -134,28 +135,21 @@ def _split_rows(m: torch.Tensor) -> bool:
 
 
 def _owners(shapes: list, whole: list[bool], world: int) -> list[int]:
-    """The rank that computes each split matrix's direction: the largest (by the iteration's
-    cost, rows x cols x the smaller side) first, each onto the rank with the least work so far;
+    """The rank that computes each split matrix's direction: the costliest (rows x cols x the
+    smaller side, the iteration's work) first, each onto the rank with the least work so far;
     alike on every rank."""
-    load = [0] * world
+    split = [i for i in range(len(shapes)) if not whole[i]]
     owners = [0] * len(shapes)
-    cost = [s[0] * s[1] * min(s[0], s[1]) for s in shapes]
-    for i in sorted((i for i in range(len(shapes)) if not whole[i]), key=lambda i: (-cost[i], i)):
-        owners[i] = min(range(world), key=lambda r: (load[r], r))
-        load[owners[i]] += cost[i]
+    cost = [shapes[i][0] * shapes[i][1] * min(shapes[i][0], shapes[i][1]) for i in split]
+    for rank, mine in enumerate(longest_first(cost, world)):
+        for j in mine:
+            owners[split[j]] = rank
     return owners
-
-
-def _rows(n: int, world: int) -> list[int]:
-    """Rows each rank holds of ``n`` split as FSDP2 splits them (``torch.chunk``: the last ranks
-    may hold fewer, or none)."""
-    rows = [len(c) for c in torch.empty(n, device="meta").chunk(world)]
-    return rows + [0] * (world - len(rows))
 
 
 def _gather_rows(m: DTensor, dst: int, dp: TPGroup) -> torch.Tensor | None:
     """The whole of ``m`` in float32 on rank ``dst``'s device (None on the others)."""
-    rows = _rows(m.shape[0], dp.size)
+    rows = chunk_rows(m.shape[0], dp.size)
     local = m.to_local().float()
     padded = local.new_zeros((max(rows), *m.shape[1:]))
     padded[: local.shape[0]] = local
@@ -167,7 +161,7 @@ def _gather_rows(m: DTensor, dst: int, dp: TPGroup) -> torch.Tensor | None:
 
 def _scatter_rows(full: torch.Tensor | None, m: DTensor, src: int, dp: TPGroup) -> torch.Tensor:
     """This rank's rows of ``full`` (given on rank ``src``), sent by ``src``."""
-    rows = _rows(m.shape[0], dp.size)
+    rows = chunk_rows(m.shape[0], dp.size)
     mine = torch.empty((max(rows), *m.shape[1:]), dtype=torch.float32, device=m.to_local().device)
     chunks = None
     if dp.rank == src:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tinsmith.checkpoints.peft_format import atomic_dir
 from tinsmith.errors import CapacityError
 from tinsmith.parallel.group import TPGroup, guarded
-from tinsmith.parallel.partition import longest_first
+from tinsmith.parallel.partition import chunk_rows, longest_first
 
 
 @dataclass
@@ -76,8 +76,7 @@ def gather_to(t: torch.Tensor, dst: int, group: TPGroup, what: str) -> torch.Ten
         raise ValueError(f"{what}: expected a DTensor sharded along dimension 0, got {t.placements}")
     local = t.to_local().detach()
     world = group.size
-    rows = [len(c) for c in torch.empty(t.shape[0], device="meta").chunk(world)]
-    rows += [0] * (world - len(rows))
+    rows = chunk_rows(t.shape[0], world)
     if local.shape[0] != rows[group.rank]:
         raise ValueError(f"{what}: rank {group.rank} holds {local.shape[0]} rows, expected {rows[group.rank]}")
     padded = local.new_zeros((max(rows), *t.shape[1:]))

@@ -390,7 +390,8 @@ class WorkerOperations:
     def _load_weights(self, job: Job) -> Outcome:
         a: LoadArgs = job.args
         try:
-            state = load_training_state(a.directory, a.with_optimizer)
+            # Left in its files: read a tensor at a time into the run (each rank its rows of a sharded one).
+            state = load_training_state(a.directory, a.with_optimizer, stored=True)
             self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create, owner=job.owner,
                                             optimizer_type=a.optimizer_type)
         except Exception:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import increment_version
 
+from tinsmith.checkpoints.stored_tensors import shape_of
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear, together_groups
@@ -204,29 +205,27 @@ class Trainable:
                     opt[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()
         return weights, opt
 
-    def _has_saved_state(self, optimizer: dict[str, torch.Tensor] | None, name: str) -> bool:
+    def _has_saved_state(self, optimizer: Mapping[str, torch.Tensor] | None, name: str) -> bool:
         """Does the checkpoint hold optimizer state for tensor ``name`` (it was stepped)?"""
         if optimizer is None:
             return False
         marker = "step" if self.optimizer_type == ADAMW else STATE_KEYS[self.optimizer_type][0]
         return f"{name}.{marker}" in optimizer
 
-    def _check_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+    def _check_state(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, torch.Tensor] | None) -> None:
         """Raise unless every tensor (and, where it was stepped, its optimizer state) is there in
         this unit's shape: checked before anything is replaced, so a bad checkpoint changes nothing.
         Shapes are full ones (a DTensor's shape is global)."""
         for n, p in self.named_params:
-            w = weights.get(n)
-            if w is None or tuple(w.shape) != tuple(p.shape):
-                got = None if w is None else tuple(w.shape)
+            got = shape_of(weights, n)  # from a stored checkpoint's header: nothing read yet
+            if got != tuple(p.shape):
                 raise InvalidInputError(f"checkpoint tensor {n!r} has shape {got}, this run needs {tuple(p.shape)}")
             if self._has_saved_state(optimizer, n):
                 for suffix in STATE_KEYS[self.optimizer_type]:
-                    t = optimizer.get(f"{n}.{suffix}")
-                    if t is None or tuple(t.shape) != tuple(p.shape):
+                    if shape_of(optimizer, f"{n}.{suffix}") != tuple(p.shape):
                         raise InvalidInputError(f"checkpoint optimizer state {n}.{suffix} is missing or misshapen")
 
-    def import_state(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+    def import_state(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, torch.Tensor] | None) -> None:
         """Replace weights (and the optimizer state, or reset it); validates everything first.
         ``optimizer`` must come from a run of this unit's optimizer family."""
         self._check_state(weights, optimizer)
