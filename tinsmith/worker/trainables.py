@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
