@@ -7,6 +7,8 @@ plus rows queued ahead of it), and the lowest place is admitted first.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.sampling.conftest import fresh_model, make_sampler, run, scheduler_steps, task
 from tests.sampling.test_prefix_cache import tokens
 
@@ -144,3 +146,64 @@ def test_no_rows_are_taken_within_fair_shares(qwen3_dir):
     out.update(run(sampler, []))
     assert len(out) == 3 and not any(isinstance(r, Exception) for r in out.values())
     assert sampler.stats["yielded_rows"] == 0 and sampler.stats["preempted"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_keys_under_a_kv_budget_finish_as_each_alone(qwen3_dir, monkeypatch, seed):
+    """Three keys' requests (one to three samples, 60 to 250 new tokens) arriving over time into
+    six rows under a K/V budget that forces preemptions: rows taken back for fair shares (the
+    wait shortened to 4 steps) and for K/V, whole requests and some rows of one, interleave. Every
+    request finishes once, and samples what it samples alone (see :func:`assert_same_draws`)."""
+    import numpy as np
+
+    from tinsmith.sampling import sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "FAIR_SHARE_WAIT_STEPS", 4)
+    model = fresh_model(qwen3_dir)
+    cfg = model.config
+    row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * 64 * cfg.head_dim * 4  # one row of 64 positions
+    g = np.random.default_rng(seed)
+    arrivals = sorted((int(g.integers(0, 12)), i) for i in range(16))
+    tasks = {i: owned(f"k{int(g.integers(0, 3))}", f"t{i}", 100 * seed + i, n=int(g.integers(1, 4)),
+                      max_tokens=int(g.integers(60, 250)), temperature=1.0) for _, i in arrivals}
+    sampler = make_sampler(model, qwen3_dir, max_rows=6, kv_cache_bytes=14 * row_bytes, prefix_cache_bytes=0)
+    for_budget: list = []  # requests preempted to stay within the K/V budget
+    victim = sampler._preemption_victim
+    sampler._preemption_victim = lambda live: for_budget.append(victim(live)) or for_budget[-1]
+    out: dict = {}
+    step = 0
+    while arrivals or sampler.has_work():
+        while arrivals and arrivals[0][0] <= step:
+            sampler.add(tasks[arrivals.pop(0)[1]])
+        for key, res in scheduler_steps(sampler, 1).items():
+            assert key not in out, f"{key} finished twice"
+            out[key] = res
+        step += 1
+        assert step < 5000, "the requests never finished"
+    assert sorted(out) == sorted(f"t{i}" for i in tasks)
+    assert not [r for r in out.values() if isinstance(r, Exception)], [r for r in out.values() if isinstance(r, Exception)]
+    # both kinds of preemption ran: rows given back for a fair share, requests for the budget
+    assert sampler.stats["yielded_rows"] > 0 and for_budget, sampler.stats
+    for i, t in tasks.items():
+        alone = run(make_sampler(model, qwen3_dir, max_rows=6, prefix_cache_bytes=0),
+                    [owned(t.owner, "alone", 100 * seed + i, n=t.input.num_samples,
+                           max_tokens=t.input.params.max_tokens, temperature=1.0)])["alone"]
+        for a, b in zip(alone.sequences, out[f"t{i}"].sequences):
+            assert_same_draws(a, b, f"t{i}")
+
+
+def assert_same_draws(alone, got, where: str) -> None:
+    """``got`` (a sequence that may have been preempted and resumed) drew what ``alone`` drew.
+
+    Recomputed K/V differ from step-by-step ones by float rounding (~1e-6 in a logprob), which
+    tips a draw when it lands that close to the boundary between two tokens: the inverse CDF
+    then picks the neighbouring id. So the sequences may part only there: at two adjacent ids,
+    after logprobs that agreed to 1e-4 at every earlier position. Anything else (a token lost
+    or repeated, a resume over the wrong K/V) shows as logprobs that part first, or other ids."""
+    a, b = alone.tokens.tolist(), got.tokens.tolist()
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert abs(alone.logprobs[:k] - got.logprobs[:k]).max(initial=0.0) < 1e-4, where
+    if k < min(len(a), len(b)):
+        assert abs(a[k] - b[k]) == 1, (where, k, a[k], b[k])
+    else:
+        assert a == b, where

@@ -983,7 +983,8 @@ class Sampler:
         """Take ``st``'s rows (or its ``count`` last ones) off the batch (their K/V freed) and queue
         it to resume first: each row keeps its sampled tokens, so recomputing its K/V and decoding
         on gives what it would have (a row's draws depend only on its seed, sample index and
-        step). A prompt being chunked goes back to the head of the queue whole."""
+        step), up to float rounding of the recomputed K/V. A prompt being chunked goes back to the
+        head of the queue whole."""
         self.stats["preempted"] += 1
         st.yielded = False
         if self._chunked is not None and self._chunked.state is st:
