@@ -512,24 +512,22 @@ class Sampler:
         if len(owners) < 2 or held[head.owner] + n > fair:
             return False
         decoding = Counter(id(row.state) for row in self.rows)
-        chunked = self._chunked.state if self._chunked is not None else None
-        # Candidates: requests with decoding rows (not a prompt being chunked, not image prompts,
-        # which are never preempted), of other keys, newest first.
-        candidates = sorted((st for st in {id(r.state): r.state for r in self.rows}.values()
-                             if st is not chunked and st.task.owner != head.owner
-                             and not st.task.input.prompt_images), key=lambda st: -st.order)
-        takes: list[tuple[_TaskState, int]] = []
+        # Candidates: other keys' requests with decoding rows (not image prompts, which are never
+        # preempted; a prompt being chunked has none yet).
+        candidates = [st for st in {id(r.state): r.state for r in self.rows}.values()
+                      if st.task.owner != head.owner and not st.task.input.prompt_images]
+        takes: dict[int, tuple[_TaskState, int]] = {}
         while short > 0:
             over = [st for st in candidates if held[st.task.owner] > fair and decoding[id(st)]]
             if not over:
                 return False  # the rows above their keys' shares would not be enough: take none
-            st = max(over, key=lambda x: (held[x.task.owner], x.order))
+            st = max(over, key=lambda x: (held[x.task.owner], x.order))  # the most rows' key, its newest
             k = min(short, decoding[id(st)], held[st.task.owner] - fair)
-            takes.append((st, k))
+            takes[id(st)] = (st, takes.get(id(st), (st, 0))[1] + k)
             decoding[id(st)] -= k
             held[st.task.owner] -= k
             short -= k
-        for st, k in takes:
+        for st, k in takes.values():
             self._preempt(st, k)
             st.yielded = True
             self.stats["yielded_rows"] += k
