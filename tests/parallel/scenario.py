@@ -397,6 +397,12 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto",
         sampler = Sampler(model, lambda ids: "", kv_layout=kv_layout)
     if static:
         sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    # q/k/v and gate/up as one GEMM each at inference, the shards' rows packed as one process
+    # packs the whole weights: the same layers take that path either way.
+    packed = [m for layer in model.model.layers for m in (getattr(layer, "self_attn", None), layer.mlp,
+                                                            getattr(layer.mlp, "shared_expert", None)) if m is not None]
+    packed_paths = sorted(f"{type(m).__name__}.{a}" for m in packed for a in ("packed_qkv", "packed_gate_up")
+                          if getattr(m, a, None) is not None and getattr(m, a).intact())
     g = np.random.default_rng(4)
     vocab = model.config.vocab_size
     sampler.add(SampleTask("base", None, SampleInput(g.integers(0, vocab, 7), 1,
@@ -424,7 +430,7 @@ def sample_scenario(model_dir: str, tp: TPGroup | None, kv_layout: str = "auto",
     sampler.add(SampleTask("longer", 1, SampleInput(np.concatenate([long, g.integers(0, vocab, 5)]), 1,
                                                     SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[]))))
     drain()
-    out = [{"cached_prompt_tokens": torch.tensor(sampler.stats["cached_prompt_tokens"])}]
+    out = [{"cached_prompt_tokens": torch.tensor(sampler.stats["cached_prompt_tokens"]), "packed": packed_paths}]
     if static:
         assert sampler.stats["static_steps"] == sampler.stats["decode_steps"] > 0, sampler.stats
     for key in ("base", "lora", "long", "longer"):

@@ -32,6 +32,7 @@ def test_sharded_sampler_matches_one_process(request, fixture, ranks, layout, tm
         assert int(ref[0]["cached_prompt_tokens"]) >= 128  # the prefix cache was read (same count on every rank)
     a, b = ref[2]["sequences"]
     assert not torch.equal(a[0], b[0])  # the two samples differ: really sampled, not greedy
+    assert ref[0]["packed"]  # q/k/v or gate/up run as one GEMM (the ranks' shards too: compared below)
     for o in outcomes:
         assert_same(ref, o.result, f"rank {o.rank}")
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tinsmith.models.lora import LoraLinear, LoraWeights, Segments, RowGroups, new_lora_weights
+from tinsmith.models.lora import LoraLinear, LoraWeights, PackedProjection, Segments, RowGroups, new_lora_weights
 from tinsmith.models.lora_bank import RowSlots
 from tinsmith.models.layers import SharedExpertMoeBlock
 from tinsmith.models.moe import ExpertLinear, PackedGateUp, SparseMoeBlock
@@ -219,7 +219,7 @@ class ExpertParallelSharedMoeBlock(SharedExpertMoeBlock):
         shared.gate_proj = ColumnParallelLoraLinear(shared.gate_proj, inter, tp, copy_input=False)
         shared.up_proj = ColumnParallelLoraLinear(shared.up_proj, inter, tp, copy_input=False)
         shared.down_proj = RowParallelLoraLinear(shared.down_proj, inter, tp, reduce=False)
-        shared.packed_gate_up = None
+        shared.packed_gate_up = PackedProjection([shared.gate_proj, shared.up_proj])  # this rank's columns
 
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None) -> torch.Tensor:
         return reduce_from_tp(super().forward(x, segments), self.tp)

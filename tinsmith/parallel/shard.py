@@ -2,7 +2,8 @@
 
 Each rank reads the whole checkpoint and keeps its slices (:func:`load_shard`): the files are
 memory-mapped, the projections left unpacked, and each decoder layer is cut as soon as it is
-loaded, so what a rank reads is page cache shared by all ranks, and what it keeps is its shard. Attention heads are split contiguously, so rank ``r`` keeps
+loaded, so what a rank reads is page cache shared by all ranks, and what it keeps is its shard
+(its q/k/v and gate/up rows then packed side by side, as one process packs them whole). Attention heads are split contiguously, so rank ``r`` keeps
 query heads ``r*H/tp ...`` and exactly the key/value heads those use (grouped-query attention
 maps query head ``i`` to kv head ``i // (H/Hk)``). Dense MLPs are split Megatron-style (gate/up
 by columns, down by rows); a mixture-of-experts layer is split by experts instead (each rank
@@ -19,6 +20,7 @@ from tinsmith.models.config import ModelConfig
 from tinsmith.models.gated_deltanet import GatedDeltaNet
 from tinsmith.models.layers import Attention, CausalLM, SharedExpertMoeBlock
 from tinsmith.models.loading import LoadedModel, load_model, read_config, resolve_model_dir
+from tinsmith.models.lora import PackedProjection
 from tinsmith.models.moe import SparseMoeBlock
 from tinsmith.parallel.group import TPGroup
 from tinsmith.parallel.layers import (ColumnParallelLoraLinear, CopyToTP, ExpertParallelMoeBlock,
@@ -149,7 +151,9 @@ def _shard_attention(attn: Attention, cfg: ModelConfig, tp: TPGroup) -> None:
     attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
     if attn.sinks is not None:  # gpt-oss: one frozen sink logit per query head, kept with its head
         attn.sinks = nn.Parameter(attn.sinks.detach()[q_heads].clone(), requires_grad=False)
-    attn.packed_qkv = None  # packed buffers hold full weights; the shards run separately
+    # This rank's q, k and v rows in one buffer: one GEMM at inference, as in one process (the
+    # shards' forward adds nothing at inference; training runs each shard's own forward).
+    attn.packed_qkv = None if attn.output_gate else PackedProjection([attn.q_proj, attn.k_proj, attn.v_proj])
 
 
 def _shard_gated_deltanet(la: GatedDeltaNet, tp: TPGroup) -> None:
@@ -195,7 +199,7 @@ def _shard_feed_forward(mlp: nn.Module, cfg: ModelConfig, tp: TPGroup) -> nn.Mod
     mlp.gate_proj = ColumnParallelLoraLinear(mlp.gate_proj, inter, tp, copy_input=False)
     mlp.up_proj = ColumnParallelLoraLinear(mlp.up_proj, inter, tp, copy_input=False)
     mlp.down_proj = RowParallelLoraLinear(mlp.down_proj, inter, tp)
-    mlp.packed_gate_up = None
+    mlp.packed_gate_up = PackedProjection([mlp.gate_proj, mlp.up_proj])  # this rank's gate and up columns
     return mlp
 
 
