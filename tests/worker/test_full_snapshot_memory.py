@@ -129,9 +129,10 @@ def test_an_inflight_lora_sample_fails_clearly_when_its_adapter_is_parked(make_w
     w.publish_inflight("a:train:0", "live-a")
     sampler, slot = w.live_sampler("live-a")  # brings a's adapter back into the model
     assert slot == w.placement("a:train:0").runtime.unit(w.placement("a:train:0").unit).slot
-    inp = SampleInput(np.array([1, 2, 3], dtype=np.int64), 1, SamplingParams(max_tokens=8))
+    # no stop token: an unseeded draw of an end-of-sequence token would end it at its prefill
+    inp = SampleInput(np.array([1, 2, 3], dtype=np.int64), 1, SamplingParams(max_tokens=8, stop=[], seed=0))
     sampler.add(SampleTask("job-a", slot, inp))
-    sampler.step(0.0)  # admitted, decoding
+    assert sampler.step(0.0) == []  # admitted, decoding
     # b trains: its adapter needs the one place, so a's (in use) is parked, and a's sample fails
     # instead of going on with the base weights alone
     w.placement("b:train:0").runtime.ensure_resident({w.placement("b:train:0").unit})
