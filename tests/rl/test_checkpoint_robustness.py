@@ -297,3 +297,24 @@ def test_server_start_up_restores_an_interrupted_overwrite(tmp_path):
     finally:
         state.store.close()
     assert _same(load_training_state(final, with_optimizer=True), _state(1))
+
+
+def test_a_stored_state_that_cannot_be_read_changes_nothing(qwen3_dir, tmp_path):
+    """One process reads every tensor of a stored checkpoint before replacing any: an optimizer
+    file gone after the checkpoint was opened is a 400, and the run keeps its weights."""
+    from tinsmith.models.loading import load_model
+    from tinsmith.worker.runtime import TrainingRuntime
+
+    rt = TrainingRuntime(load_model(str(qwen3_dir)).model)
+    unit = rt.unit(rt.create_adapter(LoraSpec(rank=2, seed=1)))
+    weights, _ = unit.export_state()
+    saved = {k: v + 1.0 for k, v in weights.items()}
+    opt = {f"{k}.{s}": torch.ones_like(v) for k, v in weights.items() for s in ("exp_avg", "exp_avg_sq")}
+    opt.update({f"{k}.step": torch.ones(1) for k in weights})
+    save_training_state(tmp_path / "s", TrainingState("base", LoraSpec(rank=2, seed=1), saved, opt, steps=1))
+    stored = load_training_state(tmp_path / "s", with_optimizer=True, stored=True)
+    (tmp_path / "s" / "optimizer.safetensors").unlink()
+    with pytest.raises(InvalidInputError, match="optimizer.safetensors.*could not be read"):
+        unit.import_state(stored.weights, stored.optimizer)
+    after, _ = unit.export_state()
+    assert all(torch.equal(after[k], weights[k]) for k in weights)

@@ -6,8 +6,9 @@ tensor parallelism rank 0 then pickled every tensor to every other rank. A full 
 state is 16 bytes per parameter (an 8B model: ~128 GB), so eight ranks held eight copies of it.
 :class:`StoredTensors` travels to the other ranks as the files' paths (the ranks share the
 checkpoints' filesystem, as sharded writes already require), and a rank holding FSDP2 shards
-reads only its rows of each tensor (:meth:`StoredTensors.rows`); one process reads one tensor
-at a time into the model instead of the whole state first.
+reads only its rows of each tensor (:meth:`StoredTensors.rows`). One process reads the whole
+state before replacing any of it (:func:`in_memory`), as before, so a file that cannot be read
+changes nothing.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def shape_of(tensors: Mapping, name: str) -> tuple[int, ...] | None:
         return tensors.shape(name) if name in tensors else None
     t = tensors.get(name)
     return None if t is None else tuple(t.shape)
+
+
+def in_memory(tensors: Mapping) -> Mapping:
+    """Every tensor of ``tensors`` read now (a stored checkpoint's, each once); others as they are."""
+    return {name: tensors[name] for name in tensors} if isinstance(tensors, StoredTensors) else tensors
 
 
 def rows_of(tensors: Mapping, name: str, start: int, stop: int) -> torch.Tensor:

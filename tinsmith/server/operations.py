@@ -390,7 +390,7 @@ class WorkerOperations:
     def _load_weights(self, job: Job) -> Outcome:
         a: LoadArgs = job.args
         try:
-            # Left in its files: read a tensor at a time into the run (each rank its rows of a sharded one).
+            # Left in its files: a sharded run's ranks read their rows each, nothing pickled to them.
             state = load_training_state(a.directory, a.with_optimizer, stored=True)
             self.worker.load_training_state(job.model_id, a.base_model, state, create=a.create, owner=job.owner,
                                             optimizer_type=a.optimizer_type)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import increment_version
 
-from tinsmith.checkpoints.stored_tensors import shape_of
+from tinsmith.checkpoints.stored_tensors import in_memory, shape_of
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.layers import CausalLM
 from tinsmith.models.lora import LoraLinear, together_groups
@@ -227,9 +227,11 @@ class Trainable:
                         raise InvalidInputError(f"checkpoint optimizer state {n}.{suffix} is missing or misshapen")
 
     def import_state(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, torch.Tensor] | None) -> None:
-        """Replace weights (and the optimizer state, or reset it); validates everything first.
-        ``optimizer`` must come from a run of this unit's optimizer family."""
+        """Replace weights (and the optimizer state, or reset it); validates everything first, and
+        reads every tensor of a stored checkpoint before replacing any (a file that cannot be read
+        changes nothing). ``optimizer`` must come from a run of this unit's optimizer family."""
         self._check_state(weights, optimizer)
+        weights, optimizer = in_memory(weights), None if optimizer is None else in_memory(optimizer)
         self.optimizer.state.clear()
         with torch.no_grad():
             for (n, p), model_p in zip(self.named_stepped, self.model_params):
