@@ -58,8 +58,9 @@ def main() -> None:
 
     sampler = resolve(tc.save_weights_and_get_sampling_client(name="sdk-smoke"))
     prompt = types.ModelInput.from_ints(PATTERN[:4])
+    # No stop tokens: an unseeded draw of an end-of-sequence token would end a sample early.
     res = sampler.sample(prompt=prompt, num_samples=2,
-                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0)).result(timeout=TIMEOUT)
+                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, stop=[])).result(timeout=TIMEOUT)
     out["samples"] = [{"tokens": list(s.tokens), "logprobs": s.logprobs, "stop_reason": s.stop_reason}
                       for s in res.sequences]
     greedy = [sampler.sample(prompt=prompt, num_samples=1,
