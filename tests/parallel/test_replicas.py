@@ -339,6 +339,59 @@ def _snapshots_sample_alike(one, group) -> list:
     return outs
 
 
+def _inflight_samples_follow_the_live_weights(one, group) -> None:
+    """An inflight sampler of the "full" run in one process (its live model) and in the group
+    (rank 0's whole copy of the weights, gathered from the shards): the same greedy tokens and
+    logprobs before and after a step; the group gathers again only when a step changed the
+    weights, and rows decoding when a step lands read the new weights from the next slice."""
+    (w1, _), (w2, _) = one, group
+    hp = AdamParams(learning_rate=5e-2)
+
+    def sample(w) -> object:
+        sampler, slot = w.live_sampler("live")
+        assert slot is None
+        return _sample_all(sampler, [_GREEDY])["g"].sequences[0]
+
+    def step(w) -> None:
+        p = w.fb_begin("full", [_requests()[0]])
+        while not p.done:
+            w.fb_advance([(p, 1 << 20)], 1 << 20)
+        w.optim_step("full", hp)
+
+    def alike(a, b) -> None:
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+    for w in (w1, w2):
+        w.publish_inflight("full", "live")
+    before = [sample(w1), sample(w2)]
+    alike(*before)
+    assert w2.stats["live_weight_gathers"] == 1
+    alike(sample(w2), before[1])  # the weights did not change: nothing gathered again
+    assert w2.stats["live_weight_gathers"] == 1
+    for w in (w1, w2):
+        step(w)
+    after = [sample(w1), sample(w2)]
+    alike(*after)
+    assert not np.allclose(after[1].logprobs, before[1].logprobs, atol=1e-4)  # the step's weights
+    assert w2.stats["live_weight_gathers"] == 2
+
+    # A row still decoding when a step lands: the copy is refreshed before the next slice.
+    sampler, _ = w2.live_sampler("live")
+    sampler.cancellations = CancelBoard(key_id=lambda job: job.name)
+    sampler.add(dataclasses.replace(_GREEDY, key=_Job("pending")))
+    assert not sampler.step(0.0) and sampler.rows  # admitted, decoding
+    step(w2)
+    w2.refresh_live_copies()
+    assert w2.stats["live_weight_gathers"] == 3
+    live = dict(w2.live_copies["full"].model.named_parameters())
+    weights, _ = w2.full_weights("full")
+    assert live.keys() <= weights.keys() and all(torch.equal(live[n], weights[n]) for n in live)
+    assert "pending" in _sample_all(sampler, [])
+    w2.refresh_live_copies()  # nothing decoding, nothing changed: no gather
+    assert w2.stats["live_weight_gathers"] == 3
+
+
 def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(qwen3_dir, tmp_path):
     w1, b1 = _worker(qwen3_dir, 1)
     w2, b2 = _worker(qwen3_dir, 2)
@@ -369,13 +422,13 @@ def test_a_full_fine_tune_is_sharded_over_the_replicas_and_matches_one_process(q
         again = _sample_all(w2.sampler(b2, stored), [_GREEDY])["g"]
         np.testing.assert_array_equal(again.sequences[0].tokens, outs[1].sequences[0].tokens)
         np.testing.assert_array_equal(again.sequences[0].logprobs, outs[1].sequences[0].logprobs)
-        w2.publish_inflight("full", "live")
-        with pytest.raises(InvalidInputError, match="inflight sampling of a full fine-tune .* --data-parallel-size 2"):
-            w2.live_sampler("live")
+        _inflight_samples_follow_the_live_weights((w1, b1), (w2, b2))
+        w1.load_training_state("full", "m", s1, create=False)  # as trained above, for the comparison below
 
-        # Unloaded, every replica frees its shard; one process's checkpoint loads into the replicas.
+        # Unloaded, every replica frees its shard (and rank 0 its inflight copy); one process's
+        # checkpoint loads into the replicas.
         w2.unload_model("full")
-        assert w2.tp_group.call("_holder", "m").full == {}
+        assert w2.tp_group.call("_holder", "m").full == {} and not w2.live_copies
         # A Dimuon full fine-tune: each whole matrix's direction computed by one replica.
         w3, _ = _worker(qwen3_dir, 1)  # one process holds one full fine-tune at a time
         for w in (w3, w2):
@@ -428,6 +481,9 @@ def test_a_full_fine_tune_under_tensor_parallelism_is_sharded_over_every_rank(qw
         assert wn.make_resident(stored)
         again = _sample_all(wn.sampler(bn, stored), [_GREEDY])["g"]
         np.testing.assert_array_equal(again.sequences[0].tokens, outs[0].sequences[0].tokens)
+        # Inflight samplers read a whole copy on rank 0 (built from the config: rank 0 holds a shard).
+        _inflight_samples_follow_the_live_weights((w1, b1), (wn, bn))
+        assert getattr(wn.live_copies["full"].model, "tp", None) is None
 
         wn.unload_model("full")
         assert wn.tp_group.call("_holder", "m").full == {}

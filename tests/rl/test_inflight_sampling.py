@@ -1,5 +1,7 @@
 """``save_weights_and_get_sampling_client(kind="inflight")``: a sampler that follows the run's
-live weights with no copy, for LoRA runs and full fine-tunes, while a snapshot stays fixed."""
+live weights with no copy, for LoRA runs and full fine-tunes (also one sharded over two
+data-parallel ranks, whose rank 0 samples a whole copy gathered again after each step), while a
+snapshot stays fixed."""
 
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ API_KEY = "tml-rl-inflight"
 @pytest.fixture(scope="module")
 def inflight_server(make_server):
     return make_server(extra_args=["--max-full-finetunes", "2", "--max-full-sampler-snapshots", "2"])
+
+
+@pytest.fixture(scope="module")
+def inflight_group_server(make_server):
+    return make_server(extra_args=["--data-parallel-size", "2", "--device", "cpu", "--max-full-sampler-snapshots", "2"])
 
 
 PROMPT = [int(t) for t in np.random.default_rng(8).integers(4, VOCAB, 40)]  # two prefix-cache blocks and more
@@ -41,11 +48,12 @@ def _held_snapshots(srv) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind", ["lora", "full"])
-def test_inflight_sampler_follows_each_step_and_a_snapshot_does_not(inflight_server, base_model, kind):
+@pytest.mark.parametrize("kind", ["lora", "full", "full-dp2"])
+def test_inflight_sampler_follows_each_step_and_a_snapshot_does_not(request, base_model, kind):
+    inflight_server = request.getfixturevalue("inflight_group_server" if kind == "full-dp2" else "inflight_server")
     sc = tinker.ServiceClient(base_url=inflight_server.base_url, api_key=API_KEY)
     try:
-        tc = full_finetune_client(sc, base_model) if kind == "full" else lora_client(sc, base_model, rank=4, seed=3)
+        tc = lora_client(sc, base_model, rank=4, seed=3) if kind == "lora" else full_finetune_client(sc, base_model)
         data = sft_batch(seed=4, n_seqs=2, seq_len=10, vocab=VOCAB)
         train_steps_on(tc, data, 1, 1e-3)
         held = _held_snapshots(inflight_server)
@@ -68,6 +76,10 @@ def test_inflight_sampler_follows_each_step_and_a_snapshot_does_not(inflight_ser
         # a second inflight save returns another session on the same live weights
         again = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=RESULT_TIMEOUT_S)
         np.testing.assert_allclose(_sampler_lp(again), seen[-1], atol=1e-4)
+        if kind == "full-dp2":  # rank 0's whole copy: gathered at the first sample and after each step only
+            metrics = scrape(inflight_server.base_url)
+            assert total(metrics, "tinsmith_inflight_weight_gathers_total") == 3
+            assert total(metrics, "tinsmith_inflight_copy_bytes") > 0
     finally:
         sc.close("success").result(timeout=60)
 

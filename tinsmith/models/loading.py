@@ -267,6 +267,16 @@ def model_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], devic
     return _assemble(model, state, device)
 
 
+def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A whole frozen model of ``cfg`` on ``device`` in ``dtype`` whose weights are not yet
+    written (packed, rotary tables made): what a process holding only shards of a run fills one
+    tensor at a time, in place, without ever holding the weights twice."""
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    model.to_empty(device=device)
+    return _finish(model, device, pack=True)
+
+
 VISION_PREFIX = "model.visual."
 
 

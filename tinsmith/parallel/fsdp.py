@@ -293,6 +293,7 @@ class ShardedFullTrainable(Trainable):
                     if f"{n}.step" in mine:
                         st["step"] = mine.pop(f"{n}.step")
                     self.optimizer.state[p] = st
+        self._weights_changed()
 
     def _agree_read(self, failed: Exception | None) -> None:
         """Raise alike on every rank when any rank could not read its part of a checkpoint."""
@@ -344,7 +345,10 @@ def sharded_full_trainable(model: CausalLM, dp: TPGroup, optimizer_type: str = A
         if id(p) not in seen:  # tied embeddings appear twice
             seen.add(id(p))
             named.append((name, p))
-    return ShardedFullTrainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type, dp=dp)
+    # ``model``: steps and loads bump its weights version, which tells an inflight sampler's whole
+    # copy of the weights (and the prefix cache over it) that it is stale.
+    return ShardedFullTrainable(slot=None, spec=None, named_params=named, optimizer_type=optimizer_type, dp=dp,
+                                model=model)
 
 
 # ----------------------------------------------------------------------------- the runtime
@@ -516,6 +520,24 @@ class FsdpTrainingRuntime(TrainingRuntime):
             if tr.keeps_exports:  # type: ignore[attr-defined]
                 out[n] = full
         return out
+
+    def gather_weights_into(self, target: CausalLM | None) -> None:
+        """The whole weights written into ``target`` in place (all ranks call it; only the rank
+        holding the whole model passes one, the others pass None). Each weight is gathered on the
+        device and copied straight into the target, one at a time: no host round trip, and no more
+        than one whole tensor beside the target at once. What an inflight sampler of a sharded
+        full fine-tune reads (the live weights, refreshed after each step or load)."""
+        tr = self.unit(FULL_UNIT)
+        dest = None if target is None else dict(target.named_parameters())  # a tied head appears once in both
+        with torch.no_grad():
+            for n, p in tr.named_params:
+                full = guarded(self.dp, f"gather of {n}", lambda p=p: p.detach().full_tensor()) \
+                    if isinstance(p, DTensor) else p.detach()
+                if dest is not None:
+                    dest[n].copy_(full)
+                del full
+        if target is not None:
+            target.weights_changed(None)  # prompts cached over the old weights are stale
 
     def export_full_state(self, unit: int = FULL_UNIT) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Full-size weights and optimizer state (all ranks call it; each gets them)."""

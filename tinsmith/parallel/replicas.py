@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from tinsmith.checkpoints.stored_tensors import StoredTensors
 from tinsmith.errors import CapacityError, InvalidInputError
+from tinsmith.models.layers import CausalLM
 from tinsmith.models.loading import load_model
 from tinsmith.optim import check_params_match
 from tinsmith.parallel.comm import sum_grads
@@ -186,6 +187,8 @@ class ReplicaFullRun:
                                            full_optimizer=optimizer_type)
         self.runtime.unit(FULL_UNIT).export_everywhere = False  # rank 0's exports are the ones read
         self.passes: dict[int, FbPass] = {}
+        # Rank 0, during a gather for an inflight sampler: the whole model the weights go into.
+        self.live: CausalLM | None = None
 
 
 class ReplicaTPTrainingRuntime(ReplicaTrainingRuntime, TPTrainingRuntime):
@@ -361,6 +364,17 @@ class ReplicaFullRuntime(TPRuntime):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The whole weights, gathered from the shards into host memory on rank 0."""
         return self._run("export_weights")
+
+    def gather_live(self, target: CausalLM) -> None:
+        """The whole weights written into ``target``, a model on rank 0's device (every rank
+        gathers each weight; rank 0 copies it in). ``target`` never travels: rank 0's part of the
+        run holds it for the call."""
+        local = self._base.local
+        local.live = target
+        try:
+            self._base.call("gather_live")
+        finally:
+            local.live = None
 
     def import_full_state(self, unit: int, weights: Mapping, optimizer: Mapping | None) -> None:
         """A checkpoint left in its files (:class:`StoredTensors`) travels as its paths, and each

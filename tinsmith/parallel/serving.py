@@ -145,6 +145,12 @@ class ServingRank:
     def drop_full(self, name: str, model_id: str) -> None:
         self.bases[name].full.pop(model_id, None)
 
+    def gather_live(self, key: tuple[str, str]) -> None:
+        """Full fine-tune ``key``'s whole weights gathered on every rank, into the model its
+        inflight sampler reads where this rank holds one (rank 0; the others pass each on)."""
+        run = self._holder(key)
+        run.runtime.gather_weights_into(run.live)
+
     def configure(self, name: str, micro_batch_tokens: int, checkpoint_above_tokens: int | None) -> None:
         rt = self.bases[name].runtime
         rt.micro_batch_tokens, rt.checkpoint_above_tokens = micro_batch_tokens, checkpoint_above_tokens

@@ -182,8 +182,12 @@ class StateCollector:
         sessions = _gauge("tinsmith_active_sessions", "Client sessions not yet finished (closed or timed out)")
         full_snapshots = _gauge("tinsmith_full_sampler_snapshot_bytes", "Host memory of full fine-tunes' sampler "
                                 "snapshots, and of those resident on the device now", ["where"])
+        live_bytes = _gauge("tinsmith_inflight_copy_bytes", "Device memory of the whole copies of sharded full "
+                            "fine-tunes' weights that their inflight samplers read (rank 0)")
+        gathers = CounterMetricFamily("tinsmith_inflight_weight_gathers", "Times a sharded full fine-tune's whole "
+                                      "weights were gathered for its inflight samplers (after a step or load)")
 
-        def fill(runs, adapters, snapshots, evictions, sessions, full_snapshots):
+        def fill(runs, adapters, snapshots, evictions, sessions, full_snapshots, live_bytes, gathers):
             worker = self.state.worker
             placements = list(worker.placements.values())
             lora = sum(1 for p in placements if p.is_lora)
@@ -201,8 +205,11 @@ class StateCollector:
             full_snapshots.add_metric(["host"], sum(s.host_bytes for s in full))
             full_snapshots.add_metric(["device"], sum(s.host_bytes for s in full if s.model is not None))
             sessions.add_metric([], self.state.store.count_live_sessions())
+            live_bytes.add_metric([], sum(p.numel() * p.element_size() for live in list(worker.live_copies.values())
+                                          for p in live.model.parameters()))
+            gathers.add_metric([], worker.stats["live_weight_gathers"])
 
-        return [runs, adapters, snapshots, evictions, sessions, full_snapshots], fill
+        return [runs, adapters, snapshots, evictions, sessions, full_snapshots, live_bytes, gathers], fill
 
     def _sampling(self) -> tuple[list[Metric], Callable]:
         sampled = CounterMetricFamily("tinsmith_sampled_tokens", "Tokens of the sequences sampled for clients")

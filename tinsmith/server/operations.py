@@ -522,6 +522,7 @@ class WorkerOperations:
             except Exception as exc:
                 out.append((job, Outcome.failure(exc)))
         self._sample_inbox.extendleft(reversed(waiting))
+        self.worker.refresh_live_copies()  # decoding rows read a sharded run's newest weights, as in one process
         busy = [s for s in self.worker.samplers.values() if s.has_work()]
         # Samplers (base models, whole-weight snapshots) split the slice by the keys each serves,
         # so that a key alone on its own sampler gets no more time than each key of a shared one.

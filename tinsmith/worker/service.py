@@ -29,7 +29,7 @@ from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, Ti
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
-from tinsmith.models.loading import LoadedModel, load_model, model_from_weights, resolve_dtype
+from tinsmith.models.loading import LoadedModel, empty_model, load_model, model_from_weights, resolve_dtype
 from tinsmith.models.lora import pack_weights
 from tinsmith.optim import ADAMW, normalize_optimizer_config
 from tinsmith.types import ForwardBackwardInput, LoraSpec, OptimParams
@@ -156,6 +156,15 @@ class Snapshot:
 
 
 @dataclass
+class LiveCopy:
+    """The whole live weights of a sharded full fine-tune on rank 0's device, for its inflight
+    samplers: gathered from the shards again whenever the run's weights version moved on."""
+
+    model: CausalLM
+    version: int | None = None  # the run's weights version it holds (None: not yet gathered)
+
+
+@dataclass
 class Placement:
     base: BaseModel
     runtime: TrainingRuntime
@@ -178,8 +187,10 @@ class Worker:
         self.retired_sampler_stats: Counter[str] = Counter()
         # sampling session id -> model_id of the run whose live weights it samples (kind="inflight")
         self.inflight: dict[str, str] = {}
+        # model_id -> the whole weights its inflight samplers read, for runs sharded over a group
+        self.live_copies: dict[str, LiveCopy] = {}
         self._snapshot_slots = itertools.count(1_000_000)  # never collides with training slots
-        self.stats = {"snapshot_evictions": 0}  # read by metrics scrapes
+        self.stats = {"snapshot_evictions": 0, "live_weight_gathers": 0}  # read by metrics scrapes
         self.tp_group = None  # the process group (a DrivenGroup) under tensor or data parallelism
 
     def close(self) -> None:
@@ -549,12 +560,56 @@ class Worker:
         if p.is_lora:
             p.runtime.ensure_resident({p.unit})  # a parked adapter comes back into its slot
             return self.sampler(p.base), p.runtime.unit(p.unit).slot
-        if p.base.tp is not None:
-            option, size = self._group_option()
-            raise InvalidInputError(f"inflight sampling of a full fine-tune is not supported with {option} {size} "
-                                    "yet (its weights are sharded); save_weights_and_get_sampling_client samples a "
-                                    "snapshot of them")
+        if p.base.tp is not None:  # its weights are sharded: rank 0 samples a whole copy kept current
+            return self._sampler_of(_live_sampler_key(model_id), p.base, self._live_copy(model_id, p)), None
         return self._sampler_of(_live_sampler_key(model_id), p.base, p.runtime.model), None
+
+    def _live_copy(self, model_id: str, p: Placement) -> CausalLM:
+        """The whole model an inflight sampler of sharded full fine-tune ``model_id`` reads, on rank
+        0's device in the base model's dtype, holding the run's current weights. Made at its first
+        sample (one per run, kept while the run is held: a full fine-tune's samples follow each
+        other, round after round) and written in place from then on, so the sampler (its K/V
+        buffers, CUDA graphs) stays the same."""
+        live = self.live_copies.get(model_id)
+        if live is None:
+            template = p.base.loaded.model  # rank 0's base model (a shard of it under tensor parallelism)
+            param = next(template.parameters())
+
+            def build() -> CausalLM:
+                return empty_model(template.config, param.device, param.dtype)
+
+            try:
+                model = build()
+            except torch.OutOfMemoryError:
+                if not self.release_idle_sampler_memory():  # idle samplers' K/V first, then try again once
+                    raise CapacityError(f"no room on {param.device} for the whole weights of {model_id!r} that its "
+                                        "inflight sampler reads; unload runs or snapshots, or sample a snapshot "
+                                        "(save_weights_and_get_sampling_client)") from None
+                torch.cuda.empty_cache()
+                model = build()
+            live = self.live_copies[model_id] = LiveCopy(model)
+        self._refresh_live(p, live)
+        return live.model
+
+    def _refresh_live(self, p: Placement, live: LiveCopy) -> None:
+        """Gather the run's weights into ``live`` when a step or a load changed them since (every
+        rank joins; each weight goes from the shards into the copy on the device, no host trip)."""
+        version = p.runtime.model.weights_version(None)
+        if live.version == version:
+            return
+        p.runtime.gather_live(live.model)  # type: ignore[attr-defined]
+        live.version = version
+        self.stats["live_weight_gathers"] += 1
+
+    def refresh_live_copies(self) -> None:
+        """Before a sampling slice: inflight samplers of sharded full fine-tunes that are decoding
+        read the run's current weights from their next decode step on, as one process's do (its
+        sampler reads the live model itself)."""
+        for model_id, live in self.live_copies.items():
+            p = self.placements.get(model_id)
+            sampler = self.samplers.get(_live_sampler_key(model_id))
+            if p is not None and sampler is not None and sampler.has_work():
+                self._refresh_live(p, live)
 
     def _sampler_slots(self, base_name: str) -> set[int]:
         sampler = self.samplers.get(base_name)
@@ -584,8 +639,10 @@ class Worker:
         """Forget the samplers of unloaded runs' live weights once they have nothing left to decode
         (a sampler still decoding keeps its run's model until its requests finish)."""
         for key in [k for k in self.samplers if k.startswith(_LIVE_PREFIX)]:
-            if key[len(_LIVE_PREFIX):] not in self.placements and not self.samplers[key].has_work():
+            model_id = key[len(_LIVE_PREFIX):]
+            if model_id not in self.placements and not self.samplers[key].has_work():
                 self._forget_sampler(key)
+                self.live_copies.pop(model_id, None)
 
     def adapter_weights(self, model_id: str) -> tuple[LoraSpec, dict[str, torch.Tensor], BaseModel]:
         p = self.placement(model_id)
