@@ -55,7 +55,7 @@ def markdown(s: dict) -> str:
     if tr:
         L += _heading("## Training (tokens/s; MFU 4NT LoRA, 6NT full)",
                       "| shape | LoRA small | MFU | LoRA large | MFU | 4 tenants vs 1 | 16 tenants vs 1 | "
-                      "packed tok/s | packed MFU | packed vs padded | long ctx (auto) tok/s | peft tok/s | "
+                      "packed tok/s | packed MFU | packed vs padded | long ctx (auto) tok/s; MFU 4NT / with attention | peft tok/s | "
                       "peft MFU | full FT MFU | peak GiB | training kernels vs torch (tok/s; peak GiB) | "
                       "LoRA nodes vs ops | loss softmax kernels vs torch | notes |")
         for name in s["shapes"]:
@@ -67,7 +67,9 @@ def markdown(s: dict) -> str:
                      f"{_tenants(lo, '4')} | {_tenants(lo, '16')} | "
                      f"{_get(lo, 'packing', 'packed', 'tokens_per_s')} | "
                      f"{_get(lo, 'packing', 'packed', 'mfu_4nt', pct=True)} | {_get(lo, 'packing', 'packed_vs_padded')} | "
-                     f"{_get(lo, 'long_context', 'auto', 'tokens_per_s')} | {_get(pf, 'tokens_per_s')} | "
+                     f"{_get(lo, 'long_context', 'auto', 'tokens_per_s')}; "
+                     f"{_get(lo, 'long_context', 'auto', 'mfu_4nt', pct=True)} / "
+                     f"{_get(lo, 'long_context', 'auto', 'mfu_with_attention', pct=True)} | {_get(pf, 'tokens_per_s')} | "
                      f"{_get(pf, 'mfu_4nt', pct=True)} | {_get(ff, 'mfu_6nt', pct=True)} | {_get(lo, large, 'peak_gib')} | "
                      f"{_get(lo, 'torch_elementwise', 'kernels_vs_torch')}; {_get(lo, small, 'peak_gib')} vs "
                      f"{_get(lo, 'torch_elementwise', 'peak_gib')} | {_get(lo, 'lora_as_ops', 'nodes_vs_ops')} | "

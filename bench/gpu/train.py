@@ -4,6 +4,8 @@ transformers + peft baseline on the same batch.
 MFU: LoRA counts 4NT FLOPs per step (forward 2NT, backward through activations 2NT, no weight
 gradients for the frozen base), full fine-tuning 6NT; N = every weight matrix a token passes
 (``shapes.param_counts``), T = tokens. Stated against the measured matmul peak (peak.py).
+Both leave out attention's own matmuls, small at 1k tokens and most of the work at 32k: the
+fixed-length rows also state ``mfu_with_attention`` (:func:`attention_flops_per_token` added).
 """
 
 from __future__ import annotations
@@ -122,6 +124,22 @@ def mfu(tokens_per_s: float, n: int, factor: int, peak: float) -> float:
     return factor * n * tokens_per_s / peak
 
 
+def attention_flops_per_token(config, seq_len: int) -> float:
+    """The FLOPs of causal attention's own matmuls per token of ``seq_len``-token sequences (the
+    scores and the weighted sum, forward and the backward through activations; recomputation not
+    counted, as MFU never counts it): a token at position t reads t+1 keys, and per layer the
+    forward takes 4 x (query width) FLOPs per key read, the backward twice that."""
+    return 3 * 4 * config.num_heads * config.head_dim * (seq_len + 1) / 2 * config.num_layers
+
+
+def with_attention(r: dict, tokens_flops: float, config, seq_len: int, peak: dict) -> dict:
+    """``r`` (a step's rate) with ``mfu_with_attention``: ``tokens_flops`` (4N or 6N) plus the
+    attention of ``seq_len``-token sequences, per token, against the peak."""
+    per_token = tokens_flops + attention_flops_per_token(config, seq_len)
+    r["mfu_with_attention"] = per_token * r["tokens_per_s"] / peak["matmul_flops_per_s"]
+    return r
+
+
 def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     """LoRA r32 at 8x1024 and 32x1024 (the first also with the norms, rotary and SiLU-and-multiply
     in torch rather than the training kernels, and with each LoRA op its own autograd node rather
@@ -139,7 +157,7 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     for rows in ((1, 2) if quick else (8, 32)):
         r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
         r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
-        out[f"{rows}x{L}"] = r
+        out[f"{rows}x{L}"] = with_attention(r, 4 * n, lm.config, L, peak)
     rows = 2 if quick else 8
     kernels = (norm_grad, swiglu)
     try:
@@ -215,6 +233,7 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
         try:
             r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1)
             r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
+            with_attention(r, 4 * n, lm.config, long_len, peak)
             r["micro_batch_tokens"] = rt.micro_batch_tokens
         except torch.OutOfMemoryError as e:
             r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
@@ -274,6 +293,7 @@ def full_finetune(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     try:
         r = step_rate(rt, {FULL_UNIT: batch(lm.config.vocab_size, 1 if quick else 8, L)}, 1 if quick else 4)
         r["mfu_6nt"] = mfu(r["tokens_per_s"], n, 6, peak["matmul_flops_per_s"])
+        with_attention(r, 6 * n, lm.config, L, peak)
         r["shape"] = f"{1 if quick else 8}x{L}"
         return r
     finally:

@@ -25,6 +25,9 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert phases["forward_backward_ms"] > 0 and phases["optimizer_steps_ms"] > 0
     assert "synced phases" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["packing"]["packed_vs_padded"] > 0
+    long = summary["train"]["tiny/lora"]["long_context"]["auto"]  # attention's matmuls on top of 4NT
+    assert long["mfu_with_attention"] > long["mfu_4nt"] > 0
+    assert "MFU 4NT / with attention" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["torch_elementwise"]["kernels_vs_torch"] > 0  # the CPU's torch both ways
     assert summary["train"]["tiny/lora"]["lora_as_ops"]["nodes_vs_ops"] > 0
     assert summary["train"]["tiny/lora"]["loss_softmax_in_torch"]["kernels_vs_torch"] > 0
