@@ -34,7 +34,7 @@ from tinsmith.checkpoints.peft_format import (CONFIG, VLLM_LORA_TARGETS, atomic_
                                               save_peft_adapter, seal_and_commit)
 from tinsmith.checkpoints.state_format import META, load_training_state
 from tinsmith.errors import InvalidInputError
-from tinsmith.models.loading import read_config, resolve_model_dir, weight_files
+from tinsmith.models.loading import UNTRAINED_PREFIXES, checkpoint_name, read_config, resolve_model_dir, weight_files
 from tinsmith.models.moe import split_expert_tensors
 from tinsmith.types import LoraSpec
 
@@ -57,19 +57,59 @@ def read_adapter(checkpoint_dir: Path):
     raise InvalidInputError(f"no LoRA checkpoint in {str(checkpoint_dir)!r}")
 
 
-def hf_model_bytes(weights: dict[str, torch.Tensor]) -> int:
+def hf_model_bytes(weights: dict[str, torch.Tensor], base_dir: Path) -> int:
     """The tensor bytes :func:`save_hf_model` writes (known up front, for the storage quota)."""
-    return sum(t.numel() * t.element_size() for t in weights.values())
+    return sum(t.numel() * t.element_size() for t in weights.values()) + untrained_bytes(base_dir)
 
 
 def _hf_layout(weights: dict[str, torch.Tensor], base_dir: Path) -> dict[str, torch.Tensor]:
-    """``weights`` as the base model's family stores them (gpt-oss: fused experts; others: one
-    tensor per expert)."""
-    if read_config(base_dir).family == "gpt_oss":
+    """``weights`` as the base checkpoint stores them: the family's layout (gpt-oss: fused
+    experts; others: one tensor per expert) under the checkpoint's names (an image-text model's
+    decoder under ``model.language_model.``), so that its own class loads the export."""
+    cfg = read_config(base_dir)
+    if cfg.family == "gpt_oss":
         from tinsmith.models.gpt_oss import to_hf_weights
 
-        return to_hf_weights(weights)
-    return split_expert_tensors(weights)
+        laid_out = to_hf_weights(weights)
+    else:
+        laid_out = split_expert_tensors(weights)
+    return {checkpoint_name(k, cfg.text_prefix): v for k, v in laid_out.items()}
+
+
+def _untrained_names(base_dir: Path) -> dict[str, Path]:
+    """The base checkpoint's tensors that a full fine-tune leaves as they are (an image-text
+    model's vision tower, multi-token-prediction weights; see :data:`UNTRAINED_PREFIXES`), by file."""
+    return {n: f for n, f in weight_files(Path(base_dir)).items() if n.startswith(UNTRAINED_PREFIXES)}
+
+
+def untrained_bytes(base_dir: Path) -> int:
+    """The bytes of :func:`_untrained_names`, from the files' headers (nothing is read)."""
+    total = 0
+    by_file: dict[Path, list[str]] = {}
+    for n, f in _untrained_names(base_dir).items():
+        by_file.setdefault(f, []).append(n)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as fh:
+            for n in names:
+                s = fh.get_slice(n)
+                elements = 1
+                for d in s.get_shape():
+                    elements *= d
+                total += elements * _ST_ITEM_BYTES[s.get_dtype()]
+    return total
+
+
+def _untrained_tensors(base_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of :func:`_untrained_names`, read from the base checkpoint: an export of a full
+    fine-tune carries them unchanged, so it is a whole checkpoint of the base model's class."""
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for n, f in _untrained_names(base_dir).items():
+        by_file.setdefault(f, []).append(n)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as fh:
+            out.update({n: fh.get_tensor(n) for n in names})
+    return out
 
 
 def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: Path,
@@ -79,11 +119,13 @@ def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: P
     given. ``weights`` use the Hugging Face names; a tied unembedding appears once, as the
     embedding, which is what the copied config (``tie_word_embeddings``) expects. Stacked expert
     weights are written one tensor per expert, as hub checkpoints are (gpt-oss: fused, unquantised,
-    as transformers saves it)."""
+    as transformers saves it). The decoder is named as the base checkpoint names it, and the base's
+    tensors that are never trained (an image-text model's vision tower, multi-token-prediction
+    weights) are copied, so the base model's own class loads the export whole."""
     tmp = atomic_dir(Path(directory))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in _hf_layout(weights, Path(base_dir)).items()},
-                  str(tmp / "model.safetensors"),
+        tensors = {k: v.detach().contiguous().cpu() for k, v in _hf_layout(weights, Path(base_dir)).items()}
+        save_file({**tensors, **_untrained_tensors(Path(base_dir))}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         for f in _COPY:
             if (Path(base_dir) / f).is_file():
@@ -102,9 +144,12 @@ def hf_part_file(rank: int, world: int) -> str:
 def write_hf_part(tmp: Path, rank: int, world: int, weights: dict[str, torch.Tensor],
                   base_dir: Path) -> dict[str, list[tuple[str, int, int]]]:
     """One rank's shard of a sharded Hugging Face export (its own tensors, in the family's
-    layout). Returns ``{file: [(name, elements, bytes)]}``, what the index needs (nothing when
-    the rank owns no tensor)."""
+    layout; rank 0's also the base's untrained tensors, as :func:`save_hf_model` writes them).
+    Returns ``{file: [(name, elements, bytes)]}``, what the index needs (nothing when the rank
+    owns no tensor)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in _hf_layout(weights, Path(base_dir)).items()}
+    if rank == 0:
+        tensors.update(_untrained_tensors(Path(base_dir)))
     if not tensors:
         return {}
     fname = hf_part_file(rank, world)
@@ -132,6 +177,8 @@ def commit_hf_parts(tmp: Path, directory: Path, parts: dict[str, list[tuple[str,
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
+_ST_ITEM_BYTES = {**{k: v.itemsize for k, v in _ST_DTYPES.items()}, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4,
+                  "U64": 8}
 
 
 @dataclass

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from tinsmith.checkpoints.age_encryption import encrypt_files
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS
+from tinsmith.models.loading import checkpoint_name
 from tinsmith.models.moe import split_expert_tensors, stack_expert_tensors
 from tinsmith.types import LoraSpec
 
@@ -144,10 +145,6 @@ def recover_interrupted_commits(root: Path) -> tuple[int, int]:
 _NESTED_DECODER = "model.language_model."
 
 
-def _stored_name(name: str, text_prefix: str) -> str:
-    return text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
-
-
 def _our_name(name: str) -> str:
     return "model." + name.removeprefix(_NESTED_DECODER) if name.startswith(_NESTED_DECODER) else name
 
@@ -187,7 +184,7 @@ def save_peft_adapter(directory: Path, spec: LoraSpec, tensors: dict[str, torch.
             on_disk = gpt_oss_family.to_peft_tensors(tensors, interleaved)
         else:
             on_disk = split_expert_tensors(tensors)
-        save_file({PEFT_PREFIX + _stored_name(k, text_prefix): v.detach().float().contiguous().cpu()
+        save_file({PEFT_PREFIX + checkpoint_name(k, text_prefix): v.detach().float().contiguous().cpu()
                    for k, v in on_disk.items()},
                   str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = {

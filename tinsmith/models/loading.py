@@ -172,7 +172,7 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     recipes: dict[str, tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]] = {}
     missing = []
     for name in expected:
-        stored = cfg.text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
+        stored = checkpoint_name(name, cfg.text_prefix)
         recipe = family_sources(name, cfg, files) if family_sources is not None else None
         if recipe is None:
             recipe = ([stored], _single) if stored in files else expert_tensor_sources(name, num_experts, files)
@@ -181,7 +181,7 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
         else:
             recipes[name] = recipe
     if cfg.vision is None:
-        skipped = [n for n in files if n.startswith((VISION_PREFIX, "model.visual.", "mtp."))]
+        skipped = [n for n in files if n.startswith(UNTRAINED_PREFIXES)]
         if skipped:
             log.info("%s: serving the text decoder only; %d vision-tower / multi-token-prediction tensors "
                      "are not loaded (%s...)", model_dir.name, len(skipped), skipped[0])
@@ -278,6 +278,15 @@ def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> C
 
 
 VISION_PREFIX = "model.visual."
+# What a checkpoint may carry beside the decoder that tinsmith never trains: an image-text model's
+# vision tower (frozen), released checkpoints' multi-token-prediction weights.
+UNTRAINED_PREFIXES = (VISION_PREFIX, "mtp.")
+
+
+def checkpoint_name(name: str, text_prefix: str) -> str:
+    """Our name of a decoder tensor (``model.layers.0...``) as a checkpoint whose decoder sits under
+    ``text_prefix`` stores it (``model.language_model.layers.0...`` in an image-text model)."""
+    return text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
 
 def _vision_weights(files: dict[str, Path]) -> dict[str, torch.Tensor]:

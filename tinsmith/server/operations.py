@@ -377,7 +377,8 @@ class WorkerOperations:
                                                                   a.age_recipients, a.tinker_path)
         else:
             weights, base = self.worker.full_weights(job.model_id)
-            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
+            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights, base.loaded.model_dir),
+                                      what=a.tinker_path)
             write = lambda: save_hf_model(a.directory, weights, base.loaded.model_dir, recipients)  # noqa: E731
         try:
             size = write()
@@ -426,7 +427,8 @@ class WorkerOperations:
             size = self.worker.save_full_weights_sharded(job.model_id, a.directory, (), a.tinker_path)
         else:  # a full fine-tune's sampler weights are a whole Hugging Face model
             weights, base = self.worker.full_weights(job.model_id)
-            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights), what=a.tinker_path)
+            self.limits.check_storage(self.store, a.owner, hf_model_bytes(weights, base.loaded.model_dir),
+                                      what=a.tinker_path)
             size = save_hf_model(a.directory, weights, base.loaded.model_dir)
         self.store.put_checkpoint(job.model_id, "sampler_weights", a.name, owner=a.owner, storage_path=str(a.directory),
                                   size_bytes=size, expires_at=a.expires_at, user_metadata=a.user_metadata)

@@ -18,7 +18,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -470,9 +469,12 @@ class Worker:
         return p.runtime.save_state_sharded(p.unit, str(directory), header, what)  # type: ignore[attr-defined]
 
     def sharded_weights_bytes(self, model_id: str) -> int:
-        """The tensor bytes of a sharded run's Hugging Face export, known from shapes."""
+        """The tensor bytes of a sharded run's Hugging Face export, known from shapes (and the
+        base checkpoint's untrained tensors it carries, from their files' headers)."""
+        from tinsmith.checkpoints.export import untrained_bytes
+
         p = self.placement(model_id)
-        return p.runtime.weights_bytes(p.unit)  # type: ignore[attr-defined]
+        return p.runtime.weights_bytes(p.unit) + untrained_bytes(p.base.loaded.model_dir)  # type: ignore[attr-defined]
 
     def save_full_weights_sharded(self, model_id: str, directory: Path, age_recipients: tuple[str, ...],
                                   what: str) -> int:
@@ -756,28 +758,21 @@ class Worker:
 
     def _load_full_snapshot(self, key: str, base: BaseModel, directory: Path, owner: str,
                             queued: Collection[str]) -> Snapshot:
-        """A full fine-tune's stored sampler weights (a Hugging Face model directory) back in host memory."""
-        from safetensors import safe_open
-
-        from tinsmith.models.loading import weight_files
-
+        """A full fine-tune's stored sampler weights (a Hugging Face model directory, in its
+        family's layout: experts one tensor each or fused, an image-text model's decoder nested)
+        back in host memory, read by the model loader as any checkpoint is."""
         params = _whole_parameters(base.loaded.model)
         incoming = sum(p.numel() * p.element_size() for p in params.values())
         self._snapshot_victims(owner, queued, full_bytes=incoming)  # refuse before reading when there is no room
-        files = weight_files(directory)  # model.safetensors, or the shards its index lists
-        if any(n not in files for n in params):
-            raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
-        weights = []
-        with ExitStack() as stack:
-            handles: dict[Path, Any] = {}
-            for n, p in params.items():
-                if files[n] not in handles:
-                    handles[files[n]] = stack.enter_context(safe_open(str(files[n]), framework="pt"))
-                f = handles[files[n]]
-                if tuple(f.get_slice(n).get_shape()) != tuple(p.shape):
-                    raise InvalidInputError(f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}")
-                weights.append((n, f.get_tensor(n).to(p.dtype)))
-        return self._install_full_snapshot(key, base, weights, True, owner, queued)
+        unfit = f"stored sampler weights at {str(directory)!r} do not fit {base.name!r}"
+        try:  # memory-mapped: the snapshot's host copy is the one copy made
+            stored = dict(load_model(str(directory), dtype=next(iter(params.values())).dtype, pack=False)
+                          .model.named_parameters())
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{unfit}: {exc}") from None
+        if stored.keys() != params.keys() or any(stored[n].shape != p.shape for n, p in params.items()):
+            raise InvalidInputError(unfit)
+        return self._install_full_snapshot(key, base, list(stored.items()), True, owner, queued)
 
     def make_resident(self, snap: Snapshot) -> bool:
         """Put full snapshot ``snap`` on the device for its sampler, offloading the least recently
