@@ -25,6 +25,7 @@ from tinker import types
 from tests.conftest import SMALL
 from tests.e2e.helpers import RESULT_TIMEOUT_S, assert_no_internal_errors, lora_client, loss_sum
 from tests.e2e.server import ServerProcess
+from tests.rl.helpers import full_finetune_client
 from tinsmith.devtools.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -139,7 +140,11 @@ def _hf_logprobs(model_dir: str, tokens: list[int], data: bytes) -> np.ndarray:
     return lp.numpy()
 
 
-def test_vl_model_trains_and_samples_with_images(vl_server):
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_vl_model_trains_and_samples_with_images(vl_server, kind):
+    """A LoRA run, and a full fine-tune of the decoder (the vision tower stays frozen), whose
+    stored sampler weights are then a whole Qwen3-VL checkpoint that transformers loads with the
+    trained logprobs."""
     model_dir = vl_server.base_model
     ids = _vl_ids(model_dir)
     data = png((70, 90))
@@ -155,8 +160,8 @@ def test_vl_model_trains_and_samples_with_images(vl_server):
     datum = types.Datum(model_input=prompt, loss_fn_inputs={"target_tokens": targets, "weights": weights})
 
     sc = tinker.ServiceClient(base_url=vl_server.base_url, api_key="tml-vl")
-    tc = lora_client(sc, model_dir, rank=4, seed=0)
-    # A fresh adapter is the base model: forward equals transformers' Qwen3-VL
+    tc = lora_client(sc, model_dir, rank=4, seed=0) if kind == "lora" else full_finetune_client(sc, model_dir)
+    # A fresh adapter (or full fine-tune) is the base model: forward equals transformers' Qwen3-VL
     fwd = tc.forward([datum], "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
     lp0 = np.asarray(fwd.loss_fn_outputs[0]["logprobs"].to_numpy())
     assert lp0.shape == (len(full),)
@@ -165,7 +170,7 @@ def test_vl_model_trains_and_samples_with_images(vl_server):
     losses = []
     for _ in range(12):
         fb = tc.forward_backward([datum], "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=RESULT_TIMEOUT_S)
+        tc.optim_step(types.AdamParams(learning_rate=1e-2 if kind == "lora" else 2e-3)).result(timeout=RESULT_TIMEOUT_S)
         losses.append(loss_sum(fb.result(timeout=RESULT_TIMEOUT_S)))
     assert losses[-1] < 0.5 * losses[0], losses
 
@@ -188,6 +193,12 @@ def test_vl_model_trains_and_samples_with_images(vl_server):
     got = np.asarray(tc.forward([whole], "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
                      .loss_fn_outputs[0]["logprobs"].to_numpy())
     np.testing.assert_allclose(got[-4:], np.asarray(out.sequences[0].logprobs), atol=1e-4)
+    if kind == "full":  # the stored sampler weights: the image-text class, vision tower included
+        tc.save_weights_for_sampler("vl-full").result(timeout=RESULT_TIMEOUT_S)
+        (export,) = [p for p in vl_server.data_dir.rglob("vl-full") if p.is_dir()]
+        _, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(export, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        np.testing.assert_allclose(_hf_logprobs(str(export), full, data), trained[:-1], atol=1e-4)
     sc.close("success").result(timeout=60)
 
 

@@ -130,3 +130,16 @@ def test_a_sharded_export_of_an_image_text_checkpoint_is_whole_too(qwen3_5_dir, 
     for n in a:
         with safe_open(str(a[n]), framework="pt") as fa, safe_open(str(b[n]), framework="pt") as fb:
             assert torch.equal(fa.get_tensor(n), fb.get_tensor(n)), n
+
+
+def test_an_image_text_full_fine_tune_over_a_process_group_is_refused_naming_the_option(qwen3_vl_dir):
+    from tinsmith.errors import InvalidInputError
+
+    w = Worker(RuntimeOptions(device="cpu", dtype="float32", data_parallel_size=2))
+    try:
+        w.add_base_model("m", str(qwen3_vl_dir))
+        with pytest.raises(InvalidInputError, match="image-text base model .* --data-parallel-size 2"):
+            w.create_model("full", "m", None)
+        assert "full" not in w.placements
+    finally:
+        w.close()

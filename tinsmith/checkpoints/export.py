@@ -39,8 +39,11 @@ from tinsmith.models.moe import split_expert_tensors
 from tinsmith.types import LoraSpec
 
 FORMATS = ("merged", "peft", "peft-vllm")
+# The base model's files an export carries beside its weights (an image-text model's processor
+# configs too: without them the export is no model its class can run on images).
 _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-         "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+         "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+         "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 
 
 def read_adapter(checkpoint_dir: Path):
