@@ -16,7 +16,7 @@ from tinsmith.types import LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime
 from tests.models.helpers import (assert_merged_export_matches, assert_micro_batching_equals_plain,
                                   assert_packed_equals_separate, assert_step_matches_peft, cross_entropy_step,
-                                  logits_of, perturbed_adapter, ref_loss, reference_model)
+                                  logits_of, logits_with, perturbed_adapter, ref_loss, reference_model)
 from tests.sampling.conftest import forward_logprobs, make_sampler, run, task
 from tests.worker.helpers import assert_rel_close, sft_datum
 
@@ -202,6 +202,32 @@ def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, ca
     _, lps = ref_loss(adapted, data)
     for lp, out in zip(lps, res.outputs):
         np.testing.assert_allclose(out["logprobs"], lp, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_export_of_an_image_text_checkpoint_keeps_its_layout(tmp_path, qwen3_5_dir):
+    """``tinsmith export --format merged`` over a released-style checkpoint: the adapter merged into
+    the decoder under ``model.language_model.``, the vision tower and MTP weights as the base's;
+    transformers' image-text class loads it with nothing missing and gives the adapted logits."""
+    import transformers
+
+    from tinsmith.checkpoints.export import export_merged
+    from tinsmith.models.loading import weight_files
+
+    d, _ = _image_text_checkpoint(tmp_path, qwen3_5_dir)
+    vl = load_model(str(d))
+    rt = TrainingRuntime(vl.model, max_lora_adapters=1, max_lora_rank=8)
+    spec = LoraSpec(rank=4, alpha=8, seed=5)
+    u = perturbed_adapter(rt, spec, 14)
+    save_peft_adapter(tmp_path / "adapter", spec, {n: p.detach() for n, p in rt.unit(u).named_params}, str(d),
+                      text_prefix=vl.config.text_prefix, family=vl.config.family)
+    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(d)).path
+    assert weight_files(merged).keys() == weight_files(d).keys()
+    ref, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(merged, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = logits_with(rt.model, tokens, [(rt.unit(u).slot, 0, 60)])
+        torch.testing.assert_close(ref.eval()(input_ids=tokens).logits, ours, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)

@@ -135,3 +135,44 @@ def test_peft_adapter_of_a_vl_base_loads_into_transformers(vl_dir, tmp_path):
         got = loaded.model.logits(loaded.model.hidden_states(tokens, torch.arange(24)[None]))
     assert (expected - base).abs().max() > 1e-2  # the adapter changes the model
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_merged_export_of_a_vl_adapter_is_a_whole_vl_checkpoint(vl_dir, tmp_path):
+    """``tinsmith export --format merged`` of a Qwen3-VL adapter: the decoder's weights merged under
+    the VL class's names, the vision tower and processor configs as the base's; transformers'
+    class loads it with nothing missing and gives our adapted logits, with an image too."""
+    from safetensors import safe_open
+
+    from tinsmith.checkpoints.export import export_merged
+    from tinsmith.checkpoints.peft_format import save_peft_adapter
+    from tinsmith.models.loading import weight_files
+    from tinsmith.types import LoraSpec
+
+    loaded = load_model(str(vl_dir))
+    spec = LoraSpec(rank=2, seed=0, alpha=4.0, train_attn=True, train_mlp=True, train_unembed=True)
+    g = torch.Generator().manual_seed(1)
+    targets = loaded.model.lora_targets(True, True, True)
+    tensors = {}
+    for name, layer in targets:
+        tensors[f"{name}.lora_A.weight"] = torch.randn(2, layer.in_features, generator=g) * 0.1
+        tensors[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, 2, generator=g) * 0.1
+    save_peft_adapter(tmp_path / "adapter", spec, tensors, str(vl_dir), text_prefix=loaded.config.text_prefix)
+    merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(vl_dir)).path
+    assert (merged / "preprocessor_config.json").is_file()
+    base_files, merged_files = weight_files(vl_dir), weight_files(merged)
+    assert "lm_head.weight" in merged_files and base_files.keys() <= merged_files.keys()
+    tower = [n for n in base_files if n.startswith("model.visual.")]
+    with safe_open(str(base_files[tower[0]]), framework="pt") as a, safe_open(str(merged_files[tower[0]]), framework="pt") as b:
+        assert all(torch.equal(a.get_tensor(n), b.get_tensor(n)) for n in tower)
+
+    with torch.no_grad():  # ours, with the adapter merged in
+        for name, layer in targets:
+            layer.weight += (spec.alpha / spec.rank) * tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
+    _, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(merged, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    images = [image(64, 48, position=3)]
+    start = loaded.config.vision.vision_start_token_id
+    text = np.array([10, 11, start, 300, 12, 13, 14], dtype=np.int64)
+    logits, tokens, _ = ours(loaded, text, images)
+    _, expected, _ = reference(merged, np.asarray(tokens), images)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

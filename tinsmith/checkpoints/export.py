@@ -255,7 +255,10 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
     if cfg.family == "gpt_oss" and any(".mlp.experts." in k for k in tensors):
         fused = _gpt_oss_merged_experts(cfg, files, tensors, scale, out_dtype)
         tensors = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
-    pairs = _lora_pairs(split_expert_tensors(tensors)) if tensors else {}  # routed experts: one pair per expert
+    # routed experts: one pair per expert; modules named as the checkpoint names them (an
+    # image-text model's decoder under model.language_model.)
+    pairs = {checkpoint_name(m, cfg.text_prefix): ab
+             for m, ab in (_lora_pairs(split_expert_tensors(tensors)) if tensors else {}).items()}
     if not pairs and not fused:
         raise InvalidInputError("the adapter holds no LoRA weights")
     untie = tie and "lm_head" in pairs
@@ -263,7 +266,7 @@ def _merge_plan(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor]
     if tie:
         sources.pop("lm_head.weight", None)  # tied: the embedding alone is written
         if untie:
-            sources["lm_head.weight"] = "model.embed_tokens.weight"
+            sources["lm_head.weight"] = checkpoint_name("model.embed_tokens.weight", cfg.text_prefix)
     for module in pairs:
         if f"{module}.weight" not in sources:
             raise InvalidInputError(f"the adapter adapts {module!r}, which base model {str(base_dir)!r} lacks")
@@ -366,9 +369,6 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
     if not base:
         raise InvalidInputError("the checkpoint does not name its base model; pass --base-model")
     base_dir = resolve_model_dir(base)
-    if read_config(base_dir).vision is not None:
-        raise InvalidInputError(f"merged export of image-text base model {base!r} is not supported yet; "
-                                "export the LoRA adapter instead (--format peft)")
     plan, make, untie = _merge_plan(base_dir, spec, tensors)
     tmp = atomic_dir(out_dir)
     try:
