@@ -104,28 +104,37 @@ def test_a_batch_with_and_without_images_equals_each_row_alone(vl_dir):
     assert deltas == [0, delta]
 
 
-def test_peft_adapter_of_a_vl_base_loads_into_transformers(vl_dir, tmp_path):
-    """Adapters of a Qwen3-VL base carry the VL class's module names, so PEFT applies them."""
-    from peft import PeftModel
-
-    from tinsmith.checkpoints.peft_format import load_peft_adapter, save_peft_adapter
+def _saved_random_adapter(loaded, directory, base: str, seed: int):
+    """A rank-2 adapter with random A and B on every target of ``loaded``, saved as PEFT under the
+    VL class's module names; then merged into ``loaded``'s own weights (ours, as adapted).
+    Returns its tensors and the generator, for more draws."""
+    from tinsmith.checkpoints.peft_format import save_peft_adapter
     from tinsmith.types import LoraSpec
 
-    loaded = load_model(str(vl_dir))
     spec = LoraSpec(rank=2, seed=0, alpha=4.0, train_attn=True, train_mlp=True, train_unembed=True)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     targets = loaded.model.lora_targets(True, True, True)
     tensors = {}
     for name, layer in targets:
         tensors[f"{name}.lora_A.weight"] = torch.randn(2, layer.in_features, generator=g) * 0.1
         tensors[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, 2, generator=g) * 0.1
-    save_peft_adapter(tmp_path / "adapter", spec, tensors, "vl", text_prefix=loaded.config.text_prefix)
-    back_spec, back = load_peft_adapter(tmp_path / "adapter")
-    assert back.keys() == tensors.keys() and back_spec.rank == 2
-
-    with torch.no_grad():  # ours, with the adapter merged in
+    save_peft_adapter(directory, spec, tensors, base, text_prefix=loaded.config.text_prefix)
+    with torch.no_grad():
         for name, layer in targets:
             layer.weight += (spec.alpha / spec.rank) * tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
+    return tensors, g
+
+
+def test_peft_adapter_of_a_vl_base_loads_into_transformers(vl_dir, tmp_path):
+    """Adapters of a Qwen3-VL base carry the VL class's module names, so PEFT applies them."""
+    from peft import PeftModel
+
+    from tinsmith.checkpoints.peft_format import load_peft_adapter
+
+    loaded = load_model(str(vl_dir))
+    tensors, g = _saved_random_adapter(loaded, tmp_path / "adapter", "vl", seed=0)
+    back_spec, back = load_peft_adapter(tmp_path / "adapter")
+    assert back.keys() == tensors.keys() and back_spec.rank == 2
     ref = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
     ref = PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
     tokens = torch.randint(0, 400, (1, 24), generator=g)
@@ -144,19 +153,10 @@ def test_merged_export_of_a_vl_adapter_is_a_whole_vl_checkpoint(vl_dir, tmp_path
     from safetensors import safe_open
 
     from tinsmith.checkpoints.export import export_merged
-    from tinsmith.checkpoints.peft_format import save_peft_adapter
     from tinsmith.models.loading import weight_files
-    from tinsmith.types import LoraSpec
 
     loaded = load_model(str(vl_dir))
-    spec = LoraSpec(rank=2, seed=0, alpha=4.0, train_attn=True, train_mlp=True, train_unembed=True)
-    g = torch.Generator().manual_seed(1)
-    targets = loaded.model.lora_targets(True, True, True)
-    tensors = {}
-    for name, layer in targets:
-        tensors[f"{name}.lora_A.weight"] = torch.randn(2, layer.in_features, generator=g) * 0.1
-        tensors[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, 2, generator=g) * 0.1
-    save_peft_adapter(tmp_path / "adapter", spec, tensors, str(vl_dir), text_prefix=loaded.config.text_prefix)
+    _saved_random_adapter(loaded, tmp_path / "adapter", str(vl_dir), seed=1)
     merged = export_merged(tmp_path / "adapter", tmp_path / "merged", str(vl_dir)).path
     assert (merged / "preprocessor_config.json").is_file()
     base_files, merged_files = weight_files(vl_dir), weight_files(merged)
@@ -164,10 +164,6 @@ def test_merged_export_of_a_vl_adapter_is_a_whole_vl_checkpoint(vl_dir, tmp_path
     tower = [n for n in base_files if n.startswith("model.visual.")]
     with safe_open(str(base_files[tower[0]]), framework="pt") as a, safe_open(str(merged_files[tower[0]]), framework="pt") as b:
         assert all(torch.equal(a.get_tensor(n), b.get_tensor(n)) for n in tower)
-
-    with torch.no_grad():  # ours, with the adapter merged in
-        for name, layer in targets:
-            layer.weight += (spec.alpha / spec.rank) * tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
     _, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(merged, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     images = [image(64, 48, position=3)]
