@@ -132,14 +132,56 @@ def test_a_sharded_export_of_an_image_text_checkpoint_is_whole_too(qwen3_5_dir, 
             assert torch.equal(fa.get_tensor(n), fb.get_tensor(n)), n
 
 
-def test_an_image_text_full_fine_tune_over_a_process_group_is_refused_naming_the_option(qwen3_vl_dir):
-    from tinsmith.errors import InvalidInputError
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["dp2", "tp2"])
+def test_an_image_text_full_fine_tune_over_two_ranks_matches_one_process(qwen3_vl_dir, tmp_path, dp, tp):
+    """Over a group (two replicas, or two tensor-parallel ranks each reading the checkpoint again
+    for the FSDP run) each rank runs the frozen vision tower on its share of the datums: a step on
+    datums with images gives one process's logprobs and weights, a snapshot samples its greedy
+    tokens after an image, and the sharded export is a whole Qwen3-VL checkpoint."""
+    import transformers
 
-    w = Worker(RuntimeOptions(device="cpu", dtype="float32", data_parallel_size=2))
+    from tests.parallel.test_tp_vision import _with_image
+    from tinsmith.types import AdamParams, Datum, ForwardBackwardInput
+
+    one = Worker(RuntimeOptions(device="cpu", dtype="float32", micro_batch_tokens=64))
+    two = Worker(RuntimeOptions(device="cpu", dtype="float32", micro_batch_tokens=64, data_parallel_size=dp,
+                                tensor_parallel_size=tp))
     try:
-        w.add_base_model("m", str(qwen3_vl_dir))
-        with pytest.raises(InvalidInputError, match="image-text base model .* --data-parallel-size 2"):
+        results, states, sampled = [], [], []
+        for w in (one, two):
+            base = w.add_base_model("m", str(qwen3_vl_dir))
             w.create_model("full", "m", None)
-        assert "full" not in w.placements
+            vision, cfg = base.loaded.vision, base.loaded.config.vision
+            data = []
+            for seed in (1, 2, 3):  # two datums with an image for one replica, one for the other
+                tokens, images = _with_image(vision, cfg, seed)
+                data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:],
+                                                "weights": np.ones(len(tokens) - 1, np.float32)}, images=images))
+            p = w.fb_begin("full", [ForwardBackwardInput(data, "cross_entropy")])
+            while not p.done:
+                w.fb_advance([(p, 1 << 20)], 1 << 20)
+            results.append(p.results[0])
+            w.optim_step("full", AdamParams(learning_rate=1e-2))
+            states.append(w.export_training_state("full").weights)
+            prompt, prompt_images = _with_image(vision, cfg, seed=4)
+            snap = w.snapshot("full", "snap")
+            assert w.make_resident(snap)
+            sampler = w.sampler(snap.base, snap)
+            sampler.add(SampleTask("g", None, SampleInput(prompt, 1, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                    stop=[]),
+                                                          prompt_images=prompt_images)))
+            while sampler.has_work():
+                for _, res in sampler.step(3600.0):
+                    assert not isinstance(res, Exception), res
+                    sampled.append(res.sequences[0].tokens)
+        for a, b in zip(results[0].outputs, results[1].outputs):
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+        for n in states[0]:
+            np.testing.assert_allclose(states[0][n].numpy(), states[1][n].numpy(), atol=1e-5, rtol=0, err_msg=n)
+        np.testing.assert_array_equal(*sampled)
+        two.save_full_weights_sharded("full", tmp_path / "export", (), "export")
     finally:
-        w.close()
+        two.close()
+    _, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "export",
+                                                                           output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from tinsmith.checkpoints.stored_tensors import rows_of
 from tinsmith.errors import InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM
-from tinsmith.models.loading import load_model, read_config, resolve_model_dir
+from tinsmith.models.loading import load_model
 from tinsmith.models.lora import LoraLinear
 from tinsmith.optim import ADAMW, DIMUON, STATE_KEYS, check_params_match
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded, portable
@@ -106,7 +106,6 @@ def shard_full_model(model: CausalLM, dp: TPGroup, compute_dtype: torch.dtype | 
     backward compute in. Every rank must hold the same whole model beforehand, on ``device``
     (default: where its parameters are) or in host memory, from which FSDP moves each layer to
     ``device`` as it shards it (the whole model never sits on the device)."""
-    _check_full(model.config)
     unpack_weights(model)
     sharding = FullSharding(dp, device if device is not None else next(model.parameters()).device, compute_dtype)
     for layer in model.model.layers:
@@ -119,16 +118,10 @@ def load_full_shard(model_dir: str, dp: TPGroup, device: torch.device, dtype: to
     layer sharded as soon as it is read (the files memory-mapped): a rank never holds more than
     one whole layer in host memory, whatever the checkpoint stores whole per layer (stacked or
     dequantised experts)."""
-    _check_full(read_config(resolve_model_dir(model_dir)))
     sharding = FullSharding(dp, device)
     model = load_model(model_dir, "cpu", dtype, pack=False,
                        on_layer=lambda m, i: sharding.layer(m.model.layers[i])).model
     return sharding.root(model)
-
-
-def _check_full(cfg) -> None:
-    if cfg.vision is not None:
-        raise InvalidInputError("sharded full fine-tuning supports text models only")
 
 
 class FullSharding:
@@ -467,7 +460,7 @@ class FsdpTrainingRuntime(TrainingRuntime):
             for rows in groups:
                 mb = build_micro_batch(rows, [all_prepared[s.request].tokens[s.datum] for s in rows], self.device,
                                        self.packing)
-                images = [[] for _ in mb.rows]
+                images = [all_prepared[s.request].images[s.datum] for s in mb.rows]  # an image-text model's
                 out: dict = {}
                 for pid, exc in self._run_micro_batch(mb, all_prepared, out, images).items():
                     refused.setdefault(pid, portable(exc))

@@ -180,7 +180,8 @@ class ReplicaFullRun:
                 model.lm_head.weight = model.model.embed_tokens.weight
             shard_full_model(model, group)  # refuses, alike on every rank, what it does not cover
         lora = base.runtime
-        self.runtime = FsdpTrainingRuntime(model, micro_batch_tokens=lora.micro_batch_tokens,
+        # An image-text model's vision tower is frozen and whole on every rank, as for LoRA runs.
+        self.runtime = FsdpTrainingRuntime(model, vision=base.loaded.vision, micro_batch_tokens=lora.micro_batch_tokens,
                                            micro_batch_seqs=lora.micro_batch_seqs,
                                            checkpoint_above_tokens=lora.checkpoint_above_tokens,
                                            gradient_checkpointing=base.gradient_checkpointing, packing=lora.packing,

@@ -299,10 +299,6 @@ class Worker:
             unit = base.lora.create_adapter(lora, optimizer_type)
             placement = Placement(base, base.lora, unit, True, lora, owner)
         else:
-            if base.config.vision is not None and base.tp is not None:
-                option, size = self._group_option()
-                raise InvalidInputError(f"full fine-tuning of image-text base model {base_model!r} is not supported "
-                                        f"with {option} {size} yet; use a LoRA config, or one process")
             if sum(len(b.full) for b in self.bases.values()) >= self.options.max_full_finetunes:
                 raise CapacityError(
                     f"this server holds at most {self.options.max_full_finetunes} full fine-tuning runs "
