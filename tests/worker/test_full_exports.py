@@ -185,3 +185,20 @@ def test_an_image_text_full_fine_tune_over_two_ranks_matches_one_process(qwen3_v
     _, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "export",
                                                                            output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_an_earlier_export_with_its_decoder_stored_flat_still_loads_back(qwen3_5_dir, tmp_path):
+    """Stored sampler weights written before exports took the checkpoint's layout (an image-text
+    config beside decoder tensors named ``model.*``) are still read back as they were written."""
+    from safetensors.torch import save_file
+
+    vl_dir, _ = _image_text_checkpoint(tmp_path, qwen3_5_dir)
+    w = _trained_full_run(vl_dir)
+    weights, _ = w.full_weights("full")
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(old / "model.safetensors"))
+    (old / "config.json").write_text((vl_dir / "config.json").read_text())
+    w.snapshot("full", "in-memory")
+    w.load_snapshot("stored", "m", old)
+    np.testing.assert_array_equal(_greedy(w, "stored")[0], _greedy(w, "in-memory")[0])

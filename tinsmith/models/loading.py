@@ -173,6 +173,10 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     missing = []
     for name in expected:
         stored = checkpoint_name(name, cfg.text_prefix)
+        if stored not in files and name in files:
+            # an image-text config over a decoder stored flat: the full fine-tune exports of
+            # earlier versions (sampler weights a server may still hold), readable as they are
+            stored = name
         recipe = family_sources(name, cfg, files) if family_sources is not None else None
         if recipe is None:
             recipe = ([stored], _single) if stored in files else expert_tensor_sources(name, num_experts, files)
