@@ -280,6 +280,34 @@ def test_merged_export_of_expert_adapters_loads_in_transformers(tmp_path, gpt_os
     assert_merged_export_matches(rt, u, merged, VOCAB)
 
 
+def test_full_fine_tune_export_of_an_mxfp4_base_says_its_experts_are_plain(tmp_path, gpt_oss_dir):
+    """A full fine-tune of a released (MXFP4) gpt-oss is exported with plain experts, so its config
+    drops ``quantization_config``; transformers loads it with the run's logits, and the export
+    reads back as stored sampler weights."""
+    import json
+
+    from tinsmith.checkpoints.export import save_hf_model
+    from tinsmith.worker.service import RuntimeOptions, Worker
+
+    base = tmp_path / "mxfp4"
+    _quantised_copy(gpt_oss_dir, base, seed=7)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (base / "config.json").write_text(json.dumps(cfg))
+    w = Worker(RuntimeOptions(device="cpu", dtype="float32"))
+    w.add_base_model("m", str(base))
+    w.create_model("full", "m", None)
+    weights, b = w.full_weights("full")
+    save_hf_model(tmp_path / "export", weights, b.loaded.model_dir)
+    assert "quantization_config" not in json.loads((tmp_path / "export" / "config.json").read_text())
+    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = logits_of(w.placement("full").runtime.model, tokens)
+        torch.testing.assert_close(reference_model(tmp_path / "export").eval()(tokens).logits, ours,
+                                   rtol=1e-5, atol=1e-5)
+    assert w.make_resident(w.load_snapshot("stored", "m", tmp_path / "export"))
+
+
 def _two_tenants(model_dir):
     rt = TrainingRuntime(load_model(str(model_dir)).model, max_lora_adapters=3, max_lora_rank=8)
     units = []

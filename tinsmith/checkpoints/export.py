@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -130,9 +130,7 @@ def save_hf_model(directory: Path, weights: dict[str, torch.Tensor], base_dir: P
         tensors = {k: v.detach().contiguous().cpu() for k, v in _hf_layout(weights, Path(base_dir)).items()}
         save_file({**tensors, **_untrained_tensors(Path(base_dir))}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        for f in _COPY:
-            if (Path(base_dir) / f).is_file():
-                shutil.copy(Path(base_dir) / f, tmp / f)
+        copy_base_files(tmp, Path(base_dir), written=tensors)
         return seal_and_commit(tmp, Path(directory), age_recipients)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,10 +168,30 @@ def commit_hf_parts(tmp: Path, directory: Path, parts: dict[str, list[tuple[str,
                           "total_size": sum(size for _, _, size, _ in entries)},
              "weight_map": {name: fname for name, _, _, fname in entries}}
     (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    for f in _COPY:
-        if (Path(base_dir) / f).is_file():
-            shutil.copy(Path(base_dir) / f, tmp / f)
+    copy_base_files(tmp, Path(base_dir), written=index["weight_map"])
     return seal_and_commit(tmp, Path(directory), age_recipients)
+
+
+def copy_base_files(tmp: Path, base_dir: Path, written: Collection[str], untie: bool = False) -> None:
+    """The base model's config, generation config, tokenizer and processor files beside an
+    export whose tensors are ``written`` (their names). The config says what the tensors are:
+    without ``quantization_config`` when the base's experts are MXFP4 (``*_blocks``) and the
+    export's are not (they are written unquantised), and untied when ``untie`` (a merged
+    ``lm_head`` written apart from the embedding)."""
+    for f in _COPY:
+        if (base_dir / f).is_file():
+            shutil.copy(base_dir / f, tmp / f)
+    dequantised = any(n.endswith("_blocks") for n in weight_files(base_dir)) and not any(
+        n.endswith("_blocks") for n in written)
+    if untie or dequantised:
+        cfg = json.loads((tmp / "config.json").read_text())
+        if untie:
+            cfg["tie_word_embeddings"] = False
+            if isinstance(cfg.get("text_config"), dict):
+                cfg["text_config"]["tie_word_embeddings"] = False
+        if dequantised:
+            cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 # safetensors' dtype names (``safe_open(...).get_slice(name).get_dtype()``)
@@ -372,20 +390,7 @@ def export_merged(checkpoint_dir: Path, out_dir: Path, base_model: str | None = 
     plan, make, untie = _merge_plan(base_dir, spec, tensors)
     tmp = atomic_dir(out_dir)
     try:
-        for f in _COPY:
-            if (base_dir / f).is_file():
-                shutil.copy(base_dir / f, tmp / f)
-        dequantised = any(n.endswith("_blocks") for n in weight_files(base_dir)) and not any(
-            n.endswith("_blocks") for n in plan)
-        if untie or dequantised:
-            cfg = json.loads((tmp / "config.json").read_text())
-            if untie:
-                cfg["tie_word_embeddings"] = False
-                if isinstance(cfg.get("text_config"), dict):
-                    cfg["text_config"]["tie_word_embeddings"] = False
-            if dequantised:  # merged experts are written unquantised
-                cfg.pop("quantization_config", None)
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        copy_base_files(tmp, base_dir, written=plan, untie=untie)
         written = write_shards(tmp, plan, make, max_shard_size, show_progress)
         dtype = str(next(iter(plan.values())).dtype).removeprefix("torch.")
         (tmp / "README.md").write_text(_model_card("merged", base, dtype))
