@@ -79,19 +79,20 @@ def _hf_layout(weights: dict[str, torch.Tensor], base_dir: Path) -> dict[str, to
     return {checkpoint_name(k, cfg.text_prefix): v for k, v in laid_out.items()}
 
 
-def _untrained_names(base_dir: Path) -> dict[str, Path]:
+def _untrained_by_file(base_dir: Path) -> dict[Path, list[str]]:
     """The base checkpoint's tensors that a full fine-tune leaves as they are (an image-text
     model's vision tower, multi-token-prediction weights; see :data:`UNTRAINED_PREFIXES`), by file."""
-    return {n: f for n, f in weight_files(Path(base_dir)).items() if n.startswith(UNTRAINED_PREFIXES)}
+    by_file: dict[Path, list[str]] = {}
+    for n, f in weight_files(Path(base_dir)).items():
+        if n.startswith(UNTRAINED_PREFIXES):
+            by_file.setdefault(f, []).append(n)
+    return by_file
 
 
 def untrained_bytes(base_dir: Path) -> int:
-    """The bytes of :func:`_untrained_names`, from the files' headers (nothing is read)."""
+    """The bytes of :func:`_untrained_by_file`'s tensors, from the files' headers (nothing is read)."""
     total = 0
-    by_file: dict[Path, list[str]] = {}
-    for n, f in _untrained_names(base_dir).items():
-        by_file.setdefault(f, []).append(n)
-    for f, names in by_file.items():
+    for f, names in _untrained_by_file(base_dir).items():
         with safe_open(str(f), framework="pt") as fh:
             for n in names:
                 s = fh.get_slice(n)
@@ -103,13 +104,10 @@ def untrained_bytes(base_dir: Path) -> int:
 
 
 def _untrained_tensors(base_dir: Path) -> dict[str, torch.Tensor]:
-    """The tensors of :func:`_untrained_names`, read from the base checkpoint: an export of a full
+    """:func:`_untrained_by_file`'s tensors, read from the base checkpoint: an export of a full
     fine-tune carries them unchanged, so it is a whole checkpoint of the base model's class."""
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for n, f in _untrained_names(base_dir).items():
-        by_file.setdefault(f, []).append(n)
-    for f, names in by_file.items():
+    for f, names in _untrained_by_file(base_dir).items():
         with safe_open(str(f), framework="pt") as fh:
             out.update({n: fh.get_tensor(n) for n in names})
     return out
