@@ -28,7 +28,8 @@ class RecordingSampler:
 
 
 def _slice(*samplers: RecordingSampler, budget_s: float = 0.06) -> None:
-    worker = SimpleNamespace(samplers={i: s for i, s in enumerate(samplers)}, drop_idle_live_samplers=lambda: None)
+    worker = SimpleNamespace(samplers={i: s for i, s in enumerate(samplers)}, drop_idle_live_samplers=lambda: None,
+                             refresh_live_copies=lambda: None)
     WorkerOperations(worker).sample_step(budget_s)
 
 
