@@ -202,3 +202,18 @@ def test_an_earlier_export_with_its_decoder_stored_flat_still_loads_back(qwen3_5
     w.snapshot("full", "in-memory")
     w.load_snapshot("stored", "m", old)
     np.testing.assert_array_equal(_greedy(w, "stored")[0], _greedy(w, "in-memory")[0])
+
+
+def test_stored_sampler_weights_that_do_not_fit_are_refused_clearly(qwen3_dir, model_dirs, tmp_path):
+    """Another model's weights, or an export whose config went missing: a 400 naming the
+    directory, and nothing installed."""
+    from tinsmith.errors import InvalidInputError
+
+    w = _trained_full_run(qwen3_dir)
+    weights, base = w.full_weights("full")
+    save_hf_model(tmp_path / "export", weights, base.loaded.model_dir)
+    (tmp_path / "export" / "config.json").unlink()
+    for directory in (model_dirs["llama"], tmp_path / "export"):
+        with pytest.raises(InvalidInputError, match="stored sampler weights at .* do not fit 'm'"):
+            w.load_snapshot("stored", "m", directory)
+    assert "stored" not in w.snapshots

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tinsmith.errors import CapacityError, InvalidInputError, StateLostError, TinsmithError
+from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, StateLostError, TinsmithError
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import CausalLM
@@ -765,7 +765,7 @@ class Worker:
         try:  # memory-mapped: the snapshot's host copy is the one copy made
             stored = dict(load_model(str(directory), dtype=next(iter(params.values())).dtype, pack=False)
                           .model.named_parameters())
-        except InvalidInputError as exc:
+        except (InvalidInputError, NotFoundError) as exc:  # another model's weights; files gone
             raise InvalidInputError(f"{unfit}: {exc}") from None
         if stored.keys() != params.keys() or any(stored[n].shape != p.shape for n, p in params.items()):
             raise InvalidInputError(unfit)
