@@ -460,7 +460,8 @@ class FsdpTrainingRuntime(TrainingRuntime):
             for rows in groups:
                 mb = build_micro_batch(rows, [all_prepared[s.request].tokens[s.datum] for s in rows], self.device,
                                        self.packing)
-                images = [all_prepared[s.request].images[s.datum] for s in mb.rows]  # an image-text model's
+                # an image-text model's images: each rank encodes those of its own rows
+                images = [all_prepared[s.request].images[s.datum] for s in mb.rows]
                 out: dict = {}
                 for pid, exc in self._run_micro_batch(mb, all_prepared, out, images).items():
                     refused.setdefault(pid, portable(exc))

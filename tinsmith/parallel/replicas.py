@@ -178,7 +178,7 @@ class ReplicaFullRun:
             model = copy.deepcopy(base.loaded.model)
             if model.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
-            shard_full_model(model, group)  # refuses, alike on every rank, what it does not cover
+            shard_full_model(model, group)
         lora = base.runtime
         # An image-text model's vision tower is frozen and whole on every rank, as for LoRA runs.
         self.runtime = FsdpTrainingRuntime(model, vision=base.loaded.vision, micro_batch_tokens=lora.micro_batch_tokens,
