@@ -71,6 +71,25 @@ def qwen3_vl_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
 
 
+# Image-text Qwen3.5: head_dim 32, so its partial rotary (a quarter) has four frequencies, one for
+# each multimodal axis and a second temporal one.
+QWEN3_5_VL = TinyShape(**{**SMALL.__dict__, "head_dim": 32})
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_vl_dir(tmp_path_factory):
+    """A tiny image-text Qwen3.5 as released (``Qwen3_5ForConditionalGeneration``): the hybrid decoder
+    with multimodal RoPE in its attention layers, and a vision tower without DeepStack."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5_vl") / "qwen3_5_vl", "qwen3_5_vl", QWEN3_5_VL, seed=4)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_vl_dir(tmp_path_factory):
+    """A tiny image-text Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``)."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe_vl") / "qwen3_5_moe_vl", "qwen3_5_moe_vl", QWEN3_5_VL,
+                           seed=5)
+
+
 @pytest.fixture(autouse=True)
 def _threads_left_alone():
     """A test (or a benchmark's ``main`` it calls) that changes torch's thread count for the rest of

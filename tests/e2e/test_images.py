@@ -2,8 +2,9 @@
 
 A text-only base model refuses them with a 400 naming it, for every call that carries a model
 input (forward_backward, forward, sample, compute_logprobs); hostile images are refused before
-the model is asked. A tiny random Qwen3-VL takes them: forward equals transformers, training
-lowers the loss, sampling after an image matches forward. After each case the server must have
+the model is asked. A tiny random Qwen3-VL, and a tiny image-text Qwen3.5 (as released), take
+them: forward equals transformers, training lowers the loss, sampling after an image matches
+forward. After each case the server must have
 logged no internal error.
 """
 
@@ -22,7 +23,7 @@ from transformers.models.auto.image_processing_auto import AutoImageProcessor  #
 from PIL import Image
 from tinker import types
 
-from tests.conftest import SMALL
+from tests.conftest import QWEN3_5_VL, SMALL
 from tests.e2e.helpers import RESULT_TIMEOUT_S, assert_no_internal_errors, lora_client, loss_sum
 from tests.e2e.server import ServerProcess
 from tests.rl.helpers import full_finetune_client
@@ -109,9 +110,14 @@ def test_hostile_images_are_refused_by_field(tc):
 # An image-text base model (a tiny random Qwen3-VL): images become tokens through its processor
 
 
-@pytest.fixture(scope="module")
-def vl_server(tmp_path_factory):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("vl-model") / "qwen3_vl", "qwen3_vl", SMALL, seed=5)
+# The tiny image-text checkpoints served (Qwen3-VL; Qwen3.5 as released), by their shapes.
+VL_MODELS = {"qwen3_vl": SMALL, "qwen3_5_vl": QWEN3_5_VL}
+
+
+@pytest.fixture(scope="module", params=sorted(VL_MODELS))
+def vl_server(tmp_path_factory, request):
+    family = request.param
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("vl-model") / family, family, VL_MODELS[family], seed=5)
     srv = ServerProcess(model_dir, tmp_path_factory.mktemp("vl-data")).start()
     yield srv
     assert_no_internal_errors(srv.log_text())
@@ -127,9 +133,14 @@ def _image_tokens(model_dir: str, data: bytes) -> int:
     return AutoImageProcessor.from_pretrained(model_dir).get_number_of_image_patches(h, w, {}) // 4
 
 
+def _vl_class(model_dir) -> type:
+    """transformers' image-text class of the checkpoint (its config's ``architectures``)."""
+    return getattr(transformers, _vl_ids(model_dir)["architectures"][0])
+
+
 def _hf_logprobs(model_dir: str, tokens: list[int], data: bytes) -> np.ndarray:
-    """transformers' Qwen3-VL: log p(tokens[i+1] | tokens[:i+1]) with the image in place."""
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """transformers' image-text class: log p(tokens[i+1] | tokens[:i+1]) with the image in place."""
+    model = _vl_class(model_dir).from_pretrained(model_dir, dtype=torch.float32).eval()
     proc = AutoImageProcessor.from_pretrained(model_dir)
     batch = proc(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
     ids = torch.tensor(tokens)[None]
@@ -143,7 +154,7 @@ def _hf_logprobs(model_dir: str, tokens: list[int], data: bytes) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_vl_model_trains_and_samples_with_images(vl_server, kind):
     """A LoRA run, and a full fine-tune of the decoder (the vision tower stays frozen), whose
-    stored sampler weights are then a whole Qwen3-VL checkpoint that transformers loads with the
+    stored sampler weights are then a whole image-text checkpoint that transformers loads with the
     trained logprobs."""
     model_dir = vl_server.base_model
     ids = _vl_ids(model_dir)
@@ -196,7 +207,7 @@ def test_vl_model_trains_and_samples_with_images(vl_server, kind):
     if kind == "full":  # the stored sampler weights: the image-text class, vision tower included
         tc.save_weights_for_sampler("vl-full").result(timeout=RESULT_TIMEOUT_S)
         (export,) = [p for p in vl_server.data_dir.rglob("vl-full") if p.is_dir()]
-        _, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(export, output_loading_info=True)
+        _, info = _vl_class(export).from_pretrained(export, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         np.testing.assert_allclose(_hf_logprobs(str(export), full, data), trained[:-1], atol=1e-4)
     sc.close("success").result(timeout=60)

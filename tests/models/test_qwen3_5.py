@@ -177,14 +177,16 @@ def _image_text_checkpoint(tmp_path, text_dir):
 
 
 def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, caplog):
-    """A released-style checkpoint (``Qwen3_5ForConditionalGeneration``) loads its decoder only, with
-    transformers' text logits; an adapter's PEFT export loads onto that class with our logprobs."""
+    """A released-style checkpoint (``Qwen3_5ForConditionalGeneration``) whose directory lacks the
+    image processor's settings loads its decoder only (images then refused), with transformers'
+    text logits; an adapter's PEFT export loads onto that class with our logprobs."""
     import peft
 
     d, ref = _image_text_checkpoint(tmp_path, qwen3_5_dir)
     with caplog.at_level("INFO", logger="tinsmith.models.loading"):
         vl = load_model(str(d))
     assert "vision-tower / multi-token-prediction tensors are not loaded" in caplog.text
+    assert "no preprocessor_config.json or processor_config.json for its images" in caplog.text
     assert vl.config.text_prefix == "model.language_model." and vl.vision is None
     tokens = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

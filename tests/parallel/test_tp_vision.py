@@ -1,10 +1,12 @@
-"""An image-text model (Qwen3-VL) over 2 gloo ranks gives what one process gives, within 1e-5:
-logprobs and LoRA gradients of a datum with an image, and sampled tokens of a prompt with one.
-The decoder is sharded; the frozen vision tower runs whole on every rank."""
+"""An image-text model (Qwen3-VL, and Qwen3.5's hybrid decoder) over 2 gloo ranks gives what one
+process gives, within 1e-5: logprobs and LoRA gradients of a datum with an image, and sampled
+tokens of a prompt with one. The decoder is sharded; the frozen vision tower runs whole on every
+rank."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.models.test_qwen3_vl import image
@@ -63,9 +65,11 @@ def vision_rank_main(tp: TPGroup, model_dir: str) -> dict:
     return vision_scenario(model_dir, tp)
 
 
-def test_an_image_text_model_over_two_ranks_matches_one_process(qwen3_vl_dir, tmp_path):
-    ref = vision_scenario(str(qwen3_vl_dir), None)
-    outcomes = run_ranks(vision_rank_main, 2, tmp_path, (str(qwen3_vl_dir),), timeout_s=60, deadline_s=180)
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5_vl"])
+def test_an_image_text_model_over_two_ranks_matches_one_process(family, request, tmp_path):
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    ref = vision_scenario(str(model_dir), None)
+    outcomes = run_ranks(vision_rank_main, 2, tmp_path, (str(model_dir),), timeout_s=60, deadline_s=180)
     for o in outcomes:
         assert o.exitcode == 0, f"rank {o.rank} failed:\n{o.error}"
     assert not torch.equal(ref["sampled"]["seeded"][0], ref["sampled"]["seeded"][1])  # really sampled

@@ -132,12 +132,13 @@ def test_a_sharded_export_of_an_image_text_checkpoint_is_whole_too(qwen3_5_dir, 
             assert torch.equal(fa.get_tensor(n), fb.get_tensor(n)), n
 
 
-@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["dp2", "tp2"])
-def test_an_image_text_full_fine_tune_over_two_ranks_matches_one_process(qwen3_vl_dir, tmp_path, dp, tp):
+@pytest.mark.parametrize("family,dp,tp", [("qwen3_vl", 2, 1), ("qwen3_vl", 1, 2), ("qwen3_5_vl", 2, 1)],
+                         ids=["dp2", "tp2", "qwen3_5-dp2"])
+def test_an_image_text_full_fine_tune_over_two_ranks_matches_one_process(family, request, tmp_path, dp, tp):
     """Over a group (two replicas, or two tensor-parallel ranks each reading the checkpoint again
     for the FSDP run) each rank runs the frozen vision tower on its share of the datums: a step on
     datums with images gives one process's logprobs and weights, a snapshot samples its greedy
-    tokens after an image, and the sharded export is a whole Qwen3-VL checkpoint."""
+    tokens after an image, and the sharded export is a whole image-text checkpoint."""
     import transformers
 
     from tests.parallel.test_tp_vision import _with_image
@@ -149,7 +150,7 @@ def test_an_image_text_full_fine_tune_over_two_ranks_matches_one_process(qwen3_v
     try:
         results, states, sampled = [], [], []
         for w in (one, two):
-            base = w.add_base_model("m", str(qwen3_vl_dir))
+            base = w.add_base_model("m", str(request.getfixturevalue(f"{family}_dir")))
             w.create_model("full", "m", None)
             vision, cfg = base.loaded.vision, base.loaded.config.vision
             data = []
@@ -182,8 +183,8 @@ def test_an_image_text_full_fine_tune_over_two_ranks_matches_one_process(qwen3_v
         two.save_full_weights_sharded("full", tmp_path / "export", (), "export")
     finally:
         two.close()
-    _, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "export",
-                                                                           output_loading_info=True)
+    cls = transformers.Qwen3VLForConditionalGeneration if family == "qwen3_vl" else transformers.Qwen3_5ForConditionalGeneration
+    _, info = cls.from_pretrained(tmp_path / "export", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 

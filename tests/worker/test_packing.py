@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SMALL
 from tests.custom_losses.losses import LOSSES
 from tests.custom_losses.test_runtime import bound, custom_input
 from tests.models.helpers import perturbed_adapter
 from tests.worker.helpers import assert_rel_close, sft_datum
-from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.models.document_attention import DocumentAttention
 from tinsmith.models.layers import masked_attention
 from tinsmith.models.loading import load_model
@@ -96,7 +94,8 @@ def test_document_attention_refuses_bounds_that_do_not_rise_or_do_not_cover_the_
 # ----------------------------------------------------------------------------- runtime
 def _train(model_dir, packing: bool, requests_of, **kwargs):
     """Run ``requests_of(units)`` on a fresh runtime with two perturbed adapters; the results and grads."""
-    rt = TrainingRuntime(load_model(str(model_dir)).model, packing=packing, max_lora_adapters=4, max_lora_rank=8,
+    loaded = load_model(str(model_dir))
+    rt = TrainingRuntime(loaded.model, vision=loaded.vision, packing=packing, max_lora_adapters=4, max_lora_rank=8,
                          **kwargs)
     units = [perturbed_adapter(rt, LoraSpec(rank=4, seed=s), s) for s in (5, 6)]
     results = rt.forward_backward(requests_of(units))
@@ -169,15 +168,59 @@ def test_hybrid_micro_batches_stay_bounded_by_padded_tokens(qwen3_dir, qwen3_5_d
     assert hybrid.packing and not hybrid.sized_by_real_tokens
 
 
-@pytest.fixture(scope="module")
-def qwen3_vl_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl", SMALL, seed=3)
+def _with_images(model_dir):
+    """``_mixed_requests`` plus datums with an image, for the first adapter and forward only."""
+    from tests.parallel.test_tp_vision import _with_image
+
+    loaded = load_model(str(model_dir))
+
+    def requests_of(units):
+        requests = _mixed_requests(units)
+        pictured = []
+        for seed in (1, 2):
+            tokens, images = _with_image(loaded.vision, loaded.config.vision, seed)
+            pictured.append(Datum(tokens[:-1], {"target_tokens": tokens[1:],
+                                                "weights": np.ones(len(tokens) - 1, np.float32)}, images=images))
+        return [TrainRequest(units[0], ForwardBackwardInput(requests[0].input.data + pictured[:1], "cross_entropy")),
+                requests[1],
+                TrainRequest(units[1], ForwardBackwardInput(requests[2].input.data + pictured[1:], "cross_entropy",
+                                                            forward_only=True))]
+    return requests_of
 
 
-def test_image_text_model_keeps_the_padded_layout_and_trains_the_same(qwen3_vl_dir):
-    packed = _train(qwen3_vl_dir, True, _mixed_requests)
-    assert not packed[0].model.supports_packing and not packed[0].packing
-    _assert_same_training(packed, _train(qwen3_vl_dir, False, _mixed_requests))
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5_vl"])
+def test_image_text_model_packs_text_and_pads_images_and_trains_the_same(family, request, monkeypatch):
+    """A datum with images runs in a padded micro-batch of its own (its multimodal positions and
+    image features are laid out per row); the text datums of the same call are packed."""
+    from tinsmith.worker import runtime
+
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    layouts: list[tuple[bool, bool]] = []  # (packed, holds an image) per micro-batch built
+    build = runtime.build_micro_batch
+
+    def recording(rows, arrays, device, packed=False):
+        mb = build(rows, arrays, device, packed)
+        layouts.append((mb.doc_bounds is not None, any(r.padded for r in rows)))
+        return mb
+
+    monkeypatch.setattr(runtime, "build_micro_batch", recording)
+    packed = _train(model_dir, True, _with_images(model_dir))
+    assert packed[0].model.supports_packing and packed[0].packing
+    assert (True, False) in layouts and (False, True) in layouts and (True, True) not in layouts
+    _assert_same_training(packed, _train(model_dir, False, _with_images(model_dir)))
+
+
+def test_planner_keeps_padded_sequences_apart_and_sizes_them_padded():
+    seqs = [_ref(i, n, 0) for i, n in enumerate((10, 20, 30))]
+    seqs += [SequenceRef((1, i), 0, 0, n, True, padded=True) for i, n in enumerate((15, 35))]
+    groups = plan_micro_batches(seqs, max_tokens=60, max_seqs=8, packed=True)
+    assert all(len({s.padded for s in g}) == 1 for g in groups)
+    assert sorted([s.length for s in g] for g in groups if g[0].padded) == [[15], [35]]  # 2 x 35 > 60 padded (50 real tokens)
+    assert [[s.length for s in g] for g in groups if not g[0].padded] == [[10, 20, 30]]  # 60 real tokens
+    mixed = [seqs[0], seqs[3]]
+    assert batch_tokens(mixed, packed=True) == 30  # padded all the same
+    mb = build_micro_batch(mixed, [np.arange(10), np.arange(15)], torch.device("cpu"), packed=True)
+    assert mb.doc_bounds is None and mb.tokens.shape == (2, 15)
 
 
 # ----------------------------------------------------------------------------- option
@@ -189,7 +232,7 @@ def test_train_packing_option_reaches_the_runtimes(value, packs, qwen3_dir, qwen
     assert base.lora.packing is packs
     worker.create_model("full", "qwen3", None)  # a full fine-tune packs as its base model's runs do
     assert worker.placements["full"].runtime.packing is packs
-    assert worker.add_base_model("vl", str(qwen3_vl_dir)).lora.packing is False
+    assert worker.add_base_model("vl", str(qwen3_vl_dir)).lora.packing is packs  # its image datums run padded
 
 
 def test_train_packing_option_refuses_other_values():

@@ -100,7 +100,11 @@ class TinyShape:
     full_attention_interval: int = 2
 
 
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_vl", "gpt_oss", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_vl", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl",
+            "qwen3_5_moe_vl")
+# Image-text checkpoints (a vision tower, an image processor, the vision special tokens): Qwen3-VL,
+# and Qwen3.5 / Qwen3.5-MoE as released (``Qwen3_5ForConditionalGeneration``: the ``_vl`` names).
+IMAGE_TEXT = ("qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl")
 
 # The vision-language family: its tokenizer needs these specials, and images stay small.
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -152,7 +156,7 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": original},
             **{**common, "intermediate_size": shape.moe_intermediate_size},
         )
-    if family in ("qwen3_5", "qwen3_5_moe"):
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"):
         hybrid = dict(
             common, head_dim=shape.head_dim, linear_conv_kernel_dim=4,
             linear_num_key_heads=shape.linear_num_key_heads, linear_num_value_heads=shape.linear_num_value_heads,
@@ -160,14 +164,21 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
             layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
                          for i in range(shape.num_hidden_layers)],
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25})
+        if family.startswith("qwen3_5_moe"):
+            hybrid.pop("intermediate_size")
+            hybrid.update(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                          moe_intermediate_size=shape.moe_intermediate_size,
+                          shared_expert_intermediate_size=shape.moe_intermediate_size)
         if family == "qwen3_5":
             return transformers.Qwen3_5TextConfig(**hybrid)
-        hybrid.pop("intermediate_size")
-        return transformers.Qwen3_5MoeTextConfig(
-            num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-            moe_intermediate_size=shape.moe_intermediate_size,
-            shared_expert_intermediate_size=shape.moe_intermediate_size,
-            **hybrid)
+        if family == "qwen3_5_moe":
+            return transformers.Qwen3_5MoeTextConfig(**hybrid)
+        # As released: the text config nested, the rotary's multimodal sections left to the
+        # class's default, a vision tower without DeepStack.
+        hybrid.pop("tie_word_embeddings")
+        config_cls = transformers.Qwen3_5MoeConfig if family == "qwen3_5_moe_vl" else transformers.Qwen3_5Config
+        return config_cls(text_config=hybrid, vision_config=_tiny_vision(shape), tie_word_embeddings=shape.tie_word_embeddings,
+                          **_vision_token_ids(tok))
     if family == "qwen2":
         return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
     if family == "llama":
@@ -190,15 +201,23 @@ def _hf_config(family: str, shape: TinyShape, tokenizer_vocab: int, eos_id: int,
                     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": section,
                                      "mrope_interleaved": True})
         text.pop("tie_word_embeddings")
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=shape.hidden_size,
-                      num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
-        ids = {name: tok.token_to_id(t) for name, t in (
-            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+        vision = dict(_tiny_vision(shape), deepstack_visual_indexes=[0, 1])
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision,
-                                          tie_word_embeddings=shape.tie_word_embeddings, **ids)
+                                          tie_word_embeddings=shape.tie_word_embeddings, **_vision_token_ids(tok))
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+
+
+def _tiny_vision(shape: TinyShape) -> dict:
+    """A two-block vision tower's config, its output the decoder's width."""
+    return dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, out_hidden_size=shape.hidden_size, num_position_embeddings=64)
+
+
+def _vision_token_ids(tok) -> dict[str, int]:
+    """An image-text config's special token ids, as the tiny tokenizer numbers them."""
+    return {name: tok.token_to_id(t) for name, t in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
 
 
 def make_tiny_model(
@@ -223,7 +242,7 @@ def make_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if family == "qwen3_vl":
+    if family in IMAGE_TEXT:
         extra_special_tokens = tuple(extra_special_tokens) + tuple(
             t for t in VISION_SPECIAL_TOKENS if t not in extra_special_tokens)
     if family == "gpt_oss":
@@ -233,8 +252,10 @@ def make_tiny_model(
     pad_id = tok.token_to_id("<|pad|>")
     config = _hf_config(family, shape, tok.get_vocab_size(), eos_id, pad_id, tok)
     torch.manual_seed(seed)
-    if family == "qwen3_vl":
-        model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    if family in IMAGE_TEXT:
+        model = {"qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+                 "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+                 "qwen3_5_moe_vl": transformers.Qwen3_5MoeForConditionalGeneration}[family](config).to(torch.float32)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with a larger spread than HF's default so logits are not all near zero.
@@ -267,7 +288,7 @@ def make_tiny_model(
     if family == "gpt_oss":
         fast.chat_template = _HARMONY_TEMPLATE
     fast.save_pretrained(out)
-    if family == "qwen3_vl":
+    if family in IMAGE_TEXT:
         transformers.Qwen2VLImageProcessor(
             patch_size=16, merge_size=2, temporal_patch_size=2,
             size={"shortest_edge": TINY_IMAGE_MIN_PIXELS, "longest_edge": TINY_IMAGE_MAX_PIXELS},

@@ -45,6 +45,8 @@ class VisionConfig:
     merge_size: int
     temporal_patch_size: int
     raw_json: str = "{}"  # vision_config, as JSON (keeps this dataclass hashable)
+    # Which transformers vision encoder the checkpoint's tower is (see tinsmith.models.vision.TOWERS).
+    tower: str = "qwen3_vl"
 
 
 @dataclass(frozen=True)

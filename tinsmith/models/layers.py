@@ -516,13 +516,12 @@ class CausalLM(nn.Module):
     # keep them across requests (prefix caching). Models with per-row recurrent state set False.
     supports_prefix_reuse: bool = True
 
-    @property
-    def supports_packing(self) -> bool:
-        """Whether training may pack several sequences into one row with per-document attention
-        (:mod:`tinsmith.models.document_attention`; hybrid models' Gated DeltaNet layers run
-        their recurrence per document). Not image-text models, whose multimodal positions and
-        image features are laid out per padded row."""
-        return self.config.vision is None
+    # Whether training may pack several sequences into one row with per-document attention
+    # (:mod:`tinsmith.models.document_attention`; hybrid models' Gated DeltaNet layers run their
+    # recurrence per document). Every model may; a datum with images (whose multimodal positions
+    # and image features are laid out per padded row) runs padded all the same
+    # (``SequenceRef.padded``, :mod:`tinsmith.worker.batching`).
+    supports_packing: bool = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -7,6 +7,7 @@ touched once; every tensor is checked for shape and finiteness before the model 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -64,9 +65,19 @@ def resolve_model_dir(name_or_path: str) -> Path:
             raise NotFoundError(f"model {name_or_path!r} could not be fetched from the hub: {hub_err}") from hub_err
 
 
+# Where a checkpoint keeps its image processor's settings (transformers reads either).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
 def read_config(model_dir: Path) -> ModelConfig:
+    """The ModelConfig of the checkpoint in ``model_dir``. An image-text config over a directory
+    without its image processor's settings (a text fine-tune saved without them, say) serves the
+    text decoder alone: with no processor, images cannot become tokens."""
     raw = _raw_config(model_dir)
-    return family_for(raw).config(raw)
+    cfg = family_for(raw).config(raw)
+    if cfg.vision is not None and not any((model_dir / f).is_file() for f in PROCESSOR_FILES):
+        cfg = dataclasses.replace(cfg, vision=None)
+    return cfg
 
 
 def _raw_config(model_dir: Path) -> dict:
@@ -179,16 +190,21 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
             stored = name
         recipe = family_sources(name, cfg, files) if family_sources is not None else None
         if recipe is None:
-            recipe = ([stored], _single) if stored in files else expert_tensor_sources(name, num_experts, files)
+            recipe = ([stored], _single) if stored in files else (
+                expert_tensor_sources(stored, num_experts, files)  # per-expert or fused, where the decoder sits
+                or expert_tensor_sources(name, num_experts, files))  # ... or stored flat (see above)
         if recipe is None:
             missing.append(stored)
         else:
             recipes[name] = recipe
-    if cfg.vision is None:
-        skipped = [n for n in files if n.startswith(UNTRAINED_PREFIXES)]
-        if skipped:
-            log.info("%s: serving the text decoder only; %d vision-tower / multi-token-prediction tensors "
-                     "are not loaded (%s...)", model_dir.name, len(skipped), skipped[0])
+    skipped = [n for n in files if n.startswith(UNTRAINED_PREFIXES if cfg.vision is None else ("mtp.",))]
+    if skipped:
+        why = "serving the text decoder only" if cfg.vision is None else "multi-token prediction is not used"
+        if (cfg.vision is None and any(n.startswith(VISION_PREFIX) for n in skipped)
+                and not any((model_dir / f).is_file() for f in PROCESSOR_FILES)):
+            why += f" (no {' or '.join(PROCESSOR_FILES)} for its images)"
+        log.info("%s: %s; %d vision-tower / multi-token-prediction tensors are not loaded (%s...)",
+                 model_dir.name, why, len(skipped), skipped[0])
     if missing:
         raise InvalidInputError(f"checkpoint {str(model_dir)!r} lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     with ExitStack() as stack:

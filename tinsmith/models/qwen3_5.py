@@ -9,7 +9,11 @@ layer (softmax, top-k, renormalised) and adds a shared expert weighted by a sigm
 
 Released checkpoints are image-text (``Qwen3_5ForConditionalGeneration``: the decoder under
 ``model.language_model.``, a vision tower under ``model.visual.``, multi-token-prediction
-weights under ``mtp.``); the text decoder is served, the rest is left unread.
+weights under ``mtp.``). Their vision tower (transformers' own ``Qwen3_5VisionModel``, frozen)
+turns images into the features of their image tokens, as Qwen3-VL's does but without DeepStack,
+and the full-attention layers turn by multimodal RoPE (``mrope_section`` of the rotary
+frequencies, interleaved; text tokens have three equal positions, so for text it is plain
+RoPE). The multi-token-prediction weights are left unread.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ from typing import Any
 
 from tinsmith.errors import InvalidInputError
 from tinsmith.models.config import LinearAttnConfig, ModelConfig, config_from_hf
+from tinsmith.models.qwen3_vl import vision_config
 from tinsmith.models.registry import Family, register
 
 LAYER_TYPES = {"linear_attention", "full_attention"}
+# transformers' Qwen3.5 rotary turns its frequencies by these (temporal, height, width) sections
+# when config.json names none.
+DEFAULT_MROPE_SECTION = (11, 11, 10)
 
 
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -58,9 +66,12 @@ def _config(raw: dict[str, Any], family: str, moe: bool) -> ModelConfig:
                                 f"linear_attention/full_attention per layer ({base.num_layers})")
     rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
     partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+    image_text = "vision_config" in raw and "image_token_id" in raw and "vision_start_token_id" in raw
     cfg = dataclasses.replace(
         base, layer_types=layer_types, linear_attn=linear, attn_output_gate=True, norm_offset=True,
         partial_rotary_factor=partial,
+        rope=dataclasses.replace(base.rope, mrope_section=base.rope.mrope_section or DEFAULT_MROPE_SECTION),
+        vision=vision_config(raw, tower=family) if image_text else None,
         text_prefix="model.language_model." if "text_config" in raw else "model.")
     if moe:
         assert cfg.moe is not None

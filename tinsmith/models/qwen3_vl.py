@@ -16,7 +16,9 @@ from tinsmith.models.config import VisionConfig
 from tinsmith.models.registry import Family, register
 
 
-def vision_config(raw: dict[str, Any]) -> VisionConfig:
+def vision_config(raw: dict[str, Any], tower: str = "qwen3_vl") -> VisionConfig:
+    """The image side of an image-text config.json (Qwen3-VL's layout, which Qwen3.5's shares);
+    ``tower``: which vision encoder class reads its ``vision_config``."""
     vision = raw["vision_config"]
     return VisionConfig(
         image_token_id=int(raw["image_token_id"]),
@@ -25,6 +27,7 @@ def vision_config(raw: dict[str, Any]) -> VisionConfig:
         merge_size=int(vision.get("spatial_merge_size", 2)),
         temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
         raw_json=json.dumps(vision, sort_keys=True),
+        tower=tower,
     )
 
 

@@ -2,8 +2,9 @@
 
 An image in a model input becomes ``count`` copies of the model's image token, where ``count``
 is what the checkpoint's own image processor says (patch size, merge size, min/max pixels);
-the frozen vision tower (transformers' ``Qwen3VLVisionModel``) turns the processor's patches into
-one embedding per copy, plus DeepStack features. Positions follow Qwen3-VL's ``get_rope_index``:
+the frozen vision tower (transformers' own encoder of the family, :data:`TOWERS`) turns the
+processor's patches into one embedding per copy, plus DeepStack features where the family has
+them (Qwen3-VL; Qwen3.5's tower has none). Positions follow Qwen3-VL's ``get_rope_index``:
 text runs count up on all three axes; an image's tokens sit on a (temporal, height, width) grid
 starting at the running position, which then moves on by ``max(height, width)`` merged patches.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,22 @@ from PIL import Image
 from tinsmith.models.config import VisionConfig
 from tinsmith.models.layers import VisualFeatures
 from tinsmith.types import ImageInput
+
+
+# VisionConfig.tower -> (transformers module, its vision config class, its vision encoder class).
+TOWERS = {
+    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionConfig", "Qwen3VLVisionModel"),
+    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5VisionConfig", "Qwen3_5VisionModel"),
+    "qwen3_5_moe": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeVisionConfig",
+                    "Qwen3_5MoeVisionModel"),
+}
+
+
+def tower_classes(tower: str) -> tuple[type, type]:
+    """The vision config and encoder classes of ``tower`` (imported when first needed)."""
+    module, config_cls, model_cls = TOWERS[tower]
+    m = importlib.import_module(module)
+    return getattr(m, config_cls), getattr(m, model_cls)
 
 
 @dataclass
@@ -44,13 +62,13 @@ class VisionTower:
                  device: torch.device, dtype: torch.dtype):
         # From its module: transformers 5.17's lazy top-level name wrongly demands torchvision.
         from transformers.models.auto.image_processing_auto import AutoImageProcessor
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionConfig, Qwen3VLVisionModel
 
         self.cfg = cfg
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
-        config = Qwen3VLVisionConfig(**json.loads(cfg.raw_json))
+        config_cls, model_cls = tower_classes(cfg.tower)
+        config = config_cls(**json.loads(cfg.raw_json))
         config._attn_implementation = "sdpa"
-        model = Qwen3VLVisionModel(config)
+        model = model_cls(config)
         model.load_state_dict(weights, strict=True)
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.device, self.dtype = device, dtype
@@ -74,8 +92,12 @@ class VisionTower:
         batch = self.processor(images=pil, return_tensors="pt")
         grid = batch["image_grid_thw"].to(self.device)
         out = self.model(batch["pixel_values"].to(self.device, self.dtype), grid_thw=grid)
-        # transformers 5 returns a ModelOutput; 4.57 returned (merged, deepstack).
-        merged, deepstack = (out[0], out[1]) if isinstance(out, tuple) else (out.pooler_output, out.deepstack_features)
+        # transformers 5 returns a ModelOutput (Qwen3.5's without DeepStack features); 4.57 returned
+        # (merged, deepstack).
+        if isinstance(out, tuple):
+            merged, deepstack = out[0], out[1]
+        else:
+            merged, deepstack = out.pooler_output, getattr(out, "deepstack_features", None) or []
         sizes = (grid.prod(-1) // self.cfg.merge_size ** 2).tolist()
         embeds = merged.split(sizes)
         layers = [feat.split(sizes) for feat in deepstack]

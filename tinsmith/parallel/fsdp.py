@@ -419,7 +419,7 @@ class FsdpTrainingRuntime(TrainingRuntime):
                 prepared[("req", r)] = self._prepare(req)
             except TinsmithError as exc:  # every rank refuses alike: the same requests, the same checks
                 results[r] = exc
-        refs = [SequenceRef(key, d, None, len(t), needs_grad=not prep.forward_only)
+        refs = [SequenceRef(key, d, None, len(t), needs_grad=not prep.forward_only, padded=bool(prep.images[d]))
                 for key, prep in prepared.items() for d, t in enumerate(prep.tokens)]
         try:
             lps, refused = self._run_share(refs, prepared)

@@ -14,7 +14,9 @@ Layout rules, chosen for speed and for exactness:
 Packed layout (``packed=True``, for models that can run per document, see
 ``CausalLM.supports_packing``): the micro-batch is one row of the sequences laid end to end,
 positions restarting at 0 for each, with ``doc_bounds`` for a document-causal attention
-backend. Padding then costs nothing, and micro-batches are bounded by real tokens.
+backend. Padding then costs nothing, and micro-batches are bounded by real tokens. Sequences
+marked ``padded`` (a datum with images: an image-text model lays its multimodal positions and
+image features out per row) never share a micro-batch with the others and run right-padded.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class SequenceRef:
     slot: int | None  # adapter slot (None = base model / full fine-tune unit)
     length: int
     needs_grad: bool
+    padded: bool = False  # must run in a right-padded row of its own, even when packing (images)
 
 
 @dataclass
@@ -57,8 +60,9 @@ class MicroBatch:
 
 
 def batch_tokens(rows: list[SequenceRef], packed: bool) -> int:
-    """Tokens a micro-batch of ``rows`` computes: their sum packed, rows times the longest padded."""
-    if packed:
+    """Tokens a micro-batch of ``rows`` computes: their sum packed, rows times the longest padded
+    (as a micro-batch of ``padded`` sequences always is)."""
+    if packed and not any(r.padded for r in rows):
         return sum(r.length for r in rows)
     return len(rows) * max(r.length for r in rows)
 
@@ -68,16 +72,18 @@ def plan_micro_batches(seqs: list[SequenceRef], max_tokens: int, max_seqs: int,
     """Group sequences into micro-batches of at most ``max_tokens`` tokens (padded, or real when
     ``packed``) and ``max_seqs`` sequences.
 
-    A single sequence longer than ``max_tokens`` gets a micro-batch of its own.
+    A single sequence longer than ``max_tokens`` gets a micro-batch of its own. ``padded``
+    sequences are grouped apart, by their padded size.
     """
     groups: list[list[SequenceRef]] = []
-    for needs_grad in (True, False):
-        part = sorted((s for s in seqs if s.needs_grad == needs_grad), key=lambda s: (s.length, s.request, s.datum))
+    for needs_grad, padded in ((True, False), (True, True), (False, False), (False, True)):
+        part = sorted((s for s in seqs if s.needs_grad == needs_grad and s.padded == padded),
+                      key=lambda s: (s.length, s.request, s.datum))
         cur: list[SequenceRef] = []
         size = 0  # tokens of ``cur`` with ``s`` added
         for s in part:
             # Sorted ascending, so the new sequence sets the padded width.
-            size = size + s.length if packed else (len(cur) + 1) * s.length
+            size = size + s.length if packed and not padded else (len(cur) + 1) * s.length
             if cur and (size > max_tokens or len(cur) + 1 > max_seqs):
                 groups.append(cur)
                 cur, size = [], s.length
@@ -101,11 +107,12 @@ def _segments(slots: list[int | None], bounds: list[int]) -> Segments:
 
 def build_micro_batch(rows: list[SequenceRef], token_arrays: list[np.ndarray], device: torch.device,
                       packed: bool = False) -> MicroBatch:
-    """Materialise one micro-batch. ``token_arrays[i]`` holds the tokens of ``rows[i]``."""
+    """Materialise one micro-batch. ``token_arrays[i]`` holds the tokens of ``rows[i]``; packed
+    unless asked not to or a row is ``padded``."""
     order = sorted(range(len(rows)), key=lambda i: (-1 if rows[i].slot is None else rows[i].slot, i))
     rows = [rows[i] for i in order]
     arrays = [token_arrays[i] for i in order]
-    if packed:
+    if packed and not any(r.padded for r in rows):
         return _packed_micro_batch(rows, arrays, device)
     b, L = len(rows), max(r.length for r in rows)
     tokens = np.zeros((b, L), dtype=np.int64)

@@ -371,7 +371,8 @@ class TrainingRuntime:
             except TinsmithError as e:
                 p.results[r] = e
         for r, prep in p.prepared.items():
-            p.todo.extend(SequenceRef((p.id, r), d, prep.unit.slot, len(t), needs_grad=not prep.forward_only)
+            p.todo.extend(SequenceRef((p.id, r), d, prep.unit.slot, len(t), needs_grad=not prep.forward_only,
+                                      padded=bool(prep.images[d]))
                           for d, t in enumerate(prep.tokens))
         if p.prepared:
             p.unit = next(iter(p.prepared.values())).unit
