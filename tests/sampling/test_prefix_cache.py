@@ -405,3 +405,84 @@ def test_hybrid_models_share_a_prompt_admitted_together_but_keep_no_blocks(qwen3
     assert shared.stats["prefills"] == 1 and alone.stats["prefills"] == 3
     assert len(shared.prefix) == 0
     assert_same(got, want)
+
+
+def _image_prompt(loaded, text_seed: int, image_seed: int):
+    """Text, an image, text: the expanded prompt tokens and the image placed at its tokens."""
+    from tests.models.test_qwen3_vl import image
+    from tinsmith.models.vision import expand_tokens
+    from tinsmith.types import ImageInput
+
+    vt, vcfg = loaded.vision, loaded.config.vision
+    text = np.array(tokens(text_seed, 6) + [vcfg.vision_start_token_id] + tokens(text_seed + 1, 4), dtype=np.int64)
+    im = image(96, 64, position=7, seed=image_seed)  # 3 x 2 merged patches: the rope delta is -3
+    expanded, starts = expand_tokens(text, [im], [vt.num_tokens(im.width, im.height)], vcfg.image_token_id)
+    return np.asarray(expanded), [ImageInput(**{**im.__dict__, "position": starts[0]})]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5_vl"])
+def test_separate_requests_of_one_image_prompt_share_its_prefill(family, request):
+    """GRPO's separate requests of one prompt with an image, admitted together: one prefill, its
+    image encoded once, each request's result that of running it alone; an equal prompt with
+    another image is prefilled on its own; a later admission of the prompt computes it again
+    (image prompts are not kept: their states hold positions on the image's grid)."""
+    from tinsmith.models.loading import load_model
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    loaded = load_model(str(request.getfixturevalue(f"{family}_dir")))
+    prompt, images = _image_prompt(loaded, 1, image_seed=1)
+    _, other = _image_prompt(loaded, 1, image_seed=2)
+
+    def tasks(tag: str) -> list:
+        out = [SampleTask(f"{tag}{i}", None, SampleInput(prompt, 1, SamplingParams(max_tokens=5, temperature=1.0,
+                                                                                   seed=i, stop=[]),
+                                                         prompt_images=images)) for i in range(4)]
+        out.append(SampleTask(f"{tag}other", None, SampleInput(prompt, 1, SamplingParams(max_tokens=5, temperature=1.0,
+                                                                                         seed=0, stop=[]),
+                                                               prompt_images=other)))
+        return out
+
+    want = {}
+    for t in tasks("r"):
+        want.update(results(Sampler(loaded.model, lambda ids: "", vision=loaded.vision), [t]))
+    sampler = Sampler(loaded.model, lambda ids: "", vision=loaded.vision)
+    encoded = []
+    encode = loaded.vision.encode
+    loaded.vision.encode = lambda ims: encoded.append(len(ims)) or encode(ims)
+    try:
+        got = results(sampler, tasks("r"))
+        assert_same(got, want)
+        assert sampler.stats["prefills"] == 2 and sum(encoded) == 2
+        assert got["r0"].sequences[0].tokens.tolist() != got["r1"].sequences[0].tokens.tolist()  # really sampled
+        assert got["r0"].sequences[0].tokens.tolist() != got["rother"].sequences[0].tokens.tolist()
+        again = results(sampler, tasks("r")[:1])
+        assert_same(again, {"r0": want["r0"]})
+        assert sampler.stats["prefills"] == 3 and sum(encoded) == 3
+    finally:
+        loaded.vision.encode = encode
+
+
+def test_text_prompts_queued_with_an_image_prompt_still_read_the_cache(qwen3_vl_dir):
+    """A prefill with an image prompt computes every prompt whole, so text prompts queued beside
+    one are admitted in a prefill of their own, which reads the prefix cache."""
+    from tinsmith.models.loading import load_model
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    loaded = load_model(str(qwen3_vl_dir))
+    prompt, images = _image_prompt(loaded, 3, image_seed=1)
+    head = tokens(30, 2 * BLOCK + 4)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[])
+
+    def batch() -> list:
+        return [SampleTask("image", None, SampleInput(prompt, 1, params, prompt_images=images)),
+                SampleTask("text", None, SampleInput(np.asarray(head + tokens(31, 5)), 1, params))]
+
+    plain = Sampler(loaded.model, lambda ids: "", vision=loaded.vision, prefix_cache_bytes=0)
+    want = results(plain, batch())
+    sampler = Sampler(loaded.model, lambda ids: "", vision=loaded.vision)
+    results(sampler, [SampleTask("warm", None, SampleInput(np.asarray(head + tokens(32, 3)), 1, params))])
+    got = results(sampler, batch())
+    assert_same(got, want)
+    assert got["text"].prompt_cache_hit_tokens == 2 * BLOCK and got["image"].prompt_cache_hit_tokens == 0

@@ -545,6 +545,11 @@ class Sampler:
         leads: dict[tuple, list[np.ndarray]] = {}
         while self.inbox:
             task = self.inbox[0]
+            if batch and bool(task.input.prompt_images) != bool(batch[0].task.input.prompt_images):
+                # Image prompts are prefilled whole (positions on their images' grids), and a prefill
+                # with any of them computes every prompt whole: text prompts go in a prefill of their
+                # own, which reads the prefix cache.
+                break
             n = task.input.num_samples
             key = self._share_key(task)
             P = 0 if key is not None and key in shared else len(task.input.prompt)
@@ -606,7 +611,7 @@ class Sampler:
             tokens += P
             if key is not None:
                 shared.add(key)
-                if P and len(task.input.prompt) >= BRANCH_MIN_TOKENS:
+                if P and len(task.input.prompt) >= BRANCH_MIN_TOKENS and self._keeps_prompts(task):
                     prompt = np.asarray(task.input.prompt, dtype=np.int64)
                     leads.setdefault((key[0], prompt[:BRANCH_MIN_TOKENS].tobytes()), []).append(prompt)
         return batch
@@ -621,7 +626,7 @@ class Sampler:
         request waits at most once, so the queue always moves."""
         inp = task.input
         if (key is None or not self.prefix.enabled or id(task) in self._waited or _needs_prompt_logits(inp)
-                or len(inp.prompt) <= BRANCH_MIN_TOKENS):
+                or len(inp.prompt) <= BRANCH_MIN_TOKENS or not self._keeps_prompts(task)):
             return False
         mine = np.asarray(inp.prompt, dtype=np.int64)
         others = leads.get((key[0], mine[:BRANCH_MIN_TOKENS].tobytes()), [])
@@ -702,6 +707,8 @@ class Sampler:
         fresh = [u for u in range(len(unique)) if u not in kept]
         self._branch_heads([unique[u] for u in fresh])
         out = self._forward_prompts([unique[u] for u in fresh]) if fresh else None
+        for st, u in zip(batch, lead):  # a request sharing another's prefill: its multimodal positions too
+            st.rope_delta = unique[u].rope_delta
         at = {u: i for i, u in enumerate(fresh)}  # unique index -> its row in this prefill
         L = max([out.lens[i] for i in range(len(fresh))] + [snap.length for snap in kept.values()])
         self.stats["prefills"] += len(fresh)
@@ -800,7 +807,7 @@ class Sampler:
             return kept
         for u, st in enumerate(unique):
             key = self._share_key(st.task)
-            if key is None or _needs_prompt_logits(st.task.input):
+            if key is None or _needs_prompt_logits(st.task.input) or not self._keeps_prompts(st.task):
                 continue
             snap = self._whole_from_tail(st.task, key) if self.prefix.enabled else self.snapshots.get(key)
             if snap is not None:
@@ -841,7 +848,7 @@ class Sampler:
             return
         for i, st in enumerate(states):
             key = self._share_key(st.task)
-            if key is None or _needs_prompt_logits(st.task.input):
+            if key is None or _needs_prompt_logits(st.task.input) or not self._keeps_prompts(st.task):
                 continue
             if out.states is not None:
                 self.snapshots.put(key, PromptSnapshot.of(out.kv, out.states, i, out.last_logits[i], out.lens[i]))
@@ -1040,7 +1047,7 @@ class Sampler:
         None when there is none or it cannot be used (prompt logprobs asked, images, chunks off)."""
         key = self._share_key(task)
         if (not self.snapshots.enabled or key is None or not self.model.supports_prefix_reuse
-                or _needs_prompt_logits(task.input)):
+                or _needs_prompt_logits(task.input) or not self._keeps_prompts(task)):
             return None
         if self.prefix.enabled:
             return self._kept_tail(task, key)
@@ -1116,7 +1123,7 @@ class Sampler:
         of it (or, on hybrid models, of prompts extending it), unless the weights changed meanwhile."""
         key = self._share_key(c.state.task)
         if (not self.snapshots.enabled or key is None or key[0] != c.started
-                or _needs_prompt_logits(c.state.task.input)):
+                or _needs_prompt_logits(c.state.task.input) or not self._keeps_prompts(c.state.task)):
             return
         kv = {layer: (c.kv[i, 0], c.kv[i, 1]) for layer, i in self._kv_index.items()}
         if c.recurrent is not None:
@@ -1143,13 +1150,25 @@ class Sampler:
 
     def _share_key(self, task: SampleTask) -> tuple | None:
         """Requests with equal keys in one admission share a prefill; None: this one never shares.
+        ``(weights, prompt logprobs asked, prompt tokens, images)``: an image prompt's K/V depend
+        on its images too, so they are in its key, each with its place (``()`` for text).
 
-        Image prompts never share (their K/V depend on the images too), and nothing shares when
-        the prefix cache is off (``prefix_cache_bytes=0``: every request prefilled on its own)."""
+        Nothing shares when the prefix cache is off (``prefix_cache_bytes=0``: every request
+        prefilled on its own). Only text prompts are kept past their admission (prompt states,
+        prefix blocks: :meth:`_keeps_prompts`)."""
         inp = task.input
-        if inp.prompt_images or not self.share_prompts:
+        if not self.share_prompts:
             return None
-        return (self._weights_of(task.slot), _needs_prompt_logits(inp), np.asarray(inp.prompt).tobytes())
+        images = tuple((im.position, im.data) for im in inp.prompt_images)
+        return (self._weights_of(task.slot), _needs_prompt_logits(inp), np.asarray(inp.prompt).tobytes(), images)
+
+    @staticmethod
+    def _keeps_prompts(task: SampleTask) -> bool:
+        """Whether ``task``'s prompt may be kept past its admission, or continue a kept one: not an
+        image prompt, whose positions follow its images' grids (the kept states and blocks are
+        keyed by tokens; an image prompt shares a prefill only with equal requests admitted
+        with it)."""
+        return not task.input.prompt_images
 
     def _forward_prompts(self, states: list[_TaskState]) -> _Prefilled:
         """One forward pass over the prompts of ``states`` (sorted by slot), reading and filling
