@@ -9,7 +9,7 @@ known: each attention layer's K/V, each linear layer's convolution inputs and de
 and the logits after the last token. This cache keeps those, least recently used evicted first,
 so a prompt sent again is not prefilled again.
 
-Keys are the sampler's share keys (weights version, prompt tokens), compared whole: a stale
+Keys are the sampler's share keys (weights version, prompt tokens, images), compared whole: a stale
 weights version is never looked up again and ages out. A prompt that *extends* a kept one (the
 next turn of a conversation, which repeats the earlier turns) continues from the kept one's
 states (:meth:`PromptSnapshots.longest_prefix`): only its new tokens are prefilled.
@@ -105,12 +105,13 @@ class PromptSnapshots:
         return self.entries.get(key)
 
     def longest_prefix(self, weights: Hashable, prompt: bytes) -> PromptSnapshot | None:
-        """The longest kept prompt that ``prompt`` (token bytes) starts with or equals, computed
-        by ``weights`` and kept without prompt logits (keys as the sampler's share keys)."""
+        """The longest kept text prompt that ``prompt`` (token bytes) starts with or equals,
+        computed by ``weights`` and kept without prompt logits (keys as the sampler's share keys:
+        weights, prompt logits asked, tokens, images)."""
         best = None
         for key in self.entries:
-            w, logits, tokens = key  # type: ignore[misc]
-            if (w == weights and not logits and len(tokens) <= len(prompt)
+            w, logits, tokens, images = key  # type: ignore[misc]
+            if (w == weights and not logits and not images and len(tokens) <= len(prompt)
                     and (best is None or len(tokens) > len(best[2])) and prompt.startswith(tokens)):
                 best = key
         return None if best is None else self.get(best)

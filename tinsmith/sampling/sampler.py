@@ -770,7 +770,8 @@ class Sampler:
         # Prompts (kept ones and this prefill's) by weights and first BRANCH_MIN_TOKENS tokens: only
         # those that agree on these can share enough.
         lead: dict[tuple, list[np.ndarray]] = {}
-        kept = [(w, np.frombuffer(t, dtype=np.int64)) for w, logits, t in list(self.snapshots.entries) if not logits]
+        kept = [(w, np.frombuffer(t, dtype=np.int64)) for w, logits, t, images in list(self.snapshots.entries)
+                if not logits and not images]
         for w, t in kept + [(keys[id(st)][0], tokens[id(st)]) for st in states if keys[id(st)] is not None]:
             if len(t) >= BRANCH_MIN_TOKENS:
                 lead.setdefault((w, t[:BRANCH_MIN_TOKENS].tobytes()), []).append(t)
@@ -782,7 +783,7 @@ class Sampler:
             others = [t for t in lead.get((key[0], mine[:BRANCH_MIN_TOKENS].tobytes()), []) if t is not mine]
             shared = min(max((_common_prefix(mine, t) for t in others), default=0), len(mine) - 1)
             if shared >= BRANCH_MIN_TOKENS:
-                branches.setdefault((key[0], False, mine[:shared].tobytes()), []).append(st)
+                branches.setdefault((key[0], False, mine[:shared].tobytes(), ()), []).append(st)
         if not branches:
             return
         firsts = [members[0] for members in branches.values()]
