@@ -10,9 +10,12 @@ relative to the working directory as local. Recipes run from a folder holding
   so RL groups get mixed rewards;
 * ``Qwen/Qwen3.5-9B/`` (the "teacher" of on-policy distillation): the same tokenizer and shape
   with plain random weights, so the student/teacher KL is not zero;
+* ``Qwen/Qwen3.5-397B-A17B/`` (the vision-language classifier's default): a tiny image-text
+  Qwen3.5-MoE (a vision tower, an image processor) with the same chat specials;
 * small JSONL datasets with the columns each recipe reads: ``HuggingFaceH4/no_robots``,
   ``openai/gsm8k`` (config ``main``), ``Anthropic/hh-rlhf``, ``zwhe99/DeepMath-103K``,
-  ``allenai/tulu-3-sft-mixture`` and ``Salesforce/wikitext`` (config ``wikitext-103-raw-v1``);
+  ``allenai/tulu-3-sft-mixture`` and ``Salesforce/wikitext`` (config ``wikitext-103-raw-v1``),
+  and ``dpdl-benchmark/caltech101`` as an image folder (``train``/``test``, a folder per class);
 
 run unmodified and offline. The server serves the same folders under the same names
 (``--model-alias Qwen/Qwen3.5-9B-Base=<mirror>/Qwen/Qwen3.5-9B-Base`` ...).
@@ -44,13 +47,16 @@ WARM_START = HERE / "scripts" / "warm_start.py"
 SHAPE = TinyShape(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
 SPECIALS = QWEN_CHAT_SPECIAL_TOKENS + LLAMA3_SPECIAL_TOKENS
+# The image-text model: head_dim 32 gives its quarter-width rotary one frequency per multimodal axis.
+VLM_SHAPE = TinyShape(**{**SHAPE.__dict__, "head_dim": 32})
 
 STUDENT = "Qwen/Qwen3.5-9B-Base"
 # Served by the student's weights: the recipes' default ids (rl_numerics_check and the rubric
 # grader default to Qwen3.6-35B-A3B).
 STUDENT_ALIASES = ("Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-4B", "Qwen/Qwen3.6-35B-A3B")
 TEACHER = "Qwen/Qwen3.5-9B"
-MODEL_IDS = (*STUDENT_ALIASES, TEACHER)
+VLM = "Qwen/Qwen3.5-397B-A17B"
+MODEL_IDS = (*STUDENT_ALIASES, TEACHER, VLM)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 _WORDS = ("the a and to of in on with from up down small large fast slow red blue green one two three "
@@ -67,7 +73,7 @@ def _key(*parts: object, files: tuple[Path, ...] = ()) -> str:
 
 def models_key() -> str:
     """The tiny models depend on the factory, the warm start, the shape and the pinned versions."""
-    return _key(SHAPE, SPECIALS, sorted(main_pins().items()), files=(Path(tiny_model.__file__), WARM_START))
+    return _key(SHAPE, VLM_SHAPE, SPECIALS, sorted(main_pins().items()), files=(Path(tiny_model.__file__), WARM_START))
 
 
 def mirror_key() -> str:
@@ -139,11 +145,32 @@ def write_datasets(root: Path, seed: int = 0) -> None:
     _write_dataset(root, "Salesforce/wikitext", {
         split: [{"text": (" " + _sentence(rng, 8, 30) + "\n") if i % 3 else ""} for i in range(n)]
         for split, n in (("train", 512), ("validation", 32), ("test", 32))}, config="wikitext-103-raw-v1")
+    _write_image_folder(root / "dpdl-benchmark/caltech101", rng)
+
+
+# vlm_classifier dataset=caltech101: class names as the real one spells them (the recipe cleans
+# "_", "." and "-" out of them), each class its own colour.
+IMAGE_CLASSES = {"Motorbikes": (200, 30, 30), "red_panda": (30, 160, 40), "yin.yang": (40, 40, 220)}
+
+
+def _write_image_folder(d: Path, rng: random.Random) -> None:
+    """``train/<class>/*.png`` and ``test/<class>/*.png``: what ``datasets``' image folder loader
+    reads as an ``image`` column and a ``label`` class column."""
+    from PIL import Image
+
+    for split, n in (("train", 4), ("test", 2)):
+        for name, colour in IMAGE_CLASSES.items():
+            (d / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                size = (rng.randint(40, 120), rng.randint(40, 120))
+                shade = tuple(min(255, c + rng.randint(0, 30)) for c in colour)
+                Image.new("RGB", size, shade).save(d / split / name / f"{i}.png")
 
 
 # ------------------------------------------------------------------------------------------ models
 def write_models(root: Path, cookbook_python: Path) -> None:
-    """``root/student`` (warm-started) and ``root/teacher`` (random), sharing one tokenizer."""
+    """``root/student`` (warm-started) and ``root/teacher`` (random), sharing one tokenizer, and
+    ``root/vlm`` (random, image-text, with the same chat specials)."""
     student = root / "student"
     make_tiny_model(student, "qwen3", SHAPE, seed=1, extra_special_tokens=SPECIALS)
     tok = json.loads((student / "tokenizer.json").read_text())
@@ -151,6 +178,7 @@ def write_models(root: Path, cookbook_python: Path) -> None:
     vocab = json.loads((student / "config.json").read_text())["vocab_size"]
     assert top < vocab, f"tokenizer ids up to {top} but the model's vocabulary is {vocab}"
     shutil.copytree(student, root / "teacher")  # the raw random weights, before the warm start
+    make_tiny_model(root / "vlm", "qwen3_5_moe_vl", VLM_SHAPE, seed=3, extra_special_tokens=SPECIALS)
     proc = subprocess.run([str(cookbook_python), str(WARM_START), str(student)], capture_output=True, text=True,
                           timeout=1800)
     if proc.returncode != 0:
@@ -189,6 +217,7 @@ def ensure_mirror(cookbook_python: Path) -> Path:
         for alias in STUDENT_ALIASES:
             shutil.copytree(models / "student", d / alias)
         shutil.copytree(models / "teacher", d / TEACHER)
+        shutil.copytree(models / "vlm", d / VLM)
 
     return _build_once(COMPAT_DIR / f"mirror-{mirror_key()}", build)
 
@@ -208,5 +237,5 @@ def server_args(mirror: Path) -> tuple[Path, list[str]]:
     args: list[str] = []
     for alias in STUDENT_ALIASES:
         args += ["--model-alias", f"{alias}={base}"]
-    args += ["--model-alias", f"{TEACHER}={mirror / TEACHER}"]
+    args += ["--model-alias", f"{TEACHER}={mirror / TEACHER}", "--model-alias", f"{VLM}={mirror / VLM}"]
     return base, args

@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-from tests.compat.helpers import base_model_sampling_sessions
-from tests.compat.mirror import STUDENT, TEACHER
+from tests.compat.helpers import Run, base_model_sampling_sessions
+from tests.compat.mirror import STUDENT, TEACHER, VLM
 
 pytestmark = pytest.mark.compat
 
@@ -182,3 +182,26 @@ def test_decisions_sample_decision(cookbook):
     z = sum(math.exp(v) for v in ref.values())
     for label, p in probs.items():
         assert abs(p - math.exp(ref[label]) / z) < 1e-4, (label, p, ref)
+
+
+def test_vlm_classifier_on_an_image_text_qwen3_5(cookbook, tmp_path, check_final_checkpoint):
+    """vlm_classifier (its defaults: Qwen3.5-397B-A17B, renderer qwen3_5_disable_thinking) on the
+    (mirrored) caltech101 image folder: the cookbook's renderer turns each photo into an image
+    chunk whose token count its own image processor computed (a text-only model, or a count that
+    differs from the server's, is a 400 and the run fails), supervised.train runs cross_entropy
+    on them, and the sampling evaluator classifies test photos."""
+    run = cookbook("tinker_cookbook.recipes.vlm_classifier.train", f"experiment_dir={tmp_path}", "dataset=caltech101",
+                   "batch_size=4", "max_steps=3", "lora_rank=4", "learning_rate=1e-2", "eval_every=2", "save_every=2",
+                   "n_eval=4", "max_tokens=8", "behavior_if_log_dir_exists=delete", pass_log_path=False)
+    (metrics,) = tmp_path.rglob("metrics.jsonl")
+    run = Run(metrics.parent, run.output)
+    assert f"-{VLM.replace('/', '-')}-" in metrics.parent.name  # the recipe's default model
+    rows = run.check_metrics(keys=("train_mean_nll", "num_loss_tokens"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    nll = run.column("train_mean_nll")
+    assert nll[-1] < nll[0], f"NLL did not fall over 3 steps at lr 1e-2: {nll}"
+    assert run.column("test/nll"), "the NLL evaluator (forward over test photos) logged nothing"
+    accuracy = [v for r in run.metrics for k, v in r.items() if k.endswith("accuracy")]
+    assert accuracy and all(0.0 <= a <= 1.0 for a in accuracy), run.metrics  # the evaluator sampled after images
+    ck = run.check_checkpoints(["000002", "final"], sampler={"final"})
+    check_final_checkpoint(ck[-1], base_model=VLM)
