@@ -424,8 +424,9 @@ def _image_prompt(loaded, text_seed: int, image_seed: int):
 def test_separate_requests_of_one_image_prompt_share_its_prefill(family, request):
     """GRPO's separate requests of one prompt with an image, admitted together: one prefill, its
     image encoded once, each request's result that of running it alone; an equal prompt with
-    another image is prefilled on its own; a later admission of the prompt computes it again
-    (image prompts are not kept: their states hold positions on the image's grid)."""
+    another image is prefilled on its own; a later admission of the prompt (requests arriving
+    over several scheduler steps) seeds its rows from the kept prefill and its rope delta, and
+    an adapter's request of it (other weights) computes it again."""
     from tinsmith.models.loading import load_model
     from tinsmith.sampling.sampler import Sampler, SampleTask
     from tinsmith.types import SampleInput, SamplingParams
@@ -458,6 +459,10 @@ def test_separate_requests_of_one_image_prompt_share_its_prefill(family, request
         assert got["r0"].sequences[0].tokens.tolist() != got["rother"].sequences[0].tokens.tolist()
         again = results(sampler, tasks("r")[:1])
         assert_same(again, {"r0": want["r0"]})
+        assert sampler.stats["prefills"] == 2 and sum(encoded) == 2
+        assert again["r0"].prompt_cache_hit_tokens == len(prompt)
+        random_adapter(loaded.model, SNAP_A, seed=3)
+        results(sampler, [SampleTask(t.key, SNAP_A, t.input) for t in tasks("a")[:1]])
         assert sampler.stats["prefills"] == 3 and sum(encoded) == 3
     finally:
         loaded.vision.encode = encode

@@ -14,6 +14,10 @@ weights version is never looked up again and ages out. A prompt that *extends* a
 next turn of a conversation, which repeats the earlier turns) continues from the kept one's
 states (:meth:`PromptSnapshots.longest_prefix`): only its new tokens are prefilled.
 
+A prompt with images is kept whole on any model (its K/V sit at positions on its images' grids,
+which the block cache, keyed by tokens, cannot tell apart), with its rope delta, and only a
+prompt with the same tokens and the same images at the same places reuses it.
+
 Dense models keep less: the block prefix cache holds a prompt's full blocks already, so a
 snapshot keeps only what those blocks lack, the K/V of the positions past the last full block
 (its *tail*, ``start`` onwards) and the logits after the last token. Without it an admission of
@@ -49,6 +53,8 @@ class PromptSnapshot:
     start: int = 0
     tail: torch.Tensor | None = None
     pages: list[int] = field(default_factory=list)
+    # An image prompt's multimodal RoPE offset (its rows decode at position + rope_delta).
+    rope_delta: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -60,11 +66,13 @@ class PromptSnapshot:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @classmethod
-    def of(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], states: PrefillStates, prompt: int,
-           last_logits: torch.Tensor, length: int) -> PromptSnapshot:
-        """Copies of prompt ``prompt``'s part of a prefill (K/V trimmed to its ``length``)."""
+    def of(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], states: PrefillStates | None, prompt: int,
+           last_logits: torch.Tensor, length: int, rope_delta: int = 0) -> PromptSnapshot:
+        """Copies of prompt ``prompt``'s part of a prefill (K/V trimmed to its ``length``; a hybrid
+        model's states too), whole: what a hybrid model keeps, and any model of an image prompt."""
         return cls({layer: (k[prompt, :, :length].clone(), v[prompt, :, :length].clone()) for layer, (k, v) in kv.items()},
-                   states.select(prompt), last_logits.detach().clone(), length)
+                   None if states is None else states.select(prompt), last_logits.detach().clone(), length,
+                   rope_delta=rope_delta)
 
     @classmethod
     def tail_of(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], prompt: int, last_logits: torch.Tensor,

@@ -808,7 +808,13 @@ class Sampler:
             return kept
         for u, st in enumerate(unique):
             key = self._share_key(st.task)
-            if key is None or _needs_prompt_logits(st.task.input) or not self._keeps_prompts(st.task):
+            if key is None or _needs_prompt_logits(st.task.input):
+                continue
+            if not self._keeps_prompts(st.task):
+                snap = self._kept_image_prompt(st.task, key, mark=True)
+                if snap is not None:
+                    kept[u] = snap
+                    st.cached_tokens, st.rope_delta = snap.length, snap.rope_delta
                 continue
             snap = self._whole_from_tail(st.task, key) if self.prefix.enabled else self.snapshots.get(key)
             if snap is not None:
@@ -849,7 +855,11 @@ class Sampler:
             return
         for i, st in enumerate(states):
             key = self._share_key(st.task)
-            if key is None or _needs_prompt_logits(st.task.input) or not self._keeps_prompts(st.task):
+            if key is None or _needs_prompt_logits(st.task.input):
+                continue
+            if not self._keeps_prompts(st.task):  # an image prompt: whole, with its rope delta
+                self.snapshots.put(key, PromptSnapshot.of(out.kv, out.states, i, out.last_logits[i], out.lens[i],
+                                                          st.rope_delta))
                 continue
             if out.states is not None:
                 self.snapshots.put(key, PromptSnapshot.of(out.kv, out.states, i, out.last_logits[i], out.lens[i]))
@@ -1044,11 +1054,14 @@ class Sampler:
 
     def _kept_head(self, task: SampleTask) -> PromptSnapshot | None:
         """On hybrid models, the longest kept prompt ``task``'s prompt equals or extends; on dense
-        ones, the kept tail of this very prompt (see :mod:`tinsmith.sampling.prompt_states`).
-        None when there is none or it cannot be used (prompt logprobs asked, images, chunks off)."""
+        ones, the kept tail of this very prompt; for an image prompt, its own kept whole prefill
+        (see :mod:`tinsmith.sampling.prompt_states`). None when there is none or it cannot be used
+        (prompt logprobs asked, chunks off)."""
         key = self._share_key(task)
+        if not self._keeps_prompts(task):
+            return self._kept_image_prompt(task, key, mark=False)
         if (not self.snapshots.enabled or key is None or not self.model.supports_prefix_reuse
-                or _needs_prompt_logits(task.input) or not self._keeps_prompts(task)):
+                or _needs_prompt_logits(task.input)):
             return None
         if self.prefix.enabled:
             return self._kept_tail(task, key)
@@ -1165,11 +1178,18 @@ class Sampler:
 
     @staticmethod
     def _keeps_prompts(task: SampleTask) -> bool:
-        """Whether ``task``'s prompt may be kept past its admission, or continue a kept one: not an
-        image prompt, whose positions follow its images' grids (the kept states and blocks are
-        keyed by tokens; an image prompt shares a prefill only with equal requests admitted
-        with it)."""
+        """Whether ``task``'s prompt takes part in what is kept by tokens past an admission (prefix
+        blocks, dense models' tails, prompts that extend a kept one): not an image prompt, whose
+        positions follow its images' grids. An image prompt is kept whole instead, and reused
+        only by an equal one (same tokens, same images at the same places):
+        :meth:`_kept_image_prompt`."""
         return not task.input.prompt_images
+
+    def _kept_image_prompt(self, task: SampleTask, key: tuple | None, mark: bool) -> PromptSnapshot | None:
+        """The whole prefill kept of ``task``'s very image prompt, if any (``mark``: as used)."""
+        if key is None or not self.snapshots.enabled or _needs_prompt_logits(task.input) or not task.input.prompt_images:
+            return None
+        return self.snapshots.get(key) if mark else self.snapshots.peek(key)
 
     def _forward_prompts(self, states: list[_TaskState]) -> _Prefilled:
         """One forward pass over the prompts of ``states`` (sorted by slot), reading and filling
