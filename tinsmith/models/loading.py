@@ -75,9 +75,13 @@ def read_config(model_dir: Path) -> ModelConfig:
     text decoder alone: with no processor, images cannot become tokens."""
     raw = _raw_config(model_dir)
     cfg = family_for(raw).config(raw)
-    if cfg.vision is not None and not any((model_dir / f).is_file() for f in PROCESSOR_FILES):
+    if cfg.vision is not None and not _has_processor(model_dir):
         cfg = dataclasses.replace(cfg, vision=None)
     return cfg
+
+
+def _has_processor(model_dir: Path) -> bool:
+    return any((model_dir / f).is_file() for f in PROCESSOR_FILES)
 
 
 def _raw_config(model_dir: Path) -> dict:
@@ -200,8 +204,7 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: tor
     skipped = [n for n in files if n.startswith(UNTRAINED_PREFIXES if cfg.vision is None else ("mtp.",))]
     if skipped:
         why = "serving the text decoder only" if cfg.vision is None else "multi-token prediction is not used"
-        if (cfg.vision is None and any(n.startswith(VISION_PREFIX) for n in skipped)
-                and not any((model_dir / f).is_file() for f in PROCESSOR_FILES)):
+        if cfg.vision is None and any(n.startswith(VISION_PREFIX) for n in skipped) and not _has_processor(model_dir):
             why += f" (no {' or '.join(PROCESSOR_FILES)} for its images)"
         log.info("%s: %s; %d vision-tower / multi-token-prediction tensors are not loaded (%s...)",
                  model_dir.name, why, len(skipped), skipped[0])

@@ -11,9 +11,9 @@ starting at the running position, which then moves on by ``max(height, width)`` 
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 

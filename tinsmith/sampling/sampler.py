@@ -1168,8 +1168,8 @@ class Sampler:
         on its images too, so they are in its key, each with its place (``()`` for text).
 
         Nothing shares when the prefix cache is off (``prefix_cache_bytes=0``: every request
-        prefilled on its own). Only text prompts are kept past their admission (prompt states,
-        prefix blocks: :meth:`_keeps_prompts`)."""
+        prefilled on its own). What is kept past an admission under these keys: text prompts'
+        states and tails, image prompts' whole prefills (:meth:`_keeps_prompts`)."""
         inp = task.input
         if not self.share_prompts:
             return None
@@ -1187,7 +1187,7 @@ class Sampler:
 
     def _kept_image_prompt(self, task: SampleTask, key: tuple | None, mark: bool) -> PromptSnapshot | None:
         """The whole prefill kept of ``task``'s very image prompt, if any (``mark``: as used)."""
-        if key is None or not self.snapshots.enabled or _needs_prompt_logits(task.input) or not task.input.prompt_images:
+        if key is None or not self.snapshots.enabled or _needs_prompt_logits(task.input):
             return None
         return self.snapshots.get(key) if mark else self.snapshots.peek(key)
 
