@@ -42,8 +42,12 @@ class Part:
         self.deadline = min(time.monotonic() + budget_s, run_deadline)
         self.only = only  # item keys must contain one of these (empty: every item runs)
 
+    def wanted(self, key: str) -> bool:
+        """Whether ``--only`` names this item: a word matches keys holding it, ``word$`` only the key itself."""
+        return not self.only or any(key == w[:-1] if w.endswith("$") else w in key for w in self.only)
+
     def item(self, key: str, fn: Callable[[], dict]) -> None:
-        if self.only and not any(word in key for word in self.only):
+        if not self.wanted(key):
             return
         if time.monotonic() > self.deadline:
             self.results[key] = {"skipped": f"the {self.name} part's time budget was spent"}
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                                          Path(tempfile.gettempdir()) / "tinsmith-bench")))
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
     p.add_argument("--only", default="", help="comma-separated: run only the items whose key holds one of these "
-                                               "(e.g. replay_profile,lora_gather): a short device call's re-measurement")
+                                               "(e.g. replay_profile,lora_gather; '1.7B/decode$' names that key alone): "
+                                               "a short device call's re-measurement")
     p.add_argument("--max-wall-s", type=float, default=float("inf"),
                    help="no item starts after this many seconds (so a run under an outer timeout still writes its summary)")
     a = p.parse_args(argv)

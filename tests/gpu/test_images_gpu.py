@@ -56,7 +56,11 @@ def _trained(loaded) -> tuple[list[np.ndarray], dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
-def test_image_text_models_sample_and_train_on_the_gpu_as_on_the_cpu(tmp_path, family):
+def test_image_text_models_sample_and_train_on_the_gpu_as_on_the_cpu(tmp_path, family, monkeypatch):
+    # The towers' patch embedding is a 3-D convolution, which cuDNN runs in tf32 unless told
+    # otherwise: the image features then differ from the CPU's by about 1e-3 relative, and so do
+    # the logprobs and gradients after them (an H200 run: 1.2e-3 on logprobs near -5.8).
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model_dir = make_tiny_model(tmp_path / family, family, SHAPES[family], seed=1)
     cpu = load_model(str(model_dir), "cpu", torch.float32)
     gpu = load_model(str(model_dir), DEVICE, torch.float32)
