@@ -172,3 +172,32 @@ def test_parked_and_unparked_tenants_train_as_if_all_stayed(qwen3_dir, monkeypat
     for ut, ur in zip(units[0], units[1]):
         for (n, x), (_, y) in zip(runtimes[0].unit(ut).named_params, runtimes[1].unit(ur).named_params):
             assert torch.equal(x.detach().cpu(), y.detach().cpu()), n
+
+
+def test_a_groups_strided_blocks_are_copied_apart_from_the_dense_pairs(monkeypatch):
+    """A group's B stack is block-diagonal, so each of its blocks is a strided view. On a GPU one
+    such view in a multi-tensor copy sends every pair of the list to a kernel of its own; the
+    refresh keeps them in a list of their own, and every other list is of dense pairs laid out alike."""
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    layers = _group_layers(torch.bfloat16)
+    trained_together(layers, torch.randn(15, 64, dtype=torch.bfloat16), _segments())
+    ws = [layer.adapters[1] for layer in layers]
+    plan = CopyRefresh({torch.bfloat16: ws}, {}, [(layer, w) for layer, w in zip(layers, ws)])
+    plan.refresh()
+    runs = plan._copies_by_route
+    dense_runs = [pairs for key, pairs in runs.items() if key[-1]]
+    strided_runs = [pairs for key, pairs in runs.items() if not key[-1]]
+    assert len(dense_runs) == 1 and len(strided_runs) == 1
+    ds, ss = dense_runs[0]
+    assert len(ds) == 3 * len(ws)  # each adapter's two compute copies and its A rows of the stack
+    assert all(copy_refresh.dense(d) and copy_refresh.dense(s) and copy_refresh.laid_out_alike(d, s)
+               for d, s in zip(ds, ss))
+    blocks, _ = strided_runs[0]
+    B_cat = layers[0]._tenant_cat[1]
+    assert len(blocks) == len(ws) and all(b.data_ptr() >= B_cat.data_ptr() and not b.is_contiguous() for b in blocks)
+    assert {dense for _, dense in plan._scaled} == {False}
+    _step(*ws)
+    plan.refresh()
+    for layer, w in zip(layers, ws):
+        _assert_stack_current(layer, 1, 2)
+        torch.testing.assert_close(w.copies[2], _bf16(w.B), rtol=0, atol=0)

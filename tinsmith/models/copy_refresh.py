@@ -18,6 +18,17 @@ to date, so that the forward finds them current.
 In place is safe: a micro-batch's backward runs right after its forward, so no copy is saved for
 a pending backward when the weights change (and autograd would refuse a saved tensor changed in
 place rather than use it).
+
+**One launch or one per tensor.** On a GPU, torch's multi-tensor copy and multiply take a list in
+a few launches only when every tensor is dense (and, for a copy, each destination is laid out as
+its source, every destination in one dtype and every source in one); a single other tensor sends
+the whole list down a path of one kernel per tensor. A q/k/v or gate/up group's several-tenant
+``B`` stack is block-diagonal, and each block of it is such a strided view. Mixed into one list
+with the rest, five blocks a layer made every tensor of every stepping tenant its own copy (and
+every scaled row its own multiply): an H200 spent 10.9 ms of host per tenant on four tenants'
+optimizer steps against 3.9 ms for one (docs/performance.md). So the pairs are sorted once, when
+the lists are made (:func:`route`), and each kind goes to its own call: the dense ones in a few
+launches, the strided blocks one each.
 """
 
 from __future__ import annotations
@@ -65,21 +76,63 @@ def refresh_stacks(attachments: list) -> None:
     CopyRefresh({}, {}, list(attachments)).refresh()
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its memory without gaps or overlaps, in some order of its dimensions
+    (ATen's "non-overlapping and dense", what a multi-tensor kernel needs)."""
+    if t.layout != torch.strided:
+        return False
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def laid_out_alike(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst`` and ``src`` have one shape and, over every dimension longer than one, the same strides."""
+    return dst.shape == src.shape and all(a == b for a, b, n in zip(dst.stride(), src.stride(), dst.shape) if n != 1)
+
+
+def route(dst: torch.Tensor, src: torch.Tensor) -> tuple:
+    """Which multi-tensor copy the pair joins (see the module's docstring): pairs of one key go
+    in one call, and a call of dense pairs laid out alike takes a GPU a few launches."""
+    return (dst.device, dst.dtype, src.dtype, dense(dst) and dense(src) and laid_out_alike(dst, src))
+
+
+def sorted_copies(dst: list[torch.Tensor], src: list[torch.Tensor]) -> dict[tuple, tuple[list, list]]:
+    """The pairs ``dst[i] <- src[i]`` by :func:`route`: {key: (destinations, sources)}."""
+    runs: dict[tuple, tuple[list, list]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = runs.setdefault(route(d, s), ([], []))
+        ds.append(d)
+        ss.append(s)
+    return runs
+
+
+def copy_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every pair, the dense ones in one multi-tensor call."""
+    for ds, ss in sorted_copies(dst, src).values():
+        torch._foreach_copy_(ds, ss)
+
+
 def refresh_together(refreshes: list["CopyRefresh"]) -> None:
     """Several adapters' refreshes (each adapter's own caches; several tenants' optimizer steps
-    taken together) as one multi-tensor copy and one multiply per scale for all of them."""
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    scaled: dict[float, list[torch.Tensor]] = {}
+    taken together) as one multi-tensor copy per kind of pair (:func:`route`) and one multiply
+    per scale and kind for all of them."""
+    copies: dict[tuple, tuple[list, list]] = {}
+    scaled: dict[tuple, list[torch.Tensor]] = {}
     for r in refreshes:
         r._ready()
-        dst += r._dst
-        src += r._src
-        for scale, parts in r._scaled.items():
-            scaled.setdefault(scale, []).extend(parts)
-    if dst:
-        torch._foreach_copy_(dst, src)
-    for scale, parts in scaled.items():
+        for key, (ds, ss) in r._copies_by_route.items():
+            into = copies.setdefault(key, ([], []))
+            into[0].extend(ds)
+            into[1].extend(ss)
+        for key, parts in r._scaled.items():
+            scaled.setdefault(key, []).extend(parts)
+    for ds, ss in copies.values():
+        torch._foreach_copy_(ds, ss)
+    for (scale, _), parts in scaled.items():
         torch._foreach_mul_(parts, scale)
     for r in refreshes:
         r._write_keys()
@@ -101,9 +154,8 @@ class CopyRefresh:
     _groups: list = field(default_factory=list, repr=False)
     _stacks: list = field(default_factory=list, repr=False)
     _held: list = field(default_factory=list, repr=False)
-    _dst: list = field(default_factory=list, repr=False)
-    _src: list = field(default_factory=list, repr=False)
-    _scaled: dict = field(default_factory=dict, repr=False)
+    _copies_by_route: dict = field(default_factory=dict, repr=False)  # route -> (destinations, sources)
+    _scaled: dict = field(default_factory=dict, repr=False)  # (scale, dense) -> stack rows of B
     _made: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -160,11 +212,12 @@ class CopyRefresh:
             self._held.append(held)
             r = w.A.shape[0]
             for i in held:
-                dst += [stack.A[i, :r], stack.B[i, :, :r]]
+                B_rows = stack.B[i, :, :r]
+                dst += [stack.A[i, :r], B_rows]
                 src += [w.A.detach(), w.B.detach()]
-                self._scaled.setdefault(float(w.scale), []).append(stack.B[i, :, :r])
+                self._scaled.setdefault((float(w.scale), dense(B_rows)), []).append(B_rows)
         self._stacks = [layer._tenant_stack for layer in self._layers]
-        self._dst, self._src = dst, src
+        self._copies_by_route = sorted_copies(dst, src)
         self._made = True
 
     def _write_keys(self) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from tinsmith.models.copy_refresh import stack_entry
+from tinsmith.models.copy_refresh import copy_pairs, stack_entry
 from tinsmith.models.grouped_lora import _group_scales, _round_up, group_offsets
 from tinsmith.models.lora_function import compute_copies, grad_mm
 
@@ -103,7 +103,7 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
     for i, w in enumerate(weights):
         if w is not None:
             _slices_of(A, B, i, w, dst, src)
-    torch._foreach_copy_(dst, src)
+    copy_pairs(dst, src)  # a group's B blocks are strided: they must not take the dense pairs' launch with them
     B.mul_(_group_scales(tuple(0.0 if w is None else float(w.scale) for w in weights), 1, dtype, like.device))
     owner._tenant_stack = TenantStack(dtype, rank, [stack_entry(w) for w in weights], A, B, weights)
     return A, B
