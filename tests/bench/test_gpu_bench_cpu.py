@@ -24,6 +24,9 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     phases = summary["train"]["tiny/lora"]["tenants"]["4"]["phases"]
     assert phases["forward_backward_ms"] > 0 and phases["optimizer_steps_ms"] > 0
     assert "synced phases" in (out / "summary.md").read_text()
+    four_by_rows = summary["train"]["tiny/lora"]["tenants"]["4x1"]  # the shape, quick: a row each
+    assert four_by_rows["vs_one_tenant"] > 0 and four_by_rows["phases"]["optimizer_steps_ms"] > 0
+    assert "4 tenants x 8 rows vs 1" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["packing"]["packed_vs_padded"] > 0
     long = summary["train"]["tiny/lora"]["long_context"]["auto"]  # attention's matmuls on top of 4NT
     assert long["mfu_with_attention"] > long["mfu_4nt"] > 0
