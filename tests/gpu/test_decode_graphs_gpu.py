@@ -4,8 +4,8 @@ rows, several adapters with base rows, rows joining and leaving, the cache growi
 recaptured), and a new adapter growing the banks between requests (graphs recaptured), for a
 dense model and a hybrid one (its Gated DeltaNet states advance in graph buffers). A
 mixture-of-experts model is captured where the grouped matmul serves its experts (bf16 on Hopper);
-in fp32 its expert loop reads the counts on the host, so it falls back to the eager path and
-samples the same."""
+in fp32 its expert loop reads the counts on the host, so its sampler decodes eagerly from the
+start (no capture is tried) and samples the same."""
 
 from __future__ import annotations
 
@@ -76,10 +76,10 @@ def test_graphed_decode_equals_eager_decode(family, dtype, tmp_path):
                                                                        SMALL.hidden_size):
                 assert stats["static_steps"] == stats["decode_steps"], stats
                 assert stats["graph_replays"] > stats["graph_captures"] >= 3, stats  # recaptured, then replayed
-            else:  # the first capture failed: the rest of that burst static, every later one eager
-                assert stats["graph_replays"] == stats["graph_captures"] == 0, stats
-                assert 0 < stats["static_steps"] < stats["decode_steps"], stats
-                assert sampler.graphs is not None and sampler.graphs.broken
+            else:  # known before any capture is tried: every step eager
+                assert moe.capture_blocker(model) is not None
+                assert sampler.graphs is None
+                assert not any(stats.get(k) for k in ("graph_replays", "graph_captures", "static_steps")), stats
     for ref_round, graph_round, static_round in zip(got["eager"], got["graphs"], got["static-eager"]):
         for key, ref in ref_round.items():
             for a, b, c in zip(ref.sequences, graph_round[key].sequences, static_round[key].sequences):

@@ -355,3 +355,16 @@ def test_expert_ranges_with_several_adapters_sum_to_the_whole_block(qwen3_moe_di
             w.A.grad = w.B.grad = None
         if mode == "grouped":
             assert reads == [1, 1] and prefill_reads == [0, 0], (reads, prefill_reads)
+
+
+def test_a_capture_blocker_is_named_where_the_experts_loop_over_host_counts(qwen3_moe_dir, qwen3_dir, monkeypatch):
+    """Routed experts outside the grouped matmul read their row counts back to the host, which a
+    CUDA graph's capture refuses: the sampler is told why before it tries (here, on a CPU, the
+    experts loop; with the grouped matmul forced they do not; a dense model never blocks)."""
+    ours = load_model(str(qwen3_moe_dir))
+    why = moe.capture_blocker(ours.model)
+    assert why is not None and "float32" in why and "bf16" in why
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    assert moe.capture_blocker(ours.model) is None
+    monkeypatch.setattr(moe, "GROUPED_MM", "auto")
+    assert moe.capture_blocker(load_model(str(qwen3_dir)).model) is None

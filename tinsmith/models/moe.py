@@ -93,6 +93,20 @@ def _fast_grouped_kernel(device_index: int) -> bool:
     return major == 9 or (torch_version >= (2, 9) and (major, minor) >= (8, 0))
 
 
+def capture_blocker(model: nn.Module) -> str | None:
+    """Why ``model``'s decode step cannot be recorded as a CUDA graph (None: nothing here stops
+    it). Routed experts that the grouped matmul does not take (fp32 or fp16 weights, a GPU without
+    its fast kernel) split their rows by counts read back to the host, which a capture refuses:
+    better known before a capture is tried than from its failure."""
+    for m in model.modules():
+        if isinstance(m, ExpertLinear):
+            if not grouped_mm_usable(m.weight.new_empty(0, m.in_features), m.weight):
+                return (f"its routed experts ({str(m.weight.dtype).removeprefix('torch.')}) run as a loop over "
+                        "per-expert row counts read back to the host; only bf16 experts on a GPU whose grouped "
+                        "matmul is fast decode from CUDA graphs")
+    return None
+
+
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many of the routed pairs ``chosen`` (expert ids) each expert received, (experts,) int64.
 

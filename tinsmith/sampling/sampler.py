@@ -32,6 +32,7 @@ from tinsmith.errors import CapacityError, InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM, masked_attention
 from tinsmith.models.lora import RowGroups, Segments, decode_rows
 from tinsmith.models.lora_bank import RowSlots
+from tinsmith.models.moe import capture_blocker
 from tinsmith.models.vision import VisionTower
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
 from tinsmith.sampling.decode_graphs import DecodeGraphs, bucket_for
@@ -114,6 +115,14 @@ class _Row:
     watcher: StringStopWatcher | None = None
     group: object = None  # the rows seeded from one prefill of its prompt (a paged cache holds it once)
 
+
+
+def _capturable(model: CausalLM) -> bool:
+    """Whether ``model``'s decode step can be replayed from CUDA graphs; if not, says why once."""
+    why = capture_blocker(model)
+    if why is not None:
+        log.info("decode steps run eagerly, without CUDA graphs: %s", why)
+    return why is None
 
 class Sampler:
     # Errors that end the sampler rather than the requests of one step (a failed tensor-parallel
@@ -205,7 +214,7 @@ class Sampler:
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
         # launch-bound, and the padded, full-capacity step only costs more there).
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
-                       if cuda_graphs and self.device.type == "cuda" else None)
+                       if cuda_graphs and self.device.type == "cuda" and _capturable(model) else None)
         self._eager_reasons: set[str] = set()  # why batches stayed off the static step, each logged once
 
     def _new_cache(self) -> RowKVCache:
