@@ -80,27 +80,37 @@ def _annotation(e) -> bool:
     return bool(getattr(e, "is_user_annotation", False)) or "#" in e.key or e.key.startswith("ProfilerStep")
 
 
-def _idle(prof, steps: int, short_us: float = 10.0) -> dict:
+def _idle(prof, steps: int, short_us: float = 10.0, where: int = 5) -> dict:
     """Per step, the device's idle time between its first and last kernel: gaps of at most
     ``short_us`` (a kernel waiting for the one before it to drain and the next to start: inside a
     CUDA graph, launches cost nothing else) and longer ones (the device waiting for the host's
-    launches or its reads), and how many of those."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    launches or its reads), and how many of those; and where the longer ones fall: the ``where``
+    pairs of kernels (the one before a gap, the one after) with the most idle time between them,
+    which tell a wait between graph replays or bursts from a wait inside a step."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.key) for e in prof.events()
                    if e.device_type == DeviceType.CUDA and not _annotation(e) and e.time_range.end > e.time_range.start)
     if not spans:
         return {}
     short = long = 0.0
     count = 0
-    end = spans[0][1]
-    for start, stop in spans[1:]:
+    between: dict[tuple[str, str], list[float]] = {}  # (kernel before, kernel after) -> [idle us, gaps]
+    end, last = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
         gap = start - end
         if gap > short_us:
             long, count = long + gap, count + 1
+            tally = between.setdefault((last[:60], name[:60]), [0.0, 0])
+            tally[0] += gap
+            tally[1] += 1
         elif gap > 0:
             short += gap
-        end = max(end, stop)
+        if stop >= end:
+            end, last = stop, name
+    worst = sorted(between.items(), key=lambda kv: -kv[1][0])[:where]
     return {"span_ms": (end - spans[0][0]) / 1e3 / steps, "idle_short_ms": short / 1e3 / steps,
-            "idle_long_ms": long / 1e3 / steps, "long_idles": count / steps}
+            "idle_long_ms": long / 1e3 / steps, "long_idles": count / steps,
+            "long_idles_between": [[before, after, round(us / 1e3 / steps, 3), round(n / steps, 2)]
+                                   for (before, after), (us, n) in worst]}
 
 
 def _profiled(fn, device: torch.device):

@@ -289,6 +289,9 @@ def _profiles(s: dict) -> list[str]:
             L.append(f"| {key} {case} | {t['source']} | {_fmt(t['device_ms'])} | {_fmt(t['wall_ms'])} | "
                      f"{_fmt(t['kernels'])} | {fam} | {idle} |")
             tops += [f"{key} {case}: " + "; ".join(f"{n} {ms:.3g} ms x{c:g}" for n, ms, c in t["top"][:8])]
+            if t.get("long_idles_between"):  # where the device waited longest (ms and gaps per step)
+                tops += [f"{key} {case} idle after -> before: " + "; ".join(
+                    f"{a} -> {b} {ms:.3g} ms x{n:g}" for a, b, ms, n in t["long_idles_between"])]
             if t.get("host_top"):  # the host's side of a replayed step (cProfile, own ms per step)
                 tops += [f"{key} {case} host: " + "; ".join(f"{n} {ms:.3g} ms" for n, ms, _ in t["host_top"])]
         if _status(item):

@@ -37,10 +37,11 @@ def test_device_idle_splits_gaps_between_kernels_from_waits_for_the_host():
         return SimpleNamespace(device_type=DeviceType.CUDA, key=key, is_user_annotation=False,
                                time_range=SimpleNamespace(start=start, end=end))
 
-    events = [kernel(0, 10), kernel(12, 20), kernel(15, 18),  # 2 us between kernels, one inside another
-              kernel(120, 130),  # 100 us waiting for the host
+    events = [kernel(0, 10), kernel(12, 20, "gemm"), kernel(15, 18),  # 2 us between kernels, one inside another
+              kernel(120, 130, "embed"),  # 100 us waiting for the host, after the GEMM (the kernel that ended last)
               kernel(0, 500, "Optimizer.step#AdamW.step"),  # an annotation: not a kernel
               SimpleNamespace(device_type=DeviceType.CPU, key="aten::mm", is_user_annotation=False,
                               time_range=SimpleNamespace(start=20, end=119))]
     got = _idle(SimpleNamespace(events=lambda: events), steps=2)
-    assert got == {"span_ms": 0.065, "idle_short_ms": 0.001, "idle_long_ms": 0.05, "long_idles": 0.5}
+    assert got == {"span_ms": 0.065, "idle_short_ms": 0.001, "idle_long_ms": 0.05, "long_idles": 0.5,
+                   "long_idles_between": [["gemm", "embed", 0.05, 0.5]]}
