@@ -18,6 +18,12 @@ def sync(device: torch.device) -> None:
 
 def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` ones."""
+    times = sorted(each_timed(fn, device, repeats, warmup))
+    return times[len(times) // 2]
+
+
+def each_timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn()`` (device synced around each) after ``warmup`` ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -27,8 +33,7 @@ def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+    return times
 
 
 def matmul_flops(device: torch.device, quick: bool) -> float:

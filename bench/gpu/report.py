@@ -37,7 +37,9 @@ def _tenants(lo: dict, k: str) -> str:
               f"{_get(phases, 'optimizer_steps_ms')} ms together ({_get(phases, 'optimizer_step_ms_per_unit')} a tenant), "
               f"{_get(phases, 'optimizer_steps_alone_ms')} ms one by one"
               if phases else "")
-    return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "") + synced
+    again = lo.get("tenants", {}).get(k, {}).get("vs_one_tenant_again")
+    again = f"; again after the variants {_fmt(again)}" if again is not None else ""
+    return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "") + again + synced
 
 
 def _four_by_eight(lo: dict) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bench.gpu.peak import sync, timed
+from bench.gpu.peak import each_timed, sync, timed
 from tinsmith.kernels import norm_grad, swiglu, vocab_softmax
 from tinsmith.models import grouped_lora, lora_function
 from tinsmith.models.loading import load_model
@@ -91,9 +91,10 @@ def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> 
     one()
     sync(rt.device)
     first = time.perf_counter() - t0
-    s = timed(one, rt.device, repeats=steps, warmup=1)
+    each = each_timed(one, rt.device, repeats=steps, warmup=1)
+    s = sorted(each)[len(each) // 2]
     return {"tokens": tokens, "step_s": s, "tokens_per_s": tokens / s, "first_step_s": first,
-            "peak_gib": peak_memory(rt.device)}
+            "steps_s": [round(t, 4) for t in each], "peak_gib": peak_memory(rt.device)}
 
 
 def step_phases(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
@@ -207,6 +208,12 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
                 finally:
                     grouped_lora.MULTI_LORA = "auto"
                     lora_function.FUSED_NODES = True
+            # The default again after the variants: host-bound steps drift between measurements a
+            # minute apart (0.55x and 0.77x for the same code on an H200), and this shows how much.
+            again = step_rate(rt, work, steps)
+            tenants[str(k)]["vs_one_tenant_again"] = again["tokens_per_s"] / one_unit["tokens_per_s"]
+            tenants[str(k)]["steps_s"] = many["steps_s"]
+            tenants[str(k)]["steps_s_again"] = again["steps_s"]
     # The issue's own shape of the four-tenant target: 4 tenants x 8 x 1024 in one step against one
     # tenant's 32 x 1024 (the same tokens), measured side by side.
     rows4 = 1 if quick else 8

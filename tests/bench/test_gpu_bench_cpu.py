@@ -21,6 +21,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
             assert "error" not in result and "skipped" not in result, (key, result)
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["tokens_per_s"] > 0
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["grouped_ops_vs_one_tenant"] > 0
+    assert summary["train"]["tiny/lora"]["tenants"]["4"]["vs_one_tenant_again"] > 0
+    assert len(summary["train"]["tiny/lora"]["tenants"]["4"]["steps_s"]) == 2  # every timed step, quick: 2
     phases = summary["train"]["tiny/lora"]["tenants"]["4"]["phases"]
     assert phases["forward_backward_ms"] > 0 and phases["optimizer_steps_ms"] > 0
     assert "synced phases" in (out / "summary.md").read_text()
