@@ -27,8 +27,9 @@ the whole list down a path of one kernel per tensor. A q/k/v or gate/up group's 
 with the rest, five blocks a layer made every tensor of every stepping tenant its own copy (and
 every scaled row its own multiply): an H200 spent 10.9 ms of host per tenant on four tenants'
 optimizer steps against 3.9 ms for one (docs/performance.md). So the pairs are sorted once, when
-the lists are made (:func:`route`), and each kind goes to its own call: the dense ones in a few
-launches, the strided blocks one each.
+the lists are made (:func:`route`): the dense ones go in one multi-tensor call, and the strided
+blocks, with their scale, in one launch of :mod:`tinsmith.kernels.block_copy` (on a CPU, the torch
+calls: one copy and one multiply each).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+
+from tinsmith.kernels.block_copy import BlockCopies
 
 _copies = operator.attrgetter("copies")
 _tenant_stack = operator.attrgetter("_tenant_stack")
@@ -118,8 +121,8 @@ def copy_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 def refresh_together(refreshes: list["CopyRefresh"]) -> None:
     """Several adapters' refreshes (each adapter's own caches; several tenants' optimizer steps
-    taken together) as one multi-tensor copy per kind of pair (:func:`route`) and one multiply
-    per scale and kind for all of them."""
+    taken together) as one multi-tensor copy of the dense pairs and one multiply per scale for all
+    of them, then each adapter's strided blocks (:class:`BlockCopies`)."""
     copies: dict[tuple, tuple[list, list]] = {}
     scaled: dict[tuple, list[torch.Tensor]] = {}
     for r in refreshes:
@@ -132,8 +135,10 @@ def refresh_together(refreshes: list["CopyRefresh"]) -> None:
             scaled.setdefault(key, []).extend(parts)
     for ds, ss in copies.values():
         torch._foreach_copy_(ds, ss)
-    for (scale, _), parts in scaled.items():
+    for scale, parts in scaled.items():
         torch._foreach_mul_(parts, scale)
+    for r in refreshes:
+        r._blocks.run()
     for r in refreshes:
         r._write_keys()
 
@@ -154,8 +159,9 @@ class CopyRefresh:
     _groups: list = field(default_factory=list, repr=False)
     _stacks: list = field(default_factory=list, repr=False)
     _held: list = field(default_factory=list, repr=False)
-    _copies_by_route: dict = field(default_factory=dict, repr=False)  # route -> (destinations, sources)
-    _scaled: dict = field(default_factory=dict, repr=False)  # (scale, dense) -> stack rows of B
+    _copies_by_route: dict = field(default_factory=dict, repr=False)  # route -> (destinations, sources), dense pairs
+    _scaled: dict = field(default_factory=dict, repr=False)  # scale -> dense stack rows of B
+    _blocks: BlockCopies = field(default_factory=lambda: BlockCopies([], [], []), repr=False)  # the strided pairs
     _made: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -205,6 +211,7 @@ class CopyRefresh:
                 ws[0].group = (None, A_cat, [B_c if B_c is not w.B else w.B.detach() for w, B_c in zip(ws, Bs)])
                 self._groups.append((ws, dtype, ws[0].group))
         self._scaled = {}
+        strided: list[tuple] = []  # (destination, source, scale or None)
         self._held = []
         for layer, w in self.linear:
             stack = layer._tenant_stack
@@ -213,11 +220,20 @@ class CopyRefresh:
             r = w.A.shape[0]
             for i in held:
                 B_rows = stack.B[i, :, :r]
-                dst += [stack.A[i, :r], B_rows]
-                src += [w.A.detach(), w.B.detach()]
-                self._scaled.setdefault((float(w.scale), dense(B_rows)), []).append(B_rows)
+                dst.append(stack.A[i, :r])
+                src.append(w.A.detach())
+                if dense(B_rows):
+                    dst.append(B_rows)
+                    src.append(w.B.detach())
+                    self._scaled.setdefault(float(w.scale), []).append(B_rows)
+                else:  # a block of a group's block-diagonal stack
+                    strided.append((B_rows, w.B.detach(), float(w.scale)))
         self._stacks = [layer._tenant_stack for layer in self._layers]
         self._copies_by_route = sorted_copies(dst, src)
+        for key in [key for key in self._copies_by_route if not key[-1]]:  # any other strided pair, unscaled
+            strided += [(d, s, None) for d, s in zip(*self._copies_by_route.pop(key))]
+        self._blocks = BlockCopies([d for d, _, _ in strided], [s for _, s, _ in strided],
+                                   [scale for _, _, scale in strided])
         self._made = True
 
     def _write_keys(self) -> None:
