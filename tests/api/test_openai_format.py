@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from tinsmith.api import openai_format as oai
@@ -60,13 +62,13 @@ def test_inert_parameters_at_their_defaults_are_accepted():
 
 
 def test_chat_parameters():
-    plan, messages = oai.chat_request({
+    plan, messages, images = oai.chat_request({
         "model": "m", "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 2, "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
     })
     assert (plan.max_tokens, plan.logprobs, plan.include_usage) == (9, 2, True)
-    assert messages == [{"role": "user", "content": "ab"}]
+    assert messages == [{"role": "user", "content": "ab"}] and images == []
     for body, param in [
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
@@ -77,6 +79,44 @@ def test_chat_parameters():
         with pytest.raises(oai.ParamError) as e:
             oai.chat_request(body)
         assert e.value.param == param
+
+
+PNG_URL = "data:image/png;base64," + base64.b64encode(b"\x89PNG not checked here").decode()
+
+
+def test_image_parts_become_template_parts_and_images_in_order():
+    _, messages, images = oai.chat_request({"model": "m", "messages": [
+        {"role": "system", "content": "look"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": PNG_URL}},
+                                     {"type": "image_url", "image_url": {"url": PNG_URL.replace("png", "jpeg", 1),
+                                                                         "detail": "low"}}]},
+    ]})
+    assert messages[1] == {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]}
+    assert [(im.fmt, im.where) for im in images] == [("png", "messages[1].content[1]"), ("jpeg", "messages[1].content[2]")]
+    assert images[0].data == b"\x89PNG not checked here"
+
+
+@pytest.mark.parametrize("part, param, words", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "messages[0].content[0].image_url.url",
+     "does not fetch images by URL"),
+    ({"type": "image_url", "image_url": {"url": "data:image/gif;base64,R0lG"}}, "messages[0].content[0].image_url.url",
+     "PNG, JPEG or WebP"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "messages[0].content[0].image_url.url",
+     "does not decode"),
+    ({"type": "image_url", "image_url": 7}, "messages[0].content[0].image_url", "must be a string"),
+    ({"type": "input_audio", "input_audio": {}}, "messages[0].content[0]", "only text parts"),
+])
+def test_bad_image_parts_are_named(part, param, words):
+    with pytest.raises(oai.ParamError) as e:
+        oai.chat_request({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+    assert e.value.param == param and words in e.value.message
+
+
+def test_images_only_in_user_messages():
+    with pytest.raises(oai.ParamError) as e:
+        oai.chat_request({"model": "m", "messages": [
+            {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": PNG_URL}}]}]})
+    assert e.value.param == "messages[0].content[0]"
 
 
 def test_error_body_has_openais_shape():

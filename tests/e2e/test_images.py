@@ -10,6 +10,7 @@ logged no internal error.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -242,4 +243,52 @@ def test_vl_model_refuses_mismatched_images(vl_server):
     n_dot = _image_tokens(model_dir, png((1, 1)))
     out = tc.forward([datum([types.EncodedTextChunk(tokens=[1]), dot], 1 + n_dot)], "cross_entropy")
     assert np.isfinite(out.result(timeout=RESULT_TIMEOUT_S).loss_fn_outputs[0]["logprobs"].to_numpy()).all()
+    sc.close("success").result(timeout=60)
+
+
+def test_vl_model_takes_images_through_the_openai_chat_endpoint(vl_server):
+    """An ``image_url`` part (a base64 data URL) in a chat message: the chat template places the
+    image, and the answer is what the SDK samples from the same prompt with an image chunk there."""
+    import openai
+    from transformers import AutoTokenizer
+
+    model_dir = vl_server.base_model
+    ids = _vl_ids(model_dir)
+    data = png((70, 90))
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is"},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": " here"}]}]
+    with openai.OpenAI(base_url=vl_server.base_url + "/v1", api_key="tml-vl-oai", max_retries=0,
+                       timeout=RESULT_TIMEOUT_S) as client:
+        got = client.chat.completions.create(model=model_dir, messages=messages, max_tokens=6, temperature=0.0,
+                                             logprobs=True)
+        # What the template renders, with the image where its placeholder is
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        text_parts = [{"type": "text", "text": "what is"}, {"type": "image"}, {"type": "text", "text": " here"}]
+        rendered = tok.encode(tok.apply_chat_template([{"role": "user", "content": text_parts}],
+                                                      add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+        at = rendered.index(ids["image_token_id"])
+        prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=rendered[:at]),
+                                          types.ImageChunk(data=data, format="png"),
+                                          types.EncodedTextChunk(tokens=rendered[at + 1:])])
+        sc = tinker.ServiceClient(base_url=vl_server.base_url, api_key="tml-vl-oai")
+        want = sc.create_sampling_client(base_model=model_dir).result(timeout=RESULT_TIMEOUT_S).sample(
+            prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result(timeout=RESULT_TIMEOUT_S)
+        seq = list(want.sequences[0].tokens)
+        assert got.usage.prompt_tokens == len(rendered) - 1 + _image_tokens(model_dir, data)
+        assert [e.logprob for e in got.choices[0].logprobs.content] == pytest.approx(
+            list(want.sequences[0].logprobs)[:len(got.choices[0].logprobs.content)], abs=1e-5)
+        eos = tok.eos_token_id
+        assert got.choices[0].message.content == tok.decode([t for t in seq if t != eos])
+        # Images are only ever taken inline, and checked as image chunks are
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model_dir, max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+        assert e.value.body["param"] == "messages[0].content[0].image_url.url"
+        bad = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model_dir, max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad}}]}])
+        assert e.value.body["param"] == "messages[0].content[0]", e.value.body
     sc.close("success").result(timeout=60)

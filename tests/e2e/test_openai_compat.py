@@ -162,7 +162,12 @@ def test_bad_parameters_get_a_400_naming_them(oai, base_model):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=base_model, max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
-    assert e.value.body["param"] == "messages[0].content[0]"
+    assert e.value.body["param"] == "messages[0].content[0].image_url.url"  # never fetched
+    with pytest.raises(openai.BadRequestError) as e:  # an inline image, to a text-only model
+        oai.chat.completions.create(model=base_model, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {
+                "url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+    assert e.value.body["param"] == "messages[0].content[1]" and "text-only model" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=base_model, prompt=[VOCAB + 5], max_tokens=4)
     assert e.value.body["param"] == "prompt" and "vocabulary" in e.value.body["message"]

@@ -13,6 +13,8 @@ Pure functions of JSON and token ids (no HTTP, no server state), so the rules ar
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import time
 import uuid
@@ -186,8 +188,23 @@ def _is_token_list(v: Any) -> bool:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_request(body: dict) -> tuple[SamplingPlan, list[dict[str, str]]]:
-    """``/chat/completions``: the plan and the messages as ``{"role", "content"}`` text pairs."""
+@dataclass
+class ChatImage:
+    """An ``image_url`` part of a chat message: the image's bytes and format, and where it was."""
+
+    data: bytes
+    fmt: str
+    where: str
+
+
+# A data URL's media type -> the image chunk formats the server checks (tinsmith.api.codecs._images).
+_IMAGE_MEDIA_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
+
+
+def chat_request(body: dict) -> tuple[SamplingPlan, list[dict[str, Any]], list[ChatImage]]:
+    """``/chat/completions``: the plan, the messages as the chat template takes them (``content``
+    a string, or, for a message with images, a list of ``{"type": "text", "text": ...}`` and
+    ``{"type": "image"}`` parts), and the messages' images in order."""
     _check_known(body, _CHAT)
     plan = _common_plan(body)
     limit = _int(body, "max_completion_tokens", 1)
@@ -203,10 +220,11 @@ def chat_request(body: dict) -> tuple[SamplingPlan, list[dict[str, str]]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ParamError("messages", "messages must be a non-empty list")
-    return plan, [_message(m, i) for i, m in enumerate(messages)]
+    images: list[ChatImage] = []
+    return plan, [_message(m, i, images) for i, m in enumerate(messages)], images
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int, images: list[ChatImage]) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise ParamError(where, f"{where} must be an object with role and content")
@@ -220,15 +238,45 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if isinstance(content, str):
         return {"role": role, "content": content}
     if isinstance(content, list):
-        texts = []
+        parts: list[dict[str, str]] = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ParamError(f"{where}.content[{j}]",
-                                 f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                 "are supported")
-            texts.append(part["text"])
-        return {"role": role, "content": "".join(texts)}
-    raise ParamError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+            pwhere = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url" and role == "user":
+                images.append(_image_part(part.get("image_url"), pwhere))
+                parts.append({"type": "image"})
+            else:
+                raise ParamError(pwhere, f"{pwhere}: only text parts ({{\"type\": \"text\", \"text\": ...}}) and, in "
+                                         "user messages, image parts ({\"type\": \"image_url\", \"image_url\": "
+                                         "{\"url\": \"data:image/png;base64,...\"}}) are supported")
+        if any(p["type"] == "image" for p in parts):
+            return {"role": role, "content": parts}
+        return {"role": role, "content": "".join(p["text"] for p in parts)}
+    raise ParamError(f"{where}.content", f"{where}.content must be a string or a list of text and image parts")
+
+
+def _image_part(value: Any, where: str) -> ChatImage:
+    """An ``image_url`` part's image: inline (a base64 ``data:`` URL), never fetched from elsewhere."""
+    url = value.get("url") if isinstance(value, dict) else value
+    uwhere = f"{where}.image_url.url" if isinstance(value, dict) else f"{where}.image_url"
+    if not isinstance(url, str):
+        raise ParamError(uwhere, f"{uwhere} must be a string (a data: URL holding the image)")
+    if not url.startswith("data:"):
+        raise ParamError(uwhere, f"{uwhere}: this server does not fetch images by URL; send the image's bytes "
+                                 "inline as a data URL (data:image/png;base64,...)")
+    head, sep, payload = url[len("data:"):].partition(",")
+    media, _, encoding = head.partition(";")
+    fmt = _IMAGE_MEDIA_TYPES.get(media.strip().lower())
+    if not sep or encoding.strip().lower() != "base64" or fmt is None:
+        raise ParamError(uwhere, f"{uwhere} must be a base64 data URL of a PNG, JPEG or WebP image "
+                                 "(data:image/png;base64,...)")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ParamError(uwhere, f"{uwhere}: the image's base64 does not decode") from None
+    return ChatImage(data, fmt, where)
 
 
 # ----------------------------------------------------------------------------- text of a sequence

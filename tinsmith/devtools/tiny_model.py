@@ -281,8 +281,13 @@ def make_tiny_model(
         additional_special_tokens=["<|im_start|>", "<|im_end|>"]
         + [t for t in extra_special_tokens if t not in SPECIAL_TOKENS],
     )
+    # Qwen's layout; a message's content may be a list of text and image parts, as Qwen-VL's
+    # templates take it (an image becomes its placeholder between the vision markers).
     fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     if family == "gpt_oss":

@@ -8,7 +8,9 @@ and also at ``/v1``, where most OpenAI-compatible servers put them.
 A request becomes the same ``sample`` job an SDK ``sample`` call does (same per-key limits,
 same continuous batching with every other tenant, same snapshot handling); only the text
 around it differs: prompts are tokenized, chat messages rendered with the model's own chat
-template, and the sampled tokens decoded. Keys are accepted as ``Authorization: Bearer`` (what
+template, and the sampled tokens decoded. An image-text model takes images in user messages as
+``image_url`` parts holding base64 ``data:`` URLs (never fetched from elsewhere): the chat template
+places each image, and the image becomes the model's image tokens as an SDK image chunk does. Keys are accepted as ``Authorization: Bearer`` (what
 OpenAI clients send) or ``X-API-Key``, with the same rules; errors use OpenAI's error JSON.
 
 Streaming sends tokens as they are decoded: after each sampling slice (``--sampling-slice-s``)
@@ -34,14 +36,16 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api import openai_format as oai
 from tinsmith.api.auth import Caller, key_from_headers
+from tinsmith.api.codecs._images import check_image
 from tinsmith.api.common import sampler_weights, state_of, submit
+from tinsmith.api.images import fit_sample_input
 from tinsmith.api.limits import limits_of, refuse_above
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.engine.scheduler import Outcome
 from tinsmith.errors import AuthError, InvalidInputError, NotFoundError, TinsmithError, TooManyRequestsError
 from tinsmith.server.operations import SampleArgs
 from tinsmith.server.state import ServerState
-from tinsmith.types import SampleInput, SamplingParams
+from tinsmith.types import ImageInput, SampleInput, SamplingParams
 
 if TYPE_CHECKING:
     from tinsmith.worker.service import BaseModel
@@ -143,18 +147,40 @@ def encode_prompt(target: Target, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-def render_chat(target: Target, model: str, messages: list[dict[str, str]]) -> list[int]:
-    """The model's chat template applied to the messages, with the assistant turn opened."""
+def render_chat(target: Target, model: str, messages: list[dict[str, Any]],
+                images: list[oai.ChatImage] = (), max_image_pixels: int = 0) -> tuple[list[int], list[ImageInput]]:
+    """The model's chat template applied to the messages, with the assistant turn opened, and the
+    messages' images, checked, each at the place the template gave it: where the template writes
+    the model's image placeholder token, the image stands in the prompt (as an SDK image chunk
+    between the text chunks), and :func:`fit_sample_input` turns it into the model's image tokens."""
     import jinja2
 
     tok = target.tokenizer
     if not getattr(tok, "chat_template", None):
         raise oai.ParamError("model", f"model {model!r} has no chat template; use /completions with a prompt")
+    vision = target.base.config.vision
+    if images and vision is None:
+        raise oai.ParamError(images[0].where, f"{images[0].where} is an image, but model {model!r} is a text-only "
+                                              f"model ({target.base.config.architecture}); it takes no image input")
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise oai.ParamError("messages", f"the chat template of {model!r} refused these messages: {e}") from None
-    return list(tok.encode(text, add_special_tokens=False))
+    tokens = list(tok.encode(text, add_special_tokens=False))
+    if not images:
+        return tokens, []
+    assert vision is not None
+    at = [i for i, t in enumerate(tokens) if t == vision.image_token_id]
+    if len(at) != len(images):
+        raise oai.ParamError("messages", f"the chat template of {model!r} placed {len(at)} image placeholder(s) "
+                                         f"for the messages' {len(images)} image(s)")
+    checked = []
+    for k, (im, i) in enumerate(zip(images, at)):
+        try:
+            checked.append(check_image(im.data, im.fmt, None, position=i - k, where=im.where, max_pixels=max_image_pixels))
+        except InvalidInputError as e:
+            raise oai.ParamError(im.where, e.message) from None
+    return [t for t in tokens if t != vision.image_token_id], checked
 
 
 # ----------------------------------------------------------------------------- running samples
@@ -183,9 +209,10 @@ class Submitted:
 
 
 async def submit_samples(state: ServerState, caller: Caller, target: Target, plan: oai.SamplingPlan,
-                         prompts: list[list[int]], payload: bytes, stops: list[str], prompt_param: str,
-                         feed: asyncio.Queue | None = None) -> list[Submitted]:
-    """One ``sample`` job per prompt, each with ``n`` samples, checked against the server's limits."""
+                         prompts: list[tuple[list[int], list[ImageInput]]], payload: bytes, stops: list[str],
+                         prompt_param: str, feed: asyncio.Queue | None = None) -> list[Submitted]:
+    """One ``sample`` job per prompt (its text tokens and images), each with ``n`` samples, checked
+    against the server's limits."""
     limits = limits_of(state)
     ctx = target.base.config.max_position_embeddings
     try:
@@ -193,17 +220,20 @@ async def submit_samples(state: ServerState, caller: Caller, target: Target, pla
     except InvalidInputError as e:
         raise oai.ParamError("n", e.message) from None
     inputs = []
-    for tokens in prompts:
+    for text_tokens, images in prompts:
+        inp = SampleInput(prompt=np.asarray(text_tokens, dtype=np.int64), num_samples=plan.n,
+                          params=SamplingParams(max_tokens=1), prompt_images=images)
+        fit_sample_input(inp, target.base_model, target.base.config, target.base.image_token_counter)
+        tokens = inp.prompt
         max_tokens = plan.max_tokens
         if max_tokens is None:
             max_tokens = ctx - len(tokens) if limits.sample_tokens is None else min(ctx - len(tokens), limits.sample_tokens)
             if max_tokens < 1:
                 raise oai.ParamError(prompt_param,
                                      f"the prompt ({len(tokens)} tokens) fills the model's context of {ctx} tokens")
-        params = SamplingParams(max_tokens=max_tokens, temperature=plan.temperature, top_p=plan.top_p,
-                                seed=plan.seed, stop=stops or None)
-        inp = SampleInput(prompt=np.asarray(tokens, dtype=np.int64), num_samples=plan.n, params=params,
-                          topk_sample_logprobs=plan.logprobs or 0)
+        inp.params = SamplingParams(max_tokens=max_tokens, temperature=plan.temperature, top_p=plan.top_p,
+                                    seed=plan.seed, stop=stops or None)
+        inp.topk_sample_logprobs = plan.logprobs or 0
         try:
             limits.check_sample(inp, ctx)
         except InvalidInputError as e:
@@ -358,16 +388,17 @@ async def run_request(request: Request, chat: bool) -> Response:
     caller = caller_of(request)
     body = await json_object(request)
     if chat:
-        plan, messages = oai.chat_request(body)
+        plan, messages, images = oai.chat_request(body)
     else:
         plan, raw_prompts = oai.completion_request(body)
         if plan.max_tokens is None:
             plan.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     target = await resolve_target(state, caller, plan.model)
-    if chat:
-        prompts = [await run_in_threadpool(render_chat, target, plan.model, messages)]
+    if chat:  # in a worker thread: images are decoded in full to check them
+        prompts = [await run_in_threadpool(render_chat, target, plan.model, messages, images,
+                                           limits_of(state).image_pixels)]
     else:
-        prompts = await run_in_threadpool(lambda: [encode_prompt(target, p) for p in raw_prompts])
+        prompts = await run_in_threadpool(lambda: [(encode_prompt(target, p), []) for p in raw_prompts])
     stops = stop_strings(plan, target)
     payload = await request.body()
     queue: asyncio.Queue | None = asyncio.Queue() if plan.stream else None
