@@ -124,7 +124,7 @@ def refresh_together(refreshes: list["CopyRefresh"]) -> None:
     taken together) as one multi-tensor copy of the dense pairs and one multiply per scale for all
     of them, then each adapter's strided blocks (:class:`BlockCopies`)."""
     copies: dict[tuple, tuple[list, list]] = {}
-    scaled: dict[tuple, list[torch.Tensor]] = {}
+    scaled: dict[float, list[torch.Tensor]] = {}
     for r in refreshes:
         r._ready()
         for key, (ds, ss) in r._copies_by_route.items():

@@ -116,13 +116,13 @@ class _Row:
     group: object = None  # the rows seeded from one prefill of its prompt (a paged cache holds it once)
 
 
-
 def _capturable(model: CausalLM) -> bool:
-    """Whether ``model``'s decode step can be replayed from CUDA graphs; if not, says why once."""
+    """Whether ``model``'s decode step can be replayed from CUDA graphs; if not, the log says why."""
     why = capture_blocker(model)
     if why is not None:
         log.info("decode steps run eagerly, without CUDA graphs: %s", why)
     return why is None
+
 
 class Sampler:
     # Errors that end the sampler rather than the requests of one step (a failed tensor-parallel
