@@ -208,6 +208,14 @@ def test_text_only_model_refuses_images_by_name():
     assert str(exc.value).startswith("prompt.chunks[1] is an image, but base model 'Qwen/Qwen3-8B' is a text-only model")
     vl = VisionConfig(image_token_id=9, vision_start_token_id=8, patch_size=16, merge_size=2, temporal_patch_size=2)
     check_images_for_model([im], "vl", ModelConfig(**{**config.__dict__, "vision": vl}))
+    # an image-text checkpoint served as text only says why, not that the model is text-only
+    off = ModelConfig(**{**config.__dict__, "architecture": "Qwen3_5ForConditionalGeneration",
+                         "images_off": "its directory holds no preprocessor_config.json"})
+    with pytest.raises(InvalidInputError) as exc:
+        check_images_for_model([im], "Qwen/Qwen3.5-27B", off)
+    assert str(exc.value) == ("prompt.chunks[1] is an image, but base model 'Qwen/Qwen3.5-27B' "
+                              "(Qwen3_5ForConditionalGeneration) is served as text only: its directory holds no "
+                              "preprocessor_config.json")
 
 
 def test_image_text_model_expands_images_by_its_processor_count():

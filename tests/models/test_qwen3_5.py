@@ -188,6 +188,7 @@ def test_image_text_checkpoint_serves_its_text_decoder(tmp_path, qwen3_5_dir, ca
     assert "vision-tower / multi-token-prediction tensors are not loaded" in caplog.text
     assert "no preprocessor_config.json or processor_config.json for its images" in caplog.text
     assert vl.config.text_prefix == "model.language_model." and vl.vision is None
+    assert "no preprocessor_config.json or processor_config.json" in vl.config.images_off  # what a refusal says
     tokens = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(logits_of(vl.model, tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-4)

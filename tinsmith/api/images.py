@@ -28,10 +28,14 @@ def check_images_for_model(images: Iterable[ImageInput], base_model: str, config
     """400 naming the first image chunk when ``base_model`` does not take images."""
     first = next(iter(images), None)
     if first is not None and config.vision is None:
-        raise InvalidInputError(
-            f"{first.where} is an image, but base model {base_model!r} is a text-only model "
-            f"({config.architecture}); it takes no image input"
-        )
+        raise InvalidInputError(f"{first.where} is an image, but {no_images(base_model, config)}")
+
+
+def no_images(base_model: str, config: ModelConfig) -> str:
+    """Why ``base_model`` (a model without vision) takes no image input, for a refusal's message."""
+    if config.images_off is not None:
+        return f"base model {base_model!r} ({config.architecture}) is served as text only: {config.images_off}"
+    return f"base model {base_model!r} is a text-only model ({config.architecture}); it takes no image input"
 
 
 def _fit(tokens: np.ndarray, images: list[ImageInput], where: str, base_model: str, config: ModelConfig,

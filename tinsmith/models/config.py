@@ -109,6 +109,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     moe: MoeConfig | None = None  # routed experts (Qwen3-MoE); None for dense families
     vision: VisionConfig | None = None  # None: a text-only model (image chunks are refused)
+    images_off: str | None = None  # why an image-text checkpoint is served without its images (None: it is not)
     text_prefix: str = "model."  # where the checkpoint keeps the decoder ("model.language_model." in VL models)
     attention_out_bias: bool = False  # o_proj bias (gpt-oss)
     attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (gpt-oss)

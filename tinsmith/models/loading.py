@@ -76,7 +76,9 @@ def read_config(model_dir: Path) -> ModelConfig:
     raw = _raw_config(model_dir)
     cfg = family_for(raw).config(raw)
     if cfg.vision is not None and not _has_processor(model_dir):
-        cfg = dataclasses.replace(cfg, vision=None)
+        cfg = dataclasses.replace(cfg, vision=None, images_off=(
+            f"its directory holds no {' or '.join(PROCESSOR_FILES)} (the image processor's settings), so its "
+            "vision tower is not loaded"))
     return cfg
 
 

@@ -38,7 +38,7 @@ from tinsmith.api import openai_format as oai
 from tinsmith.api.auth import Caller, key_from_headers
 from tinsmith.api.codecs._images import check_image
 from tinsmith.api.common import sampler_weights, state_of, submit
-from tinsmith.api.images import fit_sample_input
+from tinsmith.api.images import fit_sample_input, no_images
 from tinsmith.api.limits import limits_of, refuse_above
 from tinsmith.api.request import ApiRoute, json_object
 from tinsmith.engine.scheduler import Outcome
@@ -160,8 +160,8 @@ def render_chat(target: Target, model: str, messages: list[dict[str, Any]],
         raise oai.ParamError("model", f"model {model!r} has no chat template; use /completions with a prompt")
     vision = target.base.config.vision
     if images and vision is None:
-        raise oai.ParamError(images[0].where, f"{images[0].where} is an image, but model {model!r} is a text-only "
-                                              f"model ({target.base.config.architecture}); it takes no image input")
+        raise oai.ParamError(images[0].where, f"{images[0].where} is an image, but "
+                                              f"{no_images(target.base_model, target.base.config)}")
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
