@@ -39,7 +39,16 @@ def _tl_dtype(dtype: torch.dtype):
 def usable(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
     """Whether :class:`BlockCopies` of these pairs takes the kernel: one device, one dtype on each
     side (fp32, bf16 or fp16), 2-D tensors of one shape per pair with unit stride along a row."""
-    if triton is None or not dst or not GUARD.allows(BACKEND, dst[0]):
+    return bool(dst) and _allowed(dst[0]) and _fits(dst, src)
+
+
+def _allowed(on: torch.Tensor) -> bool:
+    return triton is not None and GUARD.allows(BACKEND, on)
+
+
+def _fits(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
+    """The pairs' part of :func:`usable` (what stays true of a list whose tensors stay where they are)."""
+    if triton is None:
         return False
     d0, s0 = dst[0], src[0]
     if _tl_dtype(d0.dtype) is None or _tl_dtype(s0.dtype) is None:
@@ -57,6 +66,7 @@ class BlockCopies:
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], scales: list[float | None]):
         self.dst, self.src, self.scales = dst, src, scales
         self._table: tuple | None = None
+        self._fits: bool | None = None  # whether the kernel takes these pairs (checked once: a step's host time)
 
     def __len__(self) -> int:
         return len(self.dst)
@@ -65,8 +75,11 @@ class BlockCopies:
         """Do every pair's copy (and multiply): one launch on a GPU, the torch calls elsewhere."""
         if not self.dst:
             return
-        if usable(self.dst, self.src) and GUARD.ran(_launch, self, on=self.dst[0]):
-            return
+        if _allowed(self.dst[0]):
+            if self._fits is None:
+                self._fits = _fits(self.dst, self.src)
+            if self._fits and GUARD.ran(_launch, self, on=self.dst[0]):
+                return
         torch_copies(self.dst, self.src, self.scales)
 
 
