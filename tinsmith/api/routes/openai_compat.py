@@ -10,8 +10,9 @@ same continuous batching with every other tenant, same snapshot handling); only 
 around it differs: prompts are tokenized, chat messages rendered with the model's own chat
 template, and the sampled tokens decoded. An image-text model takes images in user messages as
 ``image_url`` parts holding base64 ``data:`` URLs (never fetched from elsewhere): the chat template
-places each image, and the image becomes the model's image tokens as an SDK image chunk does. Keys are accepted as ``Authorization: Bearer`` (what
-OpenAI clients send) or ``X-API-Key``, with the same rules; errors use OpenAI's error JSON.
+places each image, and the image becomes the model's image tokens as an SDK image chunk does.
+Keys are accepted as ``Authorization: Bearer`` (what OpenAI clients send) or ``X-API-Key``, with
+the same rules; errors use OpenAI's error JSON.
 
 Streaming sends tokens as they are decoded: after each sampling slice (``--sampling-slice-s``)
 the sampler reports every running sequence's tokens, and the new text goes out as an SSE chunk.
@@ -25,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -148,7 +149,7 @@ def encode_prompt(target: Target, prompt: str | list[int]) -> list[int]:
 
 
 def render_chat(target: Target, model: str, messages: list[dict[str, Any]],
-                images: list[oai.ChatImage] = (), max_image_pixels: int = 0) -> tuple[list[int], list[ImageInput]]:
+                images: Sequence[oai.ChatImage] = (), max_image_pixels: int = 0) -> tuple[list[int], list[ImageInput]]:
     """The model's chat template applied to the messages, with the assistant turn opened, and the
     messages' images, checked, each at the place the template gave it: where the template writes
     the model's image placeholder token, the image stands in the prompt (as an SDK image chunk
@@ -177,7 +178,8 @@ def render_chat(target: Target, model: str, messages: list[dict[str, Any]],
     checked = []
     for k, (im, i) in enumerate(zip(images, at)):
         try:
-            checked.append(check_image(im.data, im.fmt, None, position=i - k, where=im.where, max_pixels=max_image_pixels))
+            checked.append(check_image(im.data, im.fmt, None, position=i - k, where=im.where,
+                                       max_pixels=max_image_pixels))
         except InvalidInputError as e:
             raise oai.ParamError(im.where, e.message) from None
     return [t for t in tokens if t != vision.image_token_id], checked
