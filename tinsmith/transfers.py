@@ -29,3 +29,36 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype | None = Non
         host = torch.tensor(values, dtype=dtype, device="cpu")  # the host, whatever the default device
     return host.to(device, non_blocking=True)
 
+
+
+class HostCopies:
+    """Device tensors on their way to the host, read when the host needs them.
+
+    ``tensor.tolist()`` of a device tensor waits for everything queued on the stream, including
+    work queued *after* the tensor was made. A sampler that queues its next decode burst before it
+    reads the last one's tokens (so that the device never idles while the host records them) needs
+    the read to wait for that burst only: on a GPU the tensors are copied into pinned host memory
+    right behind the work that makes them (``non_blocking``: no wait) and an event marks the
+    copies' end; :meth:`lists` waits for that event alone. On a CPU, where every operation has
+    finished when it returns, the tensors are read as they are.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self._event = None
+        if device.type != "cuda":
+            self._host = list(tensors)
+            return
+        self._host = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self._host.append(host)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))
+
+    def lists(self) -> list[list]:
+        """Each tensor as nested Python lists (``tolist``), once its copy has landed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [t.tolist() for t in self._host]

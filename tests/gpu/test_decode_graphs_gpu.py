@@ -9,6 +9,8 @@ start (no capture is tried) and samples the same."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -112,3 +114,52 @@ def test_a_kept_idle_cache_replays_the_last_phase_graphs(tmp_path):
     for key, res in want.items():
         for a, b in zip(res.sequences, got[key].sequences):
             assert a.tokens.tolist() == b.tokens.tolist(), key
+
+
+def test_running_ahead_replays_what_reading_every_burst_replays(tmp_path):
+    """The server's sampler queues its next burst of graph replays before it reads the last one
+    (``run_ahead``, on by default on a GPU): the same tokens and stop reasons, logprobs equal to
+    rounding (the cache may grow a burst earlier, and a step over a larger capacity may sum its
+    attention in another order)."""
+    dtype = torch.float32
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("CUDA graphs exist only on CUDA devices")
+    model = load_model(str(make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)), DEVICE, dtype).model
+    for slot, rank in ((1, 4), (2, 8), (3, 16)):
+        random_adapter(model, slot, rank=rank, seed=slot)
+    got = {}
+    for ahead in (False, True):
+        sampler = Sampler(model, lambda t: "", max_rows=8, cuda_graphs=True, run_ahead=ahead)
+        got[ahead] = run_to_end(sampler, _tasks([1, None, 2, 3, 1, None]))
+        assert (sampler.stats["bursts_ahead"] > 0) == ahead
+        assert sampler.stats["graph_replays"] > 0
+    for key, res in got[False].items():
+        for a, b in zip(res.sequences, got[True][key].sequences, strict=True):
+            assert a.tokens.tolist() == b.tokens.tolist(), key
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5, err_msg=key)
+            assert a.stop_reason == b.stop_reason, key
+
+
+def test_a_burst_read_waits_for_that_burst_only():
+    """What running ahead rests on: reading a burst's outputs (``HostCopies``) waits for the work
+    queued before them, not for the next burst queued after them."""
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("needs a CUDA stream to queue work behind the copies")
+    from tinsmith.transfers import HostCopies
+
+    x = torch.arange(1000, device=DEVICE, dtype=torch.float32)
+    torch.cuda.synchronize()
+    copies = HostCopies([x.sum(), x[:3]])
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1 << 31)  # about a second of the device spinning, queued behind the copies
+    end.record()
+    t = time.perf_counter()
+    got = copies.lists()
+    waited = time.perf_counter() - t
+    torch.cuda.synchronize()
+    busy = start.elapsed_time(end) / 1e3
+    assert got == [499500.0, [0.0, 1.0, 2.0]]
+    assert busy > 0.2, "the queued work was too short to tell"
+    assert waited < busy / 4, f"the read waited {waited:.3f} s of the {busy:.3f} s queued after it"

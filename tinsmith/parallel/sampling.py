@@ -53,6 +53,9 @@ class ShardedSampler(Sampler):
         self.kv_cache_bytes = 0 if budget.item() == float("inf") else int(budget.item())
         self.cache = self._new_cache()
         self.prefix = self._new_prefix_cache()  # its blocks hold this rank's heads (pages of this cache)
+        # Whether to queue a burst ahead depends on each rank's own clock and inbox; ranks that
+        # decided differently would run different collectives. Every rank reads each burst first.
+        self.run_ahead = False
         if self.graphs is not None:  # the static decode step reads this rank's cache, and captures agree
             self.graphs.cache = self.cache
             self.graphs.peers = GraphPeers(tp_of(model), self.device)

@@ -23,6 +23,7 @@ import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any, Callable
 
 import numpy as np
@@ -44,7 +45,7 @@ from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from tinsmith.sampling.prompt_states import PromptSnapshot, PromptSnapshots
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
-from tinsmith.transfers import to_device
+from tinsmith.transfers import HostCopies, to_device
 from tinsmith.types import SampledSequence, SampleInput, SampleResult
 
 TOPK_SENTINEL = -99999.0
@@ -116,6 +117,19 @@ class _Row:
     group: object = None  # the rows seeded from one prefill of its prompt (a paged cache holds it once)
 
 
+@dataclass
+class _Burst:
+    """A decode burst queued on the device: its rows (the batch's, in order, when it was queued),
+    its steps, each row's top-k ask, the rows that ask (None: none), and its outputs on their
+    way to the host (tokens, logprobs, and the asking rows' best ids and logprobs per step)."""
+
+    rows: list[_Row]
+    k: int
+    asks: list[int]
+    asking: list[int] | None
+    out: HostCopies
+
+
 def _capturable(model: CausalLM) -> bool:
     """Whether ``model``'s decode step can be replayed from CUDA graphs; if not, the log says why."""
     why = capture_blocker(model)
@@ -145,6 +159,7 @@ class Sampler:
         prefill_chunk_tokens: int | None = None,
         kv_layout: str = "auto",
         keep_cache_when_idle: bool = False,
+        run_ahead: bool | None = None,
     ):
         self.model = model
         self.vision = vision  # image-text models: turns prompt images into their tokens' features
@@ -167,6 +182,11 @@ class Sampler:
         # operation has finished when it returns, so reading back each step costs nothing and a
         # burst would only decode past stops; on a GPU a burst keeps the launch queue full.
         self.decode_burst = decode_burst or (DEVICE_DECODE_BURST if self.device.type == "cuda" else 1)
+        # Queue the next burst before reading the last one (see _decode_step): on a GPU the device
+        # decodes while the host records tokens. A CPU does the host's work and the device's in
+        # turn, so there it would only decode a burst past rows' ends (tests turn it on).
+        self.run_ahead = (self.device.type == "cuda") if run_ahead is None else run_ahead
+        self._deadline = 0.0  # when the current step()'s time slice ends (0 outside step: no running ahead)
         self.kv_cache_bytes = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_bytes(self.device)
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
@@ -210,7 +230,7 @@ class Sampler:
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
                       "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
                       "preempted": 0, "recomputed_tokens": 0, "admissions": 0, "admission_wait_s": 0.0,
-                      "yielded_rows": 0}
+                      "yielded_rows": 0, "bursts_ahead": 0}
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
         # launch-bound, and the padded, full-capacity step only costs more there).
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
@@ -285,28 +305,32 @@ class Sampler:
         done: list[tuple[Any, SampleResult | Exception]] = self._failed
         self._failed = []
         deadline = time.perf_counter() + budget_s
-        with torch.inference_mode():
-            self._drop_cancelled(done)
-            self._admit(done)
-            # One scheduler step: the next chunk of a long prompt (if one is being prefilled),
-            # then a decode burst of the running rows, then admission of waiting requests.
-            while (self.rows or self._chunked) and self._go_on(deadline, done):
-                if self._chunked is not None:
-                    self._prefill_next_chunk(done)
-                if self.rows:
-                    self._make_room()
-                    try:
-                        self._decode_step(done)
-                    except self.fatal_errors:
-                        raise
-                    except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
-                        log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
-                        self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
-                        break
-                if self.inbox and len(self.rows) < self.max_rows:
-                    self._admit(done)
-            if not self.rows and not self.keep_cache_when_idle:
-                self.cache.shrink(0, 1)
+        self._deadline = deadline
+        try:
+            with torch.inference_mode():
+                self._drop_cancelled(done)
+                self._admit(done)
+                # One scheduler step: the next chunk of a long prompt (if one is being prefilled),
+                # then a decode burst of the running rows, then admission of waiting requests.
+                while (self.rows or self._chunked) and self._go_on(deadline, done):
+                    if self._chunked is not None:
+                        self._prefill_next_chunk(done)
+                    if self.rows:
+                        self._make_room()
+                        try:
+                            self._decode_step(done)
+                        except self.fatal_errors:
+                            raise
+                        except Exception as exc:  # e.g. out of memory: no row can go on, but the sampler can
+                            log.exception("decode step failed; failing the %d requests in the batch", len(self.rows))
+                            self._fail(list({id(r.state): r.state for r in self.rows}.values()), exc, done)
+                            break
+                    if self.inbox and len(self.rows) < self.max_rows:
+                        self._admit(done)
+                if not self.rows and not self.keep_cache_when_idle:
+                    self.cache.shrink(0, 1)
+        finally:
+            self._deadline = 0.0
         return done
 
     def release_memory(self) -> int:
@@ -1380,7 +1404,7 @@ class Sampler:
 
     # ----------------------------------------------------------------------------- decoding
     def _decode_step(self, done: list) -> None:
-        """Decode a burst of steps for every row, then read the tokens back once.
+        """Decode bursts of steps for every row, reading each burst's tokens back once.
 
         The host needs the sampled tokens only to check stop conditions and to record results,
         so a burst of ``k`` steps runs back to back on the device (each step's tokens feed the
@@ -1389,13 +1413,40 @@ class Sampler:
         few tokens past its stop into its own cache; they are dropped, and no other row sees
         them. ``k`` never takes a row past its ``max_tokens``. Tokens are identical whatever
         ``k`` is: a row's draws depend only on its seed, sample index and step.
+
+        Running ahead (``run_ahead``): while nothing but decoding is left to do (see
+        :meth:`_may_run_ahead`), the next burst is queued *before* the last one's tokens are read
+        and recorded, so the device decodes while the host records: the host's work per burst
+        (per row, and on a GPU about as long as a decode step's idle gaps) leaves the device's
+        timeline. The next burst needs nothing from the host: its input tokens are the last
+        burst's, still on the device. When a row ends inside a burst, the burst queued after it
+        has decoded past that row's end too: those tokens are dropped, as a stop inside a burst
+        drops its row's later tokens, then the rows leave and the next call starts afresh.
         """
+        burst = self._launch_burst(0)
+        while True:
+            ahead = self._launch_burst(burst.k) if self._may_run_ahead(burst) else None
+            finished = self._take_burst(burst)
+            if ahead is None:
+                break
+            self.stats["bursts_ahead"] += 1
+            if finished:
+                ended = {r for r, _ in finished}
+                finished += self._take_burst(ahead, skip=ended)
+                break
+            burst = ahead
+        self._retire(finished, done)
+
+    def _launch_burst(self, pending: int) -> _Burst:
+        """Queue a burst for every row, ``pending`` tokens after those recorded (the tokens of a
+        burst launched and not yet read); its outputs start for the host behind it."""
         n = len(self.rows)
         batch = self._batch()
-        k = max(1, min(self.decode_burst, min(row.state.max_tokens - len(row.tokens) for row in self.rows)))
+        k = max(1, min(self.decode_burst,
+                       min(row.state.max_tokens - len(row.tokens) - pending for row in self.rows)))
         # Each row's positions after this burst: a row's cache holds its prompt and every sampled
         # token but the last, so this is known on the host (no read-back per step).
-        spans = [len(row.state.task.input.prompt) + len(row.tokens) + k - 1 for row in self.rows]
+        spans = [len(row.state.task.input.prompt) + len(row.tokens) + pending + k - 1 for row in self.rows]
         span = max(spans)
         asks = [row.state.task.input.topk_sample_logprobs for row in self.rows]
         if self._static_decode(spans):
@@ -1407,19 +1458,51 @@ class Sampler:
         else:
             self._grow(lambda: (self.cache.ensure(n, span), self.cache.reserve(spans)))
             tokens, logprobs, tops = self._eager_burst(batch, n, k, span, asks)
-        top_host = _host_top_logprobs_steps(tops, asks)
         self.stats["decode_steps"] += k
-        self.stats["decode_reads"] += 1
         self.stats["sampled_tokens"] += n * k
-        tok_host = tokens.tolist()  # (n, k): the burst's one read-back
-        lp_host = logprobs.tolist()
+        asking, outputs = None, [tokens, logprobs]
+        if tops and tops[0] is not None:
+            asking = tops[0][0]
+            outputs += [torch.stack([found.indices for _, found in tops]), torch.stack([found.values for _, found in tops])]
+        return _Burst(list(self.rows), k, asks, asking, HostCopies(outputs))
+
+    def _take_burst(self, burst: _Burst, skip: Collection[int] = ()) -> list[tuple[int, str]]:
+        """Read a burst's tokens back (its one read) and record them for each of its rows but
+        those at ``skip`` (rows that ended in the burst before it); the rows it ended, with why."""
+        self.stats["decode_reads"] += 1
+        host = burst.out.lists()
+        tok_host, lp_host = host[0], host[1]
+        top_host = _tops_by_step(burst.asking, host[2], host[3], burst.asks) if burst.asking else None
         finished: list[tuple[int, str]] = []
-        for r, row in enumerate(self.rows):
-            tops_r = [top_host[i][r] for i in range(k)] if asks[r] else None
+        for r, row in enumerate(burst.rows):
+            if r in skip:
+                continue
+            tops_r = [top_host[i][r] for i in range(burst.k)] if top_host and burst.asks[r] else None
             reason = self._push_burst(row, tok_host[r], lp_host[r], tops_r)
             if reason is not None:
                 finished.append((r, reason))
-        self._retire(finished, done)
+        return finished
+
+    def _may_run_ahead(self, burst: _Burst) -> bool:
+        """Whether to queue the next burst before reading ``burst``: only when the scheduler would
+        do nothing but decode in between (nothing waits to be admitted or resumed, no long prompt
+        is being prefilled, nothing was cancelled, the time slice is not spent), every row can take
+        another token, and the K/V budget holds the rows after both bursts without preempting."""
+        if not self.run_ahead or self.inbox or self._resume or self._chunked is not None:
+            return False
+        if time.perf_counter() >= self._deadline:
+            return False
+        board = self.cancellations
+        if board is not None and board.version != self._cancel_version:
+            return False
+        if any(row.state.max_tokens - len(row.tokens) <= burst.k for row in self.rows):
+            return False  # a row ends by its length in this burst: the rows change after it
+        if self.kv_cache_bytes:
+            positions = [len(r.state.task.input.prompt) + len(r.tokens) + burst.k + self.decode_burst - 1
+                         for r in self.rows]
+            if self.cache.bytes_at_most(positions) > self.kv_cache_bytes:
+                return False  # near the budget: the next call's _make_room decides
+        return True
 
     def _eager_burst(self, batch: _DecodeBatch, n: int, k: int, span: int, asks: list[int]):
         """``k`` decode steps over the live rows only, shapes cut to them: (n, k) tokens and
@@ -1738,19 +1821,18 @@ def _asking_rows(best: list[tuple[torch.Tensor, torch.Tensor]], ks: list[int]):
 
 def _host_top_logprobs(top, ks: list[int]) -> list[tuple[list[int], list[float]] | None]:
     """The host half of :func:`_top_logprobs`: read back, cut to each row's own k."""
-    return _host_top_logprobs_steps([top], ks)[0]
-
-
-def _host_top_logprobs_steps(tops: list, ks: list[int]) -> list[list[tuple[list[int], list[float]] | None]]:
-    """The host half of :func:`_top_logprobs` for each step of a burst (``tops``: what
-    :func:`_device_top_logprobs` gave per step, the same rows asking throughout), every step's
-    read back at once, cut to each row's own k; per step, per row."""
-    out: list[list[tuple[list[int], list[float]] | None]] = [[None] * len(ks) for _ in tops]
-    if not tops or tops[0] is None:
+    out: list[tuple[list[int], list[float]] | None] = [None] * len(ks)
+    if top is None:
         return out
-    asking = tops[0][0]
-    ids = torch.stack([found.indices for _, found in tops]).tolist()  # (steps, asking rows, k)
-    vals = torch.stack([found.values for _, found in tops]).tolist()
+    asking, found = top
+    return _tops_by_step(asking, [found.indices.tolist()], [found.values.tolist()], ks)[0]
+
+
+def _tops_by_step(asking: list[int], ids: list, vals: list, ks: list[int]
+                  ) -> list[list[tuple[list[int], list[float]] | None]]:
+    """Per step, per row, the row's best (ids, logprobs) cut to its own k, from each step's
+    ``(asking rows, k)`` ids and values read back (``asking``: the rows that ask, in order)."""
+    out: list[list[tuple[list[int], list[float]] | None]] = [[None] * len(ks) for _ in ids]
     for step, row in enumerate(out):
         for i, r in enumerate(asking):
             k = min(ks[r], len(ids[step][i]))

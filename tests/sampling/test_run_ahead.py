@@ -1,0 +1,140 @@
+"""Running ahead: the sampler queues its next decode burst before it reads the last one's tokens
+(what a GPU needs to decode while the host records them). Results equal reading every burst
+before queueing the next: same tokens, stop reasons and top-k ids, logprobs equal up to float
+rounding, on the eager step and the static one (what CUDA graphs record), with stop tokens,
+stop strings and max_tokens ending rows inside the queued-ahead burst, rows joining as others
+leave, adapters, seeds and greedy rows. It never runs ahead while requests wait, and a burst's
+read waits for that burst only (checked on a GPU in tests/gpu/test_decode_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task
+from tinsmith.models import lora as lora_mod
+from tinsmith.sampling.decode_graphs import DecodeGraphs
+from tinsmith.sampling.sampler import Sampler
+from tinsmith.transfers import HostCopies
+
+
+def _tasks(vocab: int):
+    rng = np.random.default_rng(3)
+    stops = sorted(rng.choice(np.arange(4, vocab), size=vocab // 20, replace=False).tolist())
+    prompts = [rng.integers(4, vocab, n).tolist() for n in (5, 11, 8, 3, 14, 6, 9)]
+    return [
+        task("stop-tokens", prompts[0], n=3, max_tokens=40, temperature=1.0, seed=1, stop=stops),
+        task("greedy-stops", prompts[1], max_tokens=33, temperature=0.0, stop=stops[::2]),
+        task("adapter-a", prompts[2], slot=1, n=2, max_tokens=17, temperature=0.8, top_p=0.9, seed=3, stop=stops,
+             topk_sample_logprobs=3),
+        task("adapter-b", prompts[3], slot=2, max_tokens=9, temperature=1.0, top_k=20, seed=4, stop=[]),
+        task("long", prompts[4], max_tokens=50, temperature=1.0, seed=5, stop=[], topk_sample_logprobs=2),
+        task("late", prompts[5], slot=1, max_tokens=21, temperature=0.0, stop=[]),
+        task("late-seeded", prompts[6], n=2, max_tokens=26, temperature=0.7, top_k=5, seed=6, stop=stops),
+    ]
+
+
+def _sample(model_dir, *, ahead: bool, static: bool, max_rows: int, tasks=None):
+    model = fresh_model(model_dir)
+    random_adapter(model, 1, seed=1)
+    random_adapter(model, 2, rank=8, seed=2)
+    sampler = Sampler(model, decoder(model_dir), decode_burst=3, max_rows=max_rows, run_ahead=ahead)
+    if static:
+        sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
+    # A budget long enough that a step's bursts run back to back (ahead when allowed).
+    return run(sampler, tasks or _tasks(model.config.vocab_size), budget_s=5.0), sampler
+
+
+def _assert_same(ref: dict, got: dict) -> set[str]:
+    reasons = set()
+    for key, res in ref.items():
+        assert not isinstance(res, Exception), res
+        assert not isinstance(got[key], Exception), got[key]
+        for a, b in zip(res.sequences, got[key].sequences, strict=True):
+            assert a.tokens.tolist() == b.tokens.tolist(), key
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6, err_msg=key)
+            assert a.stop_reason == b.stop_reason, key
+            reasons.add(a.stop_reason)
+            if a.topk_token_ids is not None:
+                np.testing.assert_array_equal(a.topk_token_ids, b.topk_token_ids)
+                np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, rtol=1e-5, atol=1e-6)
+    return reasons
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("max_rows", [16, 5], ids=["all-rows", "rows-join-later"])
+def test_running_ahead_samples_what_reading_every_burst_samples(qwen3_dir, monkeypatch, static, max_rows):
+    if static:
+        monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")  # the static step's layout, on both sides
+    ref, plain = _sample(qwen3_dir, ahead=False, static=static, max_rows=max_rows)
+    got, ahead = _sample(qwen3_dir, ahead=True, static=static, max_rows=max_rows)
+    assert _assert_same(ref, got) == {"stop", "length"}
+    assert plain.stats["bursts_ahead"] == 0
+    assert ahead.stats["bursts_ahead"] > 0
+    # Bursts queued ahead of rows that ended are the only extra decode steps.
+    assert ahead.stats["decode_steps"] >= plain.stats["decode_steps"]
+    assert not ahead.rows
+
+
+def test_stop_strings_end_rows_inside_a_burst_queued_ahead(qwen3_dir):
+    """A stop string is found on the host as tokens are recorded, a burst later than the device
+    decoded them when running ahead: the sequence still ends where reading every burst ends it."""
+    model = fresh_model(qwen3_dir)
+    text = decoder(qwen3_dir)
+    probe = Sampler(model, text, decode_burst=3, run_ahead=False)
+    free = run(probe, [task("free", [5, 9, 13, 2], n=2, max_tokens=40, temperature=1.0, seed=11, stop=[])])
+    seq = free["free"].sequences[0].tokens.tolist()
+    # A stop string that the first sequence meets a dozen tokens in.
+    stop = text(seq[:12])[-3:]
+    assert stop
+    tasks = [task("strings", [5, 9, 13, 2], n=2, max_tokens=40, temperature=1.0, seed=11, stop=[stop]),
+             task("other", [7, 7, 3], max_tokens=37, temperature=1.0, seed=12, stop=[])]
+    ref = run(Sampler(fresh_model(qwen3_dir), text, decode_burst=3, run_ahead=False), tasks, budget_s=5.0)
+    sampler = Sampler(fresh_model(qwen3_dir), text, decode_burst=3, run_ahead=True)
+    got = run(sampler, tasks, budget_s=5.0)
+    assert "stop" in _assert_same(ref, got)
+    assert sampler.stats["bursts_ahead"] > 0
+
+
+def test_no_running_ahead_while_requests_wait_or_outside_a_step(qwen3_dir, monkeypatch):
+    """Waiting requests are admitted between bursts as before: while any waits, the sampler reads
+    each burst before queueing the next; once none waits, it runs ahead."""
+    model = fresh_model(qwen3_dir)
+    sampler = Sampler(model, decoder(qwen3_dir), decode_burst=2, max_rows=2, run_ahead=True)
+    launches: list[tuple[int, int]] = []  # (requests waiting, tokens pending) at each burst queued
+    launch = sampler._launch_burst
+
+    def counted(pending: int):
+        launches.append((len(sampler.inbox), pending))
+        return launch(pending)
+
+    monkeypatch.setattr(sampler, "_launch_burst", counted)
+    for i in range(4):
+        sampler.add(task(f"r{i}", [4 + i, 8, 9], max_tokens=12, temperature=1.0, seed=i, stop=[]))
+    with torch.inference_mode():
+        sampler._admit([])
+        assert sampler.inbox, "two requests wait for rows"
+        sampler._decode_step([])  # outside step(): no time slice, so nothing runs ahead
+    assert launches == [(2, 0)] and sampler.stats["bursts_ahead"] == 0
+    while sampler.has_work():
+        sampler.step(budget_s=5.0)
+    assert not [w for w, pending in launches if w and pending], "ran ahead while requests waited"
+    assert any(pending for _, pending in launches) and sampler.stats["bursts_ahead"] > 0
+
+
+def test_rows_ending_by_length_cost_no_burst_past_their_end(qwen3_dir):
+    """Where rows end is known on the host when only max_tokens ends them: nothing is queued past
+    it, so running ahead decodes exactly the steps that reading every burst decodes."""
+    tasks = [task(f"r{i}", [4 + i, 8, 9, 10], n=2, max_tokens=m, temperature=1.0, seed=i, stop=[])
+             for i, m in enumerate((19, 19, 11, 26))]
+    ref, plain = _sample(qwen3_dir, ahead=False, static=False, max_rows=16, tasks=tasks)
+    got, ahead = _sample(qwen3_dir, ahead=True, static=False, max_rows=16, tasks=tasks)
+    assert _assert_same(ref, got) == {"length"}
+    assert ahead.stats["bursts_ahead"] > 0
+    assert ahead.stats["decode_steps"] == plain.stats["decode_steps"]
+
+
+def test_host_copies_read_what_the_tensors_hold():
+    a, b = torch.arange(6).reshape(2, 3), torch.tensor([0.5, -1.0])
+    assert HostCopies([a, b]).lists() == [[[0, 1, 2], [3, 4, 5]], [0.5, -1.0]]
