@@ -104,14 +104,16 @@ def markdown(s: dict) -> str:
         L.append("")
         L += _heading("## Decode steps per host read-back (tokens/s, graphs on, base model; each burst queued "
                       "ahead of the last one's read, but for 'read first')",
-                      "| shape | rows | 4 | 4, read first | ahead / read first | 8 | 16 | 16 vs 4 | 4 again | notes |")
+                      "| shape | rows | 4 | 4, read first | ahead / read first | 8 | 16 | 16 vs 4 | 4 again | "
+                      "scattered ends: ahead / read first | notes |")
         for name in s["shapes"]:
             db = sa.get(f"{name}/decode_bursts", {})
             for rk in [k for k in db if k.startswith("rows_")] or ["-"]:
                 L.append(f"| {name} | {rk[5:]} | {_get(db, rk, 'burst_4')} | {_get(db, rk, 'burst_4_read_first')} | "
                          f"{_get(db, rk, 'ahead_vs_read_first')} | {_get(db, rk, 'burst_8')} | "
                          f"{_get(db, rk, 'burst_16')} | {_get(db, rk, 'burst_16_vs_4')} | "
-                         f"{_get(db, rk, 'burst_4_again')} | {_status(db)} |")
+                         f"{_get(db, rk, 'burst_4_again')} | {_get(db, rk, 'scattered_ahead_vs_read_first')} | "
+                         f"{_status(db)} |")
         L.append("")
         L += _heading("## Decode with CUDA graphs vs eager (tokens/s)",
                       "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |")

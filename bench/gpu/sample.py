@@ -46,13 +46,15 @@ def server_sampler(model, device, rows: int, **kw) -> Sampler:
     return Sampler(model, lambda toks: "", keep_cache_when_idle=device.type == "cuda", **options)
 
 
-def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int, slots: list[int | None], seed: int,
+def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int | list[int], slots: list[int | None], seed: int,
                 budget_s: float = 1.0) -> float:
-    """Wall seconds to sample ``rows`` sequences of exactly ``new`` tokens (prefill included).
-    Draws are seeded, so ranks of a sharded sampler (run with an infinite ``budget_s``) agree."""
+    """Wall seconds to sample ``rows`` sequences of exactly ``new`` tokens (prefill included;
+    a list: row ``i``'s count). Draws are seeded, so ranks of a sharded sampler (run with an
+    infinite ``budget_s``) agree."""
     rng = np.random.default_rng(seed)
     for i in range(rows):
-        params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=seed * 1_000_003 + i)
+        params = SamplingParams(max_tokens=new[i] if isinstance(new, list) else new, temperature=1.0, stop=[],
+                                seed=seed * 1_000_003 + i)
         sampler.add(SampleTask(i, slots[i % len(slots)],
                                SampleInput(prompt=rng.integers(4, 2000, prompt), num_samples=1, params=params)))
     sync(sampler.device)
@@ -141,7 +143,9 @@ def decode_bursts(model_dir, device, quick: bool) -> dict:
     and 4 steps read before the next is queued (``run_ahead=False``): how much of a step the host's
     work between bursts costs, and how much of it running ahead takes off the device's timeline.
     Each figure is the second of two equal runs (the first pays its captures); the default
-    (4, ahead) runs again last, so drift shows as ``burst_4_again``."""
+    (4, ahead) runs again, so drift shows as ``burst_4_again``. ``scattered_ends_*``: the same
+    with rows ending at scattered steps (half the new tokens to all of them), as RL's rows end,
+    ahead and read first."""
     z = sizes(quick)
     lm = load_model(str(model_dir), device=device)
     out: dict = {"prompt_tokens": z["prompt"], "new_tokens": z["new"]}
@@ -158,6 +162,17 @@ def decode_bursts(model_dir, device, quick: bool) -> dict:
             del sampler
         row["burst_16_vs_4"] = row["burst_16"] / row["burst_4"]
         row["ahead_vs_read_first"] = (row["burst_4"] + row["burst_4_again"]) / 2 / row["burst_4_read_first"]
+        # Rows ending at scattered steps, as RL's do: from half the new tokens to all of them.
+        lengths = [z["new"] // 2 + (i * z["new"] // 2) // rows for i in range(rows)]
+        for name, ahead in (("scattered_ends_ahead", True), ("scattered_ends_read_first", False)):
+            sampler = server_sampler(lm.model, device, rows, decode_burst=4, run_ahead=ahead)
+            run_sampler(sampler, rows, z["prompt"], lengths, [None], seed=rows)
+            s = run_sampler(sampler, rows, z["prompt"], lengths, [None], seed=rows + 1)
+            row[name] = sum(lengths) / s
+            if ahead:
+                row["scattered_ends_rows_left_ahead"] = sampler.stats["rows_left_ahead"]
+            del sampler
+        row["scattered_ahead_vs_read_first"] = row["scattered_ends_ahead"] / row["scattered_ends_read_first"]
         out[f"rows_{rows}"] = row
     return out
 

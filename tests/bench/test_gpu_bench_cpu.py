@@ -60,6 +60,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
         assert t["steps"] >= 1 and t["host_top"] and all(ms >= 0 for _, ms, _ in t["host_top"])
     bursts = summary["sample"]["tiny/decode_bursts"]["rows_4"]
     assert bursts["burst_4"] > 0 and bursts["burst_16_vs_4"] > 0 and bursts["ahead_vs_read_first"] > 0
+    assert bursts["scattered_ahead_vs_read_first"] > 0
     assert "per host read-back" in (out / "summary.md").read_text()
     assert summary["sample"]["tiny/decode"]["rows_4"]["captures_in_timed_run"] == 0  # no graphs on a CPU
     four, one = summary["train"]["tiny/profile"]["four_tenants"], summary["train"]["tiny/profile"]["one_tenant"]

@@ -35,11 +35,12 @@ def _tasks(vocab: int):
     ]
 
 
-def _sample(model_dir, *, ahead: bool, static: bool, max_rows: int, tasks=None):
+def _sample(model_dir, *, ahead: bool, static: bool, max_rows: int, tasks=None, layout: str = "auto"):
     model = fresh_model(model_dir)
     random_adapter(model, 1, seed=1)
     random_adapter(model, 2, rank=8, seed=2)
-    sampler = Sampler(model, decoder(model_dir), decode_burst=3, max_rows=max_rows, run_ahead=ahead)
+    sampler = Sampler(model, decoder(model_dir), decode_burst=3, max_rows=max_rows, run_ahead=ahead,
+                      kv_layout=layout)
     if static:
         sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
     # A budget long enough that a step's bursts run back to back (ahead when allowed).
@@ -62,19 +63,34 @@ def _assert_same(ref: dict, got: dict) -> set[str]:
     return reasons
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("static, layout", [(False, "rows"), (True, "rows"), (True, "paged")],
+                         ids=["eager", "static", "static-paged"])
 @pytest.mark.parametrize("max_rows", [16, 5], ids=["all-rows", "rows-join-later"])
-def test_running_ahead_samples_what_reading_every_burst_samples(qwen3_dir, monkeypatch, static, max_rows):
+def test_running_ahead_samples_what_reading_every_burst_samples(qwen3_dir, monkeypatch, static, layout, max_rows):
+    """Rows ending by a stop inside a burst leave while the next burst is queued (their cache rows
+    move or give their pages back behind it, the batch's tensors are gathered from its outputs)."""
     if static:
         monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")  # the static step's layout, on both sides
-    ref, plain = _sample(qwen3_dir, ahead=False, static=static, max_rows=max_rows)
-    got, ahead = _sample(qwen3_dir, ahead=True, static=static, max_rows=max_rows)
+    ref, plain = _sample(qwen3_dir, ahead=False, static=static, max_rows=max_rows, layout=layout)
+    got, ahead = _sample(qwen3_dir, ahead=True, static=static, max_rows=max_rows, layout=layout)
     assert _assert_same(ref, got) == {"stop", "length"}
-    assert plain.stats["bursts_ahead"] == 0
+    assert plain.stats["bursts_ahead"] == plain.stats["rows_left_ahead"] == 0
     assert ahead.stats["bursts_ahead"] > 0
+    if max_rows == 16:  # every request decodes from the start: nothing waits, rows end while one is queued
+        assert ahead.stats["rows_left_ahead"] > 0
     # Bursts queued ahead of rows that ended are the only extra decode steps.
     assert ahead.stats["decode_steps"] >= plain.stats["decode_steps"]
     assert not ahead.rows
+
+
+def test_a_hybrid_model_runs_ahead_too(qwen3_5_dir, monkeypatch):
+    """Qwen3.5's Gated DeltaNet states are per-row buffers the step advances: rows leaving while a
+    burst is queued move their states behind it, as their K/V."""
+    monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
+    ref, _ = _sample(qwen3_5_dir, ahead=False, static=True, max_rows=16)
+    got, ahead = _sample(qwen3_5_dir, ahead=True, static=True, max_rows=16)
+    _assert_same(ref, got)
+    assert ahead.stats["rows_left_ahead"] > 0
 
 
 def test_stop_strings_end_rows_inside_a_burst_queued_ahead(qwen3_dir):
@@ -123,15 +139,17 @@ def test_no_running_ahead_while_requests_wait_or_outside_a_step(qwen3_dir, monke
     assert any(pending for _, pending in launches) and sampler.stats["bursts_ahead"] > 0
 
 
-def test_rows_ending_by_length_cost_no_burst_past_their_end(qwen3_dir):
-    """Where rows end is known on the host when only max_tokens ends them: nothing is queued past
-    it, so running ahead decodes exactly the steps that reading every burst decodes."""
+def test_rows_ending_by_length_ride_along_and_cost_no_extra_step(qwen3_dir):
+    """Where rows end is known on the host when only max_tokens ends them: a row whose last token
+    is in the queued burst rides along in the next (its tokens past the end dropped), and nothing
+    is queued once every row's end is queued, so running ahead decodes exactly the steps that
+    reading every burst decodes."""
     tasks = [task(f"r{i}", [4 + i, 8, 9, 10], n=2, max_tokens=m, temperature=1.0, seed=i, stop=[])
-             for i, m in enumerate((19, 19, 11, 26))]
+             for i, m in enumerate((19, 19, 11, 26, 14))]
     ref, plain = _sample(qwen3_dir, ahead=False, static=False, max_rows=16, tasks=tasks)
     got, ahead = _sample(qwen3_dir, ahead=True, static=False, max_rows=16, tasks=tasks)
     assert _assert_same(ref, got) == {"length"}
-    assert ahead.stats["bursts_ahead"] > 0
+    assert ahead.stats["bursts_ahead"] > 0 and ahead.stats["rows_left_ahead"] > 0
     assert ahead.stats["decode_steps"] == plain.stats["decode_steps"]
 
 

@@ -23,7 +23,6 @@ import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from collections.abc import Collection
 from typing import Any, Callable
 
 import numpy as np
@@ -230,7 +229,8 @@ class Sampler:
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
                       "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
                       "preempted": 0, "recomputed_tokens": 0, "admissions": 0, "admission_wait_s": 0.0,
-                      "yielded_rows": 0, "bursts_ahead": 0}
+                      "yielded_rows": 0, "bursts_ahead": 0,
+                      "rows_left_ahead": 0}
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
         # launch-bound, and the padded, full-capacity step only costs more there).
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
@@ -1419,31 +1419,35 @@ class Sampler:
         and recorded, so the device decodes while the host records: the host's work per burst
         (per row, and on a GPU about as long as a decode step's idle gaps) leaves the device's
         timeline. The next burst needs nothing from the host: its input tokens are the last
-        burst's, still on the device. When a row ends inside a burst, the burst queued after it
-        has decoded past that row's end too: those tokens are dropped, as a stop inside a burst
-        drops its row's later tokens, then the rows leave and the next call starts afresh.
+        burst's, still on the device. When rows end inside a burst, the burst queued after it has
+        decoded past their ends too: those tokens are dropped (as a stop inside a burst drops its
+        row's later tokens), and the rows leave at once, behind the queued burst on the device:
+        the cache's rows move, and the batch's per-row tensors are gathered from the queued
+        burst's own outputs (:meth:`_DecodeBatch.kept`), so the next burst can be queued before
+        that one is read.
         """
         burst = self._launch_burst(0)
         while True:
             ahead = self._launch_burst(burst.k) if self._may_run_ahead(burst) else None
+            if ahead is not None:
+                self.stats["bursts_ahead"] += 1
             finished = self._take_burst(burst)
+            if ahead is not None and finished:
+                self.stats["rows_left_ahead"] += len(finished)
+            self._retire(finished, done, pending=0 if ahead is None else ahead.k)
             if ahead is None:
-                break
-            self.stats["bursts_ahead"] += 1
-            if finished:
-                ended = {r for r, _ in finished}
-                finished += self._take_burst(ahead, skip=ended)
-                break
+                return
             burst = ahead
-        self._retire(finished, done)
 
     def _launch_burst(self, pending: int) -> _Burst:
         """Queue a burst for every row, ``pending`` tokens after those recorded (the tokens of a
         burst launched and not yet read); its outputs start for the host behind it."""
         n = len(self.rows)
         batch = self._batch()
-        k = max(1, min(self.decode_burst,
-                       min(row.state.max_tokens - len(row.tokens) - pending for row in self.rows)))
+        # As many steps as the rows still decoding allow; rows whose last token is in the burst
+        # queued before this one (pending) ride along, their tokens past the end dropped.
+        left = [row.state.max_tokens - len(row.tokens) - pending for row in self.rows]
+        k = max(1, min([self.decode_burst] + [t for t in left if t > 0]))
         # Each row's positions after this burst: a row's cache holds its prompt and every sampled
         # token but the last, so this is known on the host (no read-back per step).
         spans = [len(row.state.task.input.prompt) + len(row.tokens) + pending + k - 1 for row in self.rows]
@@ -1466,19 +1470,22 @@ class Sampler:
             outputs += [torch.stack([found.indices for _, found in tops]), torch.stack([found.values for _, found in tops])]
         return _Burst(list(self.rows), k, asks, asking, HostCopies(outputs))
 
-    def _take_burst(self, burst: _Burst, skip: Collection[int] = ()) -> list[tuple[int, str]]:
-        """Read a burst's tokens back (its one read) and record them for each of its rows but
-        those at ``skip`` (rows that ended in the burst before it); the rows it ended, with why."""
+    def _take_burst(self, burst: _Burst) -> list[tuple[int, str]]:
+        """Read a burst's tokens back (its one read) and record them for each of its rows still
+        in the batch (a row that ended in an earlier burst has left; its tokens here are past its
+        end); the rows it ended, by their place in the batch now, with why."""
         self.stats["decode_reads"] += 1
         host = burst.out.lists()
         tok_host, lp_host = host[0], host[1]
         top_host = _tops_by_step(burst.asking, host[2], host[3], burst.asks) if burst.asking else None
+        place = {id(row): r for r, row in enumerate(self.rows)}
         finished: list[tuple[int, str]] = []
-        for r, row in enumerate(burst.rows):
-            if r in skip:
+        for i, row in enumerate(burst.rows):
+            r = place.get(id(row))
+            if r is None:
                 continue
-            tops_r = [top_host[i][r] for i in range(burst.k)] if top_host and burst.asks[r] else None
-            reason = self._push_burst(row, tok_host[r], lp_host[r], tops_r)
+            tops_r = [top_host[step][i] for step in range(burst.k)] if top_host and burst.asks[i] else None
+            reason = self._push_burst(row, tok_host[i], lp_host[i], tops_r)
             if reason is not None:
                 finished.append((r, reason))
         return finished
@@ -1486,17 +1493,24 @@ class Sampler:
     def _may_run_ahead(self, burst: _Burst) -> bool:
         """Whether to queue the next burst before reading ``burst``: only when the scheduler would
         do nothing but decode in between (nothing waits to be admitted or resumed, no long prompt
-        is being prefilled, nothing was cancelled, the time slice is not spent), every row can take
-        another token, and the K/V budget holds the rows after both bursts without preempting."""
-        if not self.run_ahead or self.inbox or self._resume or self._chunked is not None:
+        is being prefilled, nothing was cancelled, the time slice is not spent), some row has tokens
+        left after ``burst``, and the K/V budget holds the rows after both bursts without
+        preempting (rows ending by their length in ``burst`` decode up to a burst past it)."""
+        if not self.run_ahead or not self.rows or self.inbox or self._resume or self._chunked is not None:
             return False
         if time.perf_counter() >= self._deadline:
             return False
         board = self.cancellations
         if board is not None and board.version != self._cancel_version:
             return False
-        if any(row.state.max_tokens - len(row.tokens) <= burst.k for row in self.rows):
-            return False  # a row ends by its length in this burst: the rows change after it
+        ending = [r for r in self.rows if r.state.max_tokens - len(r.tokens) <= burst.k]
+        if len(ending) == len(self.rows):
+            return False  # every row ends by its length in this burst: nothing to queue
+        if ending:  # rows riding along past their end must not grow the cache past the longest row
+            longest = max(self._longest(r.state.task.input) for r in self.rows)
+            if any(len(r.state.task.input.prompt) + len(r.tokens) + burst.k + self.decode_burst - 1 > longest
+                   for r in ending):
+                return False
         if self.kv_cache_bytes:
             positions = [len(r.state.task.input.prompt) + len(r.tokens) + burst.k + self.decode_burst - 1
                          for r in self.rows]
@@ -1614,14 +1628,15 @@ class Sampler:
             return True
         return row.watcher is not None and row.watcher.push(token)
 
-    def _retire(self, finished: list[tuple[int, str]], done: list) -> None:
+    def _retire(self, finished: list[tuple[int, str]], done: list, pending: int = 0) -> None:
         """Move finished rows (``(row, why it ended)``) out of the batch, recording each one's
-        sequence (and its request's result once its last row is done)."""
+        sequence (and its request's result once its last row is done). ``pending``: the steps
+        of a burst queued and not yet read (see :meth:`_drop_rows`)."""
         if not finished:
             return
         for r, reason in finished:
             self._record(self.rows[r], reason, done)
-        self._drop_rows([r for r, _ in finished])
+        self._drop_rows([r for r, _ in finished], pending)
 
     def _record(self, row: _Row, reason: str, done: list) -> None:
         """Put a finished row's sequence into its request; the request's result once its last row is done."""
@@ -1654,9 +1669,14 @@ class Sampler:
                 prompt_cache_hit_tokens=st.cached_tokens,
             )))
 
-    def _drop_rows(self, leaving: list[int]) -> None:
+    def _drop_rows(self, leaving: list[int], pending: int = 0) -> None:
         """Remove rows ``leaving``: the last rows move into their places, highest place first (rows
-        stay dense), and the cache follows in one step for all of them."""
+        stay dense), and the cache follows in one step for all of them.
+
+        ``pending``: steps of a burst queued and not yet read. The rows' caches hold that many
+        positions more than the host has tokens for, and the burst's outputs (each row's last
+        token and step count) exist on the device only: the batch's tensors are then gathered
+        there, behind the burst, rather than made again from the host's tokens."""
         if not leaving:
             return
         order = list(range(len(self.rows)))  # place -> the row that ends up there
@@ -1664,11 +1684,14 @@ class Sampler:
             order[r] = order[-1]
             order.pop()
         # Each moving row holds its prompt and every sampled token but the last (see _decode_step).
-        upto = max((len(self.rows[src].state.task.input.prompt) + len(self.rows[src].tokens)
+        upto = max((len(self.rows[src].state.task.input.prompt) + len(self.rows[src].tokens) + pending
                     for dst, src in enumerate(order) if dst != src), default=0)
         self.cache.keep_rows(len(self.rows), order, upto)
         self.rows = [self.rows[src] for src in order]
+        kept = self._decode_batch if pending and self._decode_batch is not None and self.rows else None
         self._rows_changed()
+        if kept is not None:
+            self._decode_batch = kept.kept(order, self.rows, self.device, self.model)
 
     def _rows_changed(self) -> None:
         self._decode_batch = None
@@ -1779,6 +1802,23 @@ class _DecodeBatch:
             kinds=RowKinds.of([p.temperature for p in params], [p.top_k for p in params],
                               [p.top_p for p in params], vocab, device),
             rope_deltas=deltas if any(r.state.rope_delta for r in rows) else None,
+        )
+
+
+    def kept(self, order: list[int], rows: list[_Row], device: torch.device, model: CausalLM) -> _DecodeBatch:
+        """This batch's rows ``order`` (place -> old place) as the batch of ``rows``: the per-row
+        tensors gathered on the device (so a burst queued and not yet read feeds its tokens and
+        step counts through), what only the host knows (adapters, sampling kinds) made again."""
+        at = to_device(np.asarray(order, dtype=np.int64), device)
+        take = lambda t: t.index_select(0, at)  # noqa: E731
+        params = [r.state.task.input.params for r in rows]
+        return _DecodeBatch(
+            groups=decode_rows(model, [row.state.task.slot for row in rows], device),
+            last=take(self.last), keys=take(self.keys), steps=take(self.steps),
+            temperature=take(self.temperature), top_k=take(self.top_k), top_p=take(self.top_p),
+            kinds=RowKinds.of([p.temperature for p in params], [p.top_k for p in params],
+                              [p.top_p for p in params], model.config.vocab_size, device),
+            rope_deltas=None if self.rope_deltas is None else take(self.rope_deltas),
         )
 
 
