@@ -41,6 +41,27 @@ def task(key, prompt, *, slot=None, n=1, **params) -> SampleTask:
     return SampleTask(key, slot, inp)
 
 
+def mixed_tasks(vocab: int, seed: int, stop_share: int, late: bool = False) -> list[SampleTask]:
+    """Requests whose rows end in every way a burst of decode steps meets: stop tokens (a
+    ``1/stop_share`` of the vocabulary), max_tokens, seeds, greedy rows, top-p / top-k, two
+    adapters (slots 1, 2), top-k sample logprobs; ``late``: two more, one on an adapter."""
+    rng = np.random.default_rng(seed)
+    stops = sorted(rng.choice(np.arange(4, vocab), size=vocab // stop_share, replace=False).tolist())
+    prompts = [rng.integers(4, vocab, n).tolist() for n in (5, 11, 8, 3, 14, 6, 9)]
+    tasks = [
+        task("stop-tokens", prompts[0], n=3, max_tokens=40, temperature=1.0, seed=1, stop=stops),
+        task("greedy-stops", prompts[1], max_tokens=33, temperature=0.0, stop=stops[::2]),
+        task("adapter-a", prompts[2], slot=1, n=2, max_tokens=17, temperature=0.8, top_p=0.9, seed=3, stop=stops,
+             topk_sample_logprobs=3),
+        task("adapter-b", prompts[3], slot=2, max_tokens=9, temperature=1.0, top_k=20, seed=4, stop=[]),
+        task("long", prompts[4], max_tokens=50, temperature=1.0, seed=5, stop=[], topk_sample_logprobs=2),
+    ]
+    if late:
+        tasks += [task("late", prompts[5], slot=1, max_tokens=21, temperature=0.0, stop=[]),
+                  task("late-seeded", prompts[6], n=2, max_tokens=26, temperature=0.7, top_k=5, seed=6, stop=stops)]
+    return tasks
+
+
 def run(sampler: Sampler, tasks, *, budget_s: float = 0.05, max_steps: int = 10_000) -> dict:
     """Queue ``tasks``, step until every one is done; key -> SampleResult or error."""
     for t in tasks:

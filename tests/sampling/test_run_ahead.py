@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.sampling.conftest import decoder, fresh_model, random_adapter, run, task
+from tests.sampling.conftest import decoder, fresh_model, mixed_tasks, random_adapter, run, task
 from tinsmith.models import lora as lora_mod
 from tinsmith.sampling.decode_graphs import DecodeGraphs
 from tinsmith.sampling.sampler import Sampler
@@ -20,19 +20,7 @@ from tinsmith.transfers import HostCopies
 
 
 def _tasks(vocab: int):
-    rng = np.random.default_rng(3)
-    stops = sorted(rng.choice(np.arange(4, vocab), size=vocab // 20, replace=False).tolist())
-    prompts = [rng.integers(4, vocab, n).tolist() for n in (5, 11, 8, 3, 14, 6, 9)]
-    return [
-        task("stop-tokens", prompts[0], n=3, max_tokens=40, temperature=1.0, seed=1, stop=stops),
-        task("greedy-stops", prompts[1], max_tokens=33, temperature=0.0, stop=stops[::2]),
-        task("adapter-a", prompts[2], slot=1, n=2, max_tokens=17, temperature=0.8, top_p=0.9, seed=3, stop=stops,
-             topk_sample_logprobs=3),
-        task("adapter-b", prompts[3], slot=2, max_tokens=9, temperature=1.0, top_k=20, seed=4, stop=[]),
-        task("long", prompts[4], max_tokens=50, temperature=1.0, seed=5, stop=[], topk_sample_logprobs=2),
-        task("late", prompts[5], slot=1, max_tokens=21, temperature=0.0, stop=[]),
-        task("late-seeded", prompts[6], n=2, max_tokens=26, temperature=0.7, top_k=5, seed=6, stop=stops),
-    ]
+    return mixed_tasks(vocab, seed=3, stop_share=20, late=True)
 
 
 def _sample(model_dir, *, ahead: bool, static: bool, max_rows: int, tasks=None, layout: str = "auto"):
