@@ -49,11 +49,14 @@ class HostCopies:
         if device.type != "cuda":
             self._host = list(tensors)
             return
-        self._host = []
-        for t in tensors:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        try:
+            pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        except RuntimeError:  # no page-locked memory to be had: read the device tensors (waits for all)
+            self._host = list(tensors)
+            return
+        for host, t in zip(pinned, tensors):
             host.copy_(t, non_blocking=True)
-            self._host.append(host)
+        self._host = pinned
         self._event = torch.cuda.Event()
         self._event.record(torch.cuda.current_stream(device))
 
