@@ -1503,19 +1503,18 @@ class Sampler:
         board = self.cancellations
         if board is not None and board.version != self._cancel_version:
             return False
-        ending = [r for r in self.rows if r.state.max_tokens - len(r.tokens) <= burst.k]
-        if len(ending) == len(self.rows):
+        ending = [r.state.max_tokens - len(r.tokens) <= burst.k for r in self.rows]
+        if all(ending):
             return False  # every row ends by its length in this burst: nothing to queue
-        if ending:  # rows riding along past their end must not grow the cache past the longest row
+        # Each row's positions after the next burst, at the most.
+        positions = [len(r.state.task.input.prompt) + len(r.tokens) + burst.k + self.decode_burst - 1
+                     for r in self.rows]
+        if any(ending):  # rows riding along past their end must not grow the cache past the longest row
             longest = max(self._longest(r.state.task.input) for r in self.rows)
-            if any(len(r.state.task.input.prompt) + len(r.tokens) + burst.k + self.decode_burst - 1 > longest
-                   for r in ending):
+            if any(p > longest for p, end in zip(positions, ending) if end):
                 return False
-        if self.kv_cache_bytes:
-            positions = [len(r.state.task.input.prompt) + len(r.tokens) + burst.k + self.decode_burst - 1
-                         for r in self.rows]
-            if self.cache.bytes_at_most(positions) > self.kv_cache_bytes:
-                return False  # near the budget: the next call's _make_room decides
+        if self.kv_cache_bytes and self.cache.bytes_at_most(positions) > self.kv_cache_bytes:
+            return False  # near the budget: the next call's _make_room decides
         return True
 
     def _eager_burst(self, batch: _DecodeBatch, n: int, k: int, span: int, asks: list[int]):
