@@ -144,3 +144,13 @@ def test_rows_ending_by_length_ride_along_and_cost_no_extra_step(qwen3_dir):
 def test_host_copies_read_what_the_tensors_hold():
     a, b = torch.arange(6).reshape(2, 3), torch.tensor([0.5, -1.0])
     assert HostCopies([a, b]).lists() == [[[0, 1, 2], [3, 4, 5]], [0.5, -1.0]]
+
+
+def test_the_server_option_turns_running_ahead_off(qwen3_dir):
+    """``--sampler-run-ahead`` (on) leaves the choice to the device: on a GPU, not on a CPU;
+    ``--no-sampler-run-ahead`` turns it off everywhere."""
+    from tinsmith.worker.service import RuntimeOptions, sampler_kwargs_of
+
+    on, off = sampler_kwargs_of(RuntimeOptions()), sampler_kwargs_of(RuntimeOptions(sampler_run_ahead=False))
+    assert on["run_ahead"] is None and off["run_ahead"] is False
+    assert not Sampler(fresh_model(qwen3_dir), decoder(qwen3_dir), run_ahead=on["run_ahead"]).run_ahead  # a CPU

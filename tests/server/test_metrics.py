@@ -116,6 +116,9 @@ def test_sampling_moves_the_prefill_and_prompt_cache_counters(app):
     assert value(after, "tinsmith_decode_graph_captures_total") == 0
     assert moved("tinsmith_sampler_prefills_total") == 2  # one admission per request, sent one after the other
     assert moved("tinsmith_decode_steps_total") >= 2  # two tokens each (the first comes with the prefill)
+    # One read a step on a CPU (bursts of one step), never queued ahead of a read there.
+    assert moved("tinsmith_decode_reads_total") == moved("tinsmith_decode_steps_total")
+    assert value(after, "tinsmith_decode_bursts_ahead_total") == 0
     assert value(after, "tinsmith_prefix_cache_bytes") > 0
 
 

@@ -94,6 +94,7 @@ class ServerConfig(BaseSettings):
     prefix_cache_bytes: NotNegativeInt = 1 << 30  # prompt K/V kept across sample requests, per sampler (0: off)
     sampler_kv_cache_bytes: NotNegativeInt | None = None  # None: unlimited on CPU, 40% of free memory on CUDA
     sampler_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA only)
+    sampler_run_ahead: bool = True  # queue each decode burst before the last one's tokens are read (CUDA only)
     sampler_kv_cache_layout: KvLayout = "auto"  # auto: paged on CUDA, per-row buffers on CPU
     sampler_prefill_chunk_tokens: NotNegativeInt | None = None  # None: 2048 on CUDA, 512 on CPU; 0: whole prompts
     max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
@@ -235,6 +236,9 @@ _HELP = {
     "sampler_cuda_graphs": "replay each sampler's decode steps from CUDA graphs captured per batch-size bucket, "
                            "rather than launching every kernel from Python (CUDA only; --no-sampler-cuda-graphs "
                            "decodes eagerly)",
+    "sampler_run_ahead": "queue each decode burst before the last one's tokens are read and recorded, so that "
+                         "the device decodes while the host records them (CUDA only: a CPU does both in turn; "
+                         "tensor-parallel samplers always read first; --no-sampler-run-ahead reads first always)",
     "sampler_kv_cache_layout": "how each sampler keeps K/V: paged (one pool of 64-position pages, each sequence "
                                "holding the pages it uses; the decode kernels read them in place) or rows (a "
                                "buffer per sequence as long as the longest one); auto: paged on CUDA, rows on CPU, "

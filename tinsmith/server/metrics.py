@@ -242,6 +242,10 @@ class StateCollector:
                                                "batch-size bucket and adapter mix once, again when the K/V "
                                                "cache or an adapter bank moves)"),
             "tinsmith_decode_steps": ("decode_steps", "Decode steps the samplers ran (a step advances every row)"),
+            "tinsmith_decode_reads": ("decode_reads", "Read-backs of decode bursts' sampled tokens (one a burst of "
+                                      "steps)"),
+            "tinsmith_decode_bursts_ahead": ("bursts_ahead", "Decode bursts queued before the tokens of the burst "
+                                             "before them were read (--sampler-run-ahead)"),
             "tinsmith_sampler_prefills": ("prefills", "Prefill passes the samplers ran (each admission of waiting "
                                           "requests runs one)"),
             "tinsmith_sampler_admissions": ("admissions", "Requests the samplers admitted into their batch"),

@@ -105,6 +105,7 @@ class ServerState:
                 prefix_cache_bytes=config.prefix_cache_bytes,
                 sampler_kv_cache_bytes=config.sampler_kv_cache_bytes,
                 sampler_cuda_graphs=config.sampler_cuda_graphs,
+                sampler_run_ahead=config.sampler_run_ahead,
                 sampler_kv_cache_layout=config.sampler_kv_cache_layout,
                 sampler_prefill_chunk_tokens=config.sampler_prefill_chunk_tokens,
             )

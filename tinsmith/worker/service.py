@@ -65,6 +65,7 @@ class RuntimeOptions:
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # per sampler; 0: off
     sampler_kv_cache_bytes: int | None = None  # per sampler; None: see Sampler's ``kv_cache_bytes``
     sampler_cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (on CUDA devices)
+    sampler_run_ahead: bool = True  # decode bursts queued before the last one is read (on CUDA devices)
     sampler_kv_cache_layout: str = "auto"  # "paged", "rows"; auto: paged on CUDA (see Sampler's ``kv_layout``)
     sampler_prefill_chunk_tokens: int | None = None  # None: see Sampler's ``prefill_chunk_tokens``; 0: whole prompts
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
@@ -1026,7 +1027,7 @@ def sampler_kwargs_of(options: RuntimeOptions) -> dict:
     """The sampler arguments every sampler of a base model takes from the options, in one process
     or on every tensor-parallel rank alike (a rank's captured decode steps hold its collectives:
     the ranks capture and replay in step)."""
-    return dict(cuda_graphs=options.sampler_cuda_graphs,
+    return dict(cuda_graphs=options.sampler_cuda_graphs, run_ahead=None if options.sampler_run_ahead else False,
                 max_rows=options.max_sampling_rows, prefix_cache_bytes=options.prefix_cache_bytes,
                 kv_cache_bytes=options.sampler_kv_cache_bytes, prefill_chunk_tokens=options.sampler_prefill_chunk_tokens,
                 kv_layout=options.sampler_kv_cache_layout)
