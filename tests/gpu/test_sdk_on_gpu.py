@@ -28,7 +28,7 @@ from tests.e2e.helpers import (
     sft_datum,
     train_steps,
 )
-from tests.gpu.conftest import FP32, HAS_DTYPE_OPTION, Tolerance
+from tests.gpu.conftest import DEVICE, FP32, HAS_DTYPE_OPTION, Tolerance
 
 VOCAB = SMALL.vocab_size
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -111,6 +111,33 @@ def test_sampling_with_temperature_topk_topp_seed_stop_and_logprobs(sc, base_mod
     greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
     g = [s.sample(prompt, 1, greedy).result(timeout=RESULT_TIMEOUT_S).sequences[0].tokens for _ in range(2)]
     assert g[0] == g[1]
+
+
+def test_the_server_runs_its_decode_bursts_ahead_of_its_reads(sc, gpu_server, base_model):
+    """On a GPU the server's samplers queue each decode burst before they read the last one
+    (``--sampler-run-ahead``, on by default), as /metrics counts; a seeded request samples the same
+    tokens again."""
+    if DEVICE != "cuda":
+        pytest.skip("samplers run ahead on CUDA only (a CPU does the host's work and the device's in turn)")
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counters() -> dict[str, float]:
+        text = httpx.get(f"{gpu_server.base_url}/metrics", timeout=30).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    s = sc.create_sampling_client(base_model=base_model)
+    prompt = types.ModelInput.from_ints(random_tokens(np.random.default_rng(9), 20, VOCAB))
+    params = types.SamplingParams(max_tokens=64, temperature=1.0, seed=77, stop=[])
+    before = counters()
+    first = s.sample(prompt, num_samples=8, sampling_params=params).result(timeout=RESULT_TIMEOUT_S)
+    after = counters()
+    again = s.sample(prompt, num_samples=8, sampling_params=params).result(timeout=RESULT_TIMEOUT_S)
+    assert [q.tokens for q in first.sequences] == [q.tokens for q in again.sequences]
+    assert all(len(q.tokens) == 64 for q in first.sequences)
+    ahead = after["tinsmith_decode_bursts_ahead_total"] - before.get("tinsmith_decode_bursts_ahead_total", 0.0)
+    reads = after["tinsmith_decode_reads_total"] - before.get("tinsmith_decode_reads_total", 0.0)
+    assert 0 < ahead < reads, (ahead, reads)
 
 
 def test_prompt_logprobs_and_topk_match_cpu_reference(sc, base_model, tolerance):
