@@ -30,7 +30,6 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype | None = Non
     return host.to(device, non_blocking=True)
 
 
-
 class HostCopies:
     """Device tensors on their way to the host, read when the host needs them.
 
