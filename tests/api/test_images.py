@@ -17,7 +17,8 @@ from PIL import Image
 
 from tinker import types as T
 from tinker.proto.request_conv import forward_backward_request_to_proto
-from tinsmith.api.codecs import decode_forward_backward_json, decode_forward_backward_protobuf, decode_sample_request_json
+from tinsmith.api.codecs import (decode_forward_backward_json, decode_forward_backward_protobuf, decode_sample_request_json,
+                                 tokens_only)
 from tinsmith.api.codecs._images import check_image
 from tinsmith.api.images import check_images_for_model, fit_forward_input, fit_sample_input
 from tinsmith.api.limits import RequestLimits
@@ -184,6 +185,18 @@ def test_json_model_inputs_with_images():
     for key, value in (("prompt_logprobs_last_n", 1), ("prompt_alt_tokens_k", 2)):
         with pytest.raises(InvalidInputError, match=f"{key} is not supported for a prompt with image chunks"):
             decode_sample_request_json(dict(sample, **{key: value}))
+
+
+def test_only_prompts_of_tokens_alone_count_as_tokens_only():
+    """asample decodes a small prompt of tokens on the event loop and anything else in a thread."""
+    png = image_bytes("PNG")
+    image = T.ImageChunk(data=png, format="png").model_dump(mode="json")
+    pointer = T.ImageAssetPointerChunk(format="png", location="file:///x").model_dump(mode="json")
+    text = {"type": "encoded_text", "tokens": [7]}
+    assert tokens_only({"chunks": [text, {"tokens": [8]}]}) and tokens_only({"chunks": []})
+    for prompt in ({"chunks": [text, image]}, {"chunks": [pointer]}, {"chunks": [{"type": None, "tokens": [1]}]},
+                   {"chunks": [[1]]}, {"chunks": "x"}, {"tokens": [1]}, [text], None):
+        assert not tokens_only(prompt), prompt
 
 
 def test_override_dimensions_is_refused():

@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Select, bindparam, delete, func, select, update
+from sqlalchemy import ColumnElement, Select, bindparam, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -64,6 +64,16 @@ from tinsmith.store.tables import (
 )
 
 R = TypeVar("R")
+
+# The two statements of storing a sample request, built once (a request's values are bound).
+_INSERT_REQUEST = insert(RequestTable.__table__)
+_samplers = SamplingSessionTable.__table__
+_RESERVE_SEQUENCE_NUMBERS = (
+    update(_samplers)
+    .where(_samplers.c.sampling_session_id == bindparam("sid"))
+    .values(next_sequence_number=_samplers.c.next_sequence_number + bindparam("n"))
+    .returning(_samplers.c.next_sequence_number)
+)
 
 ERROR_CATEGORIES = ("user", "server", "unknown")
 _UNFINISHED = ("pending", "running")
@@ -429,45 +439,41 @@ class Store:
         """
         if seq_id is not None and model_id is not None and sampling_session_id is not None:
             raise ValueError("a request is ordered by model_id or sampling_session_id, not both")
-        row = self._request_row(owner=owner, kind=kind, payload=payload, payload_type=payload_type, model_id=model_id,
-                                sampling_session_id=sampling_session_id, seq_id=seq_id, submit_info=submit_info,
-                                request_id=request_id)
-        return self._create(RequestRecord, row, lambda: self._find_duplicate(row))
+        values = self._request_values(owner=owner, kind=kind, payload=payload, payload_type=payload_type,
+                                      model_id=model_id, sampling_session_id=sampling_session_id, seq_id=seq_id,
+                                      submit_info=submit_info, request_id=request_id)
+        try:
+            with self._tx() as s:
+                s.execute(_INSERT_REQUEST, values)
+            return RequestRecord(**values), True
+        except IntegrityError:
+            existing = self._find_duplicate(values)
+            if existing is None:
+                raise
+            return existing, False
 
-    def _request_row(self, *, owner: str, kind: str, payload: bytes, payload_type: str, model_id: str | None = None,
-                     sampling_session_id: str | None = None, seq_id: int | None = None,
-                     submit_info: dict[str, Any] | None = None, request_id: str | None = None) -> RequestTable:
-        """A new request's row, ``pending``."""
-        return RequestTable(
-            request_id=request_id or new_request_id(),
-            owner=owner,
-            kind=kind,
-            model_id=model_id,
-            sampling_session_id=sampling_session_id,
-            seq_id=seq_id,
-            payload=bytes(payload),
-            payload_type=payload_type,
-            submit_info=None if submit_info is None else dict(submit_info),
-            status="pending",
-            result=None,
-            result_content_type=None,
-            error=None,
-            error_category=None,
-            created_at=self._clock(),
-            started_at=None,
-            completed_at=None,
-            purged_at=None,
-        )
+    def _request_values(self, *, owner: str, kind: str, payload: bytes, payload_type: str,
+                        model_id: str | None = None, sampling_session_id: str | None = None,
+                        seq_id: int | None = None, submit_info: dict[str, Any] | None = None,
+                        request_id: str | None = None) -> dict[str, Any]:
+        """A new request's columns, ``pending``. Inserted as a plain statement, not through the
+        ORM's unit of work: a sample request is stored on the way to the sampler, and the ORM's
+        object and flush were most of that write's time (docs/performance.md)."""
+        return {"request_id": request_id or new_request_id(), "owner": owner, "kind": kind, "model_id": model_id,
+                "sampling_session_id": sampling_session_id, "seq_id": seq_id, "payload": bytes(payload),
+                "payload_type": payload_type, "submit_info": None if submit_info is None else dict(submit_info),
+                "status": "pending", "result": None, "result_content_type": None, "error": None,
+                "error_category": None, "created_at": self._clock(), "started_at": None, "completed_at": None,
+                "purged_at": None, "completion_seq": None}
 
-    def _find_duplicate(self, row: RequestTable) -> RequestRecord | None:
-        conditions: list[ColumnElement[bool]] = [RequestTable.request_id == row.request_id]
-        if row.seq_id is not None and row.model_id is not None:
-            conditions = [RequestTable.model_id == row.model_id, RequestTable.seq_id == row.seq_id]
-        elif row.seq_id is not None and row.sampling_session_id is not None:
-            conditions = [
-                RequestTable.sampling_session_id == row.sampling_session_id,
-                RequestTable.seq_id == row.seq_id,
-            ]
+    def _find_duplicate(self, values: dict[str, Any]) -> RequestRecord | None:
+        """The stored request a new one's ``values`` clashed with: the same sequence key, or id."""
+        seq_id, model_id, sid = values["seq_id"], values["model_id"], values["sampling_session_id"]
+        conditions: list[ColumnElement[bool]] = [RequestTable.request_id == values["request_id"]]
+        if seq_id is not None and model_id is not None:
+            conditions = [RequestTable.model_id == model_id, RequestTable.seq_id == seq_id]
+        elif seq_id is not None and sid is not None:
+            conditions = [RequestTable.sampling_session_id == sid, RequestTable.seq_id == seq_id]
         with self._tx() as s:
             found = s.scalars(select(RequestTable).where(*conditions)).first()
             return None if found is None else _record(RequestRecord, found)
@@ -865,25 +871,18 @@ class Store:
         """
         if num_samples < 1:
             raise ValueError("num_samples must be >= 1")
-        samplers = SamplingSessionTable.__table__
-        bump = (
-            update(samplers)
-            .where(samplers.c.sampling_session_id == sampling_session_id)
-            .values(next_sequence_number=samplers.c.next_sequence_number + num_samples)
-            .returning(samplers.c.next_sequence_number)
-        )
+        values = self._request_values(owner=owner, kind="sample", payload=payload, payload_type=payload_type,
+                                      sampling_session_id=sampling_session_id, seq_id=seq_id)
         try:
             with self._tx() as s:
-                end = s.execute(bump).scalar_one_or_none()
+                end = s.execute(_RESERVE_SEQUENCE_NUMBERS, {"sid": sampling_session_id, "n": num_samples}).scalar_one_or_none()
                 if end is None:
                     return None
-                row = self._request_row(owner=owner, kind="sample", payload=payload, payload_type=payload_type,
-                                        sampling_session_id=sampling_session_id, seq_id=seq_id,
-                                        submit_info=submit_info_for(end - num_samples))
-                s.add(row)
-            return _record(RequestRecord, row), True
+                values["submit_info"] = submit_info_for(end - num_samples)
+                s.execute(_INSERT_REQUEST, values)
+            return RequestRecord(**values), True
         except IntegrityError:
-            existing = self._find_duplicate(row)
+            existing = self._find_duplicate(values)
             if existing is None:
                 raise
             return existing, False

@@ -21,6 +21,7 @@ Which function serves which route:
   already write non-finite floats as strings, so ``json.dumps(..., allow_nan=False)`` works.
 """
 
+from ._common import tokens_only
 from .forward_backward import (
     decode_forward_backward_json,
     decode_forward_backward_protobuf,
@@ -35,6 +36,7 @@ from .sample import (
 )
 
 __all__ = [
+    "tokens_only",
     "decode_forward_backward_json",
     "decode_forward_backward_protobuf",
     "decode_sample_request_json",

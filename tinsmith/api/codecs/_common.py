@@ -388,6 +388,15 @@ def check_token_ids(tokens: np.ndarray, where: str) -> None:
         fail(f"{where} has a negative token id ({int(tokens.min())})")
 
 
+def tokens_only(obj: Any) -> bool:
+    """Whether a JSON ModelInput holds text chunks alone (nothing to decode but token ids); False
+    for anything else, malformed input included (its decoding says what is wrong)."""
+    chunks = obj.get("chunks") if isinstance(obj, dict) else None
+    return isinstance(chunks, list) and all(
+        isinstance(c, dict) and c.get("type", "encoded_text" if "tokens" in c else None) == "encoded_text"
+        for c in chunks)
+
+
 def json_model_input(obj: Any, where: str, max_image_pixels: int) -> tuple[np.ndarray, list[ImageInput]]:
     """A JSON ModelInput as int64 text token ids and the checked images that sit between them."""
     from ._images import check_image, json_image_bytes

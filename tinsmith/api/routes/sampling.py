@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from functools import partial
 
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
@@ -22,6 +23,8 @@ from tinsmith.server.operations import SampleArgs, SamplerSaveArgs
 from tinsmith.store.ids import sampling_session_id_for
 
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
+
+INLINE_DECODE_BYTES = 1 << 14  # a larger asample body is decoded in a worker thread, images or not
 
 
 class SaveForSamplerRequest(Body):
@@ -119,9 +122,11 @@ async def asample(request: Request, caller: Caller = Depends(caller_of)) -> dict
     body = await request.body()
     limits = limits_of(state)
     obj = await json_object(request)
-    # In a worker thread: image chunks are decoded in full to check them.
-    sid, seq_id, base_model, model_path, inp = await run_in_threadpool(
-        lambda: codecs.decode_sample_request_json(obj, limits=limits))
+    decode = partial(codecs.decode_sample_request_json, obj, limits=limits)
+    # Image chunks are decoded in full to check them: in a worker thread. A small prompt of tokens
+    # alone takes microseconds, less than the hop to a thread.
+    inline = len(body) <= INLINE_DECODE_BYTES and codecs.tokens_only(obj.get("prompt"))
+    sid, seq_id, base_model, model_path, inp = decode() if inline else await run_in_threadpool(decode)
     snapshot_key = storage_path = None
     if sid is not None:
         s = state.store.cached_sampling_session(sid) or await run_in_threadpool(state.store.get_sampling_session, sid)
