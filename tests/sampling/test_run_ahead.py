@@ -127,6 +127,31 @@ def test_no_running_ahead_while_requests_wait_or_outside_a_step(qwen3_dir, monke
     assert any(pending for _, pending in launches) and sampler.stats["bursts_ahead"] > 0
 
 
+def test_requests_arriving_outside_end_the_slice_after_one_burst(qwen3_dir):
+    """The engine hands requests to the sampler between slices: while ``arrivals`` says some wait,
+    a slice ends after the burst under way, none queued ahead of it, so they join after a burst
+    rather than after the rest of the slice. Without arrivals the slice runs its bursts ahead."""
+    model = fresh_model(qwen3_dir)
+    sampler = Sampler(model, decoder(qwen3_dir), decode_burst=2, max_rows=4, run_ahead=True)
+    for i in range(2):
+        sampler.add(task(f"r{i}", [4 + i, 8, 9], max_tokens=40, temperature=1.0, seed=i, stop=[]))
+    assert sampler.step(budget_s=60.0, arrivals=lambda: True) == []  # requests wait from the start
+    assert sampler.stats["decode_reads"] == 1 and sampler.stats["bursts_ahead"] == 0
+    asked = []
+
+    def arrivals() -> bool:  # a request arrives while the slice's second burst is queued
+        asked.append(1)
+        return len(asked) > 1
+
+    assert sampler.step(budget_s=60.0, arrivals=arrivals) == []
+    assert sampler.stats["decode_reads"] == 3 and sampler.stats["bursts_ahead"] == 1
+    assert sampler.stats["slices_ended_for_arrivals"] == 2
+    sampler.add(task("late", [7, 8], max_tokens=1, temperature=1.0, seed=9, stop=[]))  # the engine hands it over
+    done = dict(sampler.step(budget_s=60.0, arrivals=lambda: False))  # nothing more arrives: ahead to the end
+    assert set(done) == {"r0", "r1", "late"} and sampler.stats["bursts_ahead"] > 1
+    assert sampler.stats["slices_ended_for_arrivals"] == 2
+
+
 def test_rows_ending_by_length_ride_along_and_cost_no_extra_step(qwen3_dir):
     """Where rows end is known on the host when only max_tokens ends them: a row whose last token
     is in the queued burst rides along in the next (its tokens past the end dropped), and nothing

@@ -47,3 +47,33 @@ def test_queued_requests_count_their_keys_and_an_idle_sampler_gets_nothing():
     single = RecordingSampler("key-c")
     _slice(waiting, idle, single)
     assert idle.budgets == [] and abs(waiting.budgets[0] - 0.04) < 1e-12 and abs(single.budgets[0] - 0.02) < 1e-12
+
+
+def test_a_request_arriving_during_a_slice_ends_it_after_the_burst(qwen3_dir):
+    """The engine hands sample requests to samplers between slices: one submitted while a slice
+    decodes ends that slice after its burst (not after the slice's whole time budget), so the
+    next slice takes it in."""
+    import torch
+
+    from tests.sampling.conftest import decoder, fresh_model, task
+    from tinsmith.sampling.sampler import Sampler
+
+    sampler = Sampler(fresh_model(qwen3_dir), decoder(qwen3_dir), decode_burst=2, max_rows=4)
+    busy = SimpleNamespace(args=SimpleNamespace(progress=None, snapshot_key=None))  # a job, as the engine's
+    sampler.add(task(busy, [4, 8, 9], max_tokens=40, temperature=1.0, seed=1, stop=[]))
+    worker = SimpleNamespace(samplers={"base": sampler}, drop_idle_live_samplers=lambda: None,
+                             refresh_live_copies=lambda: None)
+    ops = WorkerOperations(worker)
+    arrived = SimpleNamespace(kind="sample", owner="key-b", args=SimpleNamespace(snapshot_key=None))
+    launch = sampler._launch_burst
+
+    def launch_and_meanwhile_submit(pending: int):
+        if sampler.stats["decode_reads"] == 1:
+            ops.sample_submit(arrived)  # the event loop stores and submits a request mid-slice
+        return launch(pending)
+
+    sampler._launch_burst = launch_and_meanwhile_submit
+    with torch.inference_mode():
+        assert ops.sample_step(60.0) == []  # a minute of budget: only the arrival ends it
+    assert sampler.stats["decode_reads"] == 2 and sampler.stats["slices_ended_for_arrivals"] == 1
+    assert list(ops._sample_inbox) == [arrived] and sampler.rows  # taken in by the next slice

@@ -186,6 +186,7 @@ class Sampler:
         # turn, so there it would only decode a burst past rows' ends (tests turn it on).
         self.run_ahead = (self.device.type == "cuda") if run_ahead is None else run_ahead
         self._deadline = 0.0  # when the current step()'s time slice ends (0 outside step: no running ahead)
+        self._arrivals: Callable[[], bool] | None = None  # the current step()'s arrivals (see step)
         self.kv_cache_bytes = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_bytes(self.device)
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
@@ -230,7 +231,7 @@ class Sampler:
                       "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
                       "preempted": 0, "recomputed_tokens": 0, "admissions": 0, "admission_wait_s": 0.0,
                       "yielded_rows": 0, "bursts_ahead": 0,
-                      "rows_left_ahead": 0}
+                      "rows_left_ahead": 0, "slices_ended_for_arrivals": 0}
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
         # launch-bound, and the padded, full-capacity step only costs more there).
         self.graphs = (DecodeGraphs(model, self.cache, capture=True, stats=self.stats)
@@ -296,8 +297,14 @@ class Sampler:
         for row in self.rows:
             yield row.state.task.key, row.sample_idx, row.tokens
 
-    def step(self, budget_s: float = 0.05) -> list[tuple[Any, SampleResult | Exception]]:
+    def step(self, budget_s: float = 0.05,
+             arrivals: Callable[[], bool] | None = None) -> list[tuple[Any, SampleResult | Exception]]:
         """Admit waiting requests, decode until ``budget_s`` is spent; return finished requests.
+
+        ``arrivals`` says whether requests wait to be handed to this sampler from outside (the
+        engine hands them over between slices): when they do, the slice ends after the burst
+        under way, and no burst is queued ahead, so they join after a burst rather than after
+        the rest of the slice.
 
         A request's result is an exception when it failed: a ``TinsmithError`` for bad input,
         anything else (out of memory ...) for the requests that were in the failing step.
@@ -306,6 +313,7 @@ class Sampler:
         self._failed = []
         deadline = time.perf_counter() + budget_s
         self._deadline = deadline
+        self._arrivals = arrivals
         try:
             with torch.inference_mode():
                 self._drop_cancelled(done)
@@ -327,10 +335,14 @@ class Sampler:
                             break
                     if self.inbox and len(self.rows) < self.max_rows:
                         self._admit(done)
+                    if arrivals is not None and arrivals():
+                        self.stats["slices_ended_for_arrivals"] += 1
+                        break
                 if not self.rows and not self.keep_cache_when_idle:
                     self.cache.shrink(0, 1)
         finally:
             self._deadline = 0.0
+            self._arrivals = None
         return done
 
     def release_memory(self) -> int:
@@ -1498,7 +1510,7 @@ class Sampler:
         preempting (rows ending by their length in ``burst`` decode up to a burst past it)."""
         if not self.run_ahead or not self.rows or self.inbox or self._resume or self._chunked is not None:
             return False
-        if time.perf_counter() >= self._deadline:
+        if time.perf_counter() >= self._deadline or (self._arrivals is not None and self._arrivals()):
             return False
         board = self.cancellations
         if board is not None and board.version != self._cancel_version:

@@ -24,7 +24,7 @@ from tinsmith.checkpoints.export import hf_model_bytes, save_hf_model
 from tinsmith.checkpoints.peft_format import adapter_bytes, save_peft_adapter
 from tinsmith.checkpoints.state_format import load_training_state, save_training_state, training_state_bytes
 from tinsmith.sampling.cancel import CancelBoard, SampleCancelled
-from tinsmith.sampling.sampler import SampleTask
+from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.server.limits import KeyLimits
 from tinsmith.server.throughput import Throughput
 from tinsmith.store.records import MetricPoint
@@ -149,6 +149,7 @@ class WorkerOperations:
         self.throughput = throughput or Throughput()
         self.usage = usage
         self._sample_inbox: deque[Job] = deque()
+        self._submitted = 0  # sample requests submitted, ever: a slice ends early when it grows
         # Sampling requests their clients cancelled: posted from the event loop, honoured here.
         self.cancellations = CancelBoard(key_id=lambda job: job.request_id)
         self.stability = StabilityLog()
@@ -443,6 +444,7 @@ class WorkerOperations:
     # ----------------------------------------------------------------------------- sampling
     def sample_submit(self, job: Job) -> None:
         self._sample_inbox.append(job)
+        self._submitted += 1  # (event loop) read by the slice under way: requests arrived since it began
 
     def sample_cancel(self, request_id: str) -> None:
         """Drop a queued or running sample job (called on the event loop): it leaves the sampler
@@ -507,6 +509,7 @@ class WorkerOperations:
     def sample_step(self, budget_s: float) -> list[tuple[Job, Outcome]]:
         out: list[tuple[Job, Outcome]] = []
         waiting: list[Job] = []  # their full snapshots wait for a device place; retried next step
+        handed = self._submitted  # the requests submitted so far are handed over (or wait) below
         while self._sample_inbox:
             job = self._sample_inbox.popleft()
             job.started_at = time.monotonic()
@@ -530,7 +533,11 @@ class WorkerOperations:
         # so that a key alone on its own sampler gets no more time than each key of a shared one.
         keys = [max(1, len(_owners(s))) for s in busy] if len(busy) > 1 else [1]
         for sampler, share in zip(busy, keys):
-            finished = sampler.step(budget_s * share / sum(keys))
+            # Requests that arrive during the slice end it early, so that they join after a burst,
+            # not after the slice (GRPO's separate requests arrive over a few hundred ms). Remote
+            # samplers' ranks decide their slices together; their arrivals join at the next one.
+            early = {"arrivals": lambda: self._submitted != handed} if isinstance(sampler, Sampler) else {}
+            finished = sampler.step(budget_s * share / sum(keys), **early)
             self._report_progress(sampler)
             for job, res in finished:
                 if job.args.snapshot_key is not None:
