@@ -30,6 +30,7 @@ from torch.profiler import profile as torch_profile
 from bench.gpu.peak import sync
 from bench.gpu.train import RANK, batch, training_step
 from tinsmith.models.loading import load_model
+from tinsmith.sampling.decode_graphs import DecodeGraphs, bucket_for
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import LoraSpec, SampleInput, SamplingParams
 from tinsmith.worker.runtime import TrainingRuntime
@@ -198,8 +199,50 @@ def decode_replayed(model_dir, device, quick: bool) -> dict:
             table = kernel_table(prof, sampler.stats["decode_steps"] - before, wall)
             table["host_top"] = _host_top(lambda: sampler.step(budget_s=0.02 if quick else 0.25),
                                           lambda: sampler.stats["decode_steps"])
+            table.update(_unprofiled_split(sampler, device, 4 if quick else 16, 0.02 if quick else 0.25))
             sampler.abort()
         out[f"rows_{rows}" + (f"_adapters_{adapters}" if adapters else "")] = table
+    return out
+
+
+def _unprofiled_split(sampler: Sampler, device: torch.device, k: int, budget_s: float) -> dict:
+    """Wall ms per decode step without the profiler, three ways, to tell where a replayed step's
+    idle device time comes from: the sampler's own steps (bursts, reads, the host's work between
+    bursts), ``k`` static steps back to back through ``DecodeGraphs.burst`` (each a replay and two
+    small copies of its outputs, no read until the end), and the step's graph replayed ``k`` times
+    alone (nothing else launched). Equal figures put the idle time inside the graph's execution;
+    a lower one for the bare replays puts it in what the sampler launches or waits for around them.
+
+    Replays outside the sampler advance the rows' cache lengths on the device behind its back:
+    room for them is reserved first, and the sampler is only fit to be aborted afterwards."""
+    before, t = sampler.stats["decode_steps"], time.perf_counter()
+    sampler.step(budget_s=budget_s)
+    sync(device)
+    steps = sampler.stats["decode_steps"] - before
+    out: dict = {"unprofiled_ms_per_step": 1e3 * (time.perf_counter() - t) / max(steps, 1)}
+    graphs = sampler.graphs
+    if graphs is None:  # a CPU run: the same static step, run eagerly (it captures nothing)
+        graphs = sampler.graphs = DecodeGraphs(sampler.model, sampler.cache, capture=False, stats=sampler.stats)
+    rows, n = list(sampler.rows), len(sampler.rows)
+    if not rows:
+        return out
+    # Room for a warm burst and a timed one, then the graphs' replays alone: 3 k positions.
+    sampler.cache.reserve([len(r.state.task.input.prompt) + len(r.tokens) + 3 * k for r in rows])
+    batch, slots = sampler._batch(), [r.state.task.slot for r in rows]
+    graphs.burst(batch, slots, n, k)  # warm: a reallocated cache's graphs are captured again here
+    sync(device)
+    t = time.perf_counter()
+    graphs.burst(batch, slots, n, k)
+    sync(device)
+    out["burst_alone_ms_per_step"] = 1e3 * (time.perf_counter() - t) / k
+    bucket = bucket_for(n)
+    graph = next((g for (v, _), g in graphs._graphs.items() if v.rows == bucket), None)
+    if graph is not None:
+        t = time.perf_counter()
+        for _ in range(k):
+            graph.replay()
+        sync(device)
+        out["replays_alone_ms_per_step"] = 1e3 * (time.perf_counter() - t) / k
     return out
 
 

@@ -293,6 +293,11 @@ def _profiles(s: dict) -> list[str]:
             fam = ", ".join(f"{k} {v:.2f}" for k, v in t["families_ms"].items())
             idle = (f"device idle between kernels: {_fmt(t['idle_short_ms'])} ms in gaps <= 10 us, "
                     f"{_fmt(t['idle_long_ms'])} ms in {_fmt(t['long_idles'])} longer" if "idle_short_ms" in t else "")
+            if "unprofiled_ms_per_step" in t:  # replay_profile: where a replayed step's idle time lies
+                idle = "; ".join(x for x in (idle, (
+                    f"unprofiled ms per step: the sampler's {_fmt(t['unprofiled_ms_per_step'])}, "
+                    f"a burst alone {_fmt(t.get('burst_alone_ms_per_step'))}, "
+                    f"the graph's replays alone {_fmt(t.get('replays_alone_ms_per_step'))}")) if x)
             L.append(f"| {key} {case} | {t['source']} | {_fmt(t['device_ms'])} | {_fmt(t['wall_ms'])} | "
                      f"{_fmt(t['kernels'])} | {fam} | {idle} |")
             tops += [f"{key} {case}: " + "; ".join(f"{n} {ms:.3g} ms x{c:g}" for n, ms, c in t["top"][:8])]

@@ -41,6 +41,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert "Against the issues' targets" in (out / "summary.md").read_text()
     assert len(summary["targets"]) > 10 and all(t["met"] is None for t in summary["targets"])  # no real shape ran
     assert 0 < summary["sample"]["tiny/decode"]["rows_4"]["of_hbm_bound"]
+    replayed = summary["sample"]["tiny/replay_profile"]["rows_4"]  # on a CPU the static step runs eagerly
+    assert replayed["unprofiled_ms_per_step"] > 0 and replayed["burst_alone_ms_per_step"] > 0
     assert summary["moe"]["a3b_vs_dense"]["train_moe_vs_dense"] > 0
     waves = summary["sample"]["tiny/prefix_waves"]
     for layout in ("rows", "paged"):  # the second wave's 2 prompts of 130 tokens were kept whole: nothing to compute
