@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu_times import cpu_seconds  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 
 
@@ -93,12 +94,6 @@ def train_part(rounds: int, steps: int, tenants: list[int]) -> list[dict]:
     return out
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # Loaded into the server through PYTHONPATH (it imports nothing of tinsmith, so it times a server of
 # any commit the same way): every collection's pause, summed per generation, written to a file.
 _HOOK = """
@@ -152,10 +147,10 @@ def requests_part(n: int) -> list[dict]:
             params = types.SamplingParams(max_tokens=1, temperature=1.0, stop=[])
             for r in range(4):
                 prompts = sdk_prompts(r, 8, 1, False)[0]
-                (count0, paused0), cpu, t = _pauses(readings), _cpu_seconds(srv.proc.pid), time.perf_counter()
+                (count0, paused0), cpu, t = _pauses(readings), cpu_seconds(srv.proc.pid), time.perf_counter()
                 for f in [s.sample(prompts[i % 8], 1, params) for i in range(n)]:
                     f.result(timeout=600)
-                wall, cpu = time.perf_counter() - t, _cpu_seconds(srv.proc.pid) - cpu
+                wall, cpu = time.perf_counter() - t, cpu_seconds(srv.proc.pid) - cpu
                 count1, paused1 = _pauses(readings)
                 row = {"round": r, "requests": n, "wall_s": wall, "server_cpu_ms_per_request": 1e3 * cpu / n,
                        "gc_ms_per_request": 1e3 * (paused1 - paused0) / n,

@@ -43,11 +43,13 @@ def main() -> None:
             grpo = through_sdk(model, torch.device("cpu"), False, Path(d) / f"run{run}")["grpo"]
             results.append(grpo)
             for kind in ("separate", "num_samples"):
-                t, c = grpo[f"{kind}_timeline"], grpo[f"{kind}_server"]
+                t, c, u = grpo[f"{kind}_timeline"], grpo[f"{kind}_server"], grpo[f"{kind}_cpu"]
                 print(f"run {run} {kind:>11}: arrivals {t.get('first_arrival_s', 0):.3f}..{t.get('last_arrival_s', 0):.3f} s, "
                       f"last start {t.get('last_start_s', 0):.3f} s, "
                       f"last completion {t.get('last_completion_s', 0):.3f} s, prefills {c.get('prefills', 0):.0f}, "
-                      f"decode steps {c.get('decode_steps', 0):.0f}, asample HTTP {1e3 * c.get('asample_http_mean_s', 0):.1f} ms",
+                      f"decode steps {c.get('decode_steps', 0):.0f}, asample HTTP {1e3 * c.get('asample_http_mean_s', 0):.1f} ms, "
+                      f"CPU a request: client {u['client_ms_per_request']:.2f} ms, server {u['server_ms_per_request']:.2f} "
+                      f"(its loop {u['server_loop_ms_per_request']:.2f})",
                       flush=True)
             print(f"run {run}: separate / num_samples {grpo['separate_vs_num_samples']:.3f} "
                   f"(first round {grpo['first_round_separate_vs_num_samples']:.3f})", flush=True)

@@ -141,11 +141,11 @@ def markdown(s: dict) -> str:
                       "| shape | GRPO traffic | asample HTTP ms | queue wait ms | wait for a row ms | sampling step s | "
                       "prompt tokens computed | "
                       "prefills | graph captures | decode steps | arrivals s (first..last) | last start s | "
-                      "completions s | collector ms | notes |")
+                      "completions s | collector ms | CPU ms a request: client, server (its loop) | notes |")
         for name in s["shapes"]:
             g = sa.get(f"{name}/sdk", {}).get("grpo", {})
             for kind in ("separate", "num_samples"):
-                c, t = g.get(f"{kind}_server", {}), g.get(f"{kind}_timeline", {})
+                c, t, u = g.get(f"{kind}_server", {}), g.get(f"{kind}_timeline", {}), g.get(f"{kind}_cpu", {})
                 ms = {k: (None if c.get(f"{k}_mean_s") is None else 1e3 * c[f"{k}_mean_s"])
                       for k in ("asample_http", "queue_wait", "admission_wait")}
                 L.append(f"| {name} | {kind} | {_fmt(ms['asample_http'])} | {_fmt(ms['queue_wait'])} | "
@@ -154,7 +154,9 @@ def markdown(s: dict) -> str:
                          f"{_get(c, 'graph_captures')} | {_get(c, 'decode_steps')} | "
                          f"{_get(t, 'first_arrival_s')}..{_get(t, 'last_arrival_s')} | {_get(t, 'last_start_s')} | "
                          f"{_get(t, 'first_completion_s')}..{_get(t, 'last_completion_s')} | "
-                         f"{_fmt(None if c.get('gc_pause_s') is None else 1e3 * c['gc_pause_s'])} | |")
+                         f"{_fmt(None if c.get('gc_pause_s') is None else 1e3 * c['gc_pause_s'])} | "
+                         f"{_get(u, 'client_ms_per_request')}, {_get(u, 'server_ms_per_request')} "
+                         f"({_get(u, 'server_loop_ms_per_request')}) | |")
         L.append("")
         L.append("| shape | train tok/s alone | with a sampling tenant | kept | sample tok/s alone | with a training tenant | kept | notes |")
         L.append("|---|---|---|---|---|---|---|---|")

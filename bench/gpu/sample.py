@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.cpu_times import cpu_seconds, own_cpu_seconds
 from bench.gpu.peak import sync
 from bench.gpu.shapes import param_counts
 from tinsmith.kernels import lora_segments
@@ -270,12 +271,19 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
             first.append(time.perf_counter() - t)
 
         spans: list[tuple[float, float]] = []  # each round's (start, end), epoch seconds
+        cpu: list[dict] = []  # each round's CPU per request: this client's (the SDK), the server's, its loop's
+        pid = srv.proc.pid
 
         def timed_tokens(submit) -> tuple[float, int]:
             """Submit every request at once (the SDK's futures), then wait for all."""
+            before = (own_cpu_seconds(), cpu_seconds(pid), cpu_seconds(pid, pid))
             t, start = time.perf_counter(), time.time()
-            results = [f.result(timeout=600) for f in submit()]
+            futures = submit()
+            results = [f.result(timeout=600) for f in futures]
             spans.append((start, time.time()))
+            after = (own_cpu_seconds(), cpu_seconds(pid), cpu_seconds(pid, pid))
+            cpu.append({f"{who}_ms_per_request": 1e3 * (b - a) / len(futures)
+                        for who, a, b in zip(("client", "server", "server_loop"), before, after)})
             return time.perf_counter() - t, sum(len(q.tokens) for r in results for q in r.sequences)
 
         # Each round samples prompts of its own, as an RL loop's rounds do (new problems, and new
@@ -307,6 +315,8 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
                          # where the time went, as the server counts it (means per request, seconds)
                          "separate_server": counter_means(before, between),
                          "num_samples_server": counter_means(between, after),
+                         # whose CPU a request costs: is the arrival window the SDK's or the server's?
+                         "separate_cpu": cpu[2], "num_samples_cpu": cpu[3],
                          "separate_timeline": request_timeline(database, *spans[2]),
                          "num_samples_timeline": request_timeline(database, *spans[3])}}
     finally:

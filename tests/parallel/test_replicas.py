@@ -359,8 +359,10 @@ def _inflight_samples_follow_the_live_weights(one, group) -> None:
         w.optim_step("full", hp)
 
     def alike(a, b) -> None:
+        # fp32 rounding of a sharded step against one process's, relative: up to 6e-6 of a logprob
+        # seen after the step on one CPU (other CPUs' kernels round alike within 1e-5 absolute).
         np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=2e-5)
 
     for w in (w1, w2):
         w.publish_inflight("full", "live")
