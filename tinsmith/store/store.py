@@ -442,8 +442,19 @@ class Store:
         values = self._request_values(owner=owner, kind=kind, payload=payload, payload_type=payload_type,
                                       model_id=model_id, sampling_session_id=sampling_session_id, seq_id=seq_id,
                                       submit_info=submit_info, request_id=request_id)
+        stored = self._insert_request(values)
+        assert stored is not None  # nothing comes first to refuse it
+        return stored
+
+    def _insert_request(self, values: dict[str, Any],
+                        first: Callable[[Session], bool] | None = None) -> tuple[RequestRecord, bool] | None:
+        """Insert a request's ``values`` in one transaction, after ``first`` (which may complete the
+        values, or refuse: False stores nothing and returns None): ``(its record, True)``, or when it
+        clashes with a stored request (a replay, or a racing one) ``(that request, False)``."""
         try:
             with self._tx() as s:
+                if first is not None and not first(s):
+                    return None
                 s.execute(_INSERT_REQUEST, values)
             return RequestRecord(**values), True
         except IntegrityError:
@@ -873,19 +884,15 @@ class Store:
             raise ValueError("num_samples must be >= 1")
         values = self._request_values(owner=owner, kind="sample", payload=payload, payload_type=payload_type,
                                       sampling_session_id=sampling_session_id, seq_id=seq_id)
-        try:
-            with self._tx() as s:
-                end = s.execute(_RESERVE_SEQUENCE_NUMBERS, {"sid": sampling_session_id, "n": num_samples}).scalar_one_or_none()
-                if end is None:
-                    return None
-                values["submit_info"] = submit_info_for(end - num_samples)
-                s.execute(_INSERT_REQUEST, values)
-            return RequestRecord(**values), True
-        except IntegrityError:
-            existing = self._find_duplicate(values)
-            if existing is None:
-                raise
-            return existing, False
+
+        def reserve(s: Session) -> bool:
+            end = s.execute(_RESERVE_SEQUENCE_NUMBERS, {"sid": sampling_session_id, "n": num_samples}).scalar_one_or_none()
+            if end is None:
+                return False
+            values["submit_info"] = submit_info_for(end - num_samples)
+            return True
+
+        return self._insert_request(values, reserve)
 
     # ------------------------------------------------------------------ checkpoints
 
