@@ -6,7 +6,10 @@ rank (one CPU, and one GPU on CUDA): bundle 0 is pinned to this node and holds r
 so Ray never hands rank 0's GPU to another rank, and bundles 1..N-1 each hold one
 :class:`RankActor`. ``STRICT_PACK`` (the default) keeps every rank on this node, which is what
 tensor parallelism wants (a collective per layer); ``PACK`` or ``SPREAD`` let ranks go to
-other nodes. The rendezvous is at this node's IP address.
+other nodes. The rendezvous is at this node's IP address. The actors' processes are started
+(Ray spawns them, they import torch and tinsmith) before any rank joins the group, and only the
+joining is held to the group's timeout: a short ``--parallel-timeout-s`` bounds each collective,
+not how long a loaded node takes to start a process (:data:`ACTOR_START_S`).
 
 There are no pipes between machines, so the doorbell that tells followers a call is coming
 (:class:`~tinsmith.parallel.spmd.Doorbell`) is a Ray call: rank 0 calls each actor's
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 OPTION = "--ray-address"
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _WATCH = "watch"  # the concurrency group of RankActor.watch, beside the default one that runs the calls
+ACTOR_START_S = 120.0  # how long the actors' processes may take to start (or the group's timeout, if longer)
 
 
 def connect_ray(address: str):
@@ -76,17 +80,19 @@ def _check_answers(address: str, timeout_s: float = 5.0) -> None:
 
 
 class RankActor:
-    """One follower rank inside a Ray actor: it joins the group, builds its target
-    (``make_target(tp, device)``) and runs the calls rank 0 sends it."""
+    """One follower rank inside a Ray actor: once started, it joins the group (:meth:`join`),
+    builds its target (``make_target(tp, device)``) and runs the calls rank 0 sends it."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, timeout_s: float,
-                 make_target: Callable[[TPGroup, torch.device], Any], threads: int, cuda: bool):
+    def __init__(self, threads: int, cuda: bool):
         torch.set_num_threads(threads)
         # Ray gave this actor one GPU and made it the only visible one.
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        self.tp = init_tp_group(rank, world_size, timeout_s=timeout_s, init_method=init_method, device=device)
-        self.executor = SpmdExecutor(make_target(self.tp, device), self.tp)
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         self._closed = threading.Event()
+
+    def join(self, rank: int, world_size: int, init_method: str, timeout_s: float,
+             make_target: Callable[[TPGroup, torch.device], Any]) -> None:
+        self.tp = init_tp_group(rank, world_size, timeout_s=timeout_s, init_method=init_method, device=self.device)
+        self.executor = SpmdExecutor(make_target(self.tp, self.device), self.tp)
         tune_for_serving()  # as rank 0's process: a collector's pause on one rank stalls them all
 
     def follow_call(self) -> bool:
@@ -155,7 +161,7 @@ class RayTPGroup(DrivenGroup):
         bundles[0][f"node:{ip}"] = 0.001  # rank 0's bundle is on this node, where rank 0 runs
         self.pg = placement_group(bundles, strategy=strategy)
         self.actors: list = []
-        self.places: list[str] = []  # each follower's actor, process and node, once the group has formed
+        self.places: list[str] = []  # each follower's actor, process and node, once they have started
         try:
             try:
                 ray.get(self.pg.ready(), timeout=timeout_s)
@@ -173,13 +179,22 @@ class RayTPGroup(DrivenGroup):
                 gpu = ray.get(ray.remote(num_cpus=0, num_gpus=1)(_gpu_ids).options(
                     scheduling_strategy=in_bundle(0)).remote(), timeout=timeout_s)
                 device = torch.device("cuda", _local_cuda_index(gpu[0]))
-            init_method = f"tcp://{ip}:{free_port()}"
             actor_class = ray.remote(concurrency_groups={_WATCH: 1})(RankActor)
             self.actors = [actor_class.options(num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=0,
                                                scheduling_strategy=in_bundle(r))
-                           .remote(r, world_size, init_method, timeout_s, make_target, follower_threads, cuda)
+                           .remote(follower_threads, cuda)
                            for r in range(1, world_size)]
             self._watches = [a.watch.options(concurrency_group=_WATCH).remote() for a in self.actors]
+            start_s = max(timeout_s, ACTOR_START_S)
+            try:
+                self.places = ray.get([a.where.remote() for a in self.actors], timeout=start_s)
+            except Exception as exc:  # never started (a node that cannot import tinsmith), or slower than that
+                self._await_exits(1.0)
+                raise ParallelError(self.exited() or f"the Ray actors of ranks 1..{world_size - 1} did not start "
+                                    f"within {start_s:g} s; {exc}") from exc
+            init_method = f"tcp://{ip}:{free_port()}"
+            self._joins = [a.join.remote(r, world_size, init_method, timeout_s, make_target)
+                           for r, a in enumerate(self.actors, start=1)]
             try:
                 tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method, device=device)
             except Exception as exc:
@@ -188,7 +203,6 @@ class RayTPGroup(DrivenGroup):
                                         f"{timeout_s:g} s (can their nodes import tinsmith and reach {init_method}?)")
                 raise ParallelError(f"{why}; {exc}") from exc
             self._drive(tp, make_target(tp, device), _ActorBell(self.actors))
-            self.places = ray.get([a.where.remote() for a in self.actors], timeout=timeout_s)
             log.info("%s ranks placed by Ray (%s): rank 0 in this process on node %s (%s); %s", label, strategy,
                      ip, device, "; ".join(f"rank {r}: {w}" for r, w in enumerate(self.places, start=1)))
         except BaseException:
