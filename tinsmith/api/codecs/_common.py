@@ -388,13 +388,16 @@ def check_token_ids(tokens: np.ndarray, where: str) -> None:
         fail(f"{where} has a negative token id ({int(tokens.min())})")
 
 
+def _chunk_type(chunk: dict) -> Any:
+    """A JSON chunk's type; a chunk with tokens and no type counts as text."""
+    return chunk.get("type", "encoded_text" if "tokens" in chunk else None)
+
+
 def tokens_only(obj: Any) -> bool:
     """Whether a JSON ModelInput holds text chunks alone (nothing to decode but token ids); False
     for anything else, malformed input included (its decoding says what is wrong)."""
     chunks = obj.get("chunks") if isinstance(obj, dict) else None
-    return isinstance(chunks, list) and all(
-        isinstance(c, dict) and c.get("type", "encoded_text" if "tokens" in c else None) == "encoded_text"
-        for c in chunks)
+    return isinstance(chunks, list) and all(isinstance(c, dict) and _chunk_type(c) == "encoded_text" for c in chunks)
 
 
 def json_model_input(obj: Any, where: str, max_image_pixels: int) -> tuple[np.ndarray, list[ImageInput]]:
@@ -413,7 +416,7 @@ def json_model_input(obj: Any, where: str, max_image_pixels: int) -> tuple[np.nd
         cwhere = f"{where}.chunks[{j}]"
         if not isinstance(chunk, dict):
             fail(f"{cwhere} must be an object")
-        ctype = chunk.get("type", "encoded_text" if "tokens" in chunk else None)
+        ctype = _chunk_type(chunk)
         if ctype == "encoded_text":
             parts.append(json_int_array(chunk.get("tokens"), f"{cwhere}.tokens"))
             n_text += parts[-1].size
