@@ -193,8 +193,8 @@ class RayTPGroup(DrivenGroup):
                 raise ParallelError(self.exited() or f"the Ray actors of ranks 1..{world_size - 1} did not start "
                                     f"within {start_s:g} s; {exc}") from exc
             init_method = f"tcp://{ip}:{free_port()}"
-            self._joins = [a.join.remote(r, world_size, init_method, timeout_s, make_target)
-                           for r, a in enumerate(self.actors, start=1)]
+            for r, a in enumerate(self.actors, start=1):  # a follower that fails to join fails rank 0's join below
+                a.join.remote(r, world_size, init_method, timeout_s, make_target)
             try:
                 tp = init_tp_group(0, world_size, timeout_s=timeout_s, init_method=init_method, device=device)
             except Exception as exc:
