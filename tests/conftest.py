@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -97,3 +98,26 @@ def _threads_left_alone():
     threads = torch.get_num_threads()
     yield
     assert torch.get_num_threads() == threads, f"the test left torch at {torch.get_num_threads()} threads (was {threads})"
+
+
+# ``scripts/test`` runs the suite on several worker processes (pytest-xdist, ``-n auto``): most of
+# its time is spent waiting on servers it started, so two workers on a 2-core machine take about
+# half the time of one. This decides how many.
+MAX_TEST_WORKERS = 4
+_SERIAL_MARKS = re.compile(r"(?<!not )\b(slow|gpu)\b")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for ``-n auto``: ``TINSMITH_TEST_WORKERS`` if set, else one per CPU up to
+    :data:`MAX_TEST_WORKERS`; none (one process) for the slow and GPU tiers, whose tests time
+    things or share one device, and for runs of named files or tests, where starting workers
+    costs more than it saves."""
+    chosen = os.environ.get("TINSMITH_TEST_WORKERS")
+    if chosen:
+        return int(chosen)
+    if _SERIAL_MARKS.search(config.getoption("markexpr") or ""):
+        return 0
+    if any(".py" in arg for arg in config.args):
+        return 0
+    return max(1, min(MAX_TEST_WORKERS, len(os.sched_getaffinity(0))))

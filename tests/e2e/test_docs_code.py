@@ -21,6 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NAMES_IN_DOCS = ["Qwen/Qwen3-0.6B"]  # the model the docs train: the tiny model under that name
+DEPRECATED_HERE = re.compile(r"block\.py:\d+: (FutureWarning|DeprecationWarning): .*deprecated", re.I)
 BLOCK = re.compile(r"(?:<!--\s*not run:\s*(?P<why>.*?)-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
 
 pytestmark = pytest.mark.e2e
@@ -73,3 +74,7 @@ def test_code_block_runs(code, why, docs_server, tiny_model, tmp_path):
                       f"stderr: {proc.stderr[-1500:]}")
         proc = run()
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\nserver log:\n{docs_server.log_tail()}"
+    # The SDK warns at the caller's line when a block uses something it deprecates: the docs show
+    # the current SDK's way.
+    outdated = [line for line in proc.stderr.splitlines() if DEPRECATED_HERE.search(line)]
+    assert not outdated, "the block uses what the SDK deprecates:\n" + "\n".join(outdated)

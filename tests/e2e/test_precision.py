@@ -23,12 +23,12 @@ def bf16_server(make_server):
 def _train_and_sample(service_client, srv, base_model):
     """One SFT step, a forward after it, then seeded samples at temperature 1 with top-k / top-p."""
     sc = service_client(srv=srv)
-    tc = sc.create_lora_training_client(base_model=base_model, rank=4, seed=7)
+    tc = sc.create_lora_training_client(base_model=base_model, rank=4, seed=7).result(timeout=RESULT_TIMEOUT_S)
     data = repeated_pattern_batch(3, 4, 24, VOCAB)
     fb = tc.forward_backward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
     tc.optim_step(types.AdamParams(learning_rate=1e-4)).result(timeout=RESULT_TIMEOUT_S)
     after = tc.forward(data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
-    sampler = tc.save_weights_and_get_sampling_client(name="precision")
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=RESULT_TIMEOUT_S)
     prompt = types.ModelInput.from_ints(list(range(10, 22)))
     samples = {
         name: sampler.sample(prompt, 3, types.SamplingParams(max_tokens=8, temperature=1.0, seed=11, **kw))

@@ -45,7 +45,7 @@ def _sampler_lp(sampler) -> np.ndarray:
 def test_snapshot_samples_the_weights_saved_and_ignores_later_steps(trained, full_server, base_model):
     tc, data = trained
     other = tinker.ServiceClient(base_url=full_server.base_url, api_key="tml-rl-full-sampling-neighbour")
-    base_sampler = other.create_sampling_client(base_model=base_model)
+    base_sampler = other.create_sampling_client(base_model=base_model).result(timeout=RESULT_TIMEOUT_S)
     base_before = _sampler_lp(base_sampler)
     sampler = tc.save_weights_and_get_sampling_client().result(timeout=RESULT_TIMEOUT_S)
     at_save = _forward_lp(tc)
@@ -70,7 +70,7 @@ def test_named_full_snapshot_reloads_from_disk_after_eviction(trained, full_serv
     at_save = _forward_lp(tc)
     sc = tinker.ServiceClient(base_url=full_server.base_url, api_key=API_KEY)
     try:
-        named = sc.create_sampling_client(model_path=path)
+        named = sc.create_sampling_client(model_path=path).result(timeout=RESULT_TIMEOUT_S)
         np.testing.assert_allclose(_sampler_lp(named), at_save, atol=1e-4)
         train_steps_on(tc, data, 1, 1e-2)
         # --max-full-sampler-snapshots 1: this one evicts the stored snapshot from memory ...

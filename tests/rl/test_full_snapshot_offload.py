@@ -35,7 +35,7 @@ def test_three_snapshots_share_one_device_place_and_each_keeps_its_weights(offlo
             train_steps_on(tc, data, 1, 2e-2)
             if i == 2:  # a named (stored) one as well
                 path = tc.save_weights_for_sampler("offload-named").result(timeout=RESULT_TIMEOUT_S).path
-                samplers.append(sc.create_sampling_client(model_path=path))
+                samplers.append(sc.create_sampling_client(model_path=path).result(timeout=RESULT_TIMEOUT_S))
             else:
                 samplers.append(tc.save_weights_and_get_sampling_client().result(timeout=RESULT_TIMEOUT_S))
             expected.append(_forward_lp(tc))
