@@ -8,7 +8,7 @@ takes about a second, so the request path's share shows as it does on a GPU
 two rounds of each kind, the second timed) ``--runs`` times and prints each run's ratio, the
 requests' arrival and completion times the server's store recorded, and its counters.
 
-    python bench/grpo_micro.py [--runs 3] [--hidden 32] [--layers 2] [--json out.json]
+    python bench/grpo_micro.py [--runs 3] [--hidden 32] [--layers 2] [--transport httpx|pyqwest] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--transport", choices=("httpx", "pyqwest"), default="httpx",
+                    help="the SDK's HTTP transport, as the server hands it (--client-http-transport)")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = []
@@ -40,7 +42,7 @@ def main() -> None:
                           head_dim=16, num_attention_heads=max(1, args.hidden // 16), num_key_value_heads=1)
         model = make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
         for run in range(args.runs):
-            grpo = through_sdk(model, torch.device("cpu"), False, Path(d) / f"run{run}")["grpo"]
+            grpo = through_sdk(model, torch.device("cpu"), False, Path(d) / f"run{run}", args.transport)["grpo"]
             results.append(grpo)
             for kind in ("separate", "num_samples"):
                 t, c, u = grpo[f"{kind}_timeline"], grpo[f"{kind}_server"], grpo[f"{kind}_cpu"]

@@ -142,13 +142,15 @@ def markdown(s: dict) -> str:
                       "prompt tokens computed | "
                       "prefills | graph captures | decode steps | arrivals s (first..last) | last start s | "
                       "completions s | collector ms | CPU ms a request: client, server (its loop) | notes |")
-        for name in s["shapes"]:
-            g = sa.get(f"{name}/sdk", {}).get("grpo", {})
+        for name, item in [(n, f"{n}/{k}") for n in s["shapes"] for k in ("sdk", "sdk_pyqwest")]:
+            g = sa.get(item, {}).get("grpo", {})
+            if not g:
+                continue
             for kind in ("separate", "num_samples"):
                 c, t, u = g.get(f"{kind}_server", {}), g.get(f"{kind}_timeline", {}), g.get(f"{kind}_cpu", {})
                 ms = {k: (None if c.get(f"{k}_mean_s") is None else 1e3 * c[f"{k}_mean_s"])
                       for k in ("asample_http", "queue_wait", "admission_wait")}
-                L.append(f"| {name} | {kind} | {_fmt(ms['asample_http'])} | {_fmt(ms['queue_wait'])} | "
+                L.append(f"| {name}{' (pyqwest)' if item.endswith('pyqwest') else ''} | {kind} | {_fmt(ms['asample_http'])} | {_fmt(ms['queue_wait'])} | "
                          f"{_fmt(ms['admission_wait'])} | "
                          f"{_get(c, 'step_mean_s')} | {_get(c, 'prefill_tokens')} | {_get(c, 'prefills')} | "
                          f"{_get(c, 'graph_captures')} | {_get(c, 'decode_steps')} | "

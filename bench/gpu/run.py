@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
                 sa.item(f"{name}/decode_bursts", lambda: sample.decode_bursts(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
+            if name == big:  # the SDK on pyqwest, as the hosted service leaves it: its client CPU a request
+                sa.item(f"{name}/sdk_pyqwest", lambda: sample.through_sdk(
+                    dirs[name], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{name}-")), transport="pyqwest"))
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
         sa.item(f"{big}/beside_training", lambda: sample.beside_training(
             dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-"))))

@@ -250,14 +250,16 @@ def sdk_prompts(seed: int, n: int, new: int, quick: bool) -> tuple[list, object]
     return prompts, types.SamplingParams(max_tokens=new, temperature=1.0, stop=[])
 
 
-def through_sdk(model_dir, device, quick: bool, log_dir: Path) -> dict:
-    """A real server: first-call latency, then GRPO traffic as separate requests vs num_samples."""
+def through_sdk(model_dir, device, quick: bool, log_dir: Path, transport: str = "httpx") -> dict:
+    """A real server: first-call latency, then GRPO traffic as separate requests vs num_samples;
+    ``transport``: the HTTP transport the server hands the SDK (``--client-http-transport``)."""
     import tinker
 
     from tests.e2e.server import ServerProcess
 
     prompts_n, group, new = (2, 4, 8) if quick else (8, 16, 256)
-    srv = ServerProcess(model_dir, log_dir / "server-data", extra_args=["--device", device.type], log_dir=log_dir)
+    srv = ServerProcess(model_dir, log_dir / "server-data", log_dir=log_dir,
+                        extra_args=["--device", device.type, "--client-http-transport", transport])
     database = log_dir / "server-data" / "tinsmith.sqlite"
     srv.start(timeout=600)
     try:

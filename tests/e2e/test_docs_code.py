@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -60,19 +59,10 @@ def test_code_block_runs(code, why, docs_server, tiny_model, tmp_path):
            "OPENAI_BASE_URL": docs_server.base_url + "/v1", "OPENAI_API_KEY": "tml-docs", "TINKER_TELEMETRY": "0",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
 
-    def run() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                              env=env, cwd=tmp_path)
-
-    proc = run()
-    if proc.returncode < 0:
-        # Killed by a signal: once seen in CI (SIGABRT, nothing on stderr but the SDK's own
-        # warnings, every request answered 200 in the server's log): the client process's native
-        # threads, not the server. The block runs once more and must then exit cleanly; the first
-        # run's end (with faulthandler's traceback, if Python saw the signal) is kept as a warning.
-        warnings.warn(f"the block died of signal {-proc.returncode}; run once more. stdout: {proc.stdout[-500:]!r} "
-                      f"stderr: {proc.stderr[-1500:]}")
-        proc = run()
+    # A block must exit cleanly, every time: a script that ended on a sample used to die of SIGABRT
+    # now and then as it exited (the SDK's pyqwest transport; the server now hands it httpx).
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=tmp_path)
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\nserver log:\n{docs_server.log_tail()}"
     # The SDK warns at the caller's line when a block uses something it deprecates: the docs show
     # the current SDK's way.

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import tinker
 from tinker import types
 
 from tests.e2e.conftest import KEY_A, KEY_B
@@ -59,6 +60,7 @@ def test_flags_are_advertised_and_the_sdk_samples_through_the_poller(sc, base_mo
     client = sc.create_sampling_client(base_model=base_model).result(timeout=RESULT_TIMEOUT_S)
     assert client.holder.get_client_config().sample_use_retrieve_futures is True
     assert client.holder._client_dynamic_config.sample_cancel_enabled is True
+    assert client.holder.get_client_config().use_pyqwest_transport is False  # --client-http-transport httpx
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=1)
     futures = [client.sample(PROMPT, num_samples=2, sampling_params=types.SamplingParams(
         max_tokens=6, temperature=1.0, seed=i)) for i in range(48)]
@@ -237,3 +239,18 @@ def test_cancel_bad_and_hostile_input(restricted_server, base_model):
                                                  "lora_config": {"rank": 4}})
         r = a.post("/api/v1/cancel_future", json={"request_id": r.json()["request_id"]})
         assert r.status_code == 400 and "only sampling requests" in detail(r)
+
+
+def test_the_server_can_hand_the_sdk_pyqwest(make_server, base_model):
+    """``--client-http-transport pyqwest``: the SDK sends its requests through pyqwest's transport
+    (less client CPU a request; the default, httpx, never aborts a script at exit)."""
+    srv = make_server(extra_args=["--client-http-transport", "pyqwest"])
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-e2e-local")
+    try:
+        client = sc.create_sampling_client(base_model=base_model).result(timeout=RESULT_TIMEOUT_S)
+        assert client.holder.get_client_config().use_pyqwest_transport is True
+        res = client.sample(PROMPT, num_samples=2, sampling_params=types.SamplingParams(max_tokens=4)
+                            ).result(timeout=RESULT_TIMEOUT_S)
+        assert [len(s.tokens) for s in res.sequences] == [4, 4]
+    finally:
+        sc.close("success")

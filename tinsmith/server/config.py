@@ -47,6 +47,7 @@ Dtype = Annotated[Literal["auto", "bfloat16", "float16", "float32"],
 KvLayout = Annotated[Literal["auto", "paged", "rows"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 LogFormat = Annotated[Literal["text", "json"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+ClientTransport = Annotated[Literal["httpx", "pyqwest"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 RayStrategy = Annotated[Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
                         BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
 
@@ -114,6 +115,8 @@ class ServerConfig(BaseSettings):
     custom_loss_max_elements: AtLeastOne = 1 << 24  # per tensor a custom loss makes
     custom_loss_timeout_s: AboveZero = 10.0  # all runs of the loss for one request
     custom_loss_max_per_session: AtLeastOne = 64
+    # The HTTP transport the SDK is told to use (client/config): see docs/compatibility.md.
+    client_http_transport: ClientTransport = "httpx"
     public_url: str | None = None  # base URL clients reach this server at (download links)
     usage_flush_s: AboveZero = 10.0  # how often per-key token counts are written to the database
     log_level: LogLevel = "info"
@@ -266,6 +269,8 @@ _HELP = {
     "custom_loss_max_elements": "most elements of any one tensor a custom loss makes (checked before it is allocated)",
     "custom_loss_timeout_s": "wall-clock limit for all runs of a custom loss for one request together",
     "custom_loss_max_per_session": "custom losses one session may create",
+    "client_http_transport": "the SDK's HTTP transport, set through client/config: httpx, or pyqwest (less client "
+                             "CPU a request, but a script may abort at exit on Python 3.11-3.13)",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
     "usage_flush_s": "how often per-key token counts (billing usage) are written to the database; a crash "
                      "loses at most this many seconds of counts",

@@ -12,7 +12,8 @@ from tinsmith.api.request import ApiRoute
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 # Feature flags the SDK reads from client/config.
-# custom_loss_server_side is set per server (--custom-loss-client-side turns it off).
+# custom_loss_server_side is set per server (--custom-loss-client-side turns it off), and so is
+# use_pyqwest_transport (--client-http-transport).
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     # One batched long-poll per sampling client (/retrieve_futures) instead of one per sample.
@@ -28,6 +29,7 @@ async def client_config(request: Request, _=Depends(caller_of)) -> dict:
     # The SDK splits forward_backward calls by these, so it never sends what the limits refuse.
     state = state_of(request)
     return {**CLIENT_CONFIG, "custom_loss_server_side": not state.config.custom_loss_client_side,
+            "use_pyqwest_transport": state.config.client_http_transport == "pyqwest",
             **limits_of(state).sdk_chunking()}
 
 
