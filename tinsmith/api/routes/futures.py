@@ -14,6 +14,7 @@ from tinsmith.api.common import caller_of, state_of
 from tinsmith.api.request import ApiRoute
 from tinsmith.api.schemas import CancelFutureRequest, RetrieveFutureRequest, RetrieveFuturesRequest
 from tinsmith.errors import ExpiredError, InvalidInputError, NotFoundError
+from tinsmith.store import Store
 
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
@@ -65,18 +66,19 @@ async def retrieve_futures(body: RetrieveFuturesRequest, request: Request, calle
     """
     state = state_of(request)
     sid, clone = body.target.sampling_session_id, body.target.cloned_sampler_id
-    s = await run_in_threadpool(state.store.get_sampling_session, sid)
+    s = state.store.cached_sampling_session(sid) or await run_in_threadpool(state.store.get_sampling_session, sid)
     if s is None or s.owner != caller.owner:
         raise NotFoundError(f"target.sampling_session_id {sid!r} not found")
-    if body.retrieved_request_ids:
-        await run_in_threadpool(state.store.purge_retrieved, caller.owner, sid, body.retrieved_request_ids)
     wait_s = state.config.long_poll_seconds if body.timeout is None else min(body.timeout, state.config.long_poll_seconds)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
+    acks = list(body.retrieved_request_ids or [])  # dropped on the first read: the SDK sends one such poll per sample
     while True:
         finished = state.engine.listen(sid)  # before reading, so a completion in between still wakes us
         try:
-            found, cursor = await run_in_threadpool(state.store.sampling_completions, sid, clone, body.prev_cursor)
+            found, cursor = await run_in_threadpool(_ack_and_read, state.store, caller.owner, sid, clone,
+                                                    body.prev_cursor, acks)
+            acks = []
             left = deadline - loop.time()
             if found or left <= 0:
                 break
@@ -92,6 +94,14 @@ async def retrieve_futures(body: RetrieveFuturesRequest, request: Request, calle
         for c in found
     ]
     return {"completions": completions, "cursor": cursor}
+
+
+def _ack_and_read(store: Store, owner: str, sid: str, clone: int, cursor: int, acks: list[str]):
+    """One trip to a worker thread for a poll: drop the payloads of the results the client has
+    fetched (``acks``), then read what finished after ``cursor``."""
+    if acks:
+        store.purge_retrieved(owner, sid, acks)
+    return store.sampling_completions(sid, clone, cursor)
 
 
 @router.post("/cancel_future")
