@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tinker
 from tinker import types
 
 pytestmark = pytest.mark.e2e
@@ -16,7 +17,7 @@ def test_copy_weights_survives_deleting_the_source(server, base_model, sc):
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     state = tc.save_state("to-copy").result().path
     expected = np.asarray(tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data)
-    rc = sc.create_rest_client()
+    rc = tinker.RestClient(base_url=server.base_url, api_key="tml-e2e-local")  # the key of ``sc``
     copy = rc.copy_weights(state, "team-b").result()
     assert copy.startswith("tinker://copy-") and copy.endswith("/weights/to-copy")
     run = rc.get_training_run_by_tinker_path(copy).result()
