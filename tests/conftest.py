@@ -115,6 +115,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
     costs more than it saves."""
     chosen = os.environ.get("TINSMITH_TEST_WORKERS")
     if chosen:
+        if not chosen.isdigit():
+            raise pytest.UsageError(f"TINSMITH_TEST_WORKERS must be a count of workers (0: one process), got {chosen!r}")
         return int(chosen)
     if _SERIAL_MARKS.search(config.getoption("markexpr") or ""):
         return 0

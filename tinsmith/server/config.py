@@ -40,14 +40,14 @@ NotNegative = Annotated[float, annotated_types.Ge(0)]  # durations where 0 means
 AboveZero = Annotated[float, annotated_types.Gt(0)]
 Port = Annotated[int, annotated_types.Ge(1), annotated_types.Le(65535)]
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
-LogLevel = Annotated[Literal["debug", "info", "warning", "error"],
-                     BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
-Dtype = Annotated[Literal["auto", "bfloat16", "float16", "float32"],
-                  BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
-KvLayout = Annotated[Literal["auto", "paged", "rows"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
-Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
-LogFormat = Annotated[Literal["text", "json"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
-ClientTransport = Annotated[Literal["httpx", "pyqwest"], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+# Choices are matched without regard to case: ``--log-level INFO`` is ``info``.
+_LOWERED = BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)
+LogLevel = Annotated[Literal["debug", "info", "warning", "error"], _LOWERED]
+Dtype = Annotated[Literal["auto", "bfloat16", "float16", "float32"], _LOWERED]
+KvLayout = Annotated[Literal["auto", "paged", "rows"], _LOWERED]
+Switch = Annotated[Literal["auto", "on", "off"], _LOWERED]
+LogFormat = Annotated[Literal["text", "json"], _LOWERED]
+ClientTransport = Annotated[Literal["httpx", "pyqwest"], _LOWERED]
 RayStrategy = Annotated[Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
                         BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
 
