@@ -215,12 +215,16 @@ def markdown(s: dict) -> str:
         L.append("")
         tc = sa.get("token_choice", {})
         L += _heading("### One decode step's token choice, 151,936-entry vocabulary, bf16 logits (us; logits "
-                      "read twice as a share of copy bandwidth)",
-                      "| rows | torch | one kernel | kernel vs torch | notes |")
+                      "read once as a share of copy bandwidth)",
+                      "| rows | torch | one program a row | by segments | segments vs torch | segments vs one "
+                      "program a row | same tokens | notes |")
         for rk in [k for k in tc if k.startswith("rows_")]:
             L.append(f"| {rk[5:]} | {_get(tc, rk, 'torch', 'us')} ({_get(tc, rk, 'torch', 'of_copy_bw', pct=True)}) | "
+                     f"{_get(tc, rk, 'one_program_a_row', 'us')} "
+                     f"({_get(tc, rk, 'one_program_a_row', 'of_copy_bw', pct=True)}) | "
                      f"{_get(tc, rk, 'kernel', 'us')} ({_get(tc, rk, 'kernel', 'of_copy_bw', pct=True)}) | "
-                     f"{_get(tc, rk, 'kernel_vs_torch')} | {_status(tc)} |")
+                     f"{_get(tc, rk, 'kernel_vs_torch')} | {_get(tc, rk, 'kernel_vs_one_program_a_row')} | "
+                     f"{tc[rk].get('same_tokens', '-')} | {_status(tc)} |")
         L.append("")
         L += _lora_gather(sa.get("lora_gather", {}))
         L += _heading("### Decode stall while a long prompt is prefilled (ms)",

@@ -557,16 +557,20 @@ def delta_rule_step(device, peak: dict, quick: bool) -> dict:
 
 def token_choice(device, peak: dict, quick: bool) -> dict:
     """One decode step's token choice over Qwen3's vocabulary (151,936 entries, bf16 logits,
-    temperature 1, no truncation, as a graph-captured step chooses): torch's operations against the
-    one-kernel draw. ``of_copy_bw``: the logits read twice (the kernel's reads) over the time, as a
-    share of the measured copy bandwidth; torch reads them many more times."""
+    temperature 1, no truncation, as a graph-captured step chooses): torch's operations, the
+    kernels with one program a row over the whole vocabulary (``one_program_a_row``: the scheme
+    before segments) and the kernels by segments (``kernel``, the default), in one process.
+    ``of_copy_bw``: the logits read once over the time, as a share of the measured copy bandwidth
+    (the segments' read; one program a row reads them twice, torch many more times). Each case
+    also says whether the two kernel schemes chose the same tokens (``same_tokens``)."""
     from bench.gpu.peak import timed
     from tinsmith.kernels import token_draw
     from tinsmith.sampling.logits import choose_tokens_masked, uniforms
 
     vocab = 1000 if quick else 151_936
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out: dict = {"vocab": vocab, "kernel_usable": token_draw.usable(torch.zeros(1, 8, device=device))}
+    out: dict = {"vocab": vocab, "kernel_usable": token_draw.usable(torch.zeros(1, 8, device=device)),
+                 "segments": None if token_draw.triton is None else token_draw.segments(vocab, token_draw.BLOCK)}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for rows in ((4,) if quick else (64, 256)):
         logits = (torch.randn(rows, vocab, generator=gen) * 4).to(device, dtype)
@@ -575,18 +579,25 @@ def token_choice(device, peak: dict, quick: bool) -> dict:
         keys = torch.arange(rows, device=device)
         u = uniforms(keys, keys, keys)
         row: dict = {}
-        ways = ["torch"] + (["kernel"] if out["kernel_usable"] else [])
-        for way in ways:
-            token_draw.BACKEND = "torch" if way == "torch" else "auto"
+        tokens: dict = {}
+        ways = {"torch": ("torch", token_draw.MAX_SEGMENTS)}
+        if out["kernel_usable"]:
+            ways |= {"one_program_a_row": ("auto", 1), "kernel": ("auto", token_draw.MAX_SEGMENTS)}
+        for way, (backend, segments) in ways.items():
+            default = token_draw.MAX_SEGMENTS
+            token_draw.BACKEND, token_draw.MAX_SEGMENTS = backend, segments
             try:
-                s = timed(lambda: choose_tokens_masked(logits, t, k, p, u, None, False), device,
-                          repeats=3 if quick else 50)
+                choose = lambda: choose_tokens_masked(logits, t, k, p, u, None, False)  # noqa: E731
+                tokens[way] = choose()[0].tolist()
+                s = timed(choose, device, repeats=3 if quick else 50)
             finally:
-                token_draw.BACKEND = "auto"
-            row[way] = {"us": s * 1e6, "of_copy_bw": 2 * logits.numel() * logits.element_size() / s
+                token_draw.BACKEND, token_draw.MAX_SEGMENTS = "auto", default
+            row[way] = {"us": s * 1e6, "of_copy_bw": logits.numel() * logits.element_size() / s
                         / peak["copy_bytes_per_s"]}
         if "kernel" in row:
             row["kernel_vs_torch"] = row["torch"]["us"] / row["kernel"]["us"]
+            row["kernel_vs_one_program_a_row"] = row["one_program_a_row"]["us"] / row["kernel"]["us"]
+            row["same_tokens"] = tokens["kernel"] == tokens["one_program_a_row"]
         out[f"rows_{rows}"] = row
     return out
 

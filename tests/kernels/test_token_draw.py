@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.support import assert_builds_for_hopper, kernel_device
+from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import token_draw
 from tinsmith.sampling import logits as token_choice
 from tinsmith.sampling.logits import RowKinds, choose_tokens_masked, uniforms
@@ -123,22 +123,70 @@ def test_a_sampler_through_the_kernel_samples_what_torch_samples(family, model_d
         np.testing.assert_allclose(got.logprobs, want.sequences[0].logprobs, rtol=1e-5, atol=1e-5)
 
 
-_COMPILE = '''
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+@pytest.mark.parametrize("max_segments", [1, 2, 3, 64])
+def test_any_cut_into_segments_picks_the_same_tokens(max_segments, monkeypatch):
+    """One program a row over the whole vocabulary, or segments of one or several blocks (the last
+    one short): the same tokens, logprobs equal to rounding."""
+    device = kernel_device()
+    monkeypatch.setattr(token_draw, "BLOCK", 256)
+    vocab, rows = 1800, 10  # 8 blocks, the last one partly past the vocabulary
+    monkeypatch.setattr(token_draw, "MAX_SEGMENTS", max_segments)
+    assert token_draw.segments(vocab, 256) == {1: (1, 8), 2: (2, 4), 3: (3, 3), 64: (8, 1)}[max_segments]
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(device)
+    logits[1, 1799] = 50.0  # a greedy row's largest logit in the last, short block
+    temperature = torch.tensor([0.8, 0.0, 1.0, 1.5, 0.3, 1.0, 0.0, 2.0, 1.0, 0.7], device=device)
+    u = torch.rand(rows, dtype=torch.float64, generator=g).to(device)
+    u[2], u[5] = 0.5 / 2**53, 1.0 - 0.5 / 2**53  # the extremes of `uniforms`: the first entry, the far end
+    tok, lp = token_draw.draw(logits, temperature, u)
+    want_tok, want_lp = torch_choice(logits, temperature, u)
+    assert tok.tolist() == want_tok.tolist()
+    assert tok[1].item() == 1799
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+
+
+def test_segments_count_whole_blocks_none_empty():
+    assert token_draw.segments(151_936, 4096) == (38, 1)
+    for vocab in (1, 255, 256, 257, 5000, 151_936):
+        for block in (256, 1024, 4096):
+            count, per = token_draw.segments(vocab, block)
+            assert (count - 1) * per * block < vocab <= count * per * block  # the last segment holds entries
+
+
+def test_segments_of_minus_infinity_take_no_weight(monkeypatch):
+    """Whole segments of -inf logits (tokens a model rules out), the first one among them: no NaN,
+    the draw among the finite entries, logprobs normalised over them."""
+    device = kernel_device()
+    monkeypatch.setattr(token_draw, "BLOCK", 256)
+    vocab, rows = 1024, 4
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(rows, vocab, generator=g)
+    logits[:, :512] = float("-inf")  # the first two segments
+    logits[:, 700:800] = float("-inf")
+    logits = logits.to(device)
+    temperature = torch.tensor([1.0, 0.0, 0.6, 1.0], device=device)
+    u = torch.tensor([0.3, 0.5, 0.999, 0.5 / 2**53], dtype=torch.float64, device=device)
+    tok, lp = token_draw.draw(logits, temperature, u)
+    want_tok, want_lp = torch_choice(logits, temperature, u)
+    assert tok.tolist() == want_tok.tolist()
+    assert all(t >= 512 and not 700 <= t < 800 for t in tok.tolist())
+    assert torch.isfinite(lp).all()
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+
+
+
+_COMPILE = BUILD_PRELUDE + """
 from tinsmith.kernels import token_draw
 
-fn = token_draw._draw_kernel
 for dt in sys.argv[1:]:
-    sig = {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "u_ptr": "*fp64", "tok_ptr": "*i64", "lp_ptr": "*fp32",
-           "vocab": "i32", "stride_row": "i64", "BLOCK": "constexpr", "SAMPLE": "constexpr"}
-    for block, sample in ((4096, True), (4096, False), (1024, True)):
-        src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": block, "SAMPLE": sample})
-        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-'''
+    sig = {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "u_ptr": "*fp64", "stats_ptr": "*fp32", "best_ptr": "*i64",
+           "tok_ptr": "*i64", "lp_ptr": "*fp32", "vocab": "i32", "stride_row": "i64", "stride_stat": "i64"}
+    for block, sample, count, per in ((4096, True, 38, 1), (4096, False, 38, 1), (1024, True, 5, 3), (4096, True, 1, 38)):
+        const = {"BLOCK": block, "SAMPLE": sample, "COUNT": count, "PER": per}
+        build(token_draw._segments_kernel, sig, const)
+        build(token_draw._pick_kernel, sig, {**const, "COUNT_P2": triton.next_power_of_2(count)})
+"""
 
 
-def test_kernel_compiles_for_hopper(tmp_path):
+def test_kernels_compile_for_hopper(tmp_path):
     assert_builds_for_hopper(_COMPILE, tmp_path, "bf16", "fp32")

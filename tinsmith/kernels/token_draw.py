@@ -1,19 +1,28 @@
-"""The decode step's token choice as one kernel: each row's draw and its logprob in two reads of its logits.
+"""The decode step's token choice in two kernels: each row's draw and its logprob, its logits read about once.
 
 In torch, choosing a token for every row of a decode step over a 151,936-entry vocabulary is
 about 35 kernels and more than ten full passes over the rows' logits, several of them in fp32 or
 fp64 (a copy to fp32, the log-softmax, the argmax, the tempered softmax's max, shift, scale and
 exponent, a float64 copy, block sums and the scans of the inverse CDF, the gathers). At decode
 sizes those passes and launches are a measurable part of a step that should be bound by reading
-the weights. Here one program per row reads its logits twice, in the dtype they come in:
+the weights. Here the logits are read in the dtype they come in, in two launches:
 
-- first, an online log-sum-exp at temperature 1 (the returned logprobs are the model's own), the
-  same at the row's temperature (the draw's normaliser), and the first largest logit (greedy
-  rows, and temperature 0);
-- then, only where a row samples, the tempered weights again, block by block, with a float64
-  running total: the token is the first whose cumulative weight reaches ``u`` times the total,
-  as :func:`tinsmith.sampling.logits._inverse_cdf` finds it (up to the rounding of sums taken in
-  another order; the last entry with weight where rounding leaves the draw past the end).
+- **segments**: each row's vocabulary is cut into segments of whole blocks, one program per row
+  and segment (a 64-row step over Qwen3's vocabulary: 2,432 programs). Each computes its
+  segment's largest logit and where it first is, the sum of ``exp(l - max)`` at temperature 1
+  (the returned logprobs are the model's own) and at the row's temperature (the draw's weights);
+- **pick**: one program per row combines its segments' figures in vocabulary order (the first
+  largest logit: greedy rows and temperature 0; the normalisers), finds the segment where the
+  cumulative tempered weight, in float64, reaches ``u`` times the total, and reads that segment
+  alone again for the token: the first whose cumulative weight reaches it, as
+  :func:`tinsmith.sampling.logits._inverse_cdf` finds it (up to the rounding of sums taken in
+  another order; the segment's last entry with weight where rounding leaves the draw past it).
+
+One program per row walking the whole vocabulary twice (the scheme before, ``MAX_SEGMENTS`` 1)
+took 154 us at 64 rows on an H200 where reading the logits twice takes 9: a row's blocks were a
+chain of dependent reductions on one SM while most of the GPU idled. The sums are taken in a
+fixed order whatever the scheduling (no atomics), so a graph-replayed step equals the eager one
+and seeded draws repeat.
 
 Rows that truncate (top-k / top-p) and steps that return top-k logprobs keep the torch path
 (:mod:`tinsmith.sampling.logits`), which is also the CPU's and the reference in tests.
@@ -29,18 +38,29 @@ from tinsmith.kernels.lora_gather import triton  # None without Triton (optional
 if triton is not None:
     import triton.language as tl
 
-# "auto": the kernel for CUDA logits, torch for the rest; "torch"; "triton": the kernel for any
+# "auto": the kernels for CUDA logits, torch for the rest; "torch"; "triton": the kernels for any
 # logits (CPU ones need TRITON_INTERPRET=1: tests).
 BACKEND = "auto"
 GUARD = KernelGuard("token-choice kernel", "choosing tokens in torch")
 BLOCK = 4096  # vocabulary entries a program reads at once
+# At most this many segments a row (each of whole blocks): Qwen3's vocabulary is 38 blocks, one
+# segment each. 1 is one program a row over the whole vocabulary (benchmarks compare the two).
+MAX_SEGMENTS = 64
 
 
 def usable(logits: torch.Tensor) -> bool:
-    """Whether :func:`draw` takes the kernel for ``logits`` (rows, vocabulary)."""
+    """Whether :func:`draw` takes the kernels for ``logits`` (rows, vocabulary)."""
     if triton is None or not GUARD.allows(BACKEND, logits):
         return False
     return logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[0] > 0 and logits.dtype.is_floating_point
+
+
+def segments(vocab: int, block: int) -> tuple[int, int]:
+    """(segments a row, blocks a segment) for a vocabulary read ``block`` entries at a time: as
+    many segments as :data:`MAX_SEGMENTS` allows, none empty. Shapes only (graph capture)."""
+    blocks = triton.cdiv(vocab, block)
+    per = triton.cdiv(blocks, max(1, MAX_SEGMENTS))
+    return triton.cdiv(blocks, per), per
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
@@ -48,8 +68,8 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
     """(tokens, their model logprobs) for rows of ``logits``: row ``i`` greedy where
     ``temperature[i]`` <= 0, else drawn from ``softmax(logits[i] / temperature[i])`` with the
     uniform ``u[i]`` (float64) by inverse CDF in vocabulary order; logprobs at temperature 1, in
-    fp32. ``all_greedy``: every row is greedy (no second read). None when the kernel failed here
-    (the caller takes the torch path)."""
+    fp32. ``all_greedy``: every row is greedy (no tempered sums, no second read). None when the
+    kernels failed here (the caller takes the torch path)."""
     rows = logits.shape[0]
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -60,58 +80,108 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
 def _launch(logits, temperature, u, tokens, logprobs, all_greedy: bool):
     rows, vocab = logits.shape
     block = min(BLOCK, triton.next_power_of_2(vocab))
-    _draw_kernel[(rows,)](logits, temperature, u, tokens, logprobs, vocab, logits.stride(0),
-                          BLOCK=block, SAMPLE=not all_greedy, num_warps=8 if block >= 2048 else 4)
+    count, per = segments(vocab, block)
+    # Each segment's largest logit, the sums of exp(l - largest) at temperature 1 and at the
+    # row's, and where its largest logit first is.
+    stats = torch.empty(3, rows, count, dtype=torch.float32, device=logits.device)
+    best = torch.empty(rows, count, dtype=torch.int64, device=logits.device)
+    warps = 8 if block >= 2048 else 4
+    _segments_kernel[(rows, count)](logits, temperature, stats, best, vocab, logits.stride(0), stats.stride(0),
+                                    COUNT=count, PER=per, BLOCK=block, SAMPLE=not all_greedy, num_warps=warps)
+    _pick_kernel[(rows,)](logits, temperature, u, stats, best, tokens, logprobs, vocab, logits.stride(0),
+                          stats.stride(0), COUNT=count, COUNT_P2=triton.next_power_of_2(count), PER=per,
+                          BLOCK=block, SAMPLE=not all_greedy, num_warps=warps)
     return tokens
 
 
 if triton is not None:
 
     @triton.jit
-    def _draw_kernel(logits_ptr, temp_ptr, u_ptr, tok_ptr, lp_ptr, vocab, stride_row,
-                     BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
-        """One row: the online maxima and sums (read one), then the inverse-CDF draw (read two)."""
+    def _segments_kernel(logits_ptr, temp_ptr, stats_ptr, best_ptr, vocab, stride_row, stride_stat,
+                         COUNT: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+        """One row and segment: the online maximum, its first place and the two sums. Sums are
+        taken relative to a finite shift (the maximum so far, 0 while that is -inf), so a segment
+        or a start of one of -inf only keeps sums of 0 and a maximum of -inf, never NaN."""
         row = tl.program_id(0).to(tl.int64)
+        seg = tl.program_id(1)
         base = logits_ptr + row * stride_row
         t = tl.load(temp_ptr + row).to(tl.float32)
         scale = tl.where(t > 0, t, 1.0)  # greedy rows' tempered sums are unused
         cols = tl.arange(0, BLOCK)
         m = tl.full([], float("-inf"), tl.float32)
         total = tl.zeros([], tl.float32)  # sum of exp(l - m)
-        tempered = tl.zeros([], tl.float32)  # sum of exp((l - m) / t)
+        tempered = tl.zeros([], tl.float32)  # sum of exp((l - m) / scale)
         best = tl.zeros([], tl.int64)
-        for start in range(0, vocab, BLOCK):
+        first = seg * (PER * BLOCK)
+        for b in range(PER):
+            start = first + b * BLOCK
             at = start + cols
             lg = tl.load(base + at, mask=at < vocab, other=float("-inf")).to(tl.float32)
             top = tl.max(lg, axis=0)
             where = tl.argmax(lg, axis=0, tie_break_left=True)
             best = tl.where(top > m, start + where.to(tl.int64), best)  # strictly: the first largest stays
             new_m = tl.maximum(m, top)
-            total = total * tl.exp(m - new_m) + tl.sum(tl.exp(lg - new_m), axis=0)
-            tempered = tempered * tl.exp((m - new_m) / scale) + tl.sum(tl.exp((lg - new_m) / scale), axis=0)
+            shift = tl.where(new_m > float("-inf"), new_m, 0.0)
+            total = total * tl.exp(m - shift) + tl.sum(tl.exp(lg - shift), axis=0)
+            if SAMPLE:
+                tempered = tempered * tl.exp((m - shift) / scale) + tl.sum(tl.exp((lg - shift) / scale), axis=0)
             m = new_m
-        token = best
+        out = stats_ptr + row * COUNT + seg
+        tl.store(out, m)
+        tl.store(out + stride_stat, total)
+        tl.store(out + 2 * stride_stat, tempered)
+        tl.store(best_ptr + row * COUNT + seg, best)
+
+    @triton.jit
+    def _pick_kernel(logits_ptr, temp_ptr, u_ptr, stats_ptr, best_ptr, tok_ptr, lp_ptr, vocab, stride_row,
+                     stride_stat, COUNT: tl.constexpr, COUNT_P2: tl.constexpr, PER: tl.constexpr,
+                     BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+        """One row: its segments combined in vocabulary order, then the inverse-CDF draw within the
+        segment where the cumulative weight reaches the target (that segment read again)."""
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride_row
+        segs = tl.arange(0, COUNT_P2)
+        live = segs < COUNT
+        at_seg = stats_ptr + row * COUNT + segs
+        ms = tl.load(at_seg, mask=live, other=float("-inf"))
+        m = tl.max(ms, axis=0)
+        shift = tl.where(m > float("-inf"), m, 0.0)
+        some = ms > float("-inf")  # segments with a finite logit (the others' sums are 0)
+        totals = tl.load(at_seg + stride_stat, mask=live, other=0.0)
+        total = tl.sum(tl.where(some, totals * tl.exp(ms - shift), 0.0), axis=0)
+        first_top = tl.min(tl.where(live & (ms == m), segs, COUNT_P2), axis=0)
+        token = tl.load(best_ptr + row * COUNT + tl.minimum(first_top, COUNT - 1))
         if SAMPLE:
-            target = tl.load(u_ptr + row).to(tl.float64) * tempered.to(tl.float64)
-            before = tl.zeros([], tl.float64)
+            t = tl.load(temp_ptr + row).to(tl.float32)
+            scale = tl.where(t > 0, t, 1.0)
+            tempered = tl.load(at_seg + 2 * stride_stat, mask=live, other=0.0)
+            weights = tl.where(some, tempered * tl.exp((ms - shift) / scale), 0.0).to(tl.float64)
+            target = tl.load(u_ptr + row).to(tl.float64) * tl.sum(weights, axis=0)
+            reach = tl.cumsum(weights, axis=0)
+            seg = tl.min(tl.where(live & (reach >= target), segs, COUNT_P2), axis=0)
+            last_seg = tl.max(tl.where(live & (weights > 0), segs, 0), axis=0)
+            seg = tl.where(seg < COUNT_P2, seg, last_seg)  # rounding left the target past the end
+            before = tl.sum(tl.where(segs < seg, weights, 0.0), axis=0)
+            cols = tl.arange(0, BLOCK)
             found = tl.full([], -1, tl.int64)
-            last = tl.zeros([], tl.int64)  # the last entry with weight: where rounding leaves the draw past the end
-            for start in range(0, vocab, BLOCK):
-                at = start + cols
-                live = at < vocab
-                lg = tl.load(base + at, mask=live, other=float("-inf")).to(tl.float32)
-                w = tl.exp((lg - m) / scale)
-                reach = before + tl.cumsum(w, axis=0).to(tl.float64)
-                hit = live & (reach >= target) & (found < 0)
-                first = tl.min(tl.where(hit, at, vocab), axis=0).to(tl.int64)
-                found = tl.where(first < vocab, first, found)
-                last = tl.maximum(last, tl.max(tl.where(live & (w > 0), at, -1), axis=0).to(tl.int64))
+            last = tl.full([], -1, tl.int64)  # the segment's last entry with weight
+            first = seg.to(tl.int64) * (PER * BLOCK)
+            for b in range(PER):
+                at = first + b * BLOCK + cols
+                valid = at < vocab
+                lg = tl.load(base + at, mask=valid, other=float("-inf")).to(tl.float32)
+                w = tl.exp((lg - shift) / scale)
+                reach_in = before + tl.cumsum(w, axis=0).to(tl.float64)
+                hit = valid & (reach_in >= target) & (found < 0)
+                hit_at = tl.min(tl.where(hit, at, vocab), axis=0).to(tl.int64)
+                found = tl.where(hit_at < vocab, hit_at, found)
+                last = tl.maximum(last, tl.max(tl.where(valid & (w > 0), at, -1), axis=0).to(tl.int64))
                 before += tl.sum(w, axis=0).to(tl.float64)
-            drawn = tl.where(found >= 0, found, last)
-            token = tl.where(t > 0, drawn, best)
+            drawn = tl.where(found >= 0, found, tl.where(last >= 0, last, token))
+            token = tl.where(t > 0, drawn, token)
         chosen = tl.load(base + token).to(tl.float32)
         tl.store(tok_ptr + row, token)
         tl.store(lp_ptr + row, chosen - m - tl.log(total))
 
 
-__all__ = ["BACKEND", "draw", "usable"]
+__all__ = ["BACKEND", "MAX_SEGMENTS", "draw", "segments", "usable"]
