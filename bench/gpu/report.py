@@ -257,7 +257,7 @@ def _lora_gather(lg: dict) -> list[str]:
         return []
     L = _heading(f"### Multi-adapter LoRA kernels, one 1.7B decode layer, rank {lg.get('rank', '-')} (us per "
                  "call, CUDA-graph replay; old = before split-K, pair = shrink + expand)",
-                 "| rows | adapters | projection | split | shrink old | shrink new | expand | "
+                 "| rows | adapters | projection | split | shrink old | shrink new (torch's sum) | expand | "
                  "pair new / old | torch pair | new vs old (max rel diff) | repeatable | by tiles: pair us, "
                  "vs new (max rel diff) | notes |")
     for ck in [k for k in lg if k.startswith("rows_")]:
@@ -265,7 +265,7 @@ def _lora_gather(lg: dict) -> list[str]:
         for proj in [k for k in lg[ck] if k != "layer"]:
             r = lg[ck][proj]
             L.append(f"| {rows} | {adapters} | {proj} | {_get(r, 'split')} | {_get(r, 'shrink_old_us')} | "
-                     f"{_get(r, 'shrink_new_us')} | {_get(r, 'expand_us')} | "
+                     f"{_get(r, 'shrink_new_us')} ({_get(r, 'shrink_torch_sum_us')}) | {_get(r, 'expand_us')} | "
                      f"{_get(r, 'pair_new_vs_old')} | {_get(r, 'torch_pair_us')} | {_get(r, 'max_rel_diff')} | "
                      f"{r.get('bitwise_repeatable', '-')} | {_get(r, 'segmented_pair_us')}, "
                      f"{_get(r, 'segmented_vs_new')} ({_get(r, 'segmented_max_rel_diff')}) | |")

@@ -607,7 +607,8 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
     layer (q/k/v packed: in 2048, out 2048+1024+1024; o: 2048 -> 2048; gate/up packed: 2048 ->
     6144+6144; down: 6144 -> 2048), rank 32, rows given the bank's adapters in turn. The shrink before split-K (``split=1``: one
     program per row and rank block walking the whole input, the grid it had) against the split-K
-    shrink (its partials summed by torch), in the same process, beside the expand.
+    shrink (its partials added by its last program; ``shrink_torch_sum_us``: by torch in a second
+    launch, the way before), in the same process, beside the expand.
 
     Microseconds per call: on a GPU the mean over 20 calls replayed from one CUDA graph (median of
     5 replays; launched one by one, a call this short times the host's launch, not the GPU), with
@@ -692,6 +693,12 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
                         row["shrink_old_us"] = clock(lambda: lg.shrink_triton(x, A, idx, 1))
                         row["shrink_new_us"] = clock(lambda: lg.shrink_triton(x, A, idx))
                         row["shrink_new_vs_old"] = row["shrink_new_us"] / row["shrink_old_us"]
+                        lg.SUM_IN_KERNEL = False  # the partials added by torch, a second launch (the way before)
+                        try:
+                            row["shrink_torch_sum_us"] = clock(lambda: lg.shrink_triton(x, A, idx))
+                        finally:
+                            lg.SUM_IN_KERNEL = True
+                        row["kernel_sum_vs_torch_sum"] = row["shrink_new_us"] / row["shrink_torch_sum_us"]
                         row["expand_us"] = clock(lambda: lg.expand_triton(y, h, B, idx, offsets))
                         row["pair_old_us"] = row["shrink_old_us"] + row["expand_us"]
                         row["pair_new_us"] = row["shrink_new_us"] + row["expand_us"]

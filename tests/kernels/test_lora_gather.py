@@ -237,6 +237,33 @@ def test_split_shrink_then_expand_parts_equal_each_part_alone(dtype, split, outs
     assert torch.equal(y[idx < 0], base[idx < 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [2, 3, 7])
+def test_the_last_program_adds_the_partials_in_split_order(dtype, split, monkeypatch):
+    """The summed shrink (one launch) equals the partials added in split order, bit for bit, and
+    the same again on a second call: the tickets are back at zero after every call. More rows
+    than there are tickets: torch adds the partials, the same values."""
+    device = kernel_device()
+    if device == "cpu":
+        monkeypatch.setattr(lg, "CPU_MAX_BLOCK", 32)
+    x, A, _, idx, _, _ = bank_case(dtype, device)
+    p = lg.shrink_partials_triton(x, A, idx, split)
+    assert p.shape[1] == split or device != "cpu"
+    in_order = p[:, 0].clone()
+    for s in range(1, p.shape[1]):
+        in_order += p[:, s]
+    h = lg.shrink_triton(x, A, idx, split)
+    assert torch.equal(h, in_order)
+    assert lg._shrink_launch(x, A, idx, split, summed=True)[1] is not None  # the kernel added them
+    assert not lg._tickets(x.device).any()
+    assert torch.equal(lg.shrink_triton(x, A, idx, split), h)
+    monkeypatch.setattr(lg, "TICKETS", x.shape[0] - 1)  # too few counters: the partials go to torch
+    torch.testing.assert_close(lg.shrink_triton(x, A, idx, split), h, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(lg, "TICKETS", 1 << 14)
+    monkeypatch.setattr(lg, "SUM_IN_KERNEL", False)
+    torch.testing.assert_close(lg.shrink_triton(x, A, idx, split), h, rtol=1e-6, atol=1e-6)
+
+
 def test_split_depends_on_shapes_only(monkeypatch):
     """About SHRINK_PROGRAMS programs, whole K blocks, at most SHRINK_MAX_SPLIT; none once the rows
     fill the GPU; SHRINK_SPLIT overrides."""
@@ -279,11 +306,15 @@ _COMPILE = BUILD_PRELUDE + """
 from tinsmith.kernels import lora_gather as lg
 
 for dt in sys.argv[1:]:
-    strides = {f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak", "on", "os", "or")}
-    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": "*fp32", **strides}
-    # one pass per row (split 1), 8 splits of 2 blocks (64 rows, K = 2048), 2 of 24 (256 rows, K = 6144)
-    for R, K, k_split, br in ((40, 4096, 4096, 64), (32, 2048, 256, 32), (96, 6144, 3072, 64)):
-        build(lg._bgmv_shrink_kernel, shrink, {"R": R, "K": K, "K_SPLIT": k_split, "BLOCK_R": br, "BLOCK_K": 128})
+    strides = {f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak", "on", "os", "or", "hn", "hr")}
+    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": "*fp32", "h_ptr": "*fp32",
+              "ticket_ptr": "*i32", **strides}
+    # one pass per row (split 1), 8 splits of 2 blocks (64 rows, K = 2048), 2 of 24 (256 rows, K = 6144),
+    # the last two with their partials added up by the kernel and by torch
+    for R, K, k_split, br, summed in ((40, 4096, 4096, 64, False), (32, 2048, 256, 32, True),
+                                      (32, 2048, 256, 32, False), (96, 6144, 3072, 64, True)):
+        build(lg._bgmv_shrink_kernel, shrink, {"R": R, "K": K, "K_SPLIT": k_split, "SPLITS": -(-K // k_split),
+                                               "SUM": summed, "BLOCK_R": br, "BLOCK_K": 128})
     strides = {f"stride_{s}": "i32" for s in ("hn", "hr", "bs", "bo", "br", "yn", "yo")}
     expand = {"h_ptr": "*fp32", "b_ptr": f"*{dt}", "idx_ptr": "*i64", "hoff_ptr": "*i32", "y_ptr": f"*{dt}", **strides}
     for O, R, seg in ((151936, 40, False), (4096, 32, True), (12288, 128, True)):

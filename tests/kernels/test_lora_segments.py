@@ -55,6 +55,13 @@ def test_segmented_kernels_equal_the_gathered_torch_path(dtype, shape, monkeypat
         torch.testing.assert_close(h.cpu().double(), h_ref, rtol=1e-4, atol=1e-4)
     assert not h[idx < 0].any()
     assert torch.equal(ls.shrink(x, A, tiles), h)  # the same sums in the same order
+    partials, summed = ls._shrink_launch(x, A, tiles, 3, summed=True)
+    if partials.shape[1] > 1:  # the last program of each tile added its partials, in split order
+        in_order = partials[:, 0].clone()
+        for s in range(1, partials.shape[1]):
+            in_order += partials[:, s]
+        assert summed is not None and torch.equal(summed, in_order)
+        assert not lg._tickets(x.device).any()
     out = B.shape[1]
     base = torch.randn(n, out + 5, generator=g).to(device, dtype)
     y = base.clone()
@@ -92,11 +99,13 @@ from tinsmith.kernels import lora_segments as ls
 
 tables = {name: "*i32" for name in ("order_ptr", "slot_ptr", "first_ptr", "count_ptr")}
 for dt in sys.argv[1:]:
-    strides = {f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak", "on", "os", "or")}
-    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "out_ptr": "*fp32", **tables, **strides}
+    strides = {f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak", "on", "os", "or", "hn", "hr")}
+    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "out_ptr": "*fp32", "h_ptr": "*fp32", "ticket_ptr": "*i32",
+              **tables, **strides}
     widen, precision = dt == "bf16", "tf32" if dt == "bf16" else "ieee"
-    for R, K, k_split, br in ((96, 2048, 256, 64), (32, 6144, 768, 32)):
-        build(ls._sgmv_shrink_kernel, shrink, {"R": R, "K": K, "K_SPLIT": k_split, "WIDEN": widen, "PRECISION": precision,
+    for R, K, k_split, br, summed in ((96, 2048, 256, 64, True), (32, 6144, 768, 32, False)):
+        build(ls._sgmv_shrink_kernel, shrink, {"R": R, "K": K, "K_SPLIT": k_split, "SPLITS": K // k_split,
+                                               "SUM": summed, "WIDEN": widen, "PRECISION": precision,
                                                "BLOCK_M": 16, "BLOCK_R": br, "BLOCK_K": 128})
     strides = {f"stride_{s}": "i32" for s in ("hn", "hr", "bs", "bo", "br", "yn", "yo")}
     expand = {"h_ptr": "*fp32", "b_ptr": f"*{dt}", "hoff_ptr": "*i32", "y_ptr": f"*{dt}", **tables, **strides}

@@ -22,13 +22,18 @@ per-row matrix-vector product does once.
 The shrink reduces the input size (thousands) down to a few dozen outputs: one program per row
 and block of outputs would leave most of a GPU idle (64 rows: 64-128 programs on 132 SMs), each
 walking the whole input serially, latency bound. So the reduction is split (split-K): ``split``
-programs per row and block each reduce a slice of the input into an fp32 partial sum, and torch
-adds the partials up (one small launch). Never with atomics: every sum is taken in the same order
-whatever the scheduling, so a graph-replayed step equals the eager one and seeded runs repeat bit
-for bit. ``split`` depends only on the shapes (rows, rank, input size). Summing the partials in the
-expand instead (no extra launch) was slower on an H200: the expand runs thousands of programs
-(rows x output blocks) and each summed them again; at 256 rows an expand took 3-4x as long. The
-torch functions are the CPU path and the reference the kernels are tested against.
+programs per row and block each reduce a slice of the input into an fp32 partial sum, and the
+last of them to finish adds the partials up, in split order: each program stores its partial and
+then takes a ticket (an atomic count per row and block, which the last one sets back to zero), so
+the sum needs no second launch (a small torch sum of about 2 us on an H200, four a layer, was one
+before). The atomics only count: every sum is taken in the same order whatever the scheduling, so
+a graph-replayed step equals the eager one and seeded runs repeat bit for bit. The counters are
+kept per device (:func:`_tickets`), for calls that run one after another. Where there are more
+rows than counters, torch adds the partials. ``split`` depends only on the shapes
+(rows, rank, input size). Summing the partials in the expand instead was slower on an H200: the
+expand runs thousands of programs (rows x output blocks) and each summed them again; at 256 rows
+an expand took 3-4x as long. The torch functions are the CPU path and the reference the kernels
+are tested against.
 """
 
 from __future__ import annotations
@@ -115,12 +120,15 @@ CPU_MAX_BLOCK = 1024
 if triton is not None:
 
     @triton.jit
-    def _bgmv_shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, R: tl.constexpr, K: tl.constexpr,
-                            K_SPLIT: tl.constexpr, stride_xn, stride_xk, stride_as, stride_ar, stride_ak,
-                            stride_on, stride_os, stride_or, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _bgmv_shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, h_ptr, ticket_ptr, R: tl.constexpr, K: tl.constexpr,
+                            K_SPLIT: tl.constexpr, SPLITS: tl.constexpr, stride_xn, stride_xk, stride_as, stride_ar,
+                            stride_ak, stride_on, stride_os, stride_or, stride_hn, stride_hr, SUM: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         """``out[row, s, o] = sum over k in split s of A[idx[row], o, k] * x[row, k]`` for one row,
         block of ``BLOCK_R`` outputs and split ``s`` (inputs ``[s*K_SPLIT, (s+1)*K_SPLIT)``); zeros
-        for slot -1."""
+        for slot -1. With ``SUM``, the row and block's last program to finish also writes
+        ``h[row, o]``, the partials added in split order (``ticket_ptr``: the row and block's count
+        of finished programs, zero before and after)."""
         row = tl.program_id(0)
         split = tl.program_id(2)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -138,8 +146,18 @@ if triton is not None:
             a = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
             xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)
             acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-        out = out_ptr + row.to(tl.int64) * stride_on + split * stride_os + offs_r * stride_or
-        tl.store(out, acc, mask=r_mask)
+        partials = out_ptr + row.to(tl.int64) * stride_on + offs_r * stride_or
+        tl.store(partials + split * stride_os, acc, mask=r_mask)
+        if SUM:
+            tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+            counter = ticket_ptr + row * tl.num_programs(1) + tl.program_id(1)
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")  # release the partial; acquire the others'
+            last = (offs_r * 0 + ticket) == SPLITS - 1  # per element, as the slot above
+            total = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for s in range(SPLITS):  # split order, whichever program came last
+                total += tl.load(partials + s * stride_os, mask=r_mask & last, other=0.0, cache_modifier=".cg")
+            tl.store(h_ptr + row.to(tl.int64) * stride_hn + offs_r * stride_hr, total, mask=r_mask & last)
+            tl.store(counter + offs_r * 0, offs_r * 0, mask=(offs_r == 0) & last)  # zero for the next launch
 
     @triton.jit
     def _bgmv_expand_kernel(h_ptr, b_ptr, idx_ptr, hoff_ptr, y_ptr, O: tl.constexpr, R: tl.constexpr,
@@ -197,32 +215,78 @@ def shrink_split(rows: int, R: int, K: int, cpu: bool = False) -> int:
     return max(1, min(triton.cdiv(SHRINK_PROGRAMS, per_split), SHRINK_MAX_SPLIT, triton.cdiv(K, block_k)))
 
 
+def _split_of(n: int, K: int, R: int, cpu: bool, split: int | None) -> tuple[int, int, int, int]:
+    """(splits, inputs a split, BLOCK_R, BLOCK_K) of a shrink: ``split`` (None: :func:`shrink_split`)
+    slices of whole K blocks, fewer when the blocks run out, none past the input."""
+    block_r, block_k = _shrink_blocks(R, K, cpu)
+    blocks = triton.cdiv(K, block_k)
+    split = max(1, min(shrink_split(n, R, K, cpu) if split is None else split, blocks))
+    k_split = triton.cdiv(blocks, split) * block_k
+    return triton.cdiv(K, k_split), k_split, block_r, block_k
+
+
+def _shrink_launch(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor, split: int | None,
+                   summed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(partials (rows, splits, r) fp32, their sum (rows, r) when the kernel added them up, else
+    None): ``summed`` asks for the sum in the kernel, which it does where there are counters for
+    the rows and the reduction is split."""
+    n, K = x.shape
+    R = A_bank.shape[1]
+    split, k_split, block_r, block_k = _split_of(n, K, R, x.device.type == "cpu", split)
+    out = torch.empty(n, split, R, dtype=torch.float32, device=x.device)
+    r_blocks = triton.cdiv(R, block_r)
+    tickets = _tickets(x.device) if summed and split > 1 and n * r_blocks <= TICKETS else None
+    h = None if tickets is None else torch.empty(n, R, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out, h
+    target = out[:, 0] if h is None else h
+    _bgmv_shrink_kernel[(n, r_blocks, split)](
+        x, A_bank, idx, out, target, out if tickets is None else tickets, R, K, k_split, split, x.stride(0),
+        x.stride(1), A_bank.stride(0), A_bank.stride(1), A_bank.stride(2), out.stride(0), out.stride(1),
+        out.stride(2), target.stride(0), target.stride(1), SUM=tickets is not None, BLOCK_R=block_r,
+        BLOCK_K=block_k)
+    return out, h
+
+
+# Counters a device keeps for the shrink's tickets, one per row and block of outputs (rows x
+# rank blocks of one call at most; more rows than that take torch's sum of the partials).
+TICKETS = 1 << 14
+_ticket_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """``device``'s zeroed int32 counters. Every call leaves them at zero, so calls that run one
+    after another share them, captured graphs too (their first step runs eagerly before the
+    capture, which makes them outside the graph's memory). Calls on one device must not run at
+    once on two streams: the engine issues a device's work in order (a side stream's warm-up
+    step is joined before anything else runs). Never freed: a captured graph holds their address."""
+    index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+    key = (device.type, index)
+    counters = _ticket_counters.get(key)
+    if counters is None:
+        counters = _ticket_counters[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return counters
+
+
+# Whether the shrink's last program adds its row's partials (one launch); False: torch adds them
+# in a second one (benchmarks compare the two).
+SUM_IN_KERNEL = True
+
+
 def shrink_partials_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor,
                            split: int | None = None) -> torch.Tensor:
     """The shrink's partial sums, (rows, splits, r) fp32: ``[:, s]`` reduces the ``s``-th slice of
     the input (``split`` slices of whole K blocks; fewer when the blocks run out). ``split`` None:
     :func:`shrink_split`; 1: one pass per row, as before split-K."""
-    n, K = x.shape
-    R = A_bank.shape[1]
-    cpu = x.device.type == "cpu"
-    block_r, block_k = _shrink_blocks(R, K, cpu)
-    blocks = triton.cdiv(K, block_k)
-    split = max(1, min(shrink_split(n, R, K, cpu) if split is None else split, blocks))
-    k_split = triton.cdiv(blocks, split) * block_k
-    split = triton.cdiv(K, k_split)  # no slice past the input
-    out = torch.empty(n, split, R, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return out
-    _bgmv_shrink_kernel[(n, triton.cdiv(R, block_r), split)](
-        x, A_bank, idx, out, R, K, k_split, x.stride(0), x.stride(1), A_bank.stride(0), A_bank.stride(1),
-        A_bank.stride(2), out.stride(0), out.stride(1), out.stride(2), BLOCK_R=block_r, BLOCK_K=block_k)
-    return out
+    return _shrink_launch(x, A_bank, idx, split, summed=False)[0]
 
 
 def shrink_triton(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor, split: int | None = None) -> torch.Tensor:
     """:func:`shrink_torch` as the split-K kernel (CUDA; interpreted for CPU tensors), its partials
-    summed by torch: one small launch (about 2 us on an H200), in a fixed order."""
-    partials = shrink_partials_triton(x, A_bank, idx, split)
+    added up by the last program of each row (:data:`SUM_IN_KERNEL`) or by torch, in a fixed order."""
+    partials, h = _shrink_launch(x, A_bank, idx, split, summed=SUM_IN_KERNEL)
+    if h is not None:
+        return h
     return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
 
 

@@ -12,7 +12,8 @@ is the SGMV scheme of Punica and S-LoRA.
 
 - ``shrink(x, A_bank, tiles) -> h``: ``h[i] = A_bank[idx[i]] @ x[i]``, (rows, r) fp32, zeros for
   rows of no adapter (their tiles have slot -1), split over the input as the gathered shrink is
-  (fp32 partials summed by torch in a fixed order: no atomics, so replays repeat bit for bit);
+  (fp32 partials added up in split order by the last program of a tile, which the gathered
+  shrink's tickets tell: replays repeat bit for bit);
 - ``expand(y, h, B_bank, tiles, h_offsets=None)``: ``y[i] += B_bank[idx[i]] @ h[i]`` in place,
   rows of no adapter untouched; with ``h_offsets``, packed projections (q/k/v) each reading their
   own part of ``h``, which needs every part's width to be a multiple of the output block
@@ -122,13 +123,15 @@ def tables_on(table: tuple[np.ndarray, ...], device: torch.device) -> RowTiles:
 if triton is not None:
 
     @triton.jit
-    def _sgmv_shrink_kernel(x_ptr, a_ptr, order_ptr, slot_ptr, first_ptr, count_ptr, out_ptr,
-                            R: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr,
+    def _sgmv_shrink_kernel(x_ptr, a_ptr, order_ptr, slot_ptr, first_ptr, count_ptr, out_ptr, h_ptr, ticket_ptr,
+                            R: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
                             stride_xn, stride_xk, stride_as, stride_ar, stride_ak, stride_on, stride_os, stride_or,
-                            WIDEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                            stride_hn, stride_hr, SUM: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         """``out[row, s, o] = sum over k in split s of x[row, k] * A[slot, o, k]`` for the rows of
-        one tile, block of ``BLOCK_R`` outputs and split ``s``; zeros for a tile of slot -1."""
+        one tile, block of ``BLOCK_R`` outputs and split ``s``; zeros for a tile of slot -1. With
+        ``SUM``, the tile and block's last program to finish also writes ``h[row, o]``, the
+        partials added in split order (as the gathered shrink's tickets)."""
         t = tl.program_id(0)
         split = tl.program_id(2)
         count = tl.load(count_ptr + t)
@@ -152,8 +155,19 @@ if triton is not None:
                 xt = xt.to(tl.float32)
                 at = at.to(tl.float32)
             acc += tl.dot(xt, at, input_precision=PRECISION)
-        out = out_ptr + rows[:, None] * stride_on + split * stride_os + offs_r[None, :] * stride_or
-        tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+        partials = out_ptr + rows[:, None] * stride_on + offs_r[None, :] * stride_or
+        mask = m_mask[:, None] & r_mask[None, :]
+        tl.store(partials + split * stride_os, acc, mask=mask)
+        if SUM:
+            tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+            counter = ticket_ptr + t * tl.num_programs(1) + tl.program_id(1)
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            mask = mask & ((offs_r[None, :] * 0 + ticket) == SPLITS - 1)
+            total = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            for s in range(SPLITS):  # split order, whichever program came last
+                total += tl.load(partials + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(h_ptr + rows[:, None] * stride_hn + offs_r[None, :] * stride_hr, total, mask=mask)
+            tl.store(counter + offs_r * 0, offs_r * 0, mask=(offs_r == 0) & ((offs_r * 0 + ticket) == SPLITS - 1))
 
     @triton.jit
     def _sgmv_expand_kernel(h_ptr, b_ptr, order_ptr, slot_ptr, first_ptr, count_ptr, hoff_ptr, y_ptr,
@@ -203,9 +217,10 @@ def shrink_split(tiles: int, R: int, K: int, cpu: bool = False) -> int:
     return max(1, min(triton.cdiv(SHRINK_PROGRAMS, per_split), SHRINK_MAX_SPLIT, triton.cdiv(K, block_k)))
 
 
-def shrink_partials_triton(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles,
-                           split: int | None = None) -> torch.Tensor:
-    """The segmented shrink's partial sums, (rows, splits, r) fp32 (see the gathered shrink's)."""
+def _shrink_launch(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles, split: int | None,
+                   summed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(partials (rows, splits, r) fp32, their sum (rows, r) when the kernel added them up, else
+    None), as the gathered shrink's (:func:`tinsmith.kernels.lora_gather._shrink_launch`)."""
     n, K = x.shape
     R = A_bank.shape[1]
     cpu = x.device.type == "cpu"
@@ -215,21 +230,35 @@ def shrink_partials_triton(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTile
     k_split = triton.cdiv(blocks, split) * block_k
     split = triton.cdiv(K, k_split)
     out = torch.empty(n, split, R, dtype=torch.float32, device=x.device)
+    r_blocks = triton.cdiv(R, block_r)
+    fits = summed and split > 1 and tiles.tiles * r_blocks <= lora_gather.TICKETS
+    h = torch.empty(n, R, dtype=torch.float32, device=x.device) if fits else None  # every row is in a tile
     if n == 0 or tiles.tiles == 0:
-        return out.zero_()
+        return out.zero_(), None if h is None else h.zero_()
+    target = out[:, 0] if h is None else h
     widen = x.dtype == torch.bfloat16
-    _sgmv_shrink_kernel[(tiles.tiles, triton.cdiv(R, block_r), split)](
-        x, A_bank, tiles.order, tiles.slot, tiles.first, tiles.count, out, R, K, k_split,
+    _sgmv_shrink_kernel[(tiles.tiles, r_blocks, split)](
+        x, A_bank, tiles.order, tiles.slot, tiles.first, tiles.count, out, target,
+        lora_gather._tickets(x.device) if fits else out, R, K, k_split, split,
         x.stride(0), x.stride(1), A_bank.stride(0), A_bank.stride(1), A_bank.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), target.stride(0), target.stride(1), SUM=fits,
         WIDEN=widen, PRECISION="tf32" if widen else "ieee", BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
-    return out
+    return out, h
+
+
+def shrink_partials_triton(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles,
+                           split: int | None = None) -> torch.Tensor:
+    """The segmented shrink's partial sums, (rows, splits, r) fp32 (see the gathered shrink's)."""
+    return _shrink_launch(x, A_bank, tiles, split, summed=False)[0]
 
 
 def shrink(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles, split: int | None = None) -> torch.Tensor:
     """(rows, r) fp32: each row's ``x`` through its tile's adapter (zeros for rows of none), the
-    partials summed by torch in a fixed order."""
-    partials = shrink_partials_triton(x, A_bank, tiles, split)
+    partials added up in split order by the kernel's last program (or by torch, as
+    :data:`tinsmith.kernels.lora_gather.SUM_IN_KERNEL` says)."""
+    partials, h = _shrink_launch(x, A_bank, tiles, split, summed=lora_gather.SUM_IN_KERNEL)
+    if h is not None:
+        return h
     return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
 
 
