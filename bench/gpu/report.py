@@ -281,6 +281,9 @@ def _lora_gather(lg: dict) -> list[str]:
         for proj, us in sw.get("shrink_us", {}).items():
             L.append(f"- shrink by split, {sw.get('rows')} rows, {sw.get('adapters')} adapters, {proj} (us, "
                      "partials summed): " + ", ".join(f"{k[6:]}: {_fmt(v)}" for k, v in us.items()))
+        for proj, us in sw.get("expand_us_by_block", {}).items():
+            L.append(f"- expand by output block, {sw.get('rows')} rows, {sw.get('adapters')} adapters, {proj} "
+                     "(us): " + ", ".join(f"{k[6:]}: {_fmt(v)}" for k, v in us.items()))
         L.append("")
     return L
 

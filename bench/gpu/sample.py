@@ -613,7 +613,8 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
     Microseconds per call: on a GPU the mean over 20 calls replayed from one CUDA graph (median of
     5 replays; launched one by one, a call this short times the host's launch, not the GPU), with
     the adapters warm in L2. New/old ratios, a layer's four projections together, the torch gathers
-    for scale, and the shrink's time by split at the first row count. Each case also checks the
+    for scale, and at the first row count the shrink's time by split and the expand's by output
+    block width (on a GPU; a CPU's interpreter takes its own width). Each case also checks the
     new pair against the old (``max_rel_diff``) and against itself run twice
     (``bitwise_repeatable``)."""
     from bench.gpu.peak import timed
@@ -673,6 +674,7 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
 
     sweep_rows, sweep_adapters = rows_list[0], adapters_list[0]
     sweep: dict = {}
+    expand_sweep: dict = {}
     cpu_block = lg.CPU_MAX_BLOCK
     if device.type == "cpu":
         lg.CPU_MAX_BLOCK = 32  # the interpreter: narrow blocks, so that the quick sizes split too
@@ -730,7 +732,16 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
                                 got = lg.shrink_partials_triton(x, A, idx, s).shape[1]
                                 if f"split_{got}" not in by_split:
                                     by_split[f"split_{got}"] = clock(lambda: lg.shrink_triton(x, A, idx, s))
+                            by_block = {}
+                            default_block = lg.EXPAND_BLOCK
+                            try:
+                                for width in (64, 128, 256, 512):
+                                    lg.EXPAND_BLOCK = width
+                                    by_block[f"block_{width}"] = clock(lambda: lg.expand_triton(y, h, B, idx, offsets))
+                            finally:
+                                lg.EXPAND_BLOCK = default_block
                             sweep[name] = by_split
+                            expand_sweep[name] = by_block
                     case[name] = row
                 layer: dict = {"torch_us": sum(case[p]["torch_pair_us"] for p in projections)}
                 if kernels:
@@ -745,7 +756,8 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
     finally:
         lg.CPU_MAX_BLOCK = cpu_block
     if sweep:
-        out["split_sweep"] = {"rows": sweep_rows, "adapters": sweep_adapters, "shrink_us": sweep}
+        out["split_sweep"] = {"rows": sweep_rows, "adapters": sweep_adapters, "shrink_us": sweep,
+                              "expand_us_by_block": expand_sweep}
     return out
 
 

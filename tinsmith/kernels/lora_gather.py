@@ -113,6 +113,9 @@ SHRINK_SPLIT: int | None = None
 SHRINK_PROGRAMS = 512
 # More partials than this gained nothing there, and summing them costs more.
 SHRINK_MAX_SPLIT = 8
+# Outputs an expand program writes (a row's block of columns) on a GPU: 64 rows of q/k/v packed
+# make 2,048 programs at 128. Not yet timed against other widths (bench/gpu's lora_gather sweeps it).
+EXPAND_BLOCK = 128
 # Widest block on a CPU, where the interpreter runs one NumPy pass per loop trip and program: wide
 # blocks keep it quick (tests narrow it to run the GPU's blocking and many splits on small shapes).
 CPU_MAX_BLOCK = 1024
@@ -300,7 +303,7 @@ def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: t
         return
     cpu = y.device.type == "cpu"
     block_r = _pow2(R, 16, 64)
-    block_n = _pow2(N, 16, CPU_MAX_BLOCK if cpu else 128)
+    block_n = _pow2(N, 16, CPU_MAX_BLOCK if cpu else EXPAND_BLOCK)
     _bgmv_expand_kernel[(n, triton.cdiv(N, block_n))](
         h, B_bank, idx, idx if h_offsets is None else h_offsets, y, N, R, h.stride(0), h.stride(1),
         B_bank.stride(0), B_bank.stride(1), B_bank.stride(2), y.stride(0), y.stride(1),
