@@ -77,3 +77,30 @@ def test_the_sampler_decodes_through_the_kernels_as_through_sdpa(tmp_path, monke
     model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)
     model = load_model(str(model_dir), device=DEVICE, dtype=torch.float32).model
     assert_kernel_samples_as_torch(model, da, [9 + 40 * i for i in range(5)], 30, monkeypatch)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the split programs race only on a GPU")
+def test_the_last_split_combines_the_same_whatever_the_order():
+    """Few rows over long keys (many splits a row): the splits combined by their last program
+    equal the combine kernel's to rounding, and equal themselves bit for bit over 100 calls,
+    eagerly and replayed from a graph; the counters are back at zero."""
+    q, K, V, n_keys = _case(torch.bfloat16, rows=4, capacity=4096)
+    splits, _ = da.split_plan(4, K.shape[1], 4096, 32, q.device)
+    assert splits > 1
+    first = da.decode_attention(q, K, V, n_keys, 4096)
+    for _ in range(100):
+        assert torch.equal(da.decode_attention(q, K, V, n_keys, 4096), first)
+    assert not lora_gather._tickets(q.device).any()
+    da.COMBINE_IN_SPLITS = False
+    try:
+        kernel = da.decode_attention(q, K, V, n_keys, 4096)
+    finally:
+        da.COMBINE_IN_SPLITS = True
+    torch.testing.assert_close(first.float(), kernel.float(), rtol=1e-2, atol=1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = torch.stack([da.decode_attention(q, K, V, n_keys, 4096) for _ in range(10)])
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs, first.expand(10, *first.shape))

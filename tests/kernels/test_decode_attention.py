@@ -72,6 +72,30 @@ def test_sinks_join_every_denominator(splits):
     assert not torch.allclose(got, plain, atol=1e-3)  # the sinks took their share
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_last_split_combines_as_the_combine_kernel(sinks, monkeypatch):
+    """The splits combined by their last program (one launch) and by the combine kernel: the same
+    output to rounding (their sums run in another order), rows whose later splits saw no key
+    among them; the counters back at zero; too many rows for the counters: the combine kernel."""
+    from tinsmith.kernels import lora_gather
+
+    device = kernel_device()
+    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    q, K, V = case(torch.float32, device, n=4, hq=4, hk=2, d=32, rows=4, capacity=200)
+    sink = torch.tensor([0.5, -1.0, 3.0, 2.0], device=device) if sinks else None
+    n_keys = torch.tensor([1, 200, 70, 129], device=device)
+    got = da.decode_attention(q, K, V, n_keys, 200, sinks=sink, splits=4)
+    assert not lora_gather._tickets(q.device).any()
+    monkeypatch.setattr(da, "COMBINE_IN_SPLITS", False)
+    kernel = da.decode_attention(q, K, V, n_keys, 200, sinks=sink, splits=4)
+    torch.testing.assert_close(got, kernel, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, reference(q, K, V, n_keys, 200, sink), rtol=2e-5, atol=2e-5)
+    monkeypatch.setattr(da, "COMBINE_IN_SPLITS", True)
+    monkeypatch.setattr(lora_gather, "TICKETS", 4 * 2 - 1)
+    torch.testing.assert_close(da.decode_attention(q, K, V, n_keys, 200, sinks=sink, splits=4), kernel,
+                               rtol=0, atol=0)
+
+
 def test_strided_cache_views():
     """The cache hands over views (its rows past ``n``, its capacity past ``span``) and q with its
     query length of one: strides other than the contiguous ones must be honoured."""
@@ -139,17 +163,25 @@ strides = ("qn", "qh", "kn", "kh", "kp", "vn", "vh", "vp", "tn", "pn", "ph", "ps
 for dt in sys.argv[1:]:
     types = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "len_ptr": "*i64", "table_ptr": "*i32",
              "part_ptr": "*fp32",
-             "lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": f"*{dt}", "scale": "fp32", "split_len": "i32",
+             "lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": f"*{dt}", "ticket_ptr": "*i32", "scale": "fp32",
+             "split_len": "i32",
              "splits": "i32", **{f"stride_{s}": "i32" for s in strides}}
     precision = "ieee" if dt == "fp32" else "tf32"
     for fn, const in ((da._split_kernel, {"REP": 2, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": 32,
-                                          "PRECISION": precision, "PAGE": 0, "DIRECT": False, "SINKS": False}),
+                                          "PRECISION": precision, "PAGE": 0, "DIRECT": False, "SINKS": False,
+                                          "COMBINE": False}),
                       (da._split_kernel, {"REP": 8, "D": 64, "BLOCK_H": 16, "BLOCK_D": 64, "BLOCK_N": 32,
-                                          "PRECISION": precision, "PAGE": 64, "DIRECT": False, "SINKS": False}),
+                                          "PRECISION": precision, "PAGE": 64, "DIRECT": False, "SINKS": False,
+                                          "COMBINE": True}),
+                      (da._split_kernel, {"REP": 8, "D": 64, "BLOCK_H": 16, "BLOCK_D": 64, "BLOCK_N": 32,
+                                          "PRECISION": precision, "PAGE": 0, "DIRECT": False, "SINKS": True,
+                                          "COMBINE": True}),
                       (da._split_kernel, {"REP": 2, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": 32,
-                                          "PRECISION": precision, "PAGE": 64, "DIRECT": True, "SINKS": False}),
+                                          "PRECISION": precision, "PAGE": 64, "DIRECT": True, "SINKS": False,
+                                          "COMBINE": False}),
                       (da._split_kernel, {"REP": 8, "D": 64, "BLOCK_H": 16, "BLOCK_D": 64, "BLOCK_N": 32,
-                                          "PRECISION": precision, "PAGE": 0, "DIRECT": True, "SINKS": True}),
+                                          "PRECISION": precision, "PAGE": 0, "DIRECT": True, "SINKS": True,
+                                          "COMBINE": False}),
                       (da._combine_kernel, {"D": 128, "BLOCK_D": 128, "BLOCK_S": 16, "SINKS": True})):
         sig = {name: "constexpr" if name in const else types[name] for name in fn.arg_names}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]

@@ -12,10 +12,14 @@ decode backends instead:
   an online softmax in fp32, and stop at the row's own key count (read from the device, so the
   step never asks the host and can be captured); it writes a partial output and its
   log-sum-exp;
-- stage 2, one program per (row, query head): the splits' partials combined, with gpt-oss'
-  attention sink (one extra logit per head in the denominator) where the model has one. Where
-  one split holds a row's every key (many rows: enough programs without splitting), stage 1
-  writes the output itself, sinks included, and stage 2 is not launched.
+- stage 2: the splits' partials combined, with gpt-oss' attention sink (one extra logit per
+  head in the denominator) where the model has one, by the last of a (row, K/V head)'s split
+  programs to finish: each takes a ticket after storing its partial (an atomic count, set back to
+  zero by the last one, the LoRA shrink's counters), and the last one combines the splits in
+  split order, so the result never depends on the scheduling and replays repeat bit for bit. A
+  second kernel, one program per (row, query head), does it where there are more rows than
+  counters (or ``COMBINE_IN_SPLITS`` is off). Where one split holds a row's every key (many rows:
+  enough programs without splitting), stage 1 writes the output itself, sinks included.
 
 Splitting the positions keeps the GPU busy when few rows decode long sequences; the split
 count depends only on the number of rows, K/V heads and the span, all known on the host.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels import lora_gather
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton, triton_available
 
@@ -39,6 +44,9 @@ if triton is not None:
 # every tensor (CPU ones need TRITON_INTERPRET=1 set before triton is imported: tests do).
 BACKEND = "auto"
 MAX_SPLITS = 64
+# Whether the last split program of a (row, K/V head) combines the splits (one launch); False: the
+# combine kernel does, a second launch (benchmarks and tests compare the two).
+COMBINE_IN_SPLITS = True
 GUARD = KernelGuard("decode attention kernels", "decoding through SDPA")
 
 
@@ -52,17 +60,20 @@ def usable(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_ptr, lse_ptr, sink_ptr, out_ptr, scale, split_len,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_ptr, lse_ptr, sink_ptr, out_ptr, ticket_ptr,
+                      scale, split_len, splits,
                       stride_qn, stride_qh, stride_kn, stride_kh, stride_kp, stride_vn, stride_vh, stride_vp,
                       stride_tn, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
                       REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
-                      SINKS: tl.constexpr):
+                      SINKS: tl.constexpr, COMBINE: tl.constexpr):
         """Partial attention of K/V head ``g``'s ``REP`` query heads over one split of the row's keys.
         ``PAGE`` > 0: K/V are pools of pages of ``PAGE`` positions (``stride_kn`` a page's) and the
         row's page table says which page holds positions ``[j * PAGE, (j + 1) * PAGE)``.
         ``DIRECT`` (a single split: the row's every key): the heads' final output, written to
-        ``out_ptr`` in its dtype, with ``SINKS``' logits in the denominators (no combine kernel)."""
+        ``out_ptr`` in its dtype, with ``SINKS``' logits in the denominators (no combine kernel).
+        ``COMBINE``: the last of the (row, K/V head)'s ``splits`` programs to finish combines them
+        into ``out_ptr`` (``ticket_ptr``: the pair's count of finished programs, zero before and after)."""
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
@@ -116,6 +127,33 @@ if triton is not None:
             tl.store(part_ptr + row * stride_pn + out_heads[:, None] * stride_ph + split * stride_ps + dims[None, :],
                      out, mask=h_mask[:, None] & d_mask[None, :])
             tl.store(lse_ptr + row * stride_ln + out_heads * stride_lh + split, lse, mask=h_mask)
+            if COMBINE:
+                tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+                counter = ticket_ptr + row * tl.num_programs(1) + g
+                ticket = tl.atomic_add(counter, 1, sem="acq_rel")  # release the partial; acquire the others'
+                last = h_mask & ((heads * 0 + ticket) == splits - 1)  # per element: interpreters differ on scalars
+                lses = lse_ptr + row * stride_ln + out_heads * stride_lh
+                top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                for s in range(0, splits):
+                    top = tl.maximum(top, tl.load(lses + s, mask=last, other=float("-inf"), cache_modifier=".cg"))
+                if SINKS:
+                    sink = tl.load(sink_ptr + out_heads, mask=last, other=0.0).to(tl.float32)
+                    top = tl.maximum(top, sink)
+                top = tl.where(last, top, 0.0)  # heads this program does not combine stay finite
+                total = tl.zeros([BLOCK_H], dtype=tl.float32)
+                mixed = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                parts = part_ptr + row * stride_pn + out_heads[:, None] * stride_ph + dims[None, :]
+                for s in range(0, splits):  # split order, whichever program came last
+                    w = tl.exp(tl.load(lses + s, mask=last, other=float("-inf"), cache_modifier=".cg") - top)
+                    total += w
+                    mixed += w[:, None] * tl.load(parts + s * stride_ps, mask=last[:, None] & d_mask[None, :],
+                                                  other=0.0, cache_modifier=".cg")
+                if SINKS:
+                    total += tl.where(last, tl.exp(sink - top), 0.0)
+                total = tl.where(last, total, 1.0)
+                tl.store(out_ptr + row * stride_on + out_heads[:, None] * stride_oh + dims[None, :],
+                         (mixed / total[:, None]).to(out_ptr.dtype.element_ty), mask=last[:, None] & d_mask[None, :])
+                tl.store(counter + heads * 0, heads * 0, mask=(heads == 0) & ((heads * 0 + ticket) == splits - 1))
 
     @triton.jit
     def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, splits,
@@ -205,14 +243,16 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: 
     assert page % block_n == 0, f"pages of {page} positions are not whole blocks of {block_n}"
     o = out[:, :, 0]
     sink_arg = sinks if sinks is not None else lse
+    combine = not direct and COMBINE_IN_SPLITS and n * hk <= lora_gather.TICKETS
     _split_kernel[(n, hk, splits)](
-        qv, K, V, n_keys, n_keys if table is None else table, part, lse, sink_arg, o, d ** -0.5, per,
+        qv, K, V, n_keys, n_keys if table is None else table, part, lse, sink_arg, o,
+        lora_gather._tickets(q.device) if combine else n_keys, d ** -0.5, per, splits,
         qv.stride(0), qv.stride(1), K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2),
         0 if table is None else table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
         REP=rep, D=d, BLOCK_H=_pow2(rep, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, PAGE=page,
-        DIRECT=direct, SINKS=sinks is not None)
-    if not direct:
+        DIRECT=direct, SINKS=sinks is not None, COMBINE=combine)
+    if not direct and not combine:
         _combine_kernel[(n, hq)](
             part, lse, sink_arg, o, splits,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
