@@ -83,6 +83,24 @@ def markdown(s: dict) -> str:
                      f"{_get(lo, 'loss_softmax_in_torch', 'kernels_vs_torch')} | "
                      f"{'; '.join(x for x in (_status(lo), _status(pf), _status(ff)) if x)} |")
         L.append("")
+        ab = tr.get("attention_backends", {})
+        if ab:
+            L += _heading(f"### Training's causal attention alone, forward + backward, {ab.get('heads', '-')} query heads over "
+                          f"{ab.get('kv_heads', '-')} K/V heads of {ab.get('head_dim', '-')} (ms; TFLOP/s; share of the "
+                          "matmul peak; first call ms, a new length's first call ms)",
+                          "| tokens | way | ms | TFLOP/s | of peak | grouped heads | first call | new length | notes |")
+            for ck in [k for k in ab if isinstance(ab[k], dict)]:
+                for way, r in ab[ck].items():
+                    if not isinstance(r, dict):
+                        continue
+                    L.append(f"| {ck} | {way} | {_get(r, 'ms')} | {_get(r, 'tflops')} | {_get(r, 'of_peak', pct=True)} | "
+                             f"{r.get('grouped', '-')} | {_get(r, 'first_call_ms')} | {_get(r, 'new_length_first_call_ms')} | "
+                             f"{r.get('error', '')} |")
+                if "error" in ab[ck]:
+                    L.append(f"| {ck} | - | - | - | - | - | - | - | {ab[ck]['error']} |")
+            if _status(ab):
+                L.append(f"| - | - | - | - | - | - | - | - | {_status(ab)} |")
+            L.append("")
     L += _profiles(s)
     sa = s.get("sample", {})
     if sa:

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name == shapes[-1]:  # why the figures are what they are: the step's kernels
                 tr.item(f"{name}/profile", lambda: profile.train_step(dirs[name], device, a.quick))
                 tr.item("launch_costs", lambda: train.launch_costs(device, a.quick))
+                tr.item("attention_backends", lambda: train.attention_backends(device, peaks, a.quick))
             tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
             if name in ("tiny", "0.6B", "1.7B"):  # a bf16 full copy + AdamW state of 4B/8B does not fit beside the rest
                 tr.item(f"{name}/full_finetune", lambda: train.full_finetune(dirs[name], device, peaks, n, a.quick))

@@ -304,6 +304,98 @@ def launch_costs(device, quick: bool) -> dict:
     return out
 
 
+def attention_backends(device, peak: dict, quick: bool) -> dict:
+    """Training's causal attention alone, forward and backward, at the 1.7B shape's heads (16 query
+    heads over 8 K/V heads of 128), through each of SDPA's fused backends: flash (what training
+    takes today), memory-efficient and cuDNN (off in the server, for decoding's sake: it builds a
+    plan per new shape), at 8 x 1,024 and 1 x 32,768 tokens, and 8 documents of 1,024 packed in one
+    row through ``varlen_attn`` (what packed micro-batches take). Per way: ms a forward and
+    backward, TFLOP/s (causal: forward 2 x 2 x L^2 / 2 x D a head, backward 2.5 times that), the
+    first call's ms (cuDNN's plan) and a second new length's first call. Grouped heads where the
+    backend takes them (``enable_gqa``), else K/V repeated per query head (``repeated``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hk, d = (4, 2, 32) if quick else (16, 8, 128)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cases = ((2, 64), (1, 256)) if quick else ((8, 1024), (1, 32_768))
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION}
+    if device.type != "cuda":
+        backends = {"math": SDPBackend.MATH}
+    out: dict = {"heads": hq, "kv_heads": hk, "head_dim": d, "dtype": str(dtype).split(".")[-1]}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def inputs(b: int, length: int):
+        return [torch.randn(b, h, length, d, generator=gen).to(device, dtype).requires_grad_()
+                for h in (hq, hk, hk)]
+
+    def run(q, k, v, backend, grouped: bool):
+        with sdpa_kernel([backend]):
+            if grouped:
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                rep = hq // hk
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+            o.backward(torch.ones_like(o))
+
+    for b, length in cases:
+        flops = 3.5 * 2 * b * hq * length * length * d  # causal forward 2 x 2 x L^2/2 x D a head; backward 2.5x
+        case: dict = {}
+        for name, backend in backends.items():
+            q, k, v = inputs(b, length)
+            row: dict = {}
+            for grouped in (True, False):
+                try:
+                    sync(device)
+                    t = time.perf_counter()
+                    run(q, k, v, backend, grouped)
+                    sync(device)
+                    row["first_call_ms"] = 1e3 * (time.perf_counter() - t)
+                    s = timed(lambda: run(q, k, v, backend, grouped), device, repeats=2 if quick else 10)
+                    row.update({"ms": 1e3 * s, "tflops": flops / s / 1e12,
+                                "of_peak": flops / s / peak["matmul_flops_per_s"], "grouped": grouped})
+                    q2, k2, v2 = inputs(b, length - 24)  # a new length: what a plan per shape costs
+                    sync(device)
+                    t = time.perf_counter()
+                    run(q2, k2, v2, backend, grouped)
+                    sync(device)
+                    row["new_length_first_call_ms"] = 1e3 * (time.perf_counter() - t)
+                    row.pop("error", None)
+                    break
+                except RuntimeError as e:  # this backend cannot serve the shape (or grouped heads)
+                    row["error"] = str(e).splitlines()[0][:160]
+            case[name] = row
+        out[f"{b}x{length}"] = case
+    if device.type == "cuda":
+        from tinsmith.models.document_attention import _varlen
+
+        found = _varlen()  # (varlen_attn, takes a window, takes grouped heads), as packed training calls it
+        if found is not None:
+            varlen_attn, takes_window, takes_gqa = found
+            docs, length = (2, 64) if quick else (8, 1024)
+            total = docs * length
+            flops = 3.5 * 2 * docs * hq * length * length * d
+            q, k, v = (torch.randn(total, h, d, generator=gen).to(device, dtype).requires_grad_() for h in (hq, hk, hk))
+            cu = torch.arange(0, total + 1, length, device=device, dtype=torch.int32)
+            kwargs: dict = {"window_size": (-1, 0)} if takes_window else {"is_causal": True}
+            if takes_gqa:
+                kwargs["enable_gqa"] = True
+
+            def packed():
+                kk, vv = (k, v) if takes_gqa else (k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1))
+                o = varlen_attn(q, kk, vv, cu, cu, length, length, **kwargs)
+                o.backward(torch.ones_like(o))
+
+            try:
+                s = timed(packed, device, repeats=2 if quick else 10)
+                out[f"packed_{docs}x{length}"] = {"varlen_flash": {"ms": 1e3 * s, "tflops": flops / s / 1e12,
+                                                                   "of_peak": flops / s / peak["matmul_flops_per_s"]}}
+            except (RuntimeError, TypeError) as e:
+                out[f"packed_{docs}x{length}"] = {"error": str(e).splitlines()[0][:160]}
+    return out
+
+
 def full_finetune(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     L = 32 if quick else 1024
     lm = load_model(str(model_dir), device=device)
