@@ -101,6 +101,18 @@ def markdown(s: dict) -> str:
             if _status(ab):
                 L.append(f"| - | - | - | - | - | - | - | - | {_status(ab)} |")
             L.append("")
+        for name in s["shapes"]:
+            lo = tr.get(f"{name}/lora", {})
+            if "cudnn_attention" in lo or "cudnn_vs_auto" in lo.get("long_context", {}):
+                L.append(f"- {name}, cuDNN's attention first, whole LoRA steps: {lo.get('cudnn_attention', {}).get('shape', '-')} "
+                         f"{_get(lo, 'cudnn_attention', 'tokens_per_s')} tok/s, "
+                         f"{_get(lo, 'cudnn_attention', 'vs_default')}x the default's (first step "
+                         f"{_get(lo, 'cudnn_attention', 'first_step_s')} s); 1 x "
+                         f"{lo.get('long_context', {}).get('seq_len', '-')} (server defaults) "
+                         f"{_get(lo, 'long_context', 'auto_cudnn', 'tokens_per_s')} tok/s, "
+                         f"{_get(lo, 'long_context', 'cudnn_vs_auto')}x, MFU 4NT "
+                         f"{_get(lo, 'long_context', 'auto_cudnn', 'mfu_4nt', pct=True)}")
+        L.append("")
     L += _profiles(s)
     sa = s.get("sample", {})
     if sa:

@@ -10,6 +10,7 @@ fixed-length rows also state ``mfu_with_attention`` (:func:`attention_flops_per_
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -178,6 +179,11 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
         vocab_softmax.BACKEND = "auto"
     out["loss_softmax_in_torch"] = {"shape": f"{rows}x{L}", "tokens_per_s": r["tokens_per_s"], "peak_gib": r["peak_gib"],
                                     "kernels_vs_torch": out[f"{rows}x{L}"]["tokens_per_s"] / r["tokens_per_s"]}
+    with cudnn_attention_first():  # SDPA's cuDNN attention before flash (the server turns cuDNN's off)
+        r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
+    out["cudnn_attention"] = {"shape": f"{rows}x{L}", "tokens_per_s": r["tokens_per_s"],
+                              "first_step_s": r["first_step_s"],
+                              "vs_default": r["tokens_per_s"] / out[f"{rows}x{L}"]["tokens_per_s"]}
     lora_function.FUSED_NODES = False  # each LoRA op its own autograd node, as torch's ops run it
     try:
         r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
@@ -243,19 +249,25 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     out["long_context"] = {"seq_len": long_len}
     # plain: activations kept whole; auto: the server's defaults (micro-batches sized from free
     # memory, recomputation for a micro-batch above that size); checkpointing: always recompute.
-    for mode in ("plain", "auto", "checkpointing"):
+    # auto_cudnn: the server's defaults with SDPA's cuDNN attention preferred to flash.
+    for mode in ("plain", "auto", "checkpointing", "auto_cudnn"):
+        auto = mode.startswith("auto")
         lm.model.gradient_checkpointing = mode == "checkpointing"
-        rt.micro_batch_tokens = planned if mode == "auto" else 16384
-        rt.checkpoint_above_tokens = auto_checkpoint_above(planned, lm.model, RuntimeOptions()) if mode == "auto" else None
+        rt.micro_batch_tokens = planned if auto else 16384
+        rt.checkpoint_above_tokens = auto_checkpoint_above(planned, lm.model, RuntimeOptions()) if auto else None
         rt.oom_retry = mode != "plain"
         try:
-            r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1)
+            with cudnn_attention_first() if mode == "auto_cudnn" else contextlib.nullcontext():
+                r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1)
             r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
             with_attention(r, 4 * n, lm.config, long_len, peak)
             r["micro_batch_tokens"] = rt.micro_batch_tokens
         except torch.OutOfMemoryError as e:
             r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
         out["long_context"][mode] = r
+    lc = out["long_context"]
+    if "tokens_per_s" in lc.get("auto_cudnn", {}) and "tokens_per_s" in lc.get("auto", {}):
+        lc["cudnn_vs_auto"] = lc["auto_cudnn"]["tokens_per_s"] / lc["auto"]["tokens_per_s"]
     lm.model.gradient_checkpointing = False
     del rt, lm
     return out
@@ -302,6 +314,21 @@ def launch_costs(device, quick: bool) -> dict:
         total = time.perf_counter() - t
         out[name] = {"host_us_per_call": 1e6 * host / calls, "wall_us_per_call": 1e6 * total / calls}
     return out
+
+
+@contextlib.contextmanager
+def cudnn_attention_first():
+    """SDPA tries cuDNN's attention first, then flash, memory-efficient and math (the flags are
+    process-wide, so the backward's threads see them too)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    try:
+        context = sdpa_kernel(order, set_priority=True)
+    except TypeError:  # a torch without priorities: the four enabled, in torch's own order
+        context = sdpa_kernel(order)
+    with context:
+        yield
 
 
 def attention_backends(device, peak: dict, quick: bool) -> dict:

@@ -41,6 +41,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert "expand by output block" in (out / "summary.md").read_text()
     assert summary["train"]["attention_backends"]["1x256"]["math"]["ms"] > 0  # a CPU has the math backend only
     assert "causal attention alone" in (out / "summary.md").read_text()
+    assert summary["train"]["tiny/lora"]["cudnn_attention"]["vs_default"] > 0  # the CPU's math backend both ways
+    assert summary["train"]["tiny/lora"]["long_context"]["cudnn_vs_auto"] > 0
     assert "packed vs padded" in (out / "summary.md").read_text()
     assert "Against the issues' targets" in (out / "summary.md").read_text()
     assert len(summary["targets"]) > 10 and all(t["met"] is None for t in summary["targets"])  # no real shape ran
