@@ -26,6 +26,7 @@ import torch
 
 from bench.gpu import peak as peak_mod
 from bench.gpu import moe, profile, sample, targets, train
+from tinsmith.worker.warm_up import configure_device
 from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
 from tinsmith.gc_tuning import tuned_for_serving
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(a.device)
     a.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes, "torch": torch.__version__}
+    configure_device(device)  # the server's process-wide switches (cuDNN's attention off), for in-process items too
+    summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes, "torch": torch.__version__,
+                     "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled()}
 
     pk = Part("peak", BUDGET_S["peak"] * a.budget_scale)  # always: every figure needs it
     pk.item("machine", lambda: peak_mod.measure(device, a.quick))

@@ -336,7 +336,8 @@ def attention_backends(device, peak: dict, quick: bool) -> dict:
     heads over 8 K/V heads of 128), through each of SDPA's fused backends: flash (what training
     takes today), memory-efficient and cuDNN (off in the server, for decoding's sake: it builds a
     plan per new shape), at 8 x 1,024 and 1 x 32,768 tokens, and 8 documents of 1,024 packed in one
-    row through ``varlen_attn`` (what packed micro-batches take). Per way: ms a forward and
+    row through ``varlen_attn`` (what packed micro-batches take), as the server runs it and with
+    cuDNN allowed first. Per way: ms a forward and
     backward, TFLOP/s (causal: forward 2 x 2 x L^2 / 2 x D a head, backward 2.5 times that), the
     first call's ms (cuDNN's plan) and a second new length's first call. Grouped heads where the
     backend takes them (``enable_gqa``), else K/V repeated per query head (``repeated``)."""
@@ -414,12 +415,17 @@ def attention_backends(device, peak: dict, quick: bool) -> dict:
                 o = varlen_attn(q, kk, vv, cu, cu, length, length, **kwargs)
                 o.backward(torch.ones_like(o))
 
-            try:
-                s = timed(packed, device, repeats=2 if quick else 10)
-                out[f"packed_{docs}x{length}"] = {"varlen_flash": {"ms": 1e3 * s, "tflops": flops / s / 1e12,
-                                                                   "of_peak": flops / s / peak["matmul_flops_per_s"]}}
-            except (RuntimeError, TypeError) as e:
-                out[f"packed_{docs}x{length}"] = {"error": str(e).splitlines()[0][:160]}
+            # As the server runs it (cuDNN's attention off process-wide), then with cuDNN allowed first
+            # (newer torch routes varlen to cuDNN where it is on and can serve the shape).
+            case = {}
+            for way, context in (("varlen_server", contextlib.nullcontext), ("varlen_cudnn_allowed", cudnn_attention_first)):
+                try:
+                    with context():
+                        s = timed(packed, device, repeats=2 if quick else 10)
+                    case[way] = {"ms": 1e3 * s, "tflops": flops / s / 1e12, "of_peak": flops / s / peak["matmul_flops_per_s"]}
+                except (RuntimeError, TypeError) as e:
+                    case[way] = {"error": str(e).splitlines()[0][:160]}
+            out[f"packed_{docs}x{length}"] = case
     return out
 
 
