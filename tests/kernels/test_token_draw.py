@@ -10,7 +10,7 @@ import torch
 from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import token_draw
 from tinsmith.sampling import logits as token_choice
-from tinsmith.sampling.logits import RowKinds, choose_tokens_masked, uniforms
+from tinsmith.sampling.logits import KeyedUniforms, RowKinds, choose_tokens_masked, keyed_uniforms, uniforms
 
 
 @pytest.fixture(autouse=True)
@@ -175,16 +175,54 @@ def test_segments_of_minus_infinity_take_no_weight(monkeypatch):
 
 
 
+def test_the_kernel_hashes_the_uniforms_bit_for_bit():
+    """The pick kernel's own uniforms are ``keyed_uniforms``' to the last bit, at the int64 range's
+    ends and where ``keys + step`` wraps; and a step drawn from keys equals one drawn from the
+    uniforms torch made."""
+    import triton
+    import triton.language as tl
+
+    device = kernel_device()
+
+    @triton.jit
+    def hashed(keys_ptr, steps_ptr, out_ptr):
+        i = tl.program_id(0)
+        x = tl.load(keys_ptr + i).to(tl.int64) + tl.load(steps_ptr + i).to(tl.int64)
+        tl.store(out_ptr + i, token_draw._keyed_uniform(x))
+
+    g = torch.Generator().manual_seed(5)
+    edges = [0, -1, 1, 2**63 - 1, -2**63, 2**62, -2**62 + 7]
+    keys = torch.cat([torch.tensor(edges), torch.randint(-2**63, 2**63 - 1, (200,), generator=g)])
+    steps = torch.cat([torch.tensor([0, 0, 0, 1, 0, 2**62, 5]), torch.randint(0, 1 << 20, (200,), generator=g)])
+    keys, steps = keys.to(device), steps.to(device)
+    got = torch.empty(keys.shape[0], dtype=torch.float64, device=device)
+    hashed[(keys.shape[0],)](keys, steps, got)
+    want = keyed_uniforms(keys, steps)
+    assert torch.equal(got, want)
+    assert ((got > 0) & (got < 1)).all()
+    rows = 12
+    logits = (torch.randn(rows, 3000, generator=g) * 3).to(device)
+    temperature = torch.tensor([1.0, 0.0, 0.7] * 4, device=device)
+    tok, lp = token_draw.draw(logits, temperature, KeyedUniforms(keys[:rows], steps[:rows]))
+    want_tok, want_lp = token_draw.draw(logits, temperature, keyed_uniforms(keys[:rows], steps[:rows]))
+    assert tok.tolist() == want_tok.tolist() and torch.equal(lp, want_lp)
+    torch_tok, _ = torch_choice(logits, temperature, keyed_uniforms(keys[:rows], steps[:rows]))
+    assert tok.tolist() == torch_tok.tolist()
+
+
 _COMPILE = BUILD_PRELUDE + """
 from tinsmith.kernels import token_draw
 
 for dt in sys.argv[1:]:
-    sig = {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "u_ptr": "*fp64", "stats_ptr": "*fp32", "best_ptr": "*i64",
+    sig = {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "stats_ptr": "*fp32", "best_ptr": "*i64",
            "tok_ptr": "*i64", "lp_ptr": "*fp32", "vocab": "i32", "stride_row": "i64", "stride_stat": "i64"}
     for block, sample, count, per in ((4096, True, 38, 1), (4096, False, 38, 1), (1024, True, 5, 3), (4096, True, 1, 38)):
         const = {"BLOCK": block, "SAMPLE": sample, "COUNT": count, "PER": per}
         build(token_draw._segments_kernel, sig, const)
-        build(token_draw._pick_kernel, sig, {**const, "COUNT_P2": triton.next_power_of_2(count)})
+        for keyed in (False, True):  # the uniforms given, or hashed from keys and steps
+            draws = {"u_ptr": "*i64", "step_ptr": "*i64"} if keyed else {"u_ptr": "*fp64", "step_ptr": "*fp64"}
+            build(token_draw._pick_kernel, {**sig, **draws},
+                  {**const, "COUNT_P2": triton.next_power_of_2(count), "KEYED": keyed})
 """
 
 

@@ -63,13 +63,15 @@ def segments(vocab: int, block: int) -> tuple[int, int]:
     return triton.cdiv(blocks, per), per
 
 
-def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-         all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+def draw(logits: torch.Tensor, temperature: torch.Tensor, u, all_greedy: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(tokens, their model logprobs) for rows of ``logits``: row ``i`` greedy where
     ``temperature[i]`` <= 0, else drawn from ``softmax(logits[i] / temperature[i])`` with the
     uniform ``u[i]`` (float64) by inverse CDF in vocabulary order; logprobs at temperature 1, in
-    fp32. ``all_greedy``: every row is greedy (no tempered sums, no second read). None when the
-    kernels failed here (the caller takes the torch path)."""
+    fp32. ``u`` may be a :class:`tinsmith.sampling.logits.KeyedUniforms` (``keys``, ``steps``):
+    the kernel then hashes each row's uniform itself, as ``keyed_uniforms`` does, bit for bit.
+    ``all_greedy``: every row is greedy (no tempered sums, no second read). None when the kernels
+    failed here (the caller takes the torch path)."""
     rows = logits.shape[0]
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -78,6 +80,8 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
 
 
 def _launch(logits, temperature, u, tokens, logprobs, all_greedy: bool):
+    keyed = not isinstance(u, torch.Tensor)  # KeyedUniforms (not imported: logits imports this module)
+    draws = (u.keys, u.steps) if keyed else (u, u)
     rows, vocab = logits.shape
     block = min(BLOCK, triton.next_power_of_2(vocab))
     count, per = segments(vocab, block)
@@ -88,13 +92,24 @@ def _launch(logits, temperature, u, tokens, logprobs, all_greedy: bool):
     warps = 8 if block >= 2048 else 4
     _segments_kernel[(rows, count)](logits, temperature, stats, best, vocab, logits.stride(0), stats.stride(0),
                                     COUNT=count, PER=per, BLOCK=block, SAMPLE=not all_greedy, num_warps=warps)
-    _pick_kernel[(rows,)](logits, temperature, u, stats, best, tokens, logprobs, vocab, logits.stride(0),
+    _pick_kernel[(rows,)](logits, temperature, *draws, stats, best, tokens, logprobs, vocab, logits.stride(0),
                           stats.stride(0), COUNT=count, COUNT_P2=triton.next_power_of_2(count), PER=per,
-                          BLOCK=block, SAMPLE=not all_greedy, num_warps=warps)
+                          BLOCK=block, SAMPLE=not all_greedy, KEYED=keyed, num_warps=warps)
     return tokens
 
 
 if triton is not None:
+
+    @triton.jit
+    def _keyed_uniform(x):
+        """``keyed_uniforms``' float64 U(0, 1) of an int64 ``keys + step``: splitmix64 in wrapping
+        unsigned arithmetic (the torch version's signed constants and masked shifts are the same
+        bits), then the top 53 bits plus a half, over 2**53."""
+        z = x.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        return ((z >> 11).to(tl.float64) + 0.5) / 9007199254740992.0
 
     @triton.jit
     def _segments_kernel(logits_ptr, temp_ptr, stats_ptr, best_ptr, vocab, stride_row, stride_stat,
@@ -133,11 +148,13 @@ if triton is not None:
         tl.store(best_ptr + row * COUNT + seg, best)
 
     @triton.jit
-    def _pick_kernel(logits_ptr, temp_ptr, u_ptr, stats_ptr, best_ptr, tok_ptr, lp_ptr, vocab, stride_row,
+    def _pick_kernel(logits_ptr, temp_ptr, u_ptr, step_ptr, stats_ptr, best_ptr, tok_ptr, lp_ptr, vocab, stride_row,
                      stride_stat, COUNT: tl.constexpr, COUNT_P2: tl.constexpr, PER: tl.constexpr,
-                     BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+                     BLOCK: tl.constexpr, SAMPLE: tl.constexpr, KEYED: tl.constexpr):
         """One row: its segments combined in vocabulary order, then the inverse-CDF draw within the
-        segment where the cumulative weight reaches the target (that segment read again)."""
+        segment where the cumulative weight reaches the target (that segment read again). With
+        ``KEYED``, ``u_ptr`` holds the rows' keys and ``step_ptr`` their steps, and the uniform is
+        their hash (:func:`_keyed_uniform`)."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_row
         segs = tl.arange(0, COUNT_P2)
@@ -156,7 +173,11 @@ if triton is not None:
             scale = tl.where(t > 0, t, 1.0)
             tempered = tl.load(at_seg + 2 * stride_stat, mask=live, other=0.0)
             weights = tl.where(some, tempered * tl.exp((ms - shift) / scale), 0.0).to(tl.float64)
-            target = tl.load(u_ptr + row).to(tl.float64) * tl.sum(weights, axis=0)
+            if KEYED:
+                u = _keyed_uniform(tl.load(u_ptr + row).to(tl.int64) + tl.load(step_ptr + row).to(tl.int64))
+            else:
+                u = tl.load(u_ptr + row).to(tl.float64)
+            target = u * tl.sum(weights, axis=0)
             reach = tl.cumsum(weights, axis=0)
             seg = tl.min(tl.where(live & (reach >= target), segs, COUNT_P2), axis=0)
             last_seg = tl.max(tl.where(live & (weights > 0), segs, 0), axis=0)

@@ -43,7 +43,7 @@ from tinsmith.kernels import lora_segments
 from tinsmith.kernels.lora_segments import RowTiles
 from tinsmith.models.lora_bank import RowSlots, adapters_epoch
 from tinsmith.sampling.kv_cache import RowKVCache
-from tinsmith.sampling.logits import choose_tokens_masked, keyed_uniforms
+from tinsmith.sampling.logits import KeyedUniforms, choose_tokens_masked
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -238,7 +238,7 @@ class DecodeGraphs:
                                           attend=cache.decode_attention(B, cache.capacity, live=inputs.active))
         logits = self.model.logits(hidden[:, 0], groups)
         lengths.add_(inputs.active)
-        u = keyed_uniforms(inputs.keys, inputs.steps)
+        u = KeyedUniforms(inputs.keys, inputs.steps)  # hashed inside the token-choice kernel where it runs
         tok, lp, best = choose_tokens_masked(logits, inputs.temperature, inputs.top_k, inputs.top_p, u,
                                              inputs.truncates if variant.truncating else None, variant.all_greedy,
                                              variant.top)

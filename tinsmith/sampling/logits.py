@@ -53,6 +53,22 @@ def keyed_uniforms(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return (_srl(h, 11).double() + 0.5) / float(1 << 53)
 
 
+@dataclass(frozen=True)
+class KeyedUniforms:
+    """A step's uniforms not made yet: ``keyed_uniforms(keys, steps)``. The token-choice kernel
+    hashes them itself (one launch where torch takes 18 small ones); the torch path makes them."""
+
+    keys: torch.Tensor
+    steps: torch.Tensor
+
+    def made(self) -> torch.Tensor:
+        return keyed_uniforms(self.keys, self.steps)
+
+
+def _made(u: torch.Tensor | KeyedUniforms) -> torch.Tensor:
+    return u.made() if isinstance(u, KeyedUniforms) else u
+
+
 def fold_seed(seed: int) -> int:
     """Any Python int (the SDK allows 64-bit and beyond) folded into int64."""
     s = seed & _MASK64
@@ -89,7 +105,7 @@ def choose_tokens(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    u: torch.Tensor,
+    u: torch.Tensor | KeyedUniforms,
     kinds: RowKinds | None = None,
     need_full: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -105,6 +121,7 @@ def choose_tokens(
         chosen = token_draw.draw(logits, temperature, u, kinds.all_greedy)
         if chosen is not None:
             return (*chosen, None)
+    u = _made(u)
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     V = logits.shape[-1]
@@ -137,7 +154,7 @@ def choose_tokens_masked(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    u: torch.Tensor,
+    u: torch.Tensor | KeyedUniforms,
     truncates: torch.Tensor | None,
     all_greedy: bool,
     top: int = 0,
@@ -155,6 +172,7 @@ def choose_tokens_masked(
         chosen = token_draw.draw(logits, temperature, u, all_greedy)
         if chosen is not None:
             return (*chosen, None)
+    u = _made(u)
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     argmax = logits.argmax(dim=-1)

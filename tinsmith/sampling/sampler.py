@@ -40,7 +40,7 @@ from tinsmith.sampling.kv_cache import BLOCK as KV_BLOCK
 from tinsmith.sampling.kv_cache import KVTally, RowKVCache, RowNeed, recording_attention
 from tinsmith.sampling.paged_kv_cache import PagedKVCache
 from tinsmith.sampling.recurrent_state import PrefillStates
-from tinsmith.sampling.logits import RowKinds, choose_tokens, draw_per_row, fold_seed, keyed_uniforms, row_keys, uniforms
+from tinsmith.sampling.logits import KeyedUniforms, RowKinds, choose_tokens, draw_per_row, fold_seed, row_keys, uniforms
 from tinsmith.sampling.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from tinsmith.sampling.prompt_states import PromptSnapshot, PromptSnapshots
 from tinsmith.sampling.stops import StopSpec, StringStopWatcher, stop_spec
@@ -1541,7 +1541,7 @@ class Sampler:
                                               attend=self.cache.decode_attention(n, span - (k - 1 - i)))
             logits = self.model.logits(hidden[:, 0], batch.groups)
             self.cache.lengths[:n] += 1
-            u = keyed_uniforms(batch.keys, batch.steps)
+            u = KeyedUniforms(batch.keys, batch.steps)
             tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds,
                                           need_full=any(k > 0 for k in asks))
             batch.last, batch.steps = tok, batch.steps + 1
