@@ -10,6 +10,7 @@ import torch
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
 from tests.gpu.helpers import assert_kernel_samples_as_torch
+from tests.kernels.test_token_draw import test_the_kernel_hashes_the_uniforms_bit_for_bit as hashes_bit_for_bit
 from tests.kernels.test_token_draw import torch_choice
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import lora_gather, token_draw
@@ -71,3 +72,9 @@ def test_the_sampler_samples_through_the_kernel_as_through_torch(tmp_path, monke
     model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)
     model = load_model(str(model_dir), device=DEVICE, dtype=torch.float32).model
     assert_kernel_samples_as_torch(model, token_draw, [9 + 40 * i for i in range(5)], 30, monkeypatch)
+
+
+def test_the_compiled_kernel_hashes_the_uniforms_bit_for_bit():
+    """The pick kernel's own splitmix64 (unsigned 64-bit constants, wrapping products) compiled
+    for the GPU: ``keyed_uniforms``' float64 uniforms to the last bit."""
+    hashes_bit_for_bit()

@@ -81,7 +81,7 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, u, all_greedy: bool = 
 
 def _launch(logits, temperature, u, tokens, logprobs, all_greedy: bool):
     keyed = not isinstance(u, torch.Tensor)  # KeyedUniforms (not imported: logits imports this module)
-    draws = (u.keys, u.steps) if keyed else (u, u)
+    draws = (u.keys.contiguous(), u.steps.contiguous()) if keyed else (u.contiguous(),) * 2
     rows, vocab = logits.shape
     block = min(BLOCK, triton.next_power_of_2(vocab))
     count, per = segments(vocab, block)
