@@ -506,6 +506,36 @@ def nested(depth: int) -> Any:
 
 
 @sqlite_only
+def test_a_client_gone_before_its_body_arrived_is_no_server_error(app):
+    """A client that closes its connection halfway through a body (the SDK cancels a pending poll
+    when it closes) gets no 500 and leaves no traceback (the autouse check): the request ends as
+    499, and the app goes on serving."""
+    sent: list[dict] = []
+
+    async def call() -> None:
+        messages = iter([{"type": "http.request", "body": b'{"target": {', "more_body": True},
+                         {"type": "http.disconnect"}])
+
+        async def receive() -> dict:
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        path = "/api/v1/retrieve_futures"
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"x-api-key", KEY["X-API-Key"].encode()), (b"content-type", b"application/json"),
+                             (b"content-length", b"400")],
+                 "client": ("testclient", 50000), "server": ("testserver", 80)}
+        await app.client.app(scope, receive, send)
+
+    app.client.portal.call(call)
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    app.ok("POST", "/api/v1/create_session", {"tags": ["after a client left"]})
+
+
+@sqlite_only
 def test_deeply_nested_json_is_refused(app):
     report = Report()
     deep = b"[" * 100_000 + b"]" * 100_000

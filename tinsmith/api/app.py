@@ -8,9 +8,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tinsmith.api.observe import RequestObserver, note_request
 from tinsmith.api.routes import ROUTERS
@@ -18,6 +19,7 @@ from tinsmith.errors import TinsmithError, TooManyRequestsError
 from tinsmith.server.state import ServerState
 
 log = logging.getLogger(__name__)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned
 
 
 def _field_errors(exc: RequestValidationError | ValidationError) -> str:
@@ -112,6 +114,14 @@ def create_app(state: ServerState) -> FastAPI:
         # Always a body: the SDK treats an empty 400 as a proxy failure and retries.
         note_request(reason=str(exc.detail))
         return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, exc: ClientDisconnect):
+        # The client went away before its body arrived (the SDK cancels a pending poll when a
+        # client closes): nobody reads the answer, and it is no server error. 499 is nginx's
+        # "client closed request", so the request log says what happened.
+        note_request(reason="the client closed the connection before its request body arrived")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception):
