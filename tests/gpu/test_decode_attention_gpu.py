@@ -15,7 +15,7 @@ from tests.kernels.test_decode_attention import reference
 from tests.kernels.support import skip_if_interpreter_cannot_loop_to_loaded_bounds
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import decode_attention as da
-from tinsmith.kernels import lora_gather
+from tinsmith.kernels import lora_gather, tickets
 from tinsmith.models.loading import load_model
 
 pytestmark = pytest.mark.gpu
@@ -90,7 +90,7 @@ def test_the_last_split_combines_the_same_whatever_the_order():
     first = da.decode_attention(q, K, V, n_keys, 4096)
     for _ in range(100):
         assert torch.equal(da.decode_attention(q, K, V, n_keys, 4096), first)
-    assert not lora_gather._tickets(q.device).any()
+    assert not tickets.counters(q.device).any()
     da.COMBINE_IN_SPLITS = False
     try:
         kernel = da.decode_attention(q, K, V, n_keys, 4096)

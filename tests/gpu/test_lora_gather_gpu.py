@@ -10,6 +10,7 @@ import torch
 
 from tests.gpu.conftest import DEVICE
 from tinsmith.kernels import lora_gather as lg
+from tinsmith.kernels import tickets
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +33,7 @@ def test_the_last_program_sums_in_split_order_under_concurrency(rows, k, parts):
     assert lg._shrink_launch(x, A, idx, None, summed=True)[1] is not None
     for _ in range(200):
         assert torch.equal(lg.shrink_triton(x, A, idx), want)
-    assert not lg._tickets(x.device).any()
+    assert not tickets.counters(x.device).any()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -45,4 +46,4 @@ def test_the_last_program_sums_in_split_order_under_concurrency(rows, k, parts):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want.expand(20, *want.shape))
-    assert not lg._tickets(x.device).any()
+    assert not tickets.counters(x.device).any()

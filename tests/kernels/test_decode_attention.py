@@ -77,7 +77,7 @@ def test_the_last_split_combines_as_the_combine_kernel(sinks, monkeypatch):
     """The splits combined by their last program (one launch) and by the combine kernel: the same
     output to rounding (their sums run in another order), rows whose later splits saw no key
     among them; the counters back at zero; too many rows for the counters: the combine kernel."""
-    from tinsmith.kernels import lora_gather
+    from tinsmith.kernels import tickets
 
     device = kernel_device()
     skip_if_interpreter_cannot_loop_to_loaded_bounds()
@@ -85,13 +85,13 @@ def test_the_last_split_combines_as_the_combine_kernel(sinks, monkeypatch):
     sink = torch.tensor([0.5, -1.0, 3.0, 2.0], device=device) if sinks else None
     n_keys = torch.tensor([1, 200, 70, 129], device=device)
     got = da.decode_attention(q, K, V, n_keys, 200, sinks=sink, splits=4)
-    assert not lora_gather._tickets(q.device).any()
+    assert not tickets.counters(q.device).any()
     monkeypatch.setattr(da, "COMBINE_IN_SPLITS", False)
     kernel = da.decode_attention(q, K, V, n_keys, 200, sinks=sink, splits=4)
     torch.testing.assert_close(got, kernel, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got, reference(q, K, V, n_keys, 200, sink), rtol=2e-5, atol=2e-5)
     monkeypatch.setattr(da, "COMBINE_IN_SPLITS", True)
-    monkeypatch.setattr(lora_gather, "TICKETS", 4 * 2 - 1)
+    monkeypatch.setattr(tickets, "CAPACITY", 4 * 2 - 1)
     torch.testing.assert_close(da.decode_attention(q, K, V, n_keys, 200, sinks=sink, splits=4), kernel,
                                rtol=0, atol=0)
 

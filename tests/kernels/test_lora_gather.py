@@ -8,6 +8,7 @@ import torch
 
 from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
 from tinsmith.kernels import lora_gather as lg
+from tinsmith.kernels import tickets
 
 
 def per_row(x, A_bank, B_bank, idx):
@@ -239,14 +240,17 @@ def test_split_shrink_then_expand_parts_equal_each_part_alone(dtype, split, outs
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [2, 3, 7])
-def test_the_last_program_adds_the_partials_in_split_order(dtype, split, monkeypatch):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_the_last_program_adds_the_partials_in_split_order(dtype, split, parts, monkeypatch):
     """The summed shrink (one launch) equals the partials added in split order, bit for bit, and
-    the same again on a second call: the tickets are back at zero after every call. More rows
-    than there are tickets: torch adds the partials, the same values."""
+    the same again on a second call: the tickets are back at zero after every call, those of
+    every block of outputs (three parts of rank 32 are two blocks). More rows than there are
+    tickets: torch adds the partials, the same values."""
     device = kernel_device()
     if device == "cpu":
         monkeypatch.setattr(lg, "CPU_MAX_BLOCK", 32)
-    x, A, _, idx, _, _ = bank_case(dtype, device)
+    x, A, _, idx, _, _ = bank_case(dtype, device, parts=parts, bank_rank=8 if parts == 1 else 32,
+                                   outs=(70,) * parts)
     p = lg.shrink_partials_triton(x, A, idx, split)
     assert p.shape[1] == split or device != "cpu"
     in_order = p[:, 0].clone()
@@ -255,11 +259,12 @@ def test_the_last_program_adds_the_partials_in_split_order(dtype, split, monkeyp
     h = lg.shrink_triton(x, A, idx, split)
     assert torch.equal(h, in_order)
     assert lg._shrink_launch(x, A, idx, split, summed=True)[1] is not None  # the kernel added them
-    assert not lg._tickets(x.device).any()
+    assert not tickets.counters(x.device).any()
     assert torch.equal(lg.shrink_triton(x, A, idx, split), h)
-    monkeypatch.setattr(lg, "TICKETS", x.shape[0] - 1)  # too few counters: the partials go to torch
+    capacity = tickets.CAPACITY
+    monkeypatch.setattr(tickets, "CAPACITY", x.shape[0] - 1)  # too few counters: the partials go to torch
     torch.testing.assert_close(lg.shrink_triton(x, A, idx, split), h, rtol=1e-6, atol=1e-6)
-    monkeypatch.setattr(lg, "TICKETS", 1 << 14)
+    monkeypatch.setattr(tickets, "CAPACITY", capacity)
     monkeypatch.setattr(lg, "SUM_IN_KERNEL", False)
     torch.testing.assert_close(lg.shrink_triton(x, A, idx, split), h, rtol=1e-6, atol=1e-6)
 

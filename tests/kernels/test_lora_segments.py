@@ -9,6 +9,7 @@ import torch
 from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
 from tests.kernels.test_lora_gather import TOL, bank_case, parts_case, per_part, per_row_expand, per_row_shrink
 from tinsmith.kernels import lora_gather as lg
+from tinsmith.kernels import tickets
 from tinsmith.kernels import lora_segments as ls
 
 
@@ -61,7 +62,7 @@ def test_segmented_kernels_equal_the_gathered_torch_path(dtype, shape, monkeypat
         for s in range(1, partials.shape[1]):
             in_order += partials[:, s]
         assert summed is not None and torch.equal(summed, in_order)
-        assert not lg._tickets(x.device).any()
+        assert not tickets.counters(x.device).any()
     out = B.shape[1]
     base = torch.randn(n, out + 5, generator=g).to(device, dtype)
     y = base.clone()

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from tinsmith.kernels import lora_gather
+from tinsmith.kernels import tickets
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton, triton_available
 
@@ -128,9 +128,8 @@ if triton is not None:
                      out, mask=h_mask[:, None] & d_mask[None, :])
             tl.store(lse_ptr + row * stride_ln + out_heads * stride_lh + split, lse, mask=h_mask)
             if COMBINE:
-                tl.debug_barrier()  # every thread's partial stored before the ticket is taken
                 counter = ticket_ptr + row * tl.num_programs(1) + g
-                ticket = tl.atomic_add(counter, 1, sem="acq_rel")  # release the partial; acquire the others'
+                ticket = tickets.take(counter)
                 last = h_mask & ((heads * 0 + ticket) == splits - 1)  # per element: interpreters differ on scalars
                 lses = lse_ptr + row * stride_ln + out_heads * stride_lh
                 top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -153,7 +152,7 @@ if triton is not None:
                 total = tl.where(last, total, 1.0)
                 tl.store(out_ptr + row * stride_on + out_heads[:, None] * stride_oh + dims[None, :],
                          (mixed / total[:, None]).to(out_ptr.dtype.element_ty), mask=last[:, None] & d_mask[None, :])
-                tl.store(counter + heads * 0, heads * 0, mask=(heads == 0) & ((heads * 0 + ticket) == splits - 1))
+                tickets.hand_back(counter, ticket, splits, BLOCK_H)
 
     @triton.jit
     def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, splits,
@@ -243,10 +242,10 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: 
     assert page % block_n == 0, f"pages of {page} positions are not whole blocks of {block_n}"
     o = out[:, :, 0]
     sink_arg = sinks if sinks is not None else lse
-    combine = not direct and COMBINE_IN_SPLITS and n * hk <= lora_gather.TICKETS
+    combine = not direct and COMBINE_IN_SPLITS and tickets.fits(n * hk)
     _split_kernel[(n, hk, splits)](
         qv, K, V, n_keys, n_keys if table is None else table, part, lse, sink_arg, o,
-        lora_gather._tickets(q.device) if combine else n_keys, d ** -0.5, per, splits,
+        tickets.counters(q.device) if combine else n_keys, d ** -0.5, per, splits,
         qv.stride(0), qv.stride(1), K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2),
         0 if table is None else table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),

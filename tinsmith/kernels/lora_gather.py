@@ -27,10 +27,9 @@ last of them to finish adds the partials up, in split order: each program stores
 then takes a ticket (an atomic count per row and block, which the last one sets back to zero), so
 the sum needs no second launch (a small torch sum of about 2 us on an H200, four a layer, was one
 before). The atomics only count: every sum is taken in the same order whatever the scheduling, so
-a graph-replayed step equals the eager one and seeded runs repeat bit for bit. The counters are
-kept per device (:func:`_tickets`), for calls that run one after another. Where there are more
-rows than counters, torch adds the partials. ``split`` depends only on the shapes
-(rows, rank, input size). Summing the partials in the expand instead was slower on an H200: the
+a graph-replayed step equals the eager one and seeded runs repeat bit for bit
+(:mod:`tinsmith.kernels.tickets`). Where there are more rows than counters, torch adds the
+partials. ``split`` depends only on the shapes (rows, rank, input size). Summing the partials in the expand instead was slower on an H200: the
 expand runs thousands of programs (rows x output blocks) and each summed them again; at 256 rows
 an expand took 3-4x as long. The torch functions are the CPU path and the reference the kernels
 are tested against.
@@ -40,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from tinsmith.kernels import guard
+from tinsmith.kernels import guard, tickets
 from tinsmith.kernels.guard import KernelGuard
 
 try:  # optional: ``pip install 'tinsmith[gpu]'``
@@ -152,15 +151,14 @@ if triton is not None:
         partials = out_ptr + row.to(tl.int64) * stride_on + offs_r * stride_or
         tl.store(partials + split * stride_os, acc, mask=r_mask)
         if SUM:
-            tl.debug_barrier()  # every thread's partial stored before the ticket is taken
             counter = ticket_ptr + row * tl.num_programs(1) + tl.program_id(1)
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel")  # release the partial; acquire the others'
+            ticket = tickets.take(counter)
             last = (offs_r * 0 + ticket) == SPLITS - 1  # per element, as the slot above
             total = tl.zeros([BLOCK_R], dtype=tl.float32)
             for s in range(SPLITS):  # split order, whichever program came last
                 total += tl.load(partials + s * stride_os, mask=r_mask & last, other=0.0, cache_modifier=".cg")
             tl.store(h_ptr + row.to(tl.int64) * stride_hn + offs_r * stride_hr, total, mask=r_mask & last)
-            tl.store(counter + offs_r * 0, offs_r * 0, mask=(offs_r == 0) & last)  # zero for the next launch
+            tickets.hand_back(counter, ticket, SPLITS, BLOCK_R)
 
     @triton.jit
     def _bgmv_expand_kernel(h_ptr, b_ptr, idx_ptr, hoff_ptr, y_ptr, O: tl.constexpr, R: tl.constexpr,
@@ -207,7 +205,7 @@ def _shrink_blocks(R: int, K: int, cpu: bool) -> tuple[int, int]:
 
 
 def shrink_split(rows: int, R: int, K: int, cpu: bool = False) -> int:
-    """How many programs share each row's reduction: enough for about :data:`SHRINK_PROGRAMS`
+    """How many programs share each row's (or the segmented shrink's tile's) reduction: enough for about :data:`SHRINK_PROGRAMS`
     programs in all, at most :data:`SHRINK_MAX_SPLIT` and one K block each (1 once the rows alone
     fill the GPU: then the partials' sum only costs). Shapes only, so a captured decode step keeps
     its grid. :data:`SHRINK_SPLIT` overrides it."""
@@ -218,9 +216,10 @@ def shrink_split(rows: int, R: int, K: int, cpu: bool = False) -> int:
     return max(1, min(triton.cdiv(SHRINK_PROGRAMS, per_split), SHRINK_MAX_SPLIT, triton.cdiv(K, block_k)))
 
 
-def _split_of(n: int, K: int, R: int, cpu: bool, split: int | None) -> tuple[int, int, int, int]:
-    """(splits, inputs a split, BLOCK_R, BLOCK_K) of a shrink: ``split`` (None: :func:`shrink_split`)
-    slices of whole K blocks, fewer when the blocks run out, none past the input."""
+def shrink_plan(n: int, K: int, R: int, cpu: bool, split: int | None) -> tuple[int, int, int, int]:
+    """(splits, inputs a split, BLOCK_R, BLOCK_K) of a shrink over ``n`` rows (or the segmented
+    shrink's tiles): ``split`` (None: :func:`shrink_split`) slices of whole K blocks, fewer when the
+    blocks run out, none past the input."""
     block_r, block_k = _shrink_blocks(R, K, cpu)
     blocks = triton.cdiv(K, block_k)
     split = max(1, min(shrink_split(n, R, K, cpu) if split is None else split, blocks))
@@ -235,40 +234,20 @@ def _shrink_launch(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor, spl
     the rows and the reduction is split."""
     n, K = x.shape
     R = A_bank.shape[1]
-    split, k_split, block_r, block_k = _split_of(n, K, R, x.device.type == "cpu", split)
+    split, k_split, block_r, block_k = shrink_plan(n, K, R, x.device.type == "cpu", split)
     out = torch.empty(n, split, R, dtype=torch.float32, device=x.device)
     r_blocks = triton.cdiv(R, block_r)
-    tickets = _tickets(x.device) if summed and split > 1 and n * r_blocks <= TICKETS else None
-    h = None if tickets is None else torch.empty(n, R, dtype=torch.float32, device=x.device)
+    counters = tickets.counters(x.device) if summed and split > 1 and tickets.fits(n * r_blocks) else None
+    h = None if counters is None else torch.empty(n, R, dtype=torch.float32, device=x.device)
     if n == 0:
         return out, h
     target = out[:, 0] if h is None else h
     _bgmv_shrink_kernel[(n, r_blocks, split)](
-        x, A_bank, idx, out, target, out if tickets is None else tickets, R, K, k_split, split, x.stride(0),
+        x, A_bank, idx, out, target, out if counters is None else counters, R, K, k_split, split, x.stride(0),
         x.stride(1), A_bank.stride(0), A_bank.stride(1), A_bank.stride(2), out.stride(0), out.stride(1),
-        out.stride(2), target.stride(0), target.stride(1), SUM=tickets is not None, BLOCK_R=block_r,
+        out.stride(2), target.stride(0), target.stride(1), SUM=counters is not None, BLOCK_R=block_r,
         BLOCK_K=block_k)
     return out, h
-
-
-# Counters a device keeps for the shrink's tickets, one per row and block of outputs (rows x
-# rank blocks of one call at most; more rows than that take torch's sum of the partials).
-TICKETS = 1 << 14
-_ticket_counters: dict[tuple, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device) -> torch.Tensor:
-    """``device``'s zeroed int32 counters. Every call leaves them at zero, so calls that run one
-    after another share them, captured graphs too (their first step runs eagerly before the
-    capture, which makes them outside the graph's memory). Calls on one device must not run at
-    once on two streams: the engine issues a device's work in order (a side stream's warm-up
-    step is joined before anything else runs). Never freed: a captured graph holds their address."""
-    index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
-    key = (device.type, index)
-    counters = _ticket_counters.get(key)
-    if counters is None:
-        counters = _ticket_counters[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
-    return counters
 
 
 # Whether the shrink's last program adds its row's partials (one launch); False: torch adds them

@@ -34,9 +34,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tinsmith.kernels import lora_gather
+from tinsmith.kernels import lora_gather, tickets
 from tinsmith.kernels.guard import KernelGuard
-from tinsmith.kernels.lora_gather import CPU_MAX_BLOCK, SHRINK_MAX_SPLIT, SHRINK_PROGRAMS, triton
+from tinsmith.kernels.lora_gather import CPU_MAX_BLOCK, triton
 from tinsmith.transfers import to_device
 
 tl = None
@@ -159,15 +159,14 @@ if triton is not None:
         mask = m_mask[:, None] & r_mask[None, :]
         tl.store(partials + split * stride_os, acc, mask=mask)
         if SUM:
-            tl.debug_barrier()  # every thread's partial stored before the ticket is taken
             counter = ticket_ptr + t * tl.num_programs(1) + tl.program_id(1)
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            ticket = tickets.take(counter)
             mask = mask & ((offs_r[None, :] * 0 + ticket) == SPLITS - 1)
             total = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             for s in range(SPLITS):  # split order, whichever program came last
                 total += tl.load(partials + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(h_ptr + rows[:, None] * stride_hn + offs_r[None, :] * stride_hr, total, mask=mask)
-            tl.store(counter + offs_r * 0, offs_r * 0, mask=(offs_r == 0) & ((offs_r * 0 + ticket) == SPLITS - 1))
+            tickets.hand_back(counter, ticket, SPLITS, BLOCK_R)
 
     @triton.jit
     def _sgmv_expand_kernel(h_ptr, b_ptr, order_ptr, slot_ptr, first_ptr, count_ptr, hoff_ptr, y_ptr,
@@ -209,29 +208,17 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
 
-def shrink_split(tiles: int, R: int, K: int, cpu: bool = False) -> int:
-    """Programs sharing each tile's reduction: about ``SHRINK_PROGRAMS`` in all, at most
-    ``SHRINK_MAX_SPLIT`` and one K block each (the gathered shrink's rule, per tile)."""
-    block_r, block_k = _pow2(R, 16, 64), _pow2(K, 16, CPU_MAX_BLOCK if cpu else 128)
-    per_split = max(1, tiles) * triton.cdiv(R, block_r)
-    return max(1, min(triton.cdiv(SHRINK_PROGRAMS, per_split), SHRINK_MAX_SPLIT, triton.cdiv(K, block_k)))
-
-
 def _shrink_launch(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles, split: int | None,
                    summed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(partials (rows, splits, r) fp32, their sum (rows, r) when the kernel added them up, else
     None), as the gathered shrink's (:func:`tinsmith.kernels.lora_gather._shrink_launch`)."""
     n, K = x.shape
     R = A_bank.shape[1]
-    cpu = x.device.type == "cpu"
-    block_r, block_k = _pow2(R, 16, 64), _pow2(K, 16, CPU_MAX_BLOCK if cpu else 128)
-    blocks = triton.cdiv(K, block_k)
-    split = max(1, min(shrink_split(tiles.tiles, R, K, cpu) if split is None else split, blocks))
-    k_split = triton.cdiv(blocks, split) * block_k
-    split = triton.cdiv(K, k_split)
+    # The gathered shrink's blocks and split, with a tile's programs where it has a row's.
+    split, k_split, block_r, block_k = lora_gather.shrink_plan(tiles.tiles, K, R, x.device.type == "cpu", split)
     out = torch.empty(n, split, R, dtype=torch.float32, device=x.device)
     r_blocks = triton.cdiv(R, block_r)
-    fits = summed and split > 1 and tiles.tiles * r_blocks <= lora_gather.TICKETS
+    fits = summed and split > 1 and tickets.fits(tiles.tiles * r_blocks)
     h = torch.empty(n, R, dtype=torch.float32, device=x.device) if fits else None  # every row is in a tile
     if n == 0 or tiles.tiles == 0:
         return out.zero_(), None if h is None else h.zero_()
@@ -239,7 +226,7 @@ def _shrink_launch(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles, split
     widen = x.dtype == torch.bfloat16
     _sgmv_shrink_kernel[(tiles.tiles, r_blocks, split)](
         x, A_bank, tiles.order, tiles.slot, tiles.first, tiles.count, out, target,
-        lora_gather._tickets(x.device) if fits else out, R, K, k_split, split,
+        tickets.counters(x.device) if fits else out, R, K, k_split, split,
         x.stride(0), x.stride(1), A_bank.stride(0), A_bank.stride(1), A_bank.stride(2),
         out.stride(0), out.stride(1), out.stride(2), target.stride(0), target.stride(1), SUM=fits,
         WIDEN=widen, PRECISION="tf32" if widen else "ieee", BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
