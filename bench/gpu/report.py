@@ -47,6 +47,22 @@ def _four_by_eight(lo: dict) -> str:
     return next((k for k in lo.get("tenants", {}) if k.startswith("4x")), "4x8")
 
 
+def _sft_curves(name: str, c: dict | None) -> list[str]:
+    """One line for curves.py's item: how far each curve strayed from the fp32 plain run."""
+    if not c:
+        return []
+    if "max_rel_dev" not in c:
+        return [f"- {name}, SFT loss curves: {_status(c)}"]
+    dev = c["max_rel_dev"]
+    verdict = "yes" if c["within_bf16_noise"] else "no"
+    return [f"- {name}, SFT loss curves ({c['steps']} steps of {c['rows']} docs paragraphs of at most {c['max_len']} "
+            f"tokens, {c['dtype']}, lr {c['learning_rate']:g}; first / last step's loss {c['curves']['tinsmith'][0]:.4f} / "
+            f"{c['curves']['tinsmith'][-1]:.4f}): largest relative straying from the fp32 plain run: tinsmith "
+            f"{dev['tinsmith']:.2e}, among {c['tenants']} tenants {dev['tinsmith_tenants']:.2e}, plain "
+            f"{dev['peft']:.2e}, tinsmith fp32 {dev['tinsmith_fp32']:.2e}; within bf16 noise: {verdict} "
+            f"({c['worst_noise_ratio']:.2f}x the plain run's)"]
+
+
 def _heading(title: str, header: str) -> list[str]:
     """A table's title, its header row and the separator, as many columns as the header names."""
     return [title, "", header, "|" + "---|" * (header.count("|") - 1)]
@@ -112,6 +128,8 @@ def markdown(s: dict) -> str:
                          f"{_get(lo, 'long_context', 'auto_cudnn', 'tokens_per_s')} tok/s, "
                          f"{_get(lo, 'long_context', 'cudnn_vs_auto')}x, MFU 4NT "
                          f"{_get(lo, 'long_context', 'auto_cudnn', 'mfu_4nt', pct=True)}")
+        for name in s["shapes"]:
+            L += _sft_curves(name, tr.get(f"{name}/sft_curves"))
         L.append("")
     L += _profiles(s)
     sa = s.get("sample", {})

@@ -3,7 +3,8 @@
     python -m bench.gpu.run --out DIR [--shapes 1.7B] [--quick] [--device cuda|cpu]
 
 Parts: ``peak`` (the machine's measured ceilings), ``train`` (LoRA / full fine-tune / peft
-baseline, and the kernels of a training step: profile.py), ``sample`` (and the kernels of a decode step) (decode vs the HBM bound, 8 adapters, generate baseline, SDK GRPO and
+baseline, the kernels of a training step: profile.py, a real SFT run's loss curves against the
+plain path: curves.py), ``sample`` (and the kernels of a decode step) (decode vs the HBM bound, 8 adapters, generate baseline, SDK GRPO and
 first-call latency, decode stall while a long prompt is prefilled whole vs chunked), ``moe`` (a Qwen3-30B-A3B-sized layer stack against the dense model of
 equal active parameters). Each item runs guarded: a failure is recorded and the rest still run. Each
 part has a time budget; items that would start after it are recorded as skipped, so the whole
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu import peak as peak_mod
-from bench.gpu import moe, profile, sample, targets, train
+from bench.gpu import curves, moe, profile, sample, targets, train
 from tinsmith.worker.warm_up import configure_device
 from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def run_train() -> None:
         tr = Part("train", BUDGET_S["train"] * a.budget_scale, run_deadline, only)
+        curve_shape = "1.7B" if "1.7B" in shapes else shapes[0]  # its fp32 runs are slow on the large shapes
         for name in shapes:
             n = counts[name]["matmul"]
             tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
                 tr.item("launch_costs", lambda: train.launch_costs(device, a.quick))
                 tr.item("attention_backends", lambda: train.attention_backends(device, peaks, a.quick))
             tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
+            if name == curve_shape:  # the loss curves of a real SFT run, fast path against plain (one shape)
+                tr.item(f"{name}/sft_curves", lambda: curves.sft_curves(dirs[name], device, a.quick))
             if name in ("tiny", "0.6B", "1.7B"):  # a bf16 full copy + AdamW state of 4B/8B does not fit beside the rest
                 tr.item(f"{name}/full_finetune", lambda: train.full_finetune(dirs[name], device, peaks, n, a.quick))
         summary["train"] = tr.results

@@ -40,6 +40,10 @@ TARGETS = (
     Target(14, "16 tenants in one step vs one tenant, 1.7B (2x1024 each)", "train", "1.7B/lora", ("tenants", "16", "vs_one_tenant"), 0.8),
     Target(14, "1x32k with no flags, 1.7B (MFU 4NT)", "train", "1.7B/lora", ("long_context", "auto", "mfu_4nt"), 0.35),
     Target(14, "full fine-tune, 1.7B (MFU 6NT)", "train", "1.7B/full_finetune", ("mfu_6nt",), 0.35),
+    # bench/gpu/curves.py: the runtime's bf16 loss curves (one tenant, and among others) strayed from
+    # the fp32 plain path's by at most twice what the plain path's own bf16 run did
+    Target(14, "SFT loss curves, bf16, 1.7B: straying from fp32 vs the plain bf16 run's (x)", "train", "1.7B/sft_curves",
+           ("worst_noise_ratio",), 2.0, below=True),
     Target(14, "LoRA 8x1024 vs transformers+peft, 1.7B (tok/s ratio)", "train", "1.7B/lora", ("8x1024", "tokens_per_s"), 2.5,
            ratio_of=("train", "1.7B/peft_baseline", ("tokens_per_s",))),
 )

@@ -30,6 +30,10 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert four_by_rows["vs_one_tenant"] > 0 and four_by_rows["phases"]["optimizer_steps_ms"] > 0
     assert "4 tenants x 8 rows vs 1" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["packing"]["packed_vs_padded"] > 0
+    sft = summary["train"]["tiny/sft_curves"]  # fp32 on a CPU: the runtime's curves are the plain path's
+    assert sft["dtype"] == "float32" and len(sft["curves"]["tinsmith"]) == sft["steps"]
+    assert sft["max_rel_dev"]["tinsmith"] < 1e-5 and sft["within_bf16_noise"]
+    assert "SFT loss curves" in (out / "summary.md").read_text()
     long = summary["train"]["tiny/lora"]["long_context"]["auto"]  # attention's matmuls on top of 4NT
     assert long["mfu_with_attention"] > long["mfu_4nt"] > 0
     assert "MFU 4NT / with attention" in (out / "summary.md").read_text()

@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from tinsmith.devtools.peft_twin import peft_twin, twin_name
 from tinsmith.types import Datum
 
 
@@ -18,33 +19,13 @@ def sft_datum(rng: np.random.Generator, n: int, vocab: int, signed: bool = False
 
 def peft_reference(model_dir, rt, unit: int):
     """A transformers+peft model carrying the same LoRA weights as ``rt``'s adapter ``unit``."""
-    import peft
-    import transformers
-
     tr = rt.unit(unit)
-    spec = tr.spec
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    targets = []
-    if spec.train_attn:
-        targets += ["q_proj", "k_proj", "v_proj", "o_proj"]
-    if spec.train_mlp:
-        targets += ["gate_proj", "up_proj", "down_proj"]
-    if spec.train_unembed:
-        targets += ["lm_head"]
-    cfg = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=0.0)
-    ref = peft.get_peft_model(base, cfg)
     ours = dict(tr.named_params)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "lora_" not in name:
-                continue
-            key = name.replace("base_model.model.", "").replace(".default", "")
-            p.copy_(ours[key])
-    return ref, ours
+    return peft_twin(model_dir, tr.spec, ours), ours
 
 
 def peft_grads(ref) -> dict[str, torch.Tensor]:
-    return {n.replace("base_model.model.", "").replace(".default", ""): p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return {twin_name(n): p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
 def assert_rel_close(a: torch.Tensor, b: torch.Tensor, tol: float, name: str = "") -> None:
