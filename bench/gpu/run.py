@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--only", default="", help="comma-separated: run only the items whose key holds one of these "
                                                "(e.g. replay_profile,lora_gather; '1.7B/decode$' names that key alone): "
                                                "a short device call's re-measurement")
+    p.add_argument("--headline", action="store_true",
+                   help="per shape only the issues' target figures (LoRA 8x1024 MFU; decode at 64 and 256 rows): "
+                        "the large shapes in a short device call")
     p.add_argument("--max-wall-s", type=float, default=float("inf"),
                    help="no item starts after this many seconds (so a run under an outer timeout still writes its summary)")
     a = p.parse_args(argv)
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
         curve_shape = "1.7B" if "1.7B" in shapes else shapes[0]  # its fp32 runs are slow on the large shapes
         for name in shapes:
             n = counts[name]["matmul"]
+            if a.headline:  # the issues' figure alone: one tenant's 8 x 1024
+                tr.item(f"{name}/lora", lambda: train.lora_headline(dirs[name], device, peaks, n, a.quick))
+                continue
             tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
             if name == shapes[-1]:  # why the figures are what they are: the step's kernels
                 tr.item(f"{name}/profile", lambda: profile.train_step(dirs[name], device, a.quick))
@@ -133,8 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary["train"] = tr.results
         (a.out / "train.json").write_text(json.dumps(tr.results, indent=2))
 
-    def run_sample() -> None:
-        sa = Part("sample", BUDGET_S["sample"] * a.budget_scale, run_deadline, only)
+    def sample_items(sa: Part) -> None:
         big = shapes[-1]
         # The headline figures first (decode vs the HBM bound and where its time goes, the SDK's
         # first call and GRPO, the generate baseline), so that a run cut short still has them.
@@ -165,6 +170,14 @@ def main(argv: list[str] | None = None) -> dict:
         sa.item(f"{big}/prefix_waves", lambda: sample.prefix_waves(dirs[big], device, a.quick))
         sa.item(f"{big}/chunked_prefill", lambda: sample.chunked_prefill(dirs[big], device, a.quick))
         sa.item(f"{big}/cuda_graphs", lambda: sample.graphs_vs_eager(dirs[big], device, a.quick))
+
+    def run_sample() -> None:
+        sa = Part("sample", BUDGET_S["sample"] * a.budget_scale, run_deadline, only)
+        if a.headline:  # the issues' figures alone: decode at each row count, no adapters
+            for name in shapes:
+                sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick, adapters=False))
+        else:
+            sample_items(sa)
         summary["sample"] = sa.results
         (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
 

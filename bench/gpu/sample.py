@@ -71,8 +71,8 @@ def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int | list[int], 
     return time.perf_counter() - t
 
 
-def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
-    """Decode tokens/s at each row count, and with 8 and 64 adapters against the base model.
+def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True) -> dict:
+    """Decode tokens/s at each row count, and (``adapters``) with 8 and 64 adapters against the base model.
 
     Each figure is the second of two equal runs: the first pays the CUDA graph captures of its
     bucket, spans and adapter mix (what an RL loop pays once, then replays), and is reported
@@ -112,26 +112,27 @@ def in_process(model_dir, device, peak: dict, quick: bool) -> dict:
                                "first_run_tokens_per_s": rows * z["new"] / first,
                                "captures_in_timed_run": captures["second_run"], "timed_run_stats": dict(timed_stats)}
     # Rows take the adapters in turn (64 rows, 64 adapters: one row each), every projection adapted.
-    rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
-    units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]
-    rows = z["rows"][0]
-    base_s = twice(rows, [None])[1]
-    for n in (8, 64):
-        first, multi_s = twice(rows, units[:n])
-        out[f"adapters_{n}"] = {"rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
-                                "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s,
-                                "first_run_tokens_per_s": rows * z["new"] / first}
-        if lora_segments.triton is not None and device.type == "cuda":  # the same rows by tiles (SGMV), same run
-            enabled = lora_segments.ENABLED
-            lora_segments.ENABLED = True
-            try:
-                tiled_s = twice(rows, units[:n])[1]
-            finally:
-                lora_segments.ENABLED = enabled
-            out[f"adapters_{n}"].update({"segmented_tokens_per_s": rows * z["new"] / tiled_s,
-                                         "segmented_vs_base": base_s / tiled_s,
-                                         "segmented_vs_gathered": multi_s / tiled_s,
-                                         "segmented_kernels_failed": lora_segments.GUARD.failed})
+    if adapters:
+        rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
+        units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]
+        rows = z["rows"][0]
+        base_s = twice(rows, [None])[1]
+        for n in (8, 64):
+            first, multi_s = twice(rows, units[:n])
+            out[f"adapters_{n}"] = {"rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
+                                    "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s,
+                                    "first_run_tokens_per_s": rows * z["new"] / first}
+            if lora_segments.triton is not None and device.type == "cuda":  # the same rows by tiles (SGMV), same run
+                enabled = lora_segments.ENABLED
+                lora_segments.ENABLED = True
+                try:
+                    tiled_s = twice(rows, units[:n])[1]
+                finally:
+                    lora_segments.ENABLED = enabled
+                out[f"adapters_{n}"].update({"segmented_tokens_per_s": rows * z["new"] / tiled_s,
+                                             "segmented_vs_base": base_s / tiled_s,
+                                             "segmented_vs_gathered": multi_s / tiled_s,
+                                             "segmented_kernels_failed": lora_segments.GUARD.failed})
     if sampler.graphs is not None:
         out["graphs"] = {"captures": sampler.stats["graph_captures"], "replays": sampler.stats["graph_replays"],
                          "broken": sampler.graphs.broken}

@@ -142,6 +142,26 @@ def with_attention(r: dict, tokens_flops: float, config, seq_len: int, peak: dic
     return r
 
 
+def one_tenant_rate(rt: TrainingRuntime, unit: int, rows: int, L: int, steps: int, n: int, peak: dict) -> dict:
+    """One tenant's step over ``rows`` x ``L`` random tokens: tokens/s, MFU 4NT, and with attention's matmuls."""
+    r = step_rate(rt, {unit: batch(rt.config.vocab_size, rows, L)}, steps)
+    r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
+    return with_attention(r, 4 * n, rt.config, L, peak)
+
+
+def lora_headline(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
+    """The issue's MFU figure alone: LoRA r32 at 8 x 1024, one tenant (``--headline``: the large
+    shapes' targets in a short device call, where :func:`lora`'s every variant would take minutes)."""
+    L, rows = (32, 1) if quick else (1024, 8)
+    lm = load_model(str(model_dir), device=device)
+    rt = TrainingRuntime(lm.model, max_lora_adapters=1, max_lora_rank=RANK)
+    try:
+        unit = rt.create_adapter(LoraSpec(rank=RANK, seed=0))
+        return {"rank": RANK, "seq_len": L, f"{rows}x{L}": one_tenant_rate(rt, unit, rows, L, 2 if quick else 5, n, peak)}
+    finally:
+        del rt, lm
+
+
 def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     """LoRA r32 at 8x1024 and 32x1024 (the first also with the norms, rotary and SiLU-and-multiply
     in torch rather than the training kernels, and with each LoRA op its own autograd node rather
@@ -158,9 +178,7 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     units = [rt.create_adapter(LoraSpec(rank=RANK, seed=i)) for i in range(16)]
     out: dict = {"rank": RANK, "seq_len": L}
     for rows in ((1, 2) if quick else (8, 32)):
-        r = step_rate(rt, {units[0]: batch(vocab, rows, L)}, steps)
-        r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
-        out[f"{rows}x{L}"] = with_attention(r, 4 * n, lm.config, L, peak)
+        out[f"{rows}x{L}"] = one_tenant_rate(rt, units[0], rows, L, steps, n, peak)
     rows = 2 if quick else 8
     kernels = (norm_grad, swiglu)
     try:

@@ -93,3 +93,18 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     beside = summary["sample"]["tiny/beside_training"]
     assert beside["train_kept"] > 0 and beside["sample_kept"] > 0
 
+
+
+def test_headline_runs_the_targets_figures_alone(tmp_path):
+    """``--headline``: per shape one tenant's 8 x 1024 (quick: 1 x 32) and decode without adapters,
+    under the keys the targets read; nothing else."""
+    out = tmp_path / "bench"
+    summary = main(["--out", str(out), "--device", "cpu", "--quick", "--shapes", "tiny", "--headline",
+                    "--parts", "train,sample", "--cache-dir", str(tmp_path / "cache"), "--budget-scale", "100"])
+    assert list(summary["train"]) == ["tiny/lora"] and list(summary["sample"]) == ["tiny/decode"]
+    lora = summary["train"]["tiny/lora"]
+    assert lora["1x32"]["mfu_4nt"] > 0 and lora["1x32"]["mfu_with_attention"] > lora["1x32"]["mfu_4nt"]
+    decode = summary["sample"]["tiny/decode"]
+    assert decode["rows_4"]["tokens_per_s"] > 0 and decode["rows_8"]["tokens_per_s"] > 0
+    assert not any(k.startswith("adapters_") for k in decode)
+    assert "Against the issues' targets" in (out / "summary.md").read_text()
