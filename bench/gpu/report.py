@@ -163,6 +163,16 @@ def markdown(s: dict) -> str:
                          f"{_get(db, rk, 'burst_4_again')} | {_get(db, rk, 'scattered_ahead_vs_read_first')} | "
                          f"{_status(db)} |")
         L.append("")
+        for name in s["shapes"]:
+            dl = sa.get(f"{name}/dependent_launches")
+            if dl:
+                on = "on" if dl.get("active") else f"off ({dl.get('off_reason')})"
+                L.append(f"- {name}, {dl.get('rows', '-')} rows, Triton kernels launched dependent on the kernel "
+                         f"before (programmatic dependent launch, {on}) vs as before: base model "
+                         f"{_get(dl, 'base', 'on_vs_off')}x ({_get(dl, 'base', 'off_tokens_per_s')} tok/s off), "
+                         f"8 adapters {_get(dl, 'adapters_8', 'on_vs_off')}x "
+                         f"({_get(dl, 'adapters_8', 'off_tokens_per_s')} tok/s off) {_status(dl)}")
+        L.append("")
         L += _heading("## Decode with CUDA graphs vs eager (tokens/s)",
                       "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |")
         for name in s["shapes"]:

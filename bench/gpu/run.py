@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                 sa.item(f"{name}/decode_profile", lambda: profile.decode_step(dirs[name], device, a.quick))
                 sa.item(f"{name}/replay_profile", lambda: profile.decode_replayed(dirs[name], device, a.quick))
                 sa.item(f"{name}/decode_bursts", lambda: sample.decode_bursts(dirs[name], device, a.quick))
+                sa.item(f"{name}/dependent_launches", lambda: sample.dependent_launches(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
             if name == big:  # the SDK on pyqwest, as the hosted service leaves it: its client CPU a request

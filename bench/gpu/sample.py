@@ -17,7 +17,7 @@ import torch
 from bench.cpu_times import cpu_seconds, own_cpu_seconds
 from bench.gpu.peak import sync
 from bench.gpu.shapes import param_counts
-from tinsmith.kernels import lora_segments
+from tinsmith.kernels import lora_segments, pdl
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import LoraSpec, SampleInput, SamplingParams
@@ -136,6 +136,39 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
     if sampler.graphs is not None:
         out["graphs"] = {"captures": sampler.stats["graph_captures"], "replays": sampler.stats["graph_replays"],
                          "broken": sampler.graphs.broken}
+    return out
+
+
+def dependent_launches(model_dir, device, quick: bool) -> dict:
+    """Decode tokens/s with the Triton kernels launched dependent on the kernel before
+    (:mod:`tinsmith.kernels.pdl`) and launched as before, in one process: the first row count's rows
+    of the base model and over 8 adapters. Each mode decodes on a sampler of its own (its graphs
+    captured in that mode), the second of two equal runs timed, in the order on, off, on (so drift
+    shows); ``on_vs_off`` divides the two on runs' mean by the off run."""
+    z = sizes(quick)
+    rows = z["rows"][0]
+    lm = load_model(str(model_dir), device=device)
+    rt = TrainingRuntime(lm.model, max_lora_adapters=8, max_lora_rank=32)
+    units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(8)]
+    probe = torch.empty(1, device=device)
+    out: dict = {"rows": rows, "active": pdl.active(probe),
+                 "off_reason": pdl.off_reason(device) if device.type == "cuda" else "not a CUDA device"}
+    try:
+        for label, slots in (("base", [None]), ("adapters_8", units)):
+            rates: dict[str, list[float]] = {"auto": [], "off": []}
+            for mode in ("auto", "off", "auto"):
+                pdl.ENABLED = mode
+                sampler = server_sampler(lm.model, device, rows)
+                run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=1)  # its captures
+                rates[mode].append(rows * z["new"] / run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=2))
+                del sampler
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            on = sum(rates["auto"]) / len(rates["auto"])
+            out[label] = {"on_tokens_per_s": rates["auto"], "off_tokens_per_s": rates["off"][0],
+                          "on_vs_off": on / rates["off"][0]}
+    finally:
+        pdl.ENABLED = "auto"
     return out
 
 

@@ -74,6 +74,9 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert bursts["burst_4"] > 0 and bursts["burst_16_vs_4"] > 0 and bursts["ahead_vs_read_first"] > 0
     assert bursts["scattered_ahead_vs_read_first"] > 0
     assert "per host read-back" in (out / "summary.md").read_text()
+    dependent = summary["sample"]["tiny/dependent_launches"]  # off on a CPU: the same launches both ways
+    assert not dependent["active"] and dependent["base"]["on_vs_off"] > 0 and dependent["adapters_8"]["on_vs_off"] > 0
+    assert "launched dependent on the kernel before" in (out / "summary.md").read_text()
     assert summary["sample"]["tiny/decode"]["rows_4"]["captures_in_timed_run"] == 0  # no graphs on a CPU
     four, one = summary["train"]["tiny/profile"]["four_tenants"], summary["train"]["tiny/profile"]["one_tenant"]
     assert four["kernels"] > one["kernels"]  # four adapters' own LoRA work

@@ -39,7 +39,9 @@ def skip_if_interpreter_cannot_loop_to_loaded_bounds() -> None:
 
 # What a build script (for :func:`assert_builds_for_hopper`) starts with: ``build(fn, sig, const)``
 # compiles kernel ``fn`` for sm_90 with the given argument types (names the kernel lacks are
-# ignored) and constexpr values (arguments in neither are constexprs left to their defaults).
+# ignored) and constexpr values (arguments in neither are constexprs left to their defaults), and
+# checks that the dependent-launch instructions are there exactly when ``const`` has ``PDL`` on
+# (tinsmith.kernels.pdl).
 BUILD_PRELUDE = """
 import sys
 import triton
@@ -51,7 +53,13 @@ target = GPUTarget("cuda", 90, 32)
 
 def build(fn, sig, const):
     sig = {name: sig.get(name, "constexpr") for name in fn.arg_names}
-    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target)
+    assert kernel.asm["cubin"]
+    ptx = kernel.asm["ptx"]
+    if const.get("PDL"):
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, fn.__name__
+    else:
+        assert "griddepcontrol" not in ptx, fn.__name__
 """
 
 

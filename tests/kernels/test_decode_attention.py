@@ -183,6 +183,7 @@ for dt in sys.argv[1:]:
                                           "PRECISION": precision, "PAGE": 0, "DIRECT": True, "SINKS": True,
                                           "COMBINE": False}),
                       (da._combine_kernel, {"D": 128, "BLOCK_D": 128, "BLOCK_S": 16, "SINKS": True})):
+        const = {**const, "PDL": dt == "bf16"}  # bf16's with the dependent-launch wait (tinsmith.kernels.pdl)
         sig = {name: "constexpr" if name in const else types[name] for name in fn.arg_names}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
 '''

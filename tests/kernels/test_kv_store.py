@@ -72,8 +72,9 @@ for dt in sys.argv[1:]:
     types = {"K_ptr": f"*{dt}", "V_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "page_ptr": "*i64",
              "at_ptr": "*i64", "d": "i32", "stride_kn": "i64", "stride_kh": "i64", "stride_vn": "i64",
              "stride_vh": "i64", "stride_page": "i64", "stride_head": "i64", "stride_pos": "i64"}
-    sig = {name: "constexpr" if name == "BLOCK_D" else types[name] for name in fn.arg_names}
-    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_D": 128}), target=target).asm["cubin"]
+    sig = {name: "constexpr" if name in ("BLOCK_D", "PDL") else types[name] for name in fn.arg_names}
+    const = {"BLOCK_D": 128, "PDL": dt == "bf16"}  # bf16's with the dependent-launch wait (tinsmith.kernels.pdl)
+    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
 '''
 
 

@@ -311,6 +311,7 @@ _COMPILE = BUILD_PRELUDE + """
 from tinsmith.kernels import lora_gather as lg
 
 for dt in sys.argv[1:]:
+    pdl = dt == "bf16"  # bf16's with the dependent-launch wait (tinsmith.kernels.pdl)
     strides = {f"stride_{s}": "i32" for s in ("xn", "xk", "as", "ar", "ak", "on", "os", "or", "hn", "hr")}
     shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": "*fp32", "h_ptr": "*fp32",
               "ticket_ptr": "*i32", **strides}
@@ -319,12 +320,12 @@ for dt in sys.argv[1:]:
     for R, K, k_split, br, summed in ((40, 4096, 4096, 64, False), (32, 2048, 256, 32, True),
                                       (32, 2048, 256, 32, False), (96, 6144, 3072, 64, True)):
         build(lg._bgmv_shrink_kernel, shrink, {"R": R, "K": K, "K_SPLIT": k_split, "SPLITS": -(-K // k_split),
-                                               "SUM": summed, "BLOCK_R": br, "BLOCK_K": 128})
+                                               "SUM": summed, "BLOCK_R": br, "BLOCK_K": 128, "PDL": pdl})
     strides = {f"stride_{s}": "i32" for s in ("hn", "hr", "bs", "bo", "br", "yn", "yo")}
     expand = {"h_ptr": "*fp32", "b_ptr": f"*{dt}", "idx_ptr": "*i64", "hoff_ptr": "*i32", "y_ptr": f"*{dt}", **strides}
     for O, R, seg in ((151936, 40, False), (4096, 32, True), (12288, 128, True)):
         build(lg._bgmv_expand_kernel, expand, {"O": O, "R": R, "SEGMENTED": seg, "BLOCK_O": 128,
-                                               "BLOCK_R": min(64, triton.next_power_of_2(R))})
+                                               "BLOCK_R": min(64, triton.next_power_of_2(R)), "PDL": pdl})
 """
 
 def test_triton_kernels_compile_for_hopper(tmp_path):

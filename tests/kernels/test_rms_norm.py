@@ -215,14 +215,17 @@ for dt in sys.argv[1:]:
     sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "w2_ptr": f"*{dt}", "out_ptr": f"*{dt}", "res_ptr": f"*{dt}",
            "sum_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "heads": "i32", "split": "i32",
            "d": "i32", "eps": "fp32", "stride_row": "i64", "stride_head": "i64", "stride_w": "i64",
-           "stride_rot": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr", "RESIDUAL": "constexpr"}
+           "stride_rot": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr", "RESIDUAL": "constexpr",
+           "PDL": "constexpr"}
+    pdl = dt == "bf16"  # bf16's with the dependent-launch wait (tinsmith.kernels.pdl)
     for block, rotary, residual in ((128, True, False), (128, False, False), (2048, False, False), (2048, False, True)):
         sig_ = {name: sig[name] for name in fn.arg_names}
-        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual}
+        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "PDL": pdl}
         assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
-    sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "BLOCK": "constexpr"}
+    sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "BLOCK": "constexpr",
+           "PDL": "constexpr"}
     for block in (64, 1024):
-        src = ASTSource(fn=swiglu._silu_mul_kernel, signature=sig, constexprs={"BLOCK": block})
+        src = ASTSource(fn=swiglu._silu_mul_kernel, signature=sig, constexprs={"BLOCK": block, "PDL": pdl})
         assert triton.compile(src, target=target).asm["cubin"]
 '''
 

@@ -217,7 +217,7 @@ for dt in sys.argv[1:]:
     sig = {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "stats_ptr": "*fp32", "best_ptr": "*i64",
            "tok_ptr": "*i64", "lp_ptr": "*fp32", "vocab": "i32", "stride_row": "i64", "stride_stat": "i64"}
     for block, sample, count, per in ((4096, True, 38, 1), (4096, False, 38, 1), (1024, True, 5, 3), (4096, True, 1, 38)):
-        const = {"BLOCK": block, "SAMPLE": sample, "COUNT": count, "PER": per}
+        const = {"BLOCK": block, "SAMPLE": sample, "COUNT": count, "PER": per, "PDL": dt == "bf16"}
         build(token_draw._segments_kernel, sig, const)
         for keyed in (False, True):  # the uniforms given, or hashed from keys and steps
             draws = {"u_ptr": "*i64", "step_ptr": "*i64"} if keyed else {"u_ptr": "*fp64", "step_ptr": "*fp64"}

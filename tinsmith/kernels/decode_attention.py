@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from tinsmith.kernels import tickets
+from tinsmith.kernels import pdl, tickets
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton, triton_available
 
@@ -66,7 +66,7 @@ if triton is not None:
                       stride_tn, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
                       REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
-                      SINKS: tl.constexpr, COMBINE: tl.constexpr):
+                      SINKS: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr = False):
         """Partial attention of K/V head ``g``'s ``REP`` query heads over one split of the row's keys.
         ``PAGE`` > 0: K/V are pools of pages of ``PAGE`` positions (``stride_kn`` a page's) and the
         row's page table says which page holds positions ``[j * PAGE, (j + 1) * PAGE)``.
@@ -74,6 +74,7 @@ if triton is not None:
         ``out_ptr`` in its dtype, with ``SINKS``' logits in the denominators (no combine kernel).
         ``COMBINE``: the last of the (row, K/V head)'s ``splits`` programs to finish combines them
         into ``out_ptr`` (``ticket_ptr``: the pair's count of finished programs, zero before and after)."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
@@ -157,8 +158,10 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, splits,
                         stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr):
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """One (row, query head): the splits' partial outputs weighted by their share of the softmax."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         s = tl.arange(0, BLOCK_S)
@@ -250,12 +253,12 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n_keys: 
         0 if table is None else table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
         REP=rep, D=d, BLOCK_H=_pow2(rep, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, PAGE=page,
-        DIRECT=direct, SINKS=sinks is not None, COMBINE=combine)
+        DIRECT=direct, SINKS=sinks is not None, COMBINE=combine, **pdl.options(q))
     if not direct and not combine:
         _combine_kernel[(n, hq)](
             part, lse, sink_arg, o, splits,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
-            D=d, BLOCK_D=block_d, BLOCK_S=_pow2(splits, 2), SINKS=sinks is not None)
+            D=d, BLOCK_D=block_d, BLOCK_S=_pow2(splits, 2), SINKS=sinks is not None, **pdl.options(q))
     return out
 
 

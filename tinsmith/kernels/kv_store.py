@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels import pdl
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
 
@@ -48,7 +49,7 @@ def _launch(K: torch.Tensor, V: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     n, heads, d = k.shape
     block = triton.next_power_of_2(d)
     _store_kernel[(n, heads)](K, V, k, v, page, at, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              K.stride(0), K.stride(1), K.stride(2), BLOCK_D=block, num_warps=1)
+                              K.stride(0), K.stride(1), K.stride(2), BLOCK_D=block, num_warps=1, **pdl.options(k))
     return True
 
 
@@ -56,8 +57,9 @@ if triton is not None:
 
     @triton.jit
     def _store_kernel(K_ptr, V_ptr, k_ptr, v_ptr, page_ptr, at_ptr, d, stride_kn, stride_kh, stride_vn, stride_vh,
-                      stride_page, stride_head, stride_pos, BLOCK_D: tl.constexpr):
+                      stride_page, stride_head, stride_pos, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         """Row ``pid0``'s head ``pid1``: its key and value at (its page, the head, its offset)."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from tinsmith.kernels import guard, tickets
+from tinsmith.kernels import guard, pdl, tickets
 from tinsmith.kernels.guard import KernelGuard
 
 try:  # optional: ``pip install 'tinsmith[gpu]'``
@@ -125,12 +125,13 @@ if triton is not None:
     def _bgmv_shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, h_ptr, ticket_ptr, R: tl.constexpr, K: tl.constexpr,
                             K_SPLIT: tl.constexpr, SPLITS: tl.constexpr, stride_xn, stride_xk, stride_as, stride_ar,
                             stride_ak, stride_on, stride_os, stride_or, stride_hn, stride_hr, SUM: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
         """``out[row, s, o] = sum over k in split s of A[idx[row], o, k] * x[row, k]`` for one row,
         block of ``BLOCK_R`` outputs and split ``s`` (inputs ``[s*K_SPLIT, (s+1)*K_SPLIT)``); zeros
         for slot -1. With ``SUM``, the row and block's last program to finish also writes
         ``h[row, o]``, the partials added in split order (``ticket_ptr``: the row and block's count
         of finished programs, zero before and after)."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0)
         split = tl.program_id(2)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -163,11 +164,13 @@ if triton is not None:
     @triton.jit
     def _bgmv_expand_kernel(h_ptr, b_ptr, idx_ptr, hoff_ptr, y_ptr, O: tl.constexpr, R: tl.constexpr,
                             stride_hn, stride_hr, stride_bs, stride_bo, stride_br, stride_yn, stride_yo,
-                            SEGMENTED: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
+                            SEGMENTED: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """``y[row, o] += B[idx[row], o] @ h[row, hoff[o]:hoff[o] + R]`` for one row and block of
         outputs (``hoff[o]`` = 0 unless ``SEGMENTED``: packed projections); rows of slot -1 are
         left as they are. Packed parts' vectors are gathered per element: cheap L1 hits, and
         faster on an H200 than loading each part's vector whole and selecting per column."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0)
         offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         slot = tl.load(idx_ptr + row).to(tl.int64)
@@ -246,7 +249,7 @@ def _shrink_launch(x: torch.Tensor, A_bank: torch.Tensor, idx: torch.Tensor, spl
         x, A_bank, idx, out, target, out if counters is None else counters, R, K, k_split, split, x.stride(0),
         x.stride(1), A_bank.stride(0), A_bank.stride(1), A_bank.stride(2), out.stride(0), out.stride(1),
         out.stride(2), target.stride(0), target.stride(1), SUM=counters is not None, BLOCK_R=block_r,
-        BLOCK_K=block_k)
+        BLOCK_K=block_k, **pdl.options(x))
     return out, h
 
 
@@ -286,7 +289,7 @@ def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: t
     _bgmv_expand_kernel[(n, triton.cdiv(N, block_n))](
         h, B_bank, idx, idx if h_offsets is None else h_offsets, y, N, R, h.stride(0), h.stride(1),
         B_bank.stride(0), B_bank.stride(1), B_bank.stride(2), y.stride(0), y.stride(1),
-        SEGMENTED=h_offsets is not None, BLOCK_O=block_n, BLOCK_R=block_r)
+        SEGMENTED=h_offsets is not None, BLOCK_O=block_n, BLOCK_R=block_r, **pdl.options(y))
 
 
 # ----------------------------------------------------------------------------- dispatch

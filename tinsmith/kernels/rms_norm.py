@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels import pdl
 from tinsmith.kernels.guard import KernelGuard
 
 try:  # optional: ``pip install 'tinsmith[gpu]'``
@@ -117,7 +118,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split:
         x, weight, weight2, out, delta, total, cos, sin, heads, split, d, eps, x.stride(0), x.stride(1),
         weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0),
         BLOCK_D=block, ROTARY=rotary is not None, RESIDUAL=residual is not None,
-        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
+        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl.options(x))
     return out
 
 
@@ -136,13 +137,15 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, res_ptr, sum_ptr, cos_ptr, sin_ptr, heads, split, d, eps,
                          stride_row, stride_head, stride_w, stride_rot,
-                         BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, RESIDUAL: tl.constexpr):
+                         BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, RESIDUAL: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
         weight (in fp32, rounded once to the output dtype: what a bf16 product does). ``ROTARY``:
         then ``n * cos + roll(n, d/2) * signed_sin`` with each product and the sum rounded, as
         three bf16 operations round (the rolled half is normalised again from its own inputs).
         ``RESIDUAL`` (one head, contiguous rows; never with ``ROTARY``): the vector is first
         ``x + res`` rounded to the dtype, as a bf16 add rounds, and is written to ``sum_ptr`` too."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         pid = tl.program_id(0).to(tl.int64)
         row = pid // heads
         head = pid % heads

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels import pdl
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
 
@@ -170,16 +171,17 @@ def _launch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     rows, width = out.shape
     block = min(BLOCK, triton.next_power_of_2(width))
     _silu_mul_kernel[(rows, triton.cdiv(width, block))](y, out, width, y.stride(0), BLOCK=block,
-                                                        num_warps=4 if block >= 512 else 1)
+                                                        num_warps=4 if block >= 512 else 1, **pdl.options(y))
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(y_ptr, out_ptr, width, stride_row, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(y_ptr, out_ptr, width, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Columns ``[pid1 * BLOCK, ...)`` of one row: the gate half's SiLU, rounded to the
         dtype, times the up half, rounded."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < width

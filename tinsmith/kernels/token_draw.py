@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels import pdl
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
 
@@ -91,10 +92,11 @@ def _launch(logits, temperature, u, tokens, logprobs, all_greedy: bool):
     best = torch.empty(rows, count, dtype=torch.int64, device=logits.device)
     warps = 8 if block >= 2048 else 4
     _segments_kernel[(rows, count)](logits, temperature, stats, best, vocab, logits.stride(0), stats.stride(0),
-                                    COUNT=count, PER=per, BLOCK=block, SAMPLE=not all_greedy, num_warps=warps)
+                                    COUNT=count, PER=per, BLOCK=block, SAMPLE=not all_greedy, num_warps=warps,
+                                    **pdl.options(logits))
     _pick_kernel[(rows,)](logits, temperature, *draws, stats, best, tokens, logprobs, vocab, logits.stride(0),
                           stats.stride(0), COUNT=count, COUNT_P2=triton.next_power_of_2(count), PER=per,
-                          BLOCK=block, SAMPLE=not all_greedy, KEYED=keyed, num_warps=warps)
+                          BLOCK=block, SAMPLE=not all_greedy, KEYED=keyed, num_warps=warps, **pdl.options(logits))
     return tokens
 
 
@@ -113,10 +115,12 @@ if triton is not None:
 
     @triton.jit
     def _segments_kernel(logits_ptr, temp_ptr, stats_ptr, best_ptr, vocab, stride_row, stride_stat,
-                         COUNT: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+                         COUNT: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """One row and segment: the online maximum, its first place and the two sums. Sums are
         taken relative to a finite shift (the maximum so far, 0 while that is -inf), so a segment
         or a start of one of -inf only keeps sums of 0 and a maximum of -inf, never NaN."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         base = logits_ptr + row * stride_row
@@ -150,11 +154,12 @@ if triton is not None:
     @triton.jit
     def _pick_kernel(logits_ptr, temp_ptr, u_ptr, step_ptr, stats_ptr, best_ptr, tok_ptr, lp_ptr, vocab, stride_row,
                      stride_stat, COUNT: tl.constexpr, COUNT_P2: tl.constexpr, PER: tl.constexpr,
-                     BLOCK: tl.constexpr, SAMPLE: tl.constexpr, KEYED: tl.constexpr):
+                     BLOCK: tl.constexpr, SAMPLE: tl.constexpr, KEYED: tl.constexpr, PDL: tl.constexpr = False):
         """One row: its segments combined in vocabulary order, then the inverse-CDF draw within the
         segment where the cumulative weight reaches the target (that segment read again). With
         ``KEYED``, ``u_ptr`` holds the rows' keys and ``step_ptr`` their steps, and the uniform is
         their hash (:func:`_keyed_uniform`)."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_row
         segs = tl.arange(0, COUNT_P2)

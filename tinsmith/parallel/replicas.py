@@ -203,7 +203,8 @@ class ReplicaBase:
 
     def __init__(self, dp: TPGroup, shard: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype,
                  runtime_kwargs: dict, sampler_kwargs: dict):
-        configure_device(device)
+        runtime_kwargs = dict(runtime_kwargs)
+        configure_device(device, dependent_launches=runtime_kwargs.pop("dependent_launches", True))
         self.shard = shard
         decoder_dir = None
         if shard.size > 1:  # as a tensor-parallel rank (serving.RankBase), with the replica's shard group

@@ -80,7 +80,8 @@ class RankBase:
 
     def __init__(self, tp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
                  sampler_kwargs: dict):
-        configure_device(device)
+        runtime_kwargs = dict(runtime_kwargs)
+        configure_device(device, dependent_launches=runtime_kwargs.pop("dependent_launches", True))
         loaded = load_shard(model_dir, tp, dtype)  # one layer at a time: only the shard is kept
         model = loaded.model.to(device)
         # An image-text model's vision tower runs whole on every rank (frozen; the decoder it feeds is sharded).
@@ -441,11 +442,13 @@ class TPSampler:
 
 def runtime_kwargs_of(options) -> dict:
     """The :class:`TPTrainingRuntime` arguments of the worker's options (the micro-batch size
-    comes later, from rank 0: :meth:`TPBase.configure`)."""
+    comes later, from rank 0: :meth:`TPBase.configure`), and whether the rank's process launches
+    kernels dependent on the kernel before (``dependent_launches``, taken out before the runtime is built)."""
     return dict(max_lora_adapters=options.max_lora_adapters, max_lora_rank=options.max_lora_rank,
                 max_training_runs=options.max_training_runs, micro_batch_tokens=options.micro_batch_tokens or 2048,
                 micro_batch_seqs=options.micro_batch_seqs, gradient_checkpointing=options.gradient_checkpointing,
-                packing=options.train_packing)
+                packing=options.train_packing,
+                dependent_launches=options.dependent_launches)  # for the rank's process, not its runtime
 
 
 __all__ = ["OPTION", "ServingRank", "TPBase", "TPRuntime", "TPSampler", "check_servable", "rank_device",

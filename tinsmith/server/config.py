@@ -96,6 +96,7 @@ class ServerConfig(BaseSettings):
     sampler_kv_cache_bytes: NotNegativeInt | None = None  # None: unlimited on CPU, 40% of free memory on CUDA
     sampler_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA only)
     sampler_run_ahead: bool = True  # queue each decode burst before the last one's tokens are read (CUDA only)
+    dependent_launches: bool = True  # Triton kernels scheduled while the kernel before ends (Hopper and newer)
     sampler_kv_cache_layout: KvLayout = "auto"  # auto: paged on CUDA, per-row buffers on CPU
     sampler_prefill_chunk_tokens: NotNegativeInt | None = None  # None: 2048 on CUDA, 512 on CPU; 0: whole prompts
     max_prompt_tokens: AtLeastOne | None = None  # default: the model's context length
@@ -242,6 +243,10 @@ _HELP = {
     "sampler_run_ahead": "queue each decode burst before the last one's tokens are read and recorded, so that "
                          "the device decodes while the host records them (CUDA only: a CPU does both in turn; "
                          "tensor-parallel samplers always read first; --no-sampler-run-ahead reads first always)",
+    "dependent_launches": "launch the Triton kernels (decode attention, norms, the token choice, the adapters' "
+                          "products) dependent on the kernel before (programmatic dependent launch), so that each "
+                          "is scheduled while the one before ends; on Hopper and newer GPUs, after a start-up probe "
+                          "(--no-dependent-launches launches them one after another, as on older GPUs)",
     "sampler_kv_cache_layout": "how each sampler keeps K/V: paged (one pool of 64-position pages, each sequence "
                                "holding the pages it uses; the decode kernels read them in place) or rows (a "
                                "buffer per sequence as long as the longest one); auto: paged on CUDA, rows on CPU, "

@@ -106,6 +106,7 @@ class ServerState:
                 sampler_kv_cache_bytes=config.sampler_kv_cache_bytes,
                 sampler_cuda_graphs=config.sampler_cuda_graphs,
                 sampler_run_ahead=config.sampler_run_ahead,
+                dependent_launches=config.dependent_launches,
                 sampler_kv_cache_layout=config.sampler_kv_cache_layout,
                 sampler_prefill_chunk_tokens=config.sampler_prefill_chunk_tokens,
             )

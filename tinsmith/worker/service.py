@@ -66,6 +66,7 @@ class RuntimeOptions:
     sampler_kv_cache_bytes: int | None = None  # per sampler; None: see Sampler's ``kv_cache_bytes``
     sampler_cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (on CUDA devices)
     sampler_run_ahead: bool = True  # decode bursts queued before the last one is read (on CUDA devices)
+    dependent_launches: bool = True  # Triton kernels launched dependent on the kernel before (tinsmith.kernels.pdl)
     sampler_kv_cache_layout: str = "auto"  # "paged", "rows"; auto: paged on CUDA (see Sampler's ``kv_layout``)
     sampler_prefill_chunk_tokens: int | None = None  # None: see Sampler's ``prefill_chunk_tokens``; 0: whole prompts
     max_runs_per_key: int | None = None  # training runs one owner may hold (None: no per-owner cap)
@@ -215,7 +216,7 @@ class Worker:
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
         """Load ``source`` (dir or HF id) and serve it under ``name``."""
         o = self.options
-        configure_device(torch.device(o.device))
+        configure_device(torch.device(o.device), dependent_launches=o.dependent_launches)
         if o.tensor_parallel_size > 1 or o.data_parallel_size > 1:
             return self._add_tp_base_model(name, source)
         loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))

@@ -23,13 +23,20 @@ log = logging.getLogger(__name__)
 PROMPT_TOKENS, NEW_TOKENS = 24, 8
 
 
-def configure_device(device: torch.device) -> None:
+def configure_device(device: torch.device, dependent_launches: bool = True) -> None:
     """Process-wide switches for ``device``. On CUDA, cuDNN's attention is turned off: it builds an
     execution plan for every new (batch, length) shape, and decoding meets a new length at every
     step (measured: a first sample call of 27-33 s became 5 s, and steady decoding got a little
-    faster, 4.2k vs 3.8k tokens/s); the flash and memory-efficient kernels serve instead."""
+    faster, 4.2k vs 3.8k tokens/s); the flash and memory-efficient kernels serve instead. Whether
+    the Triton kernels launch dependent on the kernel before (:mod:`tinsmith.kernels.pdl`;
+    ``dependent_launches`` False: never, in this process) is probed here, before any request,
+    rather than at the first kernel a request launches."""
+    from tinsmith.kernels import pdl  # late: Triton's import is heavy
+
+    pdl.ENABLED = "auto" if dependent_launches else "off"
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
+        pdl.active(torch.empty(1, device=device))
 
 
 def warm_up(worker, base) -> float:

@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (tinsmith.kernels.pdl) where no GPU is: off for CPU tensors (the
+kernels launch as before, which every interpreted kernel test runs), the probe kernel's arithmetic,
+and the wait and signal instructions in the kernels built for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.support import BUILD_PRELUDE, assert_builds_for_hopper, kernel_device
+from tinsmith.kernels import pdl
+
+
+def test_off_for_cpu_tensors_and_when_switched_off(monkeypatch):
+    x = torch.zeros(4)
+    assert not pdl.active(x) and pdl.options(x) == {}
+    monkeypatch.setattr(pdl, "ENABLED", "off")
+    assert pdl.options(x) == {}
+
+
+def test_this_triton_has_the_instructions():
+    pytest.importorskip("triton")
+    assert pdl.supported()
+
+
+def test_probe_kernel_computes_in_stream_order():
+    """Two launches in a row: ``(x * 2 + 1) * 2 + 3``, the values the probe checks on a GPU."""
+    device = kernel_device()
+    x = torch.ones(3000, dtype=torch.float32, device=device)
+    for add in (1, 3):
+        pdl._probe_kernel[(3,)](x, 3000, ADD=add, BLOCK=1024)
+    assert bool((x == 9).all())
+
+
+_COMPILE = BUILD_PRELUDE + """
+from tinsmith.kernels import kv_store, pdl, swiglu
+
+for on in (False, True):
+    build(pdl._probe_kernel, {"x_ptr": "*fp32", "n": "i32"}, {"ADD": 1, "BLOCK": 1024, "PDL": on})
+    build(kv_store._store_kernel, {"K_ptr": "*bf16", "V_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                                   "page_ptr": "*i64", "at_ptr": "*i64", "d": "i32",
+                                   **{f"stride_{s}": "i64" for s in ("kn", "kh", "vn", "vh", "page", "head", "pos")}},
+          {"BLOCK_D": 128, "PDL": on})
+    build(swiglu._silu_mul_kernel, {"y_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "stride_row": "i64"},
+          {"BLOCK": 1024, "PDL": on})
+"""
+
+
+def test_kernels_wait_and_signal_when_built_with_pdl(tmp_path):
+    """Built for sm_90, a kernel with ``PDL`` holds the grid-dependency wait and signal, one without
+    neither (the other kernels' build tests check theirs the same way)."""
+    assert_builds_for_hopper(_COMPILE, tmp_path)
+
+
+def test_the_servers_option_reaches_every_process(monkeypatch):
+    """``--no-dependent-launches``: the serving process switches them off where it configures its
+    device, and tensor- and data-parallel ranks, which configure theirs, get the option with their
+    runtime's arguments."""
+    from tinsmith.parallel.serving import runtime_kwargs_of
+    from tinsmith.worker.service import RuntimeOptions
+    from tinsmith.worker.warm_up import configure_device
+
+    monkeypatch.setattr(pdl, "ENABLED", "auto")
+    configure_device(torch.device("cpu"), dependent_launches=False)
+    assert pdl.ENABLED == "off"
+    configure_device(torch.device("cpu"))
+    assert pdl.ENABLED == "auto"
+    assert runtime_kwargs_of(RuntimeOptions(dependent_launches=False))["dependent_launches"] is False
