@@ -70,7 +70,7 @@ fn = dr._step_kernel
 for dt in sys.argv[1:]:
     types = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "g_ptr": "*fp32", "beta_ptr": f"*{dt}",
              "s_ptr": "*fp32", "o_ptr": f"*{dt}", "q_scale": "fp32", "eps": "fp32"}
-    const = {"REP": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32}
+    const = {"REP": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "PDL": dt == "bf16"}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target).asm["cubin"]
 '''

@@ -107,12 +107,12 @@ for dt in sys.argv[1:]:
     for R, K, k_split, br, summed in ((96, 2048, 256, 64, True), (32, 6144, 768, 32, False)):
         build(ls._sgmv_shrink_kernel, shrink, {"R": R, "K": K, "K_SPLIT": k_split, "SPLITS": K // k_split,
                                                "SUM": summed, "WIDEN": widen, "PRECISION": precision,
-                                               "BLOCK_M": 16, "BLOCK_R": br, "BLOCK_K": 128})
+                                               "BLOCK_M": 16, "BLOCK_R": br, "BLOCK_K": 128, "PDL": widen})
     strides = {f"stride_{s}": "i32" for s in ("hn", "hr", "bs", "bo", "br", "yn", "yo")}
     expand = {"h_ptr": "*fp32", "b_ptr": f"*{dt}", "hoff_ptr": "*i32", "y_ptr": f"*{dt}", **tables, **strides}
     for O, R, seg in ((2048, 32, False), (4096, 32, True), (12288, 64, True)):
         build(ls._sgmv_expand_kernel, expand, {"O": O, "R": R, "SEGMENTED": seg, "BLOCK_M": 16, "BLOCK_O": 128,
-                                               "BLOCK_R": min(64, triton.next_power_of_2(R))})
+                                               "BLOCK_R": min(64, triton.next_power_of_2(R)), "PDL": widen})
 """
 
 def test_segmented_kernels_compile_for_hopper(tmp_path):

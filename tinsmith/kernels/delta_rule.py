@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from tinsmith.kernels import pdl
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton
 
@@ -49,7 +50,8 @@ if triton is not None:
                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_gh,
                      stride_bn, stride_bh, stride_sn, stride_sh, stride_on, stride_oh, q_scale, eps,
                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
+                     BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -100,7 +102,7 @@ def decode_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
         g2.stride(0), g2.stride(1), b2.stride(0), b2.stride(1), state.stride(0), state.stride(1),
         o3.stride(0), o3.stride(1), dk ** -0.5, L2_EPS,
-        REP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v)
+        REP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, **pdl.options(state))
     return out
 
 

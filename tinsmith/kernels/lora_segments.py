@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tinsmith.kernels import lora_gather, tickets
+from tinsmith.kernels import lora_gather, pdl, tickets
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import CPU_MAX_BLOCK, triton
 from tinsmith.transfers import to_device
@@ -127,11 +127,13 @@ if triton is not None:
                             R: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
                             stride_xn, stride_xk, stride_as, stride_ar, stride_ak, stride_on, stride_os, stride_or,
                             stride_hn, stride_hr, SUM: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """``out[row, s, o] = sum over k in split s of x[row, k] * A[slot, o, k]`` for the rows of
         one tile, block of ``BLOCK_R`` outputs and split ``s``; zeros for a tile of slot -1. With
         ``SUM``, the tile and block's last program to finish also writes ``h[row, o]``, the
         partials added in split order (as the gathered shrink's tickets)."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         t = tl.program_id(0)
         split = tl.program_id(2)
         count = tl.load(count_ptr + t)
@@ -172,10 +174,11 @@ if triton is not None:
     def _sgmv_expand_kernel(h_ptr, b_ptr, order_ptr, slot_ptr, first_ptr, count_ptr, hoff_ptr, y_ptr,
                             O: tl.constexpr, R: tl.constexpr, stride_hn, stride_hr, stride_bs, stride_bo, stride_br,
                             stride_yn, stride_yo, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
+                            BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
         """``y[row, o] += B[slot, o] @ h[row, hoff:hoff + R]`` for the rows of one tile and block of
         outputs (``hoff`` the block's part's offset when ``SEGMENTED``, else 0); a tile of slot -1
         (or an unused one) changes nothing."""
+        pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         t = tl.program_id(0)
         count = tl.load(count_ptr + t)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -229,7 +232,8 @@ def _shrink_launch(x: torch.Tensor, A_bank: torch.Tensor, tiles: RowTiles, split
         tickets.counters(x.device) if fits else out, R, K, k_split, split,
         x.stride(0), x.stride(1), A_bank.stride(0), A_bank.stride(1), A_bank.stride(2),
         out.stride(0), out.stride(1), out.stride(2), target.stride(0), target.stride(1), SUM=fits,
-        WIDEN=widen, PRECISION="tf32" if widen else "ieee", BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
+        WIDEN=widen, PRECISION="tf32" if widen else "ieee", BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
+        **pdl.options(x))
     return out, h
 
 
@@ -277,4 +281,4 @@ def expand(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, tiles: RowTil
         h, B_bank, tiles.order, tiles.slot, tiles.first, tiles.count,
         tiles.order if h_offsets is None else h_offsets, y, N, R,
         h.stride(0), h.stride(1), B_bank.stride(0), B_bank.stride(1), B_bank.stride(2), y.stride(0), y.stride(1),
-        SEGMENTED=h_offsets is not None, BLOCK_M=BLOCK_M, BLOCK_O=block_o, BLOCK_R=_pow2(R, 16, 64))
+        SEGMENTED=h_offsets is not None, BLOCK_M=BLOCK_M, BLOCK_O=block_o, BLOCK_R=_pow2(R, 16, 64), **pdl.options(y))

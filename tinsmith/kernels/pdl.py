@@ -13,6 +13,10 @@ scheduling with this one's last programs. (A kernel launched without the attribu
 torch's, waits for the kernel before it to complete, as always; a kernel that waited completes
 only after the one it waited for, so the order holds across any chain of them.)
 
+The decode step's kernels do (decode attention, the norms, the K/V store, SiLU-and-multiply, the
+token choice, the adapters' shrink and expand, Gated DeltaNet's step); training's do not: a
+training step is bound by the host's launches, not by the gaps between kernels.
+
 Use: a kernel takes ``PDL: tl.constexpr = False`` and calls :func:`wait` with it first thing; its
 launch passes ``**options(tensor)`` (``PDL=True, launch_pdl=True`` where :func:`active`, else
 nothing). :data:`ENABLED` ``"off"`` launches every kernel as before (benchmarks compare the two).
