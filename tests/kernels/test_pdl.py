@@ -66,3 +66,33 @@ def test_the_servers_option_reaches_every_process(monkeypatch):
     configure_device(torch.device("cpu"))
     assert pdl.ENABLED == "auto"
     assert runtime_kwargs_of(RuntimeOptions(dependent_launches=False))["dependent_launches"] is False
+
+
+def test_a_kernel_failing_with_them_runs_again_without(monkeypatch):
+    """A kernel that fails to build or launch dependent on the kernel before switches them off on
+    its device and runs again as before; its family stays on the kernels, not on torch."""
+    from tinsmith.kernels import guard as guard_module
+    from tinsmith.kernels.guard import KernelGuard
+
+    monkeypatch.setattr(guard_module, "triton_interpreting", lambda: False)  # the interpreter raises every failure
+    monkeypatch.setattr(pdl, "_probed", {})
+    monkeypatch.setattr(pdl, "active", lambda t: 0 not in pdl._probed)  # as on a GPU whose probe passed
+    launches = []
+
+    def kernel(x):
+        launches.append(pdl.options(x))
+        if launches[-1]:
+            raise RuntimeError("this build cannot wait on the kernel before")
+        return "ran"
+
+    guard = KernelGuard("test kernels", "torch")
+    x = torch.zeros(1)
+    assert guard.call(kernel, x, on=x) == "ran"
+    assert launches == [{"PDL": True, "launch_pdl": True}, {}]
+    assert guard.failed is None and pdl._probed[0].startswith("a kernel failed with them (RuntimeError")
+    assert guard.call(kernel, x, on=x) == "ran" and launches[-1] == {}  # off from then on
+
+    def broken(x):
+        raise RuntimeError("broken either way")
+
+    assert guard.call(broken, x, on=x) is None and guard.failed.startswith("RuntimeError")  # torch from now on

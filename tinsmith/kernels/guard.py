@@ -2,7 +2,9 @@
 
 A Triton kernel that fails to build or launch on a GPU (an older Triton, an unexpected shape, a
 compiler bug) must not fail the requests that reached it: the first failure is logged with its
-cause, the kernel family is switched off, and the torch path serves from then on. CUDA faults
+cause, the kernel family is switched off, and the torch path serves from then on (first, where the
+kernel was launched dependent on the kernel before, that is switched off and the kernel tried once
+more: :mod:`tinsmith.kernels.pdl`). CUDA faults
 (an illegal access) are not caught: they poison the context, and the engine must see them. In
 Triton's interpreter (tests) every failure is raised.
 """
@@ -50,6 +52,13 @@ class KernelGuard:
             if (triton_interpreting() or type(exc).__name__ == "AcceleratorError"
                     or (on.is_cuda and torch.cuda.is_current_stream_capturing())):
                 raise
+            from tinsmith.kernels import pdl  # late: pdl imports Triton
+
+            if pdl.give_up(on, exc):  # launched dependent on the kernel before: once more without
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as again:
+                    exc = again
             self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
             log.warning("the %s cannot run here (%s); %s from now on", self.what, self.failed, self.instead)
             return None

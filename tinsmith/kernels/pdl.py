@@ -25,7 +25,9 @@ Before the first use on a device, :func:`active` launches a probe: two dependent
 small kernel, eagerly and replayed from a CUDA graph, must leave the values stream order gives.
 Where they do not, or where the driver refuses such launches inside a graph capture (the decode
 step would then decode eagerly, several times slower), it stays off on that device, with a
-warning saying why.
+warning saying why. A kernel that fails to build or launch with it turns it off on the device
+and is tried again without (:func:`give_up`, which :class:`tinsmith.kernels.guard.KernelGuard`
+calls) before its family falls back to torch.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def active(t: torch.Tensor) -> bool:
     device first, unless a graph capture is under way there: then not yet)."""
     if ENABLED == "off" or t.device.type != "cuda" or not supported():
         return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    index = _index(t.device)
     if index not in _probed:
         if torch.cuda.is_current_stream_capturing():
             return False  # a probe cannot run inside a capture; the next launch outside one probes
@@ -79,10 +81,28 @@ def options(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if active(t) else {}
 
 
+def give_up(t: torch.Tensor, exc: BaseException) -> bool:
+    """After a kernel failed to build or launch for tensors like ``t``: True when dependent launches
+    were on for their device (now off there, with a warning, so that the caller can try the kernel
+    again launched as before), False when they were not (the failure is the kernel's own)."""
+    if not active(t):
+        return False
+    index = _index(t.device)
+    _probed[index] = f"a kernel failed with them ({type(exc).__name__}: {str(exc)[:200]})"
+    log.warning("kernels on cuda:%d launch one after another from now on: %s", index, _probed[index])
+    return True
+
+
 def off_reason(device: torch.device) -> str | None:
     """Why dependent launches are off on ``device`` after its probe (None: on, or not probed yet)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _probed.get(index)
+    return _probed.get(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    """The device's index (a CUDA device named without one: the current device)."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
 
 
 if triton is not None:
