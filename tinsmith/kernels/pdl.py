@@ -32,6 +32,7 @@ calls) before its family falls back to torch.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -51,6 +52,7 @@ ENABLED = "auto"
 _probed: dict[int, str | None] = {}  # device index -> why dependent launches are off there (None: on)
 
 
+@functools.cache
 def supported() -> bool:
     """Whether this Triton can wait on a kernel before and launch with the attribute."""
     if triton is None:
@@ -68,10 +70,10 @@ def active(t: torch.Tensor) -> bool:
     if index not in _probed:
         if torch.cuda.is_current_stream_capturing():
             return False  # a probe cannot run inside a capture; the next launch outside one probes
-        _probed[index] = _probe(torch.device("cuda", index))
-        if _probed[index] is not None:
-            log.warning("kernels on cuda:%d launch one after another (no programmatic dependent launch): %s",
-                        index, _probed[index])
+        _probed[index] = why = _probe(torch.device("cuda", index))
+        if why is not None:  # an older GPU is as expected; a failed probe on a newer one is news
+            log.log(logging.INFO if why.startswith("compute capability") else logging.WARNING,
+                    "kernels on cuda:%d launch one after another (no programmatic dependent launch): %s", index, why)
     return _probed[index] is None
 
 
