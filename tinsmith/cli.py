@@ -75,6 +75,9 @@ def _serve_command() -> click.Command:
 
 
 def _serve(**flags: Any) -> int:
+    from tinsmith.host_malloc import tune_for_serving as tune_malloc
+
+    malloc_left_alone = tune_malloc()  # first: before the process starts threads or makes tensors
     from tinsmith.server.config import ConfigError, load_config
     from tinsmith.server.startup import (StartupError, bind_listening_socket, check_models, check_parallel,
                                          check_precision)
@@ -87,6 +90,8 @@ def _serve(**flags: Any) -> int:
 
     configure_logging(config.log_level, config.log_format)
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # import-time chatter
+    if malloc_left_alone is not None:
+        logging.getLogger("tinsmith.host_malloc").info("glibc's allocator left as it is: %s", malloc_left_alone)
     try:  # cheap checks first: a minute into loading a model is too late to hear of a typo
         sock = bind_listening_socket(config.host, config.port)
     except StartupError as e:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from tinsmith.errors import InvalidInputError
 from tinsmith.gc_tuning import release_at_exit, tune_for_serving
+from tinsmith.host_malloc import tune_for_serving as tune_malloc
 from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup, free_port, init_tp_group
 from tinsmith.parallel.spmd import SpmdExecutor
 from tinsmith.parallel.worker import DrivenGroup
@@ -84,6 +85,7 @@ class RankActor:
     builds its target (``make_target(tp, device)``) and runs the calls rank 0 sends it."""
 
     def __init__(self, threads: int, cuda: bool):
+        tune_malloc()  # first, as the serving process does (tinsmith.host_malloc)
         torch.set_num_threads(threads)
         # Ray gave this actor one GPU and made it the only visible one.
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tinsmith.gc_tuning import release_at_exit, tune_for_serving
+from tinsmith.host_malloc import tune_for_serving as tune_malloc
 from tinsmith.parallel.group import DEFAULT_TIMEOUT_S, ParallelError, TPGroup, free_port, init_tp_group
 from tinsmith.parallel.runtime import TPTrainingRuntime
 from tinsmith.parallel.sampling import ShardedSampler
@@ -99,6 +100,7 @@ class _FollowerBell:
 
 def _follower(rank: int, world: int, init_method: str, timeout_s: float, make_target: Callable, threads: int,
               device: torch.device, bell) -> None:
+    tune_malloc()  # first, as the serving process does (tinsmith.host_malloc)
     torch.set_num_threads(threads)
     tp = init_tp_group(rank, world, timeout_s=timeout_s, init_method=init_method, device=device)
     try:
