@@ -24,12 +24,15 @@ def test_this_triton_has_the_instructions():
 
 
 def test_probe_kernel_computes_in_stream_order():
-    """Two launches in a row: ``(x * 2 + 1) * 2 + 3``, the values the probe checks on a GPU."""
+    """The probe's launches, in two rounds (on a GPU: eager, then replayed from a graph), leave the
+    value it checks for."""
     device = kernel_device()
     x = torch.ones(3000, dtype=torch.float32, device=device)
-    for add in (1, 3):
-        pdl._probe_kernel[(3,)](x, 3000, ADD=add, BLOCK=1024)
-    assert bool((x == 9).all())
+    for _ in range(2):
+        for add in pdl.PROBE_ADDS:
+            pdl._probe_kernel[(3,)](x, 3000, ADD=add, BLOCK=1024)
+    assert pdl.probe_value(rounds=2) == 41.0  # (1*2+1)*2+3 = 9, then (9*2+1)*2+3 = 41
+    assert bool((x == pdl.probe_value(rounds=2)).all())
 
 
 _COMPILE = BUILD_PRELUDE + """

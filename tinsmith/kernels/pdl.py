@@ -127,6 +127,19 @@ if triton is not None:
         tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2 + ADD, mask=mask)
 
 
+PROBE_ADDS = (1, 3)  # the probe's launches in a row: x = x * 2 + add
+
+
+def probe_value(rounds: int) -> float:
+    """What every value of the probe's tensor (ones at first) holds after ``rounds`` rounds of its
+    launches, each seeing all the writes of the one before."""
+    value = 1.0
+    for _ in range(rounds):
+        for add in PROBE_ADDS:
+            value = value * 2 + add
+    return value
+
+
 def _probe(device: torch.device) -> str | None:
     """Why dependent launches cannot serve on ``device`` (None: they can): needs compute
     capability 9.0, then two dependent launches, eager and from a CUDA graph, must give stream order's values."""
@@ -136,22 +149,21 @@ def _probe(device: torch.device) -> str | None:
     try:
         x = torch.ones(n, dtype=torch.float32, device=device)
 
-        def twice() -> None:
-            _probe_kernel[(n // block,)](x, n, ADD=1, BLOCK=block, PDL=True, launch_pdl=True)
-            _probe_kernel[(n // block,)](x, n, ADD=3, BLOCK=block, PDL=True, launch_pdl=True)
+        def launches() -> None:
+            for add in PROBE_ADDS:
+                _probe_kernel[(n // block,)](x, n, ADD=add, BLOCK=block, PDL=True, launch_pdl=True)
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            twice()  # compiles, outside the capture
+            launches()  # compiles them, outside the capture
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            twice()
+            launches()  # recorded, not run
         graph.replay()
         torch.cuda.synchronize(device)
-        # 1 -> 3 -> 9 (eager), then -> 21 -> 45 (replayed)
-        if not bool((x == 45).all()):
+        if not bool((x == probe_value(rounds=2)).all()):  # the eager round, then the replayed one
             return "the probe's dependent launches left other values than stream order gives"
         return None
     except Exception as exc:  # an old driver, or a graph capture that refuses the attribute
