@@ -42,8 +42,8 @@ import torch
 from tinsmith.devtools.peft_twin import peft_twin
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
-from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
-from tinsmith.worker.service import RuntimeOptions, auto_checkpoint_above, auto_micro_batch_tokens
+from tinsmith.worker.runtime import TrainRequest
+from tinsmith.worker.service import RuntimeOptions, training_runtime
 
 RANK = 32
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -105,11 +105,7 @@ def tinsmith_run(model_dir, device: torch.device, dtype: torch.dtype | None, ste
     datums in one forward/backward and their optimizer steps together, on a runtime built as the
     server builds it. Returns each seed's loss curve and its adapter's initial weights (fp32)."""
     lm = load_model(str(model_dir), device=device, dtype=dtype)
-    o = RuntimeOptions()
-    micro = auto_micro_batch_tokens(lm.config, lm.model, o)
-    rt = TrainingRuntime(lm.model, max_lora_adapters=max(4, len(steps[0])), max_lora_rank=RANK,
-                         micro_batch_tokens=micro, checkpoint_above_tokens=auto_checkpoint_above(micro, lm.model, o),
-                         packing=o.train_packing)
+    rt = training_runtime(lm, RuntimeOptions(max_lora_adapters=max(4, len(steps[0])), max_lora_rank=RANK))
     units = {seed: rt.create_adapter(LoraSpec(rank=RANK, seed=seed)) for seed in steps[0]}
     initial = {seed: {n: p.detach().float().cpu().clone() for n, p in rt.unit(u).named_stepped}
                for seed, u in units.items()}

@@ -40,9 +40,9 @@ def _tenants(lo: dict, k: str) -> str:
     again = lo.get("tenants", {}).get(k, {}).get("vs_one_tenant_again")
     again = f"; again after the variants {_fmt(again)}" if again is not None else ""
     # every timed step, first run and again: a drift within a run (warming up) shows as a trend
-    steps = [f"{key.removeprefix('steps_s').replace('_again', 'again') or 'first'} "
-             + "/".join(f"{1e3 * t:.0f}" for t in lo["tenants"][k][key])
-             for key in ("steps_s", "steps_s_again") if lo.get("tenants", {}).get(k, {}).get(key)]
+    steps = [f"{label} " + "/".join(f"{1e3 * t:.0f}" for t in lo["tenants"][k][key])
+             for key, label in (("steps_s", "first"), ("steps_s_again", "again"))
+             if lo.get("tenants", {}).get(k, {}).get(key)]
     steps = f"; steps (ms): {', '.join(steps)}" if steps else ""
     return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "") + again + steps + synced
 

@@ -153,6 +153,7 @@ def dependent_launches(model_dir, device, quick: bool) -> dict:
     probe = torch.empty(1, device=device)
     out: dict = {"rows": rows, "active": pdl.active(probe),
                  "off_reason": pdl.off_reason(device) if device.type == "cuda" else "not a CUDA device"}
+    switch = pdl.ENABLED  # as the run had it (the server's option), put back after
     try:
         for label, slots in (("base", [None]), ("adapters_8", units)):
             rates: dict[str, list[float]] = {"auto": [], "off": []}
@@ -168,7 +169,7 @@ def dependent_launches(model_dir, device, quick: bool) -> dict:
             out[label] = {"on_tokens_per_s": rates["auto"], "off_tokens_per_s": rates["off"][0],
                           "on_vs_off": on / rates["off"][0]}
     finally:
-        pdl.ENABLED = "auto"
+        pdl.ENABLED = switch
     return out
 
 

@@ -220,13 +220,7 @@ class Worker:
         if o.tensor_parallel_size > 1 or o.data_parallel_size > 1:
             return self._add_tp_base_model(name, source)
         loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))
-        micro = o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o)
-        rt = TrainingRuntime(
-            loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
-            max_training_runs=o.max_training_runs, micro_batch_tokens=micro, micro_batch_seqs=o.micro_batch_seqs,
-            gradient_checkpointing=o.gradient_checkpointing, vision=loaded.vision,
-            checkpoint_above_tokens=auto_checkpoint_above(micro, loaded.model, o), packing=o.train_packing,
-        )
+        rt = training_runtime(loaded, o)
         base = BaseModel(name=name, source=source or name, loaded=loaded, lora=rt)
         rt.busy_slots = lambda: self._sampler_slots(name)
         rt.on_park_busy = lambda slot: self._adapter_parked(name, slot)
@@ -1013,6 +1007,19 @@ def _tokenizer_decoder(model_dir: Path):
 
     hf = AutoTokenizer.from_pretrained(str(model_dir))
     return lambda ids: hf.decode(ids, skip_special_tokens=False)
+
+
+def training_runtime(loaded, o: RuntimeOptions) -> TrainingRuntime:
+    """The LoRA training runtime of a loaded base model, as the options ask (micro-batches sized
+    from free memory and recomputation above that size unless configured): the server's, and what
+    benchmarks that must train as the server does build."""
+    micro = o.micro_batch_tokens or auto_micro_batch_tokens(loaded.config, loaded.model, o)
+    return TrainingRuntime(
+        loaded.model, max_lora_adapters=o.max_lora_adapters, max_lora_rank=o.max_lora_rank,
+        max_training_runs=o.max_training_runs, micro_batch_tokens=micro, micro_batch_seqs=o.micro_batch_seqs,
+        gradient_checkpointing=o.gradient_checkpointing, vision=loaded.vision,
+        checkpoint_above_tokens=auto_checkpoint_above(micro, loaded.model, o), packing=o.train_packing,
+    )
 
 
 def auto_checkpoint_above(micro_batch_tokens: int, model, o: RuntimeOptions) -> int | None:
