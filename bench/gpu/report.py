@@ -77,7 +77,8 @@ def markdown(s: dict) -> str:
     pk = s["peak"]
     L = [f"# bench/gpu on {pk.get('device_name')} (torch {s['torch']}{', quick' if s['quick'] else ''})", "",
          f"Measured peaks: matmul {pk['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, "
-         f"copy {pk['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written). Wall {s.get('wall_s')} s.", ""]
+         f"copy {pk['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written). Wall {s.get('wall_s')} s. "
+         f"glibc's allocator: {s.get('glibc_malloc', '-')}.", ""]
     L += targets.markdown(s, _fmt)
     tr = s.get("train", {})
     if tr:

@@ -31,6 +31,7 @@ from tinsmith.worker.warm_up import configure_device
 from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
 from tinsmith.gc_tuning import tuned_for_serving
+from tinsmith.host_malloc import tune_for_serving as tune_malloc
 
 # seconds per part on an H100 (tests take the rest of the 10-minute call)
 BUDGET_S = {"peak": 30, "train": 200, "sample": 200, "moe": 60}
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     configure_device(device)  # the server's process-wide switches (cuDNN's attention off), for in-process items too
     summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes, "torch": torch.__version__,
-                     "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled()}
+                     "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "glibc_malloc": MALLOC}
 
     pk = Part("peak", BUDGET_S["peak"] * a.budget_scale)  # always: every figure needs it
     pk.item("machine", lambda: peak_mod.measure(device, a.quick))
@@ -204,5 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+MALLOC = "as the process found it"  # glibc's allocator: what `python -m bench.gpu.run` set, for the summary
+
 if __name__ == "__main__":
+    # As `tinsmith serve` does, before the run starts threads (tinsmith.host_malloc): the in-process
+    # items' host tensors then come and go as the server's do. Not on import: a test's process keeps its own.
+    MALLOC = "tuned for serving" if (why := tune_malloc()) is None else f"left alone: {why}"
     main()
