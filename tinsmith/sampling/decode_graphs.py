@@ -236,7 +236,7 @@ class DecodeGraphs:
         positions = (lengths * inputs.active + inputs.rope)[:, None]  # padding rows at position 0
         hidden = self.model.hidden_states(inputs.last[:, None], positions, groups,
                                           attend=cache.decode_attention(B, cache.capacity, live=inputs.active))
-        logits = self.model.logits(hidden[:, 0], groups)
+        logits = self.model.logits(hidden[:, 0], groups, fp32=False)  # the token choice widens them
         lengths.add_(inputs.active)
         u = KeyedUniforms(inputs.keys, inputs.steps)  # hashed inside the token-choice kernel where it runs
         tok, lp, best = choose_tokens_masked(logits, inputs.temperature, inputs.top_k, inputs.top_p, u,

@@ -1539,7 +1539,7 @@ class Sampler:
                 positions = positions + batch.rope_deltas[:, None]
             hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
                                               attend=self.cache.decode_attention(n, span - (k - 1 - i)))
-            logits = self.model.logits(hidden[:, 0], batch.groups)
+            logits = self.model.logits(hidden[:, 0], batch.groups, fp32=False)  # the token choice widens them
             self.cache.lengths[:n] += 1
             u = KeyedUniforms(batch.keys, batch.steps)
             tok, lp, full = choose_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u, batch.kinds,
