@@ -275,8 +275,7 @@ _HELP = {
     "custom_loss_timeout_s": "wall-clock limit for all runs of a custom loss for one request together",
     "custom_loss_max_per_session": "custom losses one session may create",
     "client_http_transport": "the SDK's HTTP transport, set through client/config: httpx, or pyqwest (less client "
-                             "CPU a request, each sample polled on its own; a request in flight as a script "
-                             "exits can still abort it on Python 3.11-3.13)",
+                             "CPU a request, but a script may abort at exit on Python 3.11-3.13)",
     "public_url": "URL clients reach this server at, for download links (default: the request's own URL)",
     "usage_flush_s": "how often per-key token counts (billing usage) are written to the database; a crash "
                      "loses at most this many seconds of counts",

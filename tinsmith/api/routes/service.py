@@ -12,10 +12,12 @@ from tinsmith.api.request import ApiRoute
 router = APIRouter(prefix="/api/v1", route_class=ApiRoute)
 
 # Feature flags the SDK reads from client/config.
-# custom_loss_server_side is set per server (--custom-loss-client-side turns it off), and so are
-# use_pyqwest_transport and sample_use_retrieve_futures (--client-http-transport: see client_config).
+# custom_loss_server_side is set per server (--custom-loss-client-side turns it off), and so is
+# use_pyqwest_transport (--client-http-transport).
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
+    # One batched long-poll per sampling client (/retrieve_futures) instead of one per sample.
+    "sample_use_retrieve_futures": True,
     "sample_join_sampling_session": False,
     "proto_compress_fwdbwd": False,
     "parallel_fwdbwd_chunks": True,
@@ -26,15 +28,8 @@ CLIENT_CONFIG = {
 async def client_config(request: Request, _=Depends(caller_of)) -> dict:
     # The SDK splits forward_backward calls by these, so it never sends what the limits refuse.
     state = state_of(request)
-    pyqwest = state.config.client_http_transport == "pyqwest"
     return {**CLIENT_CONFIG, "custom_loss_server_side": not state.config.custom_loss_client_side,
-            "use_pyqwest_transport": pyqwest,
-            # httpx: one batched long-poll per sampling client (/retrieve_futures) instead of one per
-            # sample. Its poller acknowledges each result with one more request just as the result is
-            # returned, and on pyqwest a response that reaches Python after the interpreter began to
-            # exit aborts the process (docs/compatibility.md): with pyqwest each sample is polled on
-            # its own (/retrieve_future), whose response carries the result, and nothing follows it.
-            "sample_use_retrieve_futures": not pyqwest,
+            "use_pyqwest_transport": state.config.client_http_transport == "pyqwest",
             **limits_of(state).sdk_chunking()}
 
 
