@@ -19,8 +19,11 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="glibc's allocator only (Linux)")
+_LIBC, _LIBC_VERSION = platform.libc_ver()
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or _LIBC != "glibc"
+    or tuple(int(x) for x in _LIBC_VERSION.split(".")[:2]) < (2, 33),
+    reason="glibc's allocator only (Linux), 2.33 or later (mallinfo2)")
 
 _FAULTS = """
 import ctypes, json, resource, sys, threading
