@@ -16,8 +16,10 @@ every thread (``M_ARENA_MAX``: the thread that runs the device's work allocates 
 which grows without the other arenas' 64 MiB limit), allocations under :data:`HEAP_BELOW` from the
 heap (``M_MMAP_THRESHOLD``), and up to :data:`HEAP_BELOW` of free heap top kept
 (``M_TRIM_THRESHOLD``). Small allocations are still served from per-thread caches (glibc's tcache),
-so the one arena is rarely contended. The process keeps memory it freed, up to the peak it reached,
-for its next steps, as PyTorch's caching allocator does on a GPU.
+so the one arena is rarely contended. The process keeps memory it freed for its next steps, as
+PyTorch's caching allocator does on a GPU; what it keeps can be a few times the peak of live
+tensors, since small allocations land between the large blocks freed and a step now and then grows
+the heap until its layout settles (docs/operating.md: 420 MB kept for a step of 117 MB at most).
 
 Nothing is changed where the C library is not glibc, or where the operator chose the allocator's
 settings already (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
