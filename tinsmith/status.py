@@ -62,8 +62,9 @@ def render(summary: dict) -> str:
            f"{_bytes(h['host_total_bytes'])}; cpu {h['cpu_percent']:.0f}%"]
     for d in h["devices"]:
         util = "" if d["utilization_percent"] is None else f", {d['utilization_percent']:.0f}% busy"
+        limit = "" if d.get("limit_bytes") is None else f" (this server may reserve {_bytes(d['limit_bytes'])})"
         out.append(f"gpu {d['index']} {d['name']}: {_bytes(d['used_bytes'])} used of {_bytes(d['total_bytes'])}, "
-                   f"{_bytes(d['allocated_bytes'])} allocated here{util}")
+                   f"{_bytes(d['allocated_bytes'])} allocated here{limit}{util}")
     out.append(f"last {t['window_s']}s: {t['tokens_trained']} tokens trained ({t['train_tokens_per_s']:.1f}/s), "
                f"{t['tokens_sampled']} sampled ({t['sample_tokens_per_s']:.1f}/s)")
     out += ["", f"training runs ({len(summary['runs'])})"]

@@ -135,6 +135,16 @@ def markdown(s: dict) -> str:
                          f"{_get(lo, 'long_context', 'cudnn_vs_auto')}x, MFU 4NT "
                          f"{_get(lo, 'long_context', 'auto_cudnn', 'mfu_4nt', pct=True)}")
         for name in s["shapes"]:
+            lc = tr.get(f"{name}/lora", {}).get("long_context", {})
+            if "auto_80gb" in lc:
+                r = lc["auto_80gb"]
+                within = (f"the allocator capped at {_get(r, 'memory_cap_gib')} GiB" if "memory_cap_gib" in r
+                          else "the card itself (80 GB or less)")
+                L.append(f"- {name}, 1 x {lc.get('seq_len', '-')} with no flags within an 80 GB card's memory ({within}): "
+                         f"{_get(r, 'tokens_per_s')} tok/s, MFU 4NT {_get(r, 'mfu_4nt', pct=True)}, peak "
+                         f"{_get(r, 'peak_gib')} GiB, micro-batches of {r.get('micro_batch_tokens', '-')} tokens"
+                         f"{'; ' + r['error'] if 'error' in r else ''}")
+        for name in s["shapes"]:
             L += _sft_curves(name, tr.get(f"{name}/sft_curves"))
         L.append("")
     L += _profiles(s)

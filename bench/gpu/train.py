@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from bench.gpu.peak import each_timed, sync, timed
+from tinsmith import device_memory
 from tinsmith.kernels import norm_grad, swiglu, vocab_softmax
 from tinsmith.models import grouped_lora, lora_function
 from tinsmith.models.loading import load_model
@@ -268,27 +269,56 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
     # plain: activations kept whole; auto: the server's defaults (micro-batches sized from free
     # memory, recomputation for a micro-batch above that size); checkpointing: always recompute.
     # auto_cudnn: the server's defaults with SDPA's cuDNN attention preferred to flash.
-    for mode in ("plain", "auto", "checkpointing", "auto_cudnn"):
+    # auto_80gb: the server's defaults within an 80 GB card's memory (issue 14: "fits on 80 GB with
+    # no flags"): on a larger card the allocator is capped there, as --device-memory-fraction does.
+    for mode in ("plain", "auto", "checkpointing", "auto_cudnn", "auto_80gb"):
         auto = mode.startswith("auto")
         lm.model.gradient_checkpointing = mode == "checkpointing"
-        rt.micro_batch_tokens = planned if auto else 16384
-        rt.checkpoint_above_tokens = auto_checkpoint_above(planned, lm.model, RuntimeOptions()) if auto else None
-        rt.oom_retry = mode != "plain"
         try:
-            with cudnn_attention_first() if mode == "auto_cudnn" else contextlib.nullcontext():
-                r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1)
+            with memory_of_80gb_card(rt.device) if mode == "auto_80gb" else contextlib.nullcontext() as capped:
+                planned_here = auto_micro_batch_tokens(lm.config, lm.model, RuntimeOptions()) if capped else planned
+                rt.micro_batch_tokens = planned_here if auto else 16384
+                rt.checkpoint_above_tokens = (auto_checkpoint_above(planned_here, lm.model, RuntimeOptions())
+                                              if auto else None)
+                rt.oom_retry = mode != "plain"
+                with cudnn_attention_first() if mode == "auto_cudnn" else contextlib.nullcontext():
+                    r = step_rate(rt, {units[0]: batch(vocab, 1, long_len)}, 1)
             r["mfu_4nt"] = mfu(r["tokens_per_s"], n, 4, peak["matmul_flops_per_s"])
             with_attention(r, 4 * n, lm.config, long_len, peak)
             r["micro_batch_tokens"] = rt.micro_batch_tokens
+            if capped:
+                r["memory_cap_gib"] = capped / 2**30
         except torch.OutOfMemoryError as e:
             r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
         out["long_context"][mode] = r
+    rt.micro_batch_tokens = planned
     lc = out["long_context"]
     if "tokens_per_s" in lc.get("auto_cudnn", {}) and "tokens_per_s" in lc.get("auto", {}):
         lc["cudnn_vs_auto"] = lc["auto_cudnn"]["tokens_per_s"] / lc["auto"]["tokens_per_s"]
     lm.model.gradient_checkpointing = False
     del rt, lm
     return out
+
+
+# What torch reports as an 80 GB H100's memory (``total_memory``: 79.2 GiB).
+CARD_80GB_BYTES = int(79.2 * 2**30)
+
+
+@contextlib.contextmanager
+def memory_of_80gb_card(device: torch.device):
+    """Cap the allocator at an 80 GB card's memory while the block runs, on a CUDA device that has
+    more (``tinsmith.device_memory``, as ``--device-memory-fraction`` does); yields the cap in
+    bytes, or None where nothing is capped (a CPU, or a card no larger)."""
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    if total <= CARD_80GB_BYTES:
+        yield None
+        return
+    torch.cuda.empty_cache()  # blocks cached by earlier items would count against the cap
+    device_memory.limit(device, CARD_80GB_BYTES / total)
+    try:
+        yield device_memory.cap(device)
+    finally:
+        device_memory.limit(device, 1.0)
 
 
 def launch_costs(device, quick: bool) -> dict:

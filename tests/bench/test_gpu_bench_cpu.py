@@ -37,6 +37,9 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     long = summary["train"]["tiny/lora"]["long_context"]["auto"]  # attention's matmuls on top of 4NT
     assert long["mfu_with_attention"] > long["mfu_4nt"] > 0
     assert "MFU 4NT / with attention" in (out / "summary.md").read_text()
+    on_80gb = summary["train"]["tiny/lora"]["long_context"]["auto_80gb"]  # a CPU: nothing to cap
+    assert on_80gb["tokens_per_s"] > 0 and "memory_cap_gib" not in on_80gb
+    assert "within an 80 GB card's memory (the card itself" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["torch_elementwise"]["kernels_vs_torch"] > 0  # the CPU's torch both ways
     assert summary["train"]["tiny/lora"]["lora_as_ops"]["nodes_vs_ops"] > 0
     assert summary["train"]["tiny/lora"]["loss_softmax_in_torch"]["kernels_vs_torch"] > 0

@@ -32,6 +32,8 @@ def test_environment_values_take_their_declared_types():
     ({"TINSMITH_METRIC_HISTORY_POINTS": "1"}, "TINSMITH_METRIC_HISTORY_POINTS must be at least 2"),
     ({"TINSMITH_LOG_FORMAT": "xml"}, "TINSMITH_LOG_FORMAT must be"),
     ({"TINSMITH_RAY_PLACEMENT_STRATEGY": "scatter"}, "TINSMITH_RAY_PLACEMENT_STRATEGY must be"),
+    ({"TINSMITH_DEVICE_MEMORY_FRACTION": "0"}, r"TINSMITH_DEVICE_MEMORY_FRACTION must be above 0 and at most 1 \(got 0"),
+    ({"TINSMITH_DEVICE_MEMORY_FRACTION": "1.5"}, r"TINSMITH_DEVICE_MEMORY_FRACTION must be above 0 and at most 1 \(got 1.5"),
 ])
 def test_values_that_cannot_work_are_refused_naming_the_option(env, message):
     with pytest.raises(ConfigError, match=message):

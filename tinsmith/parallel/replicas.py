@@ -54,7 +54,7 @@ from tinsmith.parallel.fsdp import FsdpTrainingRuntime, load_full_shard, shard_f
 from tinsmith.parallel.group import ParallelError, TPGroup, guarded, portable, split_grid
 from tinsmith.parallel.runtime import TPTrainingRuntime, params_match
 from tinsmith.parallel.sampling import LockstepSampler, install_full_lora_weights
-from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _on_host, _tokenizer_decoder
+from tinsmith.parallel.serving import ServingRank, TPBase, TPRuntime, _on_host, _tokenizer_decoder, configured_rank
 from tinsmith.parallel.shard import load_shard
 from tinsmith.parallel.state import gather_full
 from tinsmith.sampling.cancel import CancelBoard
@@ -62,7 +62,6 @@ from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import OptimParams
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, repeats_a_unit
 from tinsmith.worker.trainables import Trainable, lora_tensors
-from tinsmith.worker.warm_up import configure_device
 
 OPTION = "--data-parallel-size"
 AFFINITY_SLACK_ROWS = 32  # a shared prompt follows its first request unless that replica is this much busier
@@ -203,8 +202,7 @@ class ReplicaBase:
 
     def __init__(self, dp: TPGroup, shard: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype,
                  runtime_kwargs: dict, sampler_kwargs: dict):
-        runtime_kwargs = dict(runtime_kwargs)
-        configure_device(device, dependent_launches=runtime_kwargs.pop("dependent_launches", True))
+        runtime_kwargs = configured_rank(device, runtime_kwargs)
         self.shard = shard
         decoder_dir = None
         if shard.size > 1:  # as a tensor-parallel rank (serving.RankBase), with the replica's shard group

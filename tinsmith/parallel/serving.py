@@ -80,8 +80,7 @@ class RankBase:
 
     def __init__(self, tp: TPGroup, device: torch.device, model_dir: str, dtype: torch.dtype, runtime_kwargs: dict,
                  sampler_kwargs: dict):
-        runtime_kwargs = dict(runtime_kwargs)
-        configure_device(device, dependent_launches=runtime_kwargs.pop("dependent_launches", True))
+        runtime_kwargs = configured_rank(device, runtime_kwargs)
         loaded = load_shard(model_dir, tp, dtype)  # one layer at a time: only the shard is kept
         model = loaded.model.to(device)
         # An image-text model's vision tower runs whole on every rank (frozen; the decoder it feeds is sharded).
@@ -440,16 +439,31 @@ class TPSampler:
         raise RuntimeError("under tensor parallelism every rank's sampler fails its own slots")
 
 
+# Options of the rank's process (:func:`tinsmith.worker.warm_up.configure_device`), not of its runtime.
+RANK_DEVICE_SWITCHES = ("dependent_launches", "device_memory_fraction")
+
+
 def runtime_kwargs_of(options) -> dict:
     """The :class:`TPTrainingRuntime` arguments of the worker's options (the micro-batch size
-    comes later, from rank 0: :meth:`TPBase.configure`), and whether the rank's process launches
-    kernels dependent on the kernel before (``dependent_launches``, taken out before the runtime is built)."""
+    comes later, from rank 0: :meth:`TPBase.configure`), and the rank process's device switches
+    (:data:`RANK_DEVICE_SWITCHES`, taken out by :func:`configured_rank` before the runtime is built)."""
     return dict(max_lora_adapters=options.max_lora_adapters, max_lora_rank=options.max_lora_rank,
                 max_training_runs=options.max_training_runs, micro_batch_tokens=options.micro_batch_tokens or 2048,
                 micro_batch_seqs=options.micro_batch_seqs, gradient_checkpointing=options.gradient_checkpointing,
                 packing=options.train_packing,
-                dependent_launches=options.dependent_launches)  # for the rank's process, not its runtime
+                **{name: getattr(options, name) for name in RANK_DEVICE_SWITCHES})
 
 
-__all__ = ["OPTION", "ServingRank", "TPBase", "TPRuntime", "TPSampler", "check_servable", "rank_device",
-           "runtime_kwargs_of", "start_group"]
+
+def configured_rank(device: torch.device, runtime_kwargs: dict) -> dict:
+    """Apply the rank process's device switches carried in ``runtime_kwargs`` (kernels launched
+    dependent on the one before, the allocator's share of the device) and return the rest: the
+    runtime's own arguments."""
+    rest = dict(runtime_kwargs)
+    configure_device(device, dependent_launches=rest.pop("dependent_launches", True),
+                     memory_fraction=rest.pop("device_memory_fraction", 1.0))
+    return rest
+
+
+__all__ = ["OPTION", "ServingRank", "TPBase", "TPRuntime", "TPSampler", "check_servable", "configured_rank",
+           "rank_device", "runtime_kwargs_of", "start_group"]

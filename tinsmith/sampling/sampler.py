@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tinsmith import device_memory
 from tinsmith.errors import CapacityError, InvalidInputError, TinsmithError
 from tinsmith.models.layers import CausalLM, masked_attention
 from tinsmith.models.lora import RowGroups, Segments, decode_rows
@@ -1835,10 +1836,11 @@ class _DecodeBatch:
 
 def _default_kv_bytes(device: torch.device) -> int:
     """K/V budget when none is configured: unlimited (0) on CPU; on CUDA 40% of the memory free now
-    (the rest for prefill activations, the prefix cache and training)."""
+    within the process's share of the device (the rest for prefill activations, the prefix cache
+    and training)."""
     if device.type != "cuda":
         return 0
-    free, _ = torch.cuda.mem_get_info(device)
+    free, _ = device_memory.free_and_total(device)
     return int(0.4 * free)
 
 

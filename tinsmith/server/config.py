@@ -38,6 +38,7 @@ AtLeastOne = Annotated[int, annotated_types.Ge(1)]  # a count or size that must 
 NotNegativeInt = Annotated[int, annotated_types.Ge(0)]
 NotNegative = Annotated[float, annotated_types.Ge(0)]  # durations where 0 means "at once" or "forever"
 AboveZero = Annotated[float, annotated_types.Gt(0)]
+Fraction = Annotated[float, annotated_types.Gt(0), annotated_types.Le(1)]  # a share of something, above 0
 Port = Annotated[int, annotated_types.Ge(1), annotated_types.Le(65535)]
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
 # Choices are matched without regard to case: ``--log-level INFO`` is ``info``.
@@ -80,6 +81,7 @@ class ServerConfig(BaseSettings):
     api_keys_file: str | None = None
     device: str | None = None  # default: cuda if available, else cpu
     dtype: Dtype = "auto"  # base weights and activations; auto: bfloat16 on CUDA, float32 on CPU
+    device_memory_fraction: Fraction = 1.0  # of each GPU's memory this process's allocator may reserve
     tensor_parallel_size: AtLeastOne = 1  # ranks (GPUs) every base model is sharded over; 1: no process group
     data_parallel_size: AtLeastOne = 1  # ranks (GPUs) every base model is replicated on; 1: no process group
     ray_address: str | None = None  # None: the other ranks are local processes; auto or HOST:PORT: Ray actors
@@ -243,6 +245,11 @@ _HELP = {
     "sampler_run_ahead": "queue each decode burst before the last one's tokens are read and recorded, so that "
                          "the device decodes while the host records them (CUDA only: a CPU does both in turn; "
                          "tensor-parallel samplers always read first; --no-sampler-run-ahead reads first always)",
+    "device_memory_fraction": "share of each GPU's memory this server may take (its allocator's reserve; the CUDA "
+                              "context and library workspaces come on top): what sizes training micro-batches and "
+                              "the samplers' K/V budgets is the free memory within it, and an allocation beyond it "
+                              "fails as on a full device. Leave the rest to another process sharing the GPU "
+                              "(default 1.0: no cap)",
     "dependent_launches": "launch the Triton kernels (decode attention, norms, the token choice, the adapters' "
                           "products) dependent on the kernel before (programmatic dependent launch), so that each "
                           "is scheduled while the one before ends; on Hopper and newer GPUs, after a start-up probe "
@@ -351,6 +358,8 @@ def _describe(error: dict[str, Any], name_of: Callable[[str], str]) -> str:
         b = _bounds(option)
         if "ge" in b and "le" in b:
             rule = f"must be between {b['ge']} and {b['le']}"
+        elif "gt" in b and "le" in b:
+            rule = f"must be above {b['gt']} and at most {b['le']}"
         elif "gt" in b:
             rule = f"must be above {b['gt']}"
         elif b.get("ge") == 0:

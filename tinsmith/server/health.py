@@ -12,11 +12,14 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
+from tinsmith import device_memory
+
 
 @dataclass
 class DeviceReading:
     """One accelerator. ``used_bytes`` counts every process on the device (driver view);
-    ``allocated_bytes``/``reserved_bytes`` are this process's tensors and its caching allocator."""
+    ``allocated_bytes``/``reserved_bytes`` are this process's tensors and its caching allocator,
+    ``limit_bytes`` what that allocator may reserve (``--device-memory-fraction``; None: no cap)."""
 
     index: int
     name: str
@@ -24,6 +27,7 @@ class DeviceReading:
     used_bytes: int | None = None
     allocated_bytes: int | None = None
     reserved_bytes: int | None = None
+    limit_bytes: int | None = None
     utilization_percent: float | None = None
 
 
@@ -56,6 +60,7 @@ def _device_reading(index: int) -> DeviceReading:
         pass
     reading.allocated_bytes = int(torch.cuda.memory_allocated(index))
     reading.reserved_bytes = int(torch.cuda.memory_reserved(index))
+    reading.limit_bytes = device_memory.cap(torch.device("cuda", index))
     try:  # needs NVML (the nvidia-ml-py package); absent on many installs
         reading.utilization_percent = float(torch.cuda.utilization(index))
     except Exception:  # noqa: BLE001 - ModuleNotFoundError, or an NVML error on this driver

@@ -284,10 +284,12 @@ class StateCollector:
                            "tensors", ["device"])
         dev_reserved = _gauge("tinsmith_device_memory_reserved_bytes", "Accelerator memory reserved by this "
                               "server's caching allocator", ["device"])
+        dev_limit = _gauge("tinsmith_device_memory_limit_bytes", "Accelerator memory this server's caching allocator "
+                           "may reserve (--device-memory-fraction; absent when it is not capped)", ["device"])
         dev_util = _gauge("tinsmith_device_utilization_percent", "Accelerator load (percent of time a kernel ran; "
                           "absent where NVML is not installed)", ["device"])
 
-        def fill(rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_util):
+        def fill(rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_limit, dev_util):
             h = read_health()
             rss.add_metric([], h.process_rss_bytes)
             host_total.add_metric([], h.host_total_bytes)
@@ -297,11 +299,11 @@ class StateCollector:
                 label = [str(d.index)]
                 for family, value in ((dev_total, d.total_bytes), (dev_used, d.used_bytes),
                                       (dev_alloc, d.allocated_bytes), (dev_reserved, d.reserved_bytes),
-                                      (dev_util, d.utilization_percent)):
+                                      (dev_limit, d.limit_bytes), (dev_util, d.utilization_percent)):
                     if value is not None:  # unreadable here: left out, never a made-up zero
                         family.add_metric(label, value)
 
-        return [rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_util], fill
+        return [rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_limit, dev_util], fill
 
     def _garbage(self) -> tuple[list[Metric], Callable]:
         collections = CounterMetricFamily("tinsmith_gc_collections", "Python's cyclic garbage collections in the "

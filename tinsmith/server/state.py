@@ -79,6 +79,7 @@ class ServerState:
             RuntimeOptions(
                 device=config.resolved_device,
                 dtype=config.dtype,
+                device_memory_fraction=config.device_memory_fraction,
                 max_lora_adapters=config.max_lora_adapters,
                 max_lora_rank=config.max_lora_rank,
                 max_training_runs=config.max_training_runs,

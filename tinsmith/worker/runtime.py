@@ -19,6 +19,7 @@ from typing import Union
 import numpy as np
 import torch
 
+from tinsmith import device_memory
 from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, TinsmithError
 from tinsmith.losses import LossBatch, LossSpec, resolve_loss, validate_inputs
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES, UnembedLora, chunked_target_logprobs, rows_per_chunk
@@ -728,5 +729,6 @@ def _free_memory(device: torch.device) -> str:
     """What the device has free, for messages."""
     if device.type != "cuda":
         return f"device {device}"
-    free, total = torch.cuda.mem_get_info(device)
-    return f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {device}"
+    free, total = device_memory.free_and_total(device)
+    share = "" if device_memory.cap(device) is None else " (this server's share, --device-memory-fraction)"
+    return f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB{share} on {device}"

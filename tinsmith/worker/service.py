@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tinsmith import device_memory
 from tinsmith.errors import CapacityError, InvalidInputError, NotFoundError, StateLostError, TinsmithError
 from tinsmith.models.chunked_logprobs import DEFAULT_CHUNK_BYTES
 from tinsmith.models.config import ModelConfig
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 class RuntimeOptions:
     device: str = "cpu"
     dtype: str = "auto"  # a --dtype value: auto, bfloat16, float16, float32
+    device_memory_fraction: float = 1.0  # of each GPU's memory this process may reserve (tinsmith.device_memory)
     max_lora_adapters: int = 16
     max_lora_rank: int = 128
     max_training_runs: int = 256
@@ -216,7 +218,8 @@ class Worker:
     def add_base_model(self, name: str, source: str | None = None) -> BaseModel:
         """Load ``source`` (dir or HF id) and serve it under ``name``."""
         o = self.options
-        configure_device(torch.device(o.device), dependent_launches=o.dependent_launches)
+        configure_device(torch.device(o.device), dependent_launches=o.dependent_launches,
+                         memory_fraction=o.device_memory_fraction)
         if o.tensor_parallel_size > 1 or o.data_parallel_size > 1:
             return self._add_tp_base_model(name, source)
         loaded = load_model(source or name, device=o.device, dtype=resolve_dtype(o.dtype, o.device))
@@ -1046,7 +1049,8 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
 
     On CPU, 2048: measured on the tiny models, larger batches fall out of cache (16384 ran ~12%
     slower per token than 4096, and 4096 ~12% slower than 2048 when four tenants' 8 x 128 steps
-    share one call, while 32 x 512 ran alike at 1024-4096). On a GPU, as many as half the free memory holds, at a rough
+    share one call, while 32 x 512 ran alike at 1024-4096). On a GPU, as many as half the free memory (within
+    ``--device-memory-fraction``) holds, at a rough
     activation cost per token (:mod:`tinsmith.worker.activation_memory`), within [1024, 65536].
     Logits cost nothing per token: they are computed in fixed-size chunks (``logit_chunk_bytes``,
     a few such buffers at once), set aside from the free memory first.
@@ -1054,7 +1058,7 @@ def auto_micro_batch_tokens(cfg: ModelConfig, model, o: RuntimeOptions) -> int:
     device = next(model.parameters()).device
     if device.type != "cuda":
         return 2048
-    free, _ = torch.cuda.mem_get_info(device)
+    free, _ = device_memory.free_and_total(device)
     width = 2 if next(model.parameters()).dtype in (torch.bfloat16, torch.float16) else 4
     per_token = activation_bytes_per_token(cfg, width, cfg.num_layers if o.gradient_checkpointing else 0)
     free -= 4 * DEFAULT_CHUNK_BYTES

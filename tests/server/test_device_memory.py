@@ -1,0 +1,66 @@
+"""The device memory a server may use: ``--device-memory-fraction``'s arithmetic and its reach.
+
+On a CPU there is nothing to cap; what a cap does to the planners on a GPU is checked by
+tests/gpu/test_device_memory_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinsmith import device_memory
+from tinsmith.parallel.serving import RANK_DEVICE_SWITCHES, runtime_kwargs_of
+from tinsmith.server.config import ServerConfig
+from tinsmith.server.health import DeviceReading
+from tinsmith.status import render
+from tinsmith.worker.service import RuntimeOptions
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("free, total, cap, reserved, expected", [
+    (70 * GIB, 141 * GIB, 80 * GIB, 10 * GIB, (70 * GIB, 80 * GIB)),  # the cap leaves more than the device: the device's
+    (120 * GIB, 141 * GIB, 80 * GIB, 10 * GIB, (70 * GIB, 80 * GIB)),  # the device leaves more than the cap: the cap's
+    (120 * GIB, 141 * GIB, 80 * GIB, 90 * GIB, (0, 80 * GIB)),  # already over the cap (reserved before it was set)
+    (30 * GIB, 40 * GIB, 80 * GIB, 0, (30 * GIB, 40 * GIB)),  # a cap above the device's size
+])
+def test_free_memory_within_a_cap_is_what_the_allocator_may_still_take(free, total, cap, reserved, expected):
+    assert device_memory.within_cap(free, total, cap, reserved) == expected
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.01])
+def test_a_fraction_outside_zero_to_one_is_refused(fraction):
+    with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+        device_memory.limit(torch.device("cpu"), fraction)
+
+
+def test_a_cpu_device_has_no_cap():
+    device_memory.limit(torch.device("cpu"), 0.5)
+    assert device_memory.cap(torch.device("cpu")) is None
+
+
+def test_the_option_reaches_the_worker_and_every_rank_process(tmp_path):
+    config = ServerConfig(base_model=["m"], data_dir=str(tmp_path), device_memory_fraction=0.6)
+    assert config.device_memory_fraction == 0.6
+    options = RuntimeOptions(device_memory_fraction=0.6)
+    kwargs = runtime_kwargs_of(options)
+    assert kwargs["device_memory_fraction"] == 0.6 and set(RANK_DEVICE_SWITCHES) <= set(kwargs)
+
+
+def test_status_says_what_the_server_may_reserve():
+    reading = DeviceReading(index=0, name="GPU", total_bytes=141 * GIB, used_bytes=GIB, allocated_bytes=GIB,
+                            reserved_bytes=GIB, limit_bytes=80 * GIB)
+    summary = _summary([reading.__dict__])
+    assert "this server may reserve 80" in render(summary)
+    reading.limit_bytes = None
+    assert "may reserve" not in render(_summary([reading.__dict__]))
+
+
+def _summary(devices: list[dict]) -> dict:
+    return {"caller": {"owner": "k", "admin": False, "single_user": True},
+            "server": {"version": "0", "uptime_s": 1.0, "base_models": ["m"]},
+            "health": {"process_rss_bytes": GIB, "host_available_bytes": GIB, "host_total_bytes": 2 * GIB,
+                       "cpu_percent": 1.0, "devices": devices},
+            "throughput": {"window_s": 60, "tokens_trained": 0, "train_tokens_per_s": 0.0, "tokens_sampled": 0,
+                           "sample_tokens_per_s": 0.0},
+            "runs": [], "queue": [], "samplers": []}
