@@ -12,7 +12,7 @@ from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
 from tests.gpu.helpers import assert_kernel_samples_as_torch
 from tests.kernels.test_decode_attention import reference
-from tests.kernels.support import skip_if_interpreter_cannot_loop_to_loaded_bounds
+from tests.kernels.support import skip_if_interpreter_cannot_loop_to_runtime_bounds
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import decode_attention as da
 from tinsmith.kernels import lora_gather, tickets
@@ -27,7 +27,7 @@ def kernels_here():
         pytest.skip("triton is not installed (pip install 'tinsmith[gpu]')")
     if torch.device(DEVICE).type == "cpu" and not lora_gather.triton_interpreting():
         pytest.skip("on a CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
 
 
 def _case(dtype, rows=64, capacity=1024, hq=16, hk=8, d=128):

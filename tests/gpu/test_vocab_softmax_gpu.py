@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.gpu.conftest import DEVICE
+from tests.kernels.support import skip_if_interpreter_cannot_loop_to_runtime_bounds
 from tests.kernels.test_vocab_softmax import _grads
 from tests.models.test_chunked_logprobs import _rel
 from tinsmith.kernels import lora_gather, vocab_softmax
@@ -24,6 +25,7 @@ def test_chunked_logprobs_through_the_kernels_match_torch_on_a_real_vocabulary(c
         pytest.skip("triton is not installed (pip install 'tinsmith[gpu]')")
     if device.type == "cpu" and not lora_gather.triton_interpreting():
         pytest.skip("on a CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     n, hidden, vocab = (512, 256, 151_936) if device.type == "cuda" else (40, 32, 5000)
     g = torch.Generator().manual_seed(0)
     head = LoraLinear(hidden, vocab)

@@ -16,8 +16,12 @@ import torch
 from tinsmith.kernels.lora_gather import triton_available, triton_interpreting
 
 
-def kernel_device() -> str:
-    """"cuda" where there is a GPU, "cpu" where Triton interprets; skips the test otherwise."""
+def kernel_device(runtime_loop_bounds: bool = False) -> str:
+    """"cuda" where there is a GPU, "cpu" where Triton interprets; skips the test otherwise, and
+    where the kernels under test loop to a bound known only at run time (``runtime_loop_bounds``)
+    that this Triton's interpreter cannot run (:func:`skip_if_interpreter_cannot_loop_to_runtime_bounds`)."""
+    if runtime_loop_bounds:
+        skip_if_interpreter_cannot_loop_to_runtime_bounds()
     if not triton_available():
         pytest.skip("triton is not installed (pip install 'tinsmith[gpu]' or '[test]')")
     if torch.cuda.is_available():
@@ -27,14 +31,16 @@ def kernel_device() -> str:
     return "cpu"
 
 
-def skip_if_interpreter_cannot_loop_to_loaded_bounds() -> None:
-    """Triton's interpreter before 3.7 cannot run a loop whose bounds the kernel loads (``int()`` of a
-    1-element array: decode_attention's key loop); compiled kernels can, on every version."""
-    if triton_interpreting():
+def skip_if_interpreter_cannot_loop_to_runtime_bounds() -> None:
+    """Triton's interpreter before 3.7 cannot run a loop whose bound is known only at run time, an
+    argument or a loaded value (it takes ``int()`` of a 1-element array, which NumPy 2 refuses:
+    decode attention's key loop, the loss's vocabulary loop, the norms' backward over vectors);
+    compiled kernels can, on every version."""
+    if triton_available() and triton_interpreting():
         import triton
 
         if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-            pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop to a loaded bound (3.7 can)")
+            pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop to a bound known only at run time (3.7 can)")
 
 
 # What a build script (for :func:`assert_builds_for_hopper`) starts with: ``build(fn, sig, const)``

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.support import assert_builds_for_hopper, kernel_device, skip_if_interpreter_cannot_loop_to_loaded_bounds
+from tests.kernels.support import assert_builds_for_hopper, kernel_device, skip_if_interpreter_cannot_loop_to_runtime_bounds
 from tinsmith.kernels import decode_attention as da
 from tinsmith.models.layers import eager_sink_attention
 
@@ -38,7 +38,7 @@ def reference(q, K, V, n_keys, span, sinks=None):
 def test_kernels_equal_masked_attention(dtype, splits):
     """Rows of different lengths (one key, a block boundary, the whole span), split or not."""
     device = kernel_device()
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     q, K, V = case(dtype, device)
     span = 150
     n_keys = torch.tensor([1, 64, 65, 150, 97], device=device)
@@ -52,7 +52,7 @@ def test_kernels_equal_masked_attention(dtype, splits):
 def test_grouped_heads_and_head_sizes(rep, d):
     """Query heads per K/V head from 1 (no grouping) past a block of 16, head sizes off a power of two."""
     device = kernel_device()
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     q, K, V = case(torch.float32, device, n=3, hq=2 * rep, hk=2, d=d, rows=3, capacity=70)
     n_keys = torch.tensor([70, 33, 5], device=device)
     got = da.decode_attention(q, K, V, n_keys, 70, splits=2)
@@ -62,7 +62,7 @@ def test_grouped_heads_and_head_sizes(rep, d):
 @pytest.mark.parametrize("splits", [1, 4])
 def test_sinks_join_every_denominator(splits):
     device = kernel_device()
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     q, K, V = case(torch.float32, device, n=4, hq=4, hk=2, d=32, rows=4, capacity=130)
     sinks = torch.tensor([0.5, -1.0, 3.0, 8.0], device=device)
     n_keys = torch.tensor([1, 128, 40, 129], device=device)
@@ -80,7 +80,7 @@ def test_the_last_split_combines_as_the_combine_kernel(sinks, monkeypatch):
     from tinsmith.kernels import tickets
 
     device = kernel_device()
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     q, K, V = case(torch.float32, device, n=4, hq=4, hk=2, d=32, rows=4, capacity=200)
     sink = torch.tensor([0.5, -1.0, 3.0, 2.0], device=device) if sinks else None
     n_keys = torch.tensor([1, 200, 70, 129], device=device)
@@ -100,7 +100,7 @@ def test_strided_cache_views():
     """The cache hands over views (its rows past ``n``, its capacity past ``span``) and q with its
     query length of one: strides other than the contiguous ones must be honoured."""
     device = kernel_device()
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     q, K, V = case(torch.float32, device, n=2, hq=4, hk=2, d=32, rows=6, capacity=96)
     Kt = K.transpose(0, 1).contiguous().transpose(0, 1)  # heads outermost in memory
     n_keys = torch.tensor([96, 17], device=device)
@@ -126,7 +126,7 @@ def test_paged_pools_equal_row_buffers(dtype, splits):
     """Pages of 64 positions scattered over a pool (what the paged cache holds) read as the rows'
     own buffers; positions past a row's keys (NaN here) are never read."""
     device = kernel_device()
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     q, K, V = case(dtype, device, n=5, rows=5, capacity=200)
     span = 200
     n_keys = torch.tensor([1, 64, 65, 200, 129], device=device)

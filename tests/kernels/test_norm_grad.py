@@ -57,7 +57,7 @@ def rope(device, dtype, b, L, d):
 @pytest.mark.parametrize("d", [64, 100, 2048])
 @pytest.mark.parametrize("train_weight", [False, True])
 def test_norm_forward_and_backward(dtype, d, train_weight):
-    device = kernel_device()
+    device = kernel_device(runtime_loop_bounds=True)
     g = torch.Generator().manual_seed(d)
     x = (torch.randn(3, 7, d, generator=g) * 3).to(device, dtype).requires_grad_()
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype).requires_grad_(train_weight)
@@ -77,7 +77,7 @@ def test_norm_forward_and_backward(dtype, d, train_weight):
 def test_q_heads_normalised_then_turned(dtype, norm):
     """(b, L, heads, d) heads with the cos/sin of their position (broadcast over heads): the norm
     and the rotary after it (Qwen3), or the rotary alone (Llama, Qwen2)."""
-    device = kernel_device()
+    device = kernel_device(runtime_loop_bounds=True)
     g = torch.Generator().manual_seed(7)
     b, L, H, d = 2, 5, 3, 64
     x = (torch.randn(b, L, H, d, generator=g) * 2).to(device, dtype).requires_grad_()
@@ -108,7 +108,7 @@ def test_heads_in_a_wider_row_normalised_then_turned(dtype, norm):
     """Several tenants' q/k/v come side by side, so the q (or k) heads of a token sit in a wider
     row: the kernels read them there (no copy), as from a contiguous tensor, and the gradient
     reaches only their columns of the row."""
-    device = kernel_device()
+    device = kernel_device(runtime_loop_bounds=True)
     g = torch.Generator().manual_seed(11)
     b, L, H, d, wide = 2, 5, 3, 64, 7 * 64  # the row: q (3 heads) then 4 more heads' worth of columns
     row = (torch.randn(b, L, wide, generator=g) * 2).to(device, dtype).requires_grad_()
@@ -254,7 +254,7 @@ def assert_kernels_called(counted: dict, layers_: int) -> None:
 def test_a_model_trains_through_the_kernels_as_through_torch(family, model_dirs, monkeypatch):
     """Every norm, rotary and SiLU-and-multiply of a real model's training forward and backward
     through the kernels (fp32): the same loss and the same full-weight gradients."""
-    device = kernel_device()
+    device = kernel_device(runtime_loop_bounds=True)
     if device != "cpu":
         pytest.skip("the GPU tier trains through the kernels on a GPU")
     results, counted, layers_ = train_both_ways(model_dirs[family], device, torch.float32, monkeypatch)
@@ -275,7 +275,7 @@ def test_several_tenants_train_through_the_kernels_as_through_torch(family, mode
     gradients as through torch."""
     from tests.models.test_grouped_lora import _step, assert_same_step
 
-    if kernel_device() != "cpu":
+    if kernel_device(runtime_loop_bounds=True) != "cpu":
         pytest.skip("the GPU tier trains through the kernels on a GPU")
     calls: list = []
     for module, name in ((norm_grad, "norm_rotary"), (swiglu, "silu_mul_packed_grad")):

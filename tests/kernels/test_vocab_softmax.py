@@ -21,7 +21,7 @@ def kernel_for_every_tensor(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab,block", [(1000, 4096), (5000, 1024), (1537, 256)])
 def test_row_logsumexp_is_torchs_over_the_fp32_values(dtype, vocab, block, monkeypatch):
-    device = kernel_device()
+    device = kernel_device(runtime_loop_bounds=True)
     monkeypatch.setattr(vocab_softmax, "BLOCK", block)
     logits = (torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).to(device, dtype)
     logits[2, 5] = 60.0  # one entry far above the rest: the running maximum must rescale the sum
@@ -73,7 +73,7 @@ def _grads(head, h, rows, cols, g_out, chunk_rows, backend, monkeypatch):
 @pytest.mark.parametrize("two_d", [False, True])  # one target a row (fused backward) / three (torch's)
 @pytest.mark.parametrize("chunk_rows", [7, 4 * N])  # logits recomputed in backward / kept from forward
 def test_chunked_logprobs_through_the_kernels_match_torch(two_d, chunk_rows, monkeypatch):
-    device = kernel_device()
+    device = kernel_device(runtime_loop_bounds=True)
     head = _head(torch.bfloat16, train_weight=True).to(device)
     for w in head.adapters.values():
         w.A.data, w.B.data = w.A.data.to(device), w.B.data.to(device)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import SMALL
-from tests.kernels.support import skip_if_interpreter_cannot_loop_to_loaded_bounds
+from tests.kernels.support import skip_if_interpreter_cannot_loop_to_runtime_bounds
 from tests.sampling.conftest import make_sampler, run, task
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.kernels import decode_attention as da
@@ -75,7 +75,7 @@ def _same(a, b):
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "gpt_oss_ring", "qwen3_5"])
 def test_kernels_sample_what_sdpa_samples(family, counted, monkeypatch, request):
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     model_dir = request.getfixturevalue(f"{family}_dir")
     model = load_model(str(model_dir)).model
     reference = sample(model, model_dir, "torch", monkeypatch)
@@ -90,7 +90,7 @@ def test_the_static_step_takes_the_kernels_too(family, counted, monkeypatch, req
     """The fixed-shape step reads K/V at the cache's whole capacity through SDPA; the kernels stop
     at each row's own positions, padding rows included (a hybrid's padding rows keep their
     states through the fused step too), and sample the same."""
-    skip_if_interpreter_cannot_loop_to_loaded_bounds()
+    skip_if_interpreter_cannot_loop_to_runtime_bounds()
     model_dir = request.getfixturevalue(f"{family}_dir")
     model = load_model(str(model_dir)).model
     reference = sample(model, model_dir, "torch", monkeypatch, static=True)
