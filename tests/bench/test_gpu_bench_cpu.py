@@ -53,7 +53,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert "packed vs padded" in (out / "summary.md").read_text()
     assert "Against the issues' targets" in (out / "summary.md").read_text()
     assert len(summary["targets"]) > 10 and all(t["met"] is None for t in summary["targets"])  # no real shape ran
-    assert 0 < summary["sample"]["tiny/decode"]["rows_4"]["of_hbm_bound"]
+    rows_4 = summary["sample"]["tiny/decode"]["rows_4"]
+    assert 0 < rows_4["of_hbm_bound"] and rows_4["bound_with_prefill_tokens_per_s"] < rows_4["hbm_bound_tokens_per_s"]
     replayed = summary["sample"]["tiny/replay_profile"]["rows_4"]  # on a CPU the static step runs eagerly
     assert replayed["unprofiled_ms_per_step"] > 0 and replayed["burst_alone_ms_per_step"] > 0
     assert summary["moe"]["a3b_vs_dense"]["train_moe_vs_dense"] > 0
