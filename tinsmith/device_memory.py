@@ -19,7 +19,11 @@ smaller one (bench/gpu: a 32k-token step within an 80 GB card's memory on an H20
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 _caps: dict[int, int] = {}  # CUDA device index -> bytes this process's allocator may reserve
 
@@ -30,13 +34,18 @@ def limit(device: torch.device, fraction: float) -> None:
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"a device memory fraction is in (0, 1], not {fraction}")
     if device.type != "cuda":
+        if fraction < 1.0:
+            log.warning("--device-memory-fraction %g has no effect on %s: it caps a GPU's memory", fraction, device)
         return
     index = _index(device)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     if fraction >= 1.0:
         _caps.pop(index, None)
-    else:
-        _caps[index] = int(fraction * torch.cuda.get_device_properties(index).total_memory)
+        return
+    total = torch.cuda.get_device_properties(index).total_memory
+    _caps[index] = int(fraction * total)
+    log.info("this process may reserve %.1f GiB of cuda:%d's %.1f GiB (--device-memory-fraction %g)",
+             _caps[index] / 2**30, index, total / 2**30, fraction)
 
 
 def cap(device: torch.device) -> int | None:

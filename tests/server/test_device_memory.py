@@ -5,6 +5,8 @@ tests/gpu/test_device_memory_gpu.py."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -34,9 +36,14 @@ def test_a_fraction_outside_zero_to_one_is_refused(fraction):
         device_memory.limit(torch.device("cpu"), fraction)
 
 
-def test_a_cpu_device_has_no_cap():
-    device_memory.limit(torch.device("cpu"), 0.5)
+def test_a_cpu_device_has_no_cap_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="tinsmith.device_memory"):
+        device_memory.limit(torch.device("cpu"), 0.5)
     assert device_memory.cap(torch.device("cpu")) is None
+    assert "--device-memory-fraction 0.5 has no effect on cpu" in caplog.text
+    caplog.clear()
+    device_memory.limit(torch.device("cpu"), 1.0)  # the default: nothing to say
+    assert not caplog.text
 
 
 def test_the_option_reaches_the_worker_and_every_rank_process(tmp_path):
