@@ -25,8 +25,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_caps: dict[int, int] = {}  # CUDA device index -> bytes this process's allocator may reserve
-
 
 def limit(device: torch.device, fraction: float) -> None:
     """Let this process's allocator reserve at most ``fraction`` of ``device``'s memory (1.0: all
@@ -39,18 +37,21 @@ def limit(device: torch.device, fraction: float) -> None:
         return
     index = _index(device)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    if fraction >= 1.0:
-        _caps.pop(index, None)
-        return
-    total = torch.cuda.get_device_properties(index).total_memory
-    _caps[index] = int(fraction * total)
-    log.info("this process may reserve %.1f GiB of cuda:%d's %.1f GiB (--device-memory-fraction %g)",
-             _caps[index] / 2**30, index, total / 2**30, fraction)
+    if fraction < 1.0:
+        log.info("this process may reserve %.1f GiB of cuda:%d's %.1f GiB (--device-memory-fraction %g)",
+                 cap(device) / 2**30, index, torch.cuda.get_device_properties(index).total_memory / 2**30, fraction)
 
 
 def cap(device: torch.device) -> int | None:
-    """Bytes this process's allocator may reserve on ``device`` (None: no cap)."""
-    return _caps.get(_index(device)) if device.type == "cuda" else None
+    """Bytes this process's allocator may reserve on ``device`` (None: no cap). Read from the
+    allocator itself, so a cap set by other code (a test, a benchmark) counts as well."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():  # no cap is set before CUDA starts
+        return None
+    index = _index(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
+    if fraction >= 1.0:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(index).total_memory)
 
 
 def free_and_total(device: torch.device) -> tuple[int, int]:
