@@ -184,6 +184,33 @@ def test_purge_drops_payloads_and_results_but_keeps_the_record(store: Store, clo
     assert store.get_request(old.request_id).purged_at == done.purged_at
 
 
+def test_a_result_is_read_as_the_full_record_has_it_without_the_payload(store: Store, clock) -> None:
+    """``get_result`` (what answering a future reads) agrees with ``get_request`` field for field,
+    pending, completed (binary result), failed and purged alike, and knows no missing request."""
+    pending, _ = _req(store, model_id="m", seq_id=1)
+    done, _ = _req(store, model_id="m", seq_id=2)
+    store.complete_request(done.request_id, b"\x00result", "application/x-protobuf")
+    failed, _ = _req(store, owner="bob", model_id="m", seq_id=3)
+    store.fail_request(failed.request_id, "bad loss_fn", "user")
+    purged, _ = _req(store, model_id="m", seq_id=4)
+    store.complete_request(purged.request_id, BLOB, "application/x-protobuf")
+    clock.advance(60)
+    assert store.purge_request_payloads(clock.now) == 3
+    clock.advance(1)
+    done2, _ = _req(store, model_id="m", seq_id=5)
+    store.complete_request(done2.request_id, BLOB, "application/json")
+    for r in (pending, done, failed, purged, done2):
+        full, got = store.get_request(r.request_id), store.get_result(r.request_id)
+        assert not hasattr(got, "payload")
+        assert (got.request_id, got.owner, got.status, got.result, got.result_content_type, got.error,
+                got.error_category, got.purged_at, got.is_purged) == (
+            full.request_id, full.owner, full.status, full.result, full.result_content_type, full.error,
+            full.error_category, full.purged_at, full.is_purged)
+    assert store.get_result(done2.request_id).result == BLOB and store.get_result(failed.request_id).owner == "bob"
+    assert store.get_result(purged.request_id).is_purged and store.get_result(purged.request_id).purged_at.tzinfo
+    assert store.get_result("req-missing") is None
+
+
 def test_purge_works_through_a_backlog_in_batches(store: Store, clock) -> None:
     ids = []
     for seq in range(7):

@@ -95,6 +95,25 @@ class RequestRecord:
 
 
 @dataclass(frozen=True)
+class ResultRecord:
+    """What answering a request's future reads: who owns it, where it stands and its outcome, and
+    not its payload (:meth:`tinsmith.store.Store.get_result`)."""
+
+    request_id: str
+    owner: str
+    status: str
+    result: bytes | None
+    result_content_type: str | None
+    error: str | None
+    error_category: str | None
+    purged_at: datetime | None
+
+    @property
+    def is_purged(self) -> bool:
+        return self.purged_at is not None
+
+
+@dataclass(frozen=True)
 class SamplingSessionRecord:
     sampling_session_id: str
     session_id: str | None

@@ -41,6 +41,7 @@ from tinsmith.store.records import (
     Page,
     RequestOutcome,
     RequestRecord,
+    ResultRecord,
     RunMetricRecord,
     SamplingSessionRecord,
     SessionRecord,
@@ -74,6 +75,11 @@ _RESERVE_SEQUENCE_NUMBERS = (
     .values(next_sequence_number=_samplers.c.next_sequence_number + bindparam("n"))
     .returning(_samplers.c.next_sequence_number)
 )
+
+# A request's outcome without its payload, read once per sample request (its future's answer).
+_requests = RequestTable.__table__
+_SELECT_RESULT = select(*(_requests.c[f.name] for f in fields(ResultRecord))).where(
+    _requests.c.request_id == bindparam("rid"))
 
 ERROR_CATEGORIES = ("user", "server", "unknown")
 _UNFINISHED = ("pending", "running")
@@ -491,6 +497,15 @@ class Store:
 
     def get_request(self, request_id: str) -> RequestRecord | None:
         return self._get(RequestRecord, RequestTable, request_id)
+
+    def get_result(self, request_id: str) -> ResultRecord | None:
+        """A request's owner, status and outcome, without its payload: what ``retrieve_future``
+        reads, once for every sample request whose result it hands out. One prebuilt statement
+        on a connection: the ORM's session, identity map and mapped object cost several times
+        the query here (0.37-0.46 against 0.07-0.12 ms of CPU on SQLite in-process)."""
+        with self._turns, self.engine.connect() as c:
+            row = c.execute(_SELECT_RESULT, {"rid": request_id}).first()
+        return None if row is None else ResultRecord(**row._mapping)
 
     def mark_running(self, request_id: str) -> bool:
         """pending -> running. False if it was not pending (already taken or finished)."""

@@ -38,7 +38,7 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, caller:
         out = await engine.wait(rid, state.config.long_poll_seconds)
         if out is not None:
             return _answer(out.result, out.content_type, out.error, out.category)
-    rec = await run_in_threadpool(state.store.get_request, rid)
+    rec = await run_in_threadpool(state.store.get_result, rid)
     if rec is None or rec.owner != caller.owner:
         raise NotFoundError(f"request {rid!r} not found")
     if rec.status == "completed" and rec.is_purged:

@@ -265,7 +265,7 @@ async def outcome_of(state: ServerState, request_id: str) -> Outcome:
             return out
         if state.engine.pending(request_id):
             continue
-        rec = await run_in_threadpool(state.store.get_request, request_id)
+        rec = await run_in_threadpool(state.store.get_result, request_id)
         if rec is None:
             raise TinsmithError(f"request {request_id!r} is no longer known to the server")
         if rec.status == "completed":
