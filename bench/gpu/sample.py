@@ -40,17 +40,18 @@ def hbm_bound_tokens_per_s(model_dir, rows: int, prompt: int, new: int, copy_bps
     return rows / ((weight_bytes + kv_bytes) / copy_bps)
 
 
-def bound_with_prefill_tokens_per_s(model_dir, rows: int, prompt: int, new: int, peak: dict, dtype_bytes: int) -> float:
+def bound_with_prefill_tokens_per_s(model_dir, rows: int, prompt: int, new: int, matmul_flops_per_s: float,
+                                    hbm_bound: float) -> float:
     """Tokens/s if the run's prefill ran at the measured matmul peak (2N FLOPs a prompt token, the
     unembedding left out: only each prompt's last token needs it) and every decode step at the HBM
-    bound: what the run's own figure, which includes its prefill, can be held to. At 256 rows of
-    128-token prompts on the 1.7B shape (H200 peaks) that prefill is about 15% of the bound."""
+    bound (``hbm_bound``, :func:`hbm_bound_tokens_per_s`'s tokens/s): what the run's own figure,
+    which includes its prefill, can be held to. At 256 rows of 128-token prompts on the 1.7B shape
+    (H200 peaks) that prefill is about 15% of the bound."""
     import transformers
 
     n = param_counts(transformers.AutoConfig.from_pretrained(str(model_dir)))
-    prefill_s = 2 * n["layers"] * rows * prompt / peak["matmul_flops_per_s"]
-    decode_s = new * rows / hbm_bound_tokens_per_s(model_dir, rows, prompt, new, peak["copy_bytes_per_s"], dtype_bytes)
-    return rows * new / (prefill_s + decode_s)
+    prefill_s = 2 * n["layers"] * rows * prompt / matmul_flops_per_s
+    return rows * new / (prefill_s + rows * new / hbm_bound)
 
 
 def server_sampler(model, device, rows: int, **kw) -> Sampler:
@@ -121,7 +122,8 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
         first, s = twice(rows, [None])
         tps = rows * z["new"] / s
         bound = hbm_bound_tokens_per_s(model_dir, rows, z["prompt"], z["new"], peak["copy_bytes_per_s"], dtype_bytes)
-        with_prefill = bound_with_prefill_tokens_per_s(model_dir, rows, z["prompt"], z["new"], peak, dtype_bytes)
+        with_prefill = bound_with_prefill_tokens_per_s(model_dir, rows, z["prompt"], z["new"], peak["matmul_flops_per_s"],
+                                                       bound)
         out[f"rows_{rows}"] = {"tokens_per_s": tps, "hbm_bound_tokens_per_s": bound, "of_hbm_bound": tps / bound,
                                "bound_with_prefill_tokens_per_s": with_prefill, "of_bound_with_prefill": tps / with_prefill,
                                "first_run_tokens_per_s": rows * z["new"] / first,
