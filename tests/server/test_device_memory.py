@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tinsmith import device_memory
-from tinsmith.parallel.serving import RANK_DEVICE_SWITCHES, runtime_kwargs_of
+from tinsmith.parallel.serving import RANK_DEVICE_SWITCHES, configured_rank, runtime_kwargs_of
 from tinsmith.server.config import ServerConfig
 from tinsmith.server.health import DeviceReading
+from tinsmith.server.state import ServerState
 from tinsmith.status import render
-from tinsmith.worker.service import RuntimeOptions
 
 GIB = 1 << 30
 
@@ -48,10 +48,17 @@ def test_a_cpu_device_has_no_cap_and_says_so(caplog):
 
 def test_the_option_reaches_the_worker_and_every_rank_process(tmp_path):
     config = ServerConfig(base_model=["m"], data_dir=str(tmp_path), device_memory_fraction=0.6)
-    assert config.device_memory_fraction == 0.6
-    options = RuntimeOptions(device_memory_fraction=0.6)
-    kwargs = runtime_kwargs_of(options)
+    state = ServerState.build(config)  # loads no model: the worker only keeps its options here
+    try:
+        options = state.worker.options
+    finally:
+        state.store.close()
+    assert options.device_memory_fraction == 0.6
+    kwargs = runtime_kwargs_of(options)  # what a tensor- or data-parallel rank process is started with
     assert kwargs["device_memory_fraction"] == 0.6 and set(RANK_DEVICE_SWITCHES) <= set(kwargs)
+    # the rank applies the switches to its process and builds its runtime from the rest
+    rest = configured_rank(torch.device("cpu"), kwargs)
+    assert not set(RANK_DEVICE_SWITCHES) & set(rest) and rest["max_lora_rank"] == options.max_lora_rank
 
 
 def test_status_says_what_the_server_may_reserve():
