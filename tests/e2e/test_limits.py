@@ -7,6 +7,7 @@ where the status code itself is what is checked).
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -117,6 +118,44 @@ def test_requests_beyond_the_in_flight_cap_get_a_429_that_the_sdk_rides_out(make
 
         for http, rid in [(http_a, r.json()["request_id"]) for r in first] + [(http_b, r_b.json()["request_id"])]:
             assert retrieve(http, rid).status_code == 200
+
+
+# ------------------------------------------------------------------------------ request rate
+def test_a_key_above_its_request_rate_is_held_back_only_while_another_key_is_served(make_server, keys_file,
+                                                                                   service_client, base_model):
+    srv = _server(make_server, keys_file, max_requests_per_second_per_key=2, request_burst_per_key=4,
+                  log_level="debug")
+    caps = "/api/v1/get_server_capabilities"
+    with raw_client(srv.base_url, KEY_A) as http_a, raw_client(srv.base_url, KEY_B) as http_b:
+        assert [http_a.get(caps).status_code for _ in range(12)] == [200] * 12  # alone: never refused
+        assert http_b.get(caps).status_code == 200  # now B is being served, and A's bucket is empty
+        r = http_a.get(caps)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+        assert "--max-requests-per-second-per-key" in detail(r)
+        assert http_b.get(caps).status_code == 200  # B's own bucket is untouched by A's
+
+        # While B keeps being served, the SDK of A is refused again and again, and rides it out.
+        stop = threading.Event()
+
+        def keep_b_busy() -> None:
+            while not stop.wait(0.5):
+                assert http_b.get(caps).status_code == 200
+
+        busy = threading.Thread(target=keep_b_busy)
+        busy.start()
+        try:
+            log_start = len(srv.log_text())
+            sampler = service_client(srv, KEY_A).create_sampling_client(base_model=base_model).result(
+                timeout=RESULT_TIMEOUT_S)
+            futures = [sampler.sample(PROMPT, 1, GREEDY) for _ in range(4)]
+            assert [len(f.result(timeout=RESULT_TIMEOUT_S).sequences[0].tokens) for f in futures] == [4] * 4
+        finally:
+            stop.set()
+            busy.join()
+        log = srv.log_text()
+        assert "DEBUG tinsmith.requests: request POST /api/v1/asample 429" in log[log_start:]  # each refusal, at debug
+        assert "WARNING tinsmith.api.request_rates: key " in log  # and their sum, at warning
 
 
 # ------------------------------------------------------------------------------ sampler snapshots

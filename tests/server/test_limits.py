@@ -27,6 +27,7 @@ def test_single_user_mode_has_no_per_key_caps_but_keeps_the_quota(tmp_path):
         assert (o.max_runs_per_key, o.max_sampler_snapshots_per_key) == (None, None)
         assert o.max_sampler_snapshots == ServerConfig().max_sampler_snapshots  # the server-wide cap stays
         assert state.limits.max_requests_in_flight is None
+        assert not state.request_rates.enabled  # nor a request rate
         state.limits.admit("local", 10**6)  # never a 429, however much is in flight
         assert state.limits.checkpoint_quota_bytes == 1000
     finally:
@@ -45,6 +46,9 @@ def test_a_keys_file_turns_the_per_key_caps_on(tmp_path):
         with pytest.raises(TooManyRequestsError) as exc:
             state.limits.admit("key-x", cap)
         assert exc.value.status == 429 and exc.value.retry_after_s > 0
+        assert (state.request_rates.per_second, state.request_rates.burst) == (cfg.max_requests_per_second_per_key,
+                                                                               cfg.request_burst_per_key)
+        assert state.request_rates.enabled
         assert state.limits.checkpoint_quota_bytes == 1000
     finally:
         state.store.close()

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tinsmith.api.observe import RequestObserver, note_request
+from tinsmith.api.request_rates import RequestRateLimit
 from tinsmith.api.routes import ROUTERS
 from tinsmith.errors import TinsmithError, TooManyRequestsError
 from tinsmith.server.state import ServerState
@@ -86,6 +87,9 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tinsmith", lifespan=lifespan)
     app.state.tinsmith = state
     app.add_middleware(BodyLimit, limit=state.config.max_body_bytes)
+    # Before the body is read: a key over its request rate costs the loop as little as can be.
+    app.add_middleware(RequestRateLimit, rates=state.request_rates, auth=state.auth,
+                       routes=[route for router in ROUTERS for route in router.routes])
     app.add_middleware(RequestObserver, metrics=state.metrics)  # outermost: sees every answer, 413s too
     for router in ROUTERS:
         app.include_router(router)

@@ -11,7 +11,9 @@ Handlers add what only they know (the run, the request's tokens, the reason for 
 :func:`note_request`, through a context variable: no lock, no database, no work per request
 beyond a few attribute writes. The API key itself is never logged, only its key id (a short
 hash), and neither are bodies. A refused request (429) is logged at warning with the reason,
-so shed work shows up in a warning-level log without a second line.
+so shed work shows up in a warning-level log without a second line; refusals of a key's request
+rate, which can come by the thousand, are reported once per key and while instead
+(:mod:`tinsmith.api.request_rates`) and their lines go to debug.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ class RequestNote:
     run: str | None = None
     tokens: int | None = None
     reason: str | None = None
+    quiet: bool = False  # a refusal reported elsewhere in sum (a key's rate): its line at debug, not warning
 
 
 _note: ContextVar[RequestNote | None] = ContextVar("tinsmith_request_note", default=None)
 
 
-def note_request(*, run: str | None = None, tokens: int | None = None, reason: str | None = None) -> None:
-    """Add to the current request's log line (a no-op outside a request)."""
+def note_request(*, run: str | None = None, tokens: int | None = None, reason: str | None = None,
+                 quiet: bool = False) -> None:
+    """Add to the current request's log line (a no-op outside a request); ``quiet``: log the line
+    at debug level, for refusals that are reported in sum instead (one warning per key and while)."""
     note = _note.get()
     if note is None:
         return
@@ -53,6 +58,7 @@ def note_request(*, run: str | None = None, tokens: int | None = None, reason: s
         note.tokens = tokens
     if reason is not None:
         note.reason = reason
+    note.quiet = note.quiet or quiet
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -106,6 +112,8 @@ class RequestObserver:
         if status >= 400 and note.reason:
             fields["reason"] = note.reason
         level = logging.WARNING if status == 429 or status >= 500 else logging.INFO
+        if note.quiet and status < 500:
+            level = logging.DEBUG
         if not log.isEnabledFor(level):
             return
         text = f"{method} {route} {status} {fields['duration_ms']:.1f} ms key={fields['key_id'] or '-'}"

@@ -110,6 +110,8 @@ class ServerConfig(BaseSettings):
     checkpoint_quota_bytes: NotNegativeInt | None = None  # per API key
     max_runs_per_key: AtLeastOne = 32  # per-key limits apply with --api-keys-file only
     max_requests_in_flight_per_key: AtLeastOne = 1024
+    max_requests_per_second_per_key: NotNegative = 256.0  # 0: no rate limit
+    request_burst_per_key: AtLeastOne = 4096
     max_sampler_snapshots: AtLeastOne = 64
     max_sampler_snapshots_per_key: AtLeastOne = 32
     sampler_snapshot_idle_s: NotNegative = 120.0
@@ -271,6 +273,11 @@ _HELP = {
     "max_runs_per_key": "training runs one API key may hold at once (with --api-keys-file)",
     "max_requests_in_flight_per_key": "queued and running requests per API key; more get a 429 that the SDK retries "
                                       "(with --api-keys-file)",
+    "max_requests_per_second_per_key": "HTTP requests per second one API key may send while other keys are being "
+                                       "served (beyond its burst); more get a 429 that the SDK retries; 0: no limit "
+                                       "(with --api-keys-file)",
+    "request_burst_per_key": "HTTP requests one API key may send at once before its request rate applies "
+                             "(with --api-keys-file)",
     "max_sampler_snapshots": "sampler snapshots held in memory by the whole server; idle ones are evicted to make room",
     "max_sampler_snapshots_per_key": "sampler snapshots one API key may hold in memory; its own idle ones make room "
                                      "(with --api-keys-file)",

@@ -14,6 +14,10 @@ key waits behind it, or fill the disk. Each limit is enforced where it can be ch
   them (they travel in ``RuntimeOptions``). Only the key can lift a run cap (by freeing a run),
   so a create over it fails its future at once with a message rather than being retried; a new
   snapshot over its cap first evicts the key's own idle snapshots.
+* **Request rate** (``--max-requests-per-second-per-key``, ``--request-burst-per-key``): every HTTP
+  request of the key, refused with a 429 before it is routed while another key is being served
+  (:mod:`tinsmith.api.request_rates`): polls and reads hold nothing in flight, yet take the
+  event loop's time from everyone's work.
 * **Checkpoint storage** (``--checkpoint-quota-bytes``): checked before anything is written
   (:meth:`KeyLimits.check_storage`), counting the bytes about to be written, not only those
   already used.

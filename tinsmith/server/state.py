@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tinsmith.api.auth import Authenticator
+from tinsmith.api.request_rates import RequestRates
 from tinsmith.checkpoints.peft_format import recover_interrupted_commits
 from tinsmith.custom_losses.cache import CustomLossCache
 from tinsmith.engine.scheduler import Engine, Job
@@ -52,6 +53,7 @@ class ServerState:
     secret: bytes = b""  # signs download links; kept in the data dir so links survive restarts
     sweep_interval_s: float = 60.0  # checkpoint TTLs and request retention; sessions are swept on time
     limits: KeyLimits = field(default_factory=KeyLimits)
+    request_rates: RequestRates = field(default_factory=lambda: RequestRates(per_second=0.0, burst=1))
     metrics: ServerMetrics = field(init=False)
     throughput: Throughput = field(default_factory=Throughput)
     started_at: float = field(default_factory=time.time)
@@ -115,7 +117,8 @@ class ServerState:
         throughput, usage = Throughput(), UsageMeter(store)
         engine = Engine(WorkerOperations(worker, store, limits, throughput, usage), store,
                         seq_gap_wait_s=config.seq_gap_wait_s)
-        return cls(config, store, worker, engine, auth, limits=limits, throughput=throughput, usage=usage)
+        return cls(config, store, worker, engine, auth, limits=limits, throughput=throughput, usage=usage,
+                   request_rates=RequestRates.from_config(config, auth.multi_tenant))
 
     def claim(self) -> None:
         """Become the one server of this data dir and database, or raise ``AlreadyServing``.
