@@ -46,8 +46,11 @@ class ServerProcess:
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         log_dir: str | Path | None = None,
+        checkout: str | Path | None = None,
     ) -> None:
         self.base_model = str(base_model)
+        # Whose tinsmith runs: this checkout's, or another's (benchmarks compare two commits).
+        self.checkout = Path(checkout) if checkout is not None else Path(__file__).resolve().parents[2]
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.database_url = database_url
@@ -111,7 +114,7 @@ class ServerProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(Path(__file__).resolve().parents[2]))
+                                     cwd=str(self.checkout))
         self.wait_healthy(timeout)
         return self
 

@@ -650,3 +650,27 @@ def test_stored_outcomes_say_when_their_work_began():
     assert set(started) == {"fb", "opt"}
     assert all(before <= t <= after for t in started.values()), (before, started, after)
     assert started["fb"] <= started["opt"]  # the step waited for the pass before it
+
+
+def test_stopping_stores_the_outcomes_of_the_slice_that_was_running():
+    """A slice under way when the engine stops still stores what it finished: the request is not
+    left pending in the store (lost at the next start) for work that was done."""
+    class Recording(NullSink):
+        def __init__(self):
+            self.ids: list[str] = []
+
+        def finish_requests(self, outcomes):
+            time.sleep(0.05)
+            self.ids += [o.request_id for o in outcomes]
+            return [True] * len(outcomes)
+
+    async def scenario():
+        ops, sink = SamplingOps(chunk_delay_s=0.2), Recording()  # a slice takes 0.2 s
+        engine = Engine(ops, sink)
+        engine.submit(Job("s", "sample", None, None, 1, owner="o"))
+        await engine.start()
+        await asyncio.sleep(0.05)  # inside the slice that finishes "s"
+        await engine.stop()
+        return sink.ids
+
+    assert run(scenario()) == ["s"]
