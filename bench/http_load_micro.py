@@ -25,7 +25,7 @@ leave the sampler half of its speed alone. ``--switch-interval S`` sets the serv
 handing the lock over sooner changes the split.
 
     python bench/http_load_micro.py [--rates 0,default] [--threads 3] [--rounds 2] [--samples 16] [--new 256]
-                                    [--head-start 5] [--json out.json]
+                                    [--head-start 10] [--json out.json]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--rates", default="0,default",
                     help="the servers' --max-requests-per-second-per-key, one server each, in turn (0: no limit; "
                          "default: the server's default)")
-    ap.add_argument("--head-start", type=float, default=5.0,
+    ap.add_argument("--head-start", type=float, default=10.0,
                     help="seconds the busy key sends alone before the sampling key's request (a key alone is "
                          "never refused; by then its burst is spent)")
     ap.add_argument("--json")

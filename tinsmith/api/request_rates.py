@@ -15,9 +15,12 @@ last :data:`ACTIVE_WINDOW_S` seconds. A key alone on the server is never refused
 else's work is slowed by its traffic, and its bucket refills meanwhile, so a burst that starts
 alone is not cut short when another key arrives.
 
-The defaults leave an RL loop's rounds of separate sample requests alone (each request is a
-submit and one long poll: a round of 1,024 requests is 2,048 HTTP requests, half the burst) and
-hold a key that polls without pause to a few hundred requests a second. The check runs before
+The defaults sit above what an RL loop sends: a cookbook round of 2,048 separate sample requests
+is 4,096 HTTP requests (a submit and one long poll each), half the burst, and such loops average
+200-500 requests/s on a GPU (256-token completions at 35-60k tokens/s). A key that polls without
+pause is held to 512 requests a second while others are served, a quarter of what the CPU box's
+loop answers; where tenants are trusted less, a lower rate protects the others more
+(``bench/http_load_micro.py --rates 0,default,256`` measures it). The check runs before
 the request's body is read or routed, so a refused request costs the loop little. Per-key limits
 apply with ``--api-keys-file`` only, as the others in :mod:`tinsmith.server.limits` do.
 

@@ -110,8 +110,8 @@ class ServerConfig(BaseSettings):
     checkpoint_quota_bytes: NotNegativeInt | None = None  # per API key
     max_runs_per_key: AtLeastOne = 32  # per-key limits apply with --api-keys-file only
     max_requests_in_flight_per_key: AtLeastOne = 1024
-    max_requests_per_second_per_key: NotNegative = 256.0  # 0: no rate limit
-    request_burst_per_key: AtLeastOne = 4096
+    max_requests_per_second_per_key: NotNegative = 512.0  # 0: no rate limit
+    request_burst_per_key: AtLeastOne = 8192
     max_sampler_snapshots: AtLeastOne = 64
     max_sampler_snapshots_per_key: AtLeastOne = 32
     sampler_snapshot_idle_s: NotNegative = 120.0
