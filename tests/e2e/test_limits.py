@@ -129,7 +129,8 @@ def test_a_key_above_its_request_rate_is_held_back_only_while_another_key_is_ser
     with raw_client(srv.base_url, KEY_A) as http_a, raw_client(srv.base_url, KEY_B) as http_b:
         assert [http_a.get(caps).status_code for _ in range(12)] == [200] * 12  # alone: never refused
         assert http_b.get(caps).status_code == 200  # now B is being served, and A's bucket is empty
-        r = http_a.get(caps)
+        tries = [http_a.get(caps) for _ in range(3)]  # (a slow box may have refilled one request's worth)
+        r = next((t for t in tries if t.status_code == 429), tries[-1])
         assert r.status_code == 429, r.text
         assert r.headers["retry-after"] == "1"
         assert "--max-requests-per-second-per-key" in detail(r)
