@@ -16,8 +16,9 @@ else's work is slowed by its traffic, and its bucket refills meanwhile, so a bur
 alone is not cut short when another key arrives.
 
 The defaults sit above what an RL loop sends: a cookbook round of 2,048 separate sample requests
-is 4,096 HTTP requests (a submit and one long poll each), half the burst, and such loops average
-200-500 requests/s on a GPU (256-token completions at 35-60k tokens/s). A key that polls without
+is 4,096 HTTP requests (a submit and one long poll each), half the burst, and such loops average,
+by estimate, 200-500 requests/s on a GPU (4,096 requests a round of 2,048 256-token completions
+at 35-60k tokens/s; not measured). A key that polls without
 pause is held to 512 requests a second while others are served, a quarter of what the CPU box's
 loop answers; where tenants are trusted less, a lower rate protects the others more
 (``bench/http_load_micro.py --rates 0,default,256`` measures it). The check runs before
