@@ -13,6 +13,7 @@ from tinsmith.api import request_rates
 from tinsmith.api.auth import Authenticator, owner_for_key
 from tinsmith.api.common import caller_of
 from tinsmith.api.request_rates import ACTIVE_WINDOW_S, REPORT_EVERY_S, RequestRateLimit, RequestRates
+from tinsmith.api.routes.openai_compat import caller_of as openai_caller_of
 from tinsmith.errors import AuthError
 
 
@@ -109,6 +110,11 @@ def _app(tmp_path, per_second: float, burst: int) -> tuple[TestClient, Authentic
         routed.append(caller.owner)
         return {"body": (await request.body()).decode()}
 
+    @app.post("/v1/work")  # as the OpenAI-compatible routes read their key (a bearer token)
+    async def bearer_work(request: Request):
+        routed.append(openai_caller_of(request).owner)
+        return {}
+
     app.add_middleware(RequestRateLimit, rates=RequestRates(per_second=per_second, burst=burst), auth=auth)
     client = TestClient(app)
     client.routed = routed
@@ -129,6 +135,9 @@ def test_the_middleware_refuses_before_the_route_and_hands_the_caller_on(tmp_pat
     assert r.headers["retry-after"] == "1000"  # whole seconds until the bucket holds a request
     assert "--max-requests-per-second-per-key" in r.json()["detail"]
     assert client.routed == [owner_for_key("tml-b")] + [owner_for_key("tml-a")] * 2  # the refused one never routed
+    calls.clear()
+    assert client.post("/v1/work", headers={"Authorization": "Bearer tml-b"}).status_code == 200
+    assert calls == ["tml-b"] and client.routed[-1] == owner_for_key("tml-b")  # a bearer key: once too
 
 
 def test_requests_without_a_valid_key_reach_the_route_and_its_message(tmp_path):

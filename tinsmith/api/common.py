@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tinsmith.api.auth import Caller
 from tinsmith.api.observe import note_request
-from tinsmith.api.request_rates import SCOPE_CALLER
+from tinsmith.api.request_rates import caller_found
 from tinsmith.checkpoints.paths import parse_tinker_path
 from tinsmith.engine.scheduler import Job
 from tinsmith.errors import InvalidInputError, NotFoundError, StateLostError
@@ -23,10 +23,7 @@ def state_of(request: Request) -> ServerState:
 
 async def caller_of(request: Request) -> Caller:
     api_key = request.headers.get("x-api-key")
-    found = request.scope.get(SCOPE_CALLER)  # authenticated already by the request-rate check
-    if found is not None and found[0] == api_key:
-        return found[1]
-    return state_of(request).auth.authenticate(api_key)
+    return caller_found(request.scope, api_key) or state_of(request).auth.authenticate(api_key)
 
 
 async def owned_session(state: ServerState, caller: Caller, session_id: str) -> SessionRecord:

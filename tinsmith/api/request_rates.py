@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.routing import Match
 
 from tinsmith.api.auth import Authenticator, Caller, key_from_headers
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 ACTIVE_WINDOW_S = 5.0  # a key that sent a request this recently counts as being served
 REPORT_EVERY_S = 10.0  # at most one warning per key this often about its refused requests
-SCOPE_CALLER = "tinsmith.caller"  # where the caller found here waits for the routes (common.caller_of)
+SCOPE_CALLER = "tinsmith.caller"  # where the caller found here waits for the routes (caller_found)
 
 
 @dataclass
@@ -127,6 +128,13 @@ class RequestRates:
         key.refused, key.reported_at = 0, now
 
 
+def caller_found(scope, api_key: str | None) -> Caller | None:
+    """The caller the request-rate check authenticated for this request, if it did so for
+    ``api_key`` (the key the route reads): the routes need not authenticate it again."""
+    found = scope.get(SCOPE_CALLER)
+    return found[1] if found is not None and found[0] == api_key else None
+
+
 def _find_route(scope, routes) -> None:
     """Put the route that would have answered into the scope, as routing does (a refused request is
     never routed), for its log line and metrics label; a path no route serves stays unmatched."""
@@ -157,8 +165,7 @@ class RequestRateLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.rates.enabled:
             return await self.app(scope, receive, send)
-        headers = {k: v for k, v in scope.get("headers", ()) if k in (b"x-api-key", b"authorization")}
-        api_key = key_from_headers({k.decode(): v.decode("latin-1") for k, v in headers.items()})
+        api_key = key_from_headers(Headers(scope=scope))
         try:
             caller: Caller = self.auth.authenticate(api_key)
         except AuthError:

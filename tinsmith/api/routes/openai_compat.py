@@ -42,6 +42,7 @@ from tinsmith.api.common import sampler_weights, state_of, submit
 from tinsmith.api.images import fit_sample_input, no_images
 from tinsmith.api.limits import limits_of, refuse_above
 from tinsmith.api.request import ApiRoute, json_object
+from tinsmith.api.request_rates import caller_found
 from tinsmith.engine.scheduler import Outcome
 from tinsmith.errors import AuthError, InvalidInputError, NotFoundError, TinsmithError, TooManyRequestsError
 from tinsmith.server.operations import SampleArgs
@@ -86,7 +87,7 @@ def caller_of(request: Request) -> Caller:
     key = key_from_headers(request.headers)
     if not key:
         raise AuthError("missing API key: send it as 'Authorization: Bearer <key>' (or X-API-Key)")
-    return state_of(request).auth.authenticate(key)
+    return caller_found(request.scope, key) or state_of(request).auth.authenticate(key)
 
 
 # ----------------------------------------------------------------------------- which model
