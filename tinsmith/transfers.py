@@ -3,10 +3,14 @@
 ``torch.tensor(values, device=cuda)`` and ``host.to(cuda)`` copy, then synchronise the stream:
 the host waits for every kernel already queued, and the GPU then waits for the host to queue
 more. In a loop of small steps (decode, a prefill's rows, a training request's datums) that
-drains the launch queue at every copy. A copy with ``non_blocking=True`` does not wait: from
-ordinary (pageable) host memory CUDA stages the data before the call returns, so the host
-buffer may go at once, and the copy runs in stream order before anything that reads it.
-``tinsmith.devtools.host_syncs`` finds the copies and reads that still wait.
+drains the launch queue at every copy. ``non_blocking=True`` drops torch's synchronisation, but
+from ordinary (pageable) host memory the copy is still the driver's to stage, and CUDA documents
+that it "might be synchronous with respect to host": the driver may wait for the stream before
+it stages the data. Only a copy from page-locked (pinned) memory is asynchronous for certain, so
+:func:`to_device` first copies host data into page-locked memory from torch's caching host
+allocator, which keeps that block from being reused until the copy has run on the device (the
+way vLLM and SGLang feed their steps). ``tinsmith.devtools.host_syncs`` finds the copies and
+reads that still wait, a non-blocking copy from pageable memory included.
 """
 
 from __future__ import annotations
@@ -27,7 +31,22 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype | None = Non
         host = host if dtype is None else host.to(dtype)
     else:
         host = torch.tensor(values, dtype=dtype, device="cpu")  # the host, whatever the default device
-    return host.to(device, non_blocking=True)
+    return page_locked(host, device).to(device, non_blocking=True)
+
+
+def page_locked(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` in page-locked memory when it is bound for a CUDA device, so that a non-blocking
+    copy of it never waits for the stream; as it is elsewhere (a CPU, where there is nothing to
+    wait for), while a CUDA graph is being captured (a captured copy would read the block again at
+    every replay, after the allocator has handed it on: such a copy must come from a buffer of the
+    graph's own), or where no page-locked memory can be had."""
+    if (torch.device(device).type != "cuda" or host.device.type != "cpu" or host.is_pinned()
+            or torch.cuda.is_current_stream_capturing()):
+        return host
+    try:
+        return host.pin_memory()
+    except RuntimeError:  # page-locked memory exhausted: the copy may wait, but it is made
+        return host
 
 
 class HostCopies:

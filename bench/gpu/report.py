@@ -148,6 +148,7 @@ def markdown(s: dict) -> str:
             L += _sft_curves(name, tr.get(f"{name}/sft_curves"))
         L.append("")
     L += _profiles(s)
+    L += _copies(s)
     sa = s.get("sample", {})
     if sa:
         L += _heading("## Sampling (tokens/s)",
@@ -394,3 +395,13 @@ def _profiles(s: dict) -> list[str]:
         if _status(item):
             L.append(f"| {key} | - | - | - | - | - | {_status(item)} |")
     return L + [""] + [f"- {line}" for line in tops] + [""]
+
+
+def _copies(s: dict) -> list[str]:
+    """How long the host waited to copy host data to a busy device (train.copies_behind_work)."""
+    c = s.get("train", {}).get("copies_behind_work")
+    if not c or "pageable_non_blocking" not in c:
+        return [f"- copies behind queued work: {_status(c)}", ""] if c and _status(c) else []
+    return [f"- a {c['bytes']}-byte copy to the device behind {_fmt(c['to_device']['busy_ms_median'])} ms of queued "
+            f"work, the host's wait: pageable non-blocking {_fmt(c['pageable_non_blocking']['host_ms_median'])} ms, "
+            f"`to_device` (page-locked first) {_fmt(c['to_device']['host_ms_median'])} ms", ""]

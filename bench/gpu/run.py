@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name == shapes[-1]:  # why the figures are what they are: the step's kernels
                 tr.item(f"{name}/profile", lambda: profile.train_step(dirs[name], device, a.quick))
                 tr.item("launch_costs", lambda: train.launch_costs(device, a.quick))
+                tr.item("copies_behind_work", lambda: train.copies_behind_work(device, a.quick))
                 tr.item("attention_backends", lambda: train.attention_backends(device, peaks, a.quick))
             tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
             if name == curve_shape:  # the loss curves of a real SFT run, fast path against plain (one shape)

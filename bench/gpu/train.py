@@ -11,6 +11,7 @@ fixed-length rows also state ``mfu_with_attention`` (:func:`attention_flops_per_
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 
@@ -361,6 +362,42 @@ def launch_costs(device, quick: bool) -> dict:
         sync(device)
         total = time.perf_counter() - t
         out[name] = {"host_us_per_call": 1e6 * host / calls, "wall_us_per_call": 1e6 * total / calls}
+    return out
+
+
+def copies_behind_work(device, quick: bool) -> dict:
+    """How long the host waits to copy a few hundred bytes of host data to the device while the
+    device is still busy with work queued before it (``torch.cuda._sleep``, about ``busy_ms``):
+    ``Tensor.to(non_blocking=True)`` from pageable memory, which CUDA may stage only after the
+    stream has drained, against ``tinsmith.transfers.to_device``, which stages the data in
+    page-locked memory first. The decode loop and the training step copy host data like this
+    (page tables, rows' adapters, offsets): a copy that waits empties the launch queue."""
+    from tinsmith.transfers import to_device
+
+    host = np.arange(64, dtype=np.int64)
+    cycles = 1 << (24 if quick else 27)  # ~10 / ~80 ms of spinning on an H100/H200 clock
+    ways: dict[str, Callable[[], torch.Tensor]] = {
+        "pageable_non_blocking": lambda: torch.from_numpy(host).to(device, non_blocking=True),
+        "to_device": lambda: to_device(host, device),
+    }
+    out: dict = {"bytes": host.nbytes}
+    for name, copy in ways.items():
+        copy()  # the host allocator's first page-locked block out of the way
+        waits, busy = [], []
+        for _ in range(3 if quick else 5):
+            sync(device)
+            if device.type == "cuda":  # (a CPU has no queue: its figures are the copies' own cost)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(cycles)
+                end.record()
+            t = time.perf_counter()
+            got = copy()
+            waits.append(1e3 * (time.perf_counter() - t))
+            sync(device)
+            busy.append(start.elapsed_time(end) if device.type == "cuda" else 0.0)
+            assert got.tolist() == host.tolist()
+        out[name] = {"host_ms_median": statistics.median(waits), "busy_ms_median": statistics.median(busy)}
     return out
 
 

@@ -47,6 +47,9 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert "one program a row" in (out / "summary.md").read_text()
     assert "expand by output block" in (out / "summary.md").read_text()
     assert summary["train"]["attention_backends"]["1x256"]["math"]["ms"] > 0  # a CPU has the math backend only
+    copies = summary["train"]["copies_behind_work"]  # a CPU queues nothing: the copies' own cost
+    assert copies["to_device"]["host_ms_median"] > 0 and copies["pageable_non_blocking"]["busy_ms_median"] == 0
+    assert "copy to the device behind" in (out / "summary.md").read_text()
     assert "causal attention alone" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["cudnn_attention"]["vs_default"] > 0  # the CPU's math backend both ways
     assert summary["train"]["tiny/lora"]["long_context"]["cudnn_vs_auto"] > 0

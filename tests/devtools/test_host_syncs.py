@@ -48,19 +48,24 @@ def test_data_dependent_operators_count_as_reads():
     assert [e.what for e in h.events] == ["nonzero", "boolean mask index", "bincount"]
 
 
-def test_copies_to_the_device_count_unless_non_blocking():
+def test_copies_to_the_device_count_unless_made_by_to_device():
+    """A blocking copy waits for the stream; a non-blocking one from pageable memory may (CUDA
+    stages it); ``to_device`` stages host data in page-locked memory on a GPU, so it does not."""
     a = np.arange(4)
     with HostSyncs() as h:
         torch.tensor([1, 2], device=DEV)
         torch.from_numpy(a).to(DEV)
         torch.zeros(2, dtype=torch.long, device=DEV).copy_(torch.from_numpy(a[:2]))
         torch.from_numpy(a).to(DEV, non_blocking=True)
+        torch.zeros(2, dtype=torch.long, device=DEV).copy_(torch.from_numpy(a[:2]), non_blocking=True)
         to_device([1, 2], DEV)
         to_device(a, DEV, torch.int32)
+        to_device(torch.from_numpy(a), DEV)
         torch.tensor([1, 2], device="cpu")  # asked for the host itself: no copy
         torch.arange(3, device=DEV)  # made on the device: no copy
-    assert [e.what for e in h.events] == ["torch.tensor", "Tensor.to", "Tensor.copy_"]
-    assert h.count("copy") == 3 and h.count("read") == 0
+    assert [e.what for e in h.events] == ["torch.tensor", "Tensor.to", "Tensor.copy_", "Tensor.to (pageable, non_blocking)",
+                                          "Tensor.copy_ (pageable, non_blocking)"]
+    assert h.count("copy") == 5 and h.count("read") == 0
 
 
 def test_torch_is_itself_again_after_the_block():

@@ -14,7 +14,9 @@ without a GPU:
   output from the data (:data:`DATA_DEPENDENT_OPS`, and indexing by a boolean mask), seen at
   dispatch, so calls from inside torch count too;
 * ``copy`` (host to device): ``torch.tensor`` / ``torch.as_tensor`` of Python or NumPy data for
-  the device, and ``Tensor.to`` / ``copy_`` of a host tensor onto it, unless ``non_blocking``.
+  the device, and ``Tensor.to`` / ``copy_`` of a host tensor onto it; with ``non_blocking`` too
+  when the host tensor is pageable (CUDA may wait for the stream before it stages such a copy),
+  unless :mod:`tinsmith.transfers` makes it (it stages host data in page-locked memory first).
 
 On a CPU host and device are one, so the mode tells them apart by where tensors come from: a
 tensor made from host data (``torch.tensor``, ``torch.as_tensor`` or ``torch.from_numpy`` not
@@ -29,6 +31,7 @@ frame), ``h.count(kind)`` and ``h.by_site()``.
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections import Counter
 from dataclasses import dataclass
@@ -177,12 +180,14 @@ class HostSyncs(TorchDispatchMode):
 
         def classify(t, *a, **k):
             to = target(a, k)
-            if not _is_host(t) or to is None or k.get("non_blocking") or True in a[1:]:
+            if not _is_host(t) or to is None:
                 return None
             if isinstance(to, torch.Tensor) and _is_host(to):
                 return None
             if isinstance(to, torch.device) and to.type == "cpu" and t.device.type == "cpu" and _names_cpu(a, k):
                 return None  # .to("cpu") of a host tensor: stays on the host
+            if k.get("non_blocking") or True in a[1:]:
+                return _pageable(t, "Tensor.to")
             return "copy", "Tensor.to"
 
         def host(t, *a, **k):
@@ -192,10 +197,30 @@ class HostSyncs(TorchDispatchMode):
 
     def _copier(self) -> Callable[[Callable], Callable]:
         def classify(dst, src, non_blocking=False):
-            if non_blocking or not _is_host(src) or _is_host(dst):
+            if not _is_host(src) or _is_host(dst):
                 return None
-            return "copy", "Tensor.copy_"
+            return _pageable(src, "Tensor.copy_") if non_blocking else ("copy", "Tensor.copy_")
         return lambda original: self._counted(original, classify)
+
+
+def _pageable(host: torch.Tensor, what: str) -> tuple[str, str] | None:
+    """A non-blocking copy of ``host`` to the device: a possible wait when ``host`` is pageable
+    and the copy is not :mod:`tinsmith.transfers`' (which stages it in page-locked memory on a GPU)."""
+    if host.is_pinned() or _called_from(_TRANSFERS):
+        return None
+    return "copy", f"{what} (pageable, non_blocking)"
+
+
+_TRANSFERS = "/tinsmith/transfers.py"
+
+
+def _called_from(path_suffix: str) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(path_suffix):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_torch_optim() -> bool:

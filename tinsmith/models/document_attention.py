@@ -29,6 +29,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from tinsmith.models.layers import causal_attention
+from tinsmith.transfers import to_device
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -105,7 +106,7 @@ class DocumentAttention:
     def _varlen_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
         varlen_attn, takes_window, takes_gqa = _varlen()  # type: ignore[misc]
         if self._cu_seqlens is None:
-            self._cu_seqlens = torch.tensor(self.bounds, dtype=torch.int32).to(q.device, non_blocking=True)
+            self._cu_seqlens = to_device(self.bounds, q.device, torch.int32)
         # (1, H, T, d) -> (T, H, d): the projections' own layout, so these are views.
         qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))
         qt, kt, vt = (x if x.stride(-1) == 1 else x.contiguous() for x in (qt, kt, vt))
