@@ -161,9 +161,9 @@ def decode_step(model_dir, device, quick: bool) -> dict:
 
 
 def _host_top(fn, steps_of, n: int = 8) -> list[list]:
-    """Run ``fn`` under cProfile: its ``n`` costliest functions by own time, ms per decode step
-    (``steps_of()`` counts the steps ``fn`` ran), the read-back wait included (as the time of the
-    tensor's ``tolist``)."""
+    """Run ``fn`` under cProfile: its ``n`` costliest functions by own time, ms per step (a decode
+    step, or a training step; ``steps_of()`` counts the steps ``fn`` ran), the waits included (a
+    read-back as the time of the tensor's ``tolist``, a synchronisation as its call's)."""
     before = steps_of()
     prof = cProfile.Profile()
     prof.runcall(fn)
@@ -248,7 +248,9 @@ def _unprofiled_split(sampler: Sampler, device: torch.device, k: int, budget_s: 
 
 def train_step(model_dir, device, quick: bool) -> dict:
     """The kernels of one LoRA r32 forward_backward + optim_step: one tenant with 8 x 1024 tokens,
-    then four tenants with 2 x 1024 each (the same tokens)."""
+    then four tenants with 2 x 1024 each (the same tokens); and the host's costliest functions in
+    an unprofiled-by-torch step (cProfile, own ms a step: a torch operator's own time is its
+    launch, or its wait where it waits), which say what several tenants' idle device waits for."""
     L, rows = (32, 4) if quick else (1024, 8)
     lm = load_model(str(model_dir), device=device)
     vocab = lm.config.vocab_size
@@ -261,4 +263,11 @@ def train_step(model_dir, device, quick: bool) -> dict:
         one()  # warm-up
         prof, wall = _profiled(one, device)
         out[name] = kernel_table(prof, 1, wall)
+        steps = [0]
+
+        def counted(step=one) -> None:
+            step()
+            sync(device)
+            steps[0] += 1
+        out[name]["host_top"] = _host_top(counted, lambda: steps[0], n=12)
     return out
