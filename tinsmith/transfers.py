@@ -40,7 +40,7 @@ def page_locked(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     wait for), while a CUDA graph is being captured (a captured copy would read the block again at
     every replay, after the allocator has handed it on: such a copy must come from a buffer of the
     graph's own), or where no page-locked memory can be had."""
-    if (torch.device(device).type != "cuda" or host.device.type != "cpu" or host.is_pinned()
+    if (torch.device(device).type != "cuda" or host.device.type != "cpu" or not host.numel() or host.is_pinned()
             or torch.cuda.is_current_stream_capturing()):
         return host
     try:

@@ -43,13 +43,14 @@ def test_to_device_does_not_wait_for_work_queued_before_it():
     torch.cuda.synchronize()
     start, end = _busy_for(device)
     t = time.perf_counter()
-    got = [to_device(v, device) for v in values] + [to_device(values[1], device, torch.int32)]
+    got = [to_device(v, device) for v in values] + [to_device(values[1], device, torch.int32),
+                                                     to_device([], device, torch.long)]
     waited = time.perf_counter() - t
     torch.cuda.synchronize()
     busy = start.elapsed_time(end) / 1e3
     assert got[0].tolist() == values[0]
     assert got[1].tolist() == values[1].tolist() and got[3].dtype == torch.int32
-    assert got[2].tolist() == values[2].tolist()
+    assert got[2].tolist() == values[2].tolist() and got[4].shape == (0,) and got[4].is_cuda
     assert busy > 0.2, "the queued work was too short to tell"
     assert waited < busy / 4, f"the copies waited {waited:.3f} s of the {busy:.3f} s queued before them"
 
