@@ -149,6 +149,7 @@ def markdown(s: dict) -> str:
         L.append("")
     L += _profiles(s)
     L += _copies(s)
+    L += _allocator(s)
     sa = s.get("sample", {})
     if sa:
         L += _heading("## Sampling (tokens/s)",
@@ -405,3 +406,15 @@ def _copies(s: dict) -> list[str]:
     return [f"- a {c['bytes']}-byte copy to the device behind {_fmt(c['to_device']['busy_ms_median'])} ms of queued "
             f"work, the host's wait: pageable non-blocking {_fmt(c['pageable_non_blocking']['host_ms_median'])} ms, "
             f"`to_device` (page-locked first) {_fmt(c['to_device']['host_ms_median'])} ms", ""]
+
+
+def _allocator(s: dict) -> list[str]:
+    """The items inside which the caching allocator called cudaFree (each a wait for every kernel
+    queued): its retries (cached blocks given back to fit an allocation) and its frees."""
+    found = [f"{part}/{key}: {item['allocator']['retries']} retries, {item['allocator']['device_frees']} frees"
+             for part in ("train", "sample", "moe") for key, item in s.get(part, {}).items()
+             if isinstance(item, dict) and isinstance(item.get("allocator"), dict)
+             and (item["allocator"]["retries"] or item["allocator"]["device_frees"])]
+    return ["- cudaFree inside items (each waits for the device): " + ("; ".join(found) if found else "none"), ""] \
+        if any("allocator" in item for part in ("train", "sample", "moe")
+               for item in s.get(part, {}).values() if isinstance(item, dict)) else []

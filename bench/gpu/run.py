@@ -56,15 +56,29 @@ class Part:
             self.results[key] = {"skipped": f"the {self.name} part's time budget was spent"}
             return
         t = time.perf_counter()
+        counts = _allocator_counts()
         try:
             self.results[key] = fn()
         except Exception as e:  # noqa: BLE001 - recorded; the other items still run
             self.results[key] = {"error": f"{type(e).__name__}: {e}"[:2000],
                                  "traceback": traceback.format_exc()[-3000:]}
         self.results[key]["wall_s"] = round(time.perf_counter() - t, 2)
+        after = _allocator_counts()
+        if counts is not None and after is not None:  # cudaFree calls inside the item: each a wait for the device
+            self.results[key]["allocator"] = {"retries": after[0] - counts[0], "device_frees": after[1] - counts[1]}
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _allocator_counts() -> tuple[int, int] | None:
+    """The caching allocator's retries (cached blocks given back to fit an allocation) and cudaFree
+    calls so far, on the current CUDA device (None without one). The items' own
+    ``torch.cuda.empty_cache()`` between them is not counted."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    stats = torch.cuda.memory_stats()
+    return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_free", 0))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -23,3 +23,17 @@ def test_every_visible_gpu_is_read():
     assert first.total_bytes == torch.cuda.get_device_properties(0).total_memory
     assert 0 < first.used_bytes <= first.total_bytes
     assert all(d.total_bytes and d.total_bytes > 0 for d in devices)
+
+
+def test_the_allocators_cuda_frees_are_counted():
+    """``device_frees`` counts the caching allocator's cudaFree calls (each a wait for the whole
+    device): giving a cached block back to the driver adds one."""
+    if DEVICE != "cuda":
+        pytest.skip("reads CUDA devices")
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
+    before = read_health().devices[0]
+    assert before.allocator_retries is not None and before.allocator_retries >= 0
+    del x
+    torch.cuda.empty_cache()  # the cached 64 MB segment goes back to the driver
+    after = read_health().devices[0]
+    assert after.device_frees > before.device_frees

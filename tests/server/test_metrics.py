@@ -218,6 +218,26 @@ def test_metrics_show_the_collector_only_where_its_pauses_are_counted(app, monke
         gc.callbacks.remove(recorder._on_collection)
 
 
+def test_a_devices_allocator_retries_and_frees_are_counters(app, monkeypatch):
+    """What the caching allocator's cudaFree calls cost (each waits for the whole device) shows as
+    two counters per device; a reading that has none leaves them out."""
+    from tinsmith.server import health
+
+    client, _ = app
+    reading = health.DeviceReading(index=0, name="GPU", total_bytes=80 << 30, allocated_bytes=1 << 30,
+                                   reserved_bytes=2 << 30, allocator_retries=3, device_frees=7)
+    real = health.read_health()
+    monkeypatch.setattr(server_metrics, "read_health", lambda: health.HealthReading(
+        real.process_rss_bytes, real.host_total_bytes, real.host_available_bytes, real.cpu_percent, [reading]))
+    families = scrape(client, **KEY)
+    assert value(families, "tinsmith_device_allocator_retries_total", device="0") == 3
+    assert value(families, "tinsmith_device_frees_total", device="0") == 7
+    assert value(families, "tinsmith_device_memory_reserved_bytes", device="0") == 2 << 30
+    reading.allocator_retries = reading.device_frees = None  # unreadable: absent, never a made-up zero
+    families = scrape(client, **KEY)
+    assert not families["tinsmith_device_allocator_retries"].samples and not families["tinsmith_device_frees"].samples
+
+
 def test_two_servers_in_one_process_keep_their_own_registries():
     one, two = ServerMetrics(), ServerMetrics()
     one.observe_request("/x", "GET", 200, 0.01)

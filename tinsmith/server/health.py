@@ -19,7 +19,11 @@ from tinsmith import device_memory
 class DeviceReading:
     """One accelerator. ``used_bytes`` counts every process on the device (driver view);
     ``allocated_bytes``/``reserved_bytes`` are this process's tensors and its caching allocator,
-    ``limit_bytes`` what that allocator may reserve (``--device-memory-fraction``; None: no cap)."""
+    ``limit_bytes`` what that allocator may reserve (``--device-memory-fraction``; None: no cap).
+    ``allocator_retries``: how often that allocator found no cached block that fits, gave its
+    cached blocks back to the driver and tried again; ``device_frees``: its ``cudaFree`` calls in
+    all. Each ``cudaFree`` waits for every kernel queued on the device, so a count that grows
+    while the server works (fragmented memory near its limit) is the device idling for the host."""
 
     index: int
     name: str
@@ -29,6 +33,8 @@ class DeviceReading:
     reserved_bytes: int | None = None
     limit_bytes: int | None = None
     utilization_percent: float | None = None
+    allocator_retries: int | None = None
+    device_frees: int | None = None
 
 
 @dataclass
@@ -58,8 +64,11 @@ def _device_reading(index: int) -> DeviceReading:
             reading.used_bytes = int(torch.cuda.device_memory_used(index))
     except Exception:  # noqa: BLE001 - no NVML (ModuleNotFoundError), or a driver that refuses
         pass
-    reading.allocated_bytes = int(torch.cuda.memory_allocated(index))
-    reading.reserved_bytes = int(torch.cuda.memory_reserved(index))
+    stats = torch.cuda.memory_stats(index)
+    reading.allocated_bytes = int(stats.get("allocated_bytes.all.current", 0))
+    reading.reserved_bytes = int(stats.get("reserved_bytes.all.current", 0))
+    reading.allocator_retries = stats.get("num_alloc_retries")
+    reading.device_frees = stats.get("num_device_free")
     reading.limit_bytes = device_memory.cap(torch.device("cuda", index))
     try:  # needs NVML (the nvidia-ml-py package); absent on many installs
         reading.utilization_percent = float(torch.cuda.utilization(index))

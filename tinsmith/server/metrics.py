@@ -288,8 +288,14 @@ class StateCollector:
                            "may reserve (--device-memory-fraction; absent when it is not capped)", ["device"])
         dev_util = _gauge("tinsmith_device_utilization_percent", "Accelerator load (percent of time a kernel ran; "
                           "absent where NVML is not installed)", ["device"])
+        dev_retries = CounterMetricFamily("tinsmith_device_allocator_retries", "Times this server's caching "
+                                          "allocator gave its cached blocks back to the driver to fit an allocation",
+                                          labels=["device"])
+        dev_frees = CounterMetricFamily("tinsmith_device_frees", "cudaFree calls of this server's caching allocator "
+                                        "(each waits for everything queued on the device)", labels=["device"])
 
-        def fill(rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_limit, dev_util):
+        def fill(rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_limit, dev_util,
+                 dev_retries, dev_frees):
             h = read_health()
             rss.add_metric([], h.process_rss_bytes)
             host_total.add_metric([], h.host_total_bytes)
@@ -299,11 +305,13 @@ class StateCollector:
                 label = [str(d.index)]
                 for family, value in ((dev_total, d.total_bytes), (dev_used, d.used_bytes),
                                       (dev_alloc, d.allocated_bytes), (dev_reserved, d.reserved_bytes),
-                                      (dev_limit, d.limit_bytes), (dev_util, d.utilization_percent)):
+                                      (dev_limit, d.limit_bytes), (dev_util, d.utilization_percent),
+                                      (dev_retries, d.allocator_retries), (dev_frees, d.device_frees)):
                     if value is not None:  # unreadable here: left out, never a made-up zero
                         family.add_metric(label, value)
 
-        return [rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_limit, dev_util], fill
+        return [rss, host_total, host_free, cpu, dev_total, dev_used, dev_alloc, dev_reserved, dev_limit, dev_util,
+                dev_retries, dev_frees], fill
 
     def _garbage(self) -> tuple[list[Metric], Callable]:
         collections = CounterMetricFamily("tinsmith_gc_collections", "Python's cyclic garbage collections in the "
