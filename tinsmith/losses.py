@@ -20,9 +20,11 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tinsmith.errors import InvalidInputError
+from tinsmith.transfers import to_device
 
 
 @dataclass
@@ -137,11 +139,16 @@ def dro(b: LossBatch) -> LossOutput:
     return LossOutput(el.sum(), el, _metrics(el))
 
 
-def _segment_sum(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
-    """Per-datum sums of a flat tensor."""
-    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=x.device)
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
-    return torch.zeros(len(lengths), dtype=x.dtype, device=x.device).index_add(0, seg, x), seg
+def _datum_of_position(offsets: list[int], device: torch.device) -> torch.Tensor:
+    """Each position's datum index, made on the host from its boundaries and copied without a
+    wait (on the device, ``repeat_interleave`` by the lengths would read their sum back first)."""
+    lengths = np.diff(np.asarray(offsets, dtype=np.int64))
+    return to_device(np.repeat(np.arange(len(lengths), dtype=np.int64), lengths), device)
+
+
+def _segment_sum(x: torch.Tensor, seg: torch.Tensor, datums: int) -> torch.Tensor:
+    """Per-datum sums of a flat tensor whose positions belong to the datums ``seg`` names."""
+    return torch.zeros(datums, dtype=x.dtype, device=x.device).index_add(0, seg, x)
 
 
 def gspo(b: LossBatch) -> LossOutput:
@@ -156,9 +163,9 @@ def gspo(b: LossBatch) -> LossOutput:
     lo, hi = float(b.config["clip_low_threshold"]), float(b.config["clip_high_threshold"])
     m = b.inputs["sequence_ratio_mask"]
     A = b.inputs["advantages"]
-    count, seg = _segment_sum(m, b.offsets)
-    count = count.clamp(min=1.0)
-    log_s = _segment_sum(m * (b.logprobs - b.inputs["logprobs"]), b.offsets)[0] / count
+    seg, datums = _datum_of_position(b.offsets, m.device), len(b.offsets) - 1
+    count = _segment_sum(m, seg, datums).clamp(min=1.0)
+    log_s = _segment_sum(m * (b.logprobs - b.inputs["logprobs"]), seg, datums) / count
     s = torch.exp(log_s)[seg]
     el = -m * torch.minimum(s * A, s.clamp(lo, hi) * A) / count[seg]
     clipped = ((torch.exp(log_s) < lo) | (torch.exp(log_s) > hi)).float()

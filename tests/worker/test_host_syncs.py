@@ -14,16 +14,19 @@ import pytest
 import tinsmith.models.moe as moe
 from tests.worker.helpers import sft_datum
 from tinsmith.devtools.host_syncs import HostSyncs
+from tinsmith.losses import LOSSES
 from tinsmith.models.loading import load_model
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
 
 
-def _rl_datum(rng: np.random.Generator, n: int) -> Datum:
+def _rl_datum(rng: np.random.Generator, n: int, sequence_mask: bool = False) -> Datum:
     t = rng.integers(0, 512, n + 1)
-    return Datum(tokens=t[:-1], loss_inputs={"target_tokens": t[1:],
-                                             "logprobs": rng.normal(-2, 0.1, n).astype(np.float32),
-                                             "advantages": rng.normal(0, 1, n).astype(np.float32)})
+    inputs = {"target_tokens": t[1:], "logprobs": rng.normal(-2, 0.1, n).astype(np.float32),
+              "advantages": rng.normal(0, 1, n).astype(np.float32)}
+    if sequence_mask:  # gspo's: which tokens enter a sequence's ratio
+        inputs["sequence_ratio_mask"] = (rng.random(n) < 0.8).astype(np.float32)
+    return Datum(tokens=t[:-1], loss_inputs=inputs)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
@@ -35,7 +38,7 @@ def test_waits_per_request_do_not_grow_with_datums_or_tenants(family, qwen3_dir,
     rng = np.random.default_rng(0)
 
     def step(tenants: int, datums: int, loss: str) -> HostSyncs:
-        make = sft_datum if loss == "cross_entropy" else (lambda r, n, v: _rl_datum(r, n))
+        make = sft_datum if loss == "cross_entropy" else (lambda r, n, v: _rl_datum(r, n, loss == "gspo"))
         reqs = [TrainRequest(u, ForwardBackwardInput([make(rng, 12 + 5 * i, 512) for i in range(datums)], loss))
                 for u in units[:tenants]]
         with HostSyncs() as h:
@@ -43,13 +46,13 @@ def test_waits_per_request_do_not_grow_with_datums_or_tenants(family, qwen3_dir,
         assert not any(isinstance(r, Exception) for r in results), results
         return h
 
-    for loss in ("cross_entropy", "importance_sampling"):
+    for loss in ("cross_entropy", "importance_sampling") if family == "qwen3_moe" else sorted(LOSSES):
         small, large = step(1, 2, loss), step(4, 6, loss)
-        assert small.count("copy") == large.count("copy") == 0, large.by_site()
+        assert small.count("copy") == large.count("copy") == 0, (loss, large.by_site())
         # One micro-batch each here: its chunk bounds, then per request its metrics and its
         # outputs, one read each (the backward takes the loss only: its metrics are never read).
-        assert small.count("read") == 1 + 2 * 1, small.by_site()
-        assert large.count("read") == 1 + 2 * 4, large.by_site()
+        assert small.count("read") == 1 + 2 * 1, (loss, small.by_site())
+        assert large.count("read") == 1 + 2 * 4, (loss, large.by_site())
     for u in units:  # the optimizer's state made, then a step over it
         rt.optim_step(u, AdamParams(learning_rate=1e-3))
     step(4, 2, "cross_entropy")
