@@ -21,6 +21,7 @@ import torch
 
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
+from tinsmith.transfers import to_device
 
 if triton is not None:
     import triton.language as tl
@@ -101,8 +102,8 @@ def _table(copies: BlockCopies) -> tuple:
     device = copies.dst[0].device
     rows = [[s.data_ptr(), d.data_ptr(), d.shape[0], d.shape[1], s.stride(0), d.stride(0)]
             for d, s in zip(copies.dst, copies.src)]
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
-    scales = torch.tensor([1.0 if x is None else float(x) for x in copies.scales], dtype=torch.float32).to(device)
+    table = to_device(rows, device, torch.int64)  # no wait for the step's queued work
+    scales = to_device([1.0 if x is None else float(x) for x in copies.scales], device, torch.float32)
     return table, scales, max(d.shape[0] for d in copies.dst), max(d.shape[1] for d in copies.dst)
 
 
