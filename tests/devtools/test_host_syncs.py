@@ -45,7 +45,10 @@ def test_data_dependent_operators_count_as_reads():
         x[x > 0]
         torch.bincount(x)
         x.index_select(0, torch.arange(2, device=DEV))  # sized by its index: no read
-    assert [e.what for e in h.events] == ["nonzero", "boolean mask index", "bincount"]
+        torch.repeat_interleave(torch.arange(4, device=DEV), x)  # sized by the sum of x: a read
+        torch.repeat_interleave(torch.arange(4, device=DEV), x, output_size=8)  # told its size: no read
+    assert [e.what for e in h.events] == ["nonzero", "boolean mask index", "bincount",
+                                          "repeat_interleave without output_size"]
 
 
 def test_copies_to_the_device_count_unless_made_by_to_device():

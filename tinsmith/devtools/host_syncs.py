@@ -119,6 +119,8 @@ class HostSyncs(TorchDispatchMode):
                 self._record("read", func.overloadpacket.__name__)
             elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
                 self._record("read", "boolean mask index")
+            elif func is aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None:
+                self._record("read", "repeat_interleave without output_size")  # sizes its output by the sum
         return func(*args, **(kwargs or {}))
 
     # ------------------------------------------------------------------ patching
