@@ -163,3 +163,68 @@ def test_a_burst_read_waits_for_that_burst_only():
     assert got == [499500.0, [0.0, 1.0, 2.0]]
     assert busy > 0.2, "the queued work was too short to tell"
     assert waited < busy / 4, f"the read waited {waited:.3f} s of the {busy:.3f} s queued after it"
+
+
+def test_queuing_bursts_waits_for_no_device_work(tmp_path, monkeypatch):
+    """The host queues a slice's bursts (graph replays over paged K/V, rows of two adapters and
+    the base model, new pages taken as rows cross into them, the next burst queued ahead of its
+    read) without waiting for anything queued on the device before them: between the slice's
+    start and its first read-back the host never stops for the device (a wait there empties the
+    launch queue every burst). On the CPU (``TINSMITH_GPU_TEST_DEVICE=cpu``) the same slice runs
+    eagerly over paged K/V and only what it does is checked, not its timing."""
+    from tinsmith.sampling.paged_kv_cache import PagedKVCache
+    from tinsmith.transfers import HostCopies
+
+    cuda = torch.device(DEVICE).type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = load_model(str(make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)), DEVICE, dtype).model
+    for slot, rank in ((1, 8), (2, 16)):
+        random_adapter(model, slot, rank=rank, seed=slot)
+    sampler = Sampler(model, lambda t: "", max_rows=8, cuda_graphs=cuda, kv_layout="paged", decode_burst=4,
+                      run_ahead=True)
+    rng = np.random.default_rng(0)
+
+    def tasks(first: int) -> list[SampleTask]:  # prompts of 54..59 tokens: rows cross into a new page soon
+        return [SampleTask(first + i, [None, 1, 2][i % 3],
+                           SampleInput(rng.integers(4, 500, 54 + i), 1,
+                                       SamplingParams(max_tokens=120, temperature=1.0, seed=i, stop=[])))
+                for i in range(6)]
+
+    run_to_end(sampler, tasks(0))  # the page pool grown past these rows' needs, the bucket's graphs captured
+    for t in tasks(100):
+        sampler.add(t)
+    sampler.step(0.0)  # admitted and prefilled; a first burst decoded
+    events: list[tuple[str, float]] = []
+    read, write = HostCopies.lists, PagedKVCache._write_table
+
+    def lists(self):
+        events.append(("read", time.perf_counter()))
+        return read(self)
+
+    def write_table(self, rows, cols, pages):
+        if pages:
+            events.append(("new pages", time.perf_counter()))
+        return write(self, rows, cols, pages)
+
+    monkeypatch.setattr(HostCopies, "lists", lists)
+    monkeypatch.setattr(PagedKVCache, "_write_table", write_table)
+    captures = sampler.stats.get("graph_captures", 0)
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1 << 31)  # about a second of the device spinning, queued before the slice
+        end.record()
+    t = time.perf_counter()
+    sampler.step(0.5)
+    kinds = [kind for kind, _ in events]
+    assert "read" in kinds, "the slice read no burst"
+    first_read = next(at for kind, at in events if kind == "read")
+    assert "new pages" in kinds[:kinds.index("read")], f"no row crossed into a new page before the first read: {kinds}"
+    assert sampler.stats["bursts_ahead"] > 0 and sampler.stats.get("graph_captures", 0) == captures
+    if cuda:
+        torch.cuda.synchronize()
+        busy = start.elapsed_time(end) / 1e3
+        assert busy > 0.2, "the queued work was too short to tell"
+        assert first_read - t < busy / 4, f"queuing the bursts waited {first_read - t:.3f} s of the {busy:.3f} s before them"
+    sampler.abort()
