@@ -142,14 +142,15 @@ def main(argv: list[str] | None = None) -> dict:
                 tr.item(f"{name}/lora", lambda: train.lora_headline(dirs[name], device, peaks, n, a.quick))
                 continue
             tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
-            if name == shapes[-1]:  # why the figures are what they are: the step's kernels
+            tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
+            if name == curve_shape:  # the loss curves of a real SFT run, fast path against plain (one shape)
+                tr.item(f"{name}/sft_curves", lambda: curves.sft_curves(dirs[name], device, a.quick))
+            if name == shapes[-1]:  # why the figures are what they are (after the targets' items, which a
+                # short call must not lose to them): the step's kernels and host, launches, copies, attention
                 tr.item(f"{name}/profile", lambda: profile.train_step(dirs[name], device, a.quick))
                 tr.item("launch_costs", lambda: train.launch_costs(device, a.quick))
                 tr.item("copies_behind_work", lambda: train.copies_behind_work(device, a.quick))
                 tr.item("attention_backends", lambda: train.attention_backends(device, peaks, a.quick))
-            tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
-            if name == curve_shape:  # the loss curves of a real SFT run, fast path against plain (one shape)
-                tr.item(f"{name}/sft_curves", lambda: curves.sft_curves(dirs[name], device, a.quick))
             if name in ("tiny", "0.6B", "1.7B"):  # a bf16 full copy + AdamW state of 4B/8B does not fit beside the rest
                 tr.item(f"{name}/full_finetune", lambda: train.full_finetune(dirs[name], device, peaks, n, a.quick))
         summary["train"] = tr.results
