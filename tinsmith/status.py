@@ -63,8 +63,10 @@ def render(summary: dict) -> str:
     for d in h["devices"]:
         util = "" if d["utilization_percent"] is None else f", {d['utilization_percent']:.0f}% busy"
         limit = "" if d.get("limit_bytes") is None else f" (this server may reserve {_bytes(d['limit_bytes'])})"
+        retries = ("" if not d.get("allocator_retries") else  # each a cudaFree: a wait for every queued kernel
+                   f"; its allocator gave memory back to fit {d['allocator_retries']} allocations (the device waited)")
         out.append(f"gpu {d['index']} {d['name']}: {_bytes(d['used_bytes'])} used of {_bytes(d['total_bytes'])}, "
-                   f"{_bytes(d['allocated_bytes'])} allocated here{limit}{util}")
+                   f"{_bytes(d['allocated_bytes'])} allocated here{limit}{util}{retries}")
     out.append(f"last {t['window_s']}s: {t['tokens_trained']} tokens trained ({t['train_tokens_per_s']:.1f}/s), "
                f"{t['tokens_sampled']} sampled ({t['sample_tokens_per_s']:.1f}/s)")
     out += ["", f"training runs ({len(summary['runs'])})"]

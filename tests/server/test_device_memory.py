@@ -66,8 +66,11 @@ def test_status_says_what_the_server_may_reserve():
                             reserved_bytes=GIB, limit_bytes=80 * GIB)
     summary = _summary([reading.__dict__])
     assert "this server may reserve 80" in render(summary)
+    assert "gave memory back" not in render(summary)  # no retries read (or none made): nothing said
     reading.limit_bytes = None
-    assert "may reserve" not in render(_summary([reading.__dict__]))
+    reading.allocator_retries = 3
+    text = render(_summary([reading.__dict__]))
+    assert "may reserve" not in text and "gave memory back to fit 3 allocations" in text
 
 
 def _summary(devices: list[dict]) -> dict:
