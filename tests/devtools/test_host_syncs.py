@@ -71,13 +71,32 @@ def test_copies_to_the_device_count_unless_made_by_to_device():
     assert h.count("copy") == 5 and h.count("read") == 0
 
 
+def test_work_on_host_tensors_alone_stays_on_the_host():
+    """Factories without a device make host tensors (on a GPU too), and what is computed from host
+    tensors alone is a host tensor: reading it waits for nothing. Moved to the device, or mixed
+    with a device tensor, it is a device tensor again."""
+    x = torch.arange(6, device=DEV) * 1  # on the device
+    with HostSyncs() as h:
+        rows = torch.cat([torch.arange(3).repeat_interleave(2), torch.zeros(2, dtype=torch.long)])
+        torch.searchsorted(rows, torch.arange(0, 4, 2)).tolist()  # host work: no read
+        (rows * 2).sum().item()  # no read
+        moved = rows.to(DEV, non_blocking=True)  # pageable, non-blocking: a possible wait (a copy)
+        moved.sum().item()  # on the device: a read
+        (rows + x[:8].sum()).tolist()  # a device tensor mixed in: a read
+        torch.full((2,), 1.0, device=DEV).tolist()  # made on the device: a read
+    assert [(e.kind, e.what) for e in h.events] == [
+        ("copy", "Tensor.to (pageable, non_blocking)"), ("read", "Tensor.item"), ("read", "Tensor.tolist"),
+        ("read", "Tensor.tolist")]
+
+
 def test_torch_is_itself_again_after_the_block():
-    originals = (torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.to, torch.Tensor.item)
+    originals = (torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.to, torch.Tensor.item, torch.arange)
     with HostSyncs():
-        assert torch.tensor is not originals[0]
-    assert (torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.to, torch.Tensor.item) == originals
-    t = torch.tensor([1.0])
-    assert not hasattr(t, "_tinsmith_host")
+        assert torch.tensor is not originals[0] and torch.arange is not originals[-1]
+    assert (torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.to, torch.Tensor.item,
+            torch.arange) == originals
+    t, r = torch.tensor([1.0]), torch.arange(3) * 2
+    assert not hasattr(t, "_tinsmith_host") and not hasattr(r, "_tinsmith_host")
 
 
 def test_torch_optims_own_step_counters_are_not_reads_but_an_optimizer_of_ours_is_watched():

@@ -92,5 +92,5 @@ def test_a_training_step_waits_per_request_not_per_datum_or_layer(tmp_path):
     with waits() as found:
         results = rt.forward_backward(reqs)
     assert not any(isinstance(r, Exception) for r in results)
-    # One micro-batch here: its chunk bounds, then per request its metrics and its outputs.
-    assert len(found) <= 1 + 2 * len(units), "\n".join(found)
+    # Per request its metrics and its outputs (the chunk bounds are found on the host).
+    assert len(found) <= 2 * len(units), "\n".join(found)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -49,6 +50,7 @@ DATA_DEPENDENT_OPS = {
     aten.bincount.default, aten.equal.default, aten.is_nonzero.default,
 }
 _READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__array__")
+_FACTORIES = ("arange", "zeros", "ones", "empty", "full")  # made in host memory unless given a device
 _HOST = "_tinsmith_host"  # attribute marking a host tensor
 
 
@@ -101,6 +103,8 @@ class HostSyncs(TorchDispatchMode):
         self._patch(torch, "tensor", self._maker("torch.tensor"))
         self._patch(torch, "as_tensor", self._maker("torch.as_tensor"))
         self._patch(torch, "from_numpy", lambda original: lambda a: _mark_host(original(a)))
+        for name in _FACTORIES:
+            self._patch(torch, name, self._factory)
         self._patch(torch.Tensor, "to", self._mover())
         self._patch(torch.Tensor, "copy_", self._copier())
         return super().__enter__()
@@ -114,14 +118,30 @@ class HostSyncs(TorchDispatchMode):
             self._saved.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_host = bool(inputs) and all(_is_host(t) for t in inputs)
         if not self._inside and not any(_is_host(a) for a in args):
             if func in DATA_DEPENDENT_OPS:
                 self._record("read", func.overloadpacket.__name__)
             elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
                 self._record("read", "boolean mask index")
-            elif func is aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None:
+            elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
                 self._record("read", "repeat_interleave without output_size")  # sizes its output by the sum
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if on_host and not self._inside:  # computed from host tensors alone: on a GPU it runs on the host too
+            for t in pytree.tree_leaves(out):
+                _mark_host(t)
+        return out
+
+    @staticmethod
+    def _factory(original: Callable) -> Callable:
+        """``torch.arange`` and kin: a host tensor unless asked for a device (on a GPU, one made
+        without ``device`` is in host memory too)."""
+        def make(*args, **kwargs):
+            out = original(*args, **kwargs)
+            return _mark_host(out) if kwargs.get("device") is None or _names_cpu((), kwargs) else out
+        return make
 
     # ------------------------------------------------------------------ patching
     def _patch(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -195,7 +215,15 @@ class HostSyncs(TorchDispatchMode):
         def host(t, *a, **k):
             to = target(a, k)
             return _is_host(t) and (to is None or (isinstance(to, torch.Tensor) and _is_host(to)) or _names_cpu(a, k))
-        return lambda original: self._counted(original, classify, host)
+
+        def moved(original: Callable) -> Callable:
+            def move(t, *a, **k):
+                out = original(t, *a, **k)
+                # Here the device is the CPU, so a host tensor "moved" onto it comes back as itself;
+                # on a GPU it would be a device tensor: a view stands for it (unmarked, same data).
+                return out.view_as(out) if out is t and _is_host(t) and not host(t, *a, **k) else out
+            return move
+        return lambda original: self._counted(moved(original), classify, host)
 
     def _copier(self) -> Callable[[Callable], Callable]:
         def classify(dst, src, non_blocking=False):

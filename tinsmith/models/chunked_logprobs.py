@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -185,8 +186,13 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _element_bounds(rows: torch.Tensor, n: int, chunk: int) -> list[int]:
-    """Index of the first element of each chunk of rows (plus the end), ``rows`` being sorted."""
-    starts = torch.arange(0, n + chunk, chunk, device=rows.device).clamp(max=n)  # on rows' device
+    """Index of the first element of each chunk of rows (plus the end), ``rows`` being sorted:
+    found on the host when ``rows`` is there (no wait for the device), else on ``rows``' device
+    and read back."""
+    if rows.device.type == "cpu":
+        starts = np.minimum(np.arange(0, n + chunk, chunk), n)
+        return np.searchsorted(rows.numpy(), starts).tolist()
+    starts = torch.arange(0, n + chunk, chunk, device=rows.device).clamp(max=n)
     return torch.searchsorted(rows, starts).tolist()
 
 
