@@ -20,10 +20,12 @@ without a GPU:
 
 On a CPU host and device are one, so the mode tells them apart by where tensors come from: a
 tensor made from host data (``torch.tensor``, ``torch.as_tensor`` or ``torch.from_numpy`` not
-asking for the device) is a host tensor, and so is what ``.cpu()`` returns; every other tensor is
-a device tensor, tensors made before the block included. (What an operator makes from a host
-tensor counts as a device tensor: code that computes on host tensors shows up as reads, which on
-a GPU it may not be.)
+asking for the device) is a host tensor, and so are one made by ``torch.arange``, ``zeros``,
+``ones``, ``empty`` or ``full`` without a device (on a GPU it is in host memory too), what
+``.cpu()`` returns, and what an operator computes from host tensors alone; every other tensor is
+a device tensor, tensors made before the block included, and so is a host tensor moved with
+``.to(device)`` (a view of it stands for the copy a GPU would make). A device given as a
+``torch.device`` names the device, even the CPU's; only the string ``"cpu"`` names the host.
 
 ``with HostSyncs() as h: ...`` then ``h.events`` (kind, what, where: the innermost ``tinsmith``
 frame), ``h.count(kind)`` and ``h.by_site()``.
