@@ -158,7 +158,7 @@ class CopyRefresh:
     _copy_weights: list = field(default_factory=list, repr=False)
     _groups: list = field(default_factory=list, repr=False)
     _stacks: list = field(default_factory=list, repr=False)
-    _held: list = field(default_factory=list, repr=False)
+    _held: list = field(default_factory=list, repr=False)  # (a stack's entries, this adapter's segments in it, weights)
     _copies_by_route: dict = field(default_factory=dict, repr=False)  # route -> (destinations, sources), dense pairs
     _scaled: dict = field(default_factory=dict, repr=False)  # scale -> dense stack rows of B
     _blocks: BlockCopies = field(default_factory=lambda: BlockCopies([], [], []), repr=False)  # the strided pairs
@@ -216,7 +216,8 @@ class CopyRefresh:
         for layer, w in self.linear:
             stack = layer._tenant_stack
             held = [] if stack is None else [i for i, x in enumerate(stack.weights) if x is w]
-            self._held.append(held)
+            if held:
+                self._held.append((stack.entries, held, w))
             r = w.A.shape[0]
             for i in held:
                 B_rows = stack.B[i, :, :r]
@@ -251,13 +252,13 @@ class CopyRefresh:
             ws[0].group = g = (group_key(ws, dtype), mine[1], mine[2])
             groups.append((ws, dtype, g))
         self._groups = groups
-        for (layer, w), held in zip(self.linear, self._held):
-            if held:
-                # Only this adapter's entries change, in place: re-reading every segment's (or
-                # copying them) would make a round of all tenants' steps quadratic in the tenants.
-                entries, entry = layer._tenant_stack.entries, stack_entry(w)
-                for i in held:
-                    entries[i] = entry
+        # Only this adapter's entries change, in place: re-reading every segment's (or copying
+        # them) would make a round of all tenants' steps quadratic in the tenants. The stacks'
+        # entry lists were taken when the lists were made (:meth:`_still_mine` holds them current).
+        for entries, held, w in self._held:
+            entry = stack_entry(w)
+            for i in held:
+                entries[i] = entry
 
 
 def _reuse(cached: tuple | None, i: int, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

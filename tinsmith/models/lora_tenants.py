@@ -77,8 +77,7 @@ class TenantStack:
 
     def current(self, weights: tuple, rank: int, dtype: torch.dtype) -> bool:
         """Whether these stacks hold ``weights`` as they are now, at ``rank`` in ``dtype``."""
-        return (self.rank == rank and self.dtype == dtype and len(self.entries) == len(weights)
-                and all(e == stack_entry(w) for e, w in zip(self.entries, weights)))
+        return self.rank == rank and self.dtype == dtype and self.entries == list(map(stack_entry, weights))
 
 
 def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_features: int,
