@@ -5,11 +5,19 @@ per tenant and per layer (Python, launches) is what the device waits for. On a m
 widths the CPU's kernels cost little, so the wall time of a step here is mostly that host work.
 This times one forward/backward of every tenant together (8 rows of 16 tokens shared among them)
 and then the tenants' optimizer steps (one by one, then together as the server takes steps that
-arrive together), on Qwen3-1.7B's 28 layers at tiny widths, LoRA rank 32 on
-every linear layer, with the multi-tenant paths a GPU takes (the grouped matmul and the fused
-AdamW, forced here); medians of ``--steps`` steps after two warm ones, one thread. ``--widths``
-16 shrinks the model's widths to 16 (rank 8): the CPU's kernels then cost almost nothing and
-what is timed is nearly all host work.
+arrive together), on Qwen3-1.7B's 28 layers at tiny widths, LoRA rank 32 on every linear layer,
+with the multi-tenant paths a GPU takes (the grouped matmul and the fused AdamW, forced here)
+and Python's garbage collector tuned as the server tunes it; medians of ``--steps`` steps after
+two warm ones, one thread. ``--widths 16`` shrinks the model's widths to 16 (rank 8): the CPU's
+kernels then cost almost nothing and what is timed is nearly all host work.
+
+Two more columns separate the host's own work from what this CPU computes where a GPU would only
+launch: ``grouped_mm_ms``, the forward/backward's time inside ``torch._grouped_mm`` (here a loop
+over the groups in C++; on a GPU a CUTLASS set-up and two launches a call), and
+``optimizer_host_ms``, the optimizer steps taken together again with the multi-tensor kernels
+(norms, AdamW, copies, multiplies) and the strided block copies skipped: what remains is the
+Python and the dispatch a GPU's host spends on them apart from the launches themselves. The
+weights do not move in those steps, so they are timed after the others.
 
     python bench/tenants_step_micro.py [--tenants 1,4,16] [--steps 10] [--dtype fp32|bf16] [--json out.json]
 """
@@ -17,6 +25,7 @@ what is timed is nearly all host work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,7 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu.train import batch, optimizer_steps  # noqa: E402
+from tinsmith.kernels import block_copy  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
+from tinsmith.gc_tuning import tuned_for_serving  # noqa: E402
 from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
@@ -45,19 +56,90 @@ def time_steps(rt: TrainingRuntime, tenants: int, steps: int, rows: int = 8, len
     per = max(1, rows // tenants)
     requests = [TrainRequest(u, ForwardBackwardInput(batch(rt.config.vocab_size, per, length, seed=i), "cross_entropy"))
                 for i, u in enumerate(units)]
-    fb, opt = [], []
+    fb, opt, grouped, host = [], [], [], []
     for i in range(steps + 2):  # two warm steps: layouts, stacks, optimizer state
-        t0 = time.perf_counter()
-        rt.forward_backward(requests)
-        t1 = time.perf_counter()
+        with grouped_mm_timer() as in_grouped:
+            t0 = time.perf_counter()
+            rt.forward_backward(requests)
+            t1 = time.perf_counter()
         optimizer_steps(rt, units, together)
         if i >= 2:
             fb.append(t1 - t0)
             opt.append(time.perf_counter() - t1)
+            grouped.append(in_grouped[0])
+    if together:
+        for _ in range(steps):
+            rt.forward_backward(requests)
+            with optimizer_kernels_skipped():
+                t0 = time.perf_counter()
+                optimizer_steps(rt, units, True)
+                host.append(time.perf_counter() - t0)
     for u in units:
         rt.delete_adapter(u)
-    return {"forward_backward_ms": 1e3 * statistics.median(fb), "optimizer_steps_ms": 1e3 * statistics.median(opt),
-            "step_ms": 1e3 * statistics.median(a + b for a, b in zip(fb, opt))}
+    out = {"forward_backward_ms": 1e3 * statistics.median(fb), "optimizer_steps_ms": 1e3 * statistics.median(opt),
+           "step_ms": 1e3 * statistics.median(a + b for a, b in zip(fb, opt)),
+           "grouped_mm_ms": 1e3 * statistics.median(grouped)}
+    if host:
+        out["optimizer_host_ms"] = 1e3 * statistics.median(host)
+    return out
+
+
+@contextlib.contextmanager
+def grouped_mm_timer():
+    """Seconds spent inside ``torch._grouped_mm`` while the block runs (``[seconds]``, filled as it goes)."""
+    spent = [0.0]
+    original = torch._grouped_mm
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    torch._grouped_mm = timed
+    try:
+        yield spent
+    finally:
+        torch._grouped_mm = original
+
+
+# The multi-tensor kernels of a joint optimizer step (tinsmith.worker.joint_steps, copy_refresh).
+_STEP_KERNELS = ("_foreach_copy_", "_foreach_add_", "_foreach_mul_", "_fused_adamw_")
+
+
+@contextlib.contextmanager
+def optimizer_kernels_skipped():
+    """The optimizer steps' multi-tensor kernels and strided block copies made no-ops (the norms
+    zeros), so that timing a step times the host's own work: the weights do not change inside."""
+    saved = {name: getattr(torch, name) for name in (*_STEP_KERNELS, "_foreach_norm")}
+    run = block_copy.BlockCopies.run
+    zero = torch.zeros(())
+    for name in _STEP_KERNELS:
+        setattr(torch, name, lambda *args, **kwargs: None)
+    torch._foreach_norm = lambda tensors, *args, **kwargs: [zero] * len(tensors)
+    block_copy.BlockCopies.run = lambda self: None
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch, name, fn)
+        block_copy.BlockCopies.run = run
+
+
+def measure(rt: TrainingRuntime, args, results: dict) -> None:
+    """Each tenant count's steps, optimizer steps alone and together, printed and put in ``results``."""
+    w = args.widths
+    for n in (int(t) for t in args.tenants.split(",")):
+        results[n] = {}
+        for how in ("alone", "together"):  # the optimizer steps one by one, then together
+            results[n][how] = r = time_steps(rt, n, args.steps, rank=32 if w > 16 else 8, together=how == "together")
+            host = (f"; host alone {r['optimizer_host_ms']:6.1f}: {r['optimizer_host_ms'] / n:5.2f} a tenant"
+                    if "optimizer_host_ms" in r else "")
+            print(f"{n:>3} tenants, optimizer steps {how:>8}: step {r['step_ms']:7.1f} ms (forward/backward "
+                  f"{r['forward_backward_ms']:6.1f}, of it grouped matmuls {r['grouped_mm_ms']:5.1f}; optimizer "
+                  f"steps {r['optimizer_steps_ms']:6.1f}: {r['optimizer_steps_ms'] / n:5.1f} a tenant{host})",
+                  flush=True)
 
 
 def main() -> None:
@@ -82,13 +164,8 @@ def main() -> None:
         rt = TrainingRuntime(load_model(str(Path(d) / "m"), dtype=dtype).model, max_lora_adapters=16,
                              max_lora_rank=32)
         results = {}
-        for n in (int(t) for t in args.tenants.split(",")):
-            results[n] = {}
-            for how in ("alone", "together"):  # the optimizer steps one by one, then together
-                results[n][how] = r = time_steps(rt, n, args.steps, rank=32 if w > 16 else 8, together=how == "together")
-                print(f"{n:>3} tenants, optimizer steps {how:>8}: step {r['step_ms']:7.1f} ms (forward/backward "
-                      f"{r['forward_backward_ms']:6.1f}, optimizer steps {r['optimizer_steps_ms']:6.1f}: "
-                      f"{r['optimizer_steps_ms'] / n:5.1f} a tenant)", flush=True)
+        with tuned_for_serving():  # the collector as the server sets it (its pauses are not the steps')
+            measure(rt, args, results)
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "dtype": args.dtype,
                                                "widths": args.widths,

@@ -1,0 +1,57 @@
+"""bench/tenants_step_micro.py's host-only columns: the grouped matmul's share of a several-tenant
+forward/backward, and the optimizer steps timed with their kernels skipped, which must leave the
+weights as they were and put torch's functions back."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from tinsmith.kernels import block_copy
+from tinsmith.models import grouped_lora, moe
+from tinsmith.models.loading import load_model
+from tinsmith.optim import families
+from tinsmith.types import ForwardBackwardInput, LoraSpec
+from tinsmith.worker.runtime import TrainingRuntime, TrainRequest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "tenants_step_micro.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("tenants_step_micro", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_both_columns_are_timed_and_the_step_under_skipped_kernels_moves_nothing(qwen3_dir, monkeypatch):
+    bench = _bench()
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    monkeypatch.setattr(grouped_lora, "MULTI_LORA", "grouped")
+    monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)  # as the bench runs it (a GPU's AdamW)
+    rt = TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.float32).model, max_lora_adapters=4, max_lora_rank=8)
+    real = {name: getattr(torch, name) for name in (*bench._STEP_KERNELS, "_foreach_norm", "_grouped_mm")}
+    run = block_copy.BlockCopies.run
+
+    out = bench.time_steps(rt, 2, steps=1, rows=2, length=8, rank=8, together=True)
+    assert out["grouped_mm_ms"] > 0  # two tenants' rows went through the grouped matmul
+    assert 0 < out["optimizer_host_ms"] < 1e4
+    assert {name: getattr(torch, name) for name in real} == real  # put back
+    assert block_copy.BlockCopies.run is run
+
+    # A step taken with the kernels skipped leaves the weights as they were; the same step with
+    # them moves the weights (so the first check could fail).
+    unit = rt.create_adapter(LoraSpec(rank=8, seed=0))
+    units = [unit]
+    rows = bench.batch(rt.config.vocab_size, 2, 8)
+    request = [TrainRequest(unit, ForwardBackwardInput(rows, "cross_entropy"))]
+    before = [p.detach().clone() for p in rt.unit(unit).params]
+    rt.forward_backward(request)
+    with bench.optimizer_kernels_skipped():
+        bench.optimizer_steps(rt, units, True)
+    assert all(torch.equal(a, p) for a, p in zip(before, rt.unit(unit).params))
+    rt.forward_backward(request)
+    bench.optimizer_steps(rt, units, True)
+    assert not all(torch.equal(a, p) for a, p in zip(before, rt.unit(unit).params))
