@@ -167,3 +167,36 @@ def test_the_norms_are_read_back_once(qwen3_dir, monkeypatch):
         rt.optim_steps(list(zip(units, HPS)))
     assert sum(h.by_site().values()) == 1, h.by_site()
     assert all(rt.unit(u).steps == 1 for u in units)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_joint_steps_after_a_loaded_state_or_a_move_use_the_state_there_now(qwen3_dir, monkeypatch, fused):
+    """A joint step keeps each unit's AdamW state lists between steps; a checkpoint loaded into the
+    unit, and its state's tensors moved (as parking does), must be what the next joint step reads:
+    the results equal a unit that only ever stepped alone."""
+    from tinsmith.worker.trainables import Trainable
+
+    if fused:
+        monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
+    alone, ua = _runtime(qwen3_dir, torch.float32)
+    joint, uj = _runtime(qwen3_dir, torch.float32)
+    for step in range(2):  # the joint runtime's lists are made at the first step, kept at the second
+        _backward(alone, ua, step)
+        _backward(joint, uj, step)
+        assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+    # Unit 0 loads unit 2's state (other weights and moments) in both runtimes.
+    for rt, units in ((alone, ua), (joint, uj)):
+        rt.unit(units[0]).import_state(*rt.unit(units[2]).export_state())
+    # Unit 1's state tensors are replaced by copies, as moving it between devices replaces them
+    # (on a CPU nothing moves: they are replaced here as a move would, in the same entries).
+    for rt, units in ((alone, ua), (joint, uj)):
+        tr: Trainable = rt.unit(units[1])
+        for st in tr.optimizer.state.values():
+            for k, v in list(st.items()):
+                st[k] = v.clone()
+    for step in range(2, 4):
+        _backward(alone, ua, step)
+        _backward(joint, uj, step)
+        assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+    for i, (a, b) in enumerate(zip(ua, uj)):
+        _assert_identical(alone, a, joint, b, f"unit {i}")
