@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu.train import batch, optimizer_steps  # noqa: E402
-from tinsmith.kernels import block_copy  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 from tinsmith.gc_tuning import tuned_for_serving  # noqa: E402
+from tinsmith.kernels import block_copy  # noqa: E402
 from tinsmith.models import grouped_lora, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
