@@ -171,16 +171,17 @@ def test_the_norms_are_read_back_once(qwen3_dir, monkeypatch):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_joint_steps_after_a_loaded_state_or_a_move_use_the_state_there_now(qwen3_dir, monkeypatch, fused):
-    """A joint step keeps each unit's AdamW state lists between steps; a checkpoint loaded into the
-    unit, and its state's tensors moved (as parking does), must be what the next joint step reads:
-    the results equal a unit that only ever stepped alone."""
+    """A checkpoint loaded into a unit, and its state's tensors replaced in place (as moving it
+    between devices replaces them), are what the next joint step reads: the results equal a unit
+    that only ever stepped alone. (What any caching of the units' AdamW state lists between joint
+    steps must keep.)"""
     from tinsmith.worker.trainables import Trainable
 
     if fused:
         monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
     alone, ua = _runtime(qwen3_dir, torch.float32)
     joint, uj = _runtime(qwen3_dir, torch.float32)
-    for step in range(2):  # the joint runtime's lists are made at the first step, kept at the second
+    for step in range(2):  # the first step makes the optimizer state, the second reads it
         _backward(alone, ua, step)
         _backward(joint, uj, step)
         assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
