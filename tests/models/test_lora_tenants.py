@@ -122,6 +122,43 @@ def test_a_frozen_adapter_gets_no_gradient_and_the_trained_one_does(way):
     assert frozen.A.grad is None and frozen.B.grad is None
 
 
+def test_the_node_hands_the_masters_their_gradients_as_autograd_would(way):
+    """The masters are not the node's inputs (autograd would deliver each leaf's gradient through
+    a node of its own, several host microseconds a tensor): the node gives them their gradients
+    itself, with what autograd's accumulation does: the gradient hooks, the master's layout, a
+    sum over backwards, the post-accumulate hooks."""
+    lin = _layer(torch.float32)
+    x = torch.randn(15, 64, requires_grad=True)
+    probe = lin(x, _segments())
+    leaves = set()
+    todo = [probe.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None:
+            leaves |= {id(fn.variable)} if hasattr(fn, "variable") else set()
+            todo += [f for f, _ in fn.next_functions]
+    masters = [t for w in lin.adapters.values() for t in (w.A, w.B)]
+    assert not leaves & {id(t) for t in masters}  # no edge to a master
+    w0, w1 = lin.adapters[0], lin.adapters[1]
+    w0.A.register_hook(lambda grad: 2 * grad)
+    seen = []
+    w1.B.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    y = lin(x, _segments())  # hooks are read when the gradients arrive, whichever way they do
+    g = torch.randn_like(y)
+    y.backward(g)
+    _, _, ref = _reference(lin, x, g, _segments())
+    assert _close(w0.A.grad, 2 * ref[0][0], 1e-5) and _close(w0.B.grad, ref[0][1], 1e-5)
+    assert len(seen) == 1 and torch.equal(seen[0], w1.B.grad)
+    # Adapter 1's rank (4) is padded to 8 in the grouped stacks: its B gradient, a block of a
+    # wider tensor, comes in the master's own layout.
+    assert w1.B.grad.stride() == w1.B.stride() and w1.A.grad.stride() == w1.A.stride()
+    first = {id(t): t.grad.clone() for t in masters}
+    lin(x, _segments()).backward(g)  # a second backward adds to the gradients there
+    for t in masters:
+        assert _close(t.grad, 2 * first[id(t)].double(), 1e-6)
+    assert len(seen) == 2
+
+
 def test_the_stack_follows_an_optimizer_step_and_is_kept_while_nothing_changes(monkeypatch):
     monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
     lin = _layer(torch.bfloat16, bias=False)

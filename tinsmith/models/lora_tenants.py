@@ -32,13 +32,20 @@ SiLU kernel the gate and up halves.
 
 Each tenant's gradients come from its own rows only and go to its own masters, so optimizer
 state and isolation are as before; padded ranks and segments without an adapter contribute
-zeros and get no gradient.
+zeros and get no gradient. The masters are not the node's inputs: its backward hands them their
+gradients itself (:func:`_hand_out`, what autograd's gradient accumulation does for a leaf), since
+autograd delivers a leaf's gradient through a node of its own (about 7 us of the host's time a
+tensor on a CPU, and a tenant has two tensors per adapted projection: 392 on a 28-layer model,
+several milliseconds a tenant and step). A leaf that requires a gradient and never gets one
+(:func:`_anchor`) is the node's input instead, so autograd records the node where nothing else it
+reads requires a gradient (the first layer's input, the base frozen).
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,16 +134,16 @@ def _plus_linear(delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 
 
 class TenantsLoraFunction(torch.autograd.Function):
-    """See the module's docstring. Arguments after ``rows``: the present adapters' masters
-    ``A_1, B_1, A_2, B_2, ...`` in segment order (what receives the gradients), then the
-    compute tensors (grouped: the two stacks; loop: each present adapter's copies ``A_c, B_c``)."""
+    """See the module's docstring. Arguments after ``rows``: the :func:`_anchor`, then the
+    compute tensors (grouped: the two stacks; loop: each present adapter's copies ``A_c, B_c``).
+    The present adapters' masters (``rows.weights``) receive their gradients from the backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: TenantRows,
-                n_masters: int, *tensors):
-        masters, compute = tensors[:n_masters], tensors[n_masters:]
-        ctx.rows, ctx.n_masters = rows, n_masters
-        ctx.master_dtype = masters[0].dtype
+                anchor: torch.Tensor, *compute):
+        ctx.rows = rows
+        ctx.masters = _masters((rows.weights,))
+        ctx.master_dtype = ctx.masters[0].dtype
         if rows.grouped:
             A, B = compute
             offs = group_offsets(rows.sizes, x.device)
@@ -161,7 +168,7 @@ class TenantsLoraFunction(torch.autograd.Function):
         rows: TenantRows = ctx.rows
         g = g.contiguous()  # a broadcast gradient (a plain sum's) has no strides the GEMMs take
         need_x = ctx.needs_input_grad[0]
-        need_masters = ctx.needs_input_grad[5:5 + ctx.n_masters]
+        need_masters = [p.requires_grad for p in ctx.masters]
         if rows.grouped:
             x, weight, h, A, B = ctx.saved_tensors
             offs = group_offsets(rows.sizes, x.device)
@@ -169,8 +176,8 @@ class TenantsLoraFunction(torch.autograd.Function):
             # The adapters' part first, the base GEMM adding into it (no separate add: the grouped
             # matmul cannot accumulate into an output, a GEMM can).
             dx = torch._grouped_mm(gh, A, offs=offs).addmm_(g, weight) if need_x else None
-            grads = _adapter_grads(ctx, rows, need_masters, x, g, ((0, g.shape[1]),), h, gh, offs)
-            return (dx, None, None, None, None, *grads, None, None)  # the two stacks get none
+            _hand_out(ctx.masters, _adapter_grads(ctx, rows, need_masters, x, g, ((0, g.shape[1]),), h, gh, offs))
+            return dx, None, None, None, None, None, None  # the anchor and the two stacks get none
         x, weight, *rest = ctx.saved_tensors
         n_present = sum(w is not None for w in rows.weights)
         compute, hs = rest[:2 * n_present], rest[2 * n_present:]
@@ -189,10 +196,11 @@ class TenantsLoraFunction(torch.autograd.Function):
                 grads.append(grad_mm(gs.t(), h, w.scale, ctx.master_dtype) if need_b else None)
                 k += 1
             start += size
-        return (dx, None, None, None, None, *grads, *([None] * len(compute)))
+        _hand_out(ctx.masters, grads)
+        return (dx, None, None, None, None, *([None] * len(compute)))
 
 
-def _adapter_grads(ctx, rows: TenantRows, need: tuple, x: torch.Tensor, g: torch.Tensor,
+def _adapter_grads(ctx, rows: TenantRows, need: list[bool], x: torch.Tensor, g: torch.Tensor,
                    bounds: tuple[tuple[int, int], ...], h: torch.Tensor, gh: torch.Tensor, offs: torch.Tensor) -> list:
     """Every present adapter's (dA, dB) on each part of the output whose gradient is ``g`` (the
     parts' columns ``bounds``; one part for a single projection), in the order of the masters
@@ -231,19 +239,70 @@ def _adapter_grads(ctx, rows: TenantRows, need: tuple, x: torch.Tensor, g: torch
     return grads
 
 
+def _masters(weights: tuple[tuple, ...]) -> list[torch.Tensor]:
+    """The present adapters' masters of every part, in :func:`_adapter_grads`' order: part after
+    part, segment after segment, ``A`` then ``B``."""
+    return [t for ws in weights for w in ws if w is not None for t in (w.A, w.B)]
+
+
+_anchors: dict[torch.device, torch.Tensor] = {}
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """The leaf every several-tenant node takes as an input on ``device`` (see the module's
+    docstring): it requires a gradient, so autograd records the node, and is never given one."""
+    anchor = _anchors.get(device)
+    if anchor is None:
+        anchor = _anchors[device] = torch.zeros((), device=device, requires_grad=True)
+    return anchor
+
+
+def _hand_out(masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Give each master its gradient (None: none) as autograd gives a leaf its own: in the
+    master's dtype (a GEMM without an fp32 output on this device gives the compute dtype), through
+    the master's gradient hooks (``register_hook``); the tensor itself where the master has no
+    gradient yet and the strides agree (a copy in the master's layout where they do not), else
+    added into the one there (one multi-tensor add for all of them); then its post-accumulate
+    hooks. Each master is read by one node of a backward, so nothing else writes it."""
+    into, adds, after = [], [], []
+    for p, g in zip(masters, grads):
+        if g is None:
+            continue
+        if g.dtype is not p.dtype:
+            g = g.to(p.dtype)
+        hooks = p._backward_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                out = hook(g)
+                g = g if out is None else out
+        if not (g.is_contiguous() and p.is_contiguous()) and g.stride() != p.stride():  # a padded rank's B block
+            g = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device).copy_(g)
+        if p.grad is None:
+            p.grad = g
+        else:
+            into.append(p.grad)
+            adds.append(g)
+        if p._post_accumulate_grad_hooks:
+            after.append(p)
+    if into:
+        torch._foreach_add_(into, adds)
+    for p in after:
+        for hook in tuple(p._post_accumulate_grad_hooks.values()):
+            hook(p)
+
+
 def tenants_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner, sizes: tuple[int, ...],
                    weights: tuple, grouped: bool) -> torch.Tensor:
     """``x W^T (+ b)`` plus each segment's adapter on its rows (2-D ``x``; ``sizes`` tile its
     rows; ``weights[i]`` None for a segment without one) through :class:`TenantsLoraFunction`."""
     present = [w for w in weights if w is not None]
-    masters = [t for w in present for t in (w.A, w.B)]
     if grouped:
         rank = _round_up(max(w.A.shape[0] for w in present), 8)
         compute = list(stacked_copies(owner, weights, rank, x.dtype, weight.shape[1], weight.shape[0]))
     else:
         compute = [t for w in present for t in compute_copies(w, x.dtype)]
-    return TenantsLoraFunction.apply(x, weight, bias, TenantRows(sizes, weights, grouped), len(masters),
-                                     *masters, *compute)
+    return TenantsLoraFunction.apply(x, weight, bias, TenantRows(sizes, weights, grouped), _anchor(x.device),
+                                     *compute)
 
 
 def _group_stacks(layers: tuple, weights: tuple[tuple, ...], rank: int, dtype: torch.dtype
@@ -282,18 +341,17 @@ class TenantsGroupFunction(torch.autograd.Function):
     (:class:`tinsmith.models.lora.PackedProjection`), else one per part into its columns. The
     backward mirrors it: one grouped product for every part's shrink gradient, the input
     gradient's adapter part in one grouped product and its base part inside GEMMs, the
-    adapters' gradients from two grouped products (:func:`_adapter_grads`). Arguments after
-    ``n_masters``: the packed weight and bias (None: per part), per part ``(weight, bias)``,
-    ``A_cat``, ``B_cat``, then the present adapters' masters per part (``A, B`` per segment
-    with an adapter, part after part)."""
+    adapters' gradients from two grouped products (:func:`_adapter_grads`), handed to the present
+    adapters' masters of every part (``weights``, a tuple of segments' weights per part).
+    Arguments after ``weights``: the packed weight and bias (None: per part), the
+    :func:`_anchor`, per part ``(weight, bias)``, then ``A_cat``, ``B_cat``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, rows: TenantRows, outs: tuple[int, ...], n_masters: int,
-                packed_w: torch.Tensor | None, packed_b: torch.Tensor | None, *tensors):
+    def forward(ctx, x: torch.Tensor, rows: TenantRows, outs: tuple[int, ...], weights: tuple[tuple, ...],
+                packed_w: torch.Tensor | None, packed_b: torch.Tensor | None, anchor: torch.Tensor, *tensors):
         n = len(outs)
         Ws, bs = tensors[0:2 * n:2], tensors[1:2 * n:2]
         A_cat, B_cat = tensors[2 * n], tensors[2 * n + 1]
-        masters = tensors[2 * n + 2:]
         offs = group_offsets(rows.sizes, x.device)
         h = torch._grouped_mm(x, A_cat.transpose(1, 2), offs=offs)  # (rows, parts x rank)
         y = torch._grouped_mm(h, B_cat.transpose(1, 2), offs=offs)  # (rows, sum of outs)
@@ -304,8 +362,8 @@ class TenantsGroupFunction(torch.autograd.Function):
             for W, b, (lo, hi) in zip(Ws, bs, bounds):
                 _plus_linear(y[:, lo:hi], x, W, b)  # a GEMM writes a column block in place
         ctx.save_for_backward(x, h, A_cat, B_cat, packed_w, *Ws)
-        ctx.rows, ctx.bounds, ctx.n_masters = rows, bounds, n_masters
-        ctx.master_dtype = masters[0].dtype if masters else x.dtype
+        ctx.rows, ctx.bounds, ctx.masters = rows, bounds, _masters(weights)
+        ctx.master_dtype = ctx.masters[0].dtype
         return y
 
     @staticmethod
@@ -323,10 +381,9 @@ class TenantsGroupFunction(torch.autograd.Function):
             else:
                 for W, (lo, hi) in zip(Ws, ctx.bounds):
                     dx.addmm_(g[:, lo:hi], W)
-        n = len(ctx.bounds)
-        need = ctx.needs_input_grad[6 + 2 * n + 2:]  # the masters': per part, per present segment (A, B)
-        grads = _adapter_grads(ctx, rows, need, x, g, ctx.bounds, h, gh, offs)
-        return (dx, None, None, None, None, None, *([None] * (2 * n + 2)), *grads)
+        need = [p.requires_grad for p in ctx.masters]  # per part, per present segment (A, B)
+        _hand_out(ctx.masters, _adapter_grads(ctx, rows, need, x, g, ctx.bounds, h, gh, offs))
+        return (dx, None, None, None, None, None, None, *([None] * (2 * len(ctx.bounds) + 2)))
 
 
 def _bounds(outs: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -346,12 +403,9 @@ def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weight
     present = [w for w in weights[0] if w is not None]
     rank = _round_up(max(w.A.shape[0] for w in present), 8)
     A_cat, B_cat = _group_stacks(layers, weights, rank, x.dtype)
-    parts, masters = [], []
-    for layer, ws in zip(layers, weights):
-        parts += [layer.weight, layer.bias]
-        masters += [t for w in ws if w is not None for t in (w.A, w.B)]
+    parts = [t for layer in layers for t in (layer.weight, layer.bias)]
     whole = packed is not None and list(packed.layers) == list(layers) and packed.intact()
     return TenantsGroupFunction.apply(x, TenantRows(sizes, weights[0], True),
-                                      tuple(layer.out_features for layer in layers), len(masters),
+                                      tuple(layer.out_features for layer in layers), weights,
                                       packed.weight if whole else None, packed.bias if whole else None,
-                                      *parts, A_cat, B_cat, *masters)
+                                      _anchor(x.device), *parts, A_cat, B_cat)
