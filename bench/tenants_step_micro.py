@@ -19,15 +19,23 @@ over the groups in C++; on a GPU a CUTLASS set-up and two launches a call), and
 Python and the dispatch a GPU's host spends on them apart from the launches themselves. The
 weights do not move in those steps, so they are timed after the others.
 
+``--nodes-from REV`` compares the several-tenant nodes (``tinsmith/models/lora_tenants.py``) of
+commit ``REV`` with this checkout's in one process instead: both modules loaded side by side, the
+model's layers switched between them round after round, each round's forward/backward timed less
+its grouped matmuls (the host's own work), optimizer steps taken together between steps.
+
     python bench/tenants_step_micro.py [--tenants 1,4,16] [--steps 10] [--dtype fp32|bf16] [--json out.json]
+    python bench/tenants_step_micro.py --nodes-from HEAD~1 [--tenants 4,16] [--rounds 6] [--steps 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +49,7 @@ from bench.gpu.train import batch, optimizer_steps  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 from tinsmith.gc_tuning import tuned_for_serving  # noqa: E402
 from tinsmith.kernels import block_copy  # noqa: E402
-from tinsmith.models import grouped_lora, moe  # noqa: E402
+from tinsmith.models import grouped_lora, lora, lora_tenants, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
 from tinsmith.types import ForwardBackwardInput, LoraSpec  # noqa: E402
@@ -142,15 +150,70 @@ def measure(rt: TrainingRuntime, args, results: dict) -> None:
                   flush=True)
 
 
+def nodes_of(rev: str, into: Path):
+    """The several-tenant nodes' module as commit ``rev`` has it, loaded beside this checkout's."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{rev}:tinsmith/models/lora_tenants.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    path = into / "lora_tenants_then.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("lora_tenants_then", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare_nodes(rt: TrainingRuntime, args, then, results: dict) -> None:
+    """``--nodes-from``: each tenant count's forward/backward less its grouped matmuls, medians over
+    ``--rounds`` rounds of ``--steps`` steps with the layers on ``REV``'s nodes, then on this
+    checkout's, alternated."""
+    ways = {args.nodes_from: (then.tenants_linear, then.tenants_group),
+            "this checkout": (lora_tenants.tenants_linear, lora_tenants.tenants_group)}
+    rank = 32 if args.widths > 16 else 8
+    for n in (int(t) for t in args.tenants.split(",")):
+        units = [rt.create_adapter(LoraSpec(rank=rank, seed=i)) for i in range(n)]
+        per = max(1, 8 // n)
+        requests = [TrainRequest(u, ForwardBackwardInput(batch(rt.config.vocab_size, per, 16, seed=i), "cross_entropy"))
+                    for i, u in enumerate(units)]
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        try:
+            for _ in range(args.rounds):
+                for way, (linear, group) in ways.items():
+                    lora.tenants_linear, lora.tenants_group = linear, group
+                    for step in range(args.steps + 1):  # the first step of a round re-stacks the adapters
+                        with grouped_mm_timer() as in_grouped:
+                            t0 = time.perf_counter()
+                            rt.forward_backward(requests)
+                            t = time.perf_counter() - t0
+                        optimizer_steps(rt, units, True)
+                        if step:
+                            times[way].append(1e3 * (t - in_grouped[0]))
+        finally:
+            lora.tenants_linear, lora.tenants_group = ways["this checkout"]
+            for u in units:
+                rt.delete_adapter(u)
+        results[n] = {}
+        for way, ms in times.items():
+            q = statistics.quantiles(ms, n=4) if len(ms) > 1 else ms * 3
+            results[n][way] = {"median_ms": statistics.median(ms), "quartiles_ms": [q[0], q[2]], "steps": len(ms)}
+            print(f"{n:>3} tenants, nodes of {way:>13}: forward/backward less its grouped matmuls, median "
+                  f"{statistics.median(ms):6.1f} ms (quartiles {q[0]:.1f}-{q[2]:.1f}, {len(ms)} steps)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tenants", default="1,4,16")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, help="steps timed (default 10; with --nodes-from, 4 a round)")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--widths", type=int, choices=(16, 64), default=64, help="hidden size (rank 8 at 16, else 32)")
+    ap.add_argument("--nodes-from", metavar="REV", help="compare the several-tenant nodes of commit REV with this "
+                                                        "checkout's, in one process")
+    ap.add_argument("--rounds", type=int, default=6, help="with --nodes-from: rounds of each, alternated")
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.steps = args.steps or (4 if args.nodes_from else 10)
     torch.set_num_threads(1)
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
     grouped_lora.MULTI_LORA = "grouped"
@@ -165,7 +228,10 @@ def main() -> None:
                              max_lora_rank=32)
         results = {}
         with tuned_for_serving():  # the collector as the server sets it (its pauses are not the steps')
-            measure(rt, args, results)
+            if args.nodes_from:
+                compare_nodes(rt, args, nodes_of(args.nodes_from, Path(d)), results)
+            else:
+                measure(rt, args, results)
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, "dtype": args.dtype,
                                                "widths": args.widths,

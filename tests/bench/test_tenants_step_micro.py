@@ -1,16 +1,19 @@
 """bench/tenants_step_micro.py's host-only columns: the grouped matmul's share of a several-tenant
 forward/backward, and the optimizer steps timed with their kernels skipped, which must leave the
-weights as they were and put torch's functions back."""
+weights as they were and put torch's functions back; ``--nodes-from``'s nodes of another commit
+beside this checkout's."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from tinsmith.kernels import block_copy
-from tinsmith.models import grouped_lora, moe
+from tinsmith.models import grouped_lora, lora, lora_tenants, moe
 from tinsmith.models.loading import load_model
 from tinsmith.optim import families
 from tinsmith.types import ForwardBackwardInput, LoraSpec
@@ -55,3 +58,25 @@ def test_both_columns_are_timed_and_the_step_under_skipped_kernels_moves_nothing
     rt.forward_backward(request)
     bench.optimizer_steps(rt, units, True)
     assert not all(torch.equal(a, p) for a, p in zip(before, rt.unit(unit).params))
+
+
+def test_nodes_of_another_commit_run_beside_this_checkouts_and_the_layers_get_these_back(qwen3_dir, tmp_path,
+                                                                                          monkeypatch):
+    bench = _bench()
+    if not (SCRIPT.parents[1] / ".git").exists():
+        pytest.skip("--nodes-from reads a commit: not a git checkout")
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    monkeypatch.setattr(grouped_lora, "MULTI_LORA", "grouped")
+    rt = TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.float32).model, max_lora_adapters=4, max_lora_rank=8)
+    then = bench.nodes_of("HEAD", tmp_path)
+    assert then.tenants_linear is not lora_tenants.tenants_linear  # a module of its own
+    ran = []
+    real = then.tenants_group
+    monkeypatch.setattr(then, "tenants_group", lambda *a, **k: ran.append(1) or real(*a, **k))
+    results = {}
+    args = argparse.Namespace(nodes_from="HEAD", tenants="2", rounds=1, steps=1, widths=16)
+    bench.compare_nodes(rt, args, then, results)
+    assert ran  # the other commit's nodes took the layers' groups
+    assert set(results[2]) == {"HEAD", "this checkout"}
+    assert all(r["steps"] == 1 and r["median_ms"] > 0 for r in results[2].values())
+    assert lora.tenants_linear is lora_tenants.tenants_linear and lora.tenants_group is lora_tenants.tenants_group
