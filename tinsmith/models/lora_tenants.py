@@ -263,7 +263,8 @@ def _hand_out(masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | No
     the master's gradient hooks (``register_hook``); the tensor itself where the master has no
     gradient yet and the strides agree (a copy in the master's layout where they do not), else
     added into the one there (one multi-tensor add for all of them); then its post-accumulate
-    hooks. Each master is read by one node of a backward, so nothing else writes it."""
+    hooks. A master standing in several segments of a node (the runtime's micro-batches give each
+    adapter one, ordered by slot) gets each segment's part in turn, its hooks called on each."""
     into, adds, after = [], [], []
     for p, g in zip(masters, grads):
         if g is None:
