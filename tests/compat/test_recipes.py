@@ -122,7 +122,11 @@ def test_preference_shorter(cookbook, check_final_checkpoint):
     _rl_common_checks(run, rows)
     assert all(r["kl_pre_post_v2"] >= 0 for r in rows)
     ck = run.check_checkpoints(["final"])
-    check_final_checkpoint(ck[-1], base_model=STUDENT, renderer_name="role_colon")
+    # A step whose every pair tied (the random model's two answers equally long, so the judge
+    # prefers neither) has zero advantages and no gradient; when both steps did, the adapter rightly
+    # stays the base model (B starts at zero), as it does in about one run of ten.
+    check_final_checkpoint(ck[-1], base_model=STUDENT, renderer_name="role_colon",
+                           trained=any(r["grad_norm"] > 0 for r in rows))
 
 
 def test_guess_number_qwen3_5_renderer(cookbook, check_final_checkpoint):
