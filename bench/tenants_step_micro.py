@@ -153,8 +153,12 @@ def measure(rt: TrainingRuntime, args, results: dict) -> None:
 def nodes_of(rev: str, into: Path):
     """The several-tenant nodes' module as commit ``rev`` has it, loaded beside this checkout's."""
     root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "show", f"{rev}:tinsmith/models/lora_tenants.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
+    shown = subprocess.run(["git", "show", f"{rev}:tinsmith/models/lora_tenants.py"], cwd=root,
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--nodes-from {rev}: git cannot show tinsmith/models/lora_tenants.py at that commit "
+                         f"({shown.stderr.strip()})")
+    source = shown.stdout
     path = into / "lora_tenants_then.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("lora_tenants_then", path)
@@ -203,7 +207,8 @@ def compare_nodes(rt: TrainingRuntime, args, then, results: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tenants", default="1,4,16")
+    ap.add_argument("--tenants", help="tenant counts (default 1,4,16; with --nodes-from, 4,16: one tenant "
+                                      "does not run these nodes)")
     ap.add_argument("--steps", type=int, help="steps timed (default 10; with --nodes-from, 4 a round)")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -214,6 +219,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     args.steps = args.steps or (4 if args.nodes_from else 10)
+    args.tenants = args.tenants or ("4,16" if args.nodes_from else "1,4,16")
     torch.set_num_threads(1)
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
     grouped_lora.MULTI_LORA = "grouped"
