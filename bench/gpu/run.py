@@ -98,15 +98,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--headline", action="store_true",
                    help="per shape only the issues' target figures (LoRA 8x1024 MFU; decode at 64 and 256 rows): "
                         "the large shapes in a short device call")
+    p.add_argument("--headline-shapes", default="",
+                   help="comma-separated shapes run as --headline runs them, beside the full --shapes in one call: "
+                        "after the full shapes' target items and before their diagnostics, each checkpoint made "
+                        "when its first item runs (e.g. --shapes 1.7B --headline-shapes 4B,8B)")
     p.add_argument("--max-wall-s", type=float, default=float("inf"),
                    help="no item starts after this many seconds (so a run under an outer timeout still writes its summary)")
     a = p.parse_args(argv)
     run_deadline = time.monotonic() + a.max_wall_s
     only = tuple(w for w in a.only.split(",") if w)
     shapes = [s for s in a.shapes.split(",") if s]
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        p.error(f"--shapes: unknown {unknown}; choose from {list(SHAPES)}")
+    extra = [s for s in a.headline_shapes.split(",") if s]
+    for flag, names in (("--shapes", shapes), ("--headline-shapes", extra)):
+        if unknown := [s for s in names if s not in SHAPES]:
+            p.error(f"{flag}: unknown {unknown}; choose from {list(SHAPES)}")
+    if both := [s for s in extra if s in shapes]:
+        p.error(f"--headline-shapes: {both} also in --shapes; a shape runs one way")
+    # Full shapes run every item; headline shapes only the targets' figures (all of them with --headline).
+    full, headline = ([], shapes + extra) if a.headline else (shapes, extra)
     parts = [x for x in a.parts.split(",") if x and x != "peak"]
     if unknown_parts := [x for x in parts if x not in ("train", "sample", "moe")]:
         p.error(f"--parts: unknown {unknown_parts}; choose from train, sample, moe (peak always runs)")
@@ -114,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     configure_device(device)  # the server's process-wide switches (cuDNN's attention off), for in-process items too
-    summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes, "torch": torch.__version__,
+    summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes + extra, "headline_shapes": headline,
+                     "torch": torch.__version__,
                      "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "glibc_malloc": MALLOC}
 
     pk = Part("peak", BUDGET_S["peak"] * a.budget_scale)  # always: every figure needs it
@@ -127,51 +137,60 @@ def main(argv: list[str] | None = None) -> dict:
         (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    dirs: dict[str, Path] = {}
-    for name in shapes:
-        dirs[name] = checkpoint(name, a.cache_dir, a.device)
-    counts = {name: param_counts(qwen3_config(name)) for name in shapes}
+    dirs: dict[str, Path] = {name: checkpoint(name, a.cache_dir, a.device) for name in shapes}
+
+    def model_dir(name: str) -> Path:
+        """The shape's checkpoint; a headline shape's is made here, inside its first item (whose
+        time and budget it takes), so that a shape whose items are all skipped costs nothing."""
+        if name not in dirs:
+            dirs[name] = checkpoint(name, a.cache_dir, a.device)
+        return dirs[name]
+
+    counts = {name: param_counts(qwen3_config(name)) for name in shapes + extra}
     summary["params"] = counts
 
     def run_train() -> None:
+        # The targets' items first, then the headline shapes', then the diagnostics: a call that
+        # runs long loses what explains the figures, never the figures.
         tr = Part("train", BUDGET_S["train"] * a.budget_scale, run_deadline, only)
-        curve_shape = "1.7B" if "1.7B" in shapes else shapes[0]  # its fp32 runs are slow on the large shapes
-        for name in shapes:
+        curve_shape = "1.7B" if "1.7B" in full else (full or [None])[0]  # its fp32 runs are slow on the large shapes
+        for name in full:
             n = counts[name]["matmul"]
-            if a.headline:  # the issues' figure alone: one tenant's 8 x 1024
-                tr.item(f"{name}/lora", lambda: train.lora_headline(dirs[name], device, peaks, n, a.quick))
-                continue
             tr.item(f"{name}/lora", lambda: train.lora(dirs[name], device, peaks, n, a.quick))
             tr.item(f"{name}/peft_baseline", lambda: train.peft_baseline(dirs[name], device, peaks, n, a.quick))
             if name == curve_shape:  # the loss curves of a real SFT run, fast path against plain (one shape)
                 tr.item(f"{name}/sft_curves", lambda: curves.sft_curves(dirs[name], device, a.quick))
-            if name == shapes[-1]:  # why the figures are what they are (after the targets' items, which a
-                # short call must not lose to them): the step's kernels and host, launches, copies, attention
-                tr.item(f"{name}/profile", lambda: profile.train_step(dirs[name], device, a.quick))
-                tr.item("launch_costs", lambda: train.launch_costs(device, a.quick))
-                tr.item("copies_behind_work", lambda: train.copies_behind_work(device, a.quick))
-                tr.item("attention_backends", lambda: train.attention_backends(device, peaks, a.quick))
             if name in ("tiny", "0.6B", "1.7B"):  # a bf16 full copy + AdamW state of 4B/8B does not fit beside the rest
                 tr.item(f"{name}/full_finetune", lambda: train.full_finetune(dirs[name], device, peaks, n, a.quick))
+        for name in headline:  # the issues' figure alone: one tenant's 8 x 1024
+            tr.item(f"{name}/lora", lambda: train.lora_headline(model_dir(name), device, peaks, counts[name]["matmul"],
+                                                                a.quick))
+        if full:  # why the figures are what they are: the step's kernels and host, launches, copies, attention
+            tr.item(f"{full[-1]}/profile", lambda: profile.train_step(dirs[full[-1]], device, a.quick))
+            tr.item("launch_costs", lambda: train.launch_costs(device, a.quick))
+            tr.item("copies_behind_work", lambda: train.copies_behind_work(device, a.quick))
+            tr.item("attention_backends", lambda: train.attention_backends(device, peaks, a.quick))
         summary["train"] = tr.results
         (a.out / "train.json").write_text(json.dumps(tr.results, indent=2))
 
     def sample_items(sa: Part) -> None:
-        big = shapes[-1]
-        # The headline figures first (decode vs the HBM bound and where its time goes, the SDK's
-        # first call and GRPO, the generate baseline), so that a run cut short still has them.
-        for name in shapes:
+        big = full[-1]
+        # The targets' figures first (decode vs the HBM bound with 8 and 64 adapters, the SDK's
+        # first call and GRPO), then the headline shapes' decode, then what explains them, so that
+        # a run cut short still has the figures.
+        for name in full:
             sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick))
-            if name == big:
-                sa.item(f"{name}/decode_profile", lambda: profile.decode_step(dirs[name], device, a.quick))
-                sa.item(f"{name}/replay_profile", lambda: profile.decode_replayed(dirs[name], device, a.quick))
-                sa.item(f"{name}/decode_bursts", lambda: sample.decode_bursts(dirs[name], device, a.quick))
-                sa.item(f"{name}/dependent_launches", lambda: sample.dependent_launches(dirs[name], device, a.quick))
             sa.item(f"{name}/sdk", lambda: sample.through_sdk(dirs[name], device, a.quick,
                                                               Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))))
-            if name == big:  # the SDK on pyqwest, as the hosted service leaves it: its client CPU a request
-                sa.item(f"{name}/sdk_pyqwest", lambda: sample.through_sdk(
-                    dirs[name], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{name}-")), transport="pyqwest"))
+        headline_decode(sa)
+        sa.item(f"{big}/decode_profile", lambda: profile.decode_step(dirs[big], device, a.quick))
+        sa.item(f"{big}/replay_profile", lambda: profile.decode_replayed(dirs[big], device, a.quick))
+        sa.item(f"{big}/decode_bursts", lambda: sample.decode_bursts(dirs[big], device, a.quick))
+        sa.item(f"{big}/dependent_launches", lambda: sample.dependent_launches(dirs[big], device, a.quick))
+        # the SDK on pyqwest, as the hosted service leaves it: its client CPU a request
+        sa.item(f"{big}/sdk_pyqwest", lambda: sample.through_sdk(
+            dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-")), transport="pyqwest"))
+        for name in full:
             sa.item(f"{name}/generate_baseline", lambda: sample.generate_baseline(dirs[name], device, a.quick))
         sa.item(f"{big}/beside_training", lambda: sample.beside_training(
             dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-"))))
@@ -189,13 +208,17 @@ def main(argv: list[str] | None = None) -> dict:
         sa.item(f"{big}/chunked_prefill", lambda: sample.chunked_prefill(dirs[big], device, a.quick))
         sa.item(f"{big}/cuda_graphs", lambda: sample.graphs_vs_eager(dirs[big], device, a.quick))
 
+    def headline_decode(sa: Part) -> None:
+        """The headline shapes' decode at each row count, no adapters (the targets' figures)."""
+        for name in headline:
+            sa.item(f"{name}/decode", lambda: sample.in_process(model_dir(name), device, peaks, a.quick, adapters=False))
+
     def run_sample() -> None:
         sa = Part("sample", BUDGET_S["sample"] * a.budget_scale, run_deadline, only)
-        if a.headline:  # the issues' figures alone: decode at each row count, no adapters
-            for name in shapes:
-                sa.item(f"{name}/decode", lambda: sample.in_process(dirs[name], device, peaks, a.quick, adapters=False))
-        else:
+        if full:
             sample_items(sa)
+        else:
+            headline_decode(sa)
         summary["sample"] = sa.results
         (a.out / "sample.json").write_text(json.dumps(sa.results, indent=2))
 
