@@ -59,6 +59,48 @@ def test_a_paged_sampler_through_the_kernel_samples_what_torch_samples(model_dir
         np.testing.assert_allclose(got.logprobs, want.sequences[0].logprobs, rtol=1e-5, atol=1e-6)
 
 
+def test_the_norm_kernel_stores_a_decode_steps_keys_and_values_the_sampler_samples_the_same(model_dirs, monkeypatch):
+    """With the norm and K/V store kernels on, every decode step's attention layer has its keys and
+    values written by the q/k norm's kernel (no K/V store launch of its own), and the paged sampler
+    samples what the torch path samples, rows crossing into new pages and padding rows included."""
+    from tests.sampling.conftest import fresh_model, make_sampler, run, task
+    from tinsmith.kernels import rms_norm as rk
+    from tinsmith.sampling.paged_kv_cache import PagedKVCache
+
+    if kernel_device() != "cpu":
+        pytest.skip("the GPU tier compares the sampler's paths on a GPU")
+    prompts = [np.random.default_rng(i).integers(4, 400, 30 + 25 * i).tolist() for i in range(3)]
+    norm_stores, plain_writes = [], []
+    norm, write = rk.rms_norm, PagedKVCache._write_step
+
+    def counted_norm(*args, store=None, **kwargs):
+        if store is not None:
+            norm_stores.append(1)
+        return norm(*args, store=store, **kwargs)
+
+    def counted_write(self, layer, *args):
+        if self.paged[layer]:
+            plain_writes.append(layer)
+        return write(self, layer, *args)
+
+    monkeypatch.setattr(rk, "rms_norm", counted_norm)
+    monkeypatch.setattr(PagedKVCache, "_write_step", counted_write)
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(kv_store, "BACKEND", backend)
+        monkeypatch.setattr(rk, "BACKEND", backend)
+        norm_stores.clear()
+        plain_writes.clear()
+        sampler = make_sampler(fresh_model(model_dirs["qwen3"]), model_dirs["qwen3"], kv_layout="paged")
+        results[backend] = run(sampler, [task(f"p{i}", p, max_tokens=40, temperature=1.0, seed=i, stop=[])
+                                         for i, p in enumerate(prompts)])
+    assert norm_stores and not plain_writes  # every paged decode write went through the norm's kernel
+    for key, want in results["torch"].items():
+        got = results["triton"][key].sequences[0]
+        assert got.tokens.tolist() == want.sequences[0].tokens.tolist(), key
+        np.testing.assert_allclose(got.logprobs, want.sequences[0].logprobs, rtol=1e-4, atol=1e-4)
+
+
 _COMPILE = '''
 import sys
 import triton

@@ -127,6 +127,38 @@ def test_q_and_k_heads_each_with_their_own_weight_without_stacking_them():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_keys_and_values_stored_by_the_norm_kernel(dtype):
+    """``store``: the q/k heads come out as without it, and the k heads (as normalised and turned)
+    and the row's values land in the pools exactly where the K/V store kernel puts them; nothing
+    else in the pools moves."""
+    from tinsmith.kernels import kv_store
+
+    device = kernel_device()
+    g = torch.Generator().manual_seed(4)
+    n, H, Hk, d, pages, page = 5, 4, 2, 64, 7, 16
+    y = (torch.randn(n, (H + 2 * Hk) * d, generator=g) * 2).to(device, dtype)
+    qk = y[:, : (H + Hk) * d].view(n, 1, H + Hk, d)  # a decode step's packed q/k/v output
+    v = y[:, (H + Hk) * d:].view(n, 1, Hk, d)
+    wq, wk = ((1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype) for _ in range(2))
+    rotary = layers.Rotary(d, layers.RopeConfig(theta=1e6)).to(device)
+    cos, sin = rotary(torch.tensor([[3], [40], [17], [0], [9]], device=device), dtype)
+    K = torch.randn(pages, Hk, page, d, generator=g).to(device, dtype)
+    V = torch.randn(pages, Hk, page, d, generator=g).to(device, dtype)
+    at_page = torch.tensor([3, 1, 6, 3, 0], device=device)  # rows 0 and 3 share a page
+    at = torch.tensor([0, 15, 9, 1, 4], device=device)
+    assert rk.store_usable(qk, v, K, V, H)
+    want_K, want_V = K.clone(), V.clone()
+    with torch.no_grad():
+        want = rk.rms_norm(qk, wq, 1e-6, (cos, sin), (H, wk))
+        assert kv_store.store(want_K, want_V, want[:, 0, H:], v[:, 0], at_page, at)
+        got = rk.rms_norm(qk, wq, 1e-6, (cos, sin), (H, wk), store=(K, V, v, at_page, at))
+    assert torch.equal(got, want)
+    assert torch.equal(K, want_K) and torch.equal(V, want_V)
+    assert not rk.store_usable(qk, v, K.float() if dtype != torch.float32 else K.half(), V, H)  # the pools' dtype
+    assert not rk.store_usable(y[:, : (H + Hk) * d].view(1, n, H + Hk, d), v, K, V, H)  # one position a row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [48, 1500])
 def test_silu_of_the_gate_half_times_the_up_half(dtype, width):
     from tinsmith.kernels import swiglu
@@ -215,12 +247,16 @@ for dt in sys.argv[1:]:
     sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "w2_ptr": f"*{dt}", "out_ptr": f"*{dt}", "res_ptr": f"*{dt}",
            "sum_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "heads": "i32", "split": "i32",
            "d": "i32", "eps": "fp32", "stride_row": "i64", "stride_head": "i64", "stride_w": "i64",
-           "stride_rot": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr", "RESIDUAL": "constexpr",
-           "PDL": "constexpr"}
+           "stride_rot": "i64", "K_ptr": f"*{dt}", "V_ptr": f"*{dt}", "v_ptr": f"*{dt}", "page_ptr": "*i64",
+           "at_ptr": "*i64", "stride_vn": "i64", "stride_vh": "i64", "stride_page": "i64", "stride_kh": "i64",
+           "stride_pos": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr", "RESIDUAL": "constexpr",
+           "STORE": "constexpr", "PDL": "constexpr"}
     pdl = dt == "bf16"  # bf16's with the dependent-launch wait (tinsmith.kernels.pdl)
-    for block, rotary, residual in ((128, True, False), (128, False, False), (2048, False, False), (2048, False, True)):
+    for block, rotary, residual, store in ((128, True, False, False), (128, True, False, True),
+                                           (128, False, False, False), (2048, False, False, False),
+                                           (2048, False, True, False)):
         sig_ = {name: sig[name] for name in fn.arg_names}
-        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "PDL": pdl}
+        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "STORE": store, "PDL": pdl}
         assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
     sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "BLOCK": "constexpr",
            "PDL": "constexpr"}

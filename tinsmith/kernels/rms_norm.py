@@ -64,9 +64,21 @@ def add_usable(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bo
             and x.is_contiguous() and delta.is_contiguous())
 
 
+def store_usable(x: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, split: int) -> bool:
+    """Whether :func:`rms_norm` can also store a decode step's keys and values (``store``): one
+    position a row (``x`` (rows, 1, heads, d)), the heads from ``split`` on the keys, ``v`` (rows,
+    1, heads - split, d) with unit stride in ``d``, and contiguous pools of ``x``'s dtype with as
+    many heads and ``d`` (what :mod:`tinsmith.kernels.kv_store` writes into)."""
+    hk = x.shape[-2] - split
+    return (x.dim() == 4 and x.shape[1] == 1 and v.shape == (x.shape[0], 1, hk, x.shape[-1]) and v.stride(-1) == 1
+            and K.is_contiguous() and V.is_contiguous() and K.dtype == V.dtype == v.dtype == x.dtype
+            and K.shape == V.shape and K.shape[1] == hk and K.shape[-1] == x.shape[-1])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-             second: tuple[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+             second: tuple[int, torch.Tensor] | None = None,
+             store: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
     """``weight * F.rms_norm(x.float(), eps=eps).to(x.dtype)`` in one kernel (a new contiguous
     tensor), or None when the kernel failed here (the caller takes the torch path).
 
@@ -77,6 +89,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     then their rotary: one kernel instead of five). ``second``: ``(s, weight2)``, the heads from
     ``s`` on scale by ``weight2`` (d,) instead of ``weight`` (d,): the q heads and the k heads of
     a packed q/k/v output, each norm with its own weight, without stacking the two per step.
+    ``store``: ``(K, V, v, page, at)`` (with ``second``; see :func:`store_usable`): a decode step's
+    new keys, the heads from ``s`` on as they come out, are also written to ``K[page[r], :,
+    at[r]]`` and the row's ``v`` to ``V`` there, as :func:`tinsmith.kernels.kv_store.store` writes
+    them, in this kernel instead of one of their own (one launch less per attention layer and step).
     """
     d = x.shape[-1]
     per_head = weight.dim() == 2 or second is not None
@@ -88,7 +104,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     flat = vectors.reshape(-1, heads, d)  # a view where the leading dimensions share one stride
     turn = None if rotary is None else tuple(t.reshape(-1, d) for t in rotary)
     split, w2 = second if second is not None else (heads, weight)
-    return GUARD.call(_launch, flat, weight.reshape(-1, d), w2.reshape(-1, d), split, out, eps, turn, None, on=x)
+    return GUARD.call(_launch, flat, weight.reshape(-1, d), w2.reshape(-1, d), split, out, eps, turn, None, store,
+                      on=x)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -109,15 +126,24 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split: int, out: torch.Tensor, eps: float,
             rotary: tuple[torch.Tensor, torch.Tensor] | None,
-            residual: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            residual: tuple[torch.Tensor, torch.Tensor] | None,
+            store: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     n, heads, d = x.shape
     block = triton.next_power_of_2(d)
     cos, sin = rotary if rotary is not None else (x, x)  # unread without ROTARY
     delta, total = residual if residual is not None else (x, x)  # unread without RESIDUAL
+    if store is not None:
+        K, V, v, page, at = store
+        v = v.reshape(n, heads - split, d)
+        kv_strides = (v.stride(0), v.stride(1), K.stride(0), K.stride(1), K.stride(2))
+    else:  # unread without STORE
+        K = V = v = x
+        page = at = x
+        kv_strides = (0, 0, 0, 0, 0)
     _rms_norm_kernel[(n * heads,)](
         x, weight, weight2, out, delta, total, cos, sin, heads, split, d, eps, x.stride(0), x.stride(1),
-        weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0),
-        BLOCK_D=block, ROTARY=rotary is not None, RESIDUAL=residual is not None,
+        weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0), K, V, v, page, at, *kv_strides,
+        BLOCK_D=block, ROTARY=rotary is not None, RESIDUAL=residual is not None, STORE=store is not None,
         num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl.options(x))
     return out
 
@@ -137,14 +163,18 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, res_ptr, sum_ptr, cos_ptr, sin_ptr, heads, split, d, eps,
                          stride_row, stride_head, stride_w, stride_rot,
+                         K_ptr, V_ptr, v_ptr, page_ptr, at_ptr, stride_vn, stride_vh, stride_page, stride_kh,
+                         stride_pos,
                          BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, RESIDUAL: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         STORE: tl.constexpr = False, PDL: tl.constexpr = False):
         """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
         weight (in fp32, rounded once to the output dtype: what a bf16 product does). ``ROTARY``:
         then ``n * cos + roll(n, d/2) * signed_sin`` with each product and the sum rounded, as
         three bf16 operations round (the rolled half is normalised again from its own inputs).
         ``RESIDUAL`` (one head, contiguous rows; never with ``ROTARY``): the vector is first
-        ``x + res`` rounded to the dtype, as a bf16 add rounds, and is written to ``sum_ptr`` too."""
+        ``x + res`` rounded to the dtype, as a bf16 add rounds, and is written to ``sum_ptr`` too.
+        ``STORE`` (one position a row): a head from ``split`` on (a key) is also written to its
+        row's page and offset of the ``K`` pool, and the row's value of that head copied to ``V``."""
         pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         pid = tl.program_id(0).to(tl.int64)
         row = pid // heads
@@ -172,3 +202,11 @@ if triton is not None:
             b = (normed_r.to(tl.float32) * s).to(dtype).to(tl.float32)
             normed = (a + b).to(dtype)
         tl.store(out_ptr + pid * d + cols, normed, mask=mask)
+        if STORE:
+            if head >= split:
+                g = head - split
+                slot = (tl.load(page_ptr + row).to(tl.int64) * stride_page + g * stride_kh
+                        + tl.load(at_ptr + row).to(tl.int64) * stride_pos)
+                tl.store(K_ptr + slot + cols, normed, mask=mask)
+                value = tl.load(v_ptr + row * stride_vn + g * stride_vh + cols, mask=mask, other=0.0)
+                tl.store(V_ptr + slot + cols, value, mask=mask)

@@ -111,6 +111,22 @@ def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torc
     return apply_rotary(rms_norm(x, weight, eps), cos, signed_sin)
 
 
+def norm_rotary_and_store(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                          signed_sin: torch.Tensor, second: tuple[int, torch.Tensor], v: torch.Tensor,
+                          target: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """:func:`norm_and_rotary` of a decode step's packed q/k heads that also writes the step's keys
+    (the heads from ``second``'s split on, as they come out) and values ``v`` into the K/V cache at
+    ``target`` (``(K, V, page, at)``: the pools, and each row's page and offset, where the step's
+    attention would write them), in the norm's one kernel: one launch less per attention layer and
+    step. None where that kernel does not take it here; the caller then normalises, and the
+    attention stores, as before."""
+    K, V, page, at = target
+    if not (rms_kernel.usable(x, weight) and rms_kernel.rotary_usable(x, cos, signed_sin)
+            and rms_kernel.store_usable(x, v, K, V, second[0])):
+        return None
+    return rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), second, store=(K, V, v, page, at))
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """Inverse frequencies, including the Llama 3 or YaRN long-context rescaling when configured."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -340,13 +356,21 @@ class Attention(nn.Module):
         b, L, _ = x.shape
         H, Hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         packed = self.packed_qkv
+        stored = False  # whether this step's keys and values are in the cache already
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
             # Inference: one GEMM for q, k and v; norm and rotary over q and k heads together.
             y = packed.project(x.reshape(b * L, -1), segments)
             qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
             v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
             if self.q_norm is not None:
-                qk = norm_and_rotary(qk, self.q_norm.weight, self.q_norm.eps, cos, sin, (H, self.k_norm.weight))
+                # A decode step's attention may take its keys and values written by the norm's kernel.
+                targets = getattr(attend, "store_target", None) if L == 1 else None  # None: no kernel can
+                target = None if targets is None else targets(self.layer_idx)
+                turned = None if target is None else norm_rotary_and_store(
+                    qk, self.q_norm.weight, self.q_norm.eps, cos, sin, (H, self.k_norm.weight), v, target)
+                stored = turned is not None
+                qk = turned if stored else norm_and_rotary(qk, self.q_norm.weight, self.q_norm.eps, cos, sin,
+                                                           (H, self.k_norm.weight))
             else:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]
@@ -363,10 +387,11 @@ class Attention(nn.Module):
             v = v_out.view(b, L, Hk, d)
             q, k = _normed_and_turned(self.q_norm, q, cos, sin), _normed_and_turned(self.k_norm, k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        told = {"stored": True} if stored else {}  # only a decode step's attention offers to be told
         if self.sinks is None and self.sliding_window is None:
-            out = attend(self.layer_idx, q, k, v)
+            out = attend(self.layer_idx, q, k, v, **told)
         else:
-            out = attend(self.layer_idx, q, k, v, sinks=self.sinks, window=self.sliding_window)
+            out = attend(self.layer_idx, q, k, v, sinks=self.sinks, window=self.sliding_window, **told)
         out = out.transpose(1, 2).reshape(b, L, -1)
         if self.output_gate:
             out = out * torch.sigmoid(gate)

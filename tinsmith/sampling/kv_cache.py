@@ -345,9 +345,10 @@ class RowKVCache:
                                                        table=self._pages(layer, n))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, window: int | None = None, stored: bool = False) -> torch.Tensor:
             ring = self.rings[layer]
-            self._write_step(layer, rows, pos, keep, k, v, step)
+            if not stored:  # else the layer wrote k and v where store_target said (its norm's kernel)
+                self._write_step(layer, rows, pos, keep, k, v, step)
             out = kernel_attention(layer, q, ring, window, sinks)
             if out is not None:
                 return out
@@ -375,6 +376,8 @@ class RowKVCache:
 
         states = None if self.recurrent is None else DecodeStates(self.recurrent, n, live)
         attend.recurrent = states  # type: ignore[attr-defined]
+        # Where a layer's step keys and values go, for a kernel of the layer that writes them itself.
+        attend.store_target = self._store_targets(rows, pos, keep, step)  # type: ignore[attr-defined]
         return attend
 
     def _write_step(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | None,
@@ -390,6 +393,15 @@ class RowKVCache:
         else:
             K[rows, :, at] = torch.where(keep, k[:, :, 0], K[rows, :, at])
             V[rows, :, at] = torch.where(keep, v[:, :, 0], V[rows, :, at])
+
+    def _store_targets(self, rows: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | None,
+                       step: dict) -> Callable[[int], tuple[torch.Tensor, ...] | None] | None:
+        """For a kernel of a layer that writes the step's keys and values itself: a function of the
+        layer giving ``(K, V, page, at)``, where :meth:`_write_step` would put them
+        (``K[page[r], :, at[r]]``), or None for that layer; None for every layer of this step
+        (asked once a step, so that a layer pays nothing where no kernel can). Per-row buffers: None
+        (they write padding rows back as they were, not one plain write)."""
+        return None
 
     def _rows_view(self, layer: int, n: int, span: int, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K, V of rows ``[0, n)``, positions ``[0, span)``: (n, kv_heads, span, d)."""

@@ -356,17 +356,34 @@ class PagedKVCache(RowKVCache):
     def _write_step(self, layer, rows, pos, keep, k, v, step) -> None:
         if not self.paged[layer]:
             return super()._write_step(layer, rows, pos, keep, k, v, step)
-        if "page" not in step:  # where each row writes, the same for every paged layer
-            page = self.table[rows, pos // PAGE].long()
-            if keep is not None:  # padding rows write to the scratch page (their tables point there too)
-                page = torch.where(keep.view(-1), page, SCRATCH)
-            step["page"], step["at"] = page, pos % PAGE
-        page, at = step["page"], step["at"]
+        page, at = self._step_slots(rows, pos, keep, step)
         K, V, k, v = self.K[layer], self.V[layer], k[:, :, 0], v[:, :, 0]
         if kv_store.usable(k, K) and kv_store.usable(v, V) and kv_store.store(K, V, k, v, page, at):
             return  # both in one kernel (GPUs)
         K[page, :, at] = k
         V[page, :, at] = v
+
+    def _step_slots(self, rows, pos, keep, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's page and offset for this step's keys and values: the same for every paged
+        layer, so worked out once a step."""
+        if "page" not in step:
+            page = self.table[rows, pos // PAGE].long()
+            if keep is not None:  # padding rows write to the scratch page (their tables point there too)
+                page = torch.where(keep.view(-1), page, SCRATCH)
+            step["page"], step["at"] = page, pos % PAGE
+        return step["page"], step["at"]
+
+    def _store_targets(self, rows, pos, keep, step):
+        first = next((i for i, paged in enumerate(self.paged) if paged), None)
+        if first is None or not kv_store.usable(self.K[first], self.V[first]):
+            return None  # no pages; or the K/V store kernel does not run here, nor a kernel that stores for it
+
+        def target(layer: int) -> tuple[torch.Tensor, ...] | None:
+            if not self.paged[layer]:
+                return None  # a layer in per-row buffers (a ring)
+            return (self.K[layer], self.V[layer], *self._step_slots(rows, pos, keep, step))
+
+        return target
 
     def _rows_view(self, layer: int, n: int, span: int, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[0, n)``'s pages gathered into row buffers (the torch path; the kernels read pages)."""
