@@ -18,7 +18,7 @@ through the training kernels a GPU takes (each Triton launch counted once), and 
 bf16`` holds the model in bf16, as on a GPU (where torch's norms keep an fp32 copy of their input).
 
 ``--decode ROWS`` counts one decode step instead: the static step a CUDA graph records (paged
-K/V, a 128-token prompt, temperature 1, no adapter), with the GPU's paths forced: every Triton
+K/V, a 128-token prompt, temperature 1, no adapter; ``--family llama``: a model without q/k norms), with the GPU's paths forced: every Triton
 kernel (norms, SiLU-and-multiply, decode attention, the K/V stores, the token choice) runs in Triton's
 interpreter and counts as one launch, and the torch operations around them count as on a GPU.
 
@@ -256,6 +256,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype for training counts")
     ap.add_argument("--widths", choices=("tiny", "1.7B"), default="tiny",
                     help="the layers' widths for training counts (1.7B: Qwen3-1.7B's, for the bytes kept per token)")
+    ap.add_argument("--family", choices=("qwen3", "llama"), default="qwen3",
+                    help="the model of --decode and --admission counts (llama: attention without q/k norms)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if (args.decode or args.admission or args.training_kernels) and os.environ.get("TRITON_INTERPRET") != "1":
@@ -263,7 +265,7 @@ def main() -> None:
     if args.admission or args.decode:
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
-            make_tiny_model(Path(d) / "m", "qwen3", shape, seed=0)
+            make_tiny_model(Path(d) / "m", args.family, shape, seed=0)
             model = load_model(str(Path(d) / "m")).model
             if args.admission:
                 result = [admission_kernels(model, args.admission, length) for length in (128, 133)]

@@ -108,21 +108,24 @@ def test_the_last_split_combines_the_same_whatever_the_order():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the paged cache's kernels run on CUDA (tests/kernels/test_kv_store.py "
                                              "checks the norm kernel's stores in Triton's interpreter)")
-def test_keys_and_values_stored_by_the_norm_kernel_sample_as_torch_writes_them(tmp_path, monkeypatch):
-    """Qwen3's decode steps over paged K/V, their keys and values written by the q/k norm's kernel
-    (the K/V store kernel on), sample what the torch writes sample (the store kernels off)."""
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_keys_and_values_stored_by_the_norm_kernel_sample_as_torch_writes_them(family, tmp_path, monkeypatch):
+    """Decode steps over paged K/V, their keys and values written by the kernel that turns the q/k
+    heads (Qwen3: with their norm; Llama: the rotary alone) with the K/V store kernel on, sample
+    what the torch writes sample (the store kernels off)."""
     from tinsmith.kernels import kv_store
     from tinsmith.kernels import rms_norm as rk
 
-    model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", SMALL, seed=1)
+    model_dir = make_tiny_model(tmp_path / family, family, SMALL, seed=1)
     model = load_model(str(model_dir), device=DEVICE, dtype=torch.float32).model
     stores = []
-    norm = rk.rms_norm
+    name = "rms_norm" if family == "qwen3" else "turn"
+    kernel = getattr(rk, name)
 
     def counted(*args, store=None, **kwargs):
         stores.append(store is not None)
-        return norm(*args, store=store, **kwargs)
+        return kernel(*args, store=store, **kwargs)
 
-    monkeypatch.setattr(rk, "rms_norm", counted)
+    monkeypatch.setattr(rk, name, counted)
     assert_kernel_samples_as_torch(model, kv_store, [9 + 40 * i for i in range(5)], 30, monkeypatch)
     assert any(stores)  # the kernel run stored through the norm

@@ -59,10 +59,13 @@ def test_a_paged_sampler_through_the_kernel_samples_what_torch_samples(model_dir
         np.testing.assert_allclose(got.logprobs, want.sequences[0].logprobs, rtol=1e-5, atol=1e-6)
 
 
-def test_the_norm_kernel_stores_a_decode_steps_keys_and_values_the_sampler_samples_the_same(model_dirs, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_norm_kernel_stores_a_decode_steps_keys_and_values_the_sampler_samples_the_same(family, model_dirs,
+                                                                                            monkeypatch):
     """With the norm and K/V store kernels on, every decode step's attention layer has its keys and
-    values written by the q/k norm's kernel (no K/V store launch of its own), and the paged sampler
-    samples what the torch path samples, rows crossing into new pages and padding rows included."""
+    values written by the kernel that turns its q/k heads (Qwen3: with their norm; Llama: the
+    rotary alone), no K/V store launch of its own, and the paged sampler samples what the torch
+    path samples, rows crossing into new pages and padding rows included."""
     from tests.sampling.conftest import fresh_model, make_sampler, run, task
     from tinsmith.kernels import rms_norm as rk
     from tinsmith.sampling.paged_kv_cache import PagedKVCache
@@ -71,7 +74,8 @@ def test_the_norm_kernel_stores_a_decode_steps_keys_and_values_the_sampler_sampl
         pytest.skip("the GPU tier compares the sampler's paths on a GPU")
     prompts = [np.random.default_rng(i).integers(4, 400, 30 + 25 * i).tolist() for i in range(3)]
     norm_stores, plain_writes = [], []
-    norm, write = rk.rms_norm, PagedKVCache._write_step
+    kernel_name = "rms_norm" if family == "qwen3" else "turn"  # Llama has no q/k norms: the rotary alone
+    norm, write = getattr(rk, kernel_name), PagedKVCache._write_step
 
     def counted_norm(*args, store=None, **kwargs):
         if store is not None:
@@ -83,7 +87,7 @@ def test_the_norm_kernel_stores_a_decode_steps_keys_and_values_the_sampler_sampl
             plain_writes.append(layer)
         return write(self, layer, *args)
 
-    monkeypatch.setattr(rk, "rms_norm", counted_norm)
+    monkeypatch.setattr(rk, kernel_name, counted_norm)
     monkeypatch.setattr(PagedKVCache, "_write_step", counted_write)
     results = {}
     for backend in ("torch", "triton"):
@@ -91,7 +95,7 @@ def test_the_norm_kernel_stores_a_decode_steps_keys_and_values_the_sampler_sampl
         monkeypatch.setattr(rk, "BACKEND", backend)
         norm_stores.clear()
         plain_writes.clear()
-        sampler = make_sampler(fresh_model(model_dirs["qwen3"]), model_dirs["qwen3"], kv_layout="paged")
+        sampler = make_sampler(fresh_model(model_dirs[family]), model_dirs[family], kv_layout="paged")
         results[backend] = run(sampler, [task(f"p{i}", p, max_tokens=40, temperature=1.0, seed=i, stop=[])
                                          for i, p in enumerate(prompts)])
     assert norm_stores and not plain_writes  # every paged decode write went through the norm's kernel

@@ -127,6 +127,38 @@ def test_q_and_k_heads_each_with_their_own_weight_without_stacking_them():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_alone_in_one_kernel(dtype):
+    """``turn``: a model without q/k norms (Llama) turns its packed q/k heads as apply_rotary's
+    torch path does, in one kernel; ``store``: a decode step's keys (turned) and values land where
+    the K/V store kernel puts them, the turned heads unchanged by it."""
+    from tinsmith.kernels import kv_store
+
+    device = kernel_device()
+    g = torch.Generator().manual_seed(5)
+    n, H, Hk, d, pages, page = 4, 4, 2, 64, 5, 16
+    y = (torch.randn(n, (H + 2 * Hk) * d, generator=g) * 2).to(device, dtype)
+    qk = y[:, : (H + Hk) * d].view(n, 1, H + Hk, d)
+    v = y[:, (H + Hk) * d:].view(n, 1, Hk, d)
+    rotary = layers.Rotary(d, layers.RopeConfig(theta=5e5)).to(device)
+    cos, sin = rotary(torch.tensor([[7], [300], [2], [41]], device=device), dtype)
+    assert rk.turn_usable(qk, cos, sin) or device == "cpu" and rk.BACKEND == "auto"
+    with torch.no_grad():
+        got = rk.turn(qk, cos, sin)
+        want = qk * cos + qk.roll(d // 2, -1) * sin  # apply_rotary's torch path
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert_same_rounding(got, want, interpreted_atol=0.1)
+        K = torch.randn(pages, Hk, page, d, generator=g).to(device, dtype)
+        V = torch.randn(pages, Hk, page, d, generator=g).to(device, dtype)
+        at_page, at = torch.tensor([4, 0, 4, 2], device=device), torch.tensor([3, 15, 4, 0], device=device)
+        want_K, want_V = K.clone(), V.clone()
+        assert kv_store.store(want_K, want_V, got[:, 0, H:], v[:, 0], at_page, at)
+        assert torch.equal(rk.turn(qk, cos, sin, H, store=(K, V, v, at_page, at)), got)
+    assert torch.equal(K, want_K) and torch.equal(V, want_V)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_steps_keys_and_values_stored_by_the_norm_kernel(dtype):
     """``store``: the q/k heads come out as without it, and the k heads (as normalised and turned)
     and the row's values land in the pools exactly where the K/V store kernel puts them; nothing
@@ -250,13 +282,14 @@ for dt in sys.argv[1:]:
            "stride_rot": "i64", "K_ptr": f"*{dt}", "V_ptr": f"*{dt}", "v_ptr": f"*{dt}", "page_ptr": "*i64",
            "at_ptr": "*i64", "stride_vn": "i64", "stride_vh": "i64", "stride_page": "i64", "stride_kh": "i64",
            "stride_pos": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr", "RESIDUAL": "constexpr",
-           "STORE": "constexpr", "PDL": "constexpr"}
+           "STORE": "constexpr", "NORM": "constexpr", "PDL": "constexpr"}
     pdl = dt == "bf16"  # bf16's with the dependent-launch wait (tinsmith.kernels.pdl)
-    for block, rotary, residual, store in ((128, True, False, False), (128, True, False, True),
-                                           (128, False, False, False), (2048, False, False, False),
-                                           (2048, False, True, False)):
+    for block, rotary, residual, store, norm in ((128, True, False, False, True), (128, True, False, True, True),
+                                                 (128, True, False, False, False), (128, True, False, True, False),
+                                                 (128, False, False, False, True), (2048, False, False, False, True),
+                                                 (2048, False, True, False, True)):
         sig_ = {name: sig[name] for name in fn.arg_names}
-        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "STORE": store, "PDL": pdl}
+        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "STORE": store, "NORM": norm, "PDL": pdl}
         assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
     sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "BLOCK": "constexpr",
            "PDL": "constexpr"}

@@ -5,10 +5,11 @@ and offset: in torch two ``index_put_`` kernels (the keys, then the values), abo
 28-layer step's kernels, each at decode sizes mostly launch and tail. :func:`store` writes both
 in one: one program per (row, key/value head) copies the two ``d``-vectors.
 
-A model whose attention normalises its q/k heads (Qwen3) has them written by that norm's kernel
-instead (:func:`tinsmith.kernels.rms_norm.rms_norm`'s ``store``, where the cache's
-``store_target`` offers a layer's pools): one launch less again. This kernel writes the rest
-(models without q/k norms), and its :func:`usable` decides for both.
+Where the cache's ``store_target`` offers a layer's pools, the kernel that turns the layer's q/k
+heads writes them instead (:func:`tinsmith.kernels.rms_norm.rms_norm`'s ``store`` after their
+norm, Qwen3; :func:`tinsmith.kernels.rms_norm.turn`'s for the rotary alone, Llama): one launch
+less again. This kernel writes the rest (rotary other than full-width, a layer that declines),
+and its :func:`usable` decides for both.
 
 Inference only, CUDA tensors (or, in tests, Triton's interpreter); the torch writes stay the CPU
 path and the reference.

@@ -64,6 +64,16 @@ def add_usable(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bo
             and x.is_contiguous() and delta.is_contiguous())
 
 
+def turn_usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
+    """Whether :func:`turn` takes the kernel for heads ``x`` (..., heads, d): outside autograd, unit
+    stride in ``d``, a full-width rotary (:func:`rotary_usable`), and not once the kernel failed."""
+    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
+        return False
+    if (BACKEND == "auto" and not x.is_cuda) or torch.is_grad_enabled():
+        return False
+    return x.dim() >= 3 and x.stride(-1) == 1 and rotary_usable(x, cos, signed_sin)
+
+
 def store_usable(x: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, split: int) -> bool:
     """Whether :func:`rms_norm` can also store a decode step's keys and values (``store``): one
     position a row (``x`` (rows, 1, heads, d)), the heads from ``split`` on the keys, ``v`` (rows,
@@ -108,6 +118,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                       on=x)
 
 
+def turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: int | None = None,
+         store: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
+    """:func:`tinsmith.models.layers.apply_rotary` of heads ``x`` (..., heads, d) in one kernel, with
+    its roundings (a new contiguous tensor), or None when the kernel failed here: the rotary of a
+    model without q/k norms (Llama), four torch kernels otherwise. ``store`` (with ``split``, the
+    first key head; see :func:`rms_norm`): a decode step's keys and values written to the K/V pools
+    in the same kernel."""
+    d = x.shape[-1]
+    heads = x.shape[-2]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    flat = x.reshape(-1, heads, d)
+    turn_ = tuple(t.reshape(-1, d) for t in (cos, signed_sin))
+    return GUARD.call(_launch, flat, None, None, heads if split is None else split, out, 0.0, turn_, None, store,
+                      on=x)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(s, weight * F.rms_norm(s.float(), eps=eps).to(x.dtype))`` with ``s = x + delta`` rounded
@@ -124,12 +152,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return None if done is None else (total, out)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split: int, out: torch.Tensor, eps: float,
-            rotary: tuple[torch.Tensor, torch.Tensor] | None,
+def _launch(x: torch.Tensor, weight: torch.Tensor | None, weight2: torch.Tensor | None, split: int, out: torch.Tensor,
+            eps: float, rotary: tuple[torch.Tensor, torch.Tensor] | None,
             residual: tuple[torch.Tensor, torch.Tensor] | None,
             store: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """The kernel over ``x`` (vectors, heads, d); ``weight`` None: no norm (the rotary alone)."""
     n, heads, d = x.shape
     block = triton.next_power_of_2(d)
+    norm = weight is not None
+    if not norm:  # unread without NORM
+        weight = weight2 = x
     cos, sin = rotary if rotary is not None else (x, x)  # unread without ROTARY
     delta, total = residual if residual is not None else (x, x)  # unread without RESIDUAL
     if store is not None:
@@ -144,7 +176,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split:
         x, weight, weight2, out, delta, total, cos, sin, heads, split, d, eps, x.stride(0), x.stride(1),
         weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0), K, V, v, page, at, *kv_strides,
         BLOCK_D=block, ROTARY=rotary is not None, RESIDUAL=residual is not None, STORE=store is not None,
-        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl.options(x))
+        NORM=norm, num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl.options(x))
     return out
 
 
@@ -166,7 +198,7 @@ if triton is not None:
                          K_ptr, V_ptr, v_ptr, page_ptr, at_ptr, stride_vn, stride_vh, stride_page, stride_kh,
                          stride_pos,
                          BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, RESIDUAL: tl.constexpr,
-                         STORE: tl.constexpr = False, PDL: tl.constexpr = False):
+                         STORE: tl.constexpr = False, NORM: tl.constexpr = True, PDL: tl.constexpr = False):
         """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
         weight (in fp32, rounded once to the output dtype: what a bf16 product does). ``ROTARY``:
         then ``n * cos + roll(n, d/2) * signed_sin`` with each product and the sum rounded, as
@@ -174,7 +206,8 @@ if triton is not None:
         ``RESIDUAL`` (one head, contiguous rows; never with ``ROTARY``): the vector is first
         ``x + res`` rounded to the dtype, as a bf16 add rounds, and is written to ``sum_ptr`` too.
         ``STORE`` (one position a row): a head from ``split`` on (a key) is also written to its
-        row's page and offset of the ``K`` pool, and the row's value of that head copied to ``V``."""
+        row's page and offset of the ``K`` pool, and the row's value of that head copied to ``V``.
+        ``NORM`` off (with ``ROTARY``): the vector is turned as it is, neither normalised nor scaled."""
         pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         pid = tl.program_id(0).to(tl.int64)
         row = pid // heads
@@ -188,14 +221,20 @@ if triton is not None:
             total = (x + tl.load(res_ptr + pid * d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
             tl.store(sum_ptr + pid * d + cols, total, mask=mask)
             x = total.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
-        w = _weight(w_ptr, w2_ptr, head, split, stride_w, cols, mask)
-        normed = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
+            w = _weight(w_ptr, w2_ptr, head, split, stride_w, cols, mask)
+            normed = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
+        else:
+            normed = x.to(dtype)  # read from dtype: exact
         if ROTARY:
             rolled = (cols + d // 2) % d  # roll(x, d/2)[i] = x[(i - d/2) mod d]
             xr = tl.load(base + rolled, mask=mask, other=0.0).to(tl.float32)
-            wr = _weight(w_ptr, w2_ptr, head, split, stride_w, rolled, mask)
-            normed_r = (wr * (xr * rstd).to(dtype).to(tl.float32)).to(dtype)
+            if NORM:
+                wr = _weight(w_ptr, w2_ptr, head, split, stride_w, rolled, mask)
+                normed_r = (wr * (xr * rstd).to(dtype).to(tl.float32)).to(dtype)
+            else:
+                normed_r = xr.to(dtype)
             c = tl.load(cos_ptr + row * stride_rot + cols, mask=mask, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + row * stride_rot + cols, mask=mask, other=0.0).to(tl.float32)
             a = (normed.to(tl.float32) * c).to(dtype).to(tl.float32)

@@ -127,6 +127,18 @@ def norm_rotary_and_store(x: torch.Tensor, weight: torch.Tensor, eps: float, cos
     return rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), second, store=(K, V, v, page, at))
 
 
+def rotary_and_store(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: int, v: torch.Tensor,
+                     target: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """:func:`apply_rotary` of a decode step's packed q/k heads (a model without q/k norms) that
+    also writes the step's keys (the heads from ``split`` on, turned) and values ``v`` into the K/V
+    cache at ``target``, in one kernel (:func:`norm_rotary_and_store` without the norm); None where
+    that kernel does not take it here."""
+    K, V, page, at = target
+    if not (rms_kernel.turn_usable(x, cos, signed_sin) and rms_kernel.store_usable(x, v, K, V, split)):
+        return None
+    return rms_kernel.turn(x, cos, signed_sin, split, store=(K, V, v, page, at))
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """Inverse frequencies, including the Llama 3 or YaRN long-context rescaling when configured."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -216,13 +228,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
     ``rotate_half(x) * sin`` equals ``roll(x, d/2) * [-sin, sin]`` exactly. When cos/sin are
     narrower than ``x`` (partial rotary, Qwen3.5), only the leading dimensions turn. Under
-    autograd on a GPU a full-width rotary is one kernel each way (:mod:`tinsmith.kernels.norm_grad`).
+    autograd on a GPU a full-width rotary is one kernel each way (:mod:`tinsmith.kernels.norm_grad`),
+    outside it one kernel (:func:`tinsmith.kernels.rms_norm.turn`) where torch takes four.
     """
     r = cos.shape[-1]
     if r < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :r], cos, signed_sin), x[..., r:]), dim=-1)
     if norm_grad.usable(x, None, (cos, signed_sin)):
         out = norm_grad.norm_rotary(x, None, 0.0, (cos, signed_sin))
+        if out is not None:
+            return out
+    if rms_kernel.turn_usable(x, cos, signed_sin):  # outside autograd on a GPU: one kernel, these roundings
+        out = rms_kernel.turn(x, cos, signed_sin)
         if out is not None:
             return out
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
@@ -362,17 +379,19 @@ class Attention(nn.Module):
             y = packed.project(x.reshape(b * L, -1), segments)
             qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
             v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
+            # A decode step's attention may take its keys and values written by the kernel that turns them.
+            targets = getattr(attend, "store_target", None) if L == 1 else None  # None: no kernel can
+            target = None if targets is None else targets(self.layer_idx)
             if self.q_norm is not None:
-                # A decode step's attention may take its keys and values written by the norm's kernel.
-                targets = getattr(attend, "store_target", None) if L == 1 else None  # None: no kernel can
-                target = None if targets is None else targets(self.layer_idx)
                 turned = None if target is None else norm_rotary_and_store(
                     qk, self.q_norm.weight, self.q_norm.eps, cos, sin, (H, self.k_norm.weight), v, target)
                 stored = turned is not None
                 qk = turned if stored else norm_and_rotary(qk, self.q_norm.weight, self.q_norm.eps, cos, sin,
                                                            (H, self.k_norm.weight))
             else:
-                qk = apply_rotary(qk, cos, sin)
+                turned = None if target is None else rotary_and_store(qk, cos, sin, H, v, target)
+                stored = turned is not None
+                qk = turned if stored else apply_rotary(qk, cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
             gate = None
