@@ -127,7 +127,7 @@ def test_q_and_k_heads_each_with_their_own_weight_without_stacking_them():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_rotary_alone_in_one_kernel(dtype):
+def test_the_rotary_alone_in_one_kernel(dtype, monkeypatch):
     """``turn``: a model without q/k norms (Llama) turns its packed q/k heads as apply_rotary's
     torch path does, in one kernel; ``store``: a decode step's keys (turned) and values land where
     the K/V store kernel puts them, the turned heads unchanged by it."""
@@ -141,8 +141,11 @@ def test_the_rotary_alone_in_one_kernel(dtype):
     v = y[:, (H + Hk) * d:].view(n, 1, Hk, d)
     rotary = layers.Rotary(d, layers.RopeConfig(theta=5e5)).to(device)
     cos, sin = rotary(torch.tensor([[7], [300], [2], [41]], device=device), dtype)
-    assert rk.turn_usable(qk, cos, sin) or device == "cpu" and rk.BACKEND == "auto"
+    monkeypatch.setattr(rk, "BACKEND", "triton")  # the kernel on this device, the interpreter's too
+    assert not rk.turn_usable(qk, cos, sin)  # under autograd: the training kernels' (norm_grad) or torch's
     with torch.no_grad():
+        assert rk.turn_usable(qk, cos, sin)
+        assert not rk.turn_usable(qk, cos[..., : d // 2], sin[..., : d // 2])  # partial rotary: torch's
         got = rk.turn(qk, cos, sin)
         want = qk * cos + qk.roll(d // 2, -1) * sin  # apply_rotary's torch path
         if dtype == torch.float32:

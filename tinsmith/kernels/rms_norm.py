@@ -34,12 +34,17 @@ BACKEND = "auto"
 GUARD = KernelGuard("RMSNorm kernel", "normalising in torch")
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`rms_norm` takes the kernel for ``x``: outside autograd (sampling, no-grad
-    forwards), and not once the kernel failed to build or launch here (:data:`GUARD`)."""
+def _allowed(x: torch.Tensor) -> bool:
+    """Whether the kernel may run for ``x`` at all: outside autograd (sampling, no-grad forwards),
+    where :data:`BACKEND` sends ``x``, and not once it failed to build or launch here (:data:`GUARD`)."""
     if triton is None or BACKEND == "torch" or GUARD.failed is not None:
         return False
-    if (BACKEND == "auto" and not x.is_cuda) or torch.is_grad_enabled():  # the CPU's norms: asked first
+    return not ((BACKEND == "auto" and not x.is_cuda) or torch.is_grad_enabled())  # the CPU's norms: asked first
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` takes the kernel for ``x`` (:func:`_allowed`) and ``weight``."""
+    if not _allowed(x):
         return False
     if x.dim() < 2 or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[-1]:
         return False
@@ -65,13 +70,9 @@ def add_usable(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bo
 
 
 def turn_usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
-    """Whether :func:`turn` takes the kernel for heads ``x`` (..., heads, d): outside autograd, unit
-    stride in ``d``, a full-width rotary (:func:`rotary_usable`), and not once the kernel failed."""
-    if triton is None or BACKEND == "torch" or GUARD.failed is not None:
-        return False
-    if (BACKEND == "auto" and not x.is_cuda) or torch.is_grad_enabled():
-        return False
-    return x.dim() >= 3 and x.stride(-1) == 1 and rotary_usable(x, cos, signed_sin)
+    """Whether :func:`turn` takes the kernel for heads ``x`` (..., heads, d) (:func:`_allowed`): unit
+    stride in ``d`` and a full-width rotary (:func:`rotary_usable`)."""
+    return _allowed(x) and x.dim() >= 3 and x.stride(-1) == 1 and rotary_usable(x, cos, signed_sin)
 
 
 def store_usable(x: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, split: int) -> bool:

@@ -111,32 +111,28 @@ def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torc
     return apply_rotary(rms_norm(x, weight, eps), cos, signed_sin)
 
 
-def norm_rotary_and_store(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                          signed_sin: torch.Tensor, second: tuple[int, torch.Tensor], v: torch.Tensor,
-                          target: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """:func:`norm_and_rotary` of a decode step's packed q/k heads that also writes the step's keys
-    (the heads from ``second``'s split on, as they come out) and values ``v`` into the K/V cache at
-    ``target`` (``(K, V, page, at)``: the pools, and each row's page and offset, where the step's
-    attention would write them), in the norm's one kernel: one launch less per attention layer and
-    step. None where that kernel does not take it here; the caller then normalises, and the
-    attention stores, as before."""
+def turn_and_store(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: int, v: torch.Tensor,
+                   target: tuple[torch.Tensor, ...],
+                   norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """A decode step's packed q/k heads ``x`` turned (after their norm where ``norm``: ``(weight,
+    eps, weight2)``, the q heads' weight, its eps, the k heads' from ``split`` on:
+    :func:`norm_and_rotary`; else :func:`apply_rotary` alone, a model without q/k norms), the
+    step's keys (the heads from ``split`` on, as they come out) and values ``v`` also written into
+    the K/V cache at ``target`` (``(K, V, page, at)``: the pools, and each row's page and offset,
+    where the step's attention would write them), all in one kernel: a launch less per attention
+    layer and step. None where that kernel does not take it here; the caller then turns the heads,
+    and the attention stores, as before."""
     K, V, page, at = target
-    if not (rms_kernel.usable(x, weight) and rms_kernel.rotary_usable(x, cos, signed_sin)
-            and rms_kernel.store_usable(x, v, K, V, second[0])):
+    store = (K, V, v, page, at)
+    if not (rms_kernel.store_usable(x, v, K, V, split) and rms_kernel.rotary_usable(x, cos, signed_sin)):
         return None
-    return rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), second, store=(K, V, v, page, at))
-
-
-def rotary_and_store(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: int, v: torch.Tensor,
-                     target: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """:func:`apply_rotary` of a decode step's packed q/k heads (a model without q/k norms) that
-    also writes the step's keys (the heads from ``split`` on, turned) and values ``v`` into the K/V
-    cache at ``target``, in one kernel (:func:`norm_rotary_and_store` without the norm); None where
-    that kernel does not take it here."""
-    K, V, page, at = target
-    if not (rms_kernel.turn_usable(x, cos, signed_sin) and rms_kernel.store_usable(x, v, K, V, split)):
+    if norm is None:
+        return rms_kernel.turn(x, cos, signed_sin, split, store=store) if rms_kernel.turn_usable(
+            x, cos, signed_sin) else None
+    weight, eps, weight2 = norm
+    if not rms_kernel.usable(x, weight):
         return None
-    return rms_kernel.turn(x, cos, signed_sin, split, store=(K, V, v, page, at))
+    return rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), (split, weight2), store=store)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -382,16 +378,15 @@ class Attention(nn.Module):
             # A decode step's attention may take its keys and values written by the kernel that turns them.
             targets = getattr(attend, "store_target", None) if L == 1 else None  # None: no kernel can
             target = None if targets is None else targets(self.layer_idx)
-            if self.q_norm is not None:
-                turned = None if target is None else norm_rotary_and_store(
-                    qk, self.q_norm.weight, self.q_norm.eps, cos, sin, (H, self.k_norm.weight), v, target)
-                stored = turned is not None
-                qk = turned if stored else norm_and_rotary(qk, self.q_norm.weight, self.q_norm.eps, cos, sin,
-                                                           (H, self.k_norm.weight))
+            norm = None if self.q_norm is None else (self.q_norm.weight, self.q_norm.eps, self.k_norm.weight)
+            turned = None if target is None else turn_and_store(qk, cos, sin, H, v, target, norm)
+            stored = turned is not None
+            if stored:
+                qk = turned
+            elif norm is not None:
+                qk = norm_and_rotary(qk, norm[0], norm[1], cos, sin, (H, norm[2]))
             else:
-                turned = None if target is None else rotary_and_store(qk, cos, sin, H, v, target)
-                stored = turned is not None
-                qk = turned if stored else apply_rotary(qk, cos, sin)
+                qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
             gate = None
