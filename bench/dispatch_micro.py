@@ -27,6 +27,13 @@ earlier admission prefilled (GRPO's separate requests arriving while the first o
 the same paths, for a prompt of whole pages (128 tokens) and one 5 tokens longer. An admission
 runs eagerly between graphed decode steps, so on a GPU each of its kernels is a launch the
 decoding rows wait for.
+
+``--prefill REQUESTS`` counts one admission of REQUESTS new 128-token prompts (nothing cached:
+their prefill, as in a sampling benchmark's run; the norms and SiLU-and-multiply through torch,
+whose kernels the interpreter would take minutes over), and ``--adapters N`` gives the rows of
+that and of ``--decode`` N LoRA adapters (rank 32, every linear layer) in turn, as bench/gpu's
+many-adapter decode does, with the several adapters' paths a GPU takes (the grouped matmul, forced
+here).
 """
 
 from __future__ import annotations
@@ -105,9 +112,10 @@ def triton_launches_counted(counter: KernelOps):
         InterpretedFunction.run = real_run
 
 
-def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
+def decode_step_kernels(model, rows: int, slots: list[int | None] = (None,), top: int = 20) -> dict:
     """The kernels of one static decode step of ``rows`` rows on the GPU's paths (see the module
-    docstring): total, Triton launches, and the most frequent operations."""
+    docstring), row ``i`` with adapter ``slots[i % len(slots)]``: total, Triton launches, and the
+    most frequent operations."""
     from tinsmith.sampling.decode_graphs import DecodeGraphs, Variant, bucket_for
     from tinsmith.sampling.sampler import Sampler, SampleTask
     from tinsmith.types import SampleInput, SamplingParams
@@ -116,7 +124,7 @@ def decode_step_kernels(model, rows: int, top: int = 20) -> dict:
     sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
     rng = np.random.default_rng(0)
     for i in range(rows):
-        sampler.add(SampleTask(i, None, SampleInput(prompt=rng.integers(4, 500, 128), num_samples=1,
+        sampler.add(SampleTask(i, slots[i % len(slots)], SampleInput(prompt=rng.integers(4, 500, 128), num_samples=1,
                                                     params=SamplingParams(max_tokens=8, temperature=1.0, stop=[]))))
     counter = KernelOps(_NO_KERNEL + ("aten.empty",))  # allocations launch nothing (a graph's come from its pool)
     with torch.inference_mode(), gpu_paths():
@@ -187,6 +195,42 @@ def admission_kernels(model, requests: int, length: int, top: int = 12) -> dict:
             "forward_passes": sampler.stats["prefills"] - prefills, "top": dict(ops.most_common(top))}
 
 
+def prefill_kernels(model, requests: int, slots: list[int | None], length: int = 128, top: int = 12) -> dict:
+    """The kernels of one admission of ``requests`` new ``length``-token prompts, request ``i``
+    with adapter ``slots[i % len(slots)]``: their prefill and first tokens (see the module docstring)."""
+    from tinsmith.sampling.sampler import Sampler, SampleTask
+    from tinsmith.types import SampleInput, SamplingParams
+
+    sampler = Sampler(model, lambda toks: "", max_rows=requests, kv_layout="paged", decode_burst=1)
+    rng = np.random.default_rng(2)
+
+    def admit(n: int) -> None:
+        for i in range(n):
+            sampler.add(SampleTask(i, slots[i % len(slots)], SampleInput(
+                prompt=rng.integers(4, 500, length), num_samples=1,
+                params=SamplingParams(max_tokens=1, temperature=1.0, stop=[]))))
+        sampler._admit(done)
+
+    counter = KernelOps(_NO_KERNEL + ("aten.empty",))
+    done: list = []
+    with torch.inference_mode():  # the norms through torch: the interpreter would take minutes a prefill
+        admit(requests)  # the pools, the adapters' banks and stacks made: an earlier run's
+        done.clear()
+        with triton_launches_counted(counter), counter:
+            admit(requests)
+    ops = counter.ops
+    return {"requests": requests, "prompt_tokens": length, "adapters": len([s for s in set(slots) if s is not None]),
+            "kernels": sum(ops.values()), "top": dict(ops.most_common(top))}
+
+
+def adapter_slots(model, adapters: int) -> list[int | None]:
+    """``adapters`` LoRA adapters (rank 32, every linear layer) made on ``model``; [None] for none."""
+    if not adapters:
+        return [None]
+    rt = TrainingRuntime(model, max_lora_adapters=adapters, max_lora_rank=32, max_training_runs=adapters)
+    return [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(adapters)]
+
+
 def saved_bytes_per_token(rt: TrainingRuntime, requests: list, tokens: int) -> float:
     """Bytes the forward keeps for the backward per token, the model's weights and buffers
     excepted (each storage once, views of it not again): what a micro-batch's activations cost."""
@@ -251,6 +295,10 @@ def main() -> None:
     ap.add_argument("--decode", type=int, metavar="ROWS", help="count one decode step of ROWS rows instead")
     ap.add_argument("--admission", type=int, metavar="REQUESTS",
                     help="count one admission of REQUESTS requests of an already prefilled prompt instead")
+    ap.add_argument("--prefill", type=int, metavar="REQUESTS",
+                    help="count one admission of REQUESTS new 128-token prompts (their prefill) instead")
+    ap.add_argument("--adapters", type=int, default=0,
+                    help="LoRA adapters the rows of --prefill and --decode take in turn (0: the base model)")
     ap.add_argument("--training-kernels", action="store_true",
                     help="train through the norm/rotary/SiLU kernels (in Triton's interpreter)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype for training counts")
@@ -260,21 +308,29 @@ def main() -> None:
                     help="the model of --decode and --admission counts (llama: attention without q/k norms)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    if (args.decode or args.admission or args.training_kernels) and os.environ.get("TRITON_INTERPRET") != "1":
+    if (args.decode or args.admission or args.prefill or args.training_kernels) and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("the Triton kernels run in the interpreter here: set TRITON_INTERPRET=1")
-    if args.admission or args.decode:
+    if args.admission or args.decode or args.prefill:
+        moe.GROUPED_MM = "grouped"  # several adapters' grouped matmuls run here as on a GPU
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
             make_tiny_model(Path(d) / "m", args.family, shape, seed=0)
             model = load_model(str(Path(d) / "m")).model
-            if args.admission:
+            slots = adapter_slots(model, args.adapters)
+            if args.prefill:
+                r = prefill_kernels(model, args.prefill, slots)
+                heads = [f"prefill of {r['requests']} new {r['prompt_tokens']}-token prompts, {r['adapters']} adapters, "
+                         f"{args.layers} layers: {r['kernels']:,} kernels"]
+                result = [r]
+            elif args.admission:
                 result = [admission_kernels(model, args.admission, length) for length in (128, 133)]
                 heads = [f"admission of {r['requests']} requests of a prefilled {r['prompt_tokens']}-token prompt, "
                          f"{args.layers} layers: {r['kernels']:,} kernels, {r['forward_passes']} forward passes"
                          for r in result]
             else:
-                r = decode_step_kernels(model, args.decode)
-                heads = [f"decode step, {r['rows']} rows, {args.layers} layers: {r['kernels']:,} kernels "
+                r = decode_step_kernels(model, args.decode, slots)
+                heads = [f"decode step, {r['rows']} rows, {len(set(slots) - {None})} adapters, {args.layers} layers: "
+                         f"{r['kernels']:,} kernels "
                          f"({r['triton_launches']} Triton launches)"]
                 result = [r]
         for head, r in zip(heads, result):
@@ -282,7 +338,8 @@ def main() -> None:
             for name, n in r["top"].items():
                 print(f"  {n:>5}  {name}")
         if args.json:
-            what = {"admission": result} if args.admission else {"decode": result[0]}
+            what = ({"admission": result} if args.admission else {"prefill": result[0]} if args.prefill
+                    else {"decode": result[0]})
             Path(args.json).write_text(json.dumps({"torch": torch.__version__, "layers": args.layers, **what}, indent=2))
         return
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU

@@ -5,6 +5,8 @@ place are checked in tests/sampling/test_decode_kernels.py (interpreted) and tes
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 import torch
@@ -664,3 +666,103 @@ def test_an_admission_of_a_kept_prompt_costs_the_same_for_one_request_or_many(qw
         assert not done and len(sampler.rows) == n + 1 and sampler.stats["prefills"] == prefills
         counts[n] = sum(ops.ops.values())
     assert counts[16] == counts[4], counts  # not a store per row and layer
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_prompts_written_together_hold_what_prompts_written_one_by_one_hold(family, qwen3_dir, gpt_oss_dir):
+    """An admission's prompts are stored together (one store per layer for K and V): prompts of
+    whole and partial pages, several rows of one prompt, one beginning with the prefix cache's pages,
+    each from its own tensor or rows of one prefill's, leave the pages, their holders, the table,
+    the lengths and every row's K/V as prompts written one at a time."""
+    cfg = fresh_model(qwen3_dir if family == "qwen3" else gpt_oss_dir).config
+    g = torch.Generator().manual_seed(7)
+    lengths = [3 * PAGE + 5, 2 * PAGE, 7, PAGE + 1]
+    width = max(lengths) + 2
+    prefill = {i: (torch.randn(len(lengths), cfg.num_kv_heads, width, cfg.head_dim, generator=g),
+                   torch.randn(len(lengths), cfg.num_kv_heads, width, cfg.head_dim, generator=g))
+               for i in range(cfg.num_layers)}
+    own = {i: (torch.randn(cfg.num_kv_heads, 40, cfg.head_dim, generator=g),
+               torch.randn(cfg.num_kv_heads, 40, cfg.head_dim, generator=g)) for i in range(cfg.num_layers)}
+    # (rows, K/V per layer, length, how many of its full pages the prefix cache holds)
+    prompts = [(range(1, 3), {i: (k[0], v[0]) for i, (k, v) in prefill.items()}, lengths[0], 2),
+               (range(3, 4), {i: (k[1], v[1]) for i, (k, v) in prefill.items()}, lengths[1], 0),
+               (range(4, 7), {i: (k[2], v[2]) for i, (k, v) in prefill.items()}, lengths[2], 0),
+               (range(7, 8), own, 37, 0),
+               (range(8, 9), {i: (k[3], v[3]) for i, (k, v) in prefill.items()}, lengths[3], 0)]
+    caches = []
+    for together in (True, False):
+        cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=9)
+        cache.ensure(9, width + 8)
+        cached = cache.write_prefix(range(0, 1), prompts[0][1], lengths[0])[:2]  # as the prefix cache's pages
+        with cache.writes_together() if together else nullcontext():
+            for rows, kv, length, held in prompts:
+                cache.write_prefix(rows, kv, length, shared=cached[:held])
+        caches.append(cache)
+    together, alone = caches
+    assert together.owned == alone.owned and together.refs == alone.refs and together.free == alone.free
+    assert torch.equal(together.table, alone.table) and torch.equal(together.lengths, alone.lengths)
+    assert together.lengths[1:9].tolist() == [lengths[0]] * 2 + [lengths[1]] + [lengths[2]] * 3 + [37, lengths[3]]
+    for layer in range(cfg.num_layers):
+        for rows, kv, length, _ in prompts:
+            K, V = together._rows_view(layer, rows.stop, length, {})
+            if together.rings[layer] is not None and length > together.rings[layer]:
+                continue  # a ring holds the last positions in its own order: compared between the two below
+            for r in rows:
+                assert torch.equal(K[r], kv[layer][0][:, :length]) and torch.equal(V[r], kv[layer][1][:, :length])
+        if not together.paged[layer]:
+            assert torch.equal(together.K[layer][:9], alone.K[layer][:9])
+
+
+def test_what_is_written_together_is_stored_only_at_the_end(qwen3_dir):
+    """Nothing of a prompt is stored before the end of ``writes_together`` (the sampler reads no row
+    before it), and where its block raises, nothing of it is stored at all."""
+    cfg = fresh_model(qwen3_dir).config
+    kv = {i: (torch.ones(cfg.num_kv_heads, PAGE + 3, cfg.head_dim), torch.ones(cfg.num_kv_heads, PAGE + 3, cfg.head_dim))
+          for i in range(cfg.num_layers)}
+    cache = PagedKVCache(cfg, torch.device("cpu"), torch.float32, rows=2)
+    cache.ensure(2, 2 * PAGE)
+    with cache.writes_together():
+        cache.write_prefix(range(0, 1), kv, PAGE + 3)
+        assert int(cache.lengths[0]) == 0 and not any(bool(K.any()) for K in cache.K)
+    assert int(cache.lengths[0]) == PAGE + 3 and all(bool(K[cache.owned[0][0]].all()) for K in cache.K)
+    with pytest.raises(RuntimeError, match="refused"):
+        with cache.writes_together():
+            cache.write_prefix(range(1, 2), kv, PAGE + 3)
+            raise RuntimeError("refused")
+    assert int(cache.lengths[1]) == 0 and cache._pending is None
+
+
+def test_an_admission_of_new_prompts_stores_them_in_operations_that_do_not_grow_with_them(qwen3_dir):
+    """An admission of new prompts (partial pages, tails kept for the next admission of the same
+    prompt) dispatches the same device operations for 4 prompts as for 16 (each a launch on a GPU,
+    while decoding rows wait) beyond one copy of each prompt's last logits; rows that end at
+    once (one token asked) are retired after every prompt is stored, and the tokens are those of
+    the per-row cache."""
+    from bench.dispatch_micro import KernelOps  # operations that run a kernel (not views)
+
+    model = fresh_model(qwen3_dir)
+    counts, results = {}, {}
+    for layout, n in (("paged", 4), ("paged", 16), ("rows", 16)):
+        sampler = Sampler(model, decoder(qwen3_dir), kv_layout=layout, max_rows=32)
+        sampler.cache.ensure(32, 4 * PAGE)
+        if layout == "paged":
+            sampler.cache._make_free(80)  # no pool growth inside the counted admission
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(4, 500, 2 * PAGE + 5 + i % 3).tolist() for i in range(n)]
+        done: list = []
+        with torch.inference_mode():
+            for i, p in enumerate(prompts):
+                sampler.add(task(f"p{i}", p, max_tokens=1 if i % 4 == 0 else 6, temperature=1.0, seed=i, stop=[]))
+            ops = KernelOps()
+            with ops:
+                sampler._admit(done)
+            assert len(done) == n // 4 and len(sampler.rows) == n - n // 4
+            assert len(sampler.snapshots) == n  # every prompt's tail kept
+            while sampler.has_work():
+                done += sampler.step(0.05)
+        results[layout, n] = {k: r.sequences[0].tokens.tolist() for k, r in done}
+        counts[layout, n] = ops.ops
+    grown = counts["paged", 16] - counts["paged", 4]
+    # each new prompt's last logits and tail copied, no more
+    assert grown == {"aten.clone.default": 12, "aten.contiguous.default": 12}, grown
+    assert results["paged", 16] == results["rows", 16]

@@ -491,3 +491,21 @@ def test_text_prompts_queued_with_an_image_prompt_still_read_the_cache(qwen3_vl_
     got = results(sampler, batch())
     assert_same(got, want)
     assert got["text"].prompt_cache_hit_tokens == 2 * BLOCK and got["image"].prompt_cache_hit_tokens == 0
+
+
+def test_tails_taken_together_equal_tails_taken_one_by_one():
+    """A dense prefill's tails (the K/V past each prompt's last full block) kept for all its prompts
+    at once equal each prompt's taken alone: tails of several widths, an empty one (a prompt of whole
+    blocks), a prompt's last position at the prefill's width."""
+    from tinsmith.sampling.prompt_states import PromptSnapshot
+
+    g = torch.Generator().manual_seed(3)
+    kv = {layer: (torch.randn(4, 2, 70, 8, generator=g), torch.randn(4, 2, 70, 8, generator=g)) for layer in (0, 2, 3)}
+    logits = torch.randn(4, 50, generator=g)
+    prompts, starts, lengths = [3, 0, 1, 2], [64, 0, 64, 64], [70, 5, 64, 66]
+    together = PromptSnapshot.tails_of(kv, prompts, [logits[i] for i in prompts], starts, lengths)
+    for snap, i, s, n in zip(together, prompts, starts, lengths):
+        alone = PromptSnapshot.tail_of(kv, i, logits[i], s, n)
+        assert snap.tail.shape == alone.tail.shape and torch.equal(snap.tail, alone.tail)
+        assert snap.tail.is_contiguous() and snap.nbytes == alone.nbytes
+        assert (snap.start, snap.length) == (s, n) and torch.equal(snap.last_logits, logits[i])

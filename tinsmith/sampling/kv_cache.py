@@ -18,7 +18,8 @@ buffers have zero heads) and keep each row's fixed-size recurrent state beside t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -254,7 +255,11 @@ class RowKVCache:
             assert states is not None, "a hybrid model's prefill records its recurrent states"
             for row in rows:
                 self.recurrent.write_row(row, states, prompt)
-        self.lengths[at] = length
+        self._set_lengths(rows, length)
+
+    def _set_lengths(self, rows: range, length: int) -> None:
+        """Rows ``rows`` hold ``length`` positions now."""
+        self.lengths[rows.start:rows.stop] = length
 
     def hold(self, shared: object) -> None:
         """Keep what :meth:`write_prefix` returned valid for later rows (per-row buffers: nothing to keep)."""
@@ -413,6 +418,13 @@ class RowKVCache:
 
     def _write_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
         raise NotImplementedError("per-row buffers hold every layer")
+
+    @contextmanager
+    def writes_together(self) -> Iterator[None]:
+        """Prompts' K/V that :meth:`write_prefix` puts into the cache within this are stored by its
+        end (a paged cache stores them all together: see :meth:`PagedKVCache.writes_together`);
+        per-row buffers store each at once. Nothing reads the rows written before the end."""
+        yield
 
 
 def recording_attention(store: dict[int, tuple[torch.Tensor, torch.Tensor]], states: PrefillStates | None = None):

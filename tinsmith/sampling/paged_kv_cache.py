@@ -33,7 +33,8 @@ layer and step: on a CPU the per-row cache is the default.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -68,9 +69,8 @@ class PagedKVCache(RowKVCache):
         # Rows holding each page (a prompt's full pages are shared); the scratch page is held for good.
         self.refs = [1] + [0] * (self.pages - 1)
         self._initial_pages = self.pages
-        # While write_prefix runs: the prompt's first page written, how many from there, the pages
-        # written and which of those prompt pages each takes (None: in order). See _write_pages.
-        self._writing: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None
+        # Prompts' K/V noted by write_prefix, stored at the end of writes_together.
+        self._pending: _PageWrites | None = None
         # Set by a prefix cache keeping its blocks in these pages: evict its least recently used
         # block (False: it holds none), and follow pages that a shrink moved (old id -> new id).
         self.reclaim: Callable[[], bool] | None = None
@@ -289,50 +289,59 @@ class PagedKVCache(RowKVCache):
         already (the prefix cache's). Every row holds those, and the first row's own full pages
         after them; each row owns the rest (its partial last page, which decoding appends to):
         full prompt pages are never written again, and ``num_samples`` rows (or requests of one
-        prompt) keep one copy. Every page written is written for all rows by one store per layer."""
+        prompt) keep one copy. Every page written is written for all rows by one store per layer,
+        and within :meth:`writes_together` for every prompt written in it."""
         full = length // PAGE
         shared = list(shared or [])[:full]
-        table: tuple[list[int], list[int], list[int]] = ([], [], [])
-        dst: list[int] = []  # pages written ...
-        src: list[int] = []  # ... with the prompt's page of this index
-        for row in rows:
-            self._release(row)  # a row is written whole: whatever it held is stale
-            for j, page in enumerate(shared):
-                self.refs[page] += 1
-                table[0].append(row)
-                table[1].append(j)
-                table[2].append(page)
-            self.owned[row] = list(shared)
-            self._reserve_row(row, length, *table)
-            own = self.owned[row][len(shared): -(-length // PAGE)]
-            dst += own
-            src += range(len(shared), len(shared) + len(own))
-            shared = self.owned[row][:full]  # the rows after it hold its full pages too
-        self._write_table(*table)
-        if dst:
-            first = min(src)
-            at = to_device(np.array([dst, [j - first for j in src]], dtype=np.int64), self.device)  # one copy, no wait
-            in_order = src == list(range(first, first + len(src)))
-            self._writing = (first, max(src) + 1 - first, at[0], None if in_order else at[1])
-        try:
+        with self.writes_together():
+            w = self._pending
+            assert w is not None
+            for row in rows:
+                self._release(row)  # a row is written whole: whatever it held is stale
+                for j, page in enumerate(shared):
+                    self.refs[page] += 1
+                    w.table[0].append(row)
+                    w.table[1].append(j)
+                    w.table[2].append(page)
+                self.owned[row] = list(shared)
+                self._reserve_row(row, length, *w.table)
+                own = self.owned[row][len(shared): -(-length // PAGE)]
+                w.positions(own, len(shared), length)
+                shared = self.owned[row][:full]  # the rows after it hold its full pages too
             super().write_prefix(rows, layer_kv, length, states, prompt)
-        finally:
-            self._writing = None
+            w.prompt_done()
         return shared
 
-    def _write_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
-        if self._writing is None:
+    @contextmanager
+    def writes_together(self) -> Iterator[None]:
+        """Prompts' K/V written by :meth:`write_prefix` within this are stored at its end, all
+        together: their full-attention layers' pages by one store per layer for K and one for V,
+        their rows' page-table entries and lengths by one write each. Written one prompt at a
+        time, every prompt cost a store per layer for K and V, each a launch: an admission of 256
+        prompts on 28 layers launched 14,336 of them while the decoding rows waited, where it now
+        launches about 112 (``bench/dispatch_micro.py --prefill``). Nothing must read the rows
+        before the end, nor give their pages to another row (the sampler retires rows that end at
+        once after it). Nested uses store at the outermost one's end; where the block raises,
+        nothing of it is stored (its rows are dropped)."""
+        if self._pending is not None:
+            yield
             return
-        first, n, at, take = self._writing
-        start, end = first * PAGE, (first + n) * PAGE
-        for pool, x in ((self.K[layer], k), (self.V[layer], v)):
-            heads, width, d = x.shape
-            # Positions past ``length`` in a partial page are never read: where ``x`` is wider (a
-            # padded prefill) they are whatever it holds there, else zeros.
-            x = x[:, start:end] if width >= end else _pad_positions(x[:, start:length], n * PAGE)
-            pages = x.view(heads, n, PAGE, d).transpose(0, 1)  # (n, heads, PAGE, d)
-            pages = pages if take is None else pages[take]
-            pool[at] = pages if pages.dtype == pool.dtype else pages.to(pool.dtype)
+        self._pending = writes = _PageWrites()
+        try:
+            yield
+        finally:
+            self._pending = None
+        writes.store(self)
+
+    def _set_lengths(self, rows: range, length: int) -> None:
+        if self._pending is None:
+            super()._set_lengths(rows, length)
+        else:
+            self._pending.lengths += [(row, length) for row in rows]
+
+    def _write_pages(self, layer: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        assert self._pending is not None, "a paged layer's K/V are written through write_prefix"
+        self._pending.sources.setdefault(layer, []).append((k, v, self._pending.runs))
 
     def keep_rows(self, rows: int, order: list[int], upto: int | None = None) -> None:
         """As :meth:`RowKVCache.keep_rows`: the rows that leave let go of their pages (those no
@@ -402,9 +411,53 @@ class PagedKVCache(RowKVCache):
         return self.table[:n] if self.paged[layer] else None
 
 
-def _pad_positions(x: torch.Tensor, positions: int) -> torch.Tensor:
-    """``x`` (heads, length, d) zero-padded to ``positions`` along its positions."""
-    return torch.nn.functional.pad(x, (0, 0, 0, positions - x.shape[1]))
+class _PageWrites:
+    """Prompts' K/V waiting for :meth:`PagedKVCache.writes_together`'s end: the page and offset
+    of every position written, each paged layer's sources (a prompt's K and V with the runs of
+    its positions they give, in the order of the positions), the table entries, the lengths."""
+
+    def __init__(self) -> None:
+        self.table: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self.lengths: list[tuple[int, int]] = []
+        self.pages: list[np.ndarray] = []
+        self.offsets: list[np.ndarray] = []
+        self.sources: dict[int, list[tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]]] = {}
+        self.runs: list[tuple[int, int]] = []  # the prompt being written: its runs of positions
+
+    def positions(self, dst: list[int], first: int, length: int) -> None:
+        """Pages ``dst`` take the prompt's pages ``first, first + 1, ...``: positions from
+        ``first * PAGE`` up to ``length`` (a partial last page: the positions it has)."""
+        if not dst:
+            return
+        a, b = first * PAGE, min((first + len(dst)) * PAGE, length)
+        if self.runs and self.runs[-1][1] == a:
+            self.runs[-1] = (self.runs[-1][0], b)
+        else:
+            self.runs.append((a, b))
+        self.pages.append(np.repeat(np.asarray(dst, dtype=np.int64), PAGE)[: b - a])
+        self.offsets.append(np.arange(b - a, dtype=np.int64) % PAGE)
+
+    def prompt_done(self) -> None:
+        self.runs = []
+
+    def store(self, cache: PagedKVCache) -> None:
+        """Everything noted, into ``cache``: one host-to-device copy of the positions' pages and
+        offsets, then per paged layer the prompts' K (and V) side by side (one copy where several
+        runs) and one indexed store into its pool."""
+        if self.table[2]:
+            cache._write_table(*self.table)
+        if self.lengths:
+            at = to_device(np.array(self.lengths, dtype=np.int64).T, cache.device)
+            cache.lengths[at[0]] = at[1]
+        if not self.pages:
+            return
+        at = to_device(np.stack([np.concatenate(self.pages), np.concatenate(self.offsets)]), cache.device)
+        for layer, written in self.sources.items():
+            for pool, which in ((cache.K[layer], 0), (cache.V[layer], 1)):
+                parts = [src[which][:, a:b] for *src, runs in written for a, b in runs]
+                x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (heads, positions, d)
+                assert x.shape[1] == at.shape[1], "every paged layer writes the same positions"
+                pool[at[0], :, at[1]] = (x if x.dtype == pool.dtype else x.to(pool.dtype)).transpose(0, 1)
 
 
 class PageTally(KVTally):

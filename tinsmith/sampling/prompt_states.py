@@ -33,9 +33,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable
 
+import numpy as np
 import torch
 
 from tinsmith.sampling.recurrent_state import PrefillStates
+from tinsmith.transfers import to_device
 
 
 @dataclass
@@ -83,6 +85,31 @@ class PromptSnapshot:
         tail = torch.stack([torch.stack((kv[layer][0][prompt, :, start:length], kv[layer][1][prompt, :, start:length]))
                             for layer in sorted(kv)])
         return cls({}, None, last_logits.detach().clone(), length, start, tail)
+
+    @classmethod
+    def tails_of(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], prompts: list[int],
+                 last_logits: list[torch.Tensor], starts: list[int], lengths: list[int]) -> list[PromptSnapshot]:
+        """:meth:`tail_of` for several prompts of one prefill, each ``prompts[i]`` from ``starts[i]``
+        to ``lengths[i]``, in a number of device operations that does not grow with the prompts'
+        (one admission may keep hundreds, each a launch per layer the decoding rows wait for):
+        every tail's positions gathered per layer and K/V at once, then each prompt's own copied
+        out. An empty tail (a prompt of whole blocks) copies nothing."""
+        layers = sorted(kv)
+        k0 = kv[layers[0]][0]
+        widths = [n - s for s, n in zip(starts, lengths)]
+        tails = [k0.new_empty((len(layers), 2, k0.shape[1], 0, k0.shape[-1]))] * len(prompts)
+        some = [i for i, w in enumerate(widths) if w]
+        if some:
+            pos = np.minimum(np.array([starts[i] for i in some])[:, None] + np.arange(max(widths)), k0.shape[2] - 1)
+            at = to_device(np.stack([np.broadcast_to(np.array([prompts[i] for i in some])[:, None], pos.shape), pos]),
+                           k0.device)  # one copy, no wait
+            # (prompts, width, layers x K/V, heads, head_dim): positions past a prompt's length are dropped below
+            gathered = torch.stack([kv[layer][which][at[0], :, at[1]] for layer in layers for which in (0, 1)], dim=2)
+            for j, i in enumerate(some):
+                t = gathered[j, : widths[i]].permute(1, 2, 0, 3).contiguous()  # a copy: the prompt's own
+                tails[i] = t.view(len(layers), 2, *t.shape[1:])  # (layers, K/V, heads, width, head_dim)
+        return [cls({}, None, logits.detach().clone(), n, s, tail)
+                for logits, s, n, tail in zip(last_logits, starts, lengths, tails)]
 
 
 class PromptSnapshots:

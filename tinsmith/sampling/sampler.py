@@ -778,23 +778,29 @@ class Sampler:
         requests: dict[int, list[int]] = {}  # unique prompt -> the batch indices of its requests
         for b_idx, u in enumerate(lead):
             requests.setdefault(u, []).append(b_idx)
+        finished: list[tuple[int, str]] = []  # rows that end at once, retired once every prompt is stored
+        keep: list[tuple] = []  # prompts whose pages the prefix cache adopts, once they hold the K/V
         try:
-            for u, idx in requests.items():  # every row of a prompt at once
-                states, first = [batch[b] for b in idx], [firsts[b] for b in idx]
-                if u in kept:
-                    snap = kept[u]
-                    shared[u] = self._seed_rows(states, None, snap.last_logits, snap.kv, snap.length, done, snap.states,
-                                                0, shared.get(u), first)
-                    continue
-                assert out is not None
-                i = at[u]
-                if _needs_prompt_logits(states[0].task.input):
-                    assert out.starts[i] == 0  # such prompts never read the prefix cache
-                layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
-                shared[u] = self._seed_rows(states, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
-                                            out.lens[i], done, out.states, i, shared.get(u), first)
-                if out.cacheable[i]:
-                    self._keep_pages(states[0].task, shared[u], layer_kv, out.weights[i])
+            with self.cache.writes_together():  # every prompt's K/V stored together (a paged cache)
+                for u, idx in requests.items():  # every row of a prompt at once
+                    states, first = [batch[b] for b in idx], [firsts[b] for b in idx]
+                    if u in kept:
+                        snap = kept[u]
+                        shared[u] = self._seed_rows(states, None, snap.last_logits, snap.kv, snap.length, done,
+                                                    snap.states, 0, shared.get(u), first, finished)
+                        continue
+                    assert out is not None
+                    i = at[u]
+                    if _needs_prompt_logits(states[0].task.input):
+                        assert out.starts[i] == 0  # such prompts never read the prefix cache
+                    layer_kv = {layer: (k[i], v[i]) for layer, (k, v) in out.kv.items()}
+                    shared[u] = self._seed_rows(states, out.hidden[i, : out.lens[i]], out.last_logits[i], layer_kv,
+                                                out.lens[i], done, out.states, i, shared.get(u), first, finished)
+                    if out.cacheable[i]:
+                        keep.append((states[0].task, shared[u], layer_kv, out.weights[i]))
+            self._retire(finished, done)
+            for args in keep:
+                self._keep_pages(*args)
         finally:
             for held in shared.values():
                 if held:
@@ -899,6 +905,7 @@ class Sampler:
         model's whole states, a dense model's tail past the blocks its prefix cache keeps."""
         if not self.snapshots.enabled:
             return
+        tails: list[tuple[tuple, int]] = []  # (key, prompt): dense prompts' tails, taken together
         for i, st in enumerate(states):
             key = self._share_key(st.task)
             if key is None or _needs_prompt_logits(st.task.input):
@@ -910,8 +917,14 @@ class Sampler:
             if out.states is not None:
                 self.snapshots.put(key, PromptSnapshot.of(out.kv, out.states, i, out.last_logits[i], out.lens[i]))
             elif out.cacheable[i]:
-                start = out.lens[i] // self.prefix.block * self.prefix.block
-                self.snapshots.put(key, PromptSnapshot.tail_of(out.kv, i, out.last_logits[i], start, out.lens[i]))
+                tails.append((key, i))
+        if tails:
+            block = self.prefix.block
+            at = [i for _, i in tails]
+            snaps = PromptSnapshot.tails_of(out.kv, at, [out.last_logits[i] for i in at],
+                                            [out.lens[i] // block * block for i in at], [out.lens[i] for i in at])
+            for (key, _), snap in zip(tails, snaps):
+                self.snapshots.put(key, snap)
 
     def _first_tokens(self, states: list[_TaskState], last_logits: list[torch.Tensor]) -> list[_FirstTokens]:
         """Each request's first sampled token, its logprob and top logprobs, for every one of its
@@ -941,7 +954,7 @@ class Sampler:
     def _seed_rows(self, requests: list[_TaskState], hidden: torch.Tensor | None, last_logits: torch.Tensor,
                    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, done: list,
                    states: PrefillStates | None = None, prompt: int = 0, shared: object = None,
-                   firsts: list[_FirstTokens] | None = None) -> object:
+                   firsts: list[_FirstTokens] | None = None, finished: list[tuple[int, str]] | None = None) -> object:
         """Start the rows of prefilled requests of one prompt (``requests``: GRPO's separate
         requests of it admitted together, or one request): each one's prompt logprobs when asked
         (``hidden``: every prompt position's hidden state), the first token of each sample drawn
@@ -951,7 +964,9 @@ class Sampler:
 
         A paged cache keeps one copy of the prompt's full pages for all the rows of the prompt:
         ``shared`` is what the prefix cache holds of them (None: nothing), and the return value
-        what the rows share, held until the caller lets it go."""
+        what the rows share, held until the caller lets it go. Rows that end at once (a stop
+        token first, or one token asked) are retired here, or left in ``finished`` for the caller
+        to retire (an admission's, once every prompt's K/V is stored: row indices stay put)."""
         for st in requests:
             if _needs_prompt_logits(st.task.input):
                 assert hidden is not None, "prompt logprobs need every prompt position's hidden state"
@@ -976,14 +991,17 @@ class Sampler:
                 self.cache.let_go(shared)
             shared = written
         samples = [(st, j, first) for st, first in zip(requests, firsts) for j in range(st.task.input.num_samples)]
-        finished: list[tuple[int, str]] = []  # rows that end at once
+        ended: list[tuple[int, str]] = []  # rows that end at once
         for r in rows:
             st, j, (toks, lps, tops) = samples[r - start]
             if self._push(self.rows[r], toks[j], lps[j], tops[j]):
-                finished.append((r, "stop"))
+                ended.append((r, "stop"))
             elif st.max_tokens <= 1:
-                finished.append((r, "length"))
-        self._retire(finished, done)
+                ended.append((r, "length"))
+        if finished is None:
+            self._retire(ended, done)
+        else:
+            finished += ended
         return shared
 
     def _keep_pages(self, task: SampleTask, pages: list[int] | None, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -1083,12 +1101,13 @@ class Sampler:
             self._fail([st], exc, done)
             return
         self.stats["recomputed_tokens"] += sum(lens)
-        for i, row in enumerate(rows):
-            row.group = None  # recomputed alone: it shares nothing
-            r = len(self.rows)
-            self.rows.append(row)
-            self.cache.write_prefix(range(r, r + 1), {layer: (k[i], v[i]) for layer, (k, v) in kv.items()}, lens[i],
-                                    recurrent, i)
+        with self.cache.writes_together():  # every row's K/V stored together (a paged cache)
+            for i, row in enumerate(rows):
+                row.group = None  # recomputed alone: it shares nothing
+                r = len(self.rows)
+                self.rows.append(row)
+                self.cache.write_prefix(range(r, r + 1), {layer: (k[i], v[i]) for layer, (k, v) in kv.items()},
+                                        lens[i], recurrent, i)
         self._rows_changed()
 
     # ----------------------------------------------------------------------------- chunked prefill
