@@ -25,6 +25,7 @@ from tests.sampling.conftest import (
     training_adapters,
 )
 from tinsmith.errors import InvalidInputError
+from tinsmith.models import lora, moe
 from tinsmith.models.lora import LoraLinear
 from tinsmith.sampling import kv_cache
 from tinsmith.sampling.logits import choose_tokens, uniforms
@@ -97,7 +98,16 @@ def test_greedy_equals_transformers_generate(model_dirs, family, request):
         np.testing.assert_allclose(seq.logprobs, want.numpy(), atol=LP_TOL, rtol=0)
 
 
-def test_sampled_logprobs_equal_forward_base_and_adapters(qwen3_dir):
+@pytest.mark.parametrize("grouped", [False, True], ids=["adapter-by-adapter", "grouped"])
+def test_sampled_logprobs_equal_forward_base_and_adapters(qwen3_dir, grouped, monkeypatch):
+    """``grouped``: the prefill's several adapters through the grouped matmul, as on a GPU (q/k/v
+    and gate/up as one grouped shrink and expand over the pack), ranks 4 and 8 padded to one."""
+    packs = []  # the packed projections' prefills of several adapters' prompts, grouped
+    if grouped:
+        monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+        applied = lora.tenants_group_applied
+        monkeypatch.setattr(lora, "tenants_group_applied", lambda x, layers, *a, **kw: (
+            packs.append(len(layers)), applied(x, layers, *a, **kw))[1])
     model = fresh_model(qwen3_dir)
     V = model.config.vocab_size
     random_adapter(model, SNAP_A, rank=4, seed=1)
@@ -129,6 +139,38 @@ def test_sampled_logprobs_equal_forward_base_and_adapters(qwen3_dir):
             # Logprobs are the model's own (temperature 1, untruncated), whatever the sampling settings.
             check_logprobs_vs_forward(refs[slot], p, seq)
             check_logprobs_vs_forward(model, p, seq, ref_slot=slot)  # the segmented (prefill) path agrees too
+    if grouped:  # every layer's q/k/v and gate/up
+        assert sorted(set(packs)) == [2, 3] and len(packs) >= 2 * model.config.num_layers, packs
+
+
+def test_a_prefill_of_several_adapters_prompts_costs_the_same_for_two_adapters_or_six(qwen3_dir, monkeypatch):
+    """Where the grouped matmul runs (GPUs; forced here), a prefill of prompts over several adapters
+    dispatches the same device operations (each a launch on a GPU, while decoding rows wait) for
+    two adapters as for six: every projection takes one grouped shrink and expand for all of them,
+    its stacks made in a few operations, not a pair of GEMMs and casts per adapter."""
+    from bench.dispatch_micro import KernelOps  # operations that run a kernel (not views)
+
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    model = fresh_model(qwen3_dir)
+    for slot in range(1, 7):
+        random_adapter(model, slot, rank=4, seed=slot)
+    V = model.config.vocab_size
+    counts = {}
+    for adapters in (2, 6):
+        sampler = make_sampler(model, qwen3_dir, max_rows=12, kv_layout="paged")
+        ps = prompts(adapters, (9,) * 12, V)
+        done: list = []
+        with torch.inference_mode():
+            for i, p in enumerate(ps):
+                sampler.add(task(i, p, slot=1 + i % adapters, max_tokens=4, temperature=1.0, seed=i, stop=[]))
+            sampler.cache.ensure(12, 16)
+            sampler.cache._make_free(40)  # no pool growth inside the counted admission
+            ops = KernelOps()
+            with ops:
+                sampler._admit(done)
+        assert not done and len(sampler.rows) == 12
+        counts[adapters] = ops.ops
+    assert counts[6] == counts[2], counts[6] - counts[2]
 
 
 # ------------------------------------------------------------------------------------ randomness

@@ -25,7 +25,8 @@ from torch.nn import functional as F
 from tinsmith.models.grouped_lora import dense_lora_add, grouped_lora_delta, multi_lora_path
 from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
-from tinsmith.models.lora_tenants import TenantStack, tenants_group, tenants_linear
+from tinsmith.models.lora_tenants import (TenantStack, tenants_group, tenants_group_applied, tenants_linear,
+                                          tenants_linear_applied)
 from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots, add_bank_delta_
 from tinsmith.transfers import to_device
 
@@ -153,6 +154,9 @@ class LoraLinear(nn.Module):
             sizes = tuple(b - a for a, b in zip(starts, ends))
             return tenants_linear(x2, self.weight, self.bias, self, sizes, tuple(weights), path == "grouped").reshape(
                 shape)
+        if path == "grouped" and not torch.is_grad_enabled():  # a prefill of several adapters' prompts
+            sizes = tuple(b - a for a, b in zip(starts, ends))
+            return tenants_linear_applied(x2, self.weight, self.bias, self, sizes, tuple(weights)).reshape(shape)
         y = F.linear(x, self.weight, self.bias)
         if all(w is None for w in weights):
             return y
@@ -285,11 +289,13 @@ def trained_together(layers: tuple[LoraLinear, ...], x: torch.Tensor,
     return y if side_by_side else y.split([layer.out_features for layer in layers], dim=-1)
 
 
-def _tenants_together(layers: tuple[LoraLinear, ...], x2: torch.Tensor, segments) -> tuple | None:
+def _tenants_together(layers: tuple[LoraLinear, ...], x2: torch.Tensor, segments, training: bool = True
+                      ) -> tuple | None:
     """``(sizes, weights per layer)`` when several tenants' segments tile the rows of a training
-    micro-batch and every layer of the group runs them grouped (:func:`tenants_group`): each
-    segment the same adapter (rank, scale) on every layer, or none on all; else None."""
-    if not torch.is_grad_enabled() or not lora_function.FUSED_NODES:  # asked first: a forward without autograd
+    micro-batch (``training``; else of a forward without autograd, a sampler's prefill) and every
+    layer of the group runs them grouped (:func:`tenants_group`): each segment the same adapter
+    (rank, scale) on every layer, or none on all; else None."""
+    if training and (not torch.is_grad_enabled() or not lora_function.FUSED_NODES):  # asked first: a forward without autograd
         return None
     if not segments or isinstance(segments, RowSlots) or len(segments) < 2 or len(segments[0]) != 3:
         return None
@@ -305,7 +311,9 @@ def _tenants_together(layers: tuple[LoraLinear, ...], x2: torch.Tensor, segments
         elif len({(w.scale, w.A.shape[0]) for w in column}) != 1:
             return None
     for layer, ws in zip(layers, weights):
-        if not layer._training_tenants(list(ws)) or multi_lora_path(x2, list(ws), layer.out_features) != "grouped":
+        if training and not layer._training_tenants(list(ws)):
+            return None
+        if multi_lora_path(x2, list(ws), layer.out_features) != "grouped":
             return None
     return tuple(b - a for a, b in zip(starts, ends)), weights
 
@@ -389,7 +397,15 @@ class PackedProjection:
 
         A batch over adapter banks takes one shrink for every layer's adapters and one expand
         into the packed output, rather than a pair per layer (q/k/v: two launches, not six).
+        Segments of several adapters (a prefill of several tenants' prompts) take one grouped
+        shrink and expand for all of them where the grouped matmul runs (GPUs; see
+        :func:`tinsmith.models.lora_tenants.tenants_group_applied`), rather than a pair per
+        segment and layer (64 adapters' prompts on q/k/v: 3 launches, not 384).
         """
+        if segments and not isinstance(segments, RowSlots) and not torch.is_grad_enabled() and self.intact():
+            several = _tenants_together(tuple(self.layers), x2, segments, training=False)
+            if several is not None:
+                return tenants_group_applied(x2, tuple(self.layers), *several, packed=self)
         y = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
         if isinstance(segments, RowSlots) and len(self.layers) > 1:
             if any(l.adapters for l in self.layers):

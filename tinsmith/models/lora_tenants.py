@@ -89,13 +89,16 @@ class TenantStack:
 
 def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_features: int,
                    out_features: int, A_into: torch.Tensor | None = None,
-                   B_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   B_into: torch.Tensor | None = None, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Every segment's adapter in ``dtype`` as ``(segments, rank, in)`` and ``(segments, out,
     rank)`` (scale folded into ``B``; padding and segments without an adapter zero), kept on
     ``owner`` (the layer) until a master changes other than by an optimizer step's refresh
     (:class:`tinsmith.models.copy_refresh.CopyRefresh`) or the micro-batch's adapters do. A
     rebuild makes new tensors (one multi-tensor copy and one multiply); ``A_into`` and ``B_into``
-    (views of a group's buffers, zeroed) take the stacks instead, and force the rebuild."""
+    (views of a group's buffers, zeroed) take the stacks instead, and force the rebuild.
+    ``keep=False`` (a sampler's prefill): the kept stacks where they hold ``weights``, else stacks
+    made for this call only, the kept ones left as they are (a sampler's many adapters would
+    otherwise hold a second copy of themselves on every layer)."""
     cached = owner._tenant_stack
     if A_into is None and cached is not None and cached.current(weights, rank, dtype):
         return cached.A, cached.B
@@ -111,7 +114,8 @@ def stacked_copies(owner, weights: tuple, rank: int, dtype: torch.dtype, in_feat
             _slices_of(A, B, i, w, dst, src)
     copy_pairs(dst, src)  # a group's B blocks are strided: they must not take the dense pairs' launch with them
     B.mul_(_group_scales(tuple(0.0 if w is None else float(w.scale) for w in weights), 1, dtype, like.device))
-    owner._tenant_stack = TenantStack(dtype, rank, [stack_entry(w) for w in weights], A, B, weights)
+    if keep:
+        owner._tenant_stack = TenantStack(dtype, rank, [stack_entry(w) for w in weights], A, B, weights)
     return A, B
 
 
@@ -306,14 +310,15 @@ def tenants_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                                      *compute)
 
 
-def _group_stacks(layers: tuple, weights: tuple[tuple, ...], rank: int, dtype: torch.dtype
+def _group_stacks(layers: tuple, weights: tuple[tuple, ...], rank: int, dtype: torch.dtype, keep: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A group's stacks: the parts' ``A`` side by side, ``(segments, parts x rank, in)``, and
     their ``B`` block-diagonal, ``(segments, sum of outs, parts x rank)``: part ``p``'s output
     columns read only its own rank's columns of ``h`` (the rest stay zero), so one grouped expand
     writes every part's output. Each part's stacks are views of these (so an optimizer step's
     refresh of a part writes the grouped operands themselves: no concatenation per step). Kept on
-    the first layer while every part's stack is current and the one made with it."""
+    the first layer while every part's stack is current and the one made with it; ``keep=False``
+    (a sampler's prefill): as :func:`stacked_copies` says, nothing kept that is not already."""
     cached = layers[0]._tenant_cat
     stacks = [layer._tenant_stack for layer in layers]
     if (cached is not None and all(map(operator.is_, stacks, cached[2]))
@@ -327,10 +332,17 @@ def _group_stacks(layers: tuple, weights: tuple[tuple, ...], rank: int, dtype: t
     start = 0
     for p, (layer, ws) in enumerate(zip(layers, weights)):
         cols = slice(p * rank, (p + 1) * rank)
-        stacked_copies(layer, ws, rank, dtype, layer.in_features, layer.out_features, A_into=A_cat[:, cols],
-                       B_into=B_cat[:, start:start + layer.out_features, cols])
+        A_part, B_part = A_cat[:, cols], B_cat[:, start:start + layer.out_features, cols]
+        if keep:
+            stacked_copies(layer, ws, rank, dtype, layer.in_features, layer.out_features, A_into=A_part, B_into=B_part)
+        else:  # stacked dense first, then one copy each: a B block of the group is strided, and a
+            # multi-tensor copy of strided blocks launches once per adapter on a GPU
+            A, B = stacked_copies(layer, ws, rank, dtype, layer.in_features, layer.out_features, keep=False)
+            A_part.copy_(A)
+            B_part.copy_(B)
         start += layer.out_features
-    layers[0]._tenant_cat = (A_cat, B_cat, tuple(layer._tenant_stack for layer in layers))
+    if keep:
+        layers[0]._tenant_cat = (A_cat, B_cat, tuple(layer._tenant_stack for layer in layers))
     return A_cat, B_cat
 
 
@@ -410,3 +422,36 @@ def tenants_group(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weight
                                       tuple(layer.out_features for layer in layers), weights,
                                       packed.weight if whole else None, packed.bias if whole else None,
                                       _anchor(x.device), *parts, A_cat, B_cat)
+
+
+def tenants_group_applied(x: torch.Tensor, layers: tuple, sizes: tuple[int, ...], weights: tuple[tuple, ...],
+                          packed) -> torch.Tensor:
+    """:func:`tenants_group`'s output without autograd (a sampler's prefill of several adapters'
+    prompts, segments tiling the rows as in training): one grouped shrink and one grouped expand
+    over the group's stacks (training's kept ones where they hold these adapters, else made for
+    the call: a few launches whatever the number of adapters), and the base GEMM over
+    ``packed``'s buffer added into them. Adapter by adapter, every segment took two GEMMs per
+    part (q, k, v; gate, up), each a launch."""
+    present = [w for w in weights[0] if w is not None]
+    rank = _round_up(max(w.A.shape[0] for w in present), 8)
+    A_cat, B_cat = _group_stacks(layers, weights, rank, x.dtype, keep=False)
+    offs = group_offsets(sizes, x.device)
+    h = torch._grouped_mm(x, A_cat.transpose(1, 2), offs=offs)  # (rows, parts x rank)
+    y = torch._grouped_mm(h, B_cat.transpose(1, 2), offs=offs)  # (rows, sum of outs)
+    return _plus_linear(y, x, packed.weight.t(), packed.bias)
+
+
+def tenants_linear_applied(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner,
+                           sizes: tuple[int, ...], weights: tuple) -> torch.Tensor:
+    """:func:`tenants_linear`'s grouped output without autograd (a sampler's prefill of several
+    adapters' prompts on one projection): the grouped shrink and expand over the adapters
+    stacked by :func:`stacked_copies` (``owner``'s kept stacks where they hold them, else made
+    for the call in a few launches), the base GEMM added into them. Stacked one adapter at a
+    time (a cast, a pad and a scale each, then the stack), the adapters cost the host a few
+    launches each per layer, every prefill."""
+    present = [w for w in weights if w is not None]
+    rank = _round_up(max(w.A.shape[0] for w in present), 8)
+    A, B = stacked_copies(owner, weights, rank, x.dtype, weight.shape[1], weight.shape[0], keep=False)
+    offs = group_offsets(sizes, x.device)
+    y = torch._grouped_mm(torch._grouped_mm(x, A.transpose(1, 2), offs=offs), B.transpose(1, 2), offs=offs)
+    return _plus_linear(y, x, weight, bias)
