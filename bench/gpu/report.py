@@ -153,7 +153,8 @@ def markdown(s: dict) -> str:
     sa = s.get("sample", {})
     if sa:
         L += _heading("## Sampling (tokens/s)",
-                      "| shape | rows | tok/s | of HBM bound | of bound with prefill | captures in timed run | first run tok/s (graph captures) | "
+                      "| shape | rows | tok/s | of HBM bound | of bound with prefill | captures in timed run | "
+                      "admitting s in timed run (8 / 64 adapters) | first run tok/s (graph captures) | "
                       "8 adapters vs base (by tiles) | "
                       "64 adapters vs base (by tiles) | HF generate tok/s | GRPO separate / num_samples | first call s | "
                       "second call s | notes |")
@@ -162,6 +163,8 @@ def markdown(s: dict) -> str:
             for rk in [k for k in de if k.startswith("rows_")] or ["-"]:
                 L.append(f"| {name} | {rk[5:]} | {_get(de, rk, 'tokens_per_s')} | {_get(de, rk, 'of_hbm_bound', pct=True)} | "
                          f"{_get(de, rk, 'of_bound_with_prefill', pct=True)} | {_get(de, rk, 'captures_in_timed_run')} | "
+                         f"{_get(de, rk, 'timed_run_stats', 'admitting_s')} ({_get(de, 'adapters_8', 'timed_run_stats', 'admitting_s')}"
+                         f" / {_get(de, 'adapters_64', 'timed_run_stats', 'admitting_s')}) | "
                          f"{_get(de, rk, 'first_run_tokens_per_s')} | {_get(de, 'adapters_8', 'vs_base')} ({_get(de, 'adapters_8', 'segmented_vs_base')}) | "
                          f"{_get(de, 'adapters_64', 'vs_base')} ({_get(de, 'adapters_64', 'segmented_vs_base')}) | "
                          f"{_get(ge, 'tokens_per_s')} | "

@@ -104,7 +104,7 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
 
     captures = {"second_run": 0}
     counted = ("graph_captures", "graph_replays", "decode_steps", "decode_reads", "prefills", "prefill_tokens",
-               "preempted", "recomputed_tokens")
+               "preempted", "recomputed_tokens", "admitting_s")
     timed_stats: dict = {}
 
     def twice(rows: int, slots: list) -> tuple[float, float]:
@@ -138,7 +138,8 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
             first, multi_s = twice(rows, units[:n])
             out[f"adapters_{n}"] = {"rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
                                     "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s,
-                                    "first_run_tokens_per_s": rows * z["new"] / first}
+                                    "first_run_tokens_per_s": rows * z["new"] / first,
+                                    "timed_run_stats": dict(timed_stats)}  # admitting_s: its prefill's share
             if lora_segments.triton is not None and device.type == "cuda":  # the same rows by tiles (SGMV), same run
                 enabled = lora_segments.ENABLED
                 lora_segments.ENABLED = True

@@ -758,6 +758,7 @@ def test_an_admission_of_new_prompts_stores_them_in_operations_that_do_not_grow_
                 sampler._admit(done)
             assert len(done) == n // 4 and len(sampler.rows) == n - n // 4
             assert len(sampler.snapshots) == n  # every prompt's tail kept
+            assert sampler.stats["admitting_s"] > 0  # the host's time for it, counted
             while sampler.has_work():
                 done += sampler.step(0.05)
         results[layout, n] = {k: r.sequences[0].tokens.tolist() for k, r in done}

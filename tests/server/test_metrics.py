@@ -107,6 +107,7 @@ def test_sampling_moves_the_prefill_and_prompt_cache_counters(app):
     assert moved("tinsmith_prefill_tokens_total") == 40 + 8  # the first prompt whole, then what follows 2 blocks
     assert moved("tinsmith_prompt_cache_hit_tokens_total") == 32
     assert moved("tinsmith_sampler_admissions_total") == 2
+    assert moved("tinsmith_sampler_admitting_seconds_total") > 0  # the two admissions' host time
     assert value(after, "tinsmith_sampler_preemptions_total") == 0
     assert value(after, "tinsmith_decode_graph_replays_total") == 0  # graphs run on CUDA only
     # The engine's sampling slices are counted as its sampling turns' time; no training ran.

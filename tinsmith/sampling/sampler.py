@@ -231,6 +231,7 @@ class Sampler:
         self.stats = {"decode_steps": 0, "decode_reads": 0, "prefills": 0, "prefill_tokens": 0,
                       "cached_prompt_tokens": 0, "sampled_tokens": 0, "cancelled": 0, "prefill_chunks": 0,
                       "preempted": 0, "recomputed_tokens": 0, "admissions": 0, "admission_wait_s": 0.0,
+                      "admitting_s": 0.0,
                       "yielded_rows": 0, "bursts_ahead": 0,
                       "rows_left_ahead": 0, "slices_ended_for_arrivals": 0}
         # Static decode steps replayed from CUDA graphs (only on CUDA: on a CPU nothing is
@@ -482,6 +483,7 @@ class Sampler:
             if not self.inbox:
                 self._waited.clear()
         if batch:
+            started = time.perf_counter()
             try:
                 before = len(self.rows)
                 try:
@@ -495,6 +497,8 @@ class Sampler:
             except Exception as exc:  # e.g. out of memory: fail these requests, keep the running ones
                 log.exception("prefill of %d requests failed", len(batch))
                 self._fail(batch, exc, done)
+            finally:  # the host's time for it, the first tokens' read-back included: decoding waits
+                self.stats["admitting_s"] += time.perf_counter() - started
 
     def _order_inbox(self) -> None:
         """Put the waiting requests of several owners in the order that shares rows among them.

@@ -252,6 +252,9 @@ class StateCollector:
             "tinsmith_sampler_admission_wait_seconds": ("admission_wait_s", "Seconds admitted requests waited in "
                                                         "a sampler's queue for rows, K/V room or their turn among "
                                                         "keys (divide by tinsmith_sampler_admissions_total)"),
+            "tinsmith_sampler_admitting_seconds": ("admitting_s", "Seconds the samplers spent admitting "
+                                                   "requests (prefill, first tokens, K/V stored), while their "
+                                                   "decoding rows waited"),
         }
         counters = [CounterMetricFamily(name, text) for name, (_, text) in totals.items()]
 
