@@ -402,7 +402,7 @@ class PackedProjection:
         :func:`tinsmith.models.lora_tenants.tenants_group_applied`), rather than a pair per
         segment and layer (64 adapters' prompts on q/k/v: 3 launches, not 384).
         """
-        if segments and not isinstance(segments, RowSlots) and not torch.is_grad_enabled() and self.intact():
+        if segments and not isinstance(segments, RowSlots) and not torch.is_grad_enabled():  # callers ask intact()
             several = _tenants_together(tuple(self.layers), x2, segments, training=False)
             if several is not None:
                 return tenants_group_applied(x2, tuple(self.layers), *several, packed=self)
