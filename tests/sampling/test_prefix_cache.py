@@ -506,6 +506,7 @@ def test_tails_taken_together_equal_tails_taken_one_by_one():
     together = PromptSnapshot.tails_of(kv, prompts, [logits[i] for i in prompts], starts, lengths)
     for snap, i, s, n in zip(together, prompts, starts, lengths):
         alone = PromptSnapshot.tail_of(kv, i, logits[i], s, n)
-        assert snap.tail.shape == alone.tail.shape and torch.equal(snap.tail, alone.tail)
+        want = torch.stack([torch.stack((kv[layer][0][i, :, s:n], kv[layer][1][i, :, s:n])) for layer in sorted(kv)])
+        assert snap.tail.shape == want.shape and torch.equal(snap.tail, want) and torch.equal(alone.tail, want)
         assert snap.tail.is_contiguous() and snap.nbytes == alone.nbytes
         assert (snap.start, snap.length) == (s, n) and torch.equal(snap.last_logits, logits[i])

@@ -82,9 +82,7 @@ class PromptSnapshot:
         """A dense model's snapshot: prompt ``prompt``'s K/V at positions ``[start, length)`` (of
         each attention layer of ``kv``, laid out by position as a prefill gives it) stacked into
         one tensor, and a copy of its last logits."""
-        tail = torch.stack([torch.stack((kv[layer][0][prompt, :, start:length], kv[layer][1][prompt, :, start:length]))
-                            for layer in sorted(kv)])
-        return cls({}, None, last_logits.detach().clone(), length, start, tail)
+        return cls.tails_of(kv, [prompt], [last_logits], [start], [length])[0]
 
     @classmethod
     def tails_of(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], prompts: list[int],
