@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu.train import optimizer_steps  # noqa: E402
 from tinsmith.devtools.host_syncs import HostSyncs  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
-from tinsmith.models import grouped_lora, moe  # noqa: E402
+from tinsmith.models import grouped_lora, lora_bank, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
 from tinsmith.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec  # noqa: E402
@@ -132,8 +132,10 @@ def decode_step_kernels(model, rows: int, slots: list[int | None] = (None,), top
         sampler._admit(done)
         sampler._decode_step(done)  # the bucket's buffers and the cache's pages
         bucket = bucket_for(rows)
+        groups = sampler.graphs._groups  # the rows' bank positions, as the step before laid them out
+        assert (groups is not None) == any(s is not None for s in slots)
         with triton_launches_counted(counter), counter:
-            sampler.graphs._step(sampler.graphs._inputs[bucket], None, Variant(bucket, False, False, False))
+            sampler.graphs._step(sampler.graphs._inputs[bucket], groups, Variant(bucket, groups is not None, False, False))
     ops = counter.ops
     launches = sum(v for k, v in ops.items() if k.startswith("triton."))
     return {"rows": rows, "kernels": sum(ops.values()), "triton_launches": launches, "top": dict(ops.most_common(top))}
@@ -299,6 +301,8 @@ def main() -> None:
                     help="count one admission of REQUESTS new 128-token prompts (their prefill) instead")
     ap.add_argument("--adapters", type=int, default=0,
                     help="LoRA adapters the rows of --prefill and --decode take in turn (0: the base model)")
+    ap.add_argument("--expands-apart", action="store_true",
+                    help="--decode: every LoRA expand its own launch (none left to the kernels reading its output)")
     ap.add_argument("--training-kernels", action="store_true",
                     help="train through the norm/rotary/SiLU kernels (in Triton's interpreter)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype for training counts")
@@ -312,6 +316,7 @@ def main() -> None:
         raise SystemExit("the Triton kernels run in the interpreter here: set TRITON_INTERPRET=1")
     if args.admission or args.decode or args.prefill:
         moe.GROUPED_MM = "grouped"  # several adapters' grouped matmuls run here as on a GPU
+        lora_bank.FUSED_EXPANDS = not args.expands_apart
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
             make_tiny_model(Path(d) / "m", args.family, shape, seed=0)

@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         sa.item(f"{big}/replay_profile", lambda: profile.decode_replayed(dirs[big], device, a.quick))
         sa.item(f"{big}/decode_bursts", lambda: sample.decode_bursts(dirs[big], device, a.quick))
         sa.item(f"{big}/dependent_launches", lambda: sample.dependent_launches(dirs[big], device, a.quick))
+        sa.item(f"{big}/expands_in_kernels", lambda: sample.expands_in_kernels(dirs[big], device, a.quick))
         # the SDK on pyqwest, as the hosted service leaves it: its client CPU a request
         sa.item(f"{big}/sdk_pyqwest", lambda: sample.through_sdk(
             dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-")), transport="pyqwest"))

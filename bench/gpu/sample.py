@@ -18,6 +18,7 @@ from bench.cpu_times import cpu_seconds, own_cpu_seconds
 from bench.gpu.peak import sync
 from bench.gpu.shapes import param_counts
 from tinsmith.kernels import lora_segments, pdl
+from tinsmith.models import lora_bank
 from tinsmith.models.loading import load_model
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import LoraSpec, SampleInput, SamplingParams
@@ -157,12 +158,32 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
     return out
 
 
+def _switch_compared(lm, device, z: dict, rows: int, cases: list[tuple[str, list]], switch, on, off) -> dict:
+    """Decode tokens/s of ``rows`` rows of each case's ``slots`` with ``switch(on)`` and
+    ``switch(off)``, in one process: each mode decodes on a sampler of its own (its graphs captured
+    in that mode), the second of two equal runs timed, in the order on, off, on (so drift shows);
+    ``on_vs_off`` divides the two on runs' mean by the off run."""
+    out: dict = {}
+    for label, slots in cases:
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        for mode in ("on", "off", "on"):
+            switch(on if mode == "on" else off)
+            sampler = server_sampler(lm.model, device, rows)
+            run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=1)  # its captures
+            rates[mode].append(rows * z["new"] / run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=2))
+            del sampler
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        mean_on = sum(rates["on"]) / len(rates["on"])
+        out[label] = {"on_tokens_per_s": rates["on"], "off_tokens_per_s": rates["off"][0],
+                      "on_vs_off": mean_on / rates["off"][0]}
+    return out
+
+
 def dependent_launches(model_dir, device, quick: bool) -> dict:
     """Decode tokens/s with the Triton kernels launched dependent on the kernel before
     (:mod:`tinsmith.kernels.pdl`) and launched as before, in one process: the first row count's rows
-    of the base model and over 8 adapters. Each mode decodes on a sampler of its own (its graphs
-    captured in that mode), the second of two equal runs timed, in the order on, off, on (so drift
-    shows); ``on_vs_off`` divides the two on runs' mean by the off run."""
+    of the base model and over 8 adapters (:func:`_switch_compared`)."""
     z = sizes(quick)
     rows = z["rows"][0]
     lm = load_model(str(model_dir), device=device)
@@ -171,24 +192,41 @@ def dependent_launches(model_dir, device, quick: bool) -> dict:
     probe = torch.empty(1, device=device)
     out: dict = {"rows": rows, "active": pdl.active(probe),
                  "off_reason": pdl.off_reason(device) if device.type == "cuda" else "not a CUDA device"}
-    switch = pdl.ENABLED  # as the run had it (the server's option), put back after
+    before = pdl.ENABLED  # as the run had it (the server's option), put back after
+
+    def switch(mode: str) -> None:
+        pdl.ENABLED = mode
+
     try:
-        for label, slots in (("base", [None]), ("adapters_8", units)):
-            rates: dict[str, list[float]] = {"auto": [], "off": []}
-            for mode in ("auto", "off", "auto"):
-                pdl.ENABLED = mode
-                sampler = server_sampler(lm.model, device, rows)
-                run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=1)  # its captures
-                rates[mode].append(rows * z["new"] / run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=2))
-                del sampler
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            on = sum(rates["auto"]) / len(rates["auto"])
-            out[label] = {"on_tokens_per_s": rates["auto"], "off_tokens_per_s": rates["off"][0],
-                          "on_vs_off": on / rates["off"][0]}
+        out.update(_switch_compared(lm, device, z, rows, [("base", [None]), ("adapters_8", units)], switch, "auto",
+                                    "off"))
     finally:
-        pdl.ENABLED = switch
+        pdl.ENABLED = before
     return out
+
+
+def expands_in_kernels(model_dir, device, quick: bool) -> dict:
+    """Decode tokens/s of the first row count's rows over 8 and 64 adapters with the adapter banks'
+    expands left to the kernels that read their projections' outputs (the SiLU product, the kernel
+    turning the q/k heads and storing the keys and values: :data:`tinsmith.models.lora_bank.FUSED_EXPANDS`)
+    and with every expand its own launch, in one process (:func:`_switch_compared`); on a CPU both
+    modes run the same torch ops."""
+    z = sizes(quick)
+    rows = z["rows"][0]
+    lm = load_model(str(model_dir), device=device)
+    rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
+    units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]
+    before = lora_bank.FUSED_EXPANDS
+
+    def switch(fused: bool) -> None:
+        lora_bank.FUSED_EXPANDS = fused
+
+    try:
+        out = _switch_compared(lm, device, z, rows, [("adapters_8", units[:8]), ("adapters_64", units)], switch,
+                               True, False)
+    finally:
+        lora_bank.FUSED_EXPANDS = before
+    return {"rows": rows, **out}
 
 
 def decode_bursts(model_dir, device, quick: bool) -> dict:

@@ -16,7 +16,7 @@ RECORDED_TRAIN = {"lora": train, "lora_headline": train, "peft_baseline": train,
                   "launch_costs": train, "copies_behind_work": train, "attention_backends": train,
                   "sft_curves": curves, "train_step": profile}
 RECORDED_SAMPLE = {"in_process": sample, "through_sdk": sample, "generate_baseline": sample, "decode_bursts": sample,
-                   "dependent_launches": sample, "beside_training": sample, "fair_share": sample,
+                   "dependent_launches": sample, "expands_in_kernels": sample, "beside_training": sample, "fair_share": sample,
                    "decode_attention": sample, "delta_rule_step": sample, "token_choice": sample, "lora_gather": sample,
                    "kv_layouts": sample, "prefix_waves": sample, "chunked_prefill": sample, "graphs_vs_eager": sample,
                    "decode_step": profile, "decode_replayed": profile}

@@ -44,7 +44,9 @@ for on in (False, True):
                                    "page_ptr": "*i64", "at_ptr": "*i64", "d": "i32",
                                    **{f"stride_{s}": "i64" for s in ("kn", "kh", "vn", "vh", "page", "head", "pos")}},
           {"BLOCK_D": 128, "PDL": on})
-    build(swiglu._silu_mul_kernel, {"y_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "stride_row": "i64"},
+    build(swiglu._silu_mul_kernel, {"y_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "stride_row": "i64",
+                                    "h_ptr": "*fp32", "b_ptr": "*bf16", "idx_ptr": "*i64",
+                                    **{f"stride_{s}": "i64" for s in ("hn", "bs", "bo")}},
           {"BLOCK": 1024, "PDL": on})
 """
 

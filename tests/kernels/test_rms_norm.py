@@ -284,20 +284,25 @@ for dt in sys.argv[1:]:
            "d": "i32", "eps": "fp32", "stride_row": "i64", "stride_head": "i64", "stride_w": "i64",
            "stride_rot": "i64", "K_ptr": f"*{dt}", "V_ptr": f"*{dt}", "v_ptr": f"*{dt}", "page_ptr": "*i64",
            "at_ptr": "*i64", "stride_vn": "i64", "stride_vh": "i64", "stride_page": "i64", "stride_kh": "i64",
-           "stride_pos": "i64", "BLOCK_D": "constexpr", "ROTARY": "constexpr", "RESIDUAL": "constexpr",
-           "STORE": "constexpr", "NORM": "constexpr", "PDL": "constexpr"}
+           "stride_pos": "i64", "h_ptr": "*fp32", "b_ptr": f"*{dt}", "idx_ptr": "*i64", "hoff_ptr": "*i32",
+           "stride_hn": "i64", "stride_bs": "i64", "stride_bo": "i64", "v_col": "i64"}
     pdl = dt == "bf16"  # bf16's with the dependent-launch wait (tinsmith.kernels.pdl)
-    for block, rotary, residual, store, norm in ((128, True, False, False, True), (128, True, False, True, True),
-                                                 (128, True, False, False, False), (128, True, False, True, False),
-                                                 (128, False, False, False, True), (2048, False, False, False, True),
-                                                 (2048, False, True, False, True)):
-        sig_ = {name: sig[name] for name in fn.arg_names}
-        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "STORE": store, "NORM": norm, "PDL": pdl}
+    for block, rotary, residual, store, norm, lora in (
+            (128, True, False, False, True, False), (128, True, False, True, True, False),
+            (128, True, False, False, False, False), (128, True, False, True, False, False),
+            (128, False, False, False, True, False), (2048, False, False, False, True, False),
+            (2048, False, True, False, True, False), (128, True, False, True, True, True),
+            (128, True, False, True, False, True)):
+        sig_ = {name: sig.get(name, "constexpr") for name in fn.arg_names}
+        const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "STORE": store, "NORM": norm, "PDL": pdl,
+                 "LORA": lora, "R": 32 if lora else 1, "BLOCK_R": 32 if lora else 1}
         assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
-    sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "BLOCK": "constexpr",
-           "PDL": "constexpr"}
-    for block in (64, 1024):
-        src = ASTSource(fn=swiglu._silu_mul_kernel, signature=sig, constexprs={"BLOCK": block, "PDL": pdl})
+    sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "h_ptr": "*fp32",
+           "b_ptr": f"*{dt}", "idx_ptr": "*i64", "stride_hn": "i64", "stride_bs": "i64", "stride_bo": "i64"}
+    for block, lora in ((64, False), (1024, False), (128, True)):
+        sig_ = {name: sig.get(name, "constexpr") for name in swiglu._silu_mul_kernel.arg_names}
+        const = {"BLOCK": block, "PDL": pdl, "LORA": lora, "R": 64 if lora else 1, "BLOCK_R": 64 if lora else 1}
+        src = ASTSource(fn=swiglu._silu_mul_kernel, signature=sig_, constexprs=const)
         assert triton.compile(src, target=target).asm["cubin"]
 '''
 

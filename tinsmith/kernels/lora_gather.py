@@ -162,6 +162,24 @@ if triton is not None:
             tickets.hand_back(counter, ticket, SPLITS, BLOCK_R)
 
     @triton.jit
+    def expand_block(h_row, b_rows, slot, o_mask, stride_hr, stride_br, R: tl.constexpr, BLOCK_O: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+        """fp32 ``B[slot, o] @ h`` for a block of outputs ``o`` (``b_rows``: their rows of ``B[slot]``;
+        ``h_row``: the row's shrunk vector), zeros for slot -1: the expand's sum, in its order
+        (``BLOCK_R``: :func:`expand_block_r`). Kernels that read a projection's output take it
+        themselves rather than reading it back after an expand of its own (a decode step's SiLU
+        product, the kernel that turns its q/k heads; :class:`tinsmith.models.lora_bank.PendingExpand`)."""
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = (offs_r < R) & ((offs_r * 0 + slot) >= 0)
+            b = tl.load(b_rows + offs_r[None, :] * stride_br, mask=o_mask[:, None] & r_mask[None, :],
+                        other=0.0).to(tl.float32)
+            h = tl.load(h_row + offs_r * stride_hr, mask=r_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(b * h[None, :], axis=1)
+        return acc
+
+    @triton.jit
     def _bgmv_expand_kernel(h_ptr, b_ptr, idx_ptr, hoff_ptr, y_ptr, O: tl.constexpr, R: tl.constexpr,
                             stride_hn, stride_hr, stride_bs, stride_bo, stride_br, stride_yn, stride_yo,
                             SEGMENTED: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -178,21 +196,19 @@ if triton is not None:
         o_mask = (offs_o < O) & ((offs_o * 0 + slot) >= 0)
         b_rows = b_ptr + tl.maximum(slot, 0) * stride_bs + offs_o[:, None] * stride_bo
         h_row = h_ptr + row.to(tl.int64) * stride_hn
-        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         if SEGMENTED:
+            acc = tl.zeros([BLOCK_O], dtype=tl.float32)
             hoff = tl.load(hoff_ptr + offs_o, mask=offs_o < O, other=0).to(tl.int64)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = (offs_r < R) & ((offs_r * 0 + slot) >= 0)
-            mask2 = o_mask[:, None] & r_mask[None, :]
-            b = tl.load(b_rows + offs_r[None, :] * stride_br, mask=mask2, other=0.0).to(tl.float32)
-            if SEGMENTED:
+            for r0 in range(0, R, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_mask = (offs_r < R) & ((offs_r * 0 + slot) >= 0)
+                mask2 = o_mask[:, None] & r_mask[None, :]
+                b = tl.load(b_rows + offs_r[None, :] * stride_br, mask=mask2, other=0.0).to(tl.float32)
                 h2 = tl.load(h_row + (hoff[:, None] + offs_r[None, :]) * stride_hr, mask=mask2,
                              other=0.0).to(tl.float32)
                 acc += tl.sum(b * h2, axis=1)
-            else:
-                h = tl.load(h_row + offs_r * stride_hr, mask=r_mask, other=0.0).to(tl.float32)
-                acc += tl.sum(b * h[None, :], axis=1)
+        else:
+            acc = expand_block(h_row, b_rows, slot, o_mask, stride_hr, stride_br, R, BLOCK_O, BLOCK_R)
         cols = y_ptr + row.to(tl.int64) * stride_yn + offs_o * stride_yo
         acc += tl.load(cols, mask=o_mask, other=0.0).to(tl.float32)
         tl.store(cols, acc.to(y_ptr.dtype.element_ty), mask=o_mask)
@@ -200,6 +216,12 @@ if triton is not None:
 
 def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+def expand_block_r(R: int) -> int:
+    """The expand's block of the rank (:func:`expand_block`'s ``BLOCK_R``): kernels adding an
+    expand's sum themselves take the same, so they sum in its order."""
+    return _pow2(R, 16, 64)
 
 
 def _shrink_blocks(R: int, K: int, cpu: bool) -> tuple[int, int]:
@@ -284,7 +306,7 @@ def expand_triton(y: torch.Tensor, h: torch.Tensor, B_bank: torch.Tensor, idx: t
     if n == 0:
         return
     cpu = y.device.type == "cpu"
-    block_r = _pow2(R, 16, 64)
+    block_r = expand_block_r(R)
     block_n = _pow2(N, 16, CPU_MAX_BLOCK if cpu else EXPAND_BLOCK)
     _bgmv_expand_kernel[(n, triton.cdiv(N, block_n))](
         h, B_bank, idx, idx if h_offsets is None else h_offsets, y, N, R, h.stride(0), h.stride(1),

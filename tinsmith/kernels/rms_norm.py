@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tinsmith.kernels import pdl
+from tinsmith.kernels import lora_gather, pdl
 from tinsmith.kernels.guard import KernelGuard
 
 try:  # optional: ``pip install 'tinsmith[gpu]'``
@@ -86,10 +86,28 @@ def store_usable(x: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Ten
             and K.shape == V.shape and K.shape[1] == hk and K.shape[-1] == x.shape[-1])
 
 
+def lora_usable(x: torch.Tensor, v: torch.Tensor, h: torch.Tensor, B: torch.Tensor,
+                h_offsets: torch.Tensor) -> bool:
+    """Whether a decode step's kernel that turns packed q/k heads ``x`` (rows, 1, heads, d) and stores
+    values ``v`` (see :func:`store_usable`) can also add their bank's deltas (``lora``): ``x``'s
+    heads the first columns of the packed output, one every ``d``, ``v``'s further along the same
+    rows, and the bank's ``B`` (positions, columns, R) and ``h`` (rows, parts x R) fp32 with unit
+    stride along the rank, ``h_offsets`` one per column."""
+    d, rows = x.shape[-1], x.shape[0]
+    el = x.element_size()
+    v_col = (v.data_ptr() - x.data_ptr()) // el
+    return (x.dim() == 4 and x.stride(-2) == d and v.stride(-2) == d and v.stride(0) == x.stride(0)
+            and 0 < v_col and v_col + v.shape[-2] * d <= B.shape[1] and x.shape[-2] * d <= v_col
+            and B.dim() == 3 and B.stride(-1) == 1 and h.dtype == torch.float32 and h.dim() == 2
+            and h.shape[0] == rows and h.stride(-1) == 1 and h_offsets.shape == (B.shape[1],)
+            and B.dtype == x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
              second: tuple[int, torch.Tensor] | None = None,
-             store: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
+             store: tuple[torch.Tensor, ...] | None = None,
+             lora: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
     """``weight * F.rms_norm(x.float(), eps=eps).to(x.dtype)`` in one kernel (a new contiguous
     tensor), or None when the kernel failed here (the caller takes the torch path).
 
@@ -104,6 +122,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     new keys, the heads from ``s`` on as they come out, are also written to ``K[page[r], :,
     at[r]]`` and the row's ``v`` to ``V`` there, as :func:`tinsmith.kernels.kv_store.store` writes
     them, in this kernel instead of one of their own (one launch less per attention layer and step).
+    ``lora`` (with ``store``; see :func:`lora_usable`): ``(h, B, idx, h_offsets)``, the packed q/k/v
+    bank's expand left to this kernel (:class:`tinsmith.models.lora_bank.PendingExpand`): each row's
+    deltas are added to its q/k heads and values as they are loaded, as the expand would have added
+    and rounded them (another launch less); ``x`` and ``v`` are only read.
     """
     d = x.shape[-1]
     per_head = weight.dim() == 2 or second is not None
@@ -116,16 +138,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     turn = None if rotary is None else tuple(t.reshape(-1, d) for t in rotary)
     split, w2 = second if second is not None else (heads, weight)
     return GUARD.call(_launch, flat, weight.reshape(-1, d), w2.reshape(-1, d), split, out, eps, turn, None, store,
-                      on=x)
+                      lora, on=x)
 
 
 def turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: int | None = None,
-         store: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
+         store: tuple[torch.Tensor, ...] | None = None,
+         lora: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
     """:func:`tinsmith.models.layers.apply_rotary` of heads ``x`` (..., heads, d) in one kernel, with
     its roundings (a new contiguous tensor), or None when the kernel failed here: the rotary of a
     model without q/k norms (Llama), four torch kernels otherwise. ``store`` (with ``split``, the
     first key head; see :func:`rms_norm`): a decode step's keys and values written to the K/V pools
-    in the same kernel."""
+    in the same kernel, and ``lora`` with it, the q/k/v bank's deltas added first (:func:`rms_norm`)."""
     d = x.shape[-1]
     heads = x.shape[-2]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -134,7 +157,7 @@ def turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: in
     flat = x.reshape(-1, heads, d)
     turn_ = tuple(t.reshape(-1, d) for t in (cos, signed_sin))
     return GUARD.call(_launch, flat, None, None, heads if split is None else split, out, 0.0, turn_, None, store,
-                      on=x)
+                      lora, on=x)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -156,7 +179,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, weight2: torch.Tensor | None, split: int, out: torch.Tensor,
             eps: float, rotary: tuple[torch.Tensor, torch.Tensor] | None,
             residual: tuple[torch.Tensor, torch.Tensor] | None,
-            store: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+            store: tuple[torch.Tensor, ...] | None = None,
+            lora: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """The kernel over ``x`` (vectors, heads, d); ``weight`` None: no norm (the rotary alone)."""
     n, heads, d = x.shape
     block = triton.next_power_of_2(d)
@@ -173,11 +197,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, weight2: torch.Tensor 
         K = V = v = x
         page = at = x
         kv_strides = (0, 0, 0, 0, 0)
+    if lora is not None:  # with STORE (lora_usable)
+        h, B, idx, h_offsets = lora
+        R = B.shape[2]
+        lora_args = (h, B, idx, h_offsets, h.stride(0), B.stride(0), B.stride(1),
+                     (v.data_ptr() - x.data_ptr()) // x.element_size())
+        lora_const = dict(R=R, BLOCK_R=lora_gather.expand_block_r(R))
+    else:  # unread without LORA
+        lora_args = (x, x, x, x, 0, 0, 0, 0)
+        lora_const = dict(R=1, BLOCK_R=1)
+    warps = 4 if block >= 1024 or lora is not None else (2 if block >= 256 else 1)
     _rms_norm_kernel[(n * heads,)](
         x, weight, weight2, out, delta, total, cos, sin, heads, split, d, eps, x.stride(0), x.stride(1),
-        weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0), K, V, v, page, at, *kv_strides,
+        weight.stride(0) if weight.shape[0] > 1 else 0, cos.stride(0), K, V, v, page, at, *kv_strides, *lora_args,
         BLOCK_D=block, ROTARY=rotary is not None, RESIDUAL=residual is not None, STORE=store is not None,
-        NORM=norm, num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl.options(x))
+        NORM=norm, LORA=lora is not None, **lora_const, num_warps=warps, **pdl.options(x))
     return out
 
 
@@ -194,12 +228,25 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _with_delta(x, first, cols, mask, slot, row, h_ptr, b_ptr, hoff_ptr, stride_hn, stride_bs, stride_bo,
+                    dtype: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        """``x`` (fp32, a vector at columns ``first + cols`` of a packed projection's row) plus the
+        row's adapter delta there, rounded to ``dtype``: the expand's sum and rounding. The vector's
+        columns lie in one part, whose shrunk vector starts at ``h_offsets[first]``."""
+        part = tl.load(hoff_ptr + first).to(tl.int64)
+        b_rows = b_ptr + tl.maximum(slot, 0) * stride_bs + (first + cols)[:, None] * stride_bo
+        delta = lora_gather.expand_block(h_ptr + row * stride_hn + part, b_rows, slot, mask, 1, 1, R, BLOCK_D,
+                                         BLOCK_R)
+        return (x + delta).to(dtype).to(tl.float32)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, res_ptr, sum_ptr, cos_ptr, sin_ptr, heads, split, d, eps,
                          stride_row, stride_head, stride_w, stride_rot,
                          K_ptr, V_ptr, v_ptr, page_ptr, at_ptr, stride_vn, stride_vh, stride_page, stride_kh,
-                         stride_pos,
+                         stride_pos, h_ptr, b_ptr, idx_ptr, hoff_ptr, stride_hn, stride_bs, stride_bo, v_col,
                          BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, RESIDUAL: tl.constexpr,
-                         STORE: tl.constexpr = False, NORM: tl.constexpr = True, PDL: tl.constexpr = False):
+                         STORE: tl.constexpr = False, NORM: tl.constexpr = True, LORA: tl.constexpr = False,
+                         R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1, PDL: tl.constexpr = False):
         """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
         weight (in fp32, rounded once to the output dtype: what a bf16 product does). ``ROTARY``:
         then ``n * cos + roll(n, d/2) * signed_sin`` with each product and the sum rounded, as
@@ -208,7 +255,10 @@ if triton is not None:
         ``x + res`` rounded to the dtype, as a bf16 add rounds, and is written to ``sum_ptr`` too.
         ``STORE`` (one position a row): a head from ``split`` on (a key) is also written to its
         row's page and offset of the ``K`` pool, and the row's value of that head copied to ``V``.
-        ``NORM`` off (with ``ROTARY``): the vector is turned as it is, neither normalised nor scaled."""
+        ``NORM`` off (with ``ROTARY``): the vector is turned as it is, neither normalised nor scaled.
+        ``LORA`` (with ``STORE``): every vector loaded (the head, its rolled copy, the value) first
+        gets its row's adapter delta for its columns of the packed output, rounded to the dtype
+        as the expand rounds it (:func:`_with_delta`)."""
         pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         pid = tl.program_id(0).to(tl.int64)
         row = pid // heads
@@ -218,6 +268,10 @@ if triton is not None:
         base = x_ptr + row * stride_row + head * stride_head
         dtype = out_ptr.dtype.element_ty
         x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        if LORA:
+            adapter = tl.load(idx_ptr + row).to(tl.int64)
+            x = _with_delta(x, head * stride_head, cols, mask, adapter, row, h_ptr, b_ptr, hoff_ptr, stride_hn,
+                            stride_bs, stride_bo, dtype, R, BLOCK_D, BLOCK_R)
         if RESIDUAL:
             total = (x + tl.load(res_ptr + pid * d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
             tl.store(sum_ptr + pid * d + cols, total, mask=mask)
@@ -231,6 +285,9 @@ if triton is not None:
         if ROTARY:
             rolled = (cols + d // 2) % d  # roll(x, d/2)[i] = x[(i - d/2) mod d]
             xr = tl.load(base + rolled, mask=mask, other=0.0).to(tl.float32)
+            if LORA:
+                xr = _with_delta(xr, head * stride_head, rolled, mask, adapter, row, h_ptr, b_ptr, hoff_ptr, stride_hn,
+                                 stride_bs, stride_bo, dtype, R, BLOCK_D, BLOCK_R)
             if NORM:
                 wr = _weight(w_ptr, w2_ptr, head, split, stride_w, rolled, mask)
                 normed_r = (wr * (xr * rstd).to(dtype).to(tl.float32)).to(dtype)
@@ -249,4 +306,7 @@ if triton is not None:
                         + tl.load(at_ptr + row).to(tl.int64) * stride_pos)
                 tl.store(K_ptr + slot + cols, normed, mask=mask)
                 value = tl.load(v_ptr + row * stride_vn + g * stride_vh + cols, mask=mask, other=0.0)
+                if LORA:
+                    value = _with_delta(value.to(tl.float32), v_col + g * stride_vh, cols, mask, adapter, row, h_ptr,
+                                        b_ptr, hoff_ptr, stride_hn, stride_bs, stride_bo, dtype, R, BLOCK_D, BLOCK_R)
                 tl.store(V_ptr + slot + cols, value, mask=mask)

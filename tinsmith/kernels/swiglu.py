@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tinsmith.kernels import pdl
+from tinsmith.kernels import lora_gather, pdl
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
 
@@ -33,14 +33,26 @@ GUARD = KernelGuard("SiLU-and-multiply kernel", "multiplying in torch")
 BLOCK = 1024  # columns a program takes
 
 
-def usable(y: torch.Tensor) -> bool:
-    """Whether :func:`silu_mul` takes the kernel for ``y`` (rows, 2 x width): outside autograd, its
-    rows at one stride with unit stride along them, and not once the kernel failed here."""
+def allowed(x: torch.Tensor) -> bool:
+    """Whether :func:`silu_mul` may run at all for tensors like ``x``: outside autograd, where
+    :data:`BACKEND` sends ``x``, and not once the kernel failed here."""
     if triton is None or BACKEND == "torch" or GUARD.failed is not None:
         return False
-    if (BACKEND == "auto" and not y.is_cuda) or torch.is_grad_enabled():
-        return False
-    return y.dim() == 2 and y.shape[1] % 2 == 0 and y.stride(-1) == 1 and y.dtype.is_floating_point
+    return not ((BACKEND == "auto" and not x.is_cuda) or torch.is_grad_enabled())
+
+
+def usable(y: torch.Tensor) -> bool:
+    """Whether :func:`silu_mul` takes the kernel for ``y`` (rows, 2 x width): :func:`allowed`, its
+    rows at one stride with unit stride along them."""
+    return (allowed(y) and y.dim() == 2 and y.shape[1] % 2 == 0 and y.stride(-1) == 1
+            and y.dtype.is_floating_point)
+
+
+def lora_usable(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor) -> bool:
+    """Whether :func:`silu_mul` can also add a gate/up bank's deltas (its expand left to it: ``h``
+    (rows, 2 x R) fp32, the gate's shrunk vectors then the up's, ``B`` (positions, 2 x width, R))."""
+    return (usable(y) and B.dim() == 3 and B.shape[1] == y.shape[1] and h.shape == (y.shape[0], 2 * B.shape[2])
+            and h.dtype == torch.float32 and h.stride(-1) == 1 and B.stride(-1) == 1)
 
 
 def grad_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -157,30 +169,54 @@ def _launch_flat(kernel, *tensors: torch.Tensor) -> torch.Tensor:
     return tensors[-1]
 
 
-def silu_mul(y: torch.Tensor) -> torch.Tensor | None:
+def silu_mul(y: torch.Tensor, lora: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
     """``F.silu(y[:, :i]) * y[:, i:]`` with ``i`` half of ``y``'s columns, as a new contiguous
-    (rows, i) tensor; None when the kernel failed here (the caller takes the torch path)."""
+    (rows, i) tensor; None when the kernel failed here (the caller takes the torch path).
+
+    ``lora``: ``(h, B, idx, ...)``, a gate/up bank's expand left to this kernel
+    (:class:`tinsmith.models.lora_bank.PendingExpand`, :func:`lora_usable`): each row's ``B[idx] @
+    h`` is added to its gate and up values as they are loaded, as the expand would have added and
+    rounded them; ``y`` is only read."""
     rows, width = y.shape[0], y.shape[1] // 2
     out = torch.empty(rows, width, dtype=y.dtype, device=y.device)
     if out.numel() == 0:
         return out
-    return GUARD.call(_launch, y, out, on=y)
+    return GUARD.call(_launch, y, out, lora, on=y)
 
 
-def _launch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+# Columns a program takes while adding adapters' deltas on a GPU (a block of B's rows at every
+# rank is held at once): the expand's own width (lora_gather.EXPAND_BLOCK).
+LORA_BLOCK = 128
+
+
+def _launch(y: torch.Tensor, out: torch.Tensor, lora: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     rows, width = out.shape
     block = min(BLOCK, triton.next_power_of_2(width))
-    _silu_mul_kernel[(rows, triton.cdiv(width, block))](y, out, width, y.stride(0), BLOCK=block,
-                                                        num_warps=4 if block >= 512 else 1, **pdl.options(y))
+    if lora is None:
+        h = B = idx = y  # unread without LORA
+        R = block_r = 1
+    else:
+        h, B, idx = lora[:3]
+        R = B.shape[2]
+        block_r = lora_gather.expand_block_r(R)
+        if y.is_cuda:
+            block = min(block, LORA_BLOCK)
+    _silu_mul_kernel[(rows, triton.cdiv(width, block))](
+        y, out, width, y.stride(0), h, B, idx, h.stride(0), B.stride(0), B.stride(1), R=R, BLOCK_R=block_r,
+        LORA=lora is not None, BLOCK=block, num_warps=4 if block >= 512 or lora is not None else 1, **pdl.options(y))
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(y_ptr, out_ptr, width, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _silu_mul_kernel(y_ptr, out_ptr, width, stride_row, h_ptr, b_ptr, idx_ptr, stride_hn, stride_bs, stride_bo,
+                         BLOCK: tl.constexpr, LORA: tl.constexpr = False, R: tl.constexpr = 1,
+                         BLOCK_R: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Columns ``[pid1 * BLOCK, ...)`` of one row: the gate half's SiLU, rounded to the
-        dtype, times the up half, rounded."""
+        dtype, times the up half, rounded. ``LORA``: the row's adapter deltas first added to both
+        halves, each rounded to the dtype as the expand rounds them (gate: ``h[row, :R]``, up:
+        ``h[row, R:]``, through the row's ``B``; nothing for slot -1)."""
         pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -188,6 +224,14 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         g = tl.load(y_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(y_ptr + row * stride_row + width + cols, mask=mask, other=0.0).to(tl.float32)
+        if LORA:
+            slot = tl.load(idx_ptr + row).to(tl.int64)
+            b_rows = b_ptr + tl.maximum(slot, 0) * stride_bs + cols[:, None] * stride_bo
+            h_row = h_ptr + row * stride_hn
+            g = (g + lora_gather.expand_block(h_row, b_rows, slot, mask, 1, 1, R, BLOCK, BLOCK_R)).to(dtype).to(
+                tl.float32)
+            u = (u + lora_gather.expand_block(h_row + R, b_rows + width * stride_bo, slot, mask, 1, 1, R, BLOCK,
+                                              BLOCK_R)).to(dtype).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * width + cols, (act * u).to(dtype), mask=mask)
 

@@ -23,7 +23,7 @@ from tinsmith.kernels import swiglu
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments, trained_together
-from tinsmith.models.lora_bank import adapters_changed
+from tinsmith.models.lora_bank import PendingExpand, adapters_changed
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
 _WEIGHT_VERSIONS = itertools.count(1)  # one sequence for every model: a version is never handed out twice
@@ -113,7 +113,8 @@ def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torc
 
 def turn_and_store(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: int, v: torch.Tensor,
                    target: tuple[torch.Tensor, ...],
-                   norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> torch.Tensor | None:
+                   norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+                   lora: tuple[PendingExpand, torch.Tensor] | None = None) -> torch.Tensor | None:
     """A decode step's packed q/k heads ``x`` turned (after their norm where ``norm``: ``(weight,
     eps, weight2)``, the q heads' weight, its eps, the k heads' from ``split`` on:
     :func:`norm_and_rotary`; else :func:`apply_rotary` alone, a model without q/k norms), the
@@ -121,18 +122,34 @@ def turn_and_store(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     the K/V cache at ``target`` (``(K, V, page, at)``: the pools, and each row's page and offset,
     where the step's attention would write them), all in one kernel: a launch less per attention
     layer and step. None where that kernel does not take it here; the caller then turns the heads,
-    and the attention stores, as before."""
+    and the attention stores, as before. ``lora``: ``(pending, y)``, the q/k/v bank's expand not yet
+    added into the packed output ``y`` that ``x`` and ``v`` view: the kernel adds it as it loads
+    them (a launch less again) where it can; otherwise, and where the kernel fails, it is added into
+    ``y`` here, so the caller's paths find it there whatever this returns."""
     K, V, page, at = target
     store = (K, V, v, page, at)
-    if not (rms_kernel.store_usable(x, v, K, V, split) and rms_kernel.rotary_usable(x, cos, signed_sin)):
+    usable = rms_kernel.store_usable(x, v, K, V, split) and rms_kernel.rotary_usable(x, cos, signed_sin)
+    if norm is None:
+        usable = usable and rms_kernel.turn_usable(x, cos, signed_sin)
+    else:
+        usable = usable and rms_kernel.usable(x, norm[0])
+    args = None
+    if lora is not None:
+        pending, y = lora
+        args = pending.kernel_args()
+        if not (usable and rms_kernel.lora_usable(x, v, *args[:2], args[3])):
+            pending.apply_(y)
+            args = None
+    if not usable:
         return None
     if norm is None:
-        return rms_kernel.turn(x, cos, signed_sin, split, store=store) if rms_kernel.turn_usable(
-            x, cos, signed_sin) else None
-    weight, eps, weight2 = norm
-    if not rms_kernel.usable(x, weight):
-        return None
-    return rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), (split, weight2), store=store)
+        turned = rms_kernel.turn(x, cos, signed_sin, split, store=store, lora=args)
+    else:
+        weight, eps, weight2 = norm
+        turned = rms_kernel.rms_norm(x, weight, eps, (cos, signed_sin), (split, weight2), store=store, lora=args)
+    if turned is None and args is not None:  # the kernel failed here (it writes nothing of y)
+        pending.apply_(y)
+    return turned
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -372,14 +389,16 @@ class Attention(nn.Module):
         stored = False  # whether this step's keys and values are in the cache already
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
             # Inference: one GEMM for q, k and v; norm and rotary over q and k heads together.
-            y = packed.project(x.reshape(b * L, -1), segments)
-            qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
-            v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
-            # A decode step's attention may take its keys and values written by the kernel that turns them.
+            # A decode step's attention may take its keys and values written by the kernel that
+            # turns them, which then also adds the adapters' deltas (the bank's expand left to it).
             targets = getattr(attend, "store_target", None) if L == 1 else None  # None: no kernel can
             target = None if targets is None else targets(self.layer_idx)
+            y, pending = packed.project_leaving_expand(x.reshape(b * L, -1), segments, leave=target is not None)
+            qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
+            v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
             norm = None if self.q_norm is None else (self.q_norm.weight, self.q_norm.eps, self.k_norm.weight)
-            turned = None if target is None else turn_and_store(qk, cos, sin, H, v, target, norm)
+            lora = None if pending is None else (pending, y)
+            turned = None if target is None else turn_and_store(qk, cos, sin, H, v, target, norm, lora)
             stored = turned is not None
             if stored:
                 qk = turned
@@ -435,9 +454,17 @@ class MLP(nn.Module):
         packed = self.packed_gate_up
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
             i = self.gate_proj.out_features
-            y = packed.project(x.reshape(-1, x.shape[-1]), segments)
-            h = swiglu.silu_mul(y) if swiglu.usable(y) else None
-            if h is None:  # the torch path, or the kernel failed here
+            x2 = x.reshape(-1, x.shape[-1])
+            # Where the kernel runs, it also adds the adapters' deltas (the bank's expand left to it).
+            y, pending = packed.project_leaving_expand(x2, segments, leave=swiglu.allowed(x2))
+            lora = None if pending is None else pending.kernel_args()
+            if lora is not None and not swiglu.lora_usable(y, *lora[:2]):
+                pending.apply_(y)
+                lora = None
+            h = swiglu.silu_mul(y, lora) if swiglu.usable(y) else None
+            if h is None:  # the torch path, or the kernel failed here (it writes nothing of y)
+                if lora is not None:
+                    pending.apply_(y)
                 h = F.silu(y[:, :i]).mul_(y[:, i:])
             h = h.view(*x.shape[:-1], i)
         else:

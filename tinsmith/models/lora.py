@@ -27,7 +27,7 @@ from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
 from tinsmith.models.lora_tenants import (TenantStack, tenants_group, tenants_group_applied, tenants_linear,
                                           tenants_linear_applied)
-from tinsmith.models.lora_bank import AdapterSlots, LoraBank, RowSlots, add_bank_delta_
+from tinsmith.models.lora_bank import AdapterSlots, LoraBank, PendingExpand, RowSlots, add_bank_delta_
 from tinsmith.transfers import to_device
 
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
@@ -402,20 +402,28 @@ class PackedProjection:
         :func:`tinsmith.models.lora_tenants.tenants_group_applied`), rather than a pair per
         segment and layer (64 adapters' prompts on q/k/v: 3 launches, not 384).
         """
+        return self.project_leaving_expand(x2, segments, leave=False)[0]
+
+    def project_leaving_expand(self, x2: torch.Tensor, segments: Segments | RowGroups | RowSlots | None,
+                               leave: bool) -> tuple[torch.Tensor, PendingExpand | None]:
+        """:meth:`project`, and with ``leave`` (the caller's next kernel can add a bank's deltas to
+        what it reads) the bank's expand left to that kernel where it can be: ``(y, pending)``, ``y``
+        without the adapters' deltas while ``pending`` is not None (see
+        :func:`tinsmith.models.lora_bank.add_bank_delta_`)."""
         if segments and not isinstance(segments, RowSlots) and not torch.is_grad_enabled():  # callers ask intact()
             several = _tenants_together(tuple(self.layers), x2, segments, training=False)
             if several is not None:
-                return tenants_group_applied(x2, tuple(self.layers), *several, packed=self)
+                return tenants_group_applied(x2, tuple(self.layers), *several, packed=self), None
         y = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
         if isinstance(segments, RowSlots) and len(self.layers) > 1:
             if any(l.adapters for l in self.layers):
                 bank = self.bank(segments)
                 if bank.rank:
-                    add_bank_delta_(y, x2, bank, segments)
+                    return y, add_bank_delta_(y, x2, bank, segments, leave_expand=leave)
         elif segments:
             for layer, (a, b) in zip(self.layers, self.columns):
                 layer.add_lora_(x2, y[:, a:b], segments)
-        return y
+        return y, None
 
 
 def sync_banks(model: nn.Module, rows: RowSlots) -> tuple:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tinsmith.kernels import lora_segments
-from tinsmith.kernels.lora_gather import expand, expand_parts, shrink
+from tinsmith.kernels.lora_gather import expand, expand_parts, shrink, triton_usable
 from tinsmith.kernels.lora_segments import RowTiles
 from tinsmith.transfers import to_device
 
@@ -319,22 +319,71 @@ class LoraBank:
             B[:, a:b, :r].copy_((w.B.detach().float() * w.scale).reshape(e, b - a, r))
 
 
-def add_bank_delta_(y: torch.Tensor, x: torch.Tensor, bank: LoraBank, rows: RowSlots) -> None:
+# Whether a decode step leaves a bank's expand to the kernel that reads the projection's output
+# (the SiLU product after gate/up, the kernel turning the q/k heads and storing the keys and values
+# after q/k/v), where that kernel runs: a launch less per such projection and step, and the
+# output not written and read back once more. False: every expand launches on its own
+# (benchmarks compare the two).
+FUSED_EXPANDS = True
+
+
+@dataclass
+class PendingExpand:
+    """A bank's shrink taken, its expand not yet added into the projection's output ``y``.
+
+    The kernel that reads ``y`` next adds each row's ``B[idx[row]] @ h[row]`` to the values it
+    loads, as the expand would have (:func:`tinsmith.kernels.lora_gather.expand_block`: the same
+    fp32 sum, rounded once to ``y``'s dtype), so ``y`` itself keeps the base projection alone.
+    Whoever holds one and cannot hand it to such a kernel calls :meth:`apply_` before ``y`` is read.
+    """
+
+    h: torch.Tensor  # (rows, parts * R) fp32: every part's shrunk vector side by side
+    B: torch.Tensor  # the bank's (positions, out, R), scale folded in
+    idx: torch.Tensor  # (rows,) bank position of each row, -1 for none
+    h_offsets: torch.Tensor  # (out,) int32: where in ``h`` each output column's part starts
+    columns: list[tuple[int, int]] | None  # the parts' columns of a packed bank; None for one layer
+
+    def apply_(self, y: torch.Tensor) -> None:
+        """Add the deltas into ``y`` in place, by the expand's own launch."""
+        if self.columns is None:
+            expand(y, self.h, self.B, self.idx)
+        else:
+            expand_parts(y, self.h, self.B, self.idx, self.columns, self.h_offsets)
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(h, B, idx, h_offsets)``, what the kernels that take the expand read."""
+        return self.h, self.B, self.idx, self.h_offsets
+
+
+def add_bank_delta_(y: torch.Tensor, x: torch.Tensor, bank: LoraBank, rows: RowSlots,
+                    leave_expand: bool = False) -> PendingExpand | None:
     """Add each row's adapter delta from ``bank`` into ``y`` (rows, out) in place, for ``x`` (rows,
     in): one shrink and one expand for every adapter of the batch (and every part of a packed
     bank). By tiles of rows sharing an adapter where the rows carry them and the outputs allow it
-    (:mod:`tinsmith.kernels.lora_segments`), else row by row (:mod:`tinsmith.kernels.lora_gather`)."""
+    (:mod:`tinsmith.kernels.lora_segments`), else row by row (:mod:`tinsmith.kernels.lora_gather`).
+
+    ``leave_expand`` (the caller's next kernel can add the deltas itself): where the gathered
+    kernels run and :data:`FUSED_EXPANDS` is on, only the shrink is taken, and what the expand
+    would add is returned instead (``y`` keeps the base projection); otherwise None, ``y`` done."""
     parts = bank.parts > 1
     tiles = rows.tiles
+    if leave_expand and FUSED_EXPANDS and triton_usable(y):
+        h = None
+        if tiles is not None and lora_segments.GUARD.failed is None:
+            h = lora_segments.GUARD.call(lora_segments.shrink, x, bank.A, tiles, on=x)
+        if h is None:
+            h = shrink(x, bank.A, rows.idx)
+        return PendingExpand(h, bank.B, rows.idx, bank.h_offsets, bank.columns if parts else None)
     if tiles is not None and lora_segments.GUARD.failed is None:
         block = lora_segments.expand_block(y.shape[1], bank.columns if parts else None, y.device.type == "cpu")
         if block is not None:
             h = lora_segments.GUARD.call(lora_segments.shrink, x, bank.A, tiles, on=x)
             if h is not None and lora_segments.GUARD.ran(lora_segments.expand, y, h, bank.B, tiles,
                                                          bank.h_offsets if parts else None, block, on=y):
-                return
+                return None
     h = shrink(x, bank.A, rows.idx)
     if parts:
         expand_parts(y, h, bank.B, rows.idx, bank.columns, bank.h_offsets)
     else:
         expand(y, h, bank.B, rows.idx)
+    return None
