@@ -195,7 +195,7 @@ def markdown(s: dict) -> str:
                          f"({_get(dl, 'adapters_8', 'off_tokens_per_s')} tok/s off) {_status(dl)}")
             ek = sa.get(f"{name}/expands_in_kernels")
             if ek:
-                L.append(f"- {name}, {ek.get('rows', '-')} rows, the adapters' q/k/v and gate/up expands taken by the "
+                L.append(f"- {name}, {ek.get('rows', '-')} rows, the adapters' expands taken by the "
                          f"kernels reading their outputs vs each its own launch: 8 adapters "
                          f"{_get(ek, 'adapters_8', 'on_vs_off')}x ({_get(ek, 'adapters_8', 'off_tokens_per_s')} tok/s "
                          f"apart), 64 adapters {_get(ek, 'adapters_64', 'on_vs_off')}x "

@@ -207,8 +207,9 @@ def dependent_launches(model_dir, device, quick: bool) -> dict:
 
 def expands_in_kernels(model_dir, device, quick: bool) -> dict:
     """Decode tokens/s of the first row count's rows over 8 and 64 adapters with the adapter banks'
-    expands left to the kernels that read their projections' outputs (the SiLU product, the kernel
-    turning the q/k heads and storing the keys and values: :data:`tinsmith.models.lora_bank.FUSED_EXPANDS`)
+    expands left to the kernels that read their projections' outputs (the kernel turning the q/k
+    heads and storing the keys and values, the SiLU product, the residual adds and norms:
+    :data:`tinsmith.models.lora_bank.FUSED_EXPANDS`)
     and with every expand its own launch, in one process (:func:`_switch_compared`); on a CPU both
     modes run the same torch ops."""
     z = sizes(quick)

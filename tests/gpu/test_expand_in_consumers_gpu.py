@@ -1,6 +1,7 @@
 """A decode step's LoRA expands taken by the kernels that read the projections' outputs, compiled on
-a GPU: at a 1.7B layer's shapes (64 rows of 8 adapters and base rows, rank 32) the SiLU product and
-the kernel turning the q/k heads give what the expand's own launch and then the kernel give
+a GPU: at a 1.7B layer's shapes (64 rows of 8 adapters and base rows, rank 32) the SiLU product,
+the kernel turning the q/k heads and the residual add and norm give what the expand's own launch
+and then the kernel give
 (within a step of bf16: the sums may be reduced in another order), and a sampler decoding rows of
 several adapters, its steps replayed from CUDA graphs, samples the same with the expands taken
 and left apart."""
@@ -73,6 +74,23 @@ def test_the_kernel_turning_q_and_k_takes_the_qkv_expand_at_a_1_7b_layer(norm):
     cpu_tests.same(got, want)
     cpu_tests.same(K, want_K)
     cpu_tests.same(V, want_V)
+
+
+def test_the_residual_add_and_norm_takes_the_o_or_down_expand_at_a_1_7b_layer():
+    rows, d, rank = 64, 2048, 32
+    g = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16
+    x = (torch.randn(rows, 1, d, generator=g) * 2).to(DEVICE, dtype)
+    delta = torch.randn(rows, 1, d, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
+    h, B, h_offsets, idx = cpu_tests.bank(rows, [d], rank, dtype, DEVICE, seed=5, slots=8)
+    with torch.no_grad():
+        total, out = rk.add_rms_norm(x, delta, w, 1e-6, (h, B, idx, h_offsets))
+        expanded = delta.clone()
+        lg.expand_triton(expanded.view(rows, d), h, B, idx)
+        want_total, want_out = rk.add_rms_norm(x, expanded, w, 1e-6)
+    cpu_tests.same(total, want_total)
+    cpu_tests.same(out, want_out)
 
 
 def test_a_graphed_sampler_of_several_adapters_samples_the_same_either_way(gpu_models, monkeypatch):

@@ -132,6 +132,61 @@ def test_the_kernel_turning_q_and_k_adds_the_qkv_deltas_and_stores_them(dtype, n
     assert not rk.lora_usable(qk, v, h, B.float() if dtype != torch.float32 else B.half(), h_offsets)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d, rank", [(64, 8), (700, 40)])
+def test_the_residual_add_and_norm_adds_the_o_or_down_deltas(dtype, d, rank, monkeypatch):
+    """The residual ``x``, the projection's output ``delta`` and its bank's pending expand: the sum
+    and the norm come out as the expand's own launch and then the kernel give them (rows wider
+    than the kernel's blocks of columns included), ``delta`` unchanged."""
+    device = kernel_device()
+    monkeypatch.setattr(lg, "BACKEND", "triton")
+    monkeypatch.setattr(rk, "BACKEND", "triton")
+    monkeypatch.setattr(rk, "LORA_BLOCK", 128)  # several blocks a row, the last one partial
+    rows = 6
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(rows, 1, d, generator=g) * 2).to(device, dtype)
+    delta = torch.randn(rows, 1, d, generator=g).to(device, dtype)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype)
+    h, B, h_offsets, idx = bank(rows, [d], rank, dtype, device, seed=rank)
+    before = delta.clone()
+    with torch.no_grad():
+        assert rk.add_usable(x, delta, w) and rk.add_lora_usable(x, h, B, h_offsets)
+        total, out = rk.add_rms_norm(x, delta, w, 1e-6, (h, B, idx, h_offsets))
+        expanded = delta.clone()
+        lg.expand_triton(expanded.view(rows, d), h, B, idx)
+        want_total, want_out = rk.add_rms_norm(x, expanded, w, 1e-6)
+    assert torch.equal(delta, before)
+    same(total, want_total)
+    same(out, want_out)
+    assert not torch.equal(total, rk.add_rms_norm(x, delta, w, 1e-6)[0])  # the deltas are there
+    assert not rk.add_lora_usable(x, h, B[:, : d - 1], h_offsets[: d - 1])  # another layer's columns
+    assert not rk.add_lora_usable(x, h[:-1], B, h_offsets)  # other rows
+
+
+def test_an_unexpanded_output_is_finished_where_the_norm_cannot_take_it(monkeypatch):
+    """``add_rms_norm`` given an o or down projection's output with its expand pending, where its
+    kernel does not run (an offset norm, torch's norms): the deltas are added first, and the sum
+    and the norm are the torch path's of the finished output."""
+    from tinsmith.models.lora_bank import PendingExpand, Unexpanded
+
+    device = kernel_device()
+    monkeypatch.setattr(lg, "BACKEND", "triton")
+    monkeypatch.setattr(rk, "BACKEND", "torch")
+    rows, d, rank = 5, 64, 8
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, 1, d, generator=g).to(device)
+    y = torch.randn(rows, 1, d, generator=g).to(device)
+    h, B, h_offsets, idx = bank(rows, [d], rank, torch.float32, device, seed=2)
+    finished = y.clone()
+    lg.expand_torch(finished.view(rows, d), h, B, idx)
+    norm = layers.RMSNorm(d, 1e-6).to(device)
+    with torch.no_grad():
+        total, out = layers.add_rms_norm(x, Unexpanded(y, PendingExpand(h, B, idx, h_offsets, None)), norm)
+        want_total = x + finished
+        torch.testing.assert_close(total, want_total, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, norm(want_total), rtol=1e-6, atol=1e-6)
+
+
 def test_a_step_falls_back_to_the_expand_where_the_kernel_cannot_take_it(monkeypatch):
     """``turn_and_store`` given a bank's pending expand it cannot take (a bank of another dtype) adds
     it into the packed output itself, so the caller's paths read the deltas there."""
@@ -158,9 +213,9 @@ def test_a_step_falls_back_to_the_expand_where_the_kernel_cannot_take_it(monkeyp
 
 def test_a_sampler_mixing_adapters_samples_what_torch_samples_with_fewer_expands(qwen3_dir, monkeypatch):
     """A paged sampler decoding rows of two adapters and the base model, every kernel on: the same
-    tokens and logprobs as the torch path, and each decode step's attention layer launched no
-    expand for q/k/v and its MLP none for gate/up (their kernels took them); the o and down
-    projections keep theirs. With the expands left to their own launches, the same again."""
+    tokens and logprobs as the torch path, and each decode step's layers launched no expand for
+    q/k/v, o, gate/up or down (their kernels took them); only the LM head's is left. With the
+    expands left to their own launches, the same again."""
     import numpy as np
 
     from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
@@ -196,9 +251,9 @@ def test_a_sampler_mixing_adapters_samples_what_torch_samples_with_fewer_expands
                                       for i, (p, s) in enumerate(zip(prompts, slots))])
         widths[name] = set(expands)
     assert not widths["torch"]
-    assert widths["apart"] >= {qkv, gate_up}  # their own launches when left apart...
-    assert qkv not in widths["kernels"] and gate_up not in widths["kernels"]  # ...and none when taken
-    assert widths["kernels"] == widths["apart"] - {qkv, gate_up}  # o and down still expand on their own
+    hidden, vocab = cfg.hidden_size, cfg.vocab_size  # o and down write the hidden size
+    assert widths["apart"] == {qkv, gate_up, hidden, vocab}  # their own launches when left apart...
+    assert widths["kernels"] == {vocab}  # ...and only the LM head's when taken
     for name in ("kernels", "apart"):
         for key, want in results["torch"].items():
             got = results[name][key].sequences[0]

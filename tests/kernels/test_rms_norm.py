@@ -292,10 +292,11 @@ for dt in sys.argv[1:]:
             (128, True, False, False, False, False), (128, True, False, True, False, False),
             (128, False, False, False, True, False), (2048, False, False, False, True, False),
             (2048, False, True, False, True, False), (128, True, False, True, True, True),
-            (128, True, False, True, False, True)):
+            (128, True, False, True, False, True), (2048, False, True, False, True, True)):
         sig_ = {name: sig.get(name, "constexpr") for name in fn.arg_names}
         const = {"BLOCK_D": block, "ROTARY": rotary, "RESIDUAL": residual, "STORE": store, "NORM": norm, "PDL": pdl,
-                 "LORA": lora, "R": 32 if lora else 1, "BLOCK_R": 32 if lora else 1}
+                 "LORA": lora, "R": 32 if lora else 1, "BLOCK_R": 32 if lora else 1,
+                 "LORA_CHUNK": min(block, rk.LORA_BLOCK) if lora else 1}
         assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
     sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "h_ptr": "*fp32",
            "b_ptr": f"*{dt}", "idx_ptr": "*i64", "stride_hn": "i64", "stride_bs": "i64", "stride_bo": "i64"}

@@ -34,7 +34,7 @@ BACKEND = "auto"
 GUARD = KernelGuard("RMSNorm kernel", "normalising in torch")
 
 
-def _allowed(x: torch.Tensor) -> bool:
+def allowed(x: torch.Tensor) -> bool:
     """Whether the kernel may run for ``x`` at all: outside autograd (sampling, no-grad forwards),
     where :data:`BACKEND` sends ``x``, and not once it failed to build or launch here (:data:`GUARD`)."""
     if triton is None or BACKEND == "torch" or GUARD.failed is not None:
@@ -43,8 +43,8 @@ def _allowed(x: torch.Tensor) -> bool:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`rms_norm` takes the kernel for ``x`` (:func:`_allowed`) and ``weight``."""
-    if not _allowed(x):
+    """Whether :func:`rms_norm` takes the kernel for ``x`` (:func:`allowed`) and ``weight``."""
+    if not allowed(x):
         return False
     if x.dim() < 2 or x.stride(-1) != 1 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[-1]:
         return False
@@ -70,9 +70,9 @@ def add_usable(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bo
 
 
 def turn_usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
-    """Whether :func:`turn` takes the kernel for heads ``x`` (..., heads, d) (:func:`_allowed`): unit
+    """Whether :func:`turn` takes the kernel for heads ``x`` (..., heads, d) (:func:`allowed`): unit
     stride in ``d`` and a full-width rotary (:func:`rotary_usable`)."""
-    return _allowed(x) and x.dim() >= 3 and x.stride(-1) == 1 and rotary_usable(x, cos, signed_sin)
+    return allowed(x) and x.dim() >= 3 and x.stride(-1) == 1 and rotary_usable(x, cos, signed_sin)
 
 
 def store_usable(x: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, split: int) -> bool:
@@ -160,11 +160,26 @@ def turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, split: in
                       lora, on=x)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+def add_lora_usable(x: torch.Tensor, h: torch.Tensor, B: torch.Tensor, h_offsets: torch.Tensor) -> bool:
+    """Whether :func:`add_rms_norm` can also add a one-layer bank's deltas to ``delta`` (``lora``):
+    the bank's ``B`` (positions, d, R) in ``x``'s dtype and ``h`` (rows, R) fp32, unit stride along
+    the rank, ``h_offsets`` one per column."""
+    d = x.shape[-1]
+    return (B.dim() == 3 and B.shape[1] == d and B.stride(-1) == 1 and B.dtype == x.dtype
+            and h.dtype == torch.float32 and h.dim() == 2 and h.shape == (x.numel() // max(d, 1), B.shape[2])
+            and h.stride(-1) == 1 and h_offsets.shape == (d,))
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 lora: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(s, weight * F.rms_norm(s.float(), eps=eps).to(x.dtype))`` with ``s = x + delta`` rounded
     to ``x``'s dtype, in one kernel: a residual add and the norm after it (two new tensors), or
-    None when the kernel failed here. See :func:`add_usable`."""
+    None when the kernel failed here. See :func:`add_usable`.
+
+    ``lora`` (see :func:`add_lora_usable`): ``(h, B, idx, h_offsets)``, the expand of the bank of
+    the projection that made ``delta`` left to this kernel: each row's ``B[idx] @ h`` is first
+    added to its ``delta`` as it is loaded, rounded as the expand rounds it (``delta`` is only
+    read), by blocks of columns before the row is normalised (:data:`LORA_BLOCK`)."""
     d = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -172,8 +187,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         return total, out
     w = weight.reshape(-1, d)
     done = GUARD.call(_launch, x.reshape(-1, 1, d), w, w, 1, out, eps, None,
-                      (delta.reshape(-1, d), total), on=x)
+                      (delta.reshape(-1, d), total), None, lora, on=x)
     return None if done is None else (total, out)
+
+
+# Columns a residual add takes at a time while adding a bank's deltas (a block of B's rows at
+# every rank is held at once).
+LORA_BLOCK = 256
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, weight2: torch.Tensor | None, split: int, out: torch.Tensor,
@@ -197,12 +217,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, weight2: torch.Tensor 
         K = V = v = x
         page = at = x
         kv_strides = (0, 0, 0, 0, 0)
-    if lora is not None:  # with STORE (lora_usable)
+    if lora is not None:  # with STORE (lora_usable) or RESIDUAL (add_lora_usable)
         h, B, idx, h_offsets = lora
         R = B.shape[2]
-        lora_args = (h, B, idx, h_offsets, h.stride(0), B.stride(0), B.stride(1),
-                     (v.data_ptr() - x.data_ptr()) // x.element_size())
-        lora_const = dict(R=R, BLOCK_R=lora_gather.expand_block_r(R))
+        v_col = (v.data_ptr() - x.data_ptr()) // x.element_size() if store is not None else 0
+        lora_args = (h, B, idx, h_offsets, h.stride(0), B.stride(0), B.stride(1), v_col)
+        lora_const = dict(R=R, BLOCK_R=lora_gather.expand_block_r(R), LORA_CHUNK=min(block, LORA_BLOCK))
     else:  # unread without LORA
         lora_args = (x, x, x, x, 0, 0, 0, 0)
         lora_const = dict(R=1, BLOCK_R=1)
@@ -246,7 +266,8 @@ if triton is not None:
                          stride_pos, h_ptr, b_ptr, idx_ptr, hoff_ptr, stride_hn, stride_bs, stride_bo, v_col,
                          BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, RESIDUAL: tl.constexpr,
                          STORE: tl.constexpr = False, NORM: tl.constexpr = True, LORA: tl.constexpr = False,
-                         R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1, PDL: tl.constexpr = False):
+                         R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1, LORA_CHUNK: tl.constexpr = 1,
+                         PDL: tl.constexpr = False):
         """One vector: fp32 mean of squares, normalise, round to the input dtype, scale by the
         weight (in fp32, rounded once to the output dtype: what a bf16 product does). ``ROTARY``:
         then ``n * cos + roll(n, d/2) * signed_sin`` with each product and the sum rounded, as
@@ -258,7 +279,9 @@ if triton is not None:
         ``NORM`` off (with ``ROTARY``): the vector is turned as it is, neither normalised nor scaled.
         ``LORA`` (with ``STORE``): every vector loaded (the head, its rolled copy, the value) first
         gets its row's adapter delta for its columns of the packed output, rounded to the dtype
-        as the expand rounds it (:func:`_with_delta`)."""
+        as the expand rounds it (:func:`_with_delta`). ``LORA`` with ``RESIDUAL``: ``res`` gets
+        the delta, ``LORA_CHUNK`` columns at a time (a whole row's block of B would not fit in
+        registers): each block's sum is stored, then the row is read back whole and normalised."""
         pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         pid = tl.program_id(0).to(tl.int64)
         row = pid // heads
@@ -270,12 +293,25 @@ if triton is not None:
         x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
         if LORA:
             adapter = tl.load(idx_ptr + row).to(tl.int64)
-            x = _with_delta(x, head * stride_head, cols, mask, adapter, row, h_ptr, b_ptr, hoff_ptr, stride_hn,
-                            stride_bs, stride_bo, dtype, R, BLOCK_D, BLOCK_R)
+            if not RESIDUAL:
+                x = _with_delta(x, head * stride_head, cols, mask, adapter, row, h_ptr, b_ptr, hoff_ptr, stride_hn,
+                                stride_bs, stride_bo, dtype, R, BLOCK_D, BLOCK_R)
         if RESIDUAL:
-            total = (x + tl.load(res_ptr + pid * d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-            tl.store(sum_ptr + pid * d + cols, total, mask=mask)
-            x = total.to(tl.float32)
+            if LORA:
+                for c0 in range(0, BLOCK_D, LORA_CHUNK):
+                    part = c0 + tl.arange(0, LORA_CHUNK)
+                    inside = part < d
+                    xp = tl.load(base + part, mask=inside, other=0.0).to(tl.float32)
+                    rp = tl.load(res_ptr + pid * d + part, mask=inside, other=0.0).to(tl.float32)
+                    rp = _with_delta(rp, 0, part, inside, adapter, row, h_ptr, b_ptr, hoff_ptr, stride_hn, stride_bs,
+                                     stride_bo, dtype, R, LORA_CHUNK, BLOCK_R)
+                    tl.store(sum_ptr + pid * d + part, (xp + rp).to(dtype), mask=inside)
+                tl.debug_barrier()  # the row's sums, stored by all of this program's threads, read back whole
+                x = tl.load(sum_ptr + pid * d + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                total = (x + tl.load(res_ptr + pid * d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+                tl.store(sum_ptr + pid * d + cols, total, mask=mask)
+                x = total.to(tl.float32)
         if NORM:
             rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
             w = _weight(w_ptr, w2_ptr, head, split, stride_w, cols, mask)

@@ -23,7 +23,7 @@ from tinsmith.kernels import swiglu
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments, trained_together
-from tinsmith.models.lora_bank import PendingExpand, adapters_changed
+from tinsmith.models.lora_bank import PendingExpand, Unexpanded, adapters_changed, finished
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
 _WEIGHT_VERSIONS = itertools.count(1)  # one sequence for every model: a version is never handed out twice
@@ -75,20 +75,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | Unexpanded,
+                 norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h + delta, norm(h + delta))``: a residual add and the norm after it, in one kernel where
     :mod:`tinsmith.kernels.rms_norm` takes them (outside autograd on a GPU, a plain norm), else as
     the two steps (the same arithmetic). ``norm``: an :class:`RMSNorm`, or a module that is one
     outside autograd (its ``inference_norm``: a tensor-parallel model's norm before its sharded
-    projections)."""
+    projections). ``delta`` may be an :class:`Unexpanded` projection output (a decode step's o or
+    down projection over adapter banks): the kernel adds its deltas as it loads it where it can,
+    else they are added first."""
     plain = norm if torch.is_grad_enabled() else getattr(norm, "inference_norm", norm)
-    if (isinstance(plain, RMSNorm) and not (plain.offset or plain.scale_in_fp32)
-            and rms_kernel.add_usable(h, delta, plain.weight)):
+    kernel = isinstance(plain, RMSNorm) and not (plain.offset or plain.scale_in_fp32)
+    lora = None
+    if isinstance(delta, Unexpanded):
+        lora = delta.pending.kernel_args()
+        if kernel and rms_kernel.add_usable(h, delta.y, plain.weight) and rms_kernel.add_lora_usable(
+                h, lora[0], lora[1], lora[3]):
+            both = rms_kernel.add_rms_norm(h, delta.y, plain.weight, plain.eps, lora)
+            if both is not None:
+                return both
+        delta = delta.finished()  # the kernel cannot take the deltas here, or failed (it writes nothing of y)
+    if kernel and rms_kernel.add_usable(h, delta, plain.weight):
         both = rms_kernel.add_rms_norm(h, delta, plain.weight, plain.eps)
         if both is not None:
             return both
     h = h + delta
     return h, norm(h)
+
+
+def expands_to_norms(h: torch.Tensor) -> bool:
+    """Whether a decode step's o and down projections may leave their banks' expands to the residual
+    add and norm after them (:func:`add_rms_norm`): outside autograd, where its kernel runs."""
+    return rms_kernel.allowed(h)
 
 
 def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -382,7 +400,11 @@ class Attention(nn.Module):
         # Set by ``pack_weights``: q/k/v weights as views of one buffer, for one GEMM at inference.
         self.packed_qkv: PackedProjection | None = None
 
-    def forward(self, x, cos, sin, segments: Segments | None, attend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, cos, sin, segments: Segments | None, attend: AttentionBackend,
+                leave_expand: bool = False) -> torch.Tensor | Unexpanded:
+        """The attention block's output; with ``leave_expand`` (inference, the caller adds it to the
+        residual by :func:`add_rms_norm`) possibly :class:`Unexpanded` (its o projection's bank
+        expand left to that kernel)."""
         b, L, _ = x.shape
         H, Hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         packed = self.packed_qkv
@@ -428,7 +450,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, L, -1)
         if self.output_gate:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out, segments)
+        return self.o_proj.forward_leaving_expand(out, segments, leave_expand)
 
 
 def _normed_and_turned(norm: RMSNorm | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -450,7 +472,11 @@ class MLP(nn.Module):
         self.down_proj = LoraLinear(i, h)
         self.packed_gate_up: PackedProjection | None = None  # set by ``pack_weights``
 
-    def forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments | None,
+                leave_expand: bool = False) -> torch.Tensor | Unexpanded:
+        """The MLP's output; with ``leave_expand`` (inference, the caller adds it to the residual by
+        :func:`add_rms_norm`) possibly :class:`Unexpanded` (the down projection's bank expand left to
+        that kernel)."""
         packed = self.packed_gate_up
         if packed is not None and not torch.is_grad_enabled() and packed.intact():
             i = self.gate_proj.out_features
@@ -479,7 +505,7 @@ class MLP(nn.Module):
                 h = swiglu.silu_mul_grad(gate, up) if swiglu.grad_usable(gate, up) else None
                 if h is None:  # the torch path, or the kernels failed here
                     h = F.silu(gate) * up
-        return self.down_proj(h, segments)
+        return self.down_proj.forward_leaving_expand(h, segments, leave_expand)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -533,12 +559,16 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(h)
         else:
             h, x = add_rms_norm(h, pending, self.input_layernorm)
+        # A decode step's o and down projections may leave their adapters' expands to those norms:
+        # the MLP's output then stays Unexpanded for the next layer's norm, with ``defer``.
+        leave = expands_to_norms(h)
         if hasattr(self, "linear_attn"):
             mixed = self.linear_attn(x, segments, attend)
         else:
-            mixed = self.self_attn(x, cos, sin, segments, attend)
+            mixed = self.self_attn(x, cos, sin, segments, attend, leave_expand=leave)
         h, x = add_rms_norm(h, mixed, self.post_attention_layernorm)
-        out = self.mlp(x, segments)
+        out = self.mlp(x, segments, leave_expand=leave and defer) if isinstance(self.mlp, MLP) else self.mlp(
+            x, segments)
         return (h, out) if defer else h + out
 
 
@@ -622,7 +652,7 @@ class CausalLM(nn.Module):
             for i, layer in enumerate(self.model.layers):
                 h, pending = layer(h, cos, sin, segments, attend, pending, True)
                 if visual is not None and i < len(visual.deepstack):
-                    h, pending = visual.add_deepstack(h + pending, i), None
+                    h, pending = visual.add_deepstack(h + finished(pending), i), None
             return self.model.norm(h) if pending is None else add_rms_norm(h, pending, self.model.norm)[1]
         recompute = self.gradient_checkpointing or bool(self.recomputed_layers)
         for i, layer in enumerate(self.model.layers):

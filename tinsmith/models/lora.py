@@ -27,7 +27,8 @@ from tinsmith.models import lora_function
 from tinsmith.models.lora_function import compute_copies, lora_group, lora_linear
 from tinsmith.models.lora_tenants import (TenantStack, tenants_group, tenants_group_applied, tenants_linear,
                                           tenants_linear_applied)
-from tinsmith.models.lora_bank import AdapterSlots, LoraBank, PendingExpand, RowSlots, add_bank_delta_
+from tinsmith.models.lora_bank import (AdapterSlots, LoraBank, PendingExpand, RowSlots, Unexpanded,
+                                       add_bank_delta_)
 from tinsmith.transfers import to_device
 
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
@@ -178,6 +179,23 @@ class LoraLinear(nn.Module):
             xs, ys = [x2[a:b] for a, b in zip(starts, ends)], [y2[a:b] for a, b in zip(starts, ends)]
         pieces = [yp if w is None else self._add_delta(yp, xp, w) for w, xp, yp in zip(weights, xs, ys)]
         return torch.cat(pieces, dim=0).reshape(shape)
+
+    def forward_leaving_expand(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None,
+                               leave: bool) -> torch.Tensor | Unexpanded:
+        """:meth:`forward`, and with ``leave`` (the caller's next kernel can add a bank's deltas to
+        what it reads: a decode step's residual add and norm) the bank's expand left to that kernel
+        where it can be: an :class:`Unexpanded` output then. A subclass with a forward of its own (a
+        tensor-parallel projection, whose ranks' outputs are summed) always runs its forward."""
+        if (not leave or type(self).forward is not LoraLinear.forward or not isinstance(segments, RowSlots)
+                or not segments or not self.adapters or torch.is_grad_enabled()):
+            return self(x, segments)
+        y = F.linear(x, self.weight, self.bias)
+        bank = self.bank(segments)
+        if not bank.rank:
+            return y
+        pending = add_bank_delta_(y.view(-1, self.out_features), x.reshape(-1, self.in_features), bank, segments,
+                                  leave_expand=True)
+        return y if pending is None else Unexpanded(y, pending)
 
     def _training_one_adapter(self, segments) -> LoraWeights | None:
         """The adapter when one segment's adapter, being trained, covers the batch and the base

@@ -320,10 +320,10 @@ class LoraBank:
 
 
 # Whether a decode step leaves a bank's expand to the kernel that reads the projection's output
-# (the SiLU product after gate/up, the kernel turning the q/k heads and storing the keys and values
-# after q/k/v), where that kernel runs: a launch less per such projection and step, and the
-# output not written and read back once more. False: every expand launches on its own
-# (benchmarks compare the two).
+# (the kernel turning the q/k heads and storing the keys and values after q/k/v, the SiLU product
+# after gate/up, the residual add and norm after o and down), where that kernel runs: a launch
+# less per projection and step, and the output not written and read back once more. False: every
+# expand launches on its own (benchmarks compare the two).
 FUSED_EXPANDS = True
 
 
@@ -353,6 +353,27 @@ class PendingExpand:
     def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(h, B, idx, h_offsets)``, what the kernels that take the expand read."""
         return self.h, self.B, self.idx, self.h_offsets
+
+
+@dataclass
+class Unexpanded:
+    """A projection's output ``y`` (the base projection alone) and its bank's pending expand: what
+    a decode step's o and down projections hand the residual add and norm after them, which add
+    the deltas as they load ``y`` (:func:`tinsmith.models.layers.add_rms_norm`). Anything else
+    reads :meth:`finished`."""
+
+    y: torch.Tensor
+    pending: PendingExpand
+
+    def finished(self) -> torch.Tensor:
+        """``y`` with the deltas added (by the expand's own launch)."""
+        self.pending.apply_(self.y.view(-1, self.y.shape[-1]))
+        return self.y
+
+
+def finished(t: torch.Tensor | Unexpanded) -> torch.Tensor:
+    """``t`` itself, or an :class:`Unexpanded` output with its deltas added."""
+    return t.finished() if isinstance(t, Unexpanded) else t
 
 
 def add_bank_delta_(y: torch.Tensor, x: torch.Tensor, bank: LoraBank, rows: RowSlots,
