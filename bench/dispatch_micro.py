@@ -316,7 +316,8 @@ def main() -> None:
         raise SystemExit("the Triton kernels run in the interpreter here: set TRITON_INTERPRET=1")
     if args.admission or args.decode or args.prefill:
         moe.GROUPED_MM = "grouped"  # several adapters' grouped matmuls run here as on a GPU
-        lora_bank.FUSED_EXPANDS = not args.expands_apart
+        if args.expands_apart:
+            lora_bank.EXPANDS_TAKEN = frozenset()
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
             make_tiny_model(Path(d) / "m", args.family, shape, seed=0)

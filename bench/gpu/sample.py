@@ -158,22 +158,28 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
     return out
 
 
+def _decode_rate(lm, device, z: dict, rows: int, slots: list) -> float:
+    """Decode tokens/s of ``rows`` rows of ``slots`` on a sampler of its own (its graphs captured in
+    the process's present modes): the second of two equal runs."""
+    sampler = server_sampler(lm.model, device, rows)
+    run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=1)  # its captures
+    rate = rows * z["new"] / run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=2)
+    del sampler
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rate
+
+
 def _switch_compared(lm, device, z: dict, rows: int, cases: list[tuple[str, list]], switch, on, off) -> dict:
     """Decode tokens/s of ``rows`` rows of each case's ``slots`` with ``switch(on)`` and
-    ``switch(off)``, in one process: each mode decodes on a sampler of its own (its graphs captured
-    in that mode), the second of two equal runs timed, in the order on, off, on (so drift shows);
-    ``on_vs_off`` divides the two on runs' mean by the off run."""
+    ``switch(off)``, in one process (:func:`_decode_rate`), in the order on, off, on (so drift
+    shows); ``on_vs_off`` divides the two on runs' mean by the off run."""
     out: dict = {}
     for label, slots in cases:
         rates: dict[str, list[float]] = {"on": [], "off": []}
         for mode in ("on", "off", "on"):
             switch(on if mode == "on" else off)
-            sampler = server_sampler(lm.model, device, rows)
-            run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=1)  # its captures
-            rates[mode].append(rows * z["new"] / run_sampler(sampler, rows, z["prompt"], z["new"], slots, seed=2))
-            del sampler
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            rates[mode].append(_decode_rate(lm, device, z, rows, slots))
         mean_on = sum(rates["on"]) / len(rates["on"])
         out[label] = {"on_tokens_per_s": rates["on"], "off_tokens_per_s": rates["off"][0],
                       "on_vs_off": mean_on / rates["off"][0]}
@@ -209,24 +215,30 @@ def expands_in_kernels(model_dir, device, quick: bool) -> dict:
     """Decode tokens/s of the first row count's rows over 8 and 64 adapters with the adapter banks'
     expands left to the kernels that read their projections' outputs (the kernel turning the q/k
     heads and storing the keys and values, the SiLU product, the residual adds and norms:
-    :data:`tinsmith.models.lora_bank.FUSED_EXPANDS`)
-    and with every expand its own launch, in one process (:func:`_switch_compared`); on a CPU both
-    modes run the same torch ops."""
+    :data:`tinsmith.models.lora_bank.EXPANDS_TAKEN`) and with every expand its own launch, in one
+    process (:func:`_switch_compared`), then with all but the norms' taken (their per-row programs
+    read a whole block of B each: ``without_norms_vs_off``); on a CPU every mode runs the same torch ops."""
     z = sizes(quick)
     rows = z["rows"][0]
     lm = load_model(str(model_dir), device=device)
     rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
     units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]
-    before = lora_bank.FUSED_EXPANDS
+    before = lora_bank.EXPANDS_TAKEN
+    every = frozenset({"heads", "silu", "norms"})
 
-    def switch(fused: bool) -> None:
-        lora_bank.FUSED_EXPANDS = fused
+    def switch(taken: frozenset[str]) -> None:
+        lora_bank.EXPANDS_TAKEN = taken
 
+    cases = [("adapters_8", units[:8]), ("adapters_64", units)]
     try:
-        out = _switch_compared(lm, device, z, rows, [("adapters_8", units[:8]), ("adapters_64", units)], switch,
-                               True, False)
+        out = _switch_compared(lm, device, z, rows, cases, switch, every, frozenset())
+        switch(every - {"norms"})
+        for label, slots in cases:
+            rate = _decode_rate(lm, device, z, rows, slots)
+            out[label].update({"without_norms_tokens_per_s": rate,
+                               "without_norms_vs_off": rate / out[label]["off_tokens_per_s"]})
     finally:
-        lora_bank.FUSED_EXPANDS = before
+        lora_bank.EXPANDS_TAKEN = before
     return {"rows": rows, **out}
 
 

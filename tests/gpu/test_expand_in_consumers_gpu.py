@@ -111,7 +111,7 @@ def test_a_graphed_sampler_of_several_adapters_samples_the_same_either_way(gpu_m
     monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
     results = {}
     for fused in (True, False):
-        monkeypatch.setattr(lora_bank, "FUSED_EXPANDS", fused)
+        monkeypatch.setattr(lora_bank, "EXPANDS_TAKEN", frozenset({"heads", "silu", "norms"}) if fused else frozenset())
         rng = np.random.default_rng(0)
         tasks = [SampleTask(i, (None, 1, 2, 3)[i % 4], SampleInput(rng.integers(4, 500, 20 + 3 * i), 1, SamplingParams(
             max_tokens=24, temperature=0.9, seed=i, stop=[]))) for i in range(8)]

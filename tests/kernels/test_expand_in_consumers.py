@@ -215,7 +215,7 @@ def test_a_sampler_mixing_adapters_samples_what_torch_samples_with_fewer_expands
     """A paged sampler decoding rows of two adapters and the base model, every kernel on: the same
     tokens and logprobs as the torch path, and each decode step's layers launched no expand for
     q/k/v, o, gate/up or down (their kernels took them); only the LM head's is left. With the
-    expands left to their own launches, the same again."""
+    expands left to their own launches, or only the norms' so left, the same again."""
     import numpy as np
 
     from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
@@ -241,10 +241,12 @@ def test_a_sampler_mixing_adapters_samples_what_torch_samples_with_fewer_expands
     cfg = model.config
     qkv, gate_up = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, 2 * cfg.intermediate_size
     results, widths = {}, {}
-    for name, backend, fused in (("torch", "torch", True), ("kernels", "triton", True), ("apart", "triton", False)):
+    every = frozenset({"heads", "silu", "norms"})
+    for name, backend, taken in (("torch", "torch", every), ("kernels", "triton", every),
+                                 ("apart", "triton", frozenset()), ("not_norms", "triton", every - {"norms"})):
         for module in (lg, rk, swiglu, kv_store):
             monkeypatch.setattr(module, "BACKEND", backend)
-        monkeypatch.setattr(lora_bank, "FUSED_EXPANDS", fused)
+        monkeypatch.setattr(lora_bank, "EXPANDS_TAKEN", taken)
         expands.clear()
         sampler = make_sampler(model, qwen3_dir, kv_layout="paged")
         results[name] = run(sampler, [task(f"p{i}", p, slot=s, max_tokens=6, temperature=1.0, seed=i, stop=[])
@@ -254,7 +256,8 @@ def test_a_sampler_mixing_adapters_samples_what_torch_samples_with_fewer_expands
     hidden, vocab = cfg.hidden_size, cfg.vocab_size  # o and down write the hidden size
     assert widths["apart"] == {qkv, gate_up, hidden, vocab}  # their own launches when left apart...
     assert widths["kernels"] == {vocab}  # ...and only the LM head's when taken
-    for name in ("kernels", "apart"):
+    assert widths["not_norms"] == {hidden, vocab}  # o and down on their own, as asked
+    for name in ("kernels", "apart", "not_norms"):
         for key, want in results["torch"].items():
             got = results[name][key].sequences[0]
             assert got.tokens.tolist() == want.sequences[0].tokens.tolist(), (name, key)

@@ -23,7 +23,7 @@ from tinsmith.kernels import swiglu
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments, trained_together
-from tinsmith.models.lora_bank import PendingExpand, Unexpanded, adapters_changed, finished
+from tinsmith.models.lora_bank import PendingExpand, Unexpanded, adapters_changed, expands_taken_by, finished
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
 _WEIGHT_VERSIONS = itertools.count(1)  # one sequence for every model: a version is never handed out twice
@@ -105,8 +105,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | Unexpanded,
 
 def expands_to_norms(h: torch.Tensor) -> bool:
     """Whether a decode step's o and down projections may leave their banks' expands to the residual
-    add and norm after them (:func:`add_rms_norm`): outside autograd, where its kernel runs."""
-    return rms_kernel.allowed(h)
+    add and norm after them (:func:`add_rms_norm`): outside autograd, where its kernel runs, unless
+    :data:`tinsmith.models.lora_bank.EXPANDS_TAKEN` says otherwise."""
+    return expands_taken_by("norms") and rms_kernel.allowed(h)
 
 
 def norm_and_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -415,7 +416,8 @@ class Attention(nn.Module):
             # turns them, which then also adds the adapters' deltas (the bank's expand left to it).
             targets = getattr(attend, "store_target", None) if L == 1 else None  # None: no kernel can
             target = None if targets is None else targets(self.layer_idx)
-            y, pending = packed.project_leaving_expand(x.reshape(b * L, -1), segments, leave=target is not None)
+            y, pending = packed.project_leaving_expand(x.reshape(b * L, -1), segments,
+                                                       leave=target is not None and expands_taken_by("heads"))
             qk = y[:, : (H + Hk) * d].view(b, L, H + Hk, d)
             v = y[:, (H + Hk) * d :].view(b, L, Hk, d)
             norm = None if self.q_norm is None else (self.q_norm.weight, self.q_norm.eps, self.k_norm.weight)
@@ -482,7 +484,8 @@ class MLP(nn.Module):
             i = self.gate_proj.out_features
             x2 = x.reshape(-1, x.shape[-1])
             # Where the kernel runs, it also adds the adapters' deltas (the bank's expand left to it).
-            y, pending = packed.project_leaving_expand(x2, segments, leave=swiglu.allowed(x2))
+            y, pending = packed.project_leaving_expand(x2, segments,
+                                                       leave=swiglu.allowed(x2) and expands_taken_by("silu"))
             lora = None if pending is None else pending.kernel_args()
             if lora is not None and not swiglu.lora_usable(y, *lora[:2]):
                 pending.apply_(y)

@@ -319,12 +319,17 @@ class LoraBank:
             B[:, a:b, :r].copy_((w.B.detach().float() * w.scale).reshape(e, b - a, r))
 
 
-# Whether a decode step leaves a bank's expand to the kernel that reads the projection's output
-# (the kernel turning the q/k heads and storing the keys and values after q/k/v, the SiLU product
-# after gate/up, the residual add and norm after o and down), where that kernel runs: a launch
-# less per projection and step, and the output not written and read back once more. False: every
-# expand launches on its own (benchmarks compare the two).
-FUSED_EXPANDS = True
+# Which kernels of a decode step take the expand of the bank of the projection whose output they
+# read, where they run: "heads" (the kernel turning the q/k heads and storing the keys and values,
+# after q/k/v), "silu" (the SiLU product, after gate/up), "norms" (the residual add and norm, after
+# o and down). Each is a launch less per projection and step, and the output not written and read
+# back once more; a kernel not named leaves the expand to its own launch (benchmarks compare).
+EXPANDS_TAKEN: frozenset[str] = frozenset({"heads", "silu", "norms"})
+
+
+def expands_taken_by(kernel: str) -> bool:
+    """Whether ``kernel`` (one of :data:`EXPANDS_TAKEN`'s names) takes its projection's expand."""
+    return kernel in EXPANDS_TAKEN
 
 
 @dataclass
@@ -383,12 +388,12 @@ def add_bank_delta_(y: torch.Tensor, x: torch.Tensor, bank: LoraBank, rows: RowS
     bank). By tiles of rows sharing an adapter where the rows carry them and the outputs allow it
     (:mod:`tinsmith.kernels.lora_segments`), else row by row (:mod:`tinsmith.kernels.lora_gather`).
 
-    ``leave_expand`` (the caller's next kernel can add the deltas itself): where the gathered
-    kernels run and :data:`FUSED_EXPANDS` is on, only the shrink is taken, and what the expand
-    would add is returned instead (``y`` keeps the base projection); otherwise None, ``y`` done."""
+    ``leave_expand`` (the caller's next kernel can add the deltas itself: :func:`expands_taken_by`):
+    where the gathered kernels run, only the shrink is taken, and what the expand would add is
+    returned instead (``y`` keeps the base projection); otherwise None, ``y`` done."""
     parts = bank.parts > 1
     tiles = rows.tiles
-    if leave_expand and FUSED_EXPANDS and triton_usable(y):
+    if leave_expand and triton_usable(y):
         h = None
         if tiles is not None and lora_segments.GUARD.failed is None:
             h = lora_segments.GUARD.call(lora_segments.shrink, x, bank.A, tiles, on=x)
