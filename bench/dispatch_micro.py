@@ -302,7 +302,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=0,
                     help="LoRA adapters the rows of --prefill and --decode take in turn (0: the base model)")
     ap.add_argument("--expands-apart", action="store_true",
-                    help="--decode: every LoRA expand its own launch (none left to the kernels reading its output)")
+                    help="--decode: every LoRA expand and shrink its own launch (none left to the kernels next to them)")
     ap.add_argument("--training-kernels", action="store_true",
                     help="train through the norm/rotary/SiLU kernels (in Triton's interpreter)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype for training counts")
@@ -317,7 +317,7 @@ def main() -> None:
     if args.admission or args.decode or args.prefill:
         moe.GROUPED_MM = "grouped"  # several adapters' grouped matmuls run here as on a GPU
         if args.expands_apart:
-            lora_bank.EXPANDS_TAKEN = frozenset()
+            lora_bank.EXPANDS_TAKEN = lora_bank.SHRINKS_TAKEN = frozenset()
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
             make_tiny_model(Path(d) / "m", args.family, shape, seed=0)

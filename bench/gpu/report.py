@@ -195,13 +195,13 @@ def markdown(s: dict) -> str:
                          f"({_get(dl, 'adapters_8', 'off_tokens_per_s')} tok/s off) {_status(dl)}")
             ek = sa.get(f"{name}/expands_in_kernels")
             if ek:
-                L.append(f"- {name}, {ek.get('rows', '-')} rows, the adapters' expands taken by the "
-                         f"kernels reading their outputs vs each its own launch (all but the norms' taken): "
-                         f"8 adapters {_get(ek, 'adapters_8', 'on_vs_off')}x "
-                         f"({_get(ek, 'adapters_8', 'without_norms_vs_off')}x; "
-                         f"{_get(ek, 'adapters_8', 'off_tokens_per_s')} tok/s apart), 64 adapters "
-                         f"{_get(ek, 'adapters_64', 'on_vs_off')}x ({_get(ek, 'adapters_64', 'without_norms_vs_off')}x; "
-                         f"{_get(ek, 'adapters_64', 'off_tokens_per_s')} tok/s apart) {_status(ek)}")
+                parts = "; ".join(
+                    f"{n} adapters {_get(ek, f'adapters_{n}', 'on_vs_off')}x (without the norms' "
+                    f"{_get(ek, f'adapters_{n}', 'without_norms_vs_off')}x, without the SiLU's shrink "
+                    f"{_get(ek, f'adapters_{n}', 'without_silu_shrink_vs_off')}x; "
+                    f"{_get(ek, f'adapters_{n}', 'off_tokens_per_s')} tok/s apart)" for n in (8, 64))
+                L.append(f"- {name}, {ek.get('rows', '-')} rows, the adapters' expands (and the down shrink) "
+                         f"taken by the kernels reading their outputs vs each its own launch: {parts} {_status(ek)}")
         L.append("")
         L += _heading("## Decode with CUDA graphs vs eager (tokens/s)",
                       "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |")

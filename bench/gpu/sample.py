@@ -215,30 +215,33 @@ def expands_in_kernels(model_dir, device, quick: bool) -> dict:
     """Decode tokens/s of the first row count's rows over 8 and 64 adapters with the adapter banks'
     expands left to the kernels that read their projections' outputs (the kernel turning the q/k
     heads and storing the keys and values, the SiLU product, the residual adds and norms:
-    :data:`tinsmith.models.lora_bank.EXPANDS_TAKEN`) and with every expand its own launch, in one
-    process (:func:`_switch_compared`), then with all but the norms' taken (their per-row programs
-    read a whole block of B each: ``without_norms_vs_off``); on a CPU every mode runs the same torch ops."""
+    :data:`tinsmith.models.lora_bank.EXPANDS_TAKEN`) and the down projection's shrink to the SiLU
+    product (:data:`tinsmith.models.lora_bank.SHRINKS_TAKEN`), and with every expand and shrink its
+    own launch, in one process (:func:`_switch_compared`); then with all but the norms' expands
+    taken (their per-row programs read a whole block of B each: ``without_norms_vs_off``) and with
+    all but the SiLU product's shrink (``without_silu_shrink_vs_off``). On a CPU every mode runs the
+    same torch ops."""
     z = sizes(quick)
     rows = z["rows"][0]
     lm = load_model(str(model_dir), device=device)
     rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
     units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]
-    before = lora_bank.EXPANDS_TAKEN
-    every = frozenset({"heads", "silu", "norms"})
+    before = lora_bank.EXPANDS_TAKEN, lora_bank.SHRINKS_TAKEN
+    every, silu = frozenset({"heads", "silu", "norms"}), frozenset({"silu"})
 
-    def switch(taken: frozenset[str]) -> None:
-        lora_bank.EXPANDS_TAKEN = taken
+    def switch(taken: tuple[frozenset[str], frozenset[str]]) -> None:
+        lora_bank.EXPANDS_TAKEN, lora_bank.SHRINKS_TAKEN = taken
 
     cases = [("adapters_8", units[:8]), ("adapters_64", units)]
     try:
-        out = _switch_compared(lm, device, z, rows, cases, switch, every, frozenset())
-        switch(every - {"norms"})
-        for label, slots in cases:
-            rate = _decode_rate(lm, device, z, rows, slots)
-            out[label].update({"without_norms_tokens_per_s": rate,
-                               "without_norms_vs_off": rate / out[label]["off_tokens_per_s"]})
+        out = _switch_compared(lm, device, z, rows, cases, switch, (every, silu), (frozenset(), frozenset()))
+        for mode, taken in (("without_norms", (every - {"norms"}, silu)), ("without_silu_shrink", (every, frozenset()))):
+            switch(taken)
+            for label, slots in cases:
+                rate = _decode_rate(lm, device, z, rows, slots)
+                out[label].update({f"{mode}_tokens_per_s": rate, f"{mode}_vs_off": rate / out[label]["off_tokens_per_s"]})
     finally:
-        lora_bank.EXPANDS_TAKEN = before
+        switch(before)
     return {"rows": rows, **out}
 
 

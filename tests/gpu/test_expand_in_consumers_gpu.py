@@ -1,10 +1,10 @@
 """A decode step's LoRA expands taken by the kernels that read the projections' outputs, compiled on
 a GPU: at a 1.7B layer's shapes (64 rows of 8 adapters and base rows, rank 32) the SiLU product,
 the kernel turning the q/k heads and the residual add and norm give what the expand's own launch
-and then the kernel give
-(within a step of bf16: the sums may be reduced in another order), and a sampler decoding rows of
-several adapters, its steps replayed from CUDA graphs, samples the same with the expands taken
-and left apart."""
+and then the kernel give (within a step of bf16: the sums may be reduced in another order), the
+SiLU product's shrink for the down projection what the gathered shrink gives, and a sampler
+decoding rows of several adapters, its steps replayed from CUDA graphs, samples the same with the
+expands and that shrink taken and left apart."""
 
 from __future__ import annotations
 
@@ -38,6 +38,26 @@ def test_the_silu_product_takes_the_gate_up_expand_at_a_1_7b_layer():
         expanded = y.clone()
         lg.expand_triton(expanded, h, B, idx, h_offsets)
         cpu_tests.same(got, swiglu.silu_mul(expanded))
+
+
+def test_the_silu_product_takes_the_down_shrink_at_a_1_7b_layer():
+    """Its blocks' partial sums finish in any order on a GPU; the row's last program adds them in
+    block order: the same bits every call, and the gathered shrink's values within fp32
+    reassociation."""
+    from tinsmith.kernels import tickets
+
+    rows, width, rank = 64, 6144, 32
+    g = torch.Generator().manual_seed(6)
+    y = (torch.randn(rows, 2 * width, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    h, B, h_offsets, idx = cpu_tests.bank(rows, [width, width], rank, torch.bfloat16, DEVICE, seed=7, slots=8)
+    A = (torch.randn(8, rank, width, generator=g) / width**0.5).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        out, first = swiglu.silu_mul_shrinking(y, (h, B, idx, h_offsets), A, idx)
+        for _ in range(20):
+            assert torch.equal(swiglu.silu_mul_shrinking(y, (h, B, idx, h_offsets), A, idx)[1], first)
+        torch.testing.assert_close(first, lg.shrink_triton(out, A, idx), rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
+    assert int(tickets.counters(torch.device(DEVICE))[:rows].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "rotary_alone"])
@@ -112,6 +132,7 @@ def test_a_graphed_sampler_of_several_adapters_samples_the_same_either_way(gpu_m
     results = {}
     for fused in (True, False):
         monkeypatch.setattr(lora_bank, "EXPANDS_TAKEN", frozenset({"heads", "silu", "norms"}) if fused else frozenset())
+        monkeypatch.setattr(lora_bank, "SHRINKS_TAKEN", frozenset({"silu"}) if fused else frozenset())
         rng = np.random.default_rng(0)
         tasks = [SampleTask(i, (None, 1, 2, 3)[i % 4], SampleInput(rng.integers(4, 500, 20 + 3 * i), 1, SamplingParams(
             max_tokens=24, temperature=0.9, seed=i, stop=[]))) for i in range(8)]

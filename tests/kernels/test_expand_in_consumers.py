@@ -133,6 +133,37 @@ def test_the_kernel_turning_q_and_k_adds_the_qkv_deltas_and_stores_them(dtype, n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width, rank, with_lora", [(48, 12, True), (1500, 40, False), (256, 64, True)])
+def test_the_silu_product_takes_the_down_projections_shrink(dtype, width, rank, with_lora, monkeypatch):
+    """The product as without it, and each row's down shrink of it (the partial sums of the
+    kernel's blocks added up by the row's last program) equal to the gathered shrink of the product
+    within fp32 reassociation, zeros for base rows; the tickets back at zero after the call."""
+    from tinsmith.kernels import tickets
+
+    device = kernel_device()
+    monkeypatch.setattr(lg, "BACKEND", "triton")
+    monkeypatch.setattr(swiglu, "BACKEND", "triton")
+    monkeypatch.setattr(swiglu, "BLOCK", 256)  # several blocks a row, the last one partial
+    rows = 7
+    g = torch.Generator().manual_seed(width + 1)
+    y = (torch.randn(rows, 2 * width, generator=g) * 2).to(device, dtype)
+    h, B, h_offsets, idx = bank(rows, [width, width], 8, dtype, device, seed=rank)
+    A = (torch.randn(5, rank, width, generator=g) / width**0.5).to(device, dtype)
+    lora = (h, B, idx, h_offsets) if with_lora else None
+    with torch.no_grad():
+        assert swiglu.shrink_usable(rows, A, width)
+        out, h_down = swiglu.silu_mul_shrinking(y, lora, A, idx)
+        assert torch.equal(out, swiglu.silu_mul(y, lora))
+        want = lg.shrink_triton(out, A, idx)  # the gathered shrink of the product as stored (fp32 sums)
+    assert h_down.shape == (rows, rank) and h_down.dtype == torch.float32
+    torch.testing.assert_close(h_down, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(h_down[idx < 0], torch.zeros_like(h_down[idx < 0]))
+    assert int(tickets.counters(torch.device(device))[:rows].abs().sum()) == 0
+    assert not swiglu.shrink_usable(rows, A[:, :, :-1], width)  # another input width
+    assert not swiglu.shrink_usable(rows, torch.zeros(5, 65, width, device=device), width)  # above one block's rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d, rank", [(64, 8), (700, 40)])
 def test_the_residual_add_and_norm_adds_the_o_or_down_deltas(dtype, d, rank, monkeypatch):
     """The residual ``x``, the projection's output ``delta`` and its bank's pending expand: the sum
@@ -214,8 +245,9 @@ def test_a_step_falls_back_to_the_expand_where_the_kernel_cannot_take_it(monkeyp
 def test_a_sampler_mixing_adapters_samples_what_torch_samples_with_fewer_expands(qwen3_dir, monkeypatch):
     """A paged sampler decoding rows of two adapters and the base model, every kernel on: the same
     tokens and logprobs as the torch path, and each decode step's layers launched no expand for
-    q/k/v, o, gate/up or down (their kernels took them); only the LM head's is left. With the
-    expands left to their own launches, or only the norms' so left, the same again."""
+    q/k/v, o, gate/up or down (their kernels took them); only the LM head's is left, and no shrink
+    for down (the SiLU product took it). With the expands and shrinks left to their own launches,
+    or only the norms' expands so left, the same again."""
     import numpy as np
 
     from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
@@ -229,34 +261,44 @@ def test_a_sampler_mixing_adapters_samples_what_torch_samples_with_fewer_expands
     random_adapter(model, 1_000_002, rank=8, seed=2)
     monkeypatch.setattr(lora_mod, "DECODE_LORA", "bank")
     expands: list[int] = []
-    real_expand = lg.expand_triton
+    shrinks: list[int] = []
+    real_expand, real_shrink = lg.expand_triton, lg.shrink_triton
 
     def counted(y, *args, **kwargs):
         expands.append(y.shape[1])
         return real_expand(y, *args, **kwargs)
 
+    def counted_shrink(x, *args, **kwargs):
+        shrinks.append(x.shape[1])
+        return real_shrink(x, *args, **kwargs)
+
     monkeypatch.setattr(lg, "expand_triton", counted)
+    monkeypatch.setattr(lg, "shrink_triton", counted_shrink)
     prompts = [np.random.default_rng(i).integers(4, 400, 9 + 6 * i).tolist() for i in range(3)]
     slots = [1_000_001, None, 1_000_002]
     cfg = model.config
     qkv, gate_up = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, 2 * cfg.intermediate_size
-    results, widths = {}, {}
+    results, widths, inputs = {}, {}, {}
     every = frozenset({"heads", "silu", "norms"})
     for name, backend, taken in (("torch", "torch", every), ("kernels", "triton", every),
                                  ("apart", "triton", frozenset()), ("not_norms", "triton", every - {"norms"})):
         for module in (lg, rk, swiglu, kv_store):
             monkeypatch.setattr(module, "BACKEND", backend)
         monkeypatch.setattr(lora_bank, "EXPANDS_TAKEN", taken)
+        monkeypatch.setattr(lora_bank, "SHRINKS_TAKEN", frozenset() if name == "apart" else frozenset({"silu"}))
         expands.clear()
+        shrinks.clear()
         sampler = make_sampler(model, qwen3_dir, kv_layout="paged")
         results[name] = run(sampler, [task(f"p{i}", p, slot=s, max_tokens=6, temperature=1.0, seed=i, stop=[])
                                       for i, (p, s) in enumerate(zip(prompts, slots))])
-        widths[name] = set(expands)
+        widths[name], inputs[name] = set(expands), set(shrinks)
     assert not widths["torch"]
     hidden, vocab = cfg.hidden_size, cfg.vocab_size  # o and down write the hidden size
     assert widths["apart"] == {qkv, gate_up, hidden, vocab}  # their own launches when left apart...
     assert widths["kernels"] == {vocab}  # ...and only the LM head's when taken
     assert widths["not_norms"] == {hidden, vocab}  # o and down on their own, as asked
+    inner = cfg.intermediate_size  # the down projection's input, which the SiLU product shrinks when asked
+    assert inner in inputs["apart"] and inner not in inputs["kernels"] and inner not in inputs["not_norms"]
     for name in ("kernels", "apart", "not_norms"):
         for key, want in results["torch"].items():
             got = results[name][key].sequences[0]

@@ -45,8 +45,9 @@ for on in (False, True):
                                    **{f"stride_{s}": "i64" for s in ("kn", "kh", "vn", "vh", "page", "head", "pos")}},
           {"BLOCK_D": 128, "PDL": on})
     build(swiglu._silu_mul_kernel, {"y_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "stride_row": "i64",
-                                    "h_ptr": "*fp32", "b_ptr": "*bf16", "idx_ptr": "*i64",
-                                    **{f"stride_{s}": "i64" for s in ("hn", "bs", "bo")}},
+                                    "h_ptr": "*fp32", "b_ptr": "*bf16", "idx_ptr": "*i64", "a_ptr": "*bf16",
+                                    "part_ptr": "*fp32", "hd_ptr": "*fp32", "ticket_ptr": "*i32",
+                                    **{f"stride_{s}": "i64" for s in ("hn", "bs", "bo", "as", "ar")}},
           {"BLOCK": 1024, "PDL": on})
 """
 

@@ -299,10 +299,15 @@ for dt in sys.argv[1:]:
                  "LORA_CHUNK": min(block, rk.LORA_BLOCK) if lora else 1}
         assert triton.compile(ASTSource(fn=fn, signature=sig_, constexprs=const), target=target).asm["cubin"]
     sig = {"y_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32", "stride_row": "i64", "h_ptr": "*fp32",
-           "b_ptr": f"*{dt}", "idx_ptr": "*i64", "stride_hn": "i64", "stride_bs": "i64", "stride_bo": "i64"}
-    for block, lora in ((64, False), (1024, False), (128, True)):
+           "b_ptr": f"*{dt}", "idx_ptr": "*i64", "stride_hn": "i64", "stride_bs": "i64", "stride_bo": "i64",
+           "a_ptr": f"*{dt}", "part_ptr": "*fp32", "hd_ptr": "*fp32", "ticket_ptr": "*i32", "stride_as": "i64",
+           "stride_ar": "i64"}
+    for block, lora, shrink in ((64, False, False), (1024, False, False), (128, True, False), (128, True, True),
+                                (128, False, True)):
         sig_ = {name: sig.get(name, "constexpr") for name in swiglu._silu_mul_kernel.arg_names}
-        const = {"BLOCK": block, "PDL": pdl, "LORA": lora, "R": 64 if lora else 1, "BLOCK_R": 64 if lora else 1}
+        const = {"BLOCK": block, "PDL": pdl, "LORA": lora, "R": 64 if lora else 1, "BLOCK_R": 64 if lora else 1,
+                 "SHRINK": shrink, "R2": 32 if shrink else 1, "BLOCK_R2": 32 if shrink else 1,
+                 "BLOCKS": 48 if shrink else 1}
         src = ASTSource(fn=swiglu._silu_mul_kernel, signature=sig_, constexprs=const)
         assert triton.compile(src, target=target).asm["cubin"]
 '''

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tinsmith.kernels import lora_gather, pdl
+from tinsmith.kernels import lora_gather, pdl, tickets
 from tinsmith.kernels.guard import KernelGuard
 from tinsmith.kernels.lora_gather import triton  # None without Triton (optional: 'tinsmith[gpu]')
 
@@ -184,26 +184,69 @@ def silu_mul(y: torch.Tensor, lora: tuple[torch.Tensor, ...] | None = None) -> t
     return GUARD.call(_launch, y, out, lora, on=y)
 
 
+def shrink_usable(out_rows: int, A: torch.Tensor, width: int) -> bool:
+    """Whether :func:`silu_mul_shrinking` can take the next projection's shrink over a bank's ``A``
+    (positions, R, width): its rank within one block of outputs, unit stride along the inputs, and
+    a ticket counter for every row."""
+    return (A.dim() == 3 and A.shape[2] == width and A.shape[1] <= SHRINK_MAX_RANK and A.stride(-1) == 1
+            and tickets.fits(out_rows))
+
+
+# The largest rank whose shrink the SiLU product takes (one block of outputs a program).
+SHRINK_MAX_RANK = 64
+
+
+def silu_mul_shrinking(y: torch.Tensor, lora: tuple[torch.Tensor, ...] | None, A: torch.Tensor,
+                       idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`silu_mul`, and the down projection's bank shrink of its output in the same kernel:
+    ``(out, h)``, ``h[row] = A[idx[row]] @ out[row]`` (rows, R) fp32, zeros for slot -1, or None
+    when the kernel failed here. Each program multiplies its block of the product, as rounded and
+    stored, by its adapter's block of ``A`` into a partial sum; the row's last program to finish
+    adds the partials up in block order (:mod:`tinsmith.kernels.tickets`), so replays repeat bit
+    for bit. See :func:`shrink_usable`."""
+    rows, width = y.shape[0], y.shape[1] // 2
+    out = torch.empty(rows, width, dtype=y.dtype, device=y.device)
+    h = torch.empty(rows, A.shape[1], dtype=torch.float32, device=y.device)  # every row's last program writes it
+    if out.numel() == 0:
+        return out, h.zero_()
+    done = GUARD.call(_launch, y, out, lora, (A, idx, h), on=y)
+    return None if done is None else (out, h)
+
+
 # Columns a program takes while adding adapters' deltas on a GPU (a block of B's rows at every
 # rank is held at once): the expand's own width (lora_gather.EXPAND_BLOCK).
 LORA_BLOCK = 128
 
 
-def _launch(y: torch.Tensor, out: torch.Tensor, lora: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+def _launch(y: torch.Tensor, out: torch.Tensor, lora: tuple[torch.Tensor, ...] | None = None,
+            shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     rows, width = out.shape
     block = min(BLOCK, triton.next_power_of_2(width))
     if lora is None:
-        h = B = idx = y  # unread without LORA
+        h = B = y  # unread without LORA
         R = block_r = 1
     else:
-        h, B, idx = lora[:3]
+        h, B = lora[:2]
         R = B.shape[2]
         block_r = lora_gather.expand_block_r(R)
-        if y.is_cuda:
-            block = min(block, LORA_BLOCK)
-    _silu_mul_kernel[(rows, triton.cdiv(width, block))](
-        y, out, width, y.stride(0), h, B, idx, h.stride(0), B.stride(0), B.stride(1), R=R, BLOCK_R=block_r,
-        LORA=lora is not None, BLOCK=block, num_warps=4 if block >= 512 or lora is not None else 1, **pdl.options(y))
+    if (lora is not None or shrink is not None) and y.is_cuda:
+        block = min(block, LORA_BLOCK)
+    idx = lora[2] if lora is not None else (shrink[1] if shrink is not None else y)
+    blocks = triton.cdiv(width, block)
+    if shrink is None:
+        A = partials = h_down = counters = y  # unread without SHRINK
+        R2 = 1
+    else:
+        A, _, h_down = shrink
+        R2 = A.shape[1]
+        partials = torch.empty(rows, blocks, R2, dtype=torch.float32, device=y.device)
+        counters = tickets.counters(y.device)
+    _silu_mul_kernel[(rows, blocks)](
+        y, out, width, y.stride(0), h, B, idx, h.stride(0), B.stride(0), B.stride(1), A, partials, h_down, counters,
+        0 if shrink is None else A.stride(0), 0 if shrink is None else A.stride(1), R=R, BLOCK_R=block_r,
+        LORA=lora is not None, SHRINK=shrink is not None, R2=R2, BLOCK_R2=max(16, triton.next_power_of_2(R2)),
+        BLOCKS=blocks, BLOCK=block, num_warps=4 if block >= 512 or lora is not None or shrink is not None else 1,
+        **pdl.options(y))
     return out
 
 
@@ -211,12 +254,17 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(y_ptr, out_ptr, width, stride_row, h_ptr, b_ptr, idx_ptr, stride_hn, stride_bs, stride_bo,
+                         a_ptr, part_ptr, hd_ptr, ticket_ptr, stride_as, stride_ar,
                          BLOCK: tl.constexpr, LORA: tl.constexpr = False, R: tl.constexpr = 1,
-                         BLOCK_R: tl.constexpr = 1, PDL: tl.constexpr = False):
+                         BLOCK_R: tl.constexpr = 1, SHRINK: tl.constexpr = False, R2: tl.constexpr = 1,
+                         BLOCK_R2: tl.constexpr = 1, BLOCKS: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Columns ``[pid1 * BLOCK, ...)`` of one row: the gate half's SiLU, rounded to the
         dtype, times the up half, rounded. ``LORA``: the row's adapter deltas first added to both
         halves, each rounded to the dtype as the expand rounds them (gate: ``h[row, :R]``, up:
-        ``h[row, R:]``, through the row's ``B``; nothing for slot -1)."""
+        ``h[row, R:]``, through the row's ``B``; nothing for slot -1). ``SHRINK``: the block of the
+        product, as stored, times the row's adapter's block of ``A`` (``R2`` outputs) is stored as
+        this program's partial, and the row's last program to finish writes ``hd[row]``, the
+        partials added in block order (zeros for slot -1)."""
         pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -233,7 +281,24 @@ if triton is not None:
             u = (u + lora_gather.expand_block(h_row + R, b_rows + width * stride_bo, slot, mask, 1, 1, R, BLOCK,
                                               BLOCK_R)).to(dtype).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row * width + cols, (act * u).to(dtype), mask=mask)
+        product = (act * u).to(dtype)
+        tl.store(out_ptr + row * width + cols, product, mask=mask)
+        if SHRINK:
+            slot = tl.load(idx_ptr + row).to(tl.int64)
+            offs_r = tl.arange(0, BLOCK_R2)
+            r_mask = (offs_r < R2) & ((offs_r * 0 + slot) >= 0)  # the slot per element, as the shrink's
+            a = tl.load(a_ptr + tl.maximum(slot, 0) * stride_as + offs_r[:, None] * stride_ar + cols[None, :],
+                        mask=r_mask[:, None] & mask[None, :], other=0.0).to(tl.float32)
+            partial = tl.sum(a * product.to(tl.float32)[None, :], axis=1)
+            partials = part_ptr + (row * BLOCKS) * R2 + offs_r
+            tl.store(partials + tl.program_id(1) * R2, partial, mask=offs_r < R2)
+            ticket = tickets.take(ticket_ptr + row)
+            last = (offs_r * 0 + ticket) == BLOCKS - 1
+            total = tl.zeros([BLOCK_R2], dtype=tl.float32)
+            for b in range(0, BLOCKS):  # block order, whichever program came last
+                total += tl.load(partials + b * R2, mask=(offs_r < R2) & last, other=0.0, cache_modifier=".cg")
+            tl.store(hd_ptr + row * R2 + offs_r, total, mask=(offs_r < R2) & last)
+            tickets.hand_back(ticket_ptr + row, ticket, BLOCKS, BLOCK_R2)
 
     @triton.jit
     def _silu_mul_flat_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):

@@ -23,7 +23,8 @@ from tinsmith.kernels import swiglu
 from tinsmith.models.config import ModelConfig, RopeConfig
 from tinsmith.models.gated_deltanet import LINEAR_TARGETS, GatedDeltaNet
 from tinsmith.models.lora import LoraLinear, PackedProjection, Segments, trained_together
-from tinsmith.models.lora_bank import PendingExpand, Unexpanded, adapters_changed, expands_taken_by, finished
+from tinsmith.models.lora_bank import (PendingExpand, Unexpanded, adapters_changed, expands_taken_by, finished,
+                                       shrinks_taken_by)
 from tinsmith.models.moe import EXPERT_TARGETS, ExpertLinear, SparseMoeBlock
 
 _WEIGHT_VERSIONS = itertools.count(1)  # one sequence for every model: a version is never handed out twice
@@ -490,6 +491,13 @@ class MLP(nn.Module):
             if lora is not None and not swiglu.lora_usable(y, *lora[:2]):
                 pending.apply_(y)
                 lora = None
+            # ... and the down projection's shrink of its output, where it can.
+            down = self.down_proj.shrink_bank(segments) if shrinks_taken_by("silu") and swiglu.usable(y) else None
+            if down is not None and swiglu.shrink_usable(y.shape[0], down.A, i):
+                both = swiglu.silu_mul_shrinking(y, lora, down.A, segments.idx)
+                if both is not None:
+                    return self.down_proj.forward_from_shrunk(both[0].view(*x.shape[:-1], i), both[1], down, segments,
+                                                              leave_expand)
             h = swiglu.silu_mul(y, lora) if swiglu.usable(y) else None
             if h is None:  # the torch path, or the kernel failed here (it writes nothing of y)
                 if lora is not None:

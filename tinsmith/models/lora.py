@@ -29,6 +29,7 @@ from tinsmith.models.lora_tenants import (TenantStack, tenants_group, tenants_gr
                                           tenants_linear_applied)
 from tinsmith.models.lora_bank import (AdapterSlots, LoraBank, PendingExpand, RowSlots, Unexpanded,
                                        add_bank_delta_)
+from tinsmith.kernels.lora_gather import triton_usable
 from tinsmith.transfers import to_device
 
 # (adapter slot or None for "base model only", start row, end row) over the flattened rows.
@@ -196,6 +197,28 @@ class LoraLinear(nn.Module):
         pending = add_bank_delta_(y.view(-1, self.out_features), x.reshape(-1, self.in_features), bank, segments,
                                   leave_expand=True)
         return y if pending is None else Unexpanded(y, pending)
+
+    def shrink_bank(self, segments: Segments | RowGroups | RowSlots | None) -> LoraBank | None:
+        """The bank whose shrink a kernel producing this projection's input may take (then
+        :meth:`forward_from_shrunk`): a decode batch over banks, outside autograd, a plain projection
+        (a subclass's forward of its own, such as a tensor-parallel one, keeps its shrink), where the
+        gathered kernels run; None otherwise."""
+        if (type(self).forward is not LoraLinear.forward or not isinstance(segments, RowSlots) or not segments
+                or not self.adapters or torch.is_grad_enabled() or not triton_usable(self.weight)):
+            return None
+        bank = self.bank(segments)
+        return bank if bank.rank else None
+
+    def forward_from_shrunk(self, x: torch.Tensor, h: torch.Tensor, bank: LoraBank, rows: RowSlots,
+                            leave: bool) -> torch.Tensor | Unexpanded:
+        """:meth:`forward_leaving_expand` of ``x`` whose shrink through ``bank`` (:meth:`shrink_bank`)
+        a kernel already took: ``h`` (rows, R) fp32."""
+        y = F.linear(x, self.weight, self.bias)
+        pending = PendingExpand(h, bank.B, rows.idx, bank.h_offsets, None)
+        if leave:
+            return Unexpanded(y, pending)
+        pending.apply_(y.view(-1, self.out_features))
+        return y
 
     def _training_one_adapter(self, segments) -> LoraWeights | None:
         """The adapter when one segment's adapter, being trained, covers the batch and the base

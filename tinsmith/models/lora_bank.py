@@ -332,6 +332,17 @@ def expands_taken_by(kernel: str) -> bool:
     return kernel in EXPANDS_TAKEN
 
 
+# Which kernels of a decode step take the shrink of the bank of the projection that reads their
+# output, where they run: "silu" (the SiLU product takes the down projection's, a partial sum per
+# block of its output; :func:`tinsmith.kernels.swiglu.silu_mul_shrinking`).
+SHRINKS_TAKEN: frozenset[str] = frozenset({"silu"})
+
+
+def shrinks_taken_by(kernel: str) -> bool:
+    """Whether ``kernel`` (one of :data:`SHRINKS_TAKEN`'s names) takes the next projection's shrink."""
+    return kernel in SHRINKS_TAKEN
+
+
 @dataclass
 class PendingExpand:
     """A bank's shrink taken, its expand not yet added into the projection's output ``y``.
