@@ -87,7 +87,6 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | Unexpanded,
     else they are added first."""
     plain = norm if torch.is_grad_enabled() else getattr(norm, "inference_norm", norm)
     kernel = isinstance(plain, RMSNorm) and not (plain.offset or plain.scale_in_fp32)
-    lora = None
     if isinstance(delta, Unexpanded):
         lora = delta.pending.kernel_args()
         if kernel and rms_kernel.add_usable(h, delta.y, plain.weight) and rms_kernel.add_lora_usable(
@@ -492,7 +491,7 @@ class MLP(nn.Module):
                 pending.apply_(y)
                 lora = None
             # ... and the down projection's shrink of its output, where it can.
-            down = self.down_proj.shrink_bank(segments) if shrinks_taken_by("silu") and swiglu.usable(y) else None
+            down = self.down_proj.fusable_bank(segments) if shrinks_taken_by("silu") and swiglu.usable(y) else None
             if down is not None and swiglu.shrink_usable(y.shape[0], down.A, i):
                 both = swiglu.silu_mul_shrinking(y, lora, down.A, segments.idx)
                 if both is not None:

@@ -185,24 +185,20 @@ class LoraLinear(nn.Module):
                                leave: bool) -> torch.Tensor | Unexpanded:
         """:meth:`forward`, and with ``leave`` (the caller's next kernel can add a bank's deltas to
         what it reads: a decode step's residual add and norm) the bank's expand left to that kernel
-        where it can be: an :class:`Unexpanded` output then. A subclass with a forward of its own (a
-        tensor-parallel projection, whose ranks' outputs are summed) always runs its forward."""
-        if (not leave or type(self).forward is not LoraLinear.forward or not isinstance(segments, RowSlots)
-                or not segments or not self.adapters or torch.is_grad_enabled()):
+        where it can be (:meth:`fusable_bank`): an :class:`Unexpanded` output then."""
+        bank = self.fusable_bank(segments) if leave else None
+        if bank is None:
             return self(x, segments)
         y = F.linear(x, self.weight, self.bias)
-        bank = self.bank(segments)
-        if not bank.rank:
-            return y
         pending = add_bank_delta_(y.view(-1, self.out_features), x.reshape(-1, self.in_features), bank, segments,
                                   leave_expand=True)
         return y if pending is None else Unexpanded(y, pending)
 
-    def shrink_bank(self, segments: Segments | RowGroups | RowSlots | None) -> LoraBank | None:
-        """The bank whose shrink a kernel producing this projection's input may take (then
-        :meth:`forward_from_shrunk`): a decode batch over banks, outside autograd, a plain projection
-        (a subclass's forward of its own, such as a tensor-parallel one, keeps its shrink), where the
-        gathered kernels run; None otherwise."""
+    def fusable_bank(self, segments: Segments | RowGroups | RowSlots | None) -> LoraBank | None:
+        """The bank whose shrink or expand a neighbouring kernel may take (:meth:`forward_leaving_expand`,
+        :meth:`forward_from_shrunk`): a decode batch over banks holding some adapter here, outside
+        autograd, a plain projection (a subclass's forward of its own, such as a tensor-parallel one
+        whose ranks' outputs are summed, keeps both), where the gathered kernels run; None otherwise."""
         if (type(self).forward is not LoraLinear.forward or not isinstance(segments, RowSlots) or not segments
                 or not self.adapters or torch.is_grad_enabled() or not triton_usable(self.weight)):
             return None
@@ -211,7 +207,7 @@ class LoraLinear(nn.Module):
 
     def forward_from_shrunk(self, x: torch.Tensor, h: torch.Tensor, bank: LoraBank, rows: RowSlots,
                             leave: bool) -> torch.Tensor | Unexpanded:
-        """:meth:`forward_leaving_expand` of ``x`` whose shrink through ``bank`` (:meth:`shrink_bank`)
+        """:meth:`forward_leaving_expand` of ``x`` whose shrink through ``bank`` (:meth:`fusable_bank`)
         a kernel already took: ``h`` (rows, R) fp32."""
         y = F.linear(x, self.weight, self.bias)
         pending = PendingExpand(h, bank.B, rows.idx, bank.h_offsets, None)
