@@ -201,3 +201,27 @@ def test_joint_steps_after_a_loaded_state_or_a_move_use_the_state_there_now(qwen
         assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
     for i, (a, b) in enumerate(zip(ua, uj)):
         _assert_identical(alone, a, joint, b, f"unit {i}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_joint_steps_with_a_tensor_left_out_then_back_equal_steps_alone(qwen3_dir, monkeypatch, fused):
+    """A unit whose step leaves a tensor out (it got no gradient) steps only the others, and the
+    steps after it, when every tensor steps again and that one's state is made then, read each
+    tensor's own state: joint steps and steps alone agree bit for bit throughout. (The joint
+    step keeps each unit's state lists between steps: what it must keep right.)"""
+    if fused:
+        monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
+    alone, ua = _runtime(qwen3_dir, torch.float32)
+    joint, uj = _runtime(qwen3_dir, torch.float32)
+    for step in range(4):
+        _backward(alone, ua, step)
+        _backward(joint, uj, step)
+        if step in (0, 2):  # unit 0's first tensor has no gradient in these steps
+            for rt, units in ((alone, ua), (joint, uj)):
+                rt.unit(units[0]).params[0].grad = None
+        assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+    tr = joint.unit(uj[0])
+    assert tr.adamw_state_lists() is not None  # every tensor has its state by now
+    assert int(tr.optimizer.state[tr.params[0]]["step"]) == 2 and int(tr.optimizer.state[tr.params[1]]["step"]) == 4
+    for i, (a, b) in enumerate(zip(ua, uj)):
+        _assert_identical(alone, a, joint, b, f"unit {i}")

@@ -159,6 +159,7 @@ class CopyRefresh:
     _groups: list = field(default_factory=list, repr=False)
     _stacks: list = field(default_factory=list, repr=False)
     _held: list = field(default_factory=list, repr=False)  # (a stack's entries, this adapter's segments in it, weights)
+    _keyed: list = field(default_factory=list, repr=False)  # every LoraWeights some cache's key reads
     _copies_by_route: dict = field(default_factory=dict, repr=False)  # route -> (destinations, sources), dense pairs
     _scaled: dict = field(default_factory=dict, repr=False)  # scale -> dense stack rows of B
     _blocks: BlockCopies = field(default_factory=lambda: BlockCopies([], [], []), repr=False)  # the strided pairs
@@ -235,28 +236,32 @@ class CopyRefresh:
             strided += [(d, s, None) for d, s in zip(*self._copies_by_route.pop(key))]
         self._blocks = BlockCopies([d for d, _, _ in strided], [s for _, s, _ in strided],
                                    [scale for _, _, scale in strided])
+        keyed = [*self._copy_weights, *(w for ws, _, _ in self._groups for w in ws), *(w for _, _, w in self._held)]
+        self._keyed = list({id(w): w for w in keyed}.values())
         self._made = True
 
     def _write_keys(self) -> None:
         """Each cache's key (stacks: this adapter's entries) from the masters' current versions;
-        remember the tuples written."""
+        remember the tuples written. Each adapter weight's versions and storage are read once
+        (most weights key two caches: their own copies or group's, and their stack rows), the
+        keys then made as :func:`copy_key`, :func:`group_key` and :func:`stack_entry` make them."""
+        part = {id(w): (w.A._version, w.B._version, w.A.data_ptr(), w.B.data_ptr()) for w in self._keyed}
         copies = []
         for w in self._copy_weights:
             c = w.copies
-            dtype = c[1].dtype
-            w.copies = c = (copy_key(w, dtype), c[1], c[2])
+            w.copies = c = ((c[1].dtype, *part[id(w)]), c[1], c[2])
             copies.append(c)
         self._copies = copies
         groups = []
         for ws, dtype, mine in self._groups:
-            ws[0].group = g = (group_key(ws, dtype), mine[1], mine[2])
+            ws[0].group = g = ((dtype, *(part[id(w)] for w in ws)), mine[1], mine[2])
             groups.append((ws, dtype, g))
         self._groups = groups
         # Only this adapter's entries change, in place: re-reading every segment's (or copying
         # them) would make a round of all tenants' steps quadratic in the tenants. The stacks'
         # entry lists were taken when the lists were made (:meth:`_still_mine` holds them current).
         for entries, held, w in self._held:
-            entry = stack_entry(w)
+            entry = (*part[id(w)], w.scale)
             for i in held:
                 entries[i] = entry
 

@@ -277,6 +277,7 @@ class ShardedFullTrainable(Trainable):
             failed = exc
         self._agree_read(failed)
         self.optimizer.state.clear()
+        self._adamw_lists = None
         with torch.no_grad():
             for n, p in self.named_params:
                 _local(p).copy_(mine.pop(n))

@@ -54,7 +54,7 @@ def step_together(units: list[Trainable], hps: list[OptimParams], joins: Callabl
     all units)."""
     joins = joins or steps_jointly
     results: list[StepResult | None] = [None] * len(units)
-    joint: list[tuple[int, Trainable, AdamParams, list[torch.Tensor]]] = []
+    joint: list[tuple[int, Trainable, AdamParams, list[torch.Tensor], list[torch.Tensor]]] = []
     for i, (u, hp) in enumerate(zip(units, hps)):
         if not joins(u):
             results[i] = _alone(u, hp)
@@ -64,29 +64,30 @@ def step_together(units: list[Trainable], hps: list[OptimParams], joins: Callabl
         except TinsmithError as exc:
             results[i] = exc
             continue
-        params = u.stepped_params()
+        params, grads = u.stepped_grads()
         if not params:
             results[i] = dict(SKIPPED_NO_GRAD)
             continue
-        joint.append((i, u, hp, params))
+        joint.append((i, u, hp, params, grads))
     if joint:
-        got = (norms or _grad_norms)([(u, params) for _, u, _, params in joint])
+        got = (norms([(u, params) for _, u, _, params, _ in joint]) if norms is not None
+               else _grad_norms([grads for *_, grads in joint]))
         stepping = []
-        for (i, u, hp, params), norm in zip(joint, got):
+        for (i, u, hp, params, grads), norm in zip(joint, got):
             try:
                 u.clip(params, norm, hp)
             except TinsmithError as exc:
                 results[i] = exc
                 continue
-            stepping.append((u, hp, params))
+            stepping.append((u, hp, params, grads))
             results[i] = {"grad_norm": norm, "learning_rate": hp.learning_rate}
-        for u, hp, _ in stepping:
+        for u, hp, _, _ in stepping:
             u.before_step(hp)
         with torch.no_grad():  # as torch's optimizers step
             _adamw(stepping)
-        for u, _, params in stepping:
+        for u, _, params, _ in stepping:
             u.after_step(params)
-        refresh_together([r for r in (u.copy_refresh() for u, _, _ in stepping) if r is not None])
+        refresh_together([r for r in (u.copy_refresh() for u, *_ in stepping) if r is not None])
     return results  # type: ignore[return-value]
 
 
@@ -124,39 +125,43 @@ def result_of(fn: Callable[..., dict[str, float]], *args: Any) -> StepResult:
         return exc
 
 
-def _grad_norms(entries: list[tuple[Trainable, list[torch.Tensor]]]) -> list[float]:
-    """Each unit's global gradient norm (as :meth:`Trainable.grad_norm` computes it: its tensors'
-    norms stacked, squared and summed), from one multi-tensor norm call, read back at once."""
-    flat = [p.grad for _, params in entries for p in params]
-    each = torch._foreach_norm(flat, 2, dtype=torch.float32)
+def _grad_norms(grads: list[list[torch.Tensor]]) -> list[float]:
+    """Each unit's global gradient norm from its ``grads`` (as :meth:`Trainable.grad_norm`
+    computes it: its tensors' norms stacked, squared and summed), from one multi-tensor norm
+    call, read back at once."""
+    each = torch._foreach_norm([g for gs in grads for g in gs], 2, dtype=torch.float32)
     norms, a = [], 0
-    for _, params in entries:
-        b = a + len(params)
+    for gs in grads:
+        b = a + len(gs)
         norms.append(torch.stack(each[a:b]).square().sum().sqrt())
         a = b
     return torch.stack(norms).tolist()
 
 
-def _adamw(stepping: list[tuple[Trainable, AdamParams, list[torch.Tensor]]]) -> None:
-    """AdamW's update of every unit's ``params``, by the kernels its optimizer would launch."""
+def _adamw(stepping: list[tuple[Trainable, AdamParams, list[torch.Tensor], list[torch.Tensor]]]) -> None:
+    """AdamW's update of every unit's ``params`` (with their ``grads``), by the kernels its
+    optimizer would launch."""
     fused_steps: list[torch.Tensor] = []
     calls: dict[tuple, tuple[list, list, list, list, list]] = {}
-    for u, hp, params in stepping:
+    for u, hp, params, grads in stepping:
         fused = steps_on_device(u.optimizer)
-        state = u.optimizer.state
         key = (fused, params[0].device, hp.learning_rate, hp.beta1, hp.beta2, hp.weight_decay, hp.eps)
         ps, gs, ms, vs, ss = calls.setdefault(key, ([], [], [], [], []))
-        for p in params:
-            st = state[p]
-            if not st:
-                _init_state(st, p, fused)
-            ps.append(p)
-            gs.append(p.grad)
-            ms.append(st["exp_avg"])
-            vs.append(st["exp_avg_sq"])
-            ss.append(st["step"])
+        kept = u.adamw_state_lists() if params is u.params else None
+        if kept is None:  # some tensor without its state yet, or not every tensor stepping
+            state = u.optimizer.state
+            for p in params:
+                if not state[p]:
+                    _init_state(state[p], p, fused)
+            kept = ([state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params],
+                    [state[p]["step"] for p in params])
+        ps += params
+        gs += grads
+        ms += kept[0]
+        vs += kept[1]
+        ss += kept[2]
         if fused:
-            fused_steps += ss[len(ss) - len(params):]
+            fused_steps += kept[2]
     if fused_steps:
         torch._foreach_add_(fused_steps, 1)  # every fused unit's step counts at once
     for (fused, _, lr, beta1, beta2, weight_decay, eps), (ps, gs, ms, vs, ss) in calls.items():

@@ -16,9 +16,11 @@ tensors already (cast to the activations' dtype inside the matmul), so they need
 from __future__ import annotations
 
 import math
+import operator
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 from torch.autograd.graph import increment_version
@@ -64,15 +66,20 @@ class Trainable:
     model: CausalLM | None = None
     # (attachments, their CopyRefresh) of :meth:`copy_refresh`, made at the first refresh.
     _refresh: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # AdamW's state dict of every tensor of :attr:`params`, in order (:meth:`adamw_state_lists`).
+    _adamw_lists: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # Read at every step of every tenant: made once, not a list a call (``named_params``
+        # stays what it is for the unit's life).
+        self._model_params = [p for _, p in self.named_params]
         rank = self.spec.rank if self.spec is not None else None
         self.optimizer = build_optimizer(self.optimizer_type, self.params, rank)
 
     @property
     def model_params(self) -> list[torch.Tensor]:
-        """The tensors the model computes with."""
-        return [p for _, p in self.named_params]
+        """The tensors the model computes with (callers must not change the list)."""
+        return self._model_params
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -149,6 +156,26 @@ class Trainable:
         refresh = CopyRefresh(alone, grouped, linear)
         self._refresh = (self.attachments, refresh)
         return refresh
+
+    def adamw_state_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
+        """AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` of every tensor of :attr:`params`, in
+        order, once every one has its state (None before). A joint step of several tenants reads
+        them at every step, and finding each tensor's state by the tensor (a few hundred a tenant,
+        each a Python hash) was host time a GPU waited for: the per-tensor state dicts are kept
+        instead, and read afresh each time (whatever replaced a tensor in them, a move between
+        devices above all, is what is read). Found again once the dicts themselves are replaced
+        (:meth:`import_state`, or whoever left the first or last tensor's not the one kept)."""
+        params, state = self.params, self.optimizer.state
+        if not params:
+            return None
+        sts = self._adamw_lists
+        if sts is None or len(state) != len(params) or state.get(params[0]) is not sts[0] \
+                or state.get(params[-1]) is not sts[-1]:
+            sts = [state.get(p) for p in params]
+            if not all(sts):
+                return None
+            self._adamw_lists = sts
+        return [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], [st["step"] for st in sts]
 
     def _move(self, device: torch.device) -> None:
         steps_too = steps_on_device(self.optimizer)  # fused AdamW's step counts live beside the parameters
@@ -233,6 +260,7 @@ class Trainable:
         self._check_state(weights, optimizer)
         weights, optimizer = in_memory(weights), None if optimizer is None else in_memory(optimizer)
         self.optimizer.state.clear()
+        self._adamw_lists = None
         with torch.no_grad():
             for (n, p), model_p in zip(self.named_stepped, self.model_params):
                 p.copy_(weights[n].to(p.device, p.dtype))
@@ -272,6 +300,16 @@ class Trainable:
     def stepped_params(self) -> list[torch.Tensor]:
         """The tensors a step moves: those holding a gradient."""
         return [p for p in self.params if p.grad is not None]
+
+    def stepped_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`stepped_params` and their gradients, each gradient read once (a joint step
+        of several tenants needs them for the norm, the clip and the update)."""
+        params = self.params
+        grads = [p.grad for p in params]
+        if any(map(operator.is_, grads, repeat(None))):
+            kept = [(p, g) for p, g in zip(params, grads) if g is not None]
+            return [p for p, _ in kept], [g for _, g in kept]
+        return params, grads
 
     def clip(self, params: list[torch.Tensor], norm: float, hp: OptimParams) -> None:
         """Refuse a non-finite gradient norm (nothing is applied); scale the gradients down to
