@@ -23,9 +23,14 @@ weights do not move in those steps, so they are timed after the others.
 commit ``REV`` with this checkout's in one process instead: both modules loaded side by side, the
 model's layers switched between them round after round, each round's forward/backward timed less
 its grouped matmuls (the host's own work), optimizer steps taken together between steps.
+``--steps-from REV`` does the same for the several tenants' joint optimizer steps: commit ``REV``'s
+``step_together`` (``tinsmith/worker/joint_steps.py``) and compute copies' key writing
+(``CopyRefresh._write_keys``) against this checkout's, each timed in full and with the kernels
+skipped (the rest of the step, the units and their refresh lists, are this checkout's in both).
 
     python bench/tenants_step_micro.py [--tenants 1,4,16] [--steps 10] [--dtype fp32|bf16] [--json out.json]
     python bench/tenants_step_micro.py --nodes-from HEAD~1 [--tenants 4,16] [--rounds 6] [--steps 4]
+    python bench/tenants_step_micro.py --steps-from HEAD~1 [--tenants 4,16] [--rounds 6] [--steps 4]
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ from bench.gpu.train import batch, optimizer_steps  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 from tinsmith.gc_tuning import tuned_for_serving  # noqa: E402
 from tinsmith.kernels import block_copy  # noqa: E402
-from tinsmith.models import grouped_lora, lora, lora_tenants, moe  # noqa: E402
+from tinsmith.models import copy_refresh, grouped_lora, lora, lora_tenants, moe  # noqa: E402
 from tinsmith.models.loading import load_model  # noqa: E402
 from tinsmith.optim import families  # noqa: E402
 from tinsmith.types import ForwardBackwardInput, LoraSpec  # noqa: E402
+from tinsmith.worker import runtime as runtime_module  # noqa: E402
 from tinsmith.worker.runtime import TrainingRuntime, TrainRequest  # noqa: E402
 
 
@@ -150,22 +156,70 @@ def measure(rt: TrainingRuntime, args, results: dict) -> None:
                   flush=True)
 
 
-def nodes_of(rev: str, into: Path):
-    """The several-tenant nodes' module as commit ``rev`` has it, loaded beside this checkout's."""
+def module_of(rev: str, path: str, into: Path):
+    """The module at ``path`` (``tinsmith/...py``) as commit ``rev`` has it, loaded beside this
+    checkout's (under a name of its own; what it imports is this checkout's)."""
     root = Path(__file__).resolve().parents[1]
-    shown = subprocess.run(["git", "show", f"{rev}:tinsmith/models/lora_tenants.py"], cwd=root,
-                           capture_output=True, text=True)
+    shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
     if shown.returncode != 0:
-        raise SystemExit(f"--nodes-from {rev}: git cannot show tinsmith/models/lora_tenants.py at that commit "
-                         f"({shown.stderr.strip()})")
-    source = shown.stdout
-    path = into / "lora_tenants_then.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("lora_tenants_then", path)
+        raise SystemExit(f"{rev}: git cannot show {path} at that commit ({shown.stderr.strip()})")
+    name = Path(path).stem + "_then"
+    file = into / f"{name}.py"
+    file.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def nodes_of(rev: str, into: Path):
+    """The several-tenant nodes' module as commit ``rev`` has it, loaded beside this checkout's."""
+    return module_of(rev, "tinsmith/models/lora_tenants.py", into)
+
+
+def compare_steps(rt: TrainingRuntime, args, into: Path, results: dict) -> None:
+    """``--steps-from``: each tenant count's joint optimizer steps with commit ``REV``'s
+    :func:`tinsmith.worker.joint_steps.step_together` and its compute copies' key writing
+    (``CopyRefresh._write_keys``), then with this checkout's, alternated round after round; each
+    round times ``--steps`` steps in full and ``--steps`` with the multi-tensor kernels skipped
+    (the host's own work, as ``optimizer_host_ms``). Medians a tenant; the ways take turns going
+    first."""
+    then_steps = module_of(args.steps_from, "tinsmith/worker/joint_steps.py", into)
+    then_refresh = module_of(args.steps_from, "tinsmith/models/copy_refresh.py", into)
+    ways = {args.steps_from: (then_steps.step_together, then_refresh.CopyRefresh._write_keys),
+            "this checkout": (runtime_module.step_together, copy_refresh.CopyRefresh._write_keys)}
+    rank = 32 if args.widths > 16 else 8
+    for n in (int(t) for t in args.tenants.split(",")):
+        units = [rt.create_adapter(LoraSpec(rank=rank, seed=i)) for i in range(n)]
+        requests = [TrainRequest(u, ForwardBackwardInput(batch(rt.config.vocab_size, max(1, 8 // n), 16, seed=i),
+                                                         "cross_entropy")) for i, u in enumerate(units)]
+        times: dict[str, dict[str, list[float]]] = {way: {"full": [], "host": []} for way in ways}
+        try:
+            for _ in range(2):  # warm: layouts, stacks, optimizer state
+                rt.forward_backward(requests)
+                optimizer_steps(rt, units, True)
+            for r in range(args.rounds):
+                # ABBA: each way goes first in every other round (the first of a round ran slower
+                # than the second on this CPU, whatever the code: two ways of one commit differ so)
+                for way, (together, write_keys) in list(ways.items())[::-1 if r % 2 else 1]:
+                    runtime_module.step_together, copy_refresh.CopyRefresh._write_keys = together, write_keys
+                    for how in ("full", "host"):
+                        for _ in range(args.steps):
+                            rt.forward_backward(requests)
+                            with optimizer_kernels_skipped() if how == "host" else contextlib.nullcontext():
+                                t0 = time.perf_counter()
+                                optimizer_steps(rt, units, True)
+                                times[way][how].append(1e3 * (time.perf_counter() - t0) / n)
+        finally:
+            runtime_module.step_together, copy_refresh.CopyRefresh._write_keys = ways["this checkout"]
+            for u in units:
+                rt.delete_adapter(u)
+        results[n] = {way: {f"{how}_ms_a_tenant": statistics.median(ms) for how, ms in t.items()}
+                      for way, t in times.items()}
+        for way, r in results[n].items():
+            print(f"{n:>3} tenants, joint steps of {way:>13}: {r['full_ms_a_tenant']:6.3f} ms a tenant, host alone "
+                  f"{r['host_ms_a_tenant']:6.3f} ({args.rounds} rounds of {args.steps} steps each)", flush=True)
 
 
 def compare_nodes(rt: TrainingRuntime, args, then, results: dict) -> None:
@@ -215,11 +269,15 @@ def main() -> None:
     ap.add_argument("--widths", type=int, choices=(16, 64), default=64, help="hidden size (rank 8 at 16, else 32)")
     ap.add_argument("--nodes-from", metavar="REV", help="compare the several-tenant nodes of commit REV with this "
                                                         "checkout's, in one process")
-    ap.add_argument("--rounds", type=int, default=6, help="with --nodes-from: rounds of each, alternated")
+    ap.add_argument("--steps-from", metavar="REV", help="compare the joint optimizer steps (their step_together and "
+                                                        "key writing) of commit REV with this checkout's, in one process")
+    ap.add_argument("--rounds", type=int, default=6, help="with --nodes-from or --steps-from: rounds of each, alternated")
     ap.add_argument("--json")
     args = ap.parse_args()
-    args.steps = args.steps or (4 if args.nodes_from else 10)
-    args.tenants = args.tenants or ("4,16" if args.nodes_from else "1,4,16")
+    if args.nodes_from and args.steps_from:
+        ap.error("--nodes-from and --steps-from compare one thing each: give one")
+    args.steps = args.steps or (4 if args.nodes_from or args.steps_from else 10)
+    args.tenants = args.tenants or ("4,16" if args.nodes_from or args.steps_from else "1,4,16")
     torch.set_num_threads(1)
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
     grouped_lora.MULTI_LORA = "grouped"
@@ -236,6 +294,8 @@ def main() -> None:
         with tuned_for_serving():  # the collector as the server sets it (its pauses are not the steps')
             if args.nodes_from:
                 compare_nodes(rt, args, nodes_of(args.nodes_from, Path(d)), results)
+            elif args.steps_from:
+                compare_steps(rt, args, Path(d), results)
             else:
                 measure(rt, args, results)
     if args.json:

@@ -1,7 +1,7 @@
 """bench/tenants_step_micro.py's host-only columns: the grouped matmul's share of a several-tenant
 forward/backward, and the optimizer steps timed with their kernels skipped, which must leave the
-weights as they were and put torch's functions back; ``--nodes-from``'s nodes of another commit
-beside this checkout's."""
+weights as they were and put torch's functions back; ``--nodes-from``'s nodes and ``--steps-from``'s
+joint optimizer steps of another commit beside this checkout's."""
 
 from __future__ import annotations
 
@@ -80,3 +80,34 @@ def test_nodes_of_another_commit_run_beside_this_checkouts_and_the_layers_get_th
     assert set(results[2]) == {"HEAD", "this checkout"}
     assert all(r["steps"] == 1 and r["median_ms"] > 0 for r in results[2].values())
     assert lora.tenants_linear is lora_tenants.tenants_linear and lora.tenants_group is lora_tenants.tenants_group
+
+
+def test_joint_steps_of_another_commit_run_beside_this_checkouts_and_these_are_put_back(qwen3_dir, tmp_path,
+                                                                                         monkeypatch):
+    bench = _bench()
+    if not (SCRIPT.parents[1] / ".git").exists():
+        pytest.skip("--steps-from reads a commit: not a git checkout")
+    from tinsmith.models import copy_refresh
+    from tinsmith.worker import joint_steps, runtime
+
+    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
+    monkeypatch.setattr(grouped_lora, "MULTI_LORA", "grouped")
+    monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
+    rt = TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.float32).model, max_lora_adapters=4, max_lora_rank=8)
+    then = bench.module_of("HEAD", "tinsmith/worker/joint_steps.py", tmp_path)
+    assert then.step_together is not joint_steps.step_together  # a module of its own
+    ran = []
+    real = then.step_together
+    load = bench.module_of
+    monkeypatch.setattr(bench, "module_of", lambda rev, path, into: then if path.endswith("joint_steps.py")
+                        else load(rev, path, into))
+    mine = copy_refresh.CopyRefresh._write_keys
+    monkeypatch.setattr(then, "step_together", lambda *a, **k: ran.append(1) or real(*a, **k))
+    results = {}
+    args = argparse.Namespace(steps_from="HEAD", tenants="2", rounds=2, steps=1, widths=16)
+    bench.compare_steps(rt, args, tmp_path, results)
+    assert ran  # the other commit's joint step took the steps
+    assert set(results[2]) == {"HEAD", "this checkout"}
+    assert all(r["full_ms_a_tenant"] > 0 and r["host_ms_a_tenant"] > 0 for r in results[2].values())
+    assert runtime.step_together is joint_steps.step_together  # put back
+    assert copy_refresh.CopyRefresh._write_keys is mine
