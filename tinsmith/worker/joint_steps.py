@@ -11,7 +11,8 @@ sixteen tenants' steps were sixteen stretches of idle device (docs/performance.m
 read-back for all units; AdamW's kernels called directly on lists built from the units' state
 (the step counts of every unit moved by one multi-tensor add; one fused AdamW call per set of
 hyperparameters, since the kernel takes one learning rate); one multi-tensor copy refreshing
-every unit's compute copies. Each unit's arithmetic is unchanged: the same per-tensor kernels
+every unit's compute copies. What is per tensor stays off the host where it can: each unit keeps
+its state dicts (:meth:`Trainable.adamw_state_lists`) and its gradients are read once. Each unit's arithmetic is unchanged: the same per-tensor kernels
 with the same arguments and the same per-unit norm (its own tensors' norms stacked, squared,
 summed), so a unit's weights after a joint step are bit-identical to its step alone, whoever
 else stepped with it (tests/worker/test_joint_steps.py).
