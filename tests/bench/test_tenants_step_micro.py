@@ -29,12 +29,22 @@ def _bench():
     return bench
 
 
-def test_both_columns_are_timed_and_the_step_under_skipped_kernels_moves_nothing(qwen3_dir, monkeypatch):
-    bench = _bench()
+def _grouped_runtime(qwen3_dir, monkeypatch) -> TrainingRuntime:
+    """A runtime on the paths a GPU takes, as the bench forces them (grouped matmul, fused AdamW)."""
     monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
     monkeypatch.setattr(grouped_lora, "MULTI_LORA", "grouped")
     monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)  # as the bench runs it (a GPU's AdamW)
-    rt = TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.float32).model, max_lora_adapters=4, max_lora_rank=8)
+    return TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.float32).model, max_lora_adapters=4, max_lora_rank=8)
+
+
+def _needs_git(flag: str) -> None:
+    if not (SCRIPT.parents[1] / ".git").exists():
+        pytest.skip(f"{flag} reads a commit: not a git checkout")
+
+
+def test_both_columns_are_timed_and_the_step_under_skipped_kernels_moves_nothing(qwen3_dir, monkeypatch):
+    bench = _bench()
+    rt = _grouped_runtime(qwen3_dir, monkeypatch)
     real = {name: getattr(torch, name) for name in (*bench._STEP_KERNELS, "_foreach_norm", "_grouped_mm")}
     run = block_copy.BlockCopies.run
 
@@ -63,11 +73,8 @@ def test_both_columns_are_timed_and_the_step_under_skipped_kernels_moves_nothing
 def test_nodes_of_another_commit_run_beside_this_checkouts_and_the_layers_get_these_back(qwen3_dir, tmp_path,
                                                                                           monkeypatch):
     bench = _bench()
-    if not (SCRIPT.parents[1] / ".git").exists():
-        pytest.skip("--nodes-from reads a commit: not a git checkout")
-    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
-    monkeypatch.setattr(grouped_lora, "MULTI_LORA", "grouped")
-    rt = TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.float32).model, max_lora_adapters=4, max_lora_rank=8)
+    _needs_git("--nodes-from")
+    rt = _grouped_runtime(qwen3_dir, monkeypatch)
     then = bench.nodes_of("HEAD", tmp_path)
     assert then.tenants_linear is not lora_tenants.tenants_linear  # a module of its own
     ran = []
@@ -84,16 +91,12 @@ def test_nodes_of_another_commit_run_beside_this_checkouts_and_the_layers_get_th
 
 def test_joint_steps_of_another_commit_run_beside_this_checkouts_and_these_are_put_back(qwen3_dir, tmp_path,
                                                                                          monkeypatch):
-    bench = _bench()
-    if not (SCRIPT.parents[1] / ".git").exists():
-        pytest.skip("--steps-from reads a commit: not a git checkout")
     from tinsmith.models import copy_refresh
     from tinsmith.worker import joint_steps, runtime
 
-    monkeypatch.setattr(moe, "GROUPED_MM", "grouped")
-    monkeypatch.setattr(grouped_lora, "MULTI_LORA", "grouped")
-    monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
-    rt = TrainingRuntime(load_model(str(qwen3_dir), dtype=torch.float32).model, max_lora_adapters=4, max_lora_rank=8)
+    bench = _bench()
+    _needs_git("--steps-from")
+    rt = _grouped_runtime(qwen3_dir, monkeypatch)
     then = bench.module_of("HEAD", "tinsmith/worker/joint_steps.py", tmp_path)
     assert then.step_together is not joint_steps.step_together  # a module of its own
     ran = []
