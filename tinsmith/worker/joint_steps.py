@@ -12,10 +12,12 @@ read-back for all units; AdamW's kernels called directly on lists built from the
 (the step counts of every unit moved by one multi-tensor add; one fused AdamW call per set of
 hyperparameters, since the kernel takes one learning rate); one multi-tensor copy refreshing
 every unit's compute copies. What is per tensor stays off the host where it can: each unit keeps
-its state dicts (:meth:`Trainable.adamw_state_lists`) and its gradients are read once. Each unit's arithmetic is unchanged: the same per-tensor kernels
-with the same arguments and the same per-unit norm (its own tensors' norms stacked, squared,
-summed), so a unit's weights after a joint step are bit-identical to its step alone, whoever
-else stepped with it (tests/worker/test_joint_steps.py).
+its state dicts (:meth:`Trainable.adamw_state_lists`) and its gradients are read once.
+
+Each unit's arithmetic is unchanged: the same per-tensor kernels with the same arguments and the
+same per-unit norm (its own tensors' norms stacked, squared, summed), so a unit's weights after a
+joint step are bit-identical to its step alone, whoever else stepped with it
+(tests/worker/test_joint_steps.py).
 
 Units that step differently (Dimuon) step alone, in order, through :meth:`Trainable.step`. A
 sharded runtime says which of its units join and how their norms are summed over its ranks
