@@ -21,6 +21,15 @@ def _get(d: dict, *path, pct: bool = False) -> str:
     return _fmt(d, pct) if isinstance(d, (int, float)) else "-"
 
 
+def _adapters_at(decode: dict, n: int, rows_key: str) -> dict:
+    """The decode item's figures for ``n`` adapters at the row count of ``rows_key`` (``rows_R``):
+    ``adapters_N`` holds the first row count's, ``adapters_N_rows_R`` the others' (bench.gpu.sample)."""
+    first = decode.get(f"adapters_{n}", {})
+    if isinstance(first, dict) and f"rows_{first.get('rows')}" == rows_key:
+        return first
+    return decode.get(f"adapters_{n}_{rows_key}", {})
+
+
 def _status(d: dict) -> str:
     if not isinstance(d, dict):
         return ""
@@ -155,18 +164,20 @@ def markdown(s: dict) -> str:
         L += _heading("## Sampling (tokens/s)",
                       "| shape | rows | tok/s | of HBM bound | of bound with prefill | captures in timed run | "
                       "admitting s in timed run (8 / 64 adapters) | first run tok/s (graph captures) | "
-                      "8 adapters vs base (by tiles) | "
-                      "64 adapters vs base (by tiles) | HF generate tok/s | GRPO separate / num_samples | first call s | "
+                      "8 adapters vs base (by tiles; bytes bound) | "
+                      "64 adapters vs base (by tiles; bytes bound) | HF generate tok/s | GRPO separate / num_samples | first call s | "
                       "second call s | notes |")
         for name in s["shapes"]:
             de, ge, sd = sa.get(f"{name}/decode", {}), sa.get(f"{name}/generate_baseline", {}), sa.get(f"{name}/sdk", {})
             for rk in [k for k in de if k.startswith("rows_")] or ["-"]:
+                a8, a64 = (_adapters_at(de, n, rk) for n in (8, 64))
                 L.append(f"| {name} | {rk[5:]} | {_get(de, rk, 'tokens_per_s')} | {_get(de, rk, 'of_hbm_bound', pct=True)} | "
                          f"{_get(de, rk, 'of_bound_with_prefill', pct=True)} | {_get(de, rk, 'captures_in_timed_run')} | "
-                         f"{_get(de, rk, 'timed_run_stats', 'admitting_s')} ({_get(de, 'adapters_8', 'timed_run_stats', 'admitting_s')}"
-                         f" / {_get(de, 'adapters_64', 'timed_run_stats', 'admitting_s')}) | "
-                         f"{_get(de, rk, 'first_run_tokens_per_s')} | {_get(de, 'adapters_8', 'vs_base')} ({_get(de, 'adapters_8', 'segmented_vs_base')}) | "
-                         f"{_get(de, 'adapters_64', 'vs_base')} ({_get(de, 'adapters_64', 'segmented_vs_base')}) | "
+                         f"{_get(de, rk, 'timed_run_stats', 'admitting_s')} ({_get(a8, 'timed_run_stats', 'admitting_s')}"
+                         f" / {_get(a64, 'timed_run_stats', 'admitting_s')}) | "
+                         f"{_get(de, rk, 'first_run_tokens_per_s')} | {_get(a8, 'vs_base')} ({_get(a8, 'segmented_vs_base')}; "
+                         f"{_get(a8, 'bytes_bound_vs_base')}) | "
+                         f"{_get(a64, 'vs_base')} ({_get(a64, 'segmented_vs_base')}; {_get(a64, 'bytes_bound_vs_base')}) | "
                          f"{_get(ge, 'tokens_per_s')} | "
                          f"{_get(sd, 'grpo', 'separate_vs_num_samples')} | {_get(sd, 'first_call_s')} | "
                          f"{_get(sd, 'second_call_s')} | {'; '.join(x for x in (_status(de), _status(ge), _status(sd)) if x)} |")

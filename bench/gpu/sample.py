@@ -41,6 +41,24 @@ def hbm_bound_tokens_per_s(model_dir, rows: int, prompt: int, new: int, copy_bps
     return rows / ((weight_bytes + kv_bytes) / copy_bps)
 
 
+def adapter_bytes_bound_vs_base(config, rows: int, prompt: int, new: int, adapters: int, rank: int,
+                                dtype_bytes: int) -> float:
+    """The most a decode step of ``rows`` rows taking ``adapters`` rank-``rank`` adapters in turn
+    (every linear layer and the unembedding adapted) can keep of the base model's speed when both
+    are bound by the bytes a step reads: the base model's weights and K/V, and, with adapters, each
+    adapter a row takes read whole once (docs/performance.md, "What the adapter targets ask").
+    ``config``: the model's transformers config."""
+    n = param_counts(config)
+    h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_layer = rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    adapter = (L * per_layer + rank * (h + config.vocab_size)) * dtype_bytes
+    kv_per_token = L * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    base = (n["layers"] + n["unembed"]) * dtype_bytes + rows * (prompt + new / 2) * kv_per_token
+    return base / (base + min(adapters, rows) * adapter)
+
+
 def bound_with_prefill_tokens_per_s(model_dir, rows: int, prompt: int, new: int, matmul_flops_per_s: float,
                                     hbm_bound: float) -> float:
     """Tokens/s if the run's prefill ran at the measured matmul peak (2N FLOPs a prompt token, the
@@ -87,7 +105,9 @@ def run_sampler(sampler: Sampler, rows: int, prompt: int, new: int | list[int], 
 
 
 def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True) -> dict:
-    """Decode tokens/s at each row count, and (``adapters``) with 8 and 64 adapters against the base model.
+    """Decode tokens/s at each row count, and (``adapters``) with 8 and 64 adapters against the base
+    model at each row count, beside what the bytes a step reads allow
+    (:func:`adapter_bytes_bound_vs_base`).
 
     Each figure is the second of two equal runs: the first pays the CUDA graph captures of its
     bucket, spans and adapter mix (what an RL loop pays once, then replays), and is reported
@@ -95,6 +115,8 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
     server's does on a GPU (it used to give it back, so each run's cache grew again and could
     capture its graphs again); ``captures_in_timed_run`` counts the second run's captures.
     """
+    import transformers
+
     z = sizes(quick)
     lm = load_model(str(model_dir), device=device)
     dtype_bytes = next(lm.model.parameters()).element_size()
@@ -130,32 +152,43 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
                                "first_run_tokens_per_s": rows * z["new"] / first,
                                "captures_in_timed_run": captures["second_run"], "timed_run_stats": dict(timed_stats)}
     # Rows take the adapters in turn (64 rows, 64 adapters: one row each), every projection adapted.
+    # The issue's adapter targets are read at the first row count; the second's (its K/V weighs
+    # more beside the adapters, so the bytes allow a higher share) is measured too, without tiles.
     if adapters:
         rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
         units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]
-        rows = z["rows"][0]
-        base_s = twice(rows, [None])[1]
-        for n in (8, 64):
-            first, multi_s = twice(rows, units[:n])
-            out[f"adapters_{n}"] = {"rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
-                                    "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s,
-                                    "first_run_tokens_per_s": rows * z["new"] / first,
-                                    "timed_run_stats": dict(timed_stats)}  # admitting_s: its prefill's share
-            if lora_segments.triton is not None and device.type == "cuda":  # the same rows by tiles (SGMV), same run
-                enabled = lora_segments.ENABLED
-                lora_segments.ENABLED = True
-                try:
-                    tiled_s = twice(rows, units[:n])[1]
-                finally:
-                    lora_segments.ENABLED = enabled
-                out[f"adapters_{n}"].update({"segmented_tokens_per_s": rows * z["new"] / tiled_s,
-                                             "segmented_vs_base": base_s / tiled_s,
-                                             "segmented_vs_gathered": multi_s / tiled_s,
-                                             "segmented_kernels_failed": lora_segments.GUARD.failed})
+        config = transformers.AutoConfig.from_pretrained(str(model_dir))
+        for rows in z["rows"]:
+            base_s = twice(rows, [None])[1]
+            for n in (8, 64):
+                first, multi_s = twice(rows, units[:n])
+                bytes_bound = adapter_bytes_bound_vs_base(config, rows, z["prompt"], z["new"], n, 32, dtype_bytes)
+                out[key := adapters_key(n, rows, z)] = {
+                    "rows": rows, "base_tokens_per_s": rows * z["new"] / base_s,
+                    "adapters_tokens_per_s": rows * z["new"] / multi_s, "vs_base": base_s / multi_s,
+                    "bytes_bound_vs_base": bytes_bound, "of_bytes_bound": base_s / multi_s / bytes_bound,
+                    "first_run_tokens_per_s": rows * z["new"] / first,
+                    "timed_run_stats": dict(timed_stats)}  # admitting_s: its prefill's share
+                if rows == z["rows"][0] and lora_segments.triton is not None and device.type == "cuda":
+                    enabled = lora_segments.ENABLED  # the same rows by tiles (SGMV), same run
+                    lora_segments.ENABLED = True
+                    try:
+                        tiled_s = twice(rows, units[:n])[1]
+                    finally:
+                        lora_segments.ENABLED = enabled
+                    out[key].update({"segmented_tokens_per_s": rows * z["new"] / tiled_s,
+                                     "segmented_vs_base": base_s / tiled_s, "segmented_vs_gathered": multi_s / tiled_s,
+                                     "segmented_kernels_failed": lora_segments.GUARD.failed})
     if sampler.graphs is not None:
         out["graphs"] = {"captures": sampler.stats["graph_captures"], "replays": sampler.stats["graph_replays"],
                          "broken": sampler.graphs.broken}
     return out
+
+
+def adapters_key(n: int, rows: int, z: dict) -> str:
+    """The decode item's key for ``n`` adapters at ``rows`` rows: ``adapters_N`` at the first row
+    count (the issue's targets read it), ``adapters_N_rows_R`` at the others."""
+    return f"adapters_{n}" if rows == z["rows"][0] else f"adapters_{n}_rows_{rows}"
 
 
 def _decode_rate(lm, device, z: dict, rows: int, slots: list) -> float:

@@ -89,6 +89,11 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
                for mode in ("on", "without_norms", "without_silu_shrink"))
     assert "taken by the kernels reading their outputs" in (out / "summary.md").read_text()
     assert summary["sample"]["tiny/decode"]["rows_4"]["captures_in_timed_run"] == 0  # no graphs on a CPU
+    decode = summary["sample"]["tiny/decode"]  # adapters at each row count, beside the bytes' bound
+    for key, rows in (("adapters_8", 4), ("adapters_64", 4), ("adapters_8_rows_8", 8), ("adapters_64_rows_8", 8)):
+        assert decode[key]["rows"] == rows and decode[key]["vs_base"] > 0
+        assert 0 < decode[key]["bytes_bound_vs_base"] < 1 and decode[key]["of_bytes_bound"] > 0
+    assert "64 adapters vs base (by tiles; bytes bound)" in (out / "summary.md").read_text()
     four, one = summary["train"]["tiny/profile"]["four_tenants"], summary["train"]["tiny/profile"]["one_tenant"]
     assert four["kernels"] > one["kernels"]  # four adapters' own LoRA work
     assert "Where a step's time goes" in (out / "summary.md").read_text()
