@@ -46,7 +46,8 @@ def main() -> None:
             results.append(grpo)
             for kind in ("separate", "num_samples"):
                 t, c, u = grpo[f"{kind}_timeline"], grpo[f"{kind}_server"], grpo[f"{kind}_cpu"]
-                print(f"run {run} {kind:>11}: arrivals {t.get('first_arrival_s', 0):.3f}..{t.get('last_arrival_s', 0):.3f} s, "
+                print(f"run {run} {kind:>11}: sent {t.get('first_send_s', 0):.3f}..{t.get('last_send_s', 0):.3f} s, "
+                      f"arrivals {t.get('first_arrival_s', 0):.3f}..{t.get('last_arrival_s', 0):.3f} s, "
                       f"last start {t.get('last_start_s', 0):.3f} s, "
                       f"last completion {t.get('last_completion_s', 0):.3f} s, prefills {c.get('prefills', 0):.0f}, "
                       f"decode steps {c.get('decode_steps', 0):.0f}, asample HTTP {1e3 * c.get('asample_http_mean_s', 0):.1f} ms, "

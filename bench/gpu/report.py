@@ -239,7 +239,7 @@ def markdown(s: dict) -> str:
         L += _heading("### Through the SDK: GRPO's requests as the server counts them; sampling beside a training tenant",
                       "| shape | GRPO traffic | asample HTTP ms | queue wait ms | wait for a row ms | sampling step s | "
                       "prompt tokens computed | "
-                      "prefills | graph captures | decode steps | arrivals s (first..last) | last start s | "
+                      "prefills | graph captures | decode steps | sent s (first..last) | arrivals s (first..last) | last start s | "
                       "completions s | collector ms | CPU ms a request: client, server (its loop) | notes |")
         for name, item in [(n, f"{n}/{k}") for n in s["shapes"] for k in ("sdk", "sdk_pyqwest")]:
             g = sa.get(item, {}).get("grpo", {})
@@ -253,6 +253,7 @@ def markdown(s: dict) -> str:
                          f"{_fmt(ms['admission_wait'])} | "
                          f"{_get(c, 'step_mean_s')} | {_get(c, 'prefill_tokens')} | {_get(c, 'prefills')} | "
                          f"{_get(c, 'graph_captures')} | {_get(c, 'decode_steps')} | "
+                         f"{_get(t, 'first_send_s')}..{_get(t, 'last_send_s')} | "
                          f"{_get(t, 'first_arrival_s')}..{_get(t, 'last_arrival_s')} | {_get(t, 'last_start_s')} | "
                          f"{_get(t, 'first_completion_s')}..{_get(t, 'last_completion_s')} | "
                          f"{_fmt(None if c.get('gc_pause_s') is None else 1e3 * c['gc_pause_s'])} | "

@@ -8,6 +8,7 @@ the mean context length) / measured copy bandwidth (peak.py): rows / that time =
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -416,13 +417,17 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path, transport: str = 
         cpu: list[dict] = []  # each round's CPU per request: this client's (the SDK), the server's, its loop's
         pid = srv.proc.pid
 
+        sends: list[list[float]] = []  # each round's asample sends by the SDK, epoch seconds
+
         def timed_tokens(submit) -> tuple[float, int]:
             """Submit every request at once (the SDK's futures), then wait for all."""
             before = (own_cpu_seconds(), cpu_seconds(pid), cpu_seconds(pid, pid))
             t, start = time.perf_counter(), time.time()
-            futures = submit()
-            results = [f.result(timeout=600) for f in futures]
+            with asample_sends() as sent:
+                futures = submit()
+                results = [f.result(timeout=600) for f in futures]
             spans.append((start, time.time()))
+            sends.append(sent)
             after = (own_cpu_seconds(), cpu_seconds(pid), cpu_seconds(pid, pid))
             cpu.append({f"{who}_ms_per_request": 1e3 * (b - a) / len(futures)
                         for who, a, b in zip(("client", "server", "server_loop"), before, after)})
@@ -459,8 +464,8 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path, transport: str = 
                          "num_samples_server": counter_means(between, after),
                          # whose CPU a request costs: is the arrival window the SDK's or the server's?
                          "separate_cpu": cpu[2], "num_samples_cpu": cpu[3],
-                         "separate_timeline": request_timeline(database, *spans[2]),
-                         "num_samples_timeline": request_timeline(database, *spans[3])}}
+                         "separate_timeline": request_timeline(database, *spans[2], sends[2]),
+                         "num_samples_timeline": request_timeline(database, *spans[3], sends[3])}}
     finally:
         srv.stop()
 
@@ -569,12 +574,14 @@ def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str
     return out
 
 
-def request_timeline(database: Path, start: float, end: float) -> dict[str, float]:
+def request_timeline(database: Path, start: float, end: float, sent: list[float] = ()) -> dict[str, float]:
     """When the sample requests created between ``start`` and ``end`` (epoch seconds) reached the
     server's store, when each left the queue to join the sampler's batch, and when they completed,
     in seconds after ``start``: whether a round's time went to the requests' arrival, to their wait
     for the sampler, or to decoding after the last one arrived. Reads the server's SQLite file (the
-    embedded default store)."""
+    embedded default store). ``sent``: when the client handed each request to its HTTP client
+    (:func:`asample_sends`), so that the arrival window splits into the client's dispatch and the
+    server's intake."""
     from bench.store_times import request_spans
 
     rows = [(c - start, None if s is None else s - start, d - start)
@@ -585,6 +592,8 @@ def request_timeline(database: Path, start: float, end: float) -> dict[str, floa
     out = {"requests": len(rows), "first_arrival_s": min(created), "last_arrival_s": max(created),
            "first_completion_s": min(completed), "last_completion_s": max(completed),
            "decode_after_last_arrival_s": max(completed) - max(created)}
+    if sent:
+        out.update({"first_send_s": min(sent) - start, "last_send_s": max(sent) - start})
     started = [(c, s) for c, s, _ in rows if s is not None]
     if started:
         out.update({"last_start_s": max(s for _, s in started),
@@ -592,6 +601,28 @@ def request_timeline(database: Path, start: float, end: float) -> dict[str, floa
                     "longest_queue_wait_s": max(s - c for c, s in started),
                     "decode_after_last_start_s": max(completed) - max(s for _, s in started)})
     return out
+
+
+@contextlib.contextmanager
+def asample_sends():
+    """The epoch seconds at which this process's SDK hands each ``asample`` request to its HTTP
+    client (``httpx.AsyncClient.send``, under either transport the server names), in a list
+    filled while the block runs."""
+    import httpx
+
+    sent: list[float] = []
+    original = httpx.AsyncClient.send
+
+    async def send(self, request, *args, **kwargs):
+        if request.url.path.endswith("/asample"):
+            sent.append(time.time())
+        return await original(self, request, *args, **kwargs)
+
+    httpx.AsyncClient.send = send
+    try:
+        yield sent
+    finally:
+        httpx.AsyncClient.send = original
 
 
 def decode_attention(model_dir, device, peak: dict, quick: bool) -> dict:

@@ -104,6 +104,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     timeline = grpo["separate_timeline"]  # read from the server's store: every request of the timed round
     assert timeline["requests"] == 2 * 4
     assert 0 <= timeline["first_arrival_s"] <= timeline["last_arrival_s"] <= timeline["last_completion_s"]
+    assert 0 <= timeline["first_send_s"] <= timeline["last_send_s"] <= timeline["last_arrival_s"]  # the SDK's sends
     pyqwest = summary["sample"]["tiny/sdk_pyqwest"]["grpo"]  # the same traffic, the SDK on pyqwest
     assert pyqwest["separate_server"]["requests"] == 2 * 4 and pyqwest["separate_cpu"]["client_ms_per_request"] > 0
     assert "tiny (pyqwest) | separate" in (out / "summary.md").read_text()
