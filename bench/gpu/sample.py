@@ -35,11 +35,15 @@ def hbm_bound_tokens_per_s(model_dir, rows: int, prompt: int, new: int, copy_bps
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    return rows / (step_bytes(config, rows, prompt, new, dtype_bytes) / copy_bps)
+
+
+def step_bytes(config, rows: int, prompt: int, new: int, dtype_bytes: int) -> float:
+    """The bytes a decode step of the base model reads: every weight once (the unembedding whole)
+    and each row's K/V at the run's mean context length."""
     n = param_counts(config)
-    weight_bytes = (n["layers"] + n["unembed"]) * dtype_bytes
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
-    kv_bytes = rows * (prompt + new / 2) * kv_per_token
-    return rows / ((weight_bytes + kv_bytes) / copy_bps)
+    return (n["layers"] + n["unembed"]) * dtype_bytes + rows * (prompt + new / 2) * kv_per_token
 
 
 def adapter_bytes_bound_vs_base(config, rows: int, prompt: int, new: int, adapters: int, rank: int,
@@ -49,14 +53,12 @@ def adapter_bytes_bound_vs_base(config, rows: int, prompt: int, new: int, adapte
     are bound by the bytes a step reads: the base model's weights and K/V, and, with adapters, each
     adapter a row takes read whole once (docs/performance.md, "What the adapter targets ask").
     ``config``: the model's transformers config."""
-    n = param_counts(config)
     h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     per_layer = rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
     adapter = (L * per_layer + rank * (h + config.vocab_size)) * dtype_bytes
-    kv_per_token = L * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
-    base = (n["layers"] + n["unembed"]) * dtype_bytes + rows * (prompt + new / 2) * kv_per_token
+    base = step_bytes(config, rows, prompt, new, dtype_bytes)
     return base / (base + min(adapters, rows) * adapter)
 
 
