@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -576,7 +577,7 @@ def counter_means(before: dict[str, float], after: dict[str, float]) -> dict[str
     return out
 
 
-def request_timeline(database: Path, start: float, end: float, sent: list[float] = ()) -> dict[str, float]:
+def request_timeline(database: Path, start: float, end: float, sent: Sequence[float] = ()) -> dict[str, float]:
     """When the sample requests created between ``start`` and ``end`` (epoch seconds) reached the
     server's store, when each left the queue to join the sampler's batch, and when they completed,
     in seconds after ``start``: whether a round's time went to the requests' arrival, to their wait
