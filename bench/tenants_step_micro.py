@@ -23,6 +23,10 @@ weights do not move in those steps, so they are timed after the others.
 commit ``REV`` with this checkout's in one process instead: both modules loaded side by side, the
 model's layers switched between them round after round, each round's forward/backward timed less
 its grouped matmuls (the host's own work), optimizer steps taken together between steps.
+``--single-steps`` times one tenant's optimizer step both ways a step alone can go: torch's
+optimizer (``Trainable.step``, its ``step()`` finding each tensor's state and gradient in Python)
+and the runtime's ``optim_step`` (the joint step's kernel calls on the unit's kept lists), each in
+full and with the kernels skipped, alternated in one process.
 ``--steps-from REV`` does the same for the several tenants' joint optimizer steps: commit ``REV``'s
 ``step_together`` (``tinsmith/worker/joint_steps.py``) and compute copies' key writing
 (``CopyRefresh._write_keys``) against this checkout's, each timed in full and with the kernels
@@ -31,6 +35,7 @@ skipped (the rest of the step, the units and their refresh lists, are this check
     python bench/tenants_step_micro.py [--tenants 1,4,16] [--steps 10] [--dtype fp32|bf16] [--json out.json]
     python bench/tenants_step_micro.py --nodes-from HEAD~1 [--tenants 4,16] [--rounds 6] [--steps 4]
     python bench/tenants_step_micro.py --steps-from HEAD~1 [--tenants 4,16] [--rounds 6] [--steps 4]
+    python bench/tenants_step_micro.py --single-steps [--rounds 6] [--steps 4]
 """
 
 from __future__ import annotations
@@ -222,6 +227,38 @@ def compare_steps(rt: TrainingRuntime, args, into: Path, results: dict) -> None:
                   f"{r['host_ms_a_tenant']:6.3f} ({args.rounds} rounds of {args.steps} steps each)", flush=True)
 
 
+def compare_single_steps(rt: TrainingRuntime, args, results: dict) -> None:
+    """``--single-steps``: one tenant's optimizer step by torch's optimizer (``Trainable.step``) and
+    by the runtime's ``optim_step``, ``--rounds`` rounds of ``--steps`` steps each way, in full and
+    with the kernels skipped (the host's own work), alternated (ABBA); medians in ms."""
+    from tinsmith.types import AdamParams
+
+    unit = rt.create_adapter(LoraSpec(rank=32 if args.widths > 16 else 8, seed=0))
+    requests = [TrainRequest(unit, ForwardBackwardInput(batch(rt.config.vocab_size, 8, 16, seed=0), "cross_entropy"))]
+    hp = AdamParams(learning_rate=1e-5)
+    ways = {"torch's optimizer": lambda: rt.unit(unit).step(hp), "runtime's optim_step": lambda: rt.optim_step(unit, hp)}
+    times: dict[str, dict[str, list[float]]] = {way: {"full": [], "host": []} for way in ways}
+    try:
+        for _ in range(2):  # warm: layouts, optimizer state
+            rt.forward_backward(requests)
+            rt.optim_step(unit, hp)
+        for r in range(args.rounds):
+            for way, step in list(ways.items())[::-1 if r % 2 else 1]:
+                for how in ("full", "host"):
+                    for _ in range(args.steps):
+                        rt.forward_backward(requests)
+                        with optimizer_kernels_skipped() if how == "host" else contextlib.nullcontext():
+                            t0 = time.perf_counter()
+                            step()
+                            times[way][how].append(1e3 * (time.perf_counter() - t0))
+    finally:
+        rt.delete_adapter(unit)
+    for way, t in times.items():
+        results[way] = {f"{how}_ms": statistics.median(ms) for how, ms in t.items()}
+        print(f"one tenant's step by {way:>20}: {results[way]['full_ms']:6.3f} ms, host alone "
+              f"{results[way]['host_ms']:6.3f} ({args.rounds} rounds of {args.steps} steps each)", flush=True)
+
+
 def compare_nodes(rt: TrainingRuntime, args, then, results: dict) -> None:
     """``--nodes-from``: each tenant count's forward/backward less its grouped matmuls, medians over
     ``--rounds`` rounds of ``--steps`` steps with the layers on ``REV``'s nodes, then on this
@@ -271,12 +308,15 @@ def main() -> None:
                                                         "checkout's, in one process")
     ap.add_argument("--steps-from", metavar="REV", help="compare the joint optimizer steps (their step_together and "
                                                         "key writing) of commit REV with this checkout's, in one process")
-    ap.add_argument("--rounds", type=int, default=6, help="with --nodes-from or --steps-from: rounds of each, alternated")
+    ap.add_argument("--single-steps", action="store_true", help="compare one tenant's step by torch's optimizer "
+                                                                  "with the runtime's optim_step, in one process")
+    ap.add_argument("--rounds", type=int, default=6, help="with --nodes-from, --steps-from or --single-steps: rounds "
+                                                          "of each, alternated")
     ap.add_argument("--json")
     args = ap.parse_args()
-    if args.nodes_from and args.steps_from:
-        ap.error("--nodes-from and --steps-from compare one thing each: give one")
-    args.steps = args.steps or (4 if args.nodes_from or args.steps_from else 10)
+    if sum(map(bool, (args.nodes_from, args.steps_from, args.single_steps))) > 1:
+        ap.error("--nodes-from, --steps-from and --single-steps compare one thing each: give one")
+    args.steps = args.steps or (4 if args.nodes_from or args.steps_from or args.single_steps else 10)
     args.tenants = args.tenants or ("4,16" if args.nodes_from or args.steps_from else "1,4,16")
     torch.set_num_threads(1)
     moe.GROUPED_MM = "grouped"  # the grouped matmul runs here as on a GPU
@@ -296,6 +336,8 @@ def main() -> None:
                 compare_nodes(rt, args, nodes_of(args.nodes_from, Path(d)), results)
             elif args.steps_from:
                 compare_steps(rt, args, Path(d), results)
+            elif args.single_steps:
+                compare_single_steps(rt, args, results)
             else:
                 measure(rt, args, results)
     if args.json:

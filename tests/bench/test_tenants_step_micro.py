@@ -1,7 +1,8 @@
 """bench/tenants_step_micro.py's host-only columns: the grouped matmul's share of a several-tenant
 forward/backward, and the optimizer steps timed with their kernels skipped, which must leave the
 weights as they were and put torch's functions back; ``--nodes-from``'s nodes and ``--steps-from``'s
-joint optimizer steps of another commit beside this checkout's."""
+joint optimizer steps of another commit beside this checkout's; ``--single-steps``' two ways of
+one tenant's step."""
 
 from __future__ import annotations
 
@@ -114,3 +115,19 @@ def test_joint_steps_of_another_commit_run_beside_this_checkouts_and_these_are_p
     assert all(r["full_ms_a_tenant"] > 0 and r["host_ms_a_tenant"] > 0 for r in results[2].values())
     assert runtime.step_together is joint_steps.step_together  # put back
     assert copy_refresh.CopyRefresh._write_keys is mine
+
+
+def test_single_steps_time_torchs_optimizer_and_the_runtimes_step(qwen3_dir, monkeypatch):
+    from tinsmith.worker.trainables import Trainable
+
+    bench = _bench()
+    rt = _grouped_runtime(qwen3_dir, monkeypatch)
+    by_torch = []
+    real = Trainable.step
+    monkeypatch.setattr(Trainable, "step", lambda self, hp: by_torch.append(1) or real(self, hp))
+    results = {}
+    bench.compare_single_steps(rt, argparse.Namespace(rounds=2, steps=1, widths=16), results)
+    assert set(results) == {"torch's optimizer", "runtime's optim_step"}
+    assert all(r["full_ms"] > 0 and r["host_ms"] > 0 for r in results.values())
+    assert len(by_torch) == 4  # torch's way: two rounds of one step, in full and with the kernels skipped
+    assert not rt.units  # the tenant it made is gone

@@ -1,8 +1,9 @@
-"""Several tenants' optimizer steps taken together (TrainingRuntime.optim_steps) leave each one
-exactly where its step alone would: weights, optimizer state and what the model computes with,
-bit for bit, over steps that create the optimizer state and steps that read it; with different
-hyperparameters, clipping, torch's foreach or fused AdamW, fp32 or bf16 compute; while one
-unit's refusal or missing gradients stay its own result."""
+"""Several tenants' optimizer steps taken together (TrainingRuntime.optim_steps), and one unit's
+step by the same kernel calls (TrainingRuntime.optim_step), leave each one exactly where its
+torch optimizer's own ``step()`` would: weights, optimizer state and what the model computes
+with, bit for bit, over steps that create the optimizer state and steps that read it; with
+different hyperparameters, clipping, torch's foreach or fused AdamW, fp32 or bf16 compute; while
+one unit's refusal or missing gradients stay its own result."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def _runtime(model_dir, dtype, adapters: int = 8, optimizers=None, device: str =
     rt = TrainingRuntime(model, max_lora_adapters=adapters, max_lora_rank=8)
     optimizers = optimizers or ["adamw"] * len(SPECS)
     return rt, [rt.create_adapter(s, o) for s, o in zip(SPECS, optimizers)]
+
+
+def torch_step(rt: TrainingRuntime, unit: int, hp) -> dict[str, float]:
+    """The unit's step by its torch optimizer's own ``step()`` (:meth:`Trainable.step`): the
+    reference the runtime's steps are held to."""
+    hp.validate()
+    if rt.unit(unit).slot is not None:
+        rt.ensure_resident({unit})
+    return rt.unit(unit).step(hp)
 
 
 def _backward(rt: TrainingRuntime, units: list[int], step: int) -> None:
@@ -73,7 +83,7 @@ def assert_joint_equals_alone(model_dir, dtype, fused: bool, device: str = "cpu"
     for step in range(3):  # the first creates the optimizer state, the next read it
         _backward(alone, ua, step)
         _backward(joint, uj, step)
-        expected = [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+        expected = [torch_step(alone, u, hp) for u, hp in zip(ua, HPS)]
         got = joint.optim_steps(list(zip(uj, HPS)))
         assert got == expected, (got, expected)
     assert expected[0]["grad_norm"] > 0.05 and expected[3]["grad_norm"] < 1e3  # clipped, and not
@@ -95,7 +105,7 @@ def test_a_refused_or_idle_unit_is_its_own_result(qwen3_dir):
 
     def one(rt, u, hp):
         try:
-            return rt.optim_step(u, hp)
+            return torch_step(rt, u, hp)
         except Exception as exc:  # noqa: BLE001
             return exc
 
@@ -149,7 +159,7 @@ def test_more_units_than_resident_slots_step_in_turns(qwen3_dir):
         for rt, units in ((alone, ua), (joint, uj)):
             for pair in (units[:2], units[2:]):
                 _backward(rt, pair, step)
-        expected = [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+        expected = [torch_step(alone, u, hp) for u, hp in zip(ua, HPS)]
         assert joint.optim_steps(list(zip(uj, HPS))) == expected
     for i, (a, b) in enumerate(zip(ua, uj)):
         _assert_identical(alone, a, joint, b, f"unit {i}")
@@ -184,7 +194,7 @@ def test_joint_steps_after_a_loaded_state_or_a_move_use_the_state_there_now(qwen
     for step in range(2):  # the first step makes the optimizer state, the second reads it
         _backward(alone, ua, step)
         _backward(joint, uj, step)
-        assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+        assert joint.optim_steps(list(zip(uj, HPS))) == [torch_step(alone, u, hp) for u, hp in zip(ua, HPS)]
     # Unit 0 loads unit 2's state (other weights and moments) in both runtimes.
     for rt, units in ((alone, ua), (joint, uj)):
         rt.unit(units[0]).import_state(*rt.unit(units[2]).export_state())
@@ -198,7 +208,7 @@ def test_joint_steps_after_a_loaded_state_or_a_move_use_the_state_there_now(qwen
     for step in range(2, 4):
         _backward(alone, ua, step)
         _backward(joint, uj, step)
-        assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+        assert joint.optim_steps(list(zip(uj, HPS))) == [torch_step(alone, u, hp) for u, hp in zip(ua, HPS)]
     for i, (a, b) in enumerate(zip(ua, uj)):
         _assert_identical(alone, a, joint, b, f"unit {i}")
 
@@ -219,9 +229,61 @@ def test_joint_steps_with_a_tensor_left_out_then_back_equal_steps_alone(qwen3_di
         if step in (0, 2):  # unit 0's first tensor has no gradient in these steps
             for rt, units in ((alone, ua), (joint, uj)):
                 rt.unit(units[0]).params[0].grad = None
-        assert joint.optim_steps(list(zip(uj, HPS))) == [alone.optim_step(u, hp) for u, hp in zip(ua, HPS)]
+        assert joint.optim_steps(list(zip(uj, HPS))) == [torch_step(alone, u, hp) for u, hp in zip(ua, HPS)]
     tr = joint.unit(uj[0])
     assert tr.adamw_state_lists() is not None  # every tensor has its state by now
     assert int(tr.optimizer.state[tr.params[0]]["step"]) == 2 and int(tr.optimizer.state[tr.params[1]]["step"]) == 4
     for i, (a, b) in enumerate(zip(ua, uj)):
         _assert_identical(alone, a, joint, b, f"unit {i}")
+
+
+@pytest.mark.parametrize("dtype,fused", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "bf16-fused"])
+def test_one_units_step_equals_its_optimizers_own_step(qwen3_dir, monkeypatch, dtype, fused):
+    """``optim_step`` of one plain AdamW unit takes the joint step's kernel calls, not torch's
+    optimizer (whose ``step()`` is never called for it), and lands where that ``step()`` would,
+    bit for bit; a Dimuon unit still steps by its optimizer."""
+    from tinsmith.worker.trainables import Trainable
+
+    if fused:
+        monkeypatch.setattr(families, "fused_adamw_fits", lambda params: True)
+    kinds = ["adamw", "adamw", "dimuon", "adamw"]
+    ref, ur = _runtime(qwen3_dir, dtype, optimizers=kinds)
+    one, uo = _runtime(qwen3_dir, dtype, optimizers=kinds)
+    stepped_by_torch: list[Trainable] = []
+    real = Trainable.step
+
+    def recorded(self, hp):
+        stepped_by_torch.append(self)
+        return real(self, hp)
+
+    monkeypatch.setattr(Trainable, "step", recorded)
+    hps = [HPS[0], HPS[1], DimuonParams(learning_rate=1e-2), HPS[3]]
+    for step in range(3):
+        _backward(ref, ur, step)
+        _backward(one, uo, step)
+        expected = [torch_step(ref, u, hp) for u, hp in zip(ur, hps)]
+        assert [one.optim_step(u, hp) for u, hp in zip(uo, hps)] == expected
+    assert expected[0]["grad_norm"] > 0.05  # clipped
+    assert [tr for tr in stepped_by_torch if any(tr is one.unit(u) for u in uo)] == [one.unit(uo[2])] * 3
+    for i, (a, b) in enumerate(zip(ur, uo)):
+        _assert_identical(ref, a, one, b, f"unit {i}")
+
+
+def test_one_units_refused_step_raises_and_applies_nothing(qwen3_dir):
+    """A single step refused (another optimizer's hyperparameters, non-finite gradients) raises
+    the error its optimizer's own step raises, and leaves the unit as it was; a unit without
+    gradients reports the skipped step."""
+    rt, units = _runtime(qwen3_dir, torch.float32)
+    _backward(rt, units[:2], 0)
+    before = rt.unit(units[0]).export_state()
+    with pytest.raises(InvalidInputError, match="optimizer_params"):
+        rt.optim_step(units[0], DimuonParams(learning_rate=1e-3))
+    rt.unit(units[1]).params[0].grad[0, 0] = float("inf")
+    with pytest.raises(InvalidInputError, match="NaN or infinity"):
+        rt.optim_step(units[1], HPS[1])
+    assert rt.optim_step(units[2], HPS[2]) == {"grad_norm": 0.0, "skipped_no_grad": 1.0}
+    after = rt.unit(units[0]).export_state()
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0]) and after[1] == before[1] == {}
+    assert [rt.unit(u).steps for u in units[:3]] == [0, 0, 0]
+    assert rt.optim_step(units[0], HPS[0])["grad_norm"] > 0 and rt.unit(units[0]).steps == 1

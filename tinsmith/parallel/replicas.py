@@ -60,6 +60,7 @@ from tinsmith.parallel.state import gather_full
 from tinsmith.sampling.cancel import CancelBoard
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import OptimParams
+from tinsmith.worker.joint_steps import step_one
 from tinsmith.worker.runtime import FULL_UNIT, FbPass, TrainingRuntime, repeats_a_unit
 from tinsmith.worker.trainables import Trainable, lora_tensors
 
@@ -145,7 +146,7 @@ class ReplicaTrainingRuntime(TrainingRuntime):
             self.ensure_resident({unit})
         check_params_match(tr.optimizer_type, params)  # refused alike on every replica, before the collective
         sum_grads(tr.params, self.dp)
-        return tr.step(params)
+        return step_one(tr, params)
 
     def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
         """Several units' steps: their gradients summed over the replicas in one all-reduce (not

@@ -94,6 +94,21 @@ def step_together(units: list[Trainable], hps: list[OptimParams], joins: Callabl
     return results  # type: ignore[return-value]
 
 
+def step_one(unit: Trainable, hp: OptimParams) -> dict[str, float]:
+    """One unit's step (its metrics; a refusal raised): a plain AdamW unit's by
+    :func:`step_together`'s kernel calls, with the same result bit for bit as its optimizer's own
+    ``step()``, which :meth:`Trainable.step` takes for every other unit. torch's optimizer
+    finds each tensor's state and gradient in Python at every step (a dict lookup, a few checks
+    and list appends a tensor: 1 to 1.8 ms of host time a step on the CPU box, a 28-layer model with
+    every linear layer adapted, docs/performance.md), where the joint step reads lists kept per unit."""
+    if not steps_jointly(unit):
+        return unit.step(hp)
+    (result,) = step_together([unit], [hp])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def steps_jointly(unit: Trainable) -> bool:
     """Whether ``unit`` steps as a plain AdamW unit does (its own norm, torch's foreach or fused
     AdamW over one parameter group), so that :func:`step_together` may take its step."""

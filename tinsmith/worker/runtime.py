@@ -32,7 +32,7 @@ from tinsmith.transfers import to_device
 from tinsmith.types import ForwardBackwardInput, ForwardBackwardResult, ImageInput, LoraSpec, OptimParams
 from tinsmith.worker.activation_memory import layers_to_recompute, recomputed_layer_indices
 from tinsmith.worker.batching import MicroBatch, SequenceRef, batch_tokens, build_micro_batch, plan_micro_batches
-from tinsmith.worker.joint_steps import result_of, step_together
+from tinsmith.worker.joint_steps import result_of, step_one, step_together
 from tinsmith.worker.trainables import Trainable, attach_lora, detach_lora, full_model_trainable, lora_tensors
 
 log = logging.getLogger(__name__)
@@ -676,7 +676,7 @@ class TrainingRuntime:
         tr = self.unit(unit)
         if tr.slot is not None:
             self.ensure_resident({unit})
-        return tr.step(params)
+        return step_one(tr, params)
 
     def optim_steps(self, requests: list[tuple[int, OptimParams]]) -> list[dict[str, float] | Exception]:
         """Several units' optimizer steps at once (tenants stepping together): each unit's result
