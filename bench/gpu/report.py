@@ -260,13 +260,23 @@ def markdown(s: dict) -> str:
                          f"{_get(u, 'client_ms_per_request')}, {_get(u, 'server_ms_per_request')} "
                          f"({_get(u, 'server_loop_ms_per_request')}) | |")
         L.append("")
-        L.append("| shape | train tok/s alone | with a sampling tenant | kept | sample tok/s alone | with a training tenant | kept | notes |")
-        L.append("|---|---|---|---|---|---|---|---|")
+        L.append("| shape | train tok/s alone | vs in-process | a step through the SDK ms: the server's span (forward_backward "
+                 "queue + run, optim_step wait + run); the rest | micro-batch tokens | with a sampling tenant | kept | "
+                 "sample tok/s alone | with a training tenant | kept | notes |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for name in s["shapes"]:
             b = sa.get(f"{name}/beside_training")
             if b is None:
                 continue
-            L.append(f"| {name} | {_get(b, 'alone', 'train_tokens_per_s')} | {_get(b, 'together', 'train_tokens_per_s')} | "
+            st = b.get("train_alone_steps", {})
+            inproc = s.get("train", {}).get(f"{name}/lora", {}).get(f"{st.get('rows', 8)}x{st.get('length', 1024)}", {})
+            vs = (b["alone"]["train_tokens_per_s"] / inproc["tokens_per_s"]
+                  if inproc.get("tokens_per_s") and b.get("alone", {}).get("train_tokens_per_s") else None)
+            L.append(f"| {name} | {_get(b, 'alone', 'train_tokens_per_s')} | {_fmt(vs)} | {_get(st, 'step_ms')}: "
+                     f"{_get(st, 'server_span_ms')} ({_get(st, 'forward_backward_queue_ms')} + "
+                     f"{_get(st, 'forward_backward_run_ms')}, {_get(st, 'optim_step_wait_ms')} + "
+                     f"{_get(st, 'optim_step_run_ms')}); {_get(st, 'rest_ms')} | {_get(st, 'micro_batch_tokens')} | "
+                     f"{_get(b, 'together', 'train_tokens_per_s')} | "
                      f"{_get(b, 'train_kept')} | {_get(b, 'alone', 'sample_tokens_per_s')} | "
                      f"{_get(b, 'together', 'sample_tokens_per_s')} | {_get(b, 'sample_kept')} | {_status(b)} |")
         L.append("")

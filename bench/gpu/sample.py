@@ -9,6 +9,7 @@ the mean context length) / measured copy bandwidth (peak.py): rows / that time =
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -476,7 +477,12 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path, transport: str = 
 def beside_training(model_dir, device, quick: bool, log_dir: Path) -> dict:
     """A real server, two tenants: one trains (LoRA r32, forward_backward + optim_step) while the
     other samples (8 prompts x 8 samples). Each alone, then both at once: tokens/s of each, and
-    what each keeps of its speed alone (both must go on; neither may starve the other)."""
+    what each keeps of its speed alone (both must go on; neither may starve the other).
+
+    The training alone is also a training loop through the SDK as a user runs it (each step's
+    results awaited before the next is sent), beside the in-process step that issue 14's figures
+    read: ``train_alone_steps`` splits its steps' wall time into the server's own account of them
+    (:func:`training_step_parts`) and the rest (the SDK, HTTP, the hand-offs)."""
     import threading
 
     import tinker
@@ -512,13 +518,23 @@ def beside_training(model_dir, device, quick: bool, log_dir: Path) -> dict:
             return sum(len(q.tokens) for r in results for q in r.sequences) / (time.perf_counter() - t)
 
         train(), sample_all()  # warm: first-call costs out of the figures
-        alone = {"train_tokens_per_s": train(), "sample_tokens_per_s": sample_all()}
+        before = server_counters(srv.base_url, _TRAIN_COUNTERS), own_cpu_seconds(), cpu_seconds(srv.proc.pid)
+        start = time.time()
+        alone = {"train_tokens_per_s": train()}
+        end = time.time()
+        after = server_counters(srv.base_url, _TRAIN_COUNTERS), own_cpu_seconds(), cpu_seconds(srv.proc.pid)
+        alone["sample_tokens_per_s"] = sample_all()
+        parts = training_step_parts(log_dir / "server-data" / "tinsmith.sqlite", start, end,
+                                    rows * length / alone["train_tokens_per_s"], before[0], after[0])
+        parts.update(client_cpu_ms_per_step=1e3 * (after[1] - before[1]) / steps,
+                     server_cpu_ms_per_step=1e3 * (after[2] - before[2]) / steps,
+                     micro_batch_tokens=planned_micro_batch_tokens(log_dir), rows=rows, length=length)
         together: dict[str, float] = {}
         trainer = threading.Thread(target=lambda: together.__setitem__("train_tokens_per_s", train()))
         trainer.start()
         together["sample_tokens_per_s"] = sample_all()
         trainer.join()
-        return {"alone": alone, "together": together,
+        return {"alone": alone, "together": together, "train_alone_steps": parts,
                 "train_kept": together["train_tokens_per_s"] / alone["train_tokens_per_s"],
                 "sample_kept": together["sample_tokens_per_s"] / alone["sample_tokens_per_s"]}
     finally:
@@ -533,15 +549,64 @@ _COUNTERS = {
 }
 
 
-def server_counters(base_url: str) -> dict[str, float]:
-    """Sums and counts of :data:`_COUNTERS` and the prefill/sampled token totals, from ``/metrics``."""
+# ... and the HTTP time of a training step's requests (retrieve_future's long-polls included).
+_TRAIN_COUNTERS = {f"{op}_http": ("tinsmith_http_request_duration_seconds", {"route": f"/api/v1/{op}"})
+                   for op in ("forward_backward", "optim_step", "retrieve_future")}
+
+
+def training_step_parts(database: Path, start: float, end: float, step_s: float,
+                        before: dict[str, float], after: dict[str, float]) -> dict:
+    """Where the training steps between ``start`` and ``end`` (epoch seconds; ``step_s`` of wall
+    time each as the client saw it, each a forward_backward then an optim_step) went, in ms a
+    step (means): as the server's store recorded them, each forward_backward's wait in the queue
+    and its run, the optim_step's wait after it and its run, the server's whole span (the
+    forward_backward reaching the store to the optim_step's result stored) and what that leaves
+    of the step (``rest_ms``: the SDK, HTTP and the hand-offs, where the step's requests are not
+    on the server); and from ``/metrics`` (``before``/``after`` of :data:`_TRAIN_COUNTERS`) the
+    requests' HTTP time."""
+    from bench.store_times import request_spans
+
+    fbs = [r for r in request_spans(database, "forward_backward") if start <= r[0] <= end]
+    opts = [r for r in request_spans(database, "optim_step") if start <= r[0] <= end]
+    out: dict = {"step_ms": 1e3 * step_s, "steps": min(len(fbs), len(opts))}
+    pairs = [(f, o) for f, o in zip(fbs, opts) if f[1] is not None and o[1] is not None]
+    if pairs:
+        def mean_ms(values) -> float:
+            values = list(values)
+            return 1e3 * sum(values) / len(values)
+
+        out.update(forward_backward_queue_ms=mean_ms(f[1] - f[0] for f, _ in pairs),
+                   forward_backward_run_ms=mean_ms(f[2] - f[1] for f, _ in pairs),
+                   optim_step_wait_ms=mean_ms(o[1] - f[2] for f, o in pairs),
+                   optim_step_run_ms=mean_ms(o[2] - o[1] for _, o in pairs),
+                   server_span_ms=mean_ms(o[2] - f[0] for f, o in pairs))
+        out["rest_ms"] = out["step_ms"] - out["server_span_ms"]
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    for key in _TRAIN_COUNTERS:
+        if delta.get(f"{key}_count"):
+            out[f"{key}_ms"] = 1e3 * delta[f"{key}_sum"] / max(1, out["steps"])
+    return out
+
+
+def planned_micro_batch_tokens(log_dir: Path) -> int | None:
+    """The training micro-batch size the server planned, from its start-up line in its log."""
+    for log in sorted(log_dir.glob("server-*.log")):
+        found = re.search(r"training micro-batches of (\d+) tokens", log.read_text(errors="replace"))
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def server_counters(base_url: str, counters: dict | None = None) -> dict[str, float]:
+    """Sums and counts of ``counters`` (default :data:`_COUNTERS`) and the prefill/sampled token
+    totals, from ``/metrics``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
         for sample in family.samples:
-            for key, (name, labels) in _COUNTERS.items():
+            for key, (name, labels) in (counters or _COUNTERS).items():
                 if sample.name in (name + "_sum", name + "_count") and labels.items() <= sample.labels.items():
                     field = f"{key}_{sample.name.rsplit('_', 1)[1]}"
                     out[field] = out.get(field, 0.0) + sample.value
