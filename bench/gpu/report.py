@@ -46,14 +46,13 @@ def _tenants(lo: dict, k: str) -> str:
               f"{_get(phases, 'optimizer_steps_ms')} ms together ({_get(phases, 'optimizer_step_ms_per_unit')} a tenant), "
               f"{_get(phases, 'optimizer_steps_alone_ms')} ms one by one"
               if phases else "")
-    again = lo.get("tenants", {}).get(k, {}).get("vs_one_tenant_again")
-    again = f"; again after the variants {_fmt(again)}" if again is not None else ""
-    # every timed step, first run and again: a drift within a run (warming up) shows as a trend
-    steps = [f"{label} " + "/".join(f"{1e3 * t:.0f}" for t in lo["tenants"][k][key])
-             for key, label in (("steps_s", "first"), ("steps_s_again", "again"))
-             if lo.get("tenants", {}).get(k, {}).get(key)]
-    steps = f"; steps (ms): {', '.join(steps)}" if steps else ""
-    return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "") + again + steps + synced
+    t = lo.get("tenants", {}).get(k, {})
+    # side by side with one tenant, step by step (bench.gpu.train.side_by_side): each pair's ratio
+    # in order, so that a drift within the run shows as a trend
+    paired = (f"; side by side {_fmt(t['vs_one_tenant_paired'])} (pairs " + "/".join(_fmt(r) for r in t.get("paired_ratios", []))
+              + ")" if t.get("vs_one_tenant_paired") is not None else "")
+    steps = ("; steps (ms): " + "/".join(f"{1e3 * s:.0f}" for s in t["steps_s"])) if t.get("steps_s") else ""
+    return _get(lo, "tenants", k, "vs_one_tenant") + (f" ({paths})" if paths else "") + paired + steps + synced
 
 
 def _four_by_eight(lo: dict) -> str:

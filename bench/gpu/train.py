@@ -100,6 +100,35 @@ def step_rate(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> 
             "steps_s": [round(t, 4) for t in each], "peak_gib": peak_memory(rt.device)}
 
 
+def side_by_side(rt: TrainingRuntime, first: dict[int, list[Datum]], second: dict[int, list[Datum]],
+                 pairs: int) -> dict:
+    """Two kinds of step (each :func:`training_step`) taken in turns, ``pairs`` pairs after one
+    warm step of each, the order swapped every pair (ABBA), each step timed alone between device
+    syncs. Host-bound steps drift between measurements a minute apart (four tenants against one
+    read 0.55x and 0.77x for the same code on an H200), while neighbouring steps see the same
+    machine: ``ratio`` is the median over pairs of the second's tokens/s over the first's, and
+    ``ratios`` each pair's, so that a drift shows as a trend and does not move the median."""
+    steps = {0: training_step(rt, first), 1: training_step(rt, second)}
+    tokens = {k: sum(len(x.tokens) for d in w.values() for x in d) for k, w in ((0, first), (1, second))}
+    for one in steps.values():
+        one()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    ratios = []
+    for i in range(pairs):
+        took = {}
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            sync(rt.device)
+            t = time.perf_counter()
+            steps[k]()
+            sync(rt.device)
+            took[k] = time.perf_counter() - t
+            times[k].append(took[k])
+        ratios.append((tokens[1] / took[1]) / (tokens[0] / took[0]))
+    return {"first_tokens_per_s": tokens[0] / statistics.median(times[0]),
+            "second_tokens_per_s": tokens[1] / statistics.median(times[1]),
+            "ratio": statistics.median(ratios), "ratios": [round(r, 4) for r in ratios]}
+
+
 def step_phases(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
     """Milliseconds of a step's two phases, each ended by a device sync (medians of ``steps``
     after one warm step): the forward/backward of every unit together, then every unit's
@@ -234,20 +263,23 @@ def lora(model_dir, device, peak: dict, n: int, quick: bool) -> dict:
                 finally:
                     grouped_lora.MULTI_LORA = "auto"
                     lora_function.FUSED_NODES = True
-            # The default again after the variants: host-bound steps drift between measurements a
-            # minute apart (0.55x and 0.77x for the same code on an H200), and this shows how much.
-            again = step_rate(rt, work, steps)
-            tenants[str(k)]["vs_one_tenant_again"] = again["tokens_per_s"] / one_unit["tokens_per_s"]
+            # The default again after the variants, side by side with one tenant step by step:
+            # host-bound steps drift between measurements a minute apart (0.55x and 0.77x for the
+            # same code on an H200); pairs of neighbouring steps do not.
+            paired = side_by_side(rt, {units[0]: batch(vocab, per_tenant * k, L)}, work, steps)
+            tenants[str(k)]["vs_one_tenant_paired"] = paired["ratio"]
+            tenants[str(k)]["paired_ratios"] = paired["ratios"]
             tenants[str(k)]["steps_s"] = many["steps_s"]
-            tenants[str(k)]["steps_s_again"] = again["steps_s"]
     # The issue's own shape of the four-tenant target: 4 tenants x 8 x 1024 in one step against one
     # tenant's 32 x 1024 (the same tokens), measured side by side.
     rows4 = 1 if quick else 8
     one_unit = step_rate(rt, {units[0]: batch(vocab, 4 * rows4, L)}, steps)
     work = {u: batch(vocab, rows4, L, seed=i) for i, u in enumerate(units[:4])}
     many = step_rate(rt, work, steps)
+    paired = side_by_side(rt, {units[0]: batch(vocab, 4 * rows4, L)}, work, steps)
     tenants[f"4x{rows4}"] = {"tokens_per_s": many["tokens_per_s"], "one_tenant_same_tokens_per_s": one_unit["tokens_per_s"],
                              "vs_one_tenant": many["tokens_per_s"] / one_unit["tokens_per_s"],
+                             "vs_one_tenant_paired": paired["ratio"], "paired_ratios": paired["ratios"],
                              "mfu_4nt": mfu(many["tokens_per_s"], n, 4, peak["matmul_flops_per_s"]),
                              "phases": step_phases(rt, work, 2 if quick else 3)}
     out["tenants"] = {"rows_per_tenant": per_tenant, "seq_len": L, **tenants}

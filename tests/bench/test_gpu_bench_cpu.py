@@ -21,13 +21,17 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
             assert "error" not in result and "skipped" not in result, (key, result)
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["tokens_per_s"] > 0
     assert summary["train"]["tiny/lora"]["tenants"]["4"]["grouped_ops_vs_one_tenant"] > 0
-    assert summary["train"]["tiny/lora"]["tenants"]["4"]["vs_one_tenant_again"] > 0
+    four = summary["train"]["tiny/lora"]["tenants"]["4"]  # side by side with one tenant, pair by pair
+    assert four["vs_one_tenant_paired"] > 0 and len(four["paired_ratios"]) == 2
+    assert min(four["paired_ratios"]) <= four["vs_one_tenant_paired"] <= max(four["paired_ratios"])
     assert len(summary["train"]["tiny/lora"]["tenants"]["4"]["steps_s"]) == 2  # every timed step, quick: 2
     phases = summary["train"]["tiny/lora"]["tenants"]["4"]["phases"]
     assert phases["forward_backward_ms"] > 0 and phases["optimizer_steps_ms"] > 0
     assert "synced phases" in (out / "summary.md").read_text()
     four_by_rows = summary["train"]["tiny/lora"]["tenants"]["4x1"]  # the shape, quick: a row each
     assert four_by_rows["vs_one_tenant"] > 0 and four_by_rows["phases"]["optimizer_steps_ms"] > 0
+    assert four_by_rows["vs_one_tenant_paired"] > 0
+    assert "side by side" in (out / "summary.md").read_text()
     assert "4 tenants x 8 rows vs 1" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["packing"]["packed_vs_padded"] > 0
     sft = summary["train"]["tiny/sft_curves"]  # fp32 on a CPU: the runtime's curves are the plain path's
