@@ -161,7 +161,8 @@ def markdown(s: dict) -> str:
     sa = s.get("sample", {})
     if sa:
         L += _heading("## Sampling (tokens/s)",
-                      "| shape | rows | tok/s | of HBM bound | of bound with prefill | captures in timed run | "
+                      "| shape | rows | tok/s | of HBM bound | of bound with prefill | of roofline with prefill "
+                      "(bytes and FLOPs) | captures in timed run | "
                       "admitting s in timed run (8 / 64 adapters) | first run tok/s (graph captures) | "
                       "8 adapters vs base (by tiles; bytes bound) | "
                       "64 adapters vs base (by tiles; bytes bound) | HF generate tok/s | GRPO separate / num_samples | first call s | "
@@ -171,7 +172,8 @@ def markdown(s: dict) -> str:
             for rk in [k for k in de if k.startswith("rows_")] or ["-"]:
                 a8, a64 = (_adapters_at(de, n, rk) for n in (8, 64))
                 L.append(f"| {name} | {rk[5:]} | {_get(de, rk, 'tokens_per_s')} | {_get(de, rk, 'of_hbm_bound', pct=True)} | "
-                         f"{_get(de, rk, 'of_bound_with_prefill', pct=True)} | {_get(de, rk, 'captures_in_timed_run')} | "
+                         f"{_get(de, rk, 'of_bound_with_prefill', pct=True)} | "
+                         f"{_get(de, rk, 'of_roofline_with_prefill', pct=True)} | {_get(de, rk, 'captures_in_timed_run')} | "
                          f"{_get(de, rk, 'timed_run_stats', 'admitting_s')} ({_get(a8, 'timed_run_stats', 'admitting_s')}"
                          f" / {_get(a64, 'timed_run_stats', 'admitting_s')}) | "
                          f"{_get(de, rk, 'first_run_tokens_per_s')} | {_get(a8, 'vs_base')} ({_get(a8, 'segmented_vs_base')}; "
@@ -239,7 +241,8 @@ def markdown(s: dict) -> str:
                       "| shape | GRPO traffic | asample HTTP ms | queue wait ms | wait for a row ms | sampling step s | "
                       "prompt tokens computed | "
                       "prefills | graph captures | decode steps | sent s (first..last) | arrivals s (first..last) | last start s | "
-                      "completions s | collector ms | CPU ms a request: client, server (its loop) | notes |")
+                      "completions s | collector ms | CPU ms a request: client, server (its loop) | "
+                      "ratio from the last arrival | notes |")
         for name, item in [(n, f"{n}/{k}") for n in s["shapes"] for k in ("sdk", "sdk_pyqwest")]:
             g = sa.get(item, {}).get("grpo", {})
             if not g:
@@ -257,7 +260,8 @@ def markdown(s: dict) -> str:
                          f"{_get(t, 'first_completion_s')}..{_get(t, 'last_completion_s')} | "
                          f"{_fmt(None if c.get('gc_pause_s') is None else 1e3 * c['gc_pause_s'])} | "
                          f"{_get(u, 'client_ms_per_request')}, {_get(u, 'server_ms_per_request')} "
-                         f"({_get(u, 'server_loop_ms_per_request')}) | |")
+                         f"({_get(u, 'server_loop_ms_per_request')}) | "
+                         f"{_get(g, 'separate_after_last_arrival_vs_num_samples') if kind == 'separate' else '-'} | |")
         L.append("")
         L.append("| shape | train tok/s alone | vs in-process | a step through the SDK ms: the server's span (forward_backward "
                  "queue + run, optim_step wait + run); the rest | micro-batch tokens | with a sampling tenant | kept | "

@@ -48,6 +48,21 @@ def step_bytes(config, rows: int, prompt: int, new: int, dtype_bytes: int) -> fl
     return (n["layers"] + n["unembed"]) * dtype_bytes + rows * (prompt + new / 2) * kv_per_token
 
 
+def roofline_step_s(config, rows: int, prompt: int, new: int, dtype_bytes: int, copy_bps: float,
+                    matmul_flops_per_s: float) -> float:
+    """A decode step's least time when each of its parts runs at its own bound: the products with
+    the weights (every layer's and the unembedding) at the slower of reading the weights once and
+    their 2N FLOPs a row at the measured matmul peak, and attention at reading each row's K/V at
+    the run's mean context (2 FLOPs a byte at Qwen3's grouped heads: bytes bound at any row count).
+    The HBM bound (:func:`step_bytes`) counts bytes alone; the products turn bound by FLOPs where
+    the rows' arithmetic outgrows the weights' bytes (about 180 rows on an H200's measured peaks,
+    so a 256-row step of the 1.7B shape takes 1.15 ms for them where their bytes take 0.83)."""
+    n = param_counts(config)
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    products = max(n["matmul"] * dtype_bytes / copy_bps, 2 * n["matmul"] * rows / matmul_flops_per_s)
+    return products + rows * (prompt + new / 2) * kv_per_token / copy_bps
+
+
 def adapter_bytes_bound_vs_base(config, rows: int, prompt: int, new: int, adapters: int, rank: int,
                                 dtype_bytes: int) -> float:
     """The most a decode step of ``rows`` rows taking ``adapters`` rank-``rank`` adapters in turn
@@ -125,6 +140,7 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
     z = sizes(quick)
     lm = load_model(str(model_dir), device=device)
     dtype_bytes = next(lm.model.parameters()).element_size()
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
     # As the server runs it: decode steps replayed from CUDA graphs on a GPU (graphs_vs_eager
     # compares), the K/V cache and its graphs kept between runs, the server's default options.
     sampler = server_sampler(lm.model, device, max(z["rows"]))
@@ -152,8 +168,15 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
         bound = hbm_bound_tokens_per_s(model_dir, rows, z["prompt"], z["new"], peak["copy_bytes_per_s"], dtype_bytes)
         with_prefill = bound_with_prefill_tokens_per_s(model_dir, rows, z["prompt"], z["new"], peak["matmul_flops_per_s"],
                                                        bound)
+        roofline = rows / roofline_step_s(config, rows, z["prompt"], z["new"], dtype_bytes, peak["copy_bytes_per_s"],
+                                          peak["matmul_flops_per_s"])
+        roofline_with_prefill = bound_with_prefill_tokens_per_s(model_dir, rows, z["prompt"], z["new"],
+                                                                peak["matmul_flops_per_s"], roofline)
         out[f"rows_{rows}"] = {"tokens_per_s": tps, "hbm_bound_tokens_per_s": bound, "of_hbm_bound": tps / bound,
                                "bound_with_prefill_tokens_per_s": with_prefill, "of_bound_with_prefill": tps / with_prefill,
+                               # bytes and FLOPs: the products of a step of many rows are bound by FLOPs
+                               "roofline_tokens_per_s": roofline, "roofline_with_prefill_tokens_per_s": roofline_with_prefill,
+                               "of_roofline_with_prefill": tps / roofline_with_prefill,
                                "first_run_tokens_per_s": rows * z["new"] / first,
                                "captures_in_timed_run": captures["second_run"], "timed_run_stats": dict(timed_stats)}
     # Rows take the adapters in turn (64 rows, 64 adapters: one row each), every projection adapted.
@@ -162,7 +185,6 @@ def in_process(model_dir, device, peak: dict, quick: bool, adapters: bool = True
     if adapters:
         rt = TrainingRuntime(lm.model, max_lora_adapters=64, max_lora_rank=32, max_training_runs=64)
         units = [rt.create_adapter(LoraSpec(rank=32, seed=i)) for i in range(64)]
-        config = transformers.AutoConfig.from_pretrained(str(model_dir))
         for rows in z["rows"]:
             base_s = twice(rows, [None])[1]
             for n in (8, 64):
@@ -458,6 +480,10 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path, transport: str = 
         between = server_counters(srv.base_url)
         ns_s, ns_tok = timed_tokens(num_samples)
         after = server_counters(srv.base_url)
+        separate_timeline = request_timeline(database, *spans[2], sends[2])
+        # What the ratio would be had every request arrived at once (the round less its arrival
+        # window: from its start to the last request stored): the window's share of the shortfall.
+        after_last = sep_s - separate_timeline.get("last_arrival_s", 0.0)
         return {"first_call_s": first[0], "second_call_s": first[1], "new_tokens": new,
                 "grpo": {"prompts": prompts_n, "group": group,
                          "separate_requests_tokens_per_s": sep_tok / sep_s,
@@ -468,7 +494,8 @@ def through_sdk(model_dir, device, quick: bool, log_dir: Path, transport: str = 
                          "num_samples_server": counter_means(between, after),
                          # whose CPU a request costs: is the arrival window the SDK's or the server's?
                          "separate_cpu": cpu[2], "num_samples_cpu": cpu[3],
-                         "separate_timeline": request_timeline(database, *spans[2], sends[2]),
+                         "separate_timeline": separate_timeline,
+                         "separate_after_last_arrival_vs_num_samples": ns_s / after_last if after_last > 0 else None,
                          "num_samples_timeline": request_timeline(database, *spans[3], sends[3])}}
     finally:
         srv.stop()

@@ -32,6 +32,9 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert four_by_rows["vs_one_tenant"] > 0 and four_by_rows["phases"]["optimizer_steps_ms"] > 0
     assert four_by_rows["vs_one_tenant_paired"] > 0
     assert "side by side" in (out / "summary.md").read_text()
+    decode = summary["sample"]["tiny/decode"]["rows_4"]  # the roofline counts FLOPs too: never above the bytes' bound
+    assert 0 < decode["roofline_tokens_per_s"] <= decode["hbm_bound_tokens_per_s"] * (1 + 1e-9)
+    assert decode["of_roofline_with_prefill"] >= decode["of_bound_with_prefill"] * (1 - 1e-9)
     assert "4 tenants x 8 rows vs 1" in (out / "summary.md").read_text()
     assert summary["train"]["tiny/lora"]["packing"]["packed_vs_padded"] > 0
     sft = summary["train"]["tiny/sft_curves"]  # fp32 on a CPU: the runtime's curves are the plain path's
@@ -109,6 +112,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert timeline["requests"] == 2 * 4
     assert 0 <= timeline["first_arrival_s"] <= timeline["last_arrival_s"] <= timeline["last_completion_s"]
     assert 0 <= timeline["first_send_s"] <= timeline["last_send_s"] <= timeline["last_arrival_s"]  # the SDK's sends
+    assert grpo["separate_after_last_arrival_vs_num_samples"] >= grpo["separate_vs_num_samples"]  # less the window
     pyqwest = summary["sample"]["tiny/sdk_pyqwest"]["grpo"]  # the same traffic, the SDK on pyqwest
     assert pyqwest["separate_server"]["requests"] == 2 * 4 and pyqwest["separate_cpu"]["client_ms_per_request"] > 0
     assert "tiny (pyqwest) | separate" in (out / "summary.md").read_text()
