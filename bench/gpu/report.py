@@ -263,7 +263,7 @@ def markdown(s: dict) -> str:
                          f"({_get(u, 'server_loop_ms_per_request')}) | "
                          f"{_get(g, 'separate_after_last_arrival_vs_num_samples') if kind == 'separate' else '-'} | |")
         L.append("")
-        L.append("| shape | train tok/s alone | vs in-process | a step through the SDK ms: the server's span (forward_backward "
+        L.append("| shape | train tok/s alone (a step sent ahead) | vs in-process | a step through the SDK ms: the server's span (forward_backward "
                  "queue + run, optim_step wait + run); the rest | micro-batch tokens | with a sampling tenant | kept | "
                  "sample tok/s alone | with a training tenant | kept | notes |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -275,7 +275,8 @@ def markdown(s: dict) -> str:
             inproc = s.get("train", {}).get(f"{name}/lora", {}).get(f"{st.get('rows', 8)}x{st.get('length', 1024)}", {})
             vs = (b["alone"]["train_tokens_per_s"] / inproc["tokens_per_s"]
                   if inproc.get("tokens_per_s") and b.get("alone", {}).get("train_tokens_per_s") else None)
-            L.append(f"| {name} | {_get(b, 'alone', 'train_tokens_per_s')} | {_fmt(vs)} | {_get(st, 'step_ms')}: "
+            L.append(f"| {name} | {_get(b, 'alone', 'train_tokens_per_s')} ({_get(b, 'alone', 'train_ahead_tokens_per_s')}) | "
+                     f"{_fmt(vs)} | {_get(st, 'step_ms')}: "
                      f"{_get(st, 'server_span_ms')} ({_get(st, 'forward_backward_queue_ms')} + "
                      f"{_get(st, 'forward_backward_run_ms')}, {_get(st, 'optim_step_wait_ms')} + "
                      f"{_get(st, 'optim_step_run_ms')}); {_get(st, 'rest_ms')} | {_get(st, 'micro_batch_tokens')} | "

@@ -509,7 +509,9 @@ def beside_training(model_dir, device, quick: bool, log_dir: Path) -> dict:
     The training alone is also a training loop through the SDK as a user runs it (each step's
     results awaited before the next is sent), beside the in-process step that issue 14's figures
     read: ``train_alone_steps`` splits its steps' wall time into the server's own account of them
-    (:func:`training_step_parts`) and the rest (the SDK, HTTP, the hand-offs)."""
+    (:func:`training_step_parts`) and the rest (the SDK, HTTP, the hand-offs);
+    ``train_ahead_tokens_per_s`` is the same loop with each step sent before the last one's
+    results are awaited."""
     import threading
 
     import tinker
@@ -539,6 +541,21 @@ def beside_training(model_dir, device, quick: bool, log_dir: Path) -> dict:
                 op.result(timeout=600)
             return rows * length * steps / (time.perf_counter() - t)
 
+        def train_ahead() -> float:
+            """The same steps with the next one sent before the last one's results are awaited (as
+            pipelined training loops do): the round trips between steps hidden behind the work."""
+            t = time.perf_counter()
+            pending: list = []
+            for _ in range(steps):
+                pending.append((tc.forward_backward(data, "cross_entropy"),
+                                tc.optim_step(types.AdamParams(learning_rate=1e-5))))
+                if len(pending) > 1:
+                    for f in pending.pop(0):
+                        f.result(timeout=600)
+            for f in (f for step in pending for f in step):
+                f.result(timeout=600)
+            return rows * length * steps / (time.perf_counter() - t)
+
         def sample_all() -> float:
             t = time.perf_counter()
             results = [f.result(timeout=600) for f in [s.sample(p, group, params) for p in prompts]]
@@ -550,6 +567,7 @@ def beside_training(model_dir, device, quick: bool, log_dir: Path) -> dict:
         alone = {"train_tokens_per_s": train()}
         end = time.time()
         after = server_counters(srv.base_url, _TRAIN_COUNTERS), own_cpu_seconds(), cpu_seconds(srv.proc.pid)
+        alone["train_ahead_tokens_per_s"] = train_ahead()
         alone["sample_tokens_per_s"] = sample_all()
         parts = training_step_parts(log_dir / "server-data" / "tinsmith.sqlite", start, end,
                                     rows * length / alone["train_tokens_per_s"], before[0], after[0])

@@ -120,6 +120,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert fair["yielded_rows"] == 1 and fair["light_waited_steps"] < fair["new_tokens"] and fair["busy_kept"] > 0
     beside = summary["sample"]["tiny/beside_training"]
     assert beside["train_kept"] > 0 and beside["sample_kept"] > 0
+    assert beside["alone"]["train_ahead_tokens_per_s"] > 0  # the same loop, a step sent ahead
     steps = beside["train_alone_steps"]  # the training alone through the SDK, step by step as the server saw it
     assert steps["steps"] == 2 and steps["micro_batch_tokens"] == 2048  # the CPU's planned micro-batch
     assert 0 < steps["forward_backward_run_ms"] < steps["server_span_ms"] < steps["step_ms"]
