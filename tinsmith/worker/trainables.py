@@ -282,9 +282,11 @@ class Trainable:
         return squared_grad_norms([p.grad for p in params]).sum().sqrt()
 
     def step(self, hp: OptimParams) -> dict[str, float]:
-        """One optimizer step over this unit only; clip by its own global grad norm when asked.
-        (Several plain AdamW units step together in :func:`tinsmith.worker.joint_steps.step_together`,
-        with the same pieces and the same kernels.)"""
+        """One optimizer step over this unit only, by its optimizer's own ``step()``; clip by its
+        own global grad norm when asked. (The runtime steps plain AdamW units, alone or several
+        together, through :mod:`tinsmith.worker.joint_steps` instead: the same pieces and the same
+        kernels, without ``step()``'s Python per tensor. This stays the step of every other unit,
+        and the reference those are held to.)"""
         check_params_match(self.optimizer_type, hp)
         params = self.stepped_params()
         if not params:
