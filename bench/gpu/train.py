@@ -112,7 +112,6 @@ def side_by_side(rt: TrainingRuntime, first: dict[int, list[Datum]], second: dic
     tokens = {k: sum(len(x.tokens) for d in w.values() for x in d) for k, w in ((0, first), (1, second))}
     for one in steps.values():
         one()
-    times: dict[int, list[float]] = {0: [], 1: []}
     ratios = []
     for i in range(pairs):
         took = {}
@@ -122,11 +121,8 @@ def side_by_side(rt: TrainingRuntime, first: dict[int, list[Datum]], second: dic
             steps[k]()
             sync(rt.device)
             took[k] = time.perf_counter() - t
-            times[k].append(took[k])
         ratios.append((tokens[1] / took[1]) / (tokens[0] / took[0]))
-    return {"first_tokens_per_s": tokens[0] / statistics.median(times[0]),
-            "second_tokens_per_s": tokens[1] / statistics.median(times[1]),
-            "ratio": statistics.median(ratios), "ratios": [round(r, 4) for r in ratios]}
+    return {"ratio": statistics.median(ratios), "ratios": [round(r, 4) for r in ratios]}
 
 
 def step_phases(rt: TrainingRuntime, work: dict[int, list[Datum]], steps: int) -> dict:
