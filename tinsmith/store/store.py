@@ -13,6 +13,7 @@ return says whether *this* call made the change.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Select, bindparam, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, Connection, Select, bindparam, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -83,6 +84,24 @@ _SELECT_RESULT = select(*(_requests.c[f.name] for f in fields(ResultRecord))).wh
 
 ERROR_CATEGORIES = ("user", "server", "unknown")
 _UNFINISHED = ("pending", "running")
+
+# The statements of storing outcomes (``Store.finish_requests``), built once: every training
+# request and every sampling slice runs them, and building them anew cost more than running them.
+_UNFINISHED_OF = select(_requests.c.request_id, _requests.c.sampling_session_id).where(
+    _requests.c.request_id.in_(bindparam("ids", expanding=True)), _requests.c.status.in_(_UNFINISHED))
+_UNFINISHED_OF_LOCKED = _UNFINISHED_OF.with_for_update()  # PostgreSQL: what is unfinished now stays ours to finish
+_COUNT_COMPLETIONS = (
+    update(_samplers)
+    .where(_samplers.c.sampling_session_id == bindparam("sid"))
+    .values(completions=_samplers.c.completions + bindparam("n"))
+    .returning(_samplers.c.completions)
+)
+_FINISH_REQUEST = update(_requests).where(_requests.c.request_id == bindparam("b_id")).values(
+    status=bindparam("b_status"), result=bindparam("b_result"), result_content_type=bindparam("b_content_type"),
+    error=bindparam("b_error"), error_category=bindparam("b_category"), completion_seq=bindparam("b_seq"),
+    completed_at=bindparam("b_now", type_=_requests.c.completed_at.type),
+    started_at=func.coalesce(bindparam("b_started", type_=_requests.c.started_at.type), _requests.c.started_at))
+_INSERT_METRIC_POINT = insert(RunMetricTable.__table__)
 _FINISHED = ("completed", "failed")
 SERVER_LEASE = "server"
 SAMPLER_CACHE_ENTRIES = 4096  # sampler records kept in memory (immutable once written)
@@ -92,6 +111,15 @@ USAGE_KINDS = ("training", "sampling_prefill", "sampling_prefill_cached", "sampl
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+@functools.cache
+def _select_by_key(cls: type, table: type[Base]) -> Select[Any]:
+    """``cls``'s fields (each a column of ``table``) of the row whose primary key columns equal
+    the bound ``k0``, ``k1``, ... in the key's column order."""
+    t = table.__table__
+    key = [c == bindparam(f"k{i}") for i, c in enumerate(t.primary_key.columns)]
+    return select(*(t.c[f.name] for f in fields(cls))).where(*key)
 
 
 def _record(cls: type[R], row: Base) -> R:
@@ -180,10 +208,11 @@ class Store:
             yield session
 
     def _update(self, stmt: Any) -> int:
-        """Run one UPDATE/DELETE in its own transaction; return the number of rows matched."""
-        with self._tx() as s:
-            result = s.execute(stmt.execution_options(synchronize_session=False))
-            return result.rowcount  # type: ignore[attr-defined]
+        """Run one UPDATE/DELETE in its own transaction; return the number of rows matched. On a
+        connection: no ORM object is involved, and the session's bookkeeping cost more than the
+        statement (a sampler's result acknowledgements come here on every poll)."""
+        with self._turns, self.engine.begin() as c:
+            return c.execute(stmt).rowcount
 
     def _page(
         self, cls: type[R], query: Select[Any], order: Sequence[Any], limit: int, offset: int
@@ -200,9 +229,13 @@ class Store:
             return [_record(cls, r) for r in s.scalars(query).all()]
 
     def _get(self, cls: type[R], table: type[Base], key: Any) -> R | None:
-        with self._tx() as s:
-            row = s.get(table, key)
-            return None if row is None else _record(cls, row)
+        """The record of ``table``'s row with primary key ``key`` (a tuple for a composite key).
+        One prebuilt statement on a connection: every training request reads its run's record,
+        and the ORM's session, identity map and object cost several times the query."""
+        keys = key if isinstance(key, tuple) else (key,)
+        with self._turns, self.engine.connect() as c:
+            row = c.execute(_select_by_key(cls, table), {f"k{i}": k for i, k in enumerate(keys)}).first()
+        return None if row is None else cls(**row._mapping)
 
     def _create(self, cls: type[R], row: Base, existing: Callable[[], R | None]) -> tuple[R, bool]:
         """Insert ``row``: ``(its record, True)``; when it clashes with a row already stored (a
@@ -453,15 +486,17 @@ class Store:
         return stored
 
     def _insert_request(self, values: dict[str, Any],
-                        first: Callable[[Session], bool] | None = None) -> tuple[RequestRecord, bool] | None:
+                        first: Callable[[Connection], bool] | None = None) -> tuple[RequestRecord, bool] | None:
         """Insert a request's ``values`` in one transaction, after ``first`` (which may complete the
         values, or refuse: False stores nothing and returns None): ``(its record, True)``, or when it
-        clashes with a stored request (a replay, or a racing one) ``(that request, False)``."""
+        clashes with a stored request (a replay, or a racing one) ``(that request, False)``. On a
+        connection, not an ORM session: every request is stored on its way in, and the session's
+        bookkeeping cost more than the insert."""
         try:
-            with self._tx() as s:
-                if first is not None and not first(s):
+            with self._turns, self.engine.begin() as c:
+                if first is not None and not first(c):
                     return None
-                s.execute(_INSERT_REQUEST, values)
+                c.execute(_INSERT_REQUEST, values)
             return RequestRecord(**values), True
         except IntegrityError:
             existing = self._find_duplicate(values)
@@ -558,15 +593,13 @@ class Store:
             if o.error is not None:
                 _check(o.category, ERROR_CATEGORIES, "error category")
         now = self._clock()
-        # Core statements on the tables (the ORM's bulk-update bookkeeping costs more than these
-        # small statements), a constant number per sampler rather than three per request.
-        requests, samplers = RequestTable.__table__, SamplingSessionTable.__table__
-        with self._tx() as s:
-            unfinished = select(requests.c.request_id, requests.c.sampling_session_id).where(
-                requests.c.request_id.in_({o.request_id for o in outcomes}), requests.c.status.in_(_UNFINISHED))
-            if self.dialect == "postgresql":
-                unfinished = unfinished.with_for_update()  # what is unfinished now stays ours to finish
-            sampler_of: dict[str, str | None] = {rid: sid for rid, sid in s.execute(unfinished)}
+        # Prebuilt Core statements on one connection: the ORM's session and unit of work cost
+        # several times these small statements (a training step stores two outcomes), and the
+        # statements run a constant number of times per sampler rather than three per request.
+        with self._turns, self.engine.begin() as c:
+            unfinished = _UNFINISHED_OF_LOCKED if self.dialect == "postgresql" else _UNFINISHED_OF
+            sampler_of: dict[str, str | None] = {
+                rid: sid for rid, sid in c.execute(unfinished, {"ids": list({o.request_id for o in outcomes})})}
             first: dict[str, RequestOutcome] = {}  # per request, the first outcome of the list
             for o in outcomes:
                 if o.request_id in sampler_of:
@@ -580,31 +613,21 @@ class Store:
             completion_seq: dict[str, int] = {}
             for sid in sorted(by_sampler):  # one order everywhere: two writers never wait on each other
                 rids = by_sampler[sid]
-                last = s.execute(
-                    update(samplers).where(samplers.c.sampling_session_id == sid)
-                    .values(completions=samplers.c.completions + len(rids)).returning(samplers.c.completions)
-                ).scalar_one_or_none()
+                last = c.execute(_COUNT_COMPLETIONS, {"sid": sid, "n": len(rids)}).scalar_one_or_none()
                 if last is not None:
                     completion_seq.update({rid: last - len(rids) + 1 + i for i, rid in enumerate(rids)})
-            s.execute(
-                update(requests).where(requests.c.request_id == bindparam("b_id")).values(
-                    status=bindparam("b_status"), result=bindparam("b_result"),
-                    result_content_type=bindparam("b_content_type"), error=bindparam("b_error"),
-                    error_category=bindparam("b_category"), completion_seq=bindparam("b_seq"), completed_at=now,
-                    started_at=func.coalesce(bindparam("b_started", type_=requests.c.started_at.type),
-                                             requests.c.started_at)),
-                [{"b_id": rid, "b_status": "completed" if o.error is None else "failed",
-                  "b_result": None if o.error is not None else bytes(o.result or b""),
-                  "b_content_type": None if o.error is not None else o.content_type,
-                  "b_error": o.error, "b_category": None if o.error is None else o.category,
-                  "b_seq": completion_seq.get(rid), "b_started": _aware(o.started_at)} for rid, o in first.items()],
-            )
-            for o in first.values():
-                if o.metric_point is not None and o.error is None:
-                    p = o.metric_point
-                    finite = {k: (float(v) if math.isfinite(v) else None) for k, v in p.metrics.items()}
-                    s.add(RunMetricTable(model_id=p.model_id, owner=p.owner, step=p.step, kind=p.kind,
-                                         metrics=finite, recorded_at=now))
+            c.execute(_FINISH_REQUEST, [
+                {"b_id": rid, "b_status": "completed" if o.error is None else "failed",
+                 "b_result": None if o.error is not None else bytes(o.result or b""),
+                 "b_content_type": None if o.error is not None else o.content_type,
+                 "b_error": o.error, "b_category": None if o.error is None else o.category,
+                 "b_seq": completion_seq.get(rid), "b_started": _aware(o.started_at), "b_now": now}
+                for rid, o in first.items()])
+            points = [{"model_id": p.model_id, "owner": p.owner, "step": p.step, "kind": p.kind, "recorded_at": now,
+                       "metrics": {k: (float(v) if math.isfinite(v) else None) for k, v in p.metrics.items()}}
+                      for p in (o.metric_point for o in first.values() if o.error is None) if p is not None]
+            if points:
+                c.execute(_INSERT_METRIC_POINT, points)
         return [first.get(o.request_id) is o for o in outcomes]
 
     def sampling_completions(
@@ -618,7 +641,7 @@ class Store:
         below the returned cursor can still turn up later.
         """
         lo, hi = clone_id * CLONE_BLOCK, (clone_id + 1) * CLONE_BLOCK
-        with self._tx() as s:
+        with self._turns, self.engine.connect() as s:  # reads alone: no ORM session needed
             counter = s.scalar(
                 select(SamplingSessionTable.completions).where(
                     SamplingSessionTable.sampling_session_id == sampling_session_id
@@ -900,8 +923,8 @@ class Store:
         values = self._request_values(owner=owner, kind="sample", payload=payload, payload_type=payload_type,
                                       sampling_session_id=sampling_session_id, seq_id=seq_id)
 
-        def reserve(s: Session) -> bool:
-            end = s.execute(_RESERVE_SEQUENCE_NUMBERS, {"sid": sampling_session_id, "n": num_samples}).scalar_one_or_none()
+        def reserve(c: Connection) -> bool:
+            end = c.execute(_RESERVE_SEQUENCE_NUMBERS, {"sid": sampling_session_id, "n": num_samples}).scalar_one_or_none()
             if end is None:
                 return False
             values["submit_info"] = submit_info_for(end - num_samples)
