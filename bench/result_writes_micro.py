@@ -69,6 +69,18 @@ class PostgresSchemas:
         self.conn.close()
 
 
+def postgres_if_asked(databases: str) -> PostgresSchemas | None:
+    """Throw-away schemas on the test Postgres server when ``databases`` (comma-separated) names
+    postgres and the server answers; else None, having said why when it was asked for."""
+    if "postgres" not in databases.split(","):
+        return None
+    try:
+        return PostgresSchemas(PG_URL)
+    except Exception as e:  # noqa: BLE001 - any failure to connect: say so and go on without it
+        print(f"Postgres at {PG_URL} unreachable ({type(e).__name__}: {e}); SQLite only", flush=True)
+        return None
+
+
 def one_round(client, prompts, lengths: list[int]) -> float:
     """Seconds from the first submission to the last result of one request per length."""
     from tinker import types
@@ -109,12 +121,7 @@ def main() -> None:
     args = ap.parse_args()
     lengths = np.random.default_rng(0).integers(args.min_new, args.max_new + 1, args.requests).tolist()
     tokens = sum(lengths)
-    pg = None
-    if "postgres" in args.databases.split(","):
-        try:
-            pg = PostgresSchemas(PG_URL)
-        except Exception as e:  # noqa: BLE001 - any failure to connect: say so and go on without it
-            print(f"Postgres at {PG_URL} unreachable ({type(e).__name__}: {e}); SQLite only", flush=True)
+    pg = postgres_if_asked(args.databases)
     pin = (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
     if pin:  # this process (the SDK's client) on one core, the servers on the other
         os.sched_setaffinity(0, {0})

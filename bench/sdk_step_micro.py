@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_times import cpu_seconds, own_cpu_seconds  # noqa: E402
 from bench.gpu.sample import training_step_parts  # noqa: E402
-from bench.result_writes_micro import PG_URL, PostgresSchemas  # noqa: E402
+from bench.result_writes_micro import postgres_if_asked  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tinsmith.devtools.tiny_model import TinyShape, make_tiny_model  # noqa: E402
 
@@ -137,12 +137,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    pg = None
-    if "postgres" in args.databases.split(","):
-        try:
-            pg = PostgresSchemas(PG_URL)
-        except Exception as e:  # noqa: BLE001 - any failure to connect: say so and go on without it
-            print(f"Postgres at {PG_URL} unreachable ({type(e).__name__}: {e}); SQLite only", flush=True)
+    pg = postgres_if_asked(args.databases)
     pin = len(os.sched_getaffinity(0)) >= 2
     if pin:  # this process (the SDK's client) on one core, the servers on the other
         os.sched_setaffinity(0, {CLIENT_CORE})
