@@ -84,6 +84,7 @@ _SELECT_RESULT = select(*(_requests.c[f.name] for f in fields(ResultRecord))).wh
 
 ERROR_CATEGORIES = ("user", "server", "unknown")
 _UNFINISHED = ("pending", "running")
+_FINISHED = ("completed", "failed")
 
 # The statements of storing outcomes (``Store.finish_requests``), built once: every training
 # request and every sampling slice runs them, and building them anew cost more than running them.
@@ -102,7 +103,7 @@ _FINISH_REQUEST = update(_requests).where(_requests.c.request_id == bindparam("b
     completed_at=bindparam("b_now", type_=_requests.c.completed_at.type),
     started_at=func.coalesce(bindparam("b_started", type_=_requests.c.started_at.type), _requests.c.started_at))
 _INSERT_METRIC_POINT = insert(RunMetricTable.__table__)
-_FINISHED = ("completed", "failed")
+
 SERVER_LEASE = "server"
 SAMPLER_CACHE_ENTRIES = 4096  # sampler records kept in memory (immutable once written)
 CLONE_BLOCK = 1_000_000_000  # a cloned SamplingClient's seq_ids lie in [clone * CLONE_BLOCK, (clone + 1) * CLONE_BLOCK)
