@@ -81,11 +81,12 @@ class SdkTrainer:
             t = time.perf_counter()
             self.step()
             walls.append(time.perf_counter() - t)
-        out = {"step_ms": 1e3 * statistics.median(walls),
+        median = statistics.median(walls)
+        out = {"step_ms": 1e3 * median,
                "server_cpu_ms_per_step": 1e3 * (cpu_seconds(self.srv.proc.pid) - cpu[0]) / steps,
                "client_cpu_ms_per_step": 1e3 * (own_cpu_seconds() - cpu[1]) / steps}
         if self.database is not None:
-            out.update(training_step_parts(self.database, start, time.time(), statistics.median(walls), {}, {}))
+            out.update(training_step_parts(self.database, start, time.time(), median, {}, {}))
         return out
 
     def close(self) -> None:
