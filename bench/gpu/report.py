@@ -81,12 +81,16 @@ def _heading(title: str, header: str) -> list[str]:
     return [title, "", header, "|" + "---|" * (header.count("|") - 1)]
 
 
+def _http(stack: dict | None) -> str:
+    return "-" if not stack else f"{stack['http']} parser, {stack['loop']} loop"
+
+
 def markdown(s: dict) -> str:
     pk = s["peak"]
     L = [f"# bench/gpu on {pk.get('device_name')} (torch {s['torch']}{', quick' if s['quick'] else ''})", "",
          f"Measured peaks: matmul {pk['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, "
          f"copy {pk['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written). Wall {s.get('wall_s')} s. "
-         f"glibc's allocator: {s.get('glibc_malloc', '-')}.", ""]
+         f"glibc's allocator: {s.get('glibc_malloc', '-')}. Servers' HTTP: {_http(s.get('http_stack'))}.", ""]
     L += targets.markdown(s, _fmt)
     tr = s.get("train", {})
     if tr:

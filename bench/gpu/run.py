@@ -32,6 +32,7 @@ from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
 from tinsmith.gc_tuning import tuned_for_serving
 from tinsmith.host_malloc import tune_for_serving as tune_malloc
+from tinsmith.server.logs import http_stack
 
 # seconds per part on an H100 (tests take the rest of the 10-minute call)
 BUDGET_S = {"peak": 30, "train": 200, "sample": 200, "moe": 60}
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     configure_device(device)  # the server's process-wide switches (cuDNN's attention off), for in-process items too
     summary: dict = {"device": a.device, "quick": a.quick, "shapes": shapes + extra, "headline_shapes": headline,
-                     "torch": torch.__version__,
+                     "torch": torch.__version__, "http_stack": http_stack(),
                      "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "glibc_malloc": MALLOC}
 
     pk = Part("peak", BUDGET_S["peak"] * a.budget_scale)  # always: every figure needs it

@@ -9,6 +9,7 @@ format. No line carries an API key or a request body; tenants appear as their ke
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import sys
@@ -75,6 +76,30 @@ def safe_database_url(url: str) -> str:
         return "(unparsable database URL)"
 
 
+def http_stack() -> dict[str, str]:
+    """What uvicorn will parse HTTP and run its event loop with (its ``auto`` choices).
+
+    ``httptools`` and ``uvloop`` come with ``uvicorn[standard]``, which tinsmith depends on; an
+    image that installed uvicorn alone falls back to h11's pure-Python parser and asyncio's loop.
+    Every SDK call pays the parser's cost on the event loop, which takes in GRPO's bursts of
+    separate requests: h11 added about a fifth to a cheap request's CPU (docs/performance.md).
+    """
+    def present(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    return {"http": "httptools" if present("httptools") else "h11",
+            "loop": "uvloop" if present("uvloop") and sys.platform != "win32" else "asyncio"}
+
+
+def _warn_of_http_fallbacks(stack: dict[str, str]) -> None:
+    missing = [name for name, had in (("httptools", stack["http"] == "httptools"), ("uvloop", stack["loop"] == "uvloop"))
+               if not had]
+    if missing:
+        log.warning("HTTP parsed by %s, event loop %s: %s missing, so every request costs the server more CPU; "
+                    "install uvicorn[standard] (tinsmith's own dependency) to get them",
+                    stack["http"], stack["loop"], " and ".join(missing), extra={"fields": stack})
+
+
 def log_startup_summary(state: ServerState) -> None:
     """What this server serves and where: models, devices, memory plan, database, data, URLs."""
     from tinsmith.server.health import read_health
@@ -102,6 +127,8 @@ def log_startup_summary(state: ServerState) -> None:
              extra={"fields": {"database": database, "data_dir": str(c.data_dir),
                                "checkpoint_dir": str(c.resolved_checkpoint_dir)}})
     url = server_url(state)
-    log.info("serving the Tinker API at %s; dashboard at %s/dashboard, metrics at %s/metrics%s", url, url, url,
-             " (API key required)" if c.metrics_auth else "",
-             extra={"fields": {"url": url, "dashboard": f"{url}/dashboard", "metrics": f"{url}/metrics"}})
+    stack = http_stack()
+    log.info("serving the Tinker API at %s (HTTP by %s, %s loop); dashboard at %s/dashboard, metrics at %s/metrics%s",
+             url, stack["http"], stack["loop"], url, url, " (API key required)" if c.metrics_auth else "",
+             extra={"fields": {"url": url, "dashboard": f"{url}/dashboard", "metrics": f"{url}/metrics", **stack}})
+    _warn_of_http_fallbacks(stack)
