@@ -220,15 +220,32 @@ def rope_attention_scaling(rope: RopeConfig) -> float:
     return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
+# The most positions a model's rotary tables cover (:meth:`Rotary.forward`'s ``tabled``): two
+# tables of this many rows of the rotary's width, in the model's dtype (67 MB for a 131,072-token
+# context and 128-wide heads in bf16); a model of a longer context computes its turns every step.
+TABLE_MAX_POSITIONS = 1 << 17
+
+
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, rope: RopeConfig):
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int | None = None):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
         self.mrope_section = rope.mrope_section
         self.scaling = rope_attention_scaling(rope)
+        # Tables only where every position a caller may ask is below them: the model's context.
+        self.max_positions = max_positions if max_positions is not None and max_positions <= TABLE_MAX_POSITIONS else None
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                tabled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed_sin)`` of shape ``(b, L, 1, head_dim)`` (computed in fp32).
+
+        ``tabled``: the caller's ``positions`` are all below the model's context (the sampler's
+        requests fit it), so each row's turns may be read from tables of every position, made
+        once (:meth:`tables`): two gathers where computing them takes nine kernels (the cast,
+        the products, cos, sin, the negation, two concatenations and two casts), at every decode
+        step. The values are the same bits: the tables are computed by the same operations, each
+        element on its own. Plain RoPE only (2-D ``positions``, a model of a known context).
 
         ``positions`` is ``(b, L)``, or ``(3, b, L)`` temporal/height/width positions for
         multimodal RoPE (Qwen3-VL): frequency ``i`` turns with the height position when
@@ -240,6 +257,9 @@ class Rotary(nn.Module):
         ``roll`` instead of slicing, negating and concatenating (the result is bit-identical).
         The singleton dimension broadcasts over heads in the ``(b, L, heads, d)`` layout.
         """
+        if tabled and positions.dim() == 2 and self.max_positions is not None:
+            cos, signed_sin = self.tables(positions.device, dtype)
+            return F.embedding(positions, cos)[..., None, :], F.embedding(positions, signed_sin)[..., None, :]
         freqs = positions.float()[..., None] * self.inv_freq.float()
         if positions.dim() == 3:
             if len(self.mrope_section) != 3:
@@ -253,6 +273,18 @@ class Rotary(nn.Module):
         if self.scaling != 1.0:
             cos, sin = cos * self.scaling, sin * self.scaling
         return torch.cat((cos, cos), -1)[..., None, :].to(dtype), torch.cat((-sin, sin), -1)[..., None, :].to(dtype)
+
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)`` of every position below ``max_positions``, ``(positions, head_dim)``
+        each, made on first use and kept: a decode step's CUDA graph reads them at a fixed
+        address (its first, eager run makes them, outside the capture)."""
+        key = (device, dtype)
+        if key not in self._tables:
+            assert self.max_positions is not None, "a rotary without max_positions keeps no tables"
+            with torch.no_grad():
+                cos, signed_sin = self.forward(torch.arange(self.max_positions, device=device)[None], dtype)
+            self._tables[key] = (cos[0, :, 0].contiguous(), signed_sin[0, :, 0].contiguous())
+        return self._tables[key]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -589,7 +621,7 @@ class Backbone(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_fp32, cfg.norm_offset)
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope, cfg.max_position_embeddings)
 
 
 @dataclass
@@ -649,14 +681,17 @@ class CausalLM(nn.Module):
         segments: Segments | None = None,
         attend: AttentionBackend = causal_attention,
         visual: VisualFeatures | None = None,
+        within_context: bool = False,
     ) -> torch.Tensor:
         """tokens: (b, L); positions: (b, L), or (3, b, L) with multimodal RoPE. ``segments``
         index the flattened b*L rows. ``visual`` replaces the embeddings of image positions and
-        adds its DeepStack features after the first layers. Returns (b, L, hidden)."""
+        adds its DeepStack features after the first layers. ``within_context``: every position
+        is below the model's context, so the rotary turns come from its tables (a decode step's
+        rows, which the sampler holds to the context: :meth:`Rotary.forward`). Returns (b, L, hidden)."""
         h = self.model.embed_tokens(tokens)
         if visual is not None:
             h = visual.embed(h)
-        cos, sin = self.model.rotary(positions, h.dtype)
+        cos, sin = self.model.rotary(positions, h.dtype, tabled=within_context)
         if not torch.is_grad_enabled():  # each layer's last add joins the next norm (see DecoderLayer)
             pending = None
             for i, layer in enumerate(self.model.layers):

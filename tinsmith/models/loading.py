@@ -268,7 +268,7 @@ def _finish(model: CausalLM, device: torch.device, pack: bool) -> CausalLM:
     cfg = model.config
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = Rotary(cfg.rotary_dim, cfg.rope).to(device)
+    model.model.rotary = Rotary(cfg.rotary_dim, cfg.rope, cfg.max_position_embeddings).to(device)
     if pack:
         pack_weights(model)
     for p in model.parameters():

@@ -233,9 +233,10 @@ class DecodeGraphs:
         cache = self.cache
         B = inputs.rows
         lengths = cache.lengths[:B]
-        positions = (lengths * inputs.active + inputs.rope)[:, None]  # padding rows at position 0
+        positions = torch.addcmul(inputs.rope, lengths, inputs.active)[:, None]  # padding rows at position 0
         hidden = self.model.hidden_states(inputs.last[:, None], positions, groups,
-                                          attend=cache.decode_attention(B, cache.capacity, live=inputs.active))
+                                          attend=cache.decode_attention(B, cache.capacity, live=inputs.active),
+                                          within_context=True)  # the sampler holds every row to the context
         logits = self.model.logits(hidden[:, 0], groups, fp32=False)  # the token choice widens them
         lengths.add_(inputs.active)
         u = KeyedUniforms(inputs.keys, inputs.steps)  # hashed inside the token-choice kernel where it runs

@@ -1562,7 +1562,8 @@ class Sampler:
             if batch.rope_deltas is not None:
                 positions = positions + batch.rope_deltas[:, None]
             hidden = self.model.hidden_states(batch.last[:, None], positions, batch.groups,
-                                              attend=self.cache.decode_attention(n, span - (k - 1 - i)))
+                                              attend=self.cache.decode_attention(n, span - (k - 1 - i)),
+                                              within_context=True)  # _validate holds every row to the context
             logits = self.model.logits(hidden[:, 0], batch.groups, fp32=False)  # the token choice widens them
             self.cache.lengths[:n] += 1
             u = KeyedUniforms(batch.keys, batch.steps)
