@@ -228,3 +228,19 @@ def test_queuing_bursts_waits_for_no_device_work(tmp_path, monkeypatch):
         assert busy > 0.2, "the queued work was too short to tell"
         assert first_read - t < busy / 4, f"queuing the bursts waited {first_read - t:.3f} s of the {busy:.3f} s before them"
     sampler.abort()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_on_the_device_equal_the_computed_turns(dtype):
+    """A decode step's turns come from tables made on the device (tinsmith.models.layers.Rotary):
+    bit for bit what computing them there gives, for the positions decode steps take."""
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("the CPU's tables are held to the same by tests/models/test_rotary_tables.py")
+    from tinsmith.models.config import RopeConfig
+    from tinsmith.models.layers import Rotary
+
+    for rope in (RopeConfig(theta=1e6), RopeConfig(kind="yarn", factor=4.0, original_max_position_embeddings=4096)):
+        rotary = Rotary(128, rope, max_positions=40960).to(DEVICE)
+        positions = torch.randint(0, 40960, (256, 1), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+        for computed, tabled in zip(rotary(positions, dtype), rotary(positions, dtype, tabled=True)):
+            assert tabled.device == computed.device and torch.equal(tabled, computed)
