@@ -100,6 +100,16 @@ _FINISH_REQUEST = update(_requests).where(_requests.c.request_id == bindparam("b
     completed_at=bindparam("b_now", type_=_requests.c.completed_at.type),
     started_at=func.coalesce(bindparam("b_started", type_=_requests.c.started_at.type), _requests.c.started_at))
 _INSERT_METRIC_POINT = insert(RunMetricTable.__table__)
+# ... and of a sampler's completions (``Store.sampling_completions``), read on every poll of its futures.
+_COMPLETIONS_OF = select(_samplers.c.completions).where(_samplers.c.sampling_session_id == bindparam("sid"))
+_COMPLETED_BETWEEN = (
+    select(_requests.c.request_id, _requests.c.status, func.length(_requests.c.result), _requests.c.completion_seq)
+    .where(_requests.c.sampling_session_id == bindparam("sid"), _requests.c.completion_seq > bindparam("after"),
+           _requests.c.completion_seq <= bindparam("counter"), _requests.c.seq_id >= bindparam("lo"),
+           _requests.c.seq_id < bindparam("hi"))
+    .order_by(_requests.c.completion_seq)
+    .limit(bindparam("limit"))
+)
 
 SERVER_LEASE = "server"
 SAMPLER_CACHE_ENTRIES = 4096  # sampler records kept in memory (immutable once written)
@@ -638,11 +648,7 @@ class Store:
         """
         lo, hi = clone_id * CLONE_BLOCK, (clone_id + 1) * CLONE_BLOCK
         with self._turns, self.engine.connect() as c:  # reads alone: no ORM session needed
-            counter = c.scalar(
-                select(SamplingSessionTable.completions).where(
-                    SamplingSessionTable.sampling_session_id == sampling_session_id
-                )
-            )
+            counter = c.scalar(_COMPLETIONS_OF, {"sid": sampling_session_id})
             if counter is not None and after > counter:
                 raise InvalidInputError(
                     f"prev_cursor {after} is ahead of sampler {sampling_session_id!r}, whose last completion is "
@@ -650,23 +656,8 @@ class Store:
                 )
             if counter is None or counter == after:
                 return [], after
-            rows = c.execute(
-                select(
-                    RequestTable.request_id,
-                    RequestTable.status,
-                    func.length(RequestTable.result),
-                    RequestTable.completion_seq,
-                )
-                .where(
-                    RequestTable.sampling_session_id == sampling_session_id,
-                    RequestTable.completion_seq > after,
-                    RequestTable.completion_seq <= counter,
-                    RequestTable.seq_id >= lo,
-                    RequestTable.seq_id < hi,
-                )
-                .order_by(RequestTable.completion_seq)
-                .limit(limit)
-            ).all()
+            rows = c.execute(_COMPLETED_BETWEEN, {"sid": sampling_session_id, "after": after, "counter": counter,
+                                                  "lo": lo, "hi": hi, "limit": limit}).all()
         found = [CompletionRecord(r[0], r[1], None if r[2] is None else int(r[2]), int(r[3])) for r in rows]
         cursor = found[-1].completion_seq if len(found) == limit else int(counter)
         return found, cursor
