@@ -144,10 +144,10 @@ def decode_step_kernels(model, rows: int, slots: list[int | None] = (None,), top
 @contextmanager
 def gpu_paths():
     """Every Triton kernel a GPU's sampler runs, in the interpreter here (as it was after)."""
-    from tinsmith.kernels import decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw
+    from tinsmith.kernels import decode_attention, kv_store, lora_gather, rms_norm, step_rows, swiglu, token_draw
     from tinsmith.sampling import logits
 
-    modules = (decode_attention, kv_store, lora_gather, rms_norm, swiglu, token_draw)
+    modules = (decode_attention, kv_store, lora_gather, rms_norm, step_rows, swiglu, token_draw)
     before = [m.BACKEND for m in modules], logits.BLOCKED_CDF
     for module in modules:
         module.BACKEND = "triton"

@@ -244,3 +244,46 @@ def test_rotary_tables_on_the_device_equal_the_computed_turns(dtype):
         positions = torch.randint(0, 40960, (256, 1), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
         for computed, tabled in zip(rotary(positions, dtype), rotary(positions, dtype, tabled=True)):
             assert tabled.device == computed.device and torch.equal(tabled, computed)
+
+
+def test_the_steps_row_bookkeeping_kernel_equals_torch_and_replays():
+    """A decode step's positions, key counts, pages and offsets (tinsmith.kernels.step_rows) on the
+    device, launched and replayed from a graph after the lengths moved, equal the torch ops'."""
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("the CPU runs the kernel in Triton's interpreter: tests/kernels/test_step_rows.py")
+    from tinsmith.kernels import step_rows
+    from tinsmith.sampling.kv_cache import StepRows
+
+    g = torch.Generator(DEVICE).manual_seed(0)
+    n, width, page = 256, 40, 64
+    lengths = torch.randint(0, width * page, (n + 8,), device=DEVICE, generator=g)
+    live = (torch.rand(n, device=DEVICE, generator=g) < 0.8).long()
+    rope = torch.randint(0, 30, (n,), device=DEVICE, generator=g)
+    table = torch.randint(1, 9000, (n + 8, width), device=DEVICE, generator=g, dtype=torch.int32)
+
+    def outputs(r: StepRows) -> list[torch.Tensor]:
+        return [r.pos, r.seen(), r.positions, *r.slots()]
+
+    def reference() -> list[torch.Tensor]:
+        kept, step_rows.BACKEND = step_rows.BACKEND, "torch"
+        try:
+            return [t.clone() for t in outputs(StepRows(lengths, n, live, rope, table[:n], page, 0))]
+        finally:
+            step_rows.BACKEND = kept
+
+    assert step_rows.usable(lengths)
+    for got, want in zip(outputs(StepRows(lengths, n, live, rope, table[:n], page, 0)), reference()):
+        assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        StepRows(lengths, n, live, rope, table[:n], page, 0)  # built outside the capture first
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = outputs(StepRows(lengths, n, live, rope, table[:n], page, 0))
+    lengths.add_(live.new_ones(n + 8))  # the next step's lengths, in place
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, reference()):
+        assert torch.equal(got, want)

@@ -79,7 +79,7 @@ def test_choice_functions_take_the_kernel_where_it_applies(monkeypatch):
     device = kernel_device()
     calls = []
     real = token_draw.draw
-    monkeypatch.setattr(token_draw, "draw", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(token_draw, "draw", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     logits = torch.randn(3, 800, generator=torch.Generator().manual_seed(3)).to(device)
     t = torch.tensor([1.0, 0.0, 0.6], device=device)
     k, p = torch.zeros(3, dtype=torch.long, device=device), torch.ones(3, device=device)
@@ -97,6 +97,25 @@ def test_choice_functions_take_the_kernel_where_it_applies(monkeypatch):
     assert len(calls) == 2 and full.shape == logits.shape
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_choice_writes_into_buffers_it_is_given(backend, monkeypatch):
+    """A decode step's own buffers take the tokens and logprobs (the kernel writes them, torch
+    copies them in); the values are the ones returned without buffers."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 2000, generator=g) * 2).to(device)
+    t = torch.tensor([1.0, 0.0, 0.6, 1.2, 0.0, 1.0], device=device)
+    k, p = torch.zeros(6, dtype=torch.long, device=device), torch.ones(6, device=device)
+    u = torch.rand(6, dtype=torch.float64, generator=g).to(device)
+    monkeypatch.setattr(token_draw, "BACKEND", backend)
+    want_tok, want_lp, _ = choose_tokens_masked(logits, t, k, p, u, None, False)
+    tokens, logprobs = torch.full((6,), -1, dtype=torch.long, device=device), torch.zeros(6, device=device)
+    tok, lp, best = choose_tokens_masked(logits, t, k, p, u, None, False, out=(tokens, logprobs))
+    assert tok is tokens and lp is logprobs and best is None
+    assert tokens.tolist() == want_tok.tolist()
+    assert torch.equal(logprobs, want_lp)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_a_sampler_through_the_kernel_samples_what_torch_samples(family, model_dirs, monkeypatch):
     import numpy as np
@@ -109,7 +128,7 @@ def test_a_sampler_through_the_kernel_samples_what_torch_samples(family, model_d
     prompts = [np.random.default_rng(i).integers(4, 400, 12 + 5 * i).tolist() for i in range(3)]
     calls = []
     real = token_draw.draw
-    monkeypatch.setattr(token_draw, "draw", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(token_draw, "draw", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setattr(token_draw, "BACKEND", backend)

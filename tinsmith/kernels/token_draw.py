@@ -64,18 +64,25 @@ def segments(vocab: int, block: int) -> tuple[int, int]:
     return triton.cdiv(blocks, per), per
 
 
-def draw(logits: torch.Tensor, temperature: torch.Tensor, u, all_greedy: bool = False
-         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def draw(logits: torch.Tensor, temperature: torch.Tensor, u, all_greedy: bool = False,
+         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(tokens, their model logprobs) for rows of ``logits``: row ``i`` greedy where
     ``temperature[i]`` <= 0, else drawn from ``softmax(logits[i] / temperature[i])`` with the
     uniform ``u[i]`` (float64) by inverse CDF in vocabulary order; logprobs at temperature 1, in
     fp32. ``u`` may be a :class:`tinsmith.sampling.logits.KeyedUniforms` (``keys``, ``steps``):
     the kernel then hashes each row's uniform itself, as ``keyed_uniforms`` does, bit for bit.
     ``all_greedy``: every row is greedy (no tempered sums, no second read). None when the kernels
-    failed here (the caller takes the torch path)."""
+    failed here (the caller takes the torch path). ``out``: (tokens, logprobs) buffers, (rows,)
+    int64 and fp32, contiguous, that the kernel writes (a decode step's own, so that no copy
+    follows)."""
     rows = logits.shape[0]
-    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if out is not None:
+        tokens, logprobs = out
+        assert (tokens.shape == logprobs.shape == (rows,) and tokens.dtype == torch.long
+                and logprobs.dtype == torch.float32 and tokens.is_contiguous() and logprobs.is_contiguous())
+    else:
+        tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     done = GUARD.call(_launch, logits, temperature, u, tokens, logprobs, all_greedy, on=logits)
     return None if done is None else (tokens, logprobs)
 

@@ -14,7 +14,8 @@ never asks the host anything. So the static step here reads only persistent buff
 - a hybrid model's per-row Gated DeltaNet states;
 - last tokens, random-stream keys and step counters, temperature / top-k / top-p, the adapter
   bank position per row (:class:`RowSlots` over a persistent index), all updated in place;
-- the sampled tokens and their logprobs written into output buffers.
+- the sampled tokens written into the last tokens' buffer (the next step's input), their logprobs
+  into an output buffer.
 
 The same step runs eagerly on CPU (tests check it samples exactly what the eager decode path
 samples), and on CUDA it is captured after one real step on a side stream and replayed for the
@@ -99,7 +100,7 @@ class StaticInputs:
         self.active = zeros(torch.long)  # 1 for a live row: its cache length advances
         self.truncates = zeros(torch.bool)
         self.slot_idx = zeros(torch.long)  # bank position per row, -1 for none
-        self.tokens, self.logprobs = zeros(torch.long), zeros(torch.float32)  # the step's outputs
+        self.logprobs = zeros(torch.float32)  # the step's output beside its tokens, which go to ``last``
         self.top_ids: dict[int, torch.Tensor] = {}  # k -> (rows, k): each row's k best token ids ...
         self.top_lps: dict[int, torch.Tensor] = {}  # ... and their logprobs, for rows asking top-k
         self.tile_tables: dict[int, RowTiles] = {}  # tiles -> the segmented LoRA kernels' tables
@@ -112,7 +113,7 @@ class StaticInputs:
         table = lora_segments.tile_table(positions, tiles=count)
         held = self.tile_tables.get(count)
         if held is None:
-            held = self.tile_tables[count] = lora_segments.tables_on(table, self.tokens.device)
+            held = self.tile_tables[count] = lora_segments.tables_on(table, self.last.device)
         else:
             for buf, src in zip((held.order, held.slot, held.first, held.count), table):
                 buf.copy_(torch.from_numpy(src))
@@ -121,8 +122,8 @@ class StaticInputs:
     def top_buffers(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The persistent (rows, k) outputs of a step keeping each row's ``k`` best logprobs."""
         if k not in self.top_ids:
-            self.top_ids[k] = torch.zeros(self.rows, k, dtype=torch.long, device=self.tokens.device)
-            self.top_lps[k] = torch.zeros(self.rows, k, dtype=torch.float32, device=self.tokens.device)
+            self.top_ids[k] = torch.zeros(self.rows, k, dtype=torch.long, device=self.last.device)
+            self.top_lps[k] = torch.zeros(self.rows, k, dtype=torch.float32, device=self.last.device)
         return self.top_ids[k], self.top_lps[k]
 
     def load(self, batch: Any, n: int, slot_idx: torch.Tensor | None, truncates: torch.Tensor | None) -> None:
@@ -217,7 +218,7 @@ class DecodeGraphs:
         replays = self.stats["graph_replays"]
         for _ in range(k):
             self._run(variant, step, groups)
-            toks.append(inputs.tokens[:n].clone())
+            toks.append(inputs.last[:n].clone())
             lps.append(inputs.logprobs[:n].clone())
             if top:
                 ids, vals = inputs.top_buffers(top)
@@ -232,25 +233,22 @@ class DecodeGraphs:
         """One decode step that reads and writes only fixed addresses (what a graph records)."""
         cache = self.cache
         B = inputs.rows
-        lengths = cache.lengths[:B]
-        positions = torch.addcmul(inputs.rope, lengths, inputs.active)[:, None]  # padding rows at position 0
-        hidden = self.model.hidden_states(inputs.last[:, None], positions, groups,
-                                          attend=cache.decode_attention(B, cache.capacity, live=inputs.active),
+        # The rows' positions (padding rows at 0), pages and key counts: one kernel on a GPU.
+        attend = cache.decode_attention(B, cache.capacity, live=inputs.active, rope=inputs.rope)
+        hidden = self.model.hidden_states(inputs.last[:, None], attend.positions[:, None], groups, attend=attend,
                                           within_context=True)  # the sampler holds every row to the context
         logits = self.model.logits(hidden[:, 0], groups, fp32=False)  # the token choice widens them
-        lengths.add_(inputs.active)
+        cache.lengths[:B].add_(inputs.active)
         u = KeyedUniforms(inputs.keys, inputs.steps)  # hashed inside the token-choice kernel where it runs
-        tok, lp, best = choose_tokens_masked(logits, inputs.temperature, inputs.top_k, inputs.top_p, u,
-                                             inputs.truncates if variant.truncating else None, variant.all_greedy,
-                                             variant.top)
+        # The chosen tokens go straight to ``last``, the next step's input and the step's output.
+        _, _, best = choose_tokens_masked(logits, inputs.temperature, inputs.top_k, inputs.top_p, u,
+                                          inputs.truncates if variant.truncating else None, variant.all_greedy,
+                                          variant.top, out=(inputs.last, inputs.logprobs))
         if best is not None:
             ids, vals = inputs.top_buffers(variant.top)
             ids[:, : best.indices.shape[1]].copy_(best.indices)
             vals[:, : best.values.shape[1]].copy_(best.values)
-        inputs.last.copy_(tok)
         inputs.steps.add_(1)
-        inputs.tokens.copy_(tok)
-        inputs.logprobs.copy_(lp)
 
     # ----------------------------------------------------------------------------- graphs
     def _run(self, variant: Variant, step, groups: RowSlots | None) -> None:

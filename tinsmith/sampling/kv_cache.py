@@ -27,6 +27,7 @@ import torch
 from torch.nn import functional as F
 
 from tinsmith.kernels import decode_attention as decode_kernels
+from tinsmith.kernels import step_rows
 from tinsmith.models.config import ModelConfig
 from tinsmith.models.layers import masked_attention
 from tinsmith.sampling.recurrent_state import DecodeStates, PrefillStates, RowRecurrentState
@@ -77,6 +78,70 @@ class KVTally:
         rows = self.rows + len(more)
         longest = max([self.longest] + [n.positions for n in more])
         return rows * self.cache.row_bytes(_round_up(longest, BLOCK)) if rows else 0
+
+
+class StepRows:
+    """Rows ``[0, n)`` of one decode step and what its layers read of them, worked out once a step.
+
+    ``pos`` (n,): the position each row decodes at, its cache length (0 for a padding row, whose
+    ``live`` mark is 0); ``positions``: ``pos`` plus the rows' rotary offsets where given (what the
+    step's rotary reads), else None. ``page``/``at``: where a paged cache's step keys and values
+    go, given ``table`` (pages per row) and ``page_size``. Where the kernel of
+    :mod:`tinsmith.kernels.step_rows` runs (a GPU), one launch computes all of these; elsewhere
+    torch ops compute each when first asked, and the torch paths' row indices and padding mask
+    (:meth:`rows`, :meth:`keep`) only where a torch write asks for them.
+    """
+
+    def __init__(self, lengths: torch.Tensor, n: int, live: torch.Tensor | None = None,
+                 rope: torch.Tensor | None = None, table: torch.Tensor | None = None, page_size: int = 1,
+                 scratch: int = 0):
+        self.n, self.live, self.device = n, live, lengths.device
+        self.table, self.page_size, self.scratch = table, page_size, scratch
+        self._rows: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
+        done = (step_rows.compute(lengths, n, live, rope, table, page_size, scratch)
+                if step_rows.usable(lengths) else None)
+        if done is not None:
+            self.pos, self._seen, self.positions = done.pos, done.seen, done.positions
+            self._slots = None if table is None else (done.page, done.at)
+            return
+        self.pos = lengths[:n] if live is None else lengths[:n] * live
+        self._seen = None
+        self.positions = None if rope is None else rope + self.pos
+        self._slots = None
+
+    def seen(self) -> torch.Tensor:
+        """(n,) the keys each row's attention reads this step: ``pos + 1``."""
+        if self._seen is None:
+            self._seen = self.pos + 1
+        return self._seen
+
+    def rows(self) -> torch.Tensor:
+        """(n,) ``0..n-1``: the rows' indices, for torch's indexed writes."""
+        if self._rows is None:
+            self._rows = torch.arange(self.n, device=self.device)
+        return self._rows
+
+    def keep(self) -> torch.Tensor | None:
+        """(n, 1, 1) bool: False for a padding row (its write leaves the cache as it was); None
+        when every row is live."""
+        if self.live is None:
+            return None
+        if self._keep is None:
+            self._keep = self.live.bool()[:, None, None]
+        return self._keep
+
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's (page, offset) for this step's keys and values in a paged cache (padding
+        rows: the scratch page's first offset)."""
+        if self._slots is None:
+            assert self.table is not None, "the rows of a cache without pages have no page slots"
+            page = self.table[self.rows(), self.pos // self.page_size].long()
+            keep = self.keep()
+            if keep is not None:  # padding rows write to the scratch page (their tables point there too)
+                page = torch.where(keep.view(-1), page, self.scratch)
+            self._slots = (page, self.pos % self.page_size)
+        return self._slots
 
 
 class RowKVCache:
@@ -296,7 +361,7 @@ class RowKVCache:
         self.lengths[dst] = self.lengths[src]  # on the device
 
     # ----------------------------------------------------------------------------- attention
-    def decode_attention(self, n: int, span: int, live: torch.Tensor | None = None):
+    def decode_attention(self, n: int, span: int, live: torch.Tensor | None = None, rope: torch.Tensor | None = None):
         """Attention backend for one decode step over rows ``[0, n)``.
 
         Writes each row's new K/V at its current length, then attends over the row's
@@ -306,14 +371,12 @@ class RowKVCache:
 
         ``live`` (n,) 0/1 marks padding rows of a fixed-shape step (0): they sit at position 0
         and write back what the cache holds there, so the step leaves their rows (free, or
-        filled by something else meanwhile) as they were.
+        filled by something else meanwhile) as they were. ``rope`` (n,) int64: the rows' rotary
+        offsets; the backend's ``positions`` is then each row's position plus its offset, what the
+        step's rotary reads (worked out with the rest of the rows' bookkeeping: :class:`StepRows`).
         """
-        pos = self.lengths[:n]
-        keep = None
-        if live is not None:
-            pos = pos * live
-            keep = live.bool()[:, None, None]
-        rows = torch.arange(n, device=self.device)
+        r = self._step_rows(n, live, rope)
+        pos = r.pos
         # The masks of the torch path, built once per step for all layers, and only when a layer
         # takes that path (the decode kernels need none).
         masks: dict[str, torch.Tensor] = {}
@@ -344,7 +407,7 @@ class RowKVCache:
             if not kernels or ring != window:
                 return None
             if ring not in seen_slots:
-                seen_slots[ring] = pos + 1 if ring is None else torch.clamp(pos + 1, max=ring)
+                seen_slots[ring] = r.seen() if ring is None else torch.clamp(r.seen(), max=ring)
             keys = span if ring is None else min(span, ring)
             return decode_kernels.try_decode_attention(q, self.K[layer], self.V[layer], seen_slots[ring], keys, sinks,
                                                        table=self._pages(layer, n))
@@ -353,7 +416,7 @@ class RowKVCache:
                    sinks: torch.Tensor | None = None, window: int | None = None, stored: bool = False) -> torch.Tensor:
             ring = self.rings[layer]
             if not stored:  # else the layer wrote k and v where store_target said (its norm's kernel)
-                self._write_step(layer, rows, pos, keep, k, v, step)
+                self._write_step(layer, r, k, v, step)
             out = kernel_attention(layer, q, ring, window, sinks)
             if out is not None:
                 return out
@@ -382,16 +445,21 @@ class RowKVCache:
         states = None if self.recurrent is None else DecodeStates(self.recurrent, n, live)
         attend.recurrent = states  # type: ignore[attr-defined]
         # Where a layer's step keys and values go, for a kernel of the layer that writes them itself.
-        attend.store_target = self._store_targets(rows, pos, keep, step)  # type: ignore[attr-defined]
+        attend.store_target = self._store_targets(r, step)  # type: ignore[attr-defined]
+        attend.positions = r.positions  # type: ignore[attr-defined]
         return attend
 
-    def _write_step(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | None,
-                    k: torch.Tensor, v: torch.Tensor, step: dict) -> None:
-        """Store a decode step's K/V (n, kv_heads, 1, d) of rows ``rows`` at positions ``pos`` (a
-        ring's slot ``pos % ring``); rows ``keep`` (n, 1, 1) marks False write back what was there."""
+    def _step_rows(self, n: int, live: torch.Tensor | None, rope: torch.Tensor | None) -> StepRows:
+        """Rows ``[0, n)``'s bookkeeping for a decode step (a paged cache adds its pages)."""
+        return StepRows(self.lengths, n, live, rope)
+
+    def _write_step(self, layer: int, r: StepRows, k: torch.Tensor, v: torch.Tensor, step: dict) -> None:
+        """Store a decode step's K/V (n, kv_heads, 1, d) of rows ``r`` at their positions (a ring's
+        slot ``pos % ring``); a padding row (``r.keep()`` False) writes back what was there."""
         K, V = self.K[layer], self.V[layer]
         ring = self.rings[layer]
-        at = pos if ring is None else pos % ring
+        rows, keep = r.rows(), r.keep()
+        at = r.pos if ring is None else r.pos % ring
         if keep is None:
             K[rows, :, at] = k[:, :, 0]
             V[rows, :, at] = v[:, :, 0]
@@ -399,8 +467,7 @@ class RowKVCache:
             K[rows, :, at] = torch.where(keep, k[:, :, 0], K[rows, :, at])
             V[rows, :, at] = torch.where(keep, v[:, :, 0], V[rows, :, at])
 
-    def _store_targets(self, rows: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor | None,
-                       step: dict) -> Callable[[int], tuple[torch.Tensor, ...] | None] | None:
+    def _store_targets(self, r: StepRows, step: dict) -> Callable[[int], tuple[torch.Tensor, ...] | None] | None:
         """For a kernel of a layer that writes the step's keys and values itself: a function of the
         layer giving ``(K, V, page, at)``, where :meth:`_write_step` would put them
         (``K[page[r], :, at[r]]``), or None for that layer; None for every layer of this step

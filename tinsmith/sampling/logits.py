@@ -158,6 +158,7 @@ def choose_tokens_masked(
     truncates: torch.Tensor | None,
     all_greedy: bool,
     top: int = 0,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.return_types.topk | None]:
     """:func:`choose_tokens` with shapes that never depend on which rows do what (CUDA graphs).
 
@@ -166,12 +167,23 @@ def choose_tokens_masked(
     a row gets exactly the token :func:`choose_tokens` gives it. ``all_greedy`` must hold for
     every row when set. Returns (tokens, their model logprobs, every row's ``top`` largest model
     logprobs, None when ``top`` is 0). Where no row truncates and ``top`` is 0, a GPU chooses in
-    one kernel (:mod:`tinsmith.kernels.token_draw`).
+    one kernel (:mod:`tinsmith.kernels.token_draw`). ``out``: (tokens, logprobs) buffers (int64,
+    fp32) that receive the results, written by that kernel itself where it runs, and returned.
     """
     if truncates is None and not top and token_draw.usable(logits):
-        chosen = token_draw.draw(logits, temperature, u, all_greedy)
+        chosen = token_draw.draw(logits, temperature, u, all_greedy, out=out)
         if chosen is not None:
             return (*chosen, None)
+    tokens, chosen_lp, best = _choose_masked(logits, temperature, top_k, top_p, u, truncates, all_greedy, top)
+    if out is None:
+        return tokens, chosen_lp, best
+    out[0].copy_(tokens)
+    out[1].copy_(chosen_lp)
+    return out[0], out[1], best
+
+
+def _choose_masked(logits, temperature, top_k, top_p, u, truncates, all_greedy: bool, top: int):
+    """:func:`choose_tokens_masked` in torch ops."""
     u = _made(u)
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)

@@ -42,7 +42,7 @@ import torch
 from tinsmith.kernels import kv_store
 from tinsmith.models.config import ModelConfig
 
-from tinsmith.sampling.kv_cache import BLOCK, KVTally, RowKVCache, RowNeed, needs_of
+from tinsmith.sampling.kv_cache import BLOCK, KVTally, RowKVCache, RowNeed, StepRows, needs_of
 from tinsmith.transfers import to_device
 
 PAGE = BLOCK  # positions per page (a multiple of the decode kernels' block)
@@ -362,27 +362,23 @@ class PagedKVCache(RowKVCache):
         super().keep_rows(rows, order, upto)
 
     # ----------------------------------------------------------------------------- decode steps
-    def _write_step(self, layer, rows, pos, keep, k, v, step) -> None:
+    def _write_step(self, layer, r, k, v, step) -> None:
         if not self.paged[layer]:
-            return super()._write_step(layer, rows, pos, keep, k, v, step)
-        page, at = self._step_slots(rows, pos, keep, step)
+            return super()._write_step(layer, r, k, v, step)
+        page, at = r.slots()
         K, V, k, v = self.K[layer], self.V[layer], k[:, :, 0], v[:, :, 0]
         if kv_store.usable(k, K) and kv_store.usable(v, V) and kv_store.store(K, V, k, v, page, at):
             return  # both in one kernel (GPUs)
         K[page, :, at] = k
         V[page, :, at] = v
 
-    def _step_slots(self, rows, pos, keep, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's page and offset for this step's keys and values: the same for every paged
-        layer, so worked out once a step."""
-        if "page" not in step:
-            page = self.table[rows, pos // PAGE].long()
-            if keep is not None:  # padding rows write to the scratch page (their tables point there too)
-                page = torch.where(keep.view(-1), page, SCRATCH)
-            step["page"], step["at"] = page, pos % PAGE
-        return step["page"], step["at"]
+    def _step_rows(self, n, live, rope):
+        # Each row's page and offset for this step's keys and values are the same for every paged
+        # layer: worked out with the rest, once a step.
+        paged = any(self.paged)
+        return StepRows(self.lengths, n, live, rope, self.table[:n] if paged else None, PAGE, SCRATCH)
 
-    def _store_targets(self, rows, pos, keep, step):
+    def _store_targets(self, r, step):
         first = next((i for i, paged in enumerate(self.paged) if paged), None)
         if first is None or not kv_store.usable(self.K[first], self.V[first]):
             return None  # no pages; or the K/V store kernel does not run here, nor a kernel that stores for it
@@ -390,7 +386,7 @@ class PagedKVCache(RowKVCache):
         def target(layer: int) -> tuple[torch.Tensor, ...] | None:
             if not self.paged[layer]:
                 return None  # a layer in per-row buffers (a ring)
-            return (self.K[layer], self.V[layer], *self._step_slots(rows, pos, keep, step))
+            return (self.K[layer], self.V[layer], *r.slots())
 
         return target
 
