@@ -73,6 +73,14 @@ def test_the_values_are_the_steps_own():
     assert page.tolist() == [100, 104, 108, 0] and at.tolist() == [5, 0, 2, 0]
 
 
+def test_rows_past_the_buffers_are_refused():
+    lengths, table = torch.zeros(4, dtype=torch.long), torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="5 rows"):
+        step_rows.compute(lengths, 5)
+    with pytest.raises(ValueError, match="page table of 3"):
+        step_rows.compute(lengths, 4, table=table)
+
+
 def test_dispatch_follows_backend(monkeypatch):
     lengths = torch.zeros(4, dtype=torch.long)
     monkeypatch.setattr(step_rows, "BACKEND", "torch")

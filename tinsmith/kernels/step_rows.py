@@ -61,6 +61,9 @@ def compute(lengths: torch.Tensor, n: int, live: torch.Tensor | None = None, rop
 
     None when the kernel failed here (the caller takes the torch ops)."""
     device = lengths.device
+    if lengths.shape[0] < n or (table is not None and table.shape[0] < n):
+        raise ValueError(f"{n} rows asked of lengths for {lengths.shape[0]} and a page table of "
+                         f"{None if table is None else table.shape[0]}")  # the kernel would read past them
 
     def empty() -> torch.Tensor:
         return torch.empty(n, dtype=torch.long, device=device)

@@ -85,8 +85,8 @@ class StepRows:
 
     ``pos`` (n,): the position each row decodes at, its cache length (0 for a padding row, whose
     ``live`` mark is 0); ``positions``: ``pos`` plus the rows' rotary offsets where given (what the
-    step's rotary reads), else None. ``page``/``at``: where a paged cache's step keys and values
-    go, given ``table`` (pages per row) and ``page_size``. Where the kernel of
+    step's rotary reads), else None. :meth:`slots`: where a paged cache's step keys and values go
+    (page and offset), given ``table`` (pages per row) and ``page_size``. Where the kernel of
     :mod:`tinsmith.kernels.step_rows` runs (a GPU), one launch computes all of these; elsewhere
     torch ops compute each when first asked, and the torch paths' row indices and padding mask
     (:meth:`rows`, :meth:`keep`) only where a torch write asks for them.
