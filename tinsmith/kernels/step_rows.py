@@ -6,7 +6,7 @@ and offset its new key and value go to in a paged cache (padding rows: the scrat
 many keys its attention reads. In torch that is ten elementwise kernels over a few hundred bytes
 (a product, a cast, an ``arange``, a floor division, the page table's gather and its cast, a
 ``where``, a remainder, an add, the positions' ``addcmul``): on a GPU each is a launch and a tail,
-together about 1% of a 64-row step replayed from a CUDA graph. :func:`compute` writes them all
+together about 1.5% of a 64-row step replayed from a CUDA graph (~5 us a kernel). :func:`compute` writes them all
 in one launch of one program per block of rows.
 
 The values are integers: the kernel's and torch's agree exactly (tests compare them). Inference
