@@ -36,6 +36,29 @@ def each_timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> list[
     return times
 
 
+def replayed_us(fn, device: torch.device, quick: bool, calls: int = 20) -> float:
+    """Microseconds per call of ``fn``: on a GPU the mean over ``calls`` calls replayed from one CUDA
+    graph (median of 5 replays; launched one by one, a call this short times the host's launch,
+    not the GPU); elsewhere the median of plain calls."""
+    if device.type != "cuda":
+        return timed(fn, device, repeats=1 if quick else 20, warmup=1 if quick else 2) * 1e6
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def matmul_flops(device: torch.device, quick: bool) -> float:
     n = 1024 if (quick or device.type == "cpu") else 8192
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -218,6 +218,14 @@ def markdown(s: dict) -> str:
                     f"{_get(ek, f'adapters_{n}', 'off_tokens_per_s')} tok/s apart)" for n in (8, 64))
                 L.append(f"- {name}, {ek.get('rows', '-')} rows, the adapters' expands (and the down shrink) "
                          f"taken by the kernels reading their outputs vs each its own launch: {parts} {_status(ek)}")
+            sd = sa.get(f"{name}/decode_skinny")
+            if sd:
+                parts = "; ".join(f"{rk[5:]} rows {case} {_get(sd, rk, case, 'on_vs_off')}x "
+                                  f"({_get(sd, rk, case, 'off_tokens_per_s')} tok/s on cuBLAS)"
+                                  for rk in sd if rk.startswith("rows_") for case in sd[rk])
+                failed = f" (the kernel failed: {sd['kernel_failed']})" if sd.get("kernel_failed") else ""
+                L.append(f"- {name}, the decode step's products through the skinny-product kernel vs cuBLAS: "
+                         f"{parts}{failed} {_status(sd)}")
         L.append("")
         L += _heading("## Decode with CUDA graphs vs eager (tokens/s)",
                       "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |")
@@ -345,6 +353,7 @@ def markdown(s: dict) -> str:
                      f"{tc[rk].get('same_tokens', '-')} | {_status(tc)} |")
         L.append("")
         L += _lora_gather(sa.get("lora_gather", {}))
+        L += _skinny_products(sa.get("skinny_products", {}))
         L += _heading("### Decode stall while a long prompt is prefilled (ms)",
                       "| shape | rows | prompt | whole: max stall | chunked: max stall | plain step | whole: long TTFT | "
                       "chunked: long TTFT | same tokens | notes |")
@@ -403,6 +412,37 @@ def _lora_gather(lg: dict) -> list[str]:
             L.append(f"- expand by output block, {sw.get('rows')} rows, {sw.get('adapters')} adapters, {proj} "
                      "(us): " + ", ".join(f"{k[6:]}: {_fmt(v)}" for k, v in us.items()))
         L.append("")
+    return L
+
+
+def _skinny_products(sp: dict) -> list[str]:
+    """A decode step's products with the weights (products.products): cuBLAS against the
+    skinny-product kernel per projection and row count, then the kernel's sweep."""
+    if not sp:
+        return []
+    L = _heading(f"### A decode step's products with the weights, {sp.get('shape', '-')} shape, {sp.get('dtype', '-')} (us per "
+                 "product, CUDA-graph replay, weights read from HBM; share of the copy rate)",
+                 "| projection | rows | cuBLAS | kernel | kernel / cuBLAS | splits | max rel diff | notes |")
+    for proj in [k for k, v in sp.items() if isinstance(v, dict) and "in" in v]:
+        for rk in [k for k in sp[proj] if k.startswith("rows_")]:
+            r = sp[proj][rk]
+            L.append(f"| {proj} ({sp[proj]['in']} -> {sp[proj]['out']}) | {rk[5:]} | {_get(r, 'cublas_us')} "
+                     f"({_get(r, 'cublas_of_copy_rate', pct=True)}) | {_get(r, 'kernel_us')} "
+                     f"({_get(r, 'kernel_of_copy_rate', pct=True)}) | {_get(r, 'kernel_vs_cublas')} | "
+                     f"{_get(r, 'plan', 'splits')} | {_get(r, 'max_rel_diff')} | |")
+    if _status(sp):
+        L.append(f"| - | - | - | - | - | - | - | {_status(sp)} |")
+    L.append("")
+    for rk in sorted({k.rsplit("_rows_", 1)[1] for k in sp if k.startswith("step_products_")}, key=int):
+        L.append(f"- a 28-layer step's products at {rk} rows: cuBLAS {_get(sp, f'step_products_cublas_us_rows_{rk}')} "
+                 f"us, kernel {_get(sp, f'step_products_kernel_us_rows_{rk}')} us")
+    for proj in [k for k, v in sp.items() if isinstance(v, dict) and "in" in v]:
+        for rk in [k for k in sp[proj] if k.startswith("rows_")]:
+            sweep = sp[proj][rk].get("sweep_us")
+            if sweep:
+                L.append(f"- kernel sweep, {proj}, {rk[5:]} rows (us): "
+                         + ", ".join(f"{k}: {_fmt(v)}" for k, v in sweep.items()))
+    L.append("")
     return L
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu import peak as peak_mod
-from bench.gpu import curves, moe, profile, sample, targets, train
+from bench.gpu import curves, moe, products, profile, sample, targets, train
 from tinsmith.worker.warm_up import configure_device
 from bench.gpu.report import markdown
 from bench.gpu.shapes import SHAPES, checkpoint, param_counts, qwen3_config
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         sa.item(f"{big}/decode_bursts", lambda: sample.decode_bursts(dirs[big], device, a.quick))
         sa.item(f"{big}/dependent_launches", lambda: sample.dependent_launches(dirs[big], device, a.quick))
         sa.item(f"{big}/expands_in_kernels", lambda: sample.expands_in_kernels(dirs[big], device, a.quick))
+        sa.item(f"{big}/decode_skinny", lambda: products.decode_with_kernel(dirs[big], device, a.quick))
         # the SDK on pyqwest, as the hosted service leaves it: its client CPU a request
         sa.item(f"{big}/sdk_pyqwest", lambda: sample.through_sdk(
             dirs[big], device, a.quick, Path(tempfile.mkdtemp(prefix=f"bench-{big}-")), transport="pyqwest"))
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         sa.item("qwen3_5/delta_rule_step", lambda: sample.delta_rule_step(device, peaks, a.quick))
         sa.item("token_choice", lambda: sample.token_choice(device, peaks, a.quick))
         sa.item("lora_gather", lambda: sample.lora_gather(device, peaks, a.quick))
+        sa.item("skinny_products", lambda: products.products(device, peaks, a.quick))
         sa.item(f"{big}/kv_layout", lambda: sample.kv_layouts(dirs[big], device, a.quick))
         sa.item(f"{big}/prefix_waves", lambda: sample.prefix_waves(dirs[big], device, a.quick))
         sa.item(f"{big}/chunked_prefill", lambda: sample.chunked_prefill(dirs[big], device, a.quick))

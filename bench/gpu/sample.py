@@ -901,7 +901,7 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
     block width (on a GPU; a CPU's interpreter takes its own width). Each case also checks the
     new pair against the old (``max_rel_diff``) and against itself run twice
     (``bitwise_repeatable``)."""
-    from bench.gpu.peak import timed
+    from bench.gpu.peak import replayed_us
     from tinsmith.kernels import lora_gather as lg
     from tinsmith.kernels import lora_segments as ls
 
@@ -917,25 +917,9 @@ def lora_gather(device, peak: dict, quick: bool) -> dict:
                  "kernels_usable": kernels, "shrink_programs": lg.SHRINK_PROGRAMS,
                  "shrink_max_split": lg.SHRINK_MAX_SPLIT}
 
-    def clock(fn, calls: int = 20) -> float:
-        """Microseconds per call of ``fn``."""
-        if device.type != "cuda":
-            return timed(fn, device, repeats=1 if quick else 20, warmup=1 if quick else 2) * 1e6
-        fn()  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-        return sorted(times)[len(times) // 2]
+    def clock(fn) -> float:
+        """Microseconds per call of ``fn`` (:func:`bench.gpu.peak.replayed_us`)."""
+        return replayed_us(fn, device, quick)
 
     gen = torch.Generator(device="cpu").manual_seed(0)
 

@@ -126,6 +126,17 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert 0 < steps["forward_backward_run_ms"] < steps["server_span_ms"] < steps["step_ms"]
     assert steps["rest_ms"] == pytest.approx(steps["step_ms"] - steps["server_span_ms"])
     assert steps["forward_backward_http_ms"] > 0 and steps["client_cpu_ms_per_step"] >= 0
+    skinny = summary["sample"]["tiny/decode_skinny"]  # torch's products both ways on a CPU
+    assert skinny["rows_4"]["adapters_8"]["on_vs_off"] > 0 and skinny["rows_8"]["base"]["on_vs_off"] > 0
+    assert skinny["kernel_failed"] is None
+    products = summary["sample"]["skinny_products"]  # the kernel in the interpreter where tests set it
+    for name in ("qkv", "o", "down"):
+        row = products[name]["rows_4"]
+        assert row["cublas_us"] > 0 and row["cublas_of_copy_rate"] > 0
+        if products["kernels_usable"]:
+            assert row["kernel_us"] > 0 and row["max_rel_diff"] < 1e-5 and row["plan"]["splits"] >= 1
+    assert "products with the weights" in (out / "summary.md").read_text()
+    assert "skinny-product kernel vs cuBLAS" in (out / "summary.md").read_text()
 
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu import curves, profile, run, sample, train
+from bench.gpu import curves, products, profile, run, sample, train
 
 RECORDED_TRAIN = {"lora": train, "lora_headline": train, "peft_baseline": train, "full_finetune": train,
                   "launch_costs": train, "copies_behind_work": train, "attention_backends": train,
@@ -19,7 +19,8 @@ RECORDED_SAMPLE = {"in_process": sample, "through_sdk": sample, "generate_baseli
                    "dependent_launches": sample, "expands_in_kernels": sample, "beside_training": sample, "fair_share": sample,
                    "decode_attention": sample, "delta_rule_step": sample, "token_choice": sample, "lora_gather": sample,
                    "kv_layouts": sample, "prefix_waves": sample, "chunked_prefill": sample, "graphs_vs_eager": sample,
-                   "decode_step": profile, "decode_replayed": profile}
+                   "decode_step": profile, "decode_replayed": profile, "products": products,
+                   "decode_with_kernel": products}
 
 
 @pytest.fixture

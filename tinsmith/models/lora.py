@@ -29,6 +29,7 @@ from tinsmith.models.lora_tenants import (TenantStack, tenants_group, tenants_gr
                                           tenants_linear_applied)
 from tinsmith.models.lora_bank import (AdapterSlots, LoraBank, PendingExpand, RowSlots, Unexpanded,
                                        add_bank_delta_)
+from tinsmith.kernels import skinny_matmul
 from tinsmith.kernels.lora_gather import triton_usable
 from tinsmith.transfers import to_device
 
@@ -137,15 +138,20 @@ class LoraLinear(nn.Module):
         bank.sync(self.adapters, rows.table)
         return bank
 
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s product with the base weight (and bias): outside autograd, a decode step's few
+        rows take the skinny-product kernel where it is on (:mod:`tinsmith.kernels.skinny_matmul`)."""
+        return skinny_matmul.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor, segments: Segments | RowGroups | RowSlots | None = None) -> torch.Tensor:
         one = self._training_one_adapter(segments)
         if one is not None:  # the common training step: one autograd node for base and adapter
             return lora_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, one).reshape(
                 *x.shape[:-1], self.out_features)
         if not segments or not self.adapters:
-            return F.linear(x, self.weight, self.bias)
+            return self.base(x)
         if isinstance(segments, RowSlots) or len(segments[0]) == 2:
-            return self._forward_groups(x, F.linear(x, self.weight, self.bias), segments)  # type: ignore[arg-type]
+            return self._forward_groups(x, self.base(x), segments)  # type: ignore[arg-type]
         x2 = x.reshape(-1, x.shape[-1])
         shape = (*x.shape[:-1], self.out_features)
         weights = [self.adapters.get(s) if s is not None else None for s, _, _ in segments]  # type: ignore[misc]
@@ -159,7 +165,7 @@ class LoraLinear(nn.Module):
         if path == "grouped" and not torch.is_grad_enabled():  # a prefill of several adapters' prompts
             sizes = tuple(b - a for a, b in zip(starts, ends))
             return tenants_linear_applied(x2, self.weight, self.bias, self, sizes, tuple(weights)).reshape(shape)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.base(x)
         if all(w is None for w in weights):
             return y
         y2 = y.reshape(-1, shape[-1])
@@ -189,7 +195,7 @@ class LoraLinear(nn.Module):
         bank = self.fusable_bank(segments) if leave else None
         if bank is None:
             return self(x, segments)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.base(x)
         pending = add_bank_delta_(y.view(-1, self.out_features), x.reshape(-1, self.in_features), bank, segments,
                                   leave_expand=True)
         return y if pending is None else Unexpanded(y, pending)
@@ -209,7 +215,7 @@ class LoraLinear(nn.Module):
                             leave: bool) -> torch.Tensor | Unexpanded:
         """:meth:`forward_leaving_expand` of ``x`` whose shrink through ``bank`` (:meth:`fusable_bank`)
         a kernel already took: ``h`` (rows, R) fp32."""
-        y = F.linear(x, self.weight, self.bias)
+        y = self.base(x)
         pending = PendingExpand(h, bank.B, rows.idx, bank.h_offsets, None)
         if leave:
             return Unexpanded(y, pending)
@@ -451,7 +457,7 @@ class PackedProjection:
             several = _tenants_together(tuple(self.layers), x2, segments, training=False)
             if several is not None:
                 return tenants_group_applied(x2, tuple(self.layers), *several, packed=self), None
-        y = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
+        y = skinny_matmul.matmul(x2, self.weight, self.bias)
         if isinstance(segments, RowSlots) and len(self.layers) > 1:
             if any(l.adapters for l in self.layers):
                 bank = self.bank(segments)
