@@ -80,7 +80,6 @@ def products(device, peak: dict, quick: bool) -> dict:
                     row[f"{key}_of_copy_rate"] = bps / copy_bps
             entry[f"rows_{rows}"] = row
         out[name] = entry
-        del stored, ws
     for rows in rows_list:  # a 28-layer step's products (the unembedding once), each way
         layer = [p for p in out if isinstance(out[p], dict) and p != "unembedding" and f"rows_{rows}" in out[p]]
         for key in ("cublas_us", "kernel_us"):
