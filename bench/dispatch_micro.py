@@ -303,6 +303,9 @@ def main() -> None:
                     help="LoRA adapters the rows of --prefill and --decode take in turn (0: the base model)")
     ap.add_argument("--expands-apart", action="store_true",
                     help="--decode: every LoRA expand and shrink its own launch (none left to the kernels next to them)")
+    ap.add_argument("--skinny-products", action="store_true",
+                    help="--decode: the products through the skinny-product kernel (off by default on a GPU), "
+                         "the adapters' shrinks in their launches")
     ap.add_argument("--training-kernels", action="store_true",
                     help="train through the norm/rotary/SiLU kernels (in Triton's interpreter)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype for training counts")
@@ -318,6 +321,10 @@ def main() -> None:
         moe.GROUPED_MM = "grouped"  # several adapters' grouped matmuls run here as on a GPU
         if args.expands_apart:
             lora_bank.EXPANDS_TAKEN = lora_bank.SHRINKS_TAKEN = frozenset()
+        if args.skinny_products:
+            from tinsmith.kernels import skinny_matmul
+
+            skinny_matmul.BACKEND = "triton"
         with tempfile.TemporaryDirectory() as d:
             shape = TinyShape(num_hidden_layers=args.layers, hidden_size=128, intermediate_size=256, head_dim=32)
             make_tiny_model(Path(d) / "m", args.family, shape, seed=0)

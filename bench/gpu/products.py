@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from bench.gpu.peak import replayed_us
-from bench.gpu.sample import _switch_compared, sizes
+from bench.gpu.sample import _decode_rate, _switch_compared, sizes
 from tinsmith.kernels import skinny_matmul as sk
 from tinsmith.kernels.guard import triton_interpreting
 from tinsmith.models.loading import load_model
@@ -115,7 +115,9 @@ def _sweep(x: torch.Tensor, weight, n: int, k: int, device, quick: bool) -> dict
 def decode_with_kernel(model_dir, device, quick: bool) -> dict:
     """Decode tokens/s with the decode step's products through the kernel (``auto``) and through
     cuBLAS (``torch``), in one process, in the order on, off, on (:func:`bench.gpu.sample._switch_compared`):
-    the base model and 8 adapters at the first row count, the base model at the second. On a CPU
+    the base model and 8 adapters at the first row count, the base model at the second; then the 8
+    adapters once more with the kernel on but each bank's shrink its own launch
+    (``adapters_8_shrink_apart_tokens_per_s``; on: taken in the products' launches). On a CPU
     ``auto`` is torch's products too: the same ops both ways (the interpreter would take minutes)."""
     z = sizes(quick)
     lm = load_model(str(model_dir), device=device)
@@ -127,12 +129,17 @@ def decode_with_kernel(model_dir, device, quick: bool) -> dict:
         sk.BACKEND = mode
 
     try:
-        out = {f"rows_{z['rows'][0]}": _switch_compared(lm, device, z, z["rows"][0],
-                                                        [("base", [None]), ("adapters_8", units)], switch, "auto",
-                                                        "torch"),
+        first = f"rows_{z['rows'][0]}"
+        out = {first: _switch_compared(lm, device, z, z["rows"][0], [("base", [None]), ("adapters_8", units)],
+                                       switch, "auto", "torch"),
                f"rows_{z['rows'][1]}": _switch_compared(lm, device, z, z["rows"][1], [("base", [None])], switch,
                                                         "auto", "torch")}
+        sk.BACKEND, sk.SHRINK_IN_PRODUCT = "auto", False
+        apart = _decode_rate(lm, device, z, z["rows"][0], units)
+        on = out[first]["adapters_8"]["on_tokens_per_s"]
+        out["adapters_8_shrink_apart"] = {"rows": z["rows"][0], "tokens_per_s": apart,
+                                          "shrink_in_product_vs_apart": sum(on) / len(on) / apart}
     finally:
-        sk.BACKEND = before
+        sk.BACKEND, sk.SHRINK_IN_PRODUCT = before, True
     out["kernel_failed"] = sk.GUARD.failed
     return out

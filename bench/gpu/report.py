@@ -224,8 +224,10 @@ def markdown(s: dict) -> str:
                                   f"({_get(sd, rk, case, 'off_tokens_per_s')} tok/s on cuBLAS)"
                                   for rk in sd if rk.startswith("rows_") for case in sd[rk])
                 failed = f" (the kernel failed: {sd['kernel_failed']})" if sd.get("kernel_failed") else ""
+                apart = (f"; 8 adapters' shrinks in the products' launches vs each its own: "
+                         f"{_get(sd, 'adapters_8_shrink_apart', 'shrink_in_product_vs_apart')}x")
                 L.append(f"- {name}, the decode step's products through the skinny-product kernel vs cuBLAS: "
-                         f"{parts}{failed} {_status(sd)}")
+                         f"{parts}{apart}{failed} {_status(sd)}")
         L.append("")
         L += _heading("## Decode with CUDA graphs vs eager (tokens/s)",
                       "| shape | rows | adapters | eager | graphs | graphs / eager | captures in timed run | notes |")

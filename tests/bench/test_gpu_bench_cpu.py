@@ -128,7 +128,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert steps["forward_backward_http_ms"] > 0 and steps["client_cpu_ms_per_step"] >= 0
     skinny = summary["sample"]["tiny/decode_skinny"]  # torch's products both ways on a CPU
     assert skinny["rows_4"]["adapters_8"]["on_vs_off"] > 0 and skinny["rows_8"]["base"]["on_vs_off"] > 0
-    assert skinny["kernel_failed"] is None
+    assert skinny["kernel_failed"] is None and skinny["adapters_8_shrink_apart"]["shrink_in_product_vs_apart"] > 0
     products = summary["sample"]["skinny_products"]  # the kernel in the interpreter where tests set it
     for name in ("qkv", "o", "down"):
         row = products[name]["rows_4"]

@@ -62,11 +62,46 @@ def test_products_equal_torchs_and_repeat_under_replay(rows, k, n, layout):
     assert not tickets.counters(x.device).any()
 
 
+@pytest.mark.parametrize("rows, k, n, r", [(64, 2048, 4096, 96), (64, 2048, 2048, 32), (256, 2048, 12288, 64),
+                                           (5, 2048, 4096, 96)])
+def test_a_banks_shrink_in_the_products_launch_equals_its_own_launch(rows, k, n, r):
+    """q/k/v, o and gate/up of the 1.7B shape with 8 adapters' banks (rank 32 a part): the product
+    and the shrink in one launch give both launches' bits, eagerly and replayed, the tickets at zero."""
+    if torch.device(DEVICE).type != "cuda" or not sk.triton_available():
+        pytest.skip("the kernel needs CUDA and triton")
+    from tinsmith.kernels import lora_gather as lg
+
+    g = torch.Generator().manual_seed(rows + r)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(k, n, generator=g) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    A = (torch.randn(8, r, k, generator=g) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    idx = torch.tensor([(i % 9) - 1 for i in range(rows)], device=DEVICE)
+    with torch.no_grad():
+        want = sk.matmul_triton(x, w), lg.shrink_triton(x, A, idx)
+        for _ in range(20):
+            y, h = sk.matmul_shrinking_triton(x, w, None, A, idx)
+            assert torch.equal(y, want[0]) and torch.equal(h, want[1])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            sk.matmul_shrinking_triton(x, w, None, A, idx)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            y, h = sk.matmul_shrinking_triton(x, w, None, A, idx)
+        for _ in range(5):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, want[0]) and torch.equal(h, want[1])
+    assert not tickets.counters(x.device).any()
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_sampler_through_the_kernel_samples_what_cublas_samples(graphs, tmp_path, monkeypatch):
     """A tiny Qwen3 in fp32 (``ieee`` products: only the sums' order differs from cuBLAS's), base
-    rows and two adapters, eagerly and replayed from CUDA graphs: the kernel's sampler samples the
-    tokens of cuBLAS's, their logprobs within rounding. (In CPU mode, eagerly through Triton's
+    rows and two adapters (their banks' shrinks taken in the products' launches), eagerly and
+    replayed from CUDA graphs: the kernel's sampler samples the tokens of cuBLAS's, their logprobs
+    within rounding. (In CPU mode, eagerly through Triton's
     interpreter.)"""
     cuda = torch.device(DEVICE).type == "cuda"
     if not sk.triton_available() or not (cuda or triton_interpreting()):

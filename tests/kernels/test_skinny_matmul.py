@@ -83,6 +83,51 @@ def test_split_sums_repeat_bit_for_bit(gpu_blocks):
     torch.testing.assert_close(first, by_hand, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("m, k, n, r", [(5, 256, 96, 24), (70, 128, 40, 8), (1, 64, 16, 16)])
+def test_a_product_and_a_banks_shrink_in_one_launch(m, k, n, r, gpu_blocks, monkeypatch):
+    """The shrink's programs after the product's: both outputs bit for bit what the two launches
+    give (the shrink's own split and blocks, its partials in its order), rows of no adapter zeros."""
+    from tinsmith.kernels import lora_gather as lg
+
+    device = kernel_device()
+    monkeypatch.setattr(lg, "CPU_MAX_BLOCK", 32)  # the shrink splits too on these small inputs
+    x, w, bias = _operands(m, k, n, device, seed=m + r)
+    g = torch.Generator().manual_seed(r)
+    A = (torch.randn(4, r, k, generator=g) / k ** 0.5).to(device)
+    idx = torch.tensor([(i % 5) - 1 for i in range(m)], device=device)  # -1: the base model's rows
+    with torch.no_grad():
+        y, h = sk.matmul_shrinking_triton(x, w, bias, A, idx)
+        assert torch.equal(y, sk.matmul_triton(x, w, bias))
+        assert torch.equal(h, lg.shrink_triton(x, A, idx))
+    if m > 1 and k > 32:
+        assert lg.shrink_plan(m, k, r, True, None)[0] > 1  # the shrink's partials summed by its tickets
+    torch.testing.assert_close(h, lg.shrink_torch(x, A, idx), rtol=1e-5, atol=1e-5)
+    assert (h[idx < 0] == 0).all()
+    assert not tickets.counters(x.device).any()
+
+
+def test_the_fused_shrink_is_offered_only_where_both_kernels_run(monkeypatch):
+    from tinsmith.kernels import lora_gather as lg
+
+    x, w, _ = _operands(4, 32, 16, "cpu")
+    A, idx = torch.randn(2, 8, 32), torch.tensor([0, 1, -1, 0])
+    monkeypatch.setattr(sk, "BACKEND", "torch")
+    with torch.no_grad():
+        assert sk.matmul_shrinking(x, w, None, A, idx) is None
+    if sk.triton is None:
+        return
+    monkeypatch.setattr(sk, "BACKEND", "triton")
+    monkeypatch.setattr(lg, "BACKEND", "torch")
+    with torch.no_grad():
+        assert sk.matmul_shrinking(x, w, None, A, idx) is None  # the gathered kernels are off
+        monkeypatch.setattr(lg, "BACKEND", "triton")
+        assert sk.matmul_shrinking(x, w, None, A.double(), idx) is None
+        y, h = sk.matmul_shrinking(x, w, None, A, idx)
+    torch.testing.assert_close(y, x @ w)
+    torch.testing.assert_close(h, lg.shrink_torch(x, A, idx))
+    assert sk.matmul_shrinking(x, w, None, A, idx) is None  # gradients wanted
+
+
 def test_the_plan_splits_for_programs_within_its_limits(monkeypatch):
     if not sk.triton_available():
         pytest.skip("triton is not installed")
@@ -151,33 +196,43 @@ def test_a_failing_kernel_falls_back_to_torch_once(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_a_sampler_through_the_kernel_samples_what_torch_samples(model_dirs, monkeypatch, static):
+@pytest.mark.parametrize("gathered", [False, True])
+def test_a_sampler_through_the_kernel_samples_what_torch_samples(model_dirs, monkeypatch, static, gathered):
     """Prefill (too many rows: torch's) and decode (the kernel: every projection, the unembedding
-    through its transposed tied weight) against torch's products, eager and static steps, with an
-    adapter on some rows; fp32, so the tokens agree and the logprobs within rounding."""
+    through its transposed tied weight) against torch's products, eager and static steps, with two
+    adapters on some rows; with ``gathered`` the adapters' gathered kernels run in both samplers, so
+    the kernel's sampler takes the banks' shrinks in its products' launches and torch's launches
+    them apart. fp32: the tokens agree and the logprobs within rounding."""
     from tests.sampling.conftest import fresh_model, make_sampler, random_adapter, run, task
+    from tinsmith.kernels import lora_gather
+    from tinsmith.models import lora
     from tinsmith.sampling.decode_graphs import DecodeGraphs
 
     if kernel_device() != "cpu":
         pytest.skip("the GPU tier compares the sampler's paths on a GPU")
     prompts = [np.random.default_rng(i).integers(4, 400, 20 + 9 * i).tolist() for i in range(3)]
-    launches = []
-    real = sk.matmul_triton
+    launches, fused = [], []
+    real, real_fused = sk.matmul_triton, sk.matmul_shrinking_triton
     monkeypatch.setattr(sk, "matmul_triton", lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(sk, "matmul_shrinking_triton", lambda *a: fused.append(a[0].shape[0]) or real_fused(*a))
     monkeypatch.setattr(sk, "MAX_ROWS", 8)  # the prompts' prefill stays torch's
+    monkeypatch.setattr(lora_gather, "BACKEND", "triton" if gathered else "torch")
+    monkeypatch.setattr(lora, "DECODE_LORA", "bank" if gathered else "auto")  # banks in eager steps too
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setattr(sk, "BACKEND", backend)
         model = fresh_model(model_dirs["qwen3"])
         random_adapter(model, 1, scale=0.5)
+        random_adapter(model, 2, scale=0.5, seed=1)
         sampler = make_sampler(model, model_dirs["qwen3"])
         if static:
             sampler.graphs = DecodeGraphs(model, sampler.cache, capture=False, stats=sampler.stats)
-        results[backend] = run(sampler, [task(f"p{i}", p, slot=1 if i == 1 else None, max_tokens=10, temperature=1.0,
+        results[backend] = run(sampler, [task(f"p{i}", p, slot=[None, 1, 2][i], max_tokens=10, temperature=1.0,
                                               seed=i, stop=[]) for i, p in enumerate(prompts)])
         if static:
             assert sampler.stats["static_steps"] > 0
     assert launches and max(launches) <= 8, "the kernel ran, for decode rows only"
+    assert bool(fused) == gathered and max(fused, default=0) <= 8  # q/k/v, o, gate/up with their shrinks
     for key, want in results["torch"].items():
         got = results["triton"][key].sequences[0]
         assert got.tokens.tolist() == want.sequences[0].tokens.tolist(), key
@@ -188,13 +243,20 @@ _COMPILE = BUILD_PRELUDE + '''
 from tinsmith.kernels import skinny_matmul
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-       "ticket_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i64", "stride_xk": "i64", "stride_wk": "i64",
-       "stride_wn": "i64", "stride_ym": "i64", "stride_yn": "i64", "stride_ps": "i64"}
-for k, k_split, splits, bias, pdl in ((2048, 512, 4, False, True), (6144, 768, 8, True, False),
-                                      (2048, 2048, 1, False, True)):
+       "ticket_ptr": "*i32", "M": "i32", "N": "i32", "N_TILES": "i32", "stride_xm": "i64", "stride_xk": "i64",
+       "stride_wk": "i64", "stride_wn": "i64", "stride_ym": "i64", "stride_yn": "i64", "stride_ps": "i64",
+       "a_ptr": "*bf16", "idx_ptr": "*i64", "s_part_ptr": "*fp32", "h_ptr": "*fp32", "stride_as": "i64",
+       "stride_ar": "i64", "stride_ak": "i64", "stride_sn": "i64", "stride_ss": "i64", "stride_sr": "i64",
+       "stride_hn": "i64", "stride_hr": "i64"}
+for k, k_split, splits, bias, pdl, shrink in ((2048, 512, 4, False, True, False), (6144, 768, 8, True, False, False),
+                                              (2048, 2048, 1, False, True, False), (2048, 512, 4, False, True, True),
+                                              (6144, 6144, 1, True, False, True)):
     build(skinny_matmul._skinny_kernel, sig, {"K": k, "K_SPLIT": k_split, "SPLITS": splits, "HAS_BIAS": bias,
-                                               "WIDEN": False, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128,
-                                               "PDL": pdl})
+                                               "WIDEN": False, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64,
+                                               "BLOCK_K": 128, "R": 96, "S_K_SPLIT": 512 if shrink else 1,
+                                               "S_SPLITS": 4 if shrink else 1, "SHRINK": shrink,
+                                               "R_BLOCKS": 2 if shrink else 1, "BLOCK_R": 64 if shrink else 16,
+                                               "S_BLOCK_K": 128 if shrink else 16, "PDL": pdl})
 '''
 
 

@@ -126,15 +126,27 @@ if triton is not None:
                             K_SPLIT: tl.constexpr, SPLITS: tl.constexpr, stride_xn, stride_xk, stride_as, stride_ar,
                             stride_ak, stride_on, stride_os, stride_or, stride_hn, stride_hr, SUM: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-        """``out[row, s, o] = sum over k in split s of A[idx[row], o, k] * x[row, k]`` for one row,
-        block of ``BLOCK_R`` outputs and split ``s`` (inputs ``[s*K_SPLIT, (s+1)*K_SPLIT)``); zeros
-        for slot -1. With ``SUM``, the row and block's last program to finish also writes
-        ``h[row, o]``, the partials added in split order (``ticket_ptr``: the row and block's count
-        of finished programs, zero before and after)."""
+        """One program of :func:`shrink_program` per row, block of ``BLOCK_R`` outputs and split."""
         pdl.wait(PDL)  # first: see tinsmith.kernels.pdl
         row = tl.program_id(0)
-        split = tl.program_id(2)
-        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        shrink_program(x_ptr, a_ptr, idx_ptr, out_ptr, h_ptr, ticket_ptr + row * tl.num_programs(1) + tl.program_id(1),
+                       row, tl.program_id(1), tl.program_id(2), R, K, K_SPLIT, SPLITS, stride_xn, stride_xk, stride_as,
+                       stride_ar, stride_ak, stride_on, stride_os, stride_or, stride_hn, stride_hr, SUM, BLOCK_R,
+                       BLOCK_K)
+
+    @triton.jit
+    def shrink_program(x_ptr, a_ptr, idx_ptr, out_ptr, h_ptr, counter, row, r_block, split, R: tl.constexpr,
+                       K: tl.constexpr, K_SPLIT: tl.constexpr, SPLITS: tl.constexpr, stride_xn, stride_xk, stride_as,
+                       stride_ar, stride_ak, stride_on, stride_os, stride_or, stride_hn, stride_hr, SUM: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``out[row, s, o] = sum over k in split s of A[idx[row], o, k] * x[row, k]`` for one row,
+        block ``r_block`` of ``BLOCK_R`` outputs and split ``s`` (inputs ``[s*K_SPLIT,
+        (s+1)*K_SPLIT)``); zeros for slot -1. With ``SUM``, the row and block's last program to
+        finish also writes ``h[row, o]``, the partials added in split order (``counter``: the row
+        and block's count of finished programs, zero before and after). The caller has waited for
+        the kernel before (:mod:`tinsmith.kernels.pdl`); the skinny-product kernel runs it too
+        (:mod:`tinsmith.kernels.skinny_matmul`)."""
+        offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
         slot = tl.load(idx_ptr + row).to(tl.int64)
         r_mask = offs_r < R
         a_rows = a_ptr + tl.maximum(slot, 0) * stride_as + offs_r[:, None] * stride_ar
@@ -152,7 +164,6 @@ if triton is not None:
         partials = out_ptr + row.to(tl.int64) * stride_on + offs_r * stride_or
         tl.store(partials + split * stride_os, acc, mask=r_mask)
         if SUM:
-            counter = ticket_ptr + row * tl.num_programs(1) + tl.program_id(1)
             ticket = tickets.take(counter)
             last = (offs_r * 0 + ticket) == SPLITS - 1  # per element, as the slot above
             total = tl.zeros([BLOCK_R], dtype=tl.float32)

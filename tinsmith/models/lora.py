@@ -29,7 +29,7 @@ from tinsmith.models.lora_tenants import (TenantStack, tenants_group, tenants_gr
                                           tenants_linear_applied)
 from tinsmith.models.lora_bank import (AdapterSlots, LoraBank, PendingExpand, RowSlots, Unexpanded,
                                        add_bank_delta_)
-from tinsmith.kernels import skinny_matmul
+from tinsmith.kernels import lora_segments, skinny_matmul
 from tinsmith.kernels.lora_gather import triton_usable
 from tinsmith.transfers import to_device
 
@@ -150,7 +150,14 @@ class LoraLinear(nn.Module):
                 *x.shape[:-1], self.out_features)
         if not segments or not self.adapters:
             return self.base(x)
-        if isinstance(segments, RowSlots) or len(segments[0]) == 2:
+        if isinstance(segments, RowSlots):
+            bank = self.bank(segments)
+            if not bank.rank:
+                return self.base(x)
+            y, _ = product_with_bank(x.reshape(-1, self.in_features), self.weight.t(), self.bias, bank, segments,
+                                     leave=False)
+            return y.view(*x.shape[:-1], self.out_features)
+        if len(segments[0]) == 2:
             return self._forward_groups(x, self.base(x), segments)  # type: ignore[arg-type]
         x2 = x.reshape(-1, x.shape[-1])
         shape = (*x.shape[:-1], self.out_features)
@@ -195,9 +202,9 @@ class LoraLinear(nn.Module):
         bank = self.fusable_bank(segments) if leave else None
         if bank is None:
             return self(x, segments)
-        y = self.base(x)
-        pending = add_bank_delta_(y.view(-1, self.out_features), x.reshape(-1, self.in_features), bank, segments,
-                                  leave_expand=True)
+        y2, pending = product_with_bank(x.reshape(-1, self.in_features), self.weight.t(), self.bias, bank, segments,
+                                        leave=True)
+        y = y2.view(*x.shape[:-1], self.out_features)
         return y if pending is None else Unexpanded(y, pending)
 
     def fusable_bank(self, segments: Segments | RowGroups | RowSlots | None) -> LoraBank | None:
@@ -457,16 +464,36 @@ class PackedProjection:
             several = _tenants_together(tuple(self.layers), x2, segments, training=False)
             if several is not None:
                 return tenants_group_applied(x2, tuple(self.layers), *several, packed=self), None
-        y = skinny_matmul.matmul(x2, self.weight, self.bias)
         if isinstance(segments, RowSlots) and len(self.layers) > 1:
-            if any(l.adapters for l in self.layers):
-                bank = self.bank(segments)
-                if bank.rank:
-                    return y, add_bank_delta_(y, x2, bank, segments, leave_expand=leave)
-        elif segments:
+            bank = self.bank(segments) if any(l.adapters for l in self.layers) else None
+            if bank is not None and bank.rank:
+                return product_with_bank(x2, self.weight, self.bias, bank, segments, leave)
+        y = skinny_matmul.matmul(x2, self.weight, self.bias)
+        if segments and not (isinstance(segments, RowSlots) and len(self.layers) > 1):  # banks: none hold an adapter
             for layer, (a, b) in zip(self.layers, self.columns):
                 layer.add_lora_(x2, y[:, a:b], segments)
         return y, None
+
+
+def product_with_bank(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bank: LoraBank, rows: RowSlots,
+                      leave: bool) -> tuple[torch.Tensor, PendingExpand | None]:
+    """``x2 @ w (+ bias)`` (``w`` (in, out)) with each row's adapter delta from ``bank``: ``(y,
+    pending)`` as :func:`add_bank_delta_` leaves them (``leave``: the expand left to the caller's
+    next kernel where it can be). Where the skinny-product kernel and the gathered shrink both run
+    and the rows are not taken by tiles, the product and the shrink are one launch
+    (:func:`tinsmith.kernels.skinny_matmul.matmul_shrinking`); otherwise the product, then the bank."""
+    fused = None
+    if rows.tiles is None or lora_segments.GUARD.failed is not None:
+        fused = skinny_matmul.matmul_shrinking(x2, w, bias, bank.A, rows.idx)
+    if fused is not None:
+        y, h = fused
+        pending = PendingExpand(h, bank.B, rows.idx, bank.h_offsets, bank.columns if bank.parts > 1 else None)
+        if leave:
+            return y, pending
+        pending.apply_(y)
+        return y, None
+    y = skinny_matmul.matmul(x2, w, bias)
+    return y, add_bank_delta_(y, x2, bank, rows, leave_expand=leave)
 
 
 def sync_banks(model: nn.Module, rows: RowSlots) -> tuple:
