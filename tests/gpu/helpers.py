@@ -3,9 +3,42 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from tinsmith.sampling.sampler import Sampler, SampleTask
 from tinsmith.types import SampleInput, SamplingParams
+
+
+def graphed(fn, times: int = 1) -> tuple[torch.cuda.CUDAGraph, list]:
+    """``fn()`` run once on a side stream (compiling and warming it outside the capture, as a
+    sampler's first step does), then ``times`` calls of it captured in one CUDA graph, not run:
+    ``(graph, the captured calls' outputs)``, which each replay fills."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        outs = [fn() for _ in range(times)]
+    return graph, outs
+
+
+def assert_repeats_bit_for_bit(fn, want: torch.Tensor, eager: int, captured: int, replays: int) -> None:
+    """``fn()`` (a kernel that sums split partials by tickets) equals ``want`` bit for bit ``eager``
+    times launched and ``replays`` times replayed from a graph of ``captured`` calls, and leaves the
+    device's tickets at zero after each way."""
+    from tinsmith.kernels import tickets
+
+    for _ in range(eager):
+        assert torch.equal(fn(), want)
+    assert not tickets.counters(want.device).any()
+    graph, outs = graphed(fn, times=captured)
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out in outs)
+    assert not tickets.counters(want.device).any()
 
 
 def run_to_end(sampler: Sampler, tasks: list[SampleTask]) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import SMALL
 from tests.gpu.conftest import DEVICE
-from tests.gpu.helpers import run_to_end
+from tests.gpu.helpers import assert_repeats_bit_for_bit, graphed, run_to_end
 from tests.sampling.conftest import random_adapter
 from tinsmith.devtools.tiny_model import make_tiny_model
 from tinsmith.models.loading import load_model
@@ -44,22 +44,7 @@ def test_products_equal_torchs_and_repeat_under_replay(rows, k, n, layout):
         got = sk.matmul_triton(x, w, bias)
         err = (got.double() - want).abs().max().item()
         assert err <= 2e-2 * want.abs().max().item(), err  # one bf16 rounding of an fp32 sum
-        for _ in range(50):
-            assert torch.equal(sk.matmul_triton(x, w, bias), got)
-        assert not tickets.counters(x.device).any()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            sk.matmul_triton(x, w, bias)  # warm on a side stream, as the sampler's first step
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            out = torch.stack([sk.matmul_triton(x, w, bias) for _ in range(5)])
-        for _ in range(5):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, got.expand(5, *got.shape))
-    assert not tickets.counters(x.device).any()
+        assert_repeats_bit_for_bit(lambda: sk.matmul_triton(x, w, bias), got, eager=50, captured=5, replays=5)
 
 
 @pytest.mark.parametrize("rows, k, n, r", [(64, 2048, 4096, 96), (64, 2048, 2048, 32), (256, 2048, 12288, 64),
@@ -81,14 +66,7 @@ def test_a_banks_shrink_in_the_products_launch_equals_its_own_launch(rows, k, n,
         for _ in range(20):
             y, h = sk.matmul_shrinking_triton(x, w, None, A, idx)
             assert torch.equal(y, want[0]) and torch.equal(h, want[1])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            sk.matmul_shrinking_triton(x, w, None, A, idx)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            y, h = sk.matmul_shrinking_triton(x, w, None, A, idx)
+        graph, [(y, h)] = graphed(lambda: sk.matmul_shrinking_triton(x, w, None, A, idx))
         for _ in range(5):
             graph.replay()
             torch.cuda.synchronize()
